@@ -1,0 +1,134 @@
+"""Checkpoints: PyTorch state dicts <-> the MindSpore model, and atomic MindSpore checkpoint files.
+
+MindSpore parameter paths equal orb-models' state_dict keys (``model.gnn_stacks.3._edge_mlp.mlp.NN-0.weight``,
+``graph_head.normalizer.bn.running_mean``, ...), so the mapping is one to one, strict and shape-checked.
+"""
+
+import json
+import os
+from collections import OrderedDict
+from typing import Dict, Iterable, Optional, Tuple
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor, nn
+
+from orb.errors import CheckpointError
+from orb.torch_format import is_torch_zip, read_torch_checkpoint, write_torch_checkpoint
+
+__all__ = [
+    "read_torch_checkpoint", "write_torch_checkpoint", "load_torch_state_dict", "to_torch_state_dict",
+    "read_weights", "save_checkpoint", "load_checkpoint", "META_KEY",
+]
+
+META_KEY = "orb_meta_json"
+OPTIMIZER_PREFIX = "optimizer."
+
+
+def named_parameters(cell: nn.Cell) -> "OrderedDict[str, ms.Parameter]":
+    """Parameters (normaliser buffers included) by their PyTorch-compatible path."""
+    return OrderedDict(cell.parameters_and_names())
+
+
+def to_torch_state_dict(model: nn.Cell) -> "OrderedDict[str, np.ndarray]":
+    """The model's weights and buffers as a PyTorch-compatible ``{key: numpy array}``."""
+    return OrderedDict((name, p.asnumpy().copy()) for name, p in named_parameters(model).items())
+
+
+def _check_keys(expected: Dict[str, Tuple[int, ...]], given: Dict[str, np.ndarray], source: str) -> None:
+    missing = [k for k in expected if k not in given]
+    unexpected = [k for k in given if k not in expected]
+    wrong = [f"{k}: checkpoint {tuple(np.shape(given[k]))} vs model {expected[k]}"
+             for k in expected if k in given and tuple(np.shape(given[k])) != expected[k]]
+    problems = []
+    if missing:
+        problems.append(f"missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''} ({len(missing)})")
+    if unexpected:
+        problems.append(f"unexpected keys {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)})")
+    if wrong:
+        problems.append(f"wrong shapes [{'; '.join(wrong[:8])}]{' ...' if len(wrong) > 8 else ''}")
+    if problems:
+        raise CheckpointError(f"{source} does not fit the model: " + "; ".join(problems) +
+                              " (is the 'model:' config block the architecture the checkpoint was trained with?)")
+
+
+def load_torch_state_dict(model: nn.Cell, state_dict: Dict[str, np.ndarray], source: str = "state dict") -> None:
+    """Copy a PyTorch-keyed state dict into the model; strict about keys and shapes."""
+    params = named_parameters(model)
+    _check_keys({k: tuple(p.shape) for k, p in params.items()}, state_dict, source)
+    for name, param in params.items():
+        value = np.asarray(state_dict[name])
+        if not np.issubdtype(value.dtype, np.number):
+            raise CheckpointError(f"{source}: {name} has non-numeric dtype {value.dtype}")
+        param.set_data(Tensor(value.astype(ms.dtype_to_nptype(param.dtype))))
+
+
+def _ms_checkpoint_arrays(path: str) -> Tuple[Dict[str, np.ndarray], Dict]:
+    try:
+        raw = ms.load_checkpoint(path)
+    except Exception as exc:  # MindSpore raises ValueError/RuntimeError on damaged files
+        raise CheckpointError(f"{path}: cannot read MindSpore checkpoint ({exc})") from None
+    meta = {}
+    arrays = {}
+    for key, value in raw.items():
+        if key == META_KEY:
+            meta = json.loads(value if isinstance(value, str) else str(value.asnumpy()))
+        elif isinstance(value, (ms.Parameter, Tensor)):
+            arrays[key] = value.asnumpy()
+    return arrays, meta
+
+
+def read_weights(path: str) -> Tuple["OrderedDict[str, np.ndarray]", Dict]:
+    """Model weights from a PyTorch ``.ckpt`` (zip) or a MindSpore checkpoint, plus any stored metadata.
+
+    Optimizer state in a training checkpoint is left out (see :func:`load_checkpoint`).
+    """
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: checkpoint file does not exist")
+    if is_torch_zip(path):
+        return read_torch_checkpoint(path), {}
+    arrays, meta = _ms_checkpoint_arrays(path)
+    weights = OrderedDict((k, v) for k, v in arrays.items() if not k.startswith(OPTIMIZER_PREFIX))
+    return weights, meta
+
+
+def save_checkpoint(path: str, model: nn.Cell, meta: Optional[Dict] = None,
+                    extra: Optional[Iterable[Tuple[str, Tensor]]] = None) -> None:
+    """Write a MindSpore checkpoint atomically: a temporary file in the same folder, then rename.
+
+    ``extra`` adds named tensors (e.g. optimizer state under ``optimizer.``); ``meta`` is stored as JSON.
+    A crash at any point leaves either the previous file or the complete new one.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    entries = [{"name": name, "data": Tensor(p.asnumpy())} for name, p in named_parameters(model).items()]
+    entries += [{"name": name, "data": Tensor(t.asnumpy() if hasattr(t, "asnumpy") else np.asarray(t))}
+                for name, t in (extra or [])]
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}.ckpt")
+    try:
+        ms.save_checkpoint(entries, tmp, append_dict={META_KEY: json.dumps(meta or {})})
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_checkpoint(path: str) -> Tuple[Dict[str, np.ndarray], Dict[str, np.ndarray], Dict]:
+    """(model weights, optimizer state with the ``optimizer.`` prefix removed, metadata) of a checkpoint."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: checkpoint file does not exist")
+    if is_torch_zip(path):
+        return read_torch_checkpoint(path), {}, {}
+    arrays, meta = _ms_checkpoint_arrays(path)
+    weights = {k: v for k, v in arrays.items() if not k.startswith(OPTIMIZER_PREFIX)}
+    optimizer = {k[len(OPTIMIZER_PREFIX):]: v for k, v in arrays.items() if k.startswith(OPTIMIZER_PREFIX)}
+    return weights, optimizer, meta
+
+
+def load_weights_into(model: nn.Cell, path: str) -> Dict:
+    """Load a PyTorch or MindSpore checkpoint's weights into ``model`` (strict); returns its metadata."""
+    weights, meta = read_weights(path)
+    load_torch_state_dict(model, weights, source=path)
+    return meta

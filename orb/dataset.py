@@ -1,0 +1,254 @@
+"""ASE SQLite databases of DFT-labelled structures as orb graphs, read lazily row by row.
+
+Labels are the calculator columns ``row.energy`` (eV), ``row.forces`` (eV/Å) and
+``row.stress`` (eV/Å^3, 6-component Voigt, ASE sign), i.e. what ``db.write(atoms)`` stores for
+an ``Atoms`` with a ``SinglePointCalculator`` (the MPtrj convention). Stress is optional:
+a database where no row has stress trains without the stress loss.
+"""
+
+import os
+import sqlite3
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from orb.errors import DatasetError, StructureError
+from orb.graphs import AtomGraphs, graph_from_arrays
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def check_sqlite_file(path: str) -> None:
+    """Raise DatasetError unless ``path`` is an existing SQLite file."""
+    if not path:
+        raise DatasetError("<empty path>", "no database path given")
+    if not os.path.exists(path):
+        raise DatasetError(path, "database file does not exist")
+    if os.path.isdir(path):
+        raise DatasetError(path, "is a directory, expected an ASE SQLite database file")
+    with open(path, "rb") as f:
+        head = f.read(len(SQLITE_MAGIC))
+    if head != SQLITE_MAGIC:
+        raise DatasetError(path, "is not an SQLite database (an ASE db written with ase.db.connect('x.db'))")
+
+
+def voigt_to_matrix(stress: np.ndarray) -> np.ndarray:
+    """ASE Voigt order [xx, yy, zz, yz, xz, xy] to a symmetric 3x3 matrix."""
+    xx, yy, zz, yz, xz, xy = stress
+    return np.array([[xx, xy, xz], [xy, yy, yz], [xz, yz, zz]])
+
+
+def matrix_to_voigt(m: np.ndarray) -> np.ndarray:
+    """Symmetric 3x3 matrix to ASE Voigt order [xx, yy, zz, yz, xz, xy]."""
+    return np.array([m[0, 0], m[1, 1], m[2, 2], m[1, 2], m[0, 2], m[0, 1]])
+
+
+def random_rotation(rng: np.random.Generator) -> np.ndarray:
+    """A uniformly random proper rotation matrix (Haar measure, det = +1)."""
+    q, r = np.linalg.qr(rng.standard_normal((3, 3)))
+    q = q * np.sign(np.diag(r))
+    if np.linalg.det(q) < 0:
+        q[:, 0] = -q[:, 0]
+    return q
+
+
+def rotate_structure(positions, cell, forces, stress, rotation):
+    """Rotate row-vector quantities as x @ R and the stress tensor as R^T S R.
+
+    orb-models 0.4.2 rotates stress as R S R^T, which is wrong for row-vector rotation
+    (fixed in later releases); the rule here is checked against EMT on a rotated cell.
+    """
+    positions = positions @ rotation
+    cell = cell @ rotation
+    forces = None if forces is None else forces @ rotation
+    if stress is not None:
+        stress = matrix_to_voigt(rotation.T @ voigt_to_matrix(stress) @ rotation)
+    return positions, cell, forces, stress
+
+
+class AseDbDataset:
+    """Lazy, validated access to an ASE SQLite database as :class:`AtomGraphs`.
+
+    Only row ids and atom counts are read up front (one SQL query). Each item is read,
+    checked and turned into a graph when asked for. ``require_labels=False`` allows rows
+    without energy/forces (prediction only).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        radius: float = 10.0,
+        max_neighbors: int = 20,
+        augmentation: bool = False,
+        require_labels: bool = True,
+    ):
+        self.path = str(path)
+        self.radius, self.max_neighbors = float(radius), int(max_neighbors)
+        self.augmentation = augmentation
+        self.require_labels = require_labels
+        check_sqlite_file(self.path)
+        self.ids, self.natoms, self.has_stress, self.has_labels = self._scan()
+        self._db = None
+
+    def _scan(self) -> Tuple[np.ndarray, np.ndarray, bool, bool]:
+        try:
+            con = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
+            try:
+                rows = con.execute(
+                    "SELECT id, natoms, energy IS NOT NULL, forces IS NOT NULL, stress IS NOT NULL "
+                    "FROM systems ORDER BY id"
+                ).fetchall()
+            finally:
+                con.close()
+        except sqlite3.DatabaseError as exc:
+            raise DatasetError(self.path, f"cannot read as an ASE database ({exc})") from None
+        if not rows:
+            raise DatasetError(self.path, "database has no rows")
+        table = np.array(rows, dtype=np.int64)
+        ids, natoms, energy, forces, stress = table.T
+        has_labels = bool(energy.all() and forces.all())
+        if self.require_labels:
+            for column, key in ((energy, "energy"), (forces, "forces")):
+                if not column.all():
+                    row = int(ids[np.argmin(column)])
+                    raise DatasetError(self.path, "row has no label (store it with a SinglePointCalculator)", row, key)
+        if stress.any() and not stress.all():
+            row = int(ids[np.argmin(stress)])
+            raise DatasetError(
+                self.path, "row has no stress while other rows have one; store stress for every row "
+                "or for none (then training runs without the stress loss)", row, "stress")
+        return ids, natoms, bool(stress.all()), has_labels
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __repr__(self) -> str:
+        return f"AseDbDataset({self.path!r}, {len(self)} rows)"
+
+    def _connection(self):
+        # Opened lazily so that each process (data-parallel worker, forked loader) has its own.
+        if self._db is None:
+            import ase.db
+
+            self._db = ase.db.connect(self.path, type="db", serial=True)
+            self._db.__enter__()  # keep one sqlite connection open (10x faster row reads)
+        return self._db
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.__exit__(None, None, None)
+            self._db = None
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_db"] = None
+        return state
+
+    def row(self, index: int):
+        """The ``ase.db`` row at position ``index`` (0-based, in id order)."""
+        return self._connection()._get_row(int(self.ids[index]))
+
+    def get_atoms(self, index: int):
+        """The ``ase.Atoms`` (with its calculator results) at position ``index``."""
+        return self.row(index).toatoms()
+
+    def _labels(self, row) -> Tuple[Optional[float], Optional[np.ndarray], Optional[np.ndarray]]:
+        n = row.natoms
+        energy = row.get("energy")
+        forces = row.get("forces")
+        stress = row.get("stress") if self.has_stress else None
+        if energy is not None:
+            energy = np.asarray(energy, dtype=np.float64)
+            if energy.size != 1:
+                raise DatasetError(self.path, f"energy must be a scalar, got shape {energy.shape}", row.id, "energy")
+            energy = float(energy)
+        if forces is not None:
+            forces = np.asarray(forces, dtype=np.float64)
+            if forces.shape != (n, 3):
+                raise DatasetError(self.path, f"forces of shape {forces.shape} for {n} atoms", row.id, "forces")
+        if stress is not None:
+            stress = np.asarray(stress, dtype=np.float64)
+            if stress.shape == (3, 3):
+                stress = matrix_to_voigt(stress)
+            if stress.shape != (6,):
+                raise DatasetError(self.path, f"stress of shape {stress.shape}, expected (6,) or (3, 3)", row.id, "stress")
+        for key, value in (("energy", energy), ("forces", forces), ("stress", stress)):
+            if value is not None and not np.all(np.isfinite(value)):
+                raise DatasetError(self.path, "label contains NaN or inf", row.id, key)
+        return energy, forces, stress
+
+    def get(self, index: int, rotation_seed: Optional[int] = None) -> AtomGraphs:
+        """Graph with targets of the row at ``index``; rotated randomly when augmentation is on.
+
+        ``rotation_seed`` makes the augmentation reproducible (the training loop derives it from
+        the run seed, epoch and position, so a resumed run sees the same rotations).
+        """
+        row = self.row(index)
+        energy, forces, stress = self._labels(row)
+        positions, cell = np.asarray(row.positions, np.float64), np.asarray(row.cell, np.float64)
+        if self.augmentation:
+            rng = np.random.default_rng(rotation_seed)
+            positions, cell, forces, stress = rotate_structure(positions, cell, forces, stress, random_rotation(rng))
+        try:
+            graph = graph_from_arrays(positions, row.numbers, cell, self.radius, self.max_neighbors, system_id=row.id)
+        except StructureError as exc:
+            key = "numbers" if "atomic number" in str(exc) else ("cell" if "cell" in str(exc) else "positions")
+            raise DatasetError(self.path, str(exc), row.id, key) from None
+        graph.energy = None if energy is None else np.array([energy], np.float32)
+        graph.forces = None if forces is None else forces.astype(np.float32)
+        graph.stress = None if stress is None else stress.astype(np.float32)[None]
+        return graph
+
+    def __getitem__(self, index: int) -> AtomGraphs:
+        return self.get(index)
+
+    def __iter__(self) -> Iterator[AtomGraphs]:
+        for i in range(len(self)):
+            yield self.get(i)
+
+
+class EpochSampler:
+    """Shuffled global batches of dataset positions, split disjointly across data-parallel ranks.
+
+    Every epoch uses a new permutation derived from ``(seed, epoch)``, so a resumed run replays
+    the same order. Each global batch of ``batch_size`` positions is split into ``world_size``
+    contiguous parts whose sizes differ by at most one; a part can be empty when a batch has
+    fewer structures than ranks (the training step then pads it with masked structures).
+    Over an epoch the ranks together see every position exactly once.
+    """
+
+    def __init__(self, num_items: int, batch_size: int, seed: int = 0, shuffle: bool = True,
+                 rank: int = 0, world_size: int = 1):
+        if num_items < 1:
+            raise ValueError("EpochSampler needs at least one item")
+        if batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world of size {world_size}")
+        if world_size > 1 and batch_size < world_size:
+            raise ValueError(f"the global batch_size ({batch_size}) must be at least the number of workers ({world_size})")
+        if num_items < world_size:
+            raise ValueError(f"{num_items} structures cannot be shared by {world_size} workers")
+        self.num_items, self.batch_size, self.seed = num_items, batch_size, seed
+        self.shuffle, self.rank, self.world_size = shuffle, rank, world_size
+
+    def __len__(self) -> int:
+        """Steps per epoch (identical on every rank)."""
+        return -(-self.num_items // self.batch_size)
+
+    def order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.num_items)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_items)
+
+    def global_batches(self, epoch: int) -> List[np.ndarray]:
+        order = self.order(epoch)
+        return [order[i:i + self.batch_size] for i in range(0, self.num_items, self.batch_size)]
+
+    def shard(self, global_batch: Sequence[int]) -> np.ndarray:
+        """This rank's part of a global batch."""
+        return np.array_split(np.asarray(global_batch), self.world_size)[self.rank]
+
+    def batches(self, epoch: int) -> List[np.ndarray]:
+        """This rank's per-step positions for ``epoch``."""
+        return [self.shard(b) for b in self.global_batches(epoch)]

@@ -1,0 +1,32 @@
+"""Exceptions with messages a user can act on (file, row, key)."""
+
+from typing import Optional
+
+
+class OrbInputError(ValueError):
+    """Bad user input: a database row, a structure, a config key or a checkpoint."""
+
+
+class DatasetError(OrbInputError):
+    """A problem with an ASE database or one of its rows."""
+
+    def __init__(self, path: str, message: str, row: Optional[int] = None, key: Optional[str] = None):
+        where = str(path)
+        if row is not None:
+            where += f", row {row}"
+        if key is not None:
+            where += f", key '{key}'"
+        super().__init__(f"{where}: {message}")
+        self.path, self.row, self.key = str(path), row, key
+
+
+class StructureError(OrbInputError):
+    """A structure that orb cannot turn into a graph."""
+
+
+class ConfigError(OrbInputError):
+    """An unknown, missing or ill-typed configuration key."""
+
+
+class CheckpointError(OrbInputError):
+    """A checkpoint that cannot be read or does not fit the model."""

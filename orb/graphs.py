@@ -1,0 +1,311 @@
+"""Atom graphs: orb-v2's periodic k-nearest-neighbour graph, batching and static-shape padding.
+
+The graph is the one orb-models 0.4.2 builds (``ase_atoms_to_atom_graphs``):
+
+* a structure is periodic iff its cell is not all zero; ``atoms.pbc`` is ignored, as in
+  the original (a molecule in a box with ``pbc=False`` but a non-zero cell is periodic);
+* periodic positions are wrapped into the cell (float64 fractional coordinates, modulo 1);
+* neighbour candidates are the atoms of the 3x3x3 block of cell images only (27 N points),
+  so thin cells get the same, not exact, neighbour list as the original;
+* each atom takes its ``max_neighbors + 1`` nearest candidates, drops the nearest (itself)
+  and keeps those closer than ``radius + 1e-6``; edges are directed sender (centre atom)
+  -> receiver (neighbour) and ``vector = receiver image - sender``.
+"""
+
+from dataclasses import dataclass, field
+from itertools import product
+from typing import List, Optional, Sequence
+
+import numpy as np
+from scipy.spatial import cKDTree
+
+from orb.errors import StructureError
+
+MAX_ATOMIC_NUMBER = 118
+# The 27 lattice translations (-1, 0, 1)^3 of the image block.
+IMAGE_OFFSETS = np.array(list(product((-1.0, 0.0, 1.0), repeat=3)), dtype=np.float32)
+# Edge length given to padding edges: beyond orb-v2's 6 Å attention cutoff, so they carry no message.
+PADDING_EDGE_LENGTH = 7.0
+
+
+@dataclass
+class AtomGraphs:
+    """One structure or a batch of structures as numpy arrays.
+
+    Nodes and edges of all graphs are concatenated; ``senders``/``receivers`` index the
+    concatenated nodes. Targets are ``None`` when absent. ``graph_mask`` is False for the
+    padding graphs added by :func:`pad_batch`.
+    """
+
+    positions: np.ndarray  # (N, 3) float32, wrapped into the cell when periodic
+    numbers: np.ndarray  # (N,) int64 atomic numbers (0 marks a padding node)
+    cell: np.ndarray  # (B, 3, 3) float32, rows are lattice vectors; all zero = non-periodic
+    senders: np.ndarray  # (E,) int64
+    receivers: np.ndarray  # (E,) int64
+    vectors: np.ndarray  # (E, 3) float32
+    n_node: np.ndarray  # (B,) int64
+    n_edge: np.ndarray  # (B,) int64
+    energy: Optional[np.ndarray] = None  # (B,) float32, eV
+    forces: Optional[np.ndarray] = None  # (N, 3) float32, eV/Å
+    stress: Optional[np.ndarray] = None  # (B, 6) float32, eV/Å^3, Voigt, ASE sign
+    system_id: Optional[np.ndarray] = None  # (B,) int64, e.g. the database row id
+    graph_mask: np.ndarray = field(default=None)  # (B,) bool, False for padding graphs
+
+    def __post_init__(self):
+        if self.graph_mask is None:
+            self.graph_mask = np.ones(len(self.n_node), dtype=bool)
+
+    @property
+    def num_graphs(self) -> int:
+        return int(len(self.n_node))
+
+    @property
+    def num_nodes(self) -> int:
+        return int(len(self.numbers))
+
+    @property
+    def num_edges(self) -> int:
+        return int(len(self.senders))
+
+    @property
+    def num_real_graphs(self) -> int:
+        return int(self.graph_mask.sum())
+
+    @property
+    def r(self) -> np.ndarray:
+        """Edge lengths (E,)."""
+        return np.linalg.norm(self.vectors, axis=1)
+
+    @property
+    def node_graph(self) -> np.ndarray:
+        """Index of the graph each node belongs to (N,)."""
+        return np.repeat(np.arange(self.num_graphs), self.n_node)
+
+    @property
+    def node_mask(self) -> np.ndarray:
+        """False for padding nodes (N,)."""
+        return np.repeat(self.graph_mask, self.n_node)
+
+    @property
+    def periodic(self) -> np.ndarray:
+        """Per graph: True when the cell is not all zero (B,)."""
+        return np.any(self.cell.reshape(-1, 9) != 0, axis=1)
+
+
+def wrap_positions(positions: np.ndarray, cell: np.ndarray) -> np.ndarray:
+    """Wrap float32 positions into a periodic cell as orb-models does (float64 solve, mod 1)."""
+    cell64 = cell.astype(np.float64)
+    frac = np.linalg.solve(cell64.T, positions.astype(np.float64).T).T
+    frac = np.mod(frac, 1.0)
+    return (frac @ cell64).astype(np.float32)
+
+
+def _check_structure(positions: np.ndarray, numbers: np.ndarray, cell: np.ndarray) -> bool:
+    """Validate a structure; return whether it is periodic."""
+    if positions.ndim != 2 or positions.shape[1] != 3 or len(positions) != len(numbers):
+        raise StructureError(f"positions of shape {positions.shape} do not match {len(numbers)} atoms")
+    if len(numbers) == 0:
+        raise StructureError("structure has no atoms")
+    bad = (numbers < 1) | (numbers > MAX_ATOMIC_NUMBER)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise StructureError(f"atom {i} has atomic number {int(numbers[i])}; orb supports 1..{MAX_ATOMIC_NUMBER}")
+    if not np.all(np.isfinite(positions)):
+        raise StructureError("positions contain NaN or inf")
+    if cell.shape != (3, 3) or not np.all(np.isfinite(cell)):
+        raise StructureError(f"cell must be a finite 3x3 matrix, got {cell!r}")
+    periodic = bool(np.any(cell != 0))
+    if periodic:
+        lengths = np.linalg.norm(cell.astype(np.float64), axis=1)
+        volume = abs(np.linalg.det(cell.astype(np.float64)))
+        if np.any(lengths == 0) or volume < 1e-6 * np.prod(lengths):
+            raise StructureError(
+                f"periodic structure (non-zero cell) with a singular cell {cell.tolist()}; orb needs "
+                "three independent lattice vectors, or an all-zero cell for a non-periodic system"
+            )
+    return periodic
+
+
+def _image_positions(positions: np.ndarray, cell: np.ndarray) -> np.ndarray:
+    """Positions of the 27 cell images, image-major: index = image * N + atom (float32)."""
+    shifts = (IMAGE_OFFSETS[:, :, None] * cell[None, :, :]).sum(axis=1)  # (27, 3)
+    return (positions[None, :, :] + shifts[:, None, :]).reshape(-1, 3)
+
+
+def knn_edges(positions: np.ndarray, cell: np.ndarray, radius: float, max_neighbors: int):
+    """Directed k-NN edges among the 27 images; returns senders, receivers, vectors (sorted by sender, distance)."""
+    n = len(positions)
+    candidates = _image_positions(positions, cell) if np.any(cell != 0) else positions
+    k = min(max_neighbors + 1, len(candidates))
+    if k < 2:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 3), np.float32)
+    tree = cKDTree(candidates)
+    dist, idx = tree.query(positions, k=k, distance_upper_bound=radius + 1e-5)
+    dist, idx = dist[:, 1:], idx[:, 1:]  # drop the nearest candidate: the atom itself
+    keep = dist < radius + 1e-6
+    senders = np.repeat(np.arange(n, dtype=np.int64), keep.sum(axis=1))
+    images = idx[keep].astype(np.int64)
+    vectors = candidates[images] - positions[senders]
+    return senders, images % n, vectors
+
+
+def graph_from_arrays(
+    positions: np.ndarray,
+    numbers: np.ndarray,
+    cell: np.ndarray,
+    radius: float = 10.0,
+    max_neighbors: int = 20,
+    system_id: Optional[int] = None,
+) -> AtomGraphs:
+    """Build orb's graph from raw arrays (positions Å, atomic numbers, cell rows)."""
+    positions = np.asarray(positions).astype(np.float32)
+    numbers = np.asarray(numbers).astype(np.int64)
+    cell = np.asarray(cell).astype(np.float32).reshape(3, 3) if np.size(cell) else np.zeros((3, 3), np.float32)
+    periodic = _check_structure(positions, numbers, cell)
+    if periodic:
+        positions = wrap_positions(positions, cell)
+    senders, receivers, vectors = knn_edges(positions, cell, radius, max_neighbors)
+    return AtomGraphs(
+        positions=positions,
+        numbers=numbers,
+        cell=cell[None],
+        senders=senders,
+        receivers=receivers,
+        vectors=vectors.astype(np.float32),
+        n_node=np.array([len(numbers)], np.int64),
+        n_edge=np.array([len(senders)], np.int64),
+        system_id=None if system_id is None else np.array([system_id], np.int64),
+    )
+
+
+def atoms_to_graph(atoms, radius: float = 10.0, max_neighbors: int = 20, system_id: Optional[int] = None) -> AtomGraphs:
+    """Build orb-v2's graph of an ``ase.Atoms`` (labels are not attached; see ``orb.dataset``)."""
+    return graph_from_arrays(atoms.positions, atoms.numbers, atoms.cell.array, radius, max_neighbors, system_id)
+
+
+def _concat_optional(arrays: Sequence[Optional[np.ndarray]]) -> Optional[np.ndarray]:
+    if any(a is None for a in arrays):
+        return None
+    return np.concatenate(arrays, axis=0)
+
+
+def batch_graphs(graphs: List[AtomGraphs]) -> AtomGraphs:
+    """Concatenate graphs into one batch, offsetting sender/receiver indices by the node counts before them."""
+    if not graphs:
+        raise ValueError("batch_graphs needs at least one graph")
+    offsets = np.cumsum([0] + [g.num_nodes for g in graphs[:-1]])
+    return AtomGraphs(
+        positions=np.concatenate([g.positions for g in graphs]),
+        numbers=np.concatenate([g.numbers for g in graphs]),
+        cell=np.concatenate([g.cell for g in graphs]),
+        senders=np.concatenate([g.senders + o for g, o in zip(graphs, offsets)]),
+        receivers=np.concatenate([g.receivers + o for g, o in zip(graphs, offsets)]),
+        vectors=np.concatenate([g.vectors for g in graphs]),
+        n_node=np.concatenate([g.n_node for g in graphs]),
+        n_edge=np.concatenate([g.n_edge for g in graphs]),
+        energy=_concat_optional([g.energy for g in graphs]),
+        forces=_concat_optional([g.forces for g in graphs]),
+        stress=_concat_optional([g.stress for g in graphs]),
+        system_id=_concat_optional([g.system_id for g in graphs]),
+        graph_mask=np.concatenate([g.graph_mask for g in graphs]),
+    )
+
+
+def empty_batch(with_energy: bool = True, with_forces: bool = True, with_stress: bool = True) -> AtomGraphs:
+    """A batch of zero graphs (what a data-parallel rank gets when a batch has fewer structures than ranks)."""
+    f32 = np.float32
+    return AtomGraphs(
+        positions=np.zeros((0, 3), f32), numbers=np.zeros(0, np.int64), cell=np.zeros((0, 3, 3), f32),
+        senders=np.zeros(0, np.int64), receivers=np.zeros(0, np.int64), vectors=np.zeros((0, 3), f32),
+        n_node=np.zeros(0, np.int64), n_edge=np.zeros(0, np.int64),
+        energy=np.zeros(0, f32) if with_energy else None,
+        forces=np.zeros((0, 3), f32) if with_forces else None,
+        stress=np.zeros((0, 6), f32) if with_stress else None,
+        system_id=np.zeros(0, np.int64),
+    )
+
+
+def pad_batch(batch: AtomGraphs, num_nodes: int, num_edges: int, num_graphs: int) -> AtomGraphs:
+    """Pad a batch to fixed sizes so a compiled graph-mode step sees one shape.
+
+    Padding nodes (atomic number 0) all belong to the first padding graph, which has an identity
+    cell (so no torque removal runs on it) and ``graph_mask`` False (zero weight in loss and
+    metrics). Padding edges join the first padding node to itself with length
+    ``PADDING_EDGE_LENGTH`` (beyond the attention cutoff), so no real node's neighbourhood changes.
+    Further padding graphs are empty.
+    """
+    pad_n, pad_e, pad_g = num_nodes - batch.num_nodes, num_edges - batch.num_edges, num_graphs - batch.num_graphs
+    if pad_n < 0 or pad_e < 0 or pad_g < 0:
+        raise ValueError(
+            f"batch of {batch.num_graphs} graphs, {batch.num_nodes} nodes, {batch.num_edges} edges does not fit "
+            f"the padded size ({num_graphs} graphs, {num_nodes} nodes, {num_edges} edges)"
+        )
+    if (pad_n or pad_e) and pad_g == 0:
+        raise ValueError("padding nodes/edges need a padding graph: num_graphs must exceed the batch's graph count")
+    if pad_e and not pad_n:
+        raise ValueError("padding edges need a padding node: num_nodes must exceed the batch's node count")
+    if pad_g == 0:
+        return batch
+    f32 = np.float32
+    n_node = np.zeros(pad_g, np.int64)
+    n_edge = np.zeros(pad_g, np.int64)
+    n_node[0], n_edge[0] = pad_n, pad_e
+    pad_vec = np.zeros((pad_e, 3), f32)
+    pad_vec[:, 2] = PADDING_EDGE_LENGTH
+    padding = AtomGraphs(
+        positions=np.zeros((pad_n, 3), f32),
+        numbers=np.zeros(pad_n, np.int64),
+        cell=np.repeat(np.eye(3, dtype=f32)[None], pad_g, axis=0),
+        senders=np.zeros(pad_e, np.int64),  # local index 0 = the first padding node
+        receivers=np.zeros(pad_e, np.int64),
+        vectors=pad_vec,
+        n_node=n_node,
+        n_edge=n_edge,
+        energy=None if batch.energy is None else np.zeros(pad_g, f32),
+        forces=None if batch.forces is None else np.zeros((pad_n, 3), f32),
+        stress=None if batch.stress is None else np.zeros((pad_g, 6), f32),
+        system_id=None if batch.system_id is None else np.full(pad_g, -1, np.int64),
+        graph_mask=np.zeros(pad_g, bool),
+    )
+    return batch_graphs([batch, padding])
+
+
+def unpad_batch(batch: AtomGraphs) -> AtomGraphs:
+    """Drop the padding graphs (and their nodes and edges) added by :func:`pad_batch`."""
+    real = batch.graph_mask
+    if real.all():
+        return batch
+    if not np.all(real[: real.sum()]):
+        raise ValueError("padding graphs must follow the real graphs")
+    g, n, e = int(real.sum()), int(batch.n_node[real].sum()), int(batch.n_edge[real].sum())
+    return AtomGraphs(
+        positions=batch.positions[:n], numbers=batch.numbers[:n], cell=batch.cell[:g],
+        senders=batch.senders[:e], receivers=batch.receivers[:e], vectors=batch.vectors[:e],
+        n_node=batch.n_node[:g], n_edge=batch.n_edge[:g],
+        energy=None if batch.energy is None else batch.energy[:g],
+        forces=None if batch.forces is None else batch.forces[:n],
+        stress=None if batch.stress is None else batch.stress[:g],
+        system_id=None if batch.system_id is None else batch.system_id[:g],
+        graph_mask=batch.graph_mask[:g],
+    )
+
+
+def split_batch(batch: AtomGraphs) -> List[AtomGraphs]:
+    """Split a batch back into its single-structure graphs (padding graphs included)."""
+    out = []
+    n0 = e0 = 0
+    for g in range(batch.num_graphs):
+        n1, e1 = n0 + int(batch.n_node[g]), e0 + int(batch.n_edge[g])
+        out.append(AtomGraphs(
+            positions=batch.positions[n0:n1], numbers=batch.numbers[n0:n1], cell=batch.cell[g:g + 1],
+            senders=batch.senders[e0:e1] - n0, receivers=batch.receivers[e0:e1] - n0, vectors=batch.vectors[e0:e1],
+            n_node=batch.n_node[g:g + 1], n_edge=batch.n_edge[g:g + 1],
+            energy=None if batch.energy is None else batch.energy[g:g + 1],
+            forces=None if batch.forces is None else batch.forces[n0:n1],
+            stress=None if batch.stress is None else batch.stress[g:g + 1],
+            system_id=None if batch.system_id is None else batch.system_id[g:g + 1],
+            graph_mask=batch.graph_mask[g:g + 1],
+        ))
+        n0, e0 = n1, e1
+    return out
+

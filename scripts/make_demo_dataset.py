@@ -1,0 +1,105 @@
+"""Write EMT-labelled train/val ASE databases for the demo and the tests.
+
+Structures: fcc Cu/Al/Ni/Pd/Ag/Pt/Au in primitive and conventional supercells, random binary
+alloys, rattled and strained cells, and a few non-periodic clusters (zero cell, zero stress).
+Labels (energy, forces, stress) come from ASE's EMT calculator and are stored as calculator
+results, as MPtrj-style databases store them. Deterministic for a given seed.
+
+    python scripts/make_demo_dataset.py --out data --train 64 --val 16 --seed 0
+"""
+
+import argparse
+import os
+from typing import List
+
+import numpy as np
+from ase import Atoms
+from ase.build import bulk
+from ase.calculators.emt import EMT
+from ase.calculators.singlepoint import SinglePointCalculator
+from ase.cluster import Icosahedron, Octahedron
+from ase.data import atomic_numbers, reference_states
+
+METALS = ["Cu", "Al", "Ni", "Pd", "Ag", "Pt", "Au"]
+
+
+def _lattice_constant(symbols: List[str]) -> float:
+    return float(np.mean([reference_states[atomic_numbers[s]]["a"] for s in symbols]))
+
+
+def random_bulk(rng: np.random.Generator) -> Atoms:
+    """A rattled, strained fcc supercell of one metal or a random binary alloy."""
+    metals = list(rng.choice(METALS, size=2, replace=False))
+    alloy = rng.random() < 0.4
+    a = _lattice_constant(metals if alloy else metals[:1])
+    kind = rng.integers(4)
+    if kind == 0:
+        atoms = bulk(metals[0], "fcc", a=a).repeat((2, 2, 2))  # 8 atoms
+    elif kind == 1:
+        atoms = bulk(metals[0], "fcc", a=a, cubic=True).repeat((2, 1, 1))  # 8 atoms
+    elif kind == 2:
+        atoms = bulk(metals[0], "fcc", a=a, cubic=True).repeat((2, 2, 1))  # 16 atoms
+    else:
+        atoms = bulk(metals[0], "fcc", a=a).repeat((3, 2, 2))  # 12 atoms
+    if alloy:
+        symbols = np.array(atoms.get_chemical_symbols())
+        symbols[rng.random(len(atoms)) < rng.uniform(0.2, 0.6)] = metals[1]
+        atoms.set_chemical_symbols(symbols.tolist())
+    strain = np.eye(3) + rng.uniform(-0.03, 0.03, (3, 3))
+    atoms.set_cell(atoms.cell.array @ (0.5 * (strain + strain.T)), scale_atoms=True)
+    atoms.rattle(stdev=float(rng.uniform(0.02, 0.12)), seed=int(rng.integers(2**31)))
+    return atoms
+
+
+def random_cluster(rng: np.random.Generator) -> Atoms:
+    """A rattled non-periodic cluster (all-zero cell)."""
+    metal = str(rng.choice(METALS))
+    a = _lattice_constant([metal])
+    atoms = Icosahedron(metal, 2, latticeconstant=a) if rng.random() < 0.5 else Octahedron(metal, 3, 1, latticeconstant=a)
+    atoms.rattle(stdev=0.05, seed=int(rng.integers(2**31)))
+    atoms.set_cell(np.zeros((3, 3)))
+    atoms.pbc = False
+    return atoms
+
+
+def label(atoms: Atoms) -> Atoms:
+    """Attach EMT energy, forces and stress (zero for non-periodic clusters) as stored results."""
+    atoms.calc = EMT()
+    energy = atoms.get_potential_energy()
+    forces = atoms.get_forces()
+    stress = atoms.get_stress() if atoms.pbc.any() else np.zeros(6)
+    atoms.calc = SinglePointCalculator(atoms, energy=energy, forces=forces, stress=stress)
+    return atoms
+
+
+def make_structures(count: int, seed: int, cluster_fraction: float = 0.1) -> List[Atoms]:
+    rng = np.random.default_rng(seed)
+    return [label(random_cluster(rng) if rng.random() < cluster_fraction else random_bulk(rng)) for _ in range(count)]
+
+
+def write_db(path: str, structures: List[Atoms]) -> None:
+    import ase.db
+
+    if os.path.exists(path):
+        os.remove(path)
+    with ase.db.connect(path, type="db") as db:
+        for atoms in structures:
+            db.write(atoms)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="data", help="output folder (default: data)")
+    parser.add_argument("--train", type=int, default=64, help="training structures (default: 64)")
+    parser.add_argument("--val", type=int, default=16, help="validation structures (default: 16)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    for name, count, seed in (("demo_train.db", args.train, args.seed), ("demo_val.db", args.val, args.seed + 1)):
+        path = os.path.join(args.out, name)
+        write_db(path, make_structures(count, seed))
+        print(f"wrote {count} EMT-labelled structures to {path}")
+
+
+if __name__ == "__main__":
+    main()
