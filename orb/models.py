@@ -112,8 +112,9 @@ class AttentionInteraction(nn.Cell):
         first = self._edge_mlp.mlp.layer(0)
         w = first.weight  # (h, 3d) acting on [edge, sender node, receiver node]
         node_part = self.matmul_t(nodes, ops.concat((w[:, d:2 * d], w[:, 2 * d:]), 0))  # (N, 2h)
-        pre = (self.matmul_t(edges, w[:, :d]) + first.bias
-               + ops.gather(node_part[:, :h], senders, 0) + ops.gather(node_part[:, h:], receivers, 0))
+        from_sender = node_part[:, :h] + first.bias  # the bias is added per node, not per edge
+        pre = (self.matmul_t(edges, w[:, :d])
+               + ops.gather(from_sender, senders, 0) + ops.gather(node_part[:, h:], receivers, 0))
         new_edges = self._edge_mlp.after_first_layer(pre)
 
         num_nodes = nodes.shape[0]
@@ -198,12 +199,13 @@ class ScalarNormalizer(nn.Cell):
     def updated_stats(self, values: Tensor, mask: Tensor, allreduce=None):
         """Statistics after one training batch (masked ``values``), and the new count.
 
-        With ``c = count + 1``: mean <- mean + (batch_mean - mean) / c and var <- var +
-        (batch_var_unbiased - var) / c. ``allreduce`` (a sum over data-parallel ranks) makes the
+        With ``f = 1 / (count + 1)``: mean <- (1 - f) mean + f batch_mean and var <- (1 - f) var +
+        f batch_var_unbiased (the first batch replaces the statistics exactly). ``allreduce`` (a sum over data-parallel ranks) makes the
         batch statistics those of the global batch. A batch with fewer than two values leaves
         the statistics unchanged (PyTorch raises there).
         """
         values = ops.stop_gradient(values)
+        mask = ops.broadcast_to(mask, values.shape)
         n = mask.sum()
         total = (values * mask).sum()
         if allreduce is not None:
@@ -218,8 +220,8 @@ class ScalarNormalizer(nn.Cell):
         factor = 1.0 / (old_count.astype(values.dtype) + 1.0).reshape(-1)
         mean, var = self.bn.running_mean, self.bn.running_var
         valid = n > 1.5
-        new_mean = ops.where(valid, mean + (batch_mean - mean) * factor, mean)
-        new_var = ops.where(valid, var + (batch_var - var) * factor, var)
+        new_mean = ops.where(valid, (1.0 - factor) * mean + factor * batch_mean, mean)
+        new_var = ops.where(valid, (1.0 - factor) * var + factor * batch_var, var)
         new_count = old_count + valid.astype(old_count.dtype)
         return new_mean, new_var, new_count
 

@@ -1,0 +1,56 @@
+"""AtomGraphs (numpy) -> the MindSpore tensors the model and the loss take, in a fixed order."""
+
+from typing import Optional, Tuple
+
+import numpy as np
+from mindspore import Tensor
+
+from orb.graphs import AtomGraphs
+
+MODEL_INPUTS = ("numbers", "positions", "vectors", "senders", "receivers", "node_graph", "n_node", "nonperiodic")
+TARGET_INPUTS = ("graph_mask", "graph_weight", "energy", "forces", "stress")
+
+
+def model_arrays(batch: AtomGraphs) -> Tuple[np.ndarray, ...]:
+    """Numpy arrays in :data:`MODEL_INPUTS` order (int32 indices, float32 values)."""
+    return (
+        batch.numbers.astype(np.int32),
+        batch.positions.astype(np.float32),
+        batch.vectors.astype(np.float32),
+        batch.senders.astype(np.int32),
+        batch.receivers.astype(np.int32),
+        batch.node_graph.astype(np.int32),
+        batch.n_node.astype(np.float32),
+        (~batch.periodic).astype(np.float32),
+    )
+
+
+def target_arrays(batch: AtomGraphs, graph_weight: Optional[np.ndarray] = None) -> Tuple[np.ndarray, ...]:
+    """Numpy arrays in :data:`TARGET_INPUTS` order; absent labels become zeros.
+
+    ``graph_weight`` is each graph's weight in the loss; by default 1 / (number of real graphs)
+    for real graphs and 0 for padding graphs (the mean over the batch's structures).
+    """
+    mask = batch.graph_mask.astype(np.float32)
+    if graph_weight is None:
+        graph_weight = mask / max(mask.sum(), 1.0)
+    zeros_g, zeros_n = np.zeros(batch.num_graphs, np.float32), np.zeros((batch.num_nodes, 3), np.float32)
+    return (
+        mask,
+        np.asarray(graph_weight, np.float32),
+        zeros_g if batch.energy is None else batch.energy.astype(np.float32),
+        zeros_n if batch.forces is None else batch.forces.astype(np.float32),
+        np.zeros((batch.num_graphs, 6), np.float32) if batch.stress is None else batch.stress.astype(np.float32),
+    )
+
+
+def to_tensors(arrays: Tuple[np.ndarray, ...]) -> Tuple[Tensor, ...]:
+    return tuple(Tensor(a) for a in arrays)
+
+
+def model_inputs(batch: AtomGraphs) -> Tuple[Tensor, ...]:
+    return to_tensors(model_arrays(batch))
+
+
+def loss_inputs(batch: AtomGraphs, graph_weight: Optional[np.ndarray] = None) -> Tuple[Tensor, ...]:
+    return to_tensors(model_arrays(batch) + target_arrays(batch, graph_weight))
