@@ -1,0 +1,39 @@
+"""Shared fixtures: paths to the bundled test data and the PyTorch parity reference."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+DATA = os.path.join(ROOT, "tests", "data")
+MPTRJ_DB = os.path.join(DATA, "10_mptraj_systems.db")
+MPTRJ_THIN_DB = os.path.join(DATA, "10_thin_mp_traj_systems.db")
+REFERENCE_NPZ = os.path.join(DATA, "orb_v2_parity.npz")
+TORCH_SAMPLE = os.path.join(DATA, "torch_format_sample.ckpt")
+STATE_DICT_KEYS = os.path.join(DATA, "state_dict_keys.txt")
+DEMO_TRAIN = os.path.join(ROOT, "data", "demo_train.db")
+DEMO_VAL = os.path.join(ROOT, "data", "demo_val.db")
+
+# Small architecture for fast tests (the orb-v2 layout with fewer/smaller layers).
+SMALL_MODEL = dict(latent_dim=32, mlp_hidden_dim=64, num_message_passing_steps=2, head_mlp_hidden_dim=32)
+
+
+@pytest.fixture(scope="session")
+def reference():
+    return np.load(REFERENCE_NPZ)
+
+
+def reference_graph(z, i):
+    """The stored reference graph and labels of structure ``i`` as AtomGraphs."""
+    from orb.graphs import AtomGraphs
+
+    p = f"s{i}/"
+    return AtomGraphs(
+        positions=z[p + "positions"], numbers=z[p + "numbers"], cell=z[p + "cell"][None],
+        senders=z[p + "senders"], receivers=z[p + "receivers"], vectors=z[p + "vectors"],
+        n_node=np.array([len(z[p + "numbers"])]), n_edge=np.array([len(z[p + "senders"])]),
+        energy=z[p + "label_energy"], forces=z[p + "label_forces"], stress=z[p + "label_stress"],
+    )

@@ -1,0 +1,167 @@
+"""The ASE-db dataset: real MPtrj rows, bad input, augmentation, sampler."""
+
+import sqlite3
+
+import ase.db
+import numpy as np
+import pytest
+from ase import Atoms
+from ase.build import bulk
+from ase.calculators.emt import EMT
+from ase.calculators.singlepoint import SinglePointCalculator
+
+from conftest import MPTRJ_DB, MPTRJ_THIN_DB
+from orb.dataset import AseDbDataset, EpochSampler, random_rotation, rotate_structure
+from orb.errors import DatasetError
+
+
+def write_rows(path, rows):
+    with ase.db.connect(str(path), type="db") as db:
+        for atoms in rows:
+            db.write(atoms)
+    return str(path)
+
+
+def labelled(atoms, energy=-1.0, forces=None, stress="zeros"):
+    kwargs = dict(energy=energy, forces=np.zeros((len(atoms), 3)) if forces is None else forces)
+    if stress is not None:
+        kwargs["stress"] = np.zeros(6) if isinstance(stress, str) else stress
+    atoms.calc = SinglePointCalculator(atoms, **kwargs)
+    return atoms
+
+
+def cu(n=1):
+    return bulk("Cu", "fcc", a=3.6).repeat((n, n, n))
+
+
+@pytest.mark.parametrize("path", [MPTRJ_DB, MPTRJ_THIN_DB])
+def test_reads_real_mptrj(path):
+    ds = AseDbDataset(path)
+    assert len(ds) in (10, 11) and ds.has_stress
+    with ase.db.connect(path) as db:
+        rows = list(db.select())
+    for i, row in enumerate(rows):
+        g = ds[i]
+        assert g.num_nodes == row.natoms and g.system_id.tolist() == [row.id]
+        np.testing.assert_allclose(g.energy, [row.energy], rtol=1e-6)
+        np.testing.assert_allclose(g.forces, row.forces, atol=1e-6)
+        np.testing.assert_allclose(g.stress[0], row.stress, atol=1e-7)
+        assert np.all(np.bincount(g.senders, minlength=g.num_nodes) == 20)
+
+
+def test_thin_cells_of_real_rows_match_reference(reference):
+    """Rows 1 and 3 of the MPtrj db are reference structures 4 and 5: same graphs as orb-models."""
+    ds = AseDbDataset(MPTRJ_DB)
+    for row, ref in ((0, 4), (2, 5)):
+        g = ds[row]
+        np.testing.assert_array_equal(g.positions, reference[f"s{ref}/positions"])
+        np.testing.assert_array_equal(g.energy, reference[f"s{ref}/label_energy"])
+        np.testing.assert_array_equal(g.forces, reference[f"s{ref}/label_forces"])
+        assert g.num_edges == len(reference[f"s{ref}/senders"])
+
+
+def test_missing_and_non_sqlite_and_empty(tmp_path):
+    with pytest.raises(DatasetError, match="does not exist"):
+        AseDbDataset(str(tmp_path / "nope.db"))
+    text = tmp_path / "notes.db"
+    text.write_text("hello")
+    with pytest.raises(DatasetError, match="not an SQLite database"):
+        AseDbDataset(str(text))
+    empty = tmp_path / "empty.db"
+    ase.db.connect(str(empty)).write(Atoms("H"))
+    with ase.db.connect(str(empty)) as db:
+        db.delete([1])
+    with pytest.raises(DatasetError, match="no rows"):
+        AseDbDataset(str(empty))
+
+
+def test_rows_without_labels(tmp_path):
+    no_forces = cu()
+    no_forces.calc = SinglePointCalculator(no_forces, energy=-1.0)
+    path = write_rows(tmp_path / "a.db", [labelled(cu()), no_forces])
+    with pytest.raises(DatasetError, match=r"a\.db, row 2, key 'forces'"):
+        AseDbDataset(path)
+    nan_energy = labelled(cu(), energy=np.nan)  # ASE stores a NaN energy as missing
+    path = write_rows(tmp_path / "b.db", [nan_energy])
+    with pytest.raises(DatasetError, match=r"row 1, key 'energy'"):
+        AseDbDataset(path)
+    assert AseDbDataset(path, require_labels=False)[0].energy is None
+
+
+def test_nan_forces_wrong_shape_bad_numbers_singular_cell(tmp_path):
+    bad_forces = np.zeros((1, 3))
+    bad_forces[0, 1] = np.nan
+    path = write_rows(tmp_path / "c.db", [labelled(cu()), labelled(cu(), forces=bad_forces),
+                                          labelled(cu(), forces=np.zeros((2, 3)))])
+    ds = AseDbDataset(path)
+    ds[0]
+    with pytest.raises(DatasetError, match=r"row 2, key 'forces': label contains NaN"):
+        ds[1]
+    with pytest.raises(DatasetError, match=r"row 3, key 'forces': forces of shape \(2, 3\) for 1 atoms"):
+        ds[2]
+    flat = Atoms("Cu2", positions=[[0, 0, 0], [1.8, 0, 0]], cell=[[3.6, 0, 0], [0, 3.6, 0], [0, 0, 0]])
+    path = write_rows(tmp_path / "d.db", [labelled(cu()), labelled(flat, forces=np.zeros((2, 3)))])
+    with pytest.raises(DatasetError, match=r"row 2, key 'cell': .*singular cell"):
+        AseDbDataset(path)[1]
+    con = sqlite3.connect(path)  # ASE refuses to write Z > 118; users' own writers may not
+    con.execute("UPDATE systems SET numbers=? WHERE id=1", (np.array([119], np.int32).tobytes(),))
+    con.commit()
+    con.close()
+    with pytest.raises(DatasetError, match=r"row 1, key 'numbers': atom 0 has atomic number 119"):
+        AseDbDataset(path)[0]
+
+
+def test_stress_optional_but_consistent(tmp_path):
+    path = write_rows(tmp_path / "e.db", [labelled(cu(), stress=None), labelled(cu(2), stress=None)])
+    ds = AseDbDataset(path)
+    assert not ds.has_stress and ds[1].stress is None
+    path = write_rows(tmp_path / "f.db", [labelled(cu()), labelled(cu(), stress=None)])
+    with pytest.raises(DatasetError, match=r"row 2, key 'stress'"):
+        AseDbDataset(path)
+
+
+def test_rotation_matches_emt_on_rotated_cell():
+    atoms = bulk("Cu", "fcc", a=3.7).repeat((2, 2, 2))
+    atoms.set_cell(atoms.cell.array @ np.array([[1.0, 0.03, 0.0], [0.0, 0.98, 0.02], [0.01, 0.0, 1.02]]),
+                   scale_atoms=True)
+    atoms.rattle(0.05, seed=1)
+    atoms.calc = EMT()
+    forces, stress = atoms.get_forces(), atoms.get_stress()
+    rotation = random_rotation(np.random.default_rng(7))
+    assert np.allclose(rotation @ rotation.T, np.eye(3)) and np.isclose(np.linalg.det(rotation), 1.0)
+    pos, cell, f_rot, s_rot = rotate_structure(atoms.positions, atoms.cell.array, forces, stress, rotation)
+    rotated = Atoms(atoms.numbers, positions=pos, cell=cell, pbc=True)
+    rotated.calc = EMT()
+    np.testing.assert_allclose(f_rot, rotated.get_forces(), atol=1e-8)
+    np.testing.assert_allclose(s_rot, rotated.get_stress(), atol=1e-9)
+    # orb-models 0.4.2's rule (R S R^T) is wrong for this rotation
+    full = np.array([[stress[0], stress[5], stress[4]], [stress[5], stress[1], stress[3]],
+                     [stress[4], stress[3], stress[2]]])
+    wrong = rotation @ full @ rotation.T
+    assert not np.allclose([wrong[0, 0], wrong[1, 1], wrong[2, 2]], rotated.get_stress()[:3], atol=1e-6)
+
+
+def test_augmentation_is_reproducible_and_rotates_labels():
+    ds = AseDbDataset(MPTRJ_DB, augmentation=True)
+    plain = AseDbDataset(MPTRJ_DB)
+    a, b = ds.get(0, rotation_seed=5), ds.get(0, rotation_seed=5)
+    np.testing.assert_array_equal(a.vectors, b.vectors)
+    ref = plain[0]
+    # same graph up to rotation: edge lengths, energies and force norms unchanged
+    np.testing.assert_allclose(np.sort(a.r), np.sort(ref.r), atol=1e-4)
+    np.testing.assert_allclose(np.linalg.norm(a.forces, axis=1), np.linalg.norm(ref.forces, axis=1), atol=1e-5)
+    assert not np.allclose(a.forces, ref.forces)
+
+
+def test_sampler_shards_cover_each_row_once():
+    for n, batch, world in [(10, 4, 2), (9, 4, 2), (7, 3, 3), (5, 5, 1)]:
+        shards = [EpochSampler(n, batch, seed=3, rank=r, world_size=world) for r in range(world)]
+        for epoch in range(3):
+            seen = np.concatenate([np.concatenate(s.batches(epoch)) for s in shards])
+            assert sorted(seen.tolist()) == list(range(n))
+            assert all(len(s.batches(epoch)) == len(shards[0].batches(epoch)) for s in shards)
+            assert all(sum(len(b) for b in s.batches(epoch)) > 0 for s in shards)
+        assert not np.array_equal(shards[0].order(0), shards[0].order(1)) or n < 3
+    np.testing.assert_array_equal(EpochSampler(10, 4, seed=1).order(2), EpochSampler(10, 4, seed=1).order(2))
+    with pytest.raises(ValueError, match="at least the number of workers"):
+        EpochSampler(10, 1, rank=0, world_size=2)
