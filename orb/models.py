@@ -9,45 +9,14 @@ PyTorch state_dict keys. Two things are computed differently but equivalently, f
 """
 
 import math
-from dataclasses import asdict, dataclass, fields
-from typing import Dict, Optional
+from typing import Optional
 
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from orb import reference_energies
+from orb.model_config import ModelConfig
 from orb.nn import Linear, MLP, MLPLayerNorm, segment_mean, segment_sum
-
-
-@dataclass
-class ModelConfig:
-    """Architecture hyper-parameters; the defaults are orb-v2's."""
-
-    latent_dim: int = 256
-    mlp_hidden_dim: int = 512
-    num_mlp_layers: int = 2
-    num_message_passing_steps: int = 15
-    num_rbf: int = 20
-    rbf_radius: float = 10.0
-    cutoff_rmax: float = 6.0
-    polynomial_order: int = 4
-    head_mlp_hidden_dim: int = 256
-    head_num_mlp_layers: int = 1
-    num_elements: int = 118
-    decoder_out_dim: int = 3
-    radius: float = 10.0
-    max_neighbors: int = 20
-
-    @classmethod
-    def from_dict(cls, values: Dict) -> "ModelConfig":
-        names = {f.name for f in fields(cls)}
-        unknown = set(values) - names
-        if unknown:
-            raise TypeError(f"unknown model settings: {sorted(unknown)}")
-        return cls(**values)
-
-    def to_dict(self) -> Dict:
-        return asdict(self)
 
 
 def polynomial_envelope(r: Tensor, r_max: float, p: int) -> Tensor:

@@ -1,0 +1,8 @@
+"""Data-parallel fine-tuning, one process per device, launched by msrun (see run_parallel.sh)."""
+
+import sys
+
+from orb.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:], parallel=True))

@@ -1,0 +1,229 @@
+"""Fine-tuning configuration: YAML file + ``--key value`` overrides, every key validated.
+
+An unknown key, a missing value or a value of the wrong type is a :class:`ConfigError` that names
+the key (with a suggestion for typos). ``configs/config.yaml`` documents every key.
+"""
+
+import difflib
+import typing
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+import yaml
+
+from orb.errors import ConfigError
+from orb.model_config import ModelConfig
+
+
+@dataclass
+class LossWeights:
+    energy: float = 1.0
+    forces: float = 1.0
+    stress: float = 1.0
+
+
+@dataclass
+class ReferenceEnergyConfig:
+    trainable: bool = True
+    file: str = ""
+
+
+@dataclass
+class TrainConfig:
+    train_data_path: str = "data/demo_train.db"
+    val_data_path: str = "data/demo_val.db"
+    checkpoint_path: str = ""
+    output_dir: str = "outputs/run"
+    device_target: str = "auto"
+    device_id: int = 0
+    batch_size: int = 8
+    max_epochs: int = 10
+    lr: float = 3e-4
+    lr_schedule: str = "one_cycle"
+    warmup_fraction: float = 0.05
+    gradient_clip_mode: str = "value"
+    gradient_clip_val: float = 0.5
+    loss_weights: LossWeights = field(default_factory=LossWeights)
+    reference_energies: ReferenceEnergyConfig = field(default_factory=ReferenceEnergyConfig)
+    freeze_backbone: bool = False
+    augmentation: bool = True
+    random_seed: int = 1234
+    buckets: List[List[int]] = field(default_factory=list)
+    num_buckets: int = 3
+    save_every_x_epochs: int = 5
+    log_every_n_steps: int = 10
+    progress_bar: str = "auto"
+    num_threads: int = 0
+    compile_cache: bool = True
+    compile_cache_dir: str = ""
+    optimizer_shard: bool = False
+    model: ModelConfig = field(default_factory=ModelConfig)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+CHOICES = {
+    "device_target": ("auto", "CPU", "GPU", "Ascend"),
+    "lr_schedule": ("one_cycle", "constant"),
+    "gradient_clip_mode": ("value", "norm", "none"),
+    "progress_bar": ("auto", "true", "false"),
+}
+POSITIVE = ("batch_size", "max_epochs", "save_every_x_epochs", "log_every_n_steps", "num_buckets",
+            "model.latent_dim", "model.mlp_hidden_dim", "model.num_mlp_layers", "model.num_message_passing_steps",
+            "model.num_rbf", "model.max_neighbors", "model.head_mlp_hidden_dim", "model.head_num_mlp_layers")
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def _coerce(value: Any, tp, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted for floats."""
+    origin = typing.get_origin(tp)
+    if is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}' must be a mapping of settings, got {value!r}")
+        return _build(tp, value, key + ".")
+    if origin in (list, List):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config key '{key}' must be a list, got {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"config key '{key}' must be a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config key '{key}' must be an integer, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"config key '{key}' must be true or false, got {value!r}")
+        return value
+    if tp is str:
+        if value is None:
+            return ""
+        if isinstance(value, bool):  # YAML reads yes/no/true as booleans
+            return "true" if value else "false"
+        if not isinstance(value, (str, int, float)):
+            raise ConfigError(f"config key '{key}' must be a string, got {value!r}")
+        return str(value)
+    raise ConfigError(f"config key '{key}' has unsupported type {_type_name(tp)}")
+
+
+def _build(cls, values: Dict[str, Any], prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in fields(cls)]
+    for key in values:
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+            raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
+    kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in values.items()}
+    return cls(**kwargs)
+
+
+def _validate(cfg: TrainConfig) -> TrainConfig:
+    flat = _flatten(cfg.to_dict())
+    for key, choices in CHOICES.items():
+        if flat[key] not in choices:
+            raise ConfigError(f"config key '{key}' must be one of {list(choices)}, got {flat[key]!r}")
+    for key in POSITIVE:
+        if flat[key] < 1:
+            raise ConfigError(f"config key '{key}' must be at least 1, got {flat[key]}")
+    if cfg.lr <= 0:
+        raise ConfigError(f"config key 'lr' must be positive, got {cfg.lr}")
+    if not 0 <= cfg.warmup_fraction < 1:
+        raise ConfigError(f"config key 'warmup_fraction' must be in [0, 1), got {cfg.warmup_fraction}")
+    if cfg.gradient_clip_val <= 0:
+        raise ConfigError(f"config key 'gradient_clip_val' must be positive, got {cfg.gradient_clip_val}")
+    for name in ("energy", "forces", "stress"):
+        if getattr(cfg.loss_weights, name) < 0:
+            raise ConfigError(f"config key 'loss_weights.{name}' must be >= 0")
+    if not any(getattr(cfg.loss_weights, n) > 0 for n in ("energy", "forces", "stress")):
+        raise ConfigError("config keys 'loss_weights.*' are all 0: nothing to train")
+    for i, bucket in enumerate(cfg.buckets):
+        if len(bucket) != 2 or min(bucket) < 2:
+            raise ConfigError(f"config key 'buckets[{i}]' must be [num_nodes, num_edges] with sizes >= 2, got {bucket}")
+    if not cfg.train_data_path:
+        raise ConfigError("config key 'train_data_path' is empty")
+    if cfg.num_threads < 0:
+        raise ConfigError("config key 'num_threads' must be >= 0 (0 = MindSpore's default)")
+    return cfg
+
+
+def _flatten(d: Dict, prefix: str = "") -> Dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def _set_dotted(tree: Dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"config key '{key}': '{part}' is not a block of settings")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(args: Sequence[str]) -> Dict[str, Any]:
+    """``['--max_epochs', '3', '--model.latent_dim', '64']`` -> nested dict (values parsed as YAML)."""
+    tree: Dict[str, Any] = {}
+    i = 0
+    args = list(args)
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) <= 2:
+            raise ConfigError(f"expected '--key value', got '{arg}'")
+        key = arg[2:]
+        if "=" in key:
+            key, raw = key.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override '--{key}' has no value")
+            raw = args[i + 1]
+            i += 2
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        _set_dotted(tree, key, value)
+    return tree
+
+
+def _merge(base: Dict, update: Dict) -> Dict:
+    out = dict(base)
+    for k, v in update.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Read a YAML config (or the defaults), apply ``--key value`` overrides and validate."""
+    values: Dict[str, Any] = {}
+    if path:
+        try:
+            with open(path) as f:
+                values = yaml.safe_load(f) or {}
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        if not isinstance(values, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of settings")
+    values = _merge(values, parse_overrides(overrides))
+    return _validate(_build(TrainConfig, values))
+
+
+def config_from_dict(values: Dict[str, Any]) -> TrainConfig:
+    return _validate(_build(TrainConfig, values))
