@@ -15,6 +15,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from orb import reference_energies
+from orb.kernels import exp_nonpositive_op
 from orb.model_config import ModelConfig
 from orb.nn import Linear, MLP, MLPLayerNorm, segment_mean, segment_sum
 
@@ -126,13 +127,14 @@ class MoleculeGNS(nn.Cell):
         self.atom_emb = AtomEmbedding(cfg.num_elements, cfg.latent_dim, rng)
         step = cfg.rbf_radius / cfg.num_rbf
         self.rbf_centres = Tensor(np.arange(cfg.num_rbf, dtype=np.float32) * np.float32(step))
+        self.exp_nonpositive = exp_nonpositive_op()
 
     def edge_features(self, vectors: Tensor):
         """Gaussian RBFs exp(-(r - c_k)^2) of the edge length, then the unit vector; also returns r."""
         r = ops.norm(vectors, dim=1)
         safe = ops.where(r == 0, ops.ones_like(r), r)
         unit = vectors / safe.reshape(-1, 1)
-        rbf = ops.exp(-ops.square(r.reshape(-1, 1) - self.rbf_centres.reshape(1, -1)))
+        rbf = self.exp_nonpositive(-ops.square(r.reshape(-1, 1) - self.rbf_centres.reshape(1, -1)))
         return ops.concat((rbf, unit), 1), r
 
     def construct(self, numbers: Tensor, vectors: Tensor, senders: Tensor, receivers: Tensor) -> Tensor:

@@ -10,19 +10,13 @@ from typing import Sequence
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
+from orb.kernels import softplus_op
+
 LN2 = math.log(2.0)
 
 
 def uniform(shape, bound: float, rng: np.random.Generator) -> np.ndarray:
     return rng.uniform(-bound, bound, size=shape).astype(np.float32)
-
-
-_softplus = ops.Softplus()  # the primitive: ops.softplus adds a threshold select (and its gradient) on top
-
-
-def ssp(x: Tensor) -> Tensor:
-    """Shifted softplus, softplus(x) - ln 2 (zero at zero)."""
-    return _softplus(x) - LN2
 
 
 class Linear(nn.Cell):
@@ -43,14 +37,6 @@ class Linear(nn.Cell):
             y = y + self.bias
         return y
 
-    def after_ssp(self, softplus_x: Tensor) -> Tensor:
-        """This layer applied to ssp(x) = softplus(x) - ln 2, given softplus(x).
-
-        The constant shift moves into the bias (b - ln 2 * sum_j W_ij), which saves a full pass
-        over the (edges x hidden) activations.
-        """
-        bias = self.bias - LN2 * self.weight.sum(1)
-        return self.matmul(softplus_x, self.weight) + bias
 
 
 class _LayerNormFunction(nn.Cell):
@@ -88,10 +74,15 @@ class LayerNorm(nn.Cell):
 
 
 class MLP(nn.Cell):
-    """Linear -> ssp -> ... -> Linear (no activation after the last layer); layers named NN-<i>."""
+    """Linear -> ssp -> ... -> Linear (no activation after the last layer); layers named NN-<i>.
+
+    ssp(x) = softplus(x) - ln 2 is the shifted softplus. (Folding the shift into the next bias would
+    save a pass over the activations but loses precision to cancellation in the matmul.)
+    """
 
     def __init__(self, sizes: Sequence[int], rng: np.random.Generator):
         super().__init__()
+        self.softplus = softplus_op()
         self.layer_names = tuple(f"NN-{i}" for i in range(len(sizes) - 1))
         for name, d_in, d_out in zip(self.layer_names, sizes[:-1], sizes[1:]):
             self.insert_child_to_cell(name, Linear(d_in, d_out, rng))
@@ -110,9 +101,8 @@ class MLP(nn.Cell):
         for i, name in enumerate(self.layer_names):
             if i >= start:
                 if i > 0:
-                    x = getattr(self, name).after_ssp(_softplus(x))
-                else:
-                    x = getattr(self, name)(x)
+                    x = self.softplus(x) - LN2
+                x = getattr(self, name)(x)
         return x
 
 
