@@ -58,7 +58,10 @@ def main(argv: Optional[List[str]] = None, parallel: bool = False) -> int:
         target = configure_mindspore(cfg, parallel)
         dist = init_data_parallel(cfg.optimizer_shard and target != "CPU") if parallel else Distributed()
         setup_logging(cfg.output_dir, dist.is_main, dist.rank)
-        logging.getLogger("orb").info("device: %s%s", target, " (auto)" if cfg.device_target == "auto" else "")
+        log = logging.getLogger("orb")
+        log.info("device: %s%s", target, " (auto)" if cfg.device_target == "auto" else "")
+        if dist.parallel:
+            log.info("data parallel: rank %d of %d (pid %d)", dist.rank, dist.world_size, os.getpid())
         Trainer(cfg, dist, resume=args.resume or None).fit()
     except OrbInputError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -53,6 +53,7 @@ class TrainConfig:
     save_every_x_epochs: int = 5
     log_every_n_steps: int = 10
     progress_bar: str = "auto"
+    record_batches: bool = False
     num_threads: int = 0
     compile_cache: bool = True
     compile_cache_dir: str = ""
@@ -91,6 +92,11 @@ def _coerce(value: Any, tp, key: str) -> Any:
         (item,) = typing.get_args(tp)
         return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
     if tp is float:
+        if isinstance(value, str):  # PyYAML reads 1e-3 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"config key '{key}' must be a number, got {value!r}")
         return float(value)

@@ -65,9 +65,29 @@ class Distributed:
         both = op(Tensor(np.stack([high, low]))).asnumpy().astype(np.float64)
         return both[0] + both[1]
 
-    def barrier(self) -> None:
-        if self.parallel:
-            self.sum(np.zeros(1))
+    def spread(self, values: np.ndarray) -> np.ndarray:
+        """Per element, the root-mean-square deviation across ranks (zeros on one device).
+
+        Built from sums only (MindSpore's CPU AllReduce supports nothing else).
+        """
+        values = np.asarray(values, dtype=np.float64)
+        if not self.parallel:
+            return np.zeros_like(values)
+        mean = self.sum(values) / self.world_size
+        return np.sqrt(self.sum((values - mean) ** 2) / self.world_size)
+
+    def check_same_parameters(self, model) -> None:
+        """All ranks must start from identical weights: compare cheap checksums across ranks."""
+        if not self.parallel:
+            return
+        sums = [(float(p.asnumpy().astype(np.float64).sum()), float(np.abs(p.asnumpy()).astype(np.float64).sum()))
+                for _, p in model.parameters_and_names()]
+        checksum = np.array(sums).sum(axis=0)
+        spread = self.spread(checksum)
+        if np.any(spread > 1e-6 * np.maximum(np.abs(checksum), 1.0)):
+            raise RuntimeError(f"rank {self.rank}: model parameters differ between ranks (checksum spread {spread}); "
+                               "all ranks must load the same checkpoint and use the same random_seed")
+        log.info("parameters identical on all %d ranks (checksum %.6e)", self.world_size, checksum[1])
 
 
 def init_data_parallel(optimizer_shard: bool = False) -> Distributed:
@@ -85,5 +105,4 @@ def init_data_parallel(optimizer_shard: bool = False) -> Distributed:
                                  device_num=world)
     if optimizer_shard:
         ms.set_auto_parallel_context(enable_parallel_optimizer=True)
-    log.info("data parallel: rank %d of %d", rank, world)
     return Distributed(rank=rank, world_size=world)

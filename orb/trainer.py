@@ -77,8 +77,15 @@ def build_model(cfg: TrainConfig):
 
 
 def trainable_parameters(model, cfg: TrainConfig) -> list:
-    """Parameters the optimizer updates: all but the unused decoder, the backbone if frozen, fixed references."""
+    """Parameters the optimizer updates: all but those that cannot change any output, the backbone if
+    frozen, and the reference energies if fixed.
+
+    Never updated: the decoder (no head reads it) and the force head's last bias (the per-structure
+    mean removal cancels it exactly; its gradient is rounding noise, which Adam would amplify into
+    a random walk).
+    """
     excluded = {id(p) for p in model.decoder_parameters()}
+    excluded.add(id(model.node_head.mlp.layer(len(model.node_head.mlp.layer_names) - 1).bias))
     if cfg.freeze_backbone:
         excluded |= {id(p) for p in model.backbone_parameters()}
     if not cfg.reference_energies.trainable:
@@ -150,6 +157,7 @@ class Trainer:
         self.start_epoch, self.global_step, self.best_val = 0, 0, math.inf
         if resume:
             self._resume(resume)
+        self.dist.check_same_parameters(self.model)
         self._ms = ms
         self._log_start()
 
@@ -242,6 +250,7 @@ class Trainer:
         for step, global_batch in enumerate(global_batches):
             t0 = time.perf_counter()
             batch = self._batch(self.train_set, self.sampler.shard(global_batch), epoch, self.cfg.augmentation)
+            self._record(epoch, batch)
             inputs, bucket = self._inputs(batch, self.train_buckets, len(global_batch))
             data_time += time.perf_counter() - t0
             self._run("train", self.train_step, inputs, bucket)
@@ -317,6 +326,15 @@ class Trainer:
         return {"history": history, "total_time": total, "compilations": len(self.compiled)}
 
     # ----------------------------------------------------------------- outputs
+    def _record(self, epoch: int, batch: AtomGraphs) -> None:
+        """With ``record_batches``: the database row ids this rank trains on, one line per step."""
+        if not self.cfg.record_batches:
+            return
+        os.makedirs(self.output_dir, exist_ok=True)
+        ids = [] if batch.system_id is None else batch.system_id.tolist()
+        with open(os.path.join(self.output_dir, f"batches_rank{self.dist.rank}.jsonl"), "a") as f:
+            f.write(json.dumps({"epoch": epoch + 1, "step": self.global_step + 1, "row_ids": ids}) + "\n")
+
     def _write_jsonl(self, record: Dict) -> None:
         if not self.dist.is_main:
             return
