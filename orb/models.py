@@ -344,6 +344,13 @@ class GraphRegressor(nn.Cell):
         stress = stress_raw * ops.sqrt(s_var) + s_mean
         return energy, forces, stress
 
+    def predict(self, batch) -> dict:
+        """``energy`` (B,) eV, ``forces`` (N, 3) eV/Å and ``stress`` (B, 6) eV/Å^3 (ASE Voigt) as numpy
+        arrays for an :class:`~orb.graphs.AtomGraphs` batch (compiled once per padded size)."""
+        from orb.predictor import predictor_for
+
+        return predictor_for(self)(batch)
+
     def backbone_parameters(self):
         return list(self.model.trainable_params())
 

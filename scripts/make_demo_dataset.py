@@ -93,9 +93,11 @@ def main() -> None:
     parser.add_argument("--train", type=int, default=64, help="training structures (default: 64)")
     parser.add_argument("--val", type=int, default=16, help="validation structures (default: 16)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefix", default="demo", help="file names <prefix>_train.db, <prefix>_val.db")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    for name, count, seed in (("demo_train.db", args.train, args.seed), ("demo_val.db", args.val, args.seed + 1)):
+    for name, count, seed in ((f"{args.prefix}_train.db", args.train, args.seed),
+                              (f"{args.prefix}_val.db", args.val, args.seed + 1)):
         path = os.path.join(args.out, name)
         write_db(path, make_structures(count, seed))
         print(f"wrote {count} EMT-labelled structures to {path}")

@@ -1,0 +1,134 @@
+"""Using a fine-tuned model: the ASE calculator, evaluation, export, training-curve plots."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from ase.build import bulk
+
+from conftest import DATA, MPTRJ_DB, ROOT, reference_graph
+
+DEMO_PRETRAINED = os.path.join(ROOT, "data", "demo_pretrained.ckpt")
+
+
+@pytest.fixture(scope="module")
+def reference_model(reference, tmp_path_factory):
+    """orb-v2 with the recipe weights, saved as a MindSpore checkpoint (as a user would have it)."""
+    import mindspore as ms
+
+    from orb.checkpoint import load_torch_state_dict, save_checkpoint
+    from orb.models import orb_v2
+    from orb.recipe import model_recipe_weights
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    model = orb_v2()
+    load_torch_state_dict(model, model_recipe_weights(model, 0))
+    model.set_train(False)
+    path = str(tmp_path_factory.mktemp("ckpt") / "orb_v2_recipe.ckpt")
+    save_checkpoint(path, model, {})
+    return model, path
+
+
+def atoms_of(z, i):
+    from ase import Atoms
+
+    p = f"s{i}/"
+    cell = z[p + "cell_input"]
+    return Atoms(numbers=z[p + "numbers"], positions=z[p + "positions_input"], cell=cell, pbc=bool(np.any(cell != 0)))
+
+
+def test_calculator_matches_predict_and_pytorch(reference_model, reference):
+    from orb.calculator import ORBCalculator
+
+    model, path = reference_model
+    calc = ORBCalculator.from_checkpoint(path)
+    for i in (0, 1, 7):  # periodic alloy, non-periodic cluster, large oxide
+        atoms = atoms_of(reference, i)
+        atoms.calc = calc
+        energy, forces, stress = atoms.get_potential_energy(), atoms.get_forces(), atoms.get_stress()
+        direct = model.predict(reference_graph(reference, i))
+        assert energy == pytest.approx(float(direct["energy"][0]), abs=1e-4)
+        np.testing.assert_allclose(forces, direct["forces"], atol=2e-5)
+        np.testing.assert_allclose(stress, direct["stress"][0], atol=1e-5)
+        # tie-free structures: the same graph as PyTorch, hence its predictions
+        np.testing.assert_allclose(energy, reference[f"s{i}/energy"][0], atol=1e-4, rtol=1e-6)
+        np.testing.assert_allclose(forces, reference[f"s{i}/forces"], atol=2e-5)
+        np.testing.assert_allclose(stress, reference[f"s{i}/stress"][0], atol=1e-5)
+        assert atoms.get_potential_energy(force_consistent=True) == energy
+
+
+def test_relaxation_and_md_with_finetuned_checkpoint():
+    """Direct-force model: check behaviour. BFGS lowers the predicted energy; NVE stays finite."""
+    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
+    from ase.md.verlet import VelocityVerlet
+    from ase.optimize import BFGS
+    from ase import units
+
+    from orb.calculator import ORBCalculator
+
+    calc = ORBCalculator.from_checkpoint(DEMO_PRETRAINED)
+    atoms = bulk("Cu", "fcc", a=3.6).repeat((2, 2, 2))
+    atoms.rattle(0.15, seed=2)
+    atoms.calc = calc
+    start = atoms.get_potential_energy()
+    BFGS(atoms, logfile=None).run(fmax=0.01, steps=20)
+    assert atoms.get_potential_energy() < start - 0.05
+    md = bulk("Ni", "fcc", a=3.52).repeat((2, 2, 2))
+    md.calc = calc
+    MaxwellBoltzmannDistribution(md, temperature_K=300, rng=np.random.default_rng(0))
+    energies = []
+    dyn = VelocityVerlet(md, timestep=1.0 * units.fs)
+    dyn.attach(lambda: energies.append(md.get_total_energy()), interval=5)
+    dyn.run(50)
+    assert len(energies) == 11 and np.all(np.isfinite(energies))
+    assert len(calc.predictor.compiled) == 2  # one shape for each system size, reused over all MD steps
+
+
+def test_evaluate_script_on_mptrj(reference_model, tmp_path):
+    _, path = reference_model
+    out = tmp_path / "eval"
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "evaluate.py"), "--checkpoint", path,
+                             "--data", MPTRJ_DB, "--output_dir", str(out), "--batch_size", "4"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = list(csv.DictReader(open(out / "predictions.csv")))
+    summary = json.load(open(out / "summary.json"))
+    assert len(rows) == 10 == summary["structures"]
+    by_hand = np.mean([abs(float(r["energy_pred"]) - float(r["energy_true"])) / int(r["natoms"]) for r in rows])
+    assert summary["energy_mae_per_atom"] == pytest.approx(by_hand, rel=1e-9)
+    atoms = np.array([int(r["natoms"]) for r in rows])
+    force = np.sum([float(r["force_mae"]) * n for r, n in zip(rows, atoms)]) / atoms.sum()
+    assert summary["force_mae"] == pytest.approx(force, rel=1e-9)
+    assert "energy_mae_per_atom" in result.stdout
+    # row 1 and 3 are reference structures 4 and 5: the evaluation sees PyTorch's predictions
+    ref = np.load(os.path.join(DATA, "orb_v2_parity.npz"))
+    assert float(rows[0]["energy_pred"]) == pytest.approx(float(ref["s4/energy"][0]), abs=1e-4)
+
+
+def test_evaluate_without_labels(reference_model, tmp_path):
+    import ase.db
+
+    _, path = reference_model
+    db_path = str(tmp_path / "unlabelled.db")
+    with ase.db.connect(db_path) as db:
+        db.write(bulk("Cu", "fcc", a=3.6))
+    out = tmp_path / "eval"
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "evaluate.py"), "--checkpoint", path,
+                             "--data", db_path, "--output_dir", str(out)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = list(csv.DictReader(open(out / "predictions.csv")))
+    assert list(rows[0]) == ["row_id", "formula", "natoms", "energy_pred"]
+
+
+def test_plot_metrics(tmp_path):
+    metrics = os.path.join(DATA, "demo_metrics.jsonl")
+    out = tmp_path / "curves.png"
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plot_metrics.py"), metrics, "-o", str(out)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
