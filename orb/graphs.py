@@ -132,16 +132,47 @@ def _image_positions(positions: np.ndarray, cell: np.ndarray) -> np.ndarray:
     return (positions[None, :, :] + shifts[:, None, :]).reshape(-1, 3)
 
 
-def knn_edges(positions: np.ndarray, cell: np.ndarray, radius: float, max_neighbors: int):
+# Candidates farther than this from the central cell are left out of the first k-NN search; the
+# result is exact whenever every atom's k-th neighbour lies closer than this (checked), otherwise
+# the search is repeated over all 27 images.
+SKIN = 6.0
+
+
+def _tree_query(candidates: np.ndarray, positions: np.ndarray, k: int, radius: float):
+    tree = cKDTree(candidates, balanced_tree=False, compact_nodes=False)  # 2-3x faster to build, same answers
+    return tree.query(positions, k=k, distance_upper_bound=radius + 1e-5)
+
+
+def _skin_candidates(positions: np.ndarray, cell: np.ndarray, skin: float) -> np.ndarray:
+    """Indices of the 27-image candidates within ``skin`` (perpendicular distance) of the central cell."""
+    cell64 = cell.astype(np.float64)
+    frac = np.linalg.solve(cell64.T, positions.astype(np.float64).T).T
+    volume = abs(np.linalg.det(cell64))
+    heights = volume / np.linalg.norm(np.cross(cell64[[1, 2, 0]], cell64[[2, 0, 1]]), axis=1)
+    margin = skin / heights
+    image_frac = frac[None, :, :] + IMAGE_OFFSETS[:, None, :]
+    inside = np.all((image_frac >= -margin) & (image_frac <= 1.0 + margin), axis=2).reshape(-1)
+    return np.flatnonzero(inside)
+
+
+def knn_edges(positions: np.ndarray, cell: np.ndarray, radius: float, max_neighbors: int, skin: float = SKIN):
     """Directed k-NN edges among the 27 images; returns senders, receivers, vectors (sorted by sender, distance)."""
     n = len(positions)
-    candidates = _image_positions(positions, cell) if np.any(cell != 0) else positions
+    periodic = bool(np.any(cell != 0))
+    candidates = _image_positions(positions, cell) if periodic else positions
     k = min(max_neighbors + 1, len(candidates))
     if k < 2:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 3), np.float32)
-    tree = cKDTree(candidates)
-    dist, idx = tree.query(positions, k=k, distance_upper_bound=radius + 1e-5)
-    dist, idx = dist[:, 1:], idx[:, 1:]  # drop the nearest candidate: the atom itself
+    result = None
+    if periodic and skin < radius:
+        subset = _skin_candidates(positions, cell, skin)
+        if len(subset) >= k:
+            dist, idx = _tree_query(candidates[subset], positions, k, radius)
+            if np.all(dist[:, -1] < skin - 1e-3):  # no left-out candidate can be among the k nearest
+                result = dist, subset[idx]
+    if result is None:
+        result = _tree_query(candidates, positions, k, radius)
+    dist, idx = result[0][:, 1:], result[1][:, 1:]  # drop the nearest candidate: the atom itself
     keep = dist < radius + 1e-6
     senders = np.repeat(np.arange(n, dtype=np.int64), keep.sum(axis=1))
     images = idx[keep].astype(np.int64)
