@@ -1,6 +1,6 @@
 """orb-v2 in MindSpore: MoleculeGNS backbone with attention interaction layers and three heads.
 
-Every formula follows orb-models 0.4.2 (see ``docs/model.md``); parameter paths equal the
+Every formula follows orb-models 0.4.2 (its ``gns.py`` and ``graph_regressor.py``); parameter paths equal the
 PyTorch state_dict keys. Two things are computed differently but equivalently, for speed:
 
 * the first edge-MLP layer over ``[e, h_sender, h_receiver]`` is ``e W_e + (h W_s)[senders] +
