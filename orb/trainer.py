@@ -341,16 +341,19 @@ class Trainer:
         with open(os.path.join(self.output_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def _optimizer_state(self):
+    def _optimizer_entries(self) -> List[Tuple[str, object]]:
+        """(checkpoint key without the ``optimizer.`` prefix, parameter) of the Adam state."""
         names = {id(p): name for name, p in self.model.parameters_and_names()}
         opt = self.optimizer
         entries = []
         for param, m1, m2 in zip(opt.parameters, opt.moment1, opt.moment2):
             key = names[id(param)]
-            entries += [(f"optimizer.moment1.{key}", m1), (f"optimizer.moment2.{key}", m2)]
-        entries += [("optimizer.beta1_power", opt.beta1_power), ("optimizer.beta2_power", opt.beta2_power),
-                    ("optimizer.global_step", opt.global_step)]
-        return entries
+            entries += [(f"moment1.{key}", m1), (f"moment2.{key}", m2)]
+        return entries + [("beta1_power", opt.beta1_power), ("beta2_power", opt.beta2_power),
+                          ("global_step", opt.global_step)]
+
+    def _optimizer_state(self):
+        return [(f"optimizer.{key}", param) for key, param in self._optimizer_entries()]
 
     def _meta(self, epoch: int) -> Dict:
         return {"format": CHECKPOINT_FORMAT, "epoch": epoch, "global_step": self.global_step,
@@ -388,14 +391,7 @@ class Trainer:
             raise CheckpointError(f"{path}: not a training checkpoint of this program (use checkpoint_path to start "
                                   "from plain weights)")
         load_torch_state_dict(self.model, weights, source=path)
-        names = {id(p): name for name, p in self.model.parameters_and_names()}
-        opt = self.optimizer
-        targets = []
-        for param, m1, m2 in zip(opt.parameters, opt.moment1, opt.moment2):
-            key = names[id(param)]
-            targets += [(f"moment1.{key}", m1), (f"moment2.{key}", m2)]
-        targets += [("beta1_power", opt.beta1_power), ("beta2_power", opt.beta2_power),
-                    ("global_step", opt.global_step)]
+        targets = self._optimizer_entries()
         missing = [k for k, _ in targets if k not in opt_state]
         if missing:
             raise CheckpointError(f"{path}: optimizer state does not match the trained parameters "

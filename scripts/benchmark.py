@@ -100,19 +100,23 @@ def bench_graphs(args) -> None:
 
 
 # ------------------------------------------------------------------------------------------- model
-TORCH_MODEL = """
+# orb-v2 in PyTorch orb-models 0.4.2, built as pretrained.orb_v2() does (random weights, no download).
+TORCH_ORB_V2 = """
 import json, time, resource, numpy as np, torch
 torch.set_num_threads(2)
 from orb_models.forcefield import pretrained
 from orb_models.forcefield.graph_regressor import GraphRegressor, EnergyHead, NodeHead, GraphHead
-from orb_models.forcefield.base import batch_graphs
-from orb_models.dataset.ase_dataset import AseSqliteDataset
 model = GraphRegressor(
     graph_head=EnergyHead(latent_dim=256, num_mlp_layers=1, mlp_hidden_dim=256, target="energy",
         node_aggregation="mean", reference_energy_name="vasp-shifted", train_reference=True, predict_atom_avg=True),
     node_head=NodeHead(latent_dim=256, num_mlp_layers=1, mlp_hidden_dim=256, target="forces", remove_mean=True),
     stress_head=GraphHead(latent_dim=256, num_mlp_layers=1, mlp_hidden_dim=256, target="stress", compute_stress=True),
     model=pretrained.get_base())
+"""
+
+TORCH_MODEL = TORCH_ORB_V2 + """
+from orb_models.forcefield.base import batch_graphs
+from orb_models.dataset.ase_dataset import AseSqliteDataset
 ds = AseSqliteDataset(%(db)r, augmentation=False)
 graphs = [ds[i] for i in range(len(ds))]
 batches = [batch_graphs(graphs[i:i + 8]) for i in range(0, %(n)d * 8, 8)]
@@ -174,6 +178,9 @@ def bench_model(args) -> None:
             else:
                 times.append(elapsed)
         results[name] = float(np.median(times))
+    if args.dynamic:
+        results["train (dynamic shapes)"], compile_times[("train (dynamic shapes)", None)] = _dynamic_train(
+            model, batches)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
     theirs = {}
     if args.torch_python:
@@ -183,13 +190,38 @@ def bench_model(args) -> None:
           f"{os.environ.get('OMP_NUM_THREADS', 'default')} threads")
     print("| step | MindSpore median (s) | structures/s | compile (s, per bucket) | PyTorch 0.4.2 median (s) | ratio |")
     print("|---|---|---|---|---|---|")
-    for name in ("inference", "train"):
+    for name in results:
         compiles = [t for (n, _), t in compile_times.items() if n == name]
         torch_t = theirs.get(name)
         print(f"| {name} | {results[name]:.3f} | {8 / results[name]:.1f} | {np.mean(compiles):.0f} "
               f"({len(compiles)} buckets) | {f'{torch_t:.3f}' if torch_t else '-'} | "
               f"{f'{results[name] / torch_t:.2f}x' if torch_t else '-'} |")
     print(f"peak RSS: MindSpore {rss:.1f} GB" + (f", PyTorch {theirs['rss_gb']:.1f} GB" if theirs else ""))
+
+
+def _dynamic_train(model, batches):
+    """The training step compiled once for dynamic shapes (``set_inputs``), run on unpadded batches."""
+    import mindspore as ms
+    from mindspore import Tensor, nn
+
+    from orb.graphs import pad_batch
+    from orb.loss import OrbLoss
+    from orb.tensors import loss_inputs
+    from orb.train_step import TrainStep
+
+    step = TrainStep(OrbLoss(model), nn.Adam(model.trainable_params(), learning_rate=Tensor(np.float32(1e-4))))
+    f32, i32 = ms.float32, ms.int32
+    shapes = [([None], i32), ([None, 3], f32), ([None, 3], f32), ([None], i32), ([None], i32), ([None], i32),
+              ([None], f32), ([None], f32), ([None], f32), ([None], f32), ([None], f32), ([None, 3], f32),
+              ([None, 6], f32)]
+    step.set_inputs(*[Tensor(shape=s, dtype=d) for s, d in shapes])
+    times = []
+    for b in batches:
+        inputs = loss_inputs(pad_batch(b, b.num_nodes + 1, b.num_edges, b.num_graphs + 1))
+        start = time.perf_counter()
+        step(*inputs).asnumpy()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times[1:])), times[0]
 
 
 # ---------------------------------------------------------------------------------------- parallel
@@ -243,19 +275,10 @@ def bench_parallel(args) -> None:
 
 
 # -------------------------------------------------------------------------------------- calculator
-TORCH_CALC = """
-import json, time, numpy as np, torch
-torch.set_num_threads(2)
+TORCH_CALC = TORCH_ORB_V2 + """
 from ase.build import bulk
-from orb_models.forcefield import pretrained
-from orb_models.forcefield.graph_regressor import GraphRegressor, EnergyHead, NodeHead, GraphHead
 from orb_models.forcefield.calculator import ORBCalculator
-model = GraphRegressor(
-    graph_head=EnergyHead(latent_dim=256, num_mlp_layers=1, mlp_hidden_dim=256, target="energy",
-        node_aggregation="mean", reference_energy_name="vasp-shifted", train_reference=True, predict_atom_avg=True),
-    node_head=NodeHead(latent_dim=256, num_mlp_layers=1, mlp_hidden_dim=256, target="forces", remove_mean=True),
-    stress_head=GraphHead(latent_dim=256, num_mlp_layers=1, mlp_hidden_dim=256, target="stress", compute_stress=True),
-    model=pretrained.get_base()).eval()
+model.eval()
 calc = ORBCalculator(model, device="cpu")
 out = {}
 for reps in %(sizes)r:
@@ -308,6 +331,7 @@ def main() -> None:
     p = sub.add_parser("model")
     p.add_argument("--steps", type=int, default=8, help="batches of 8 demo structures per measurement")
     p.add_argument("--torch-python", default="")
+    p.add_argument("--dynamic", action="store_true", help="also time a dynamic-shape (set_inputs) train step")
     p = sub.add_parser("parallel")
     p.add_argument("--config", default="configs/demo.yaml")
     p.add_argument("--batch", type=int, default=8, help="structures per worker per step")

@@ -27,7 +27,7 @@ def _lattice_constant(symbols: List[str]) -> float:
     return float(np.mean([reference_states[atomic_numbers[s]]["a"] for s in symbols]))
 
 
-def random_bulk(rng: np.random.Generator) -> Atoms:
+def random_bulk(rng: np.random.Generator, max_rattle: float = 0.12) -> Atoms:
     """A rattled, strained fcc supercell of one metal or a random binary alloy."""
     metals = list(rng.choice(METALS, size=2, replace=False))
     alloy = rng.random() < 0.4
@@ -47,7 +47,7 @@ def random_bulk(rng: np.random.Generator) -> Atoms:
         atoms.set_chemical_symbols(symbols.tolist())
     strain = np.eye(3) + rng.uniform(-0.03, 0.03, (3, 3))
     atoms.set_cell(atoms.cell.array @ (0.5 * (strain + strain.T)), scale_atoms=True)
-    atoms.rattle(stdev=float(rng.uniform(0.02, 0.12)), seed=int(rng.integers(2**31)))
+    atoms.rattle(stdev=float(rng.uniform(0.02, max_rattle)), seed=int(rng.integers(2**31)))
     return atoms
 
 
@@ -72,9 +72,10 @@ def label(atoms: Atoms) -> Atoms:
     return atoms
 
 
-def make_structures(count: int, seed: int, cluster_fraction: float = 0.1) -> List[Atoms]:
+def make_structures(count: int, seed: int, cluster_fraction: float = 0.1, max_rattle: float = 0.12) -> List[Atoms]:
     rng = np.random.default_rng(seed)
-    return [label(random_cluster(rng) if rng.random() < cluster_fraction else random_bulk(rng)) for _ in range(count)]
+    return [label(random_cluster(rng) if rng.random() < cluster_fraction else random_bulk(rng, max_rattle))
+            for _ in range(count)]
 
 
 def write_db(path: str, structures: List[Atoms]) -> None:
@@ -94,12 +95,13 @@ def main() -> None:
     parser.add_argument("--val", type=int, default=16, help="validation structures (default: 16)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefix", default="demo", help="file names <prefix>_train.db, <prefix>_val.db")
+    parser.add_argument("--max_rattle", type=float, default=0.12, help="largest rattle stdev (Å)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     for name, count, seed in ((f"{args.prefix}_train.db", args.train, args.seed),
                               (f"{args.prefix}_val.db", args.val, args.seed + 1)):
         path = os.path.join(args.out, name)
-        write_db(path, make_structures(count, seed))
+        write_db(path, make_structures(count, seed, max_rattle=args.max_rattle))
         print(f"wrote {count} EMT-labelled structures to {path}")
 
 
