@@ -302,6 +302,11 @@ class Trainer:
         self.model.set_train(True)
         run_start = time.perf_counter()
         history = []
+        if self.start_epoch == 0 and self.val_set is not None:
+            initial = self.validate(progress)  # the starting checkpoint, to compare fine-tuning against
+            if self.dist.is_main:
+                log.info("Before fine-tuning: val_metrics: %s", _fmt(initial))
+            self._write_jsonl({"type": "initial", "epoch": 0, "step": 0, "val": initial})
         epochs = progress(total=cfg.max_epochs, initial=self.start_epoch, desc="fine-tuning")
         for epoch in range(self.start_epoch, last_epoch):
             train_metrics = self.train_epoch(epoch, progress)

@@ -3,7 +3,7 @@
     python scripts/plot_metrics.py outputs/demo/metrics.jsonl -o outputs/demo/curves.png
 
 Four panels per epoch: total loss (normalised units), energy MAE (eV), force MAE (eV/Å) and
-stress MAE (eV/Å³), train and validation, on log scales.
+stress MAE (eV/Å³), train and validation (epoch 0: the starting checkpoint), on log scales.
 """
 
 import argparse
@@ -18,7 +18,7 @@ PANELS = (("loss", "loss (normalised)"), ("energy_mae_raw", "energy MAE (eV)"),
 def read_epochs(path):
     with open(path) as f:
         records = [json.loads(line) for line in f if line.strip()]
-    epochs = [r for r in records if r.get("type") == "epoch"]
+    epochs = [r for r in records if r.get("type") in ("initial", "epoch")]  # initial: epoch 0, validation only
     if not epochs:
         raise SystemExit(f"error: {path} has no epoch records")
     return epochs

@@ -139,12 +139,13 @@ def run_cli(*args, timeout=600):
 
 def test_cli_end_to_end_and_config_typo(tmp_path, cache_dir):
     out = tmp_path / "cli"
-    result = run_cli("--config", "configs/demo.yaml", "--max_epochs", "1", "--output_dir", str(out),
+    result = run_cli("--config", "configs/demo.yaml", "--max_epochs", "1", "--output_dir", str(out), "--checkpoint_path", "",
                      "--device_target", "CPU", "--compile_cache_dir", cache_dir, "--buckets", "[[136, 2720]]",
                      *sum((["--model." + k, str(v)] for k, v in SMALL_MODEL.items()), []))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert (out / "checkpoints" / "last.ckpt").exists() and (out / "checkpoints" / "best_weights.ckpt").exists()
     records = [json.loads(l) for l in open(out / "metrics.jsonl")]
+    assert records[0]["type"] == "initial" and "energy_mae" in records[0]["val"]  # the starting point
     assert records[-1]["type"] == "epoch" and "energy_mae" in records[-1]["val"]
     assert "Epoch: 1/1, train_metrics:" in (out / "train.log").read_text()
     bad = run_cli("--config", "configs/demo.yaml", "--max_epoch", "1", timeout=120)

@@ -1,0 +1,68 @@
+"""Learning-rate schedule and configuration validation."""
+
+import math
+
+import numpy as np
+import pytest
+
+from orb.config import load_config, parse_overrides
+from orb.errors import ConfigError
+from orb.schedule import one_cycle
+
+
+def torch_one_cycle(lr, total, pct=0.05):
+    """PyTorch OneCycleLR(max_lr=10 lr, div_factor=10, final_div_factor=10, cos, two phases), written out."""
+    start, peak, end = lr, 10 * lr, lr / 10
+    warm = pct * total - 1
+    out = []
+    for step in range(total):
+        if step <= warm:
+            p, a, b = step / warm, start, peak
+        else:
+            p, a, b = (step - warm) / (total - 1 - warm), peak, end
+        out.append(b + (a - b) / 2 * (math.cos(math.pi * p) + 1))
+    return np.array(out)
+
+
+def test_one_cycle_matches_pytorch_and_survives_short_runs():
+    np.testing.assert_allclose(one_cycle(3e-4, 1000), torch_one_cycle(3e-4, 1000), rtol=1e-6)
+    lrs = one_cycle(3e-4, 1000)
+    assert lrs[0] == pytest.approx(3e-4) and lrs.max() == pytest.approx(3e-3, rel=1e-6)
+    assert lrs[-1] == pytest.approx(3e-5, rel=1e-5)
+    for total in (1, 2, 20, 21):  # orb-models 0.4.2 divides by zero at 20 steps
+        lrs = one_cycle(1e-3, total)
+        assert len(lrs) == total and np.all(np.isfinite(lrs)) and np.all(lrs > 0)
+
+
+def test_config_overrides_and_errors(tmp_path):
+    cfg = load_config(None, ["--max_epochs", "3", "--lr", "1e-3", "--model.num_message_passing_steps", "2",
+                             "--loss_weights.stress=0", "--buckets", "[[64, 1280]]"])
+    assert cfg.max_epochs == 3 and cfg.lr == 1e-3 and cfg.model.num_message_passing_steps == 2
+    assert cfg.loss_weights.stress == 0 and cfg.buckets == [[64, 1280]]
+    assert parse_overrides(["--a.b", "true"]) == {"a": {"b": True}}
+    for args, message in [
+        (["--max_epoch", "3"], "unknown config key 'max_epoch' \\(did you mean 'max_epochs'\\?\\)"),
+        (["--batch_size", "eight"], "'batch_size' must be an integer"),
+        (["--lr", "-1"], "'lr' must be positive"),
+        (["--device_target", "TPU"], "'device_target' must be one of"),
+        (["--model.latent", "3"], "unknown config key 'model.latent'"),
+        (["--loss_weights.energy", "0", "--loss_weights.forces", "0", "--loss_weights.stress", "0"], "all 0"),
+        (["--max_epochs"], "has no value"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, args)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  latent_dim: 64\n  mlp_hiden_dim: 3\n")
+    with pytest.raises(ConfigError, match="model.mlp_hiden_dim"):
+        load_config(str(bad))
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(str(tmp_path / "missing.yaml"))
+
+
+def test_shipped_configs_are_valid():
+    from conftest import ROOT
+
+    for name in ("config.yaml", "config_parallel.yaml", "demo.yaml", "demo_pretrain.yaml"):
+        cfg = load_config(f"{ROOT}/configs/{name}")
+        assert cfg.model.radius == 10.0 and cfg.model.max_neighbors == 20
+    assert load_config(f"{ROOT}/configs/config.yaml").model.num_message_passing_steps == 15
