@@ -107,6 +107,7 @@ def save_checkpoint(path: str, model: nn.Cell, meta: Optional[Dict] = None,
     tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}.ckpt")
     try:
         ms.save_checkpoint(entries, tmp, append_dict={META_KEY: json.dumps(meta or {})})
+        os.chmod(tmp, 0o644)  # MindSpore writes checkpoints read-only
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
