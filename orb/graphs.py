@@ -12,6 +12,7 @@ The graph is the one orb-models 0.4.2 builds (``ase_atoms_to_atom_graphs``):
   -> receiver (neighbour) and ``vector = receiver image - sender``.
 """
 
+import math
 from dataclasses import dataclass, field
 from itertools import product
 from typing import List, Optional, Sequence
@@ -106,19 +107,20 @@ def _check_structure(positions: np.ndarray, numbers: np.ndarray, cell: np.ndarra
         raise StructureError(f"positions of shape {positions.shape} do not match {len(numbers)} atoms")
     if len(numbers) == 0:
         raise StructureError("structure has no atoms")
-    bad = (numbers < 1) | (numbers > MAX_ATOMIC_NUMBER)
-    if bad.any():
+    if numbers.min() < 1 or numbers.max() > MAX_ATOMIC_NUMBER:
+        bad = (numbers < 1) | (numbers > MAX_ATOMIC_NUMBER)
         i = int(np.argmax(bad))
         raise StructureError(f"atom {i} has atomic number {int(numbers[i])}; orb supports 1..{MAX_ATOMIC_NUMBER}")
-    if not np.all(np.isfinite(positions)):
+    if not np.isfinite(positions).all():
         raise StructureError("positions contain NaN or inf")
-    if cell.shape != (3, 3) or not np.all(np.isfinite(cell)):
+    if cell.shape != (3, 3) or not np.isfinite(cell).all():
         raise StructureError(f"cell must be a finite 3x3 matrix, got {cell!r}")
-    periodic = bool(np.any(cell != 0))
+    periodic = bool(cell.any())
     if periodic:
-        lengths = np.linalg.norm(cell.astype(np.float64), axis=1)
-        volume = abs(np.linalg.det(cell.astype(np.float64)))
-        if np.any(lengths == 0) or volume < 1e-6 * np.prod(lengths):
+        (a, b, c), (d, e, f), (g, h, i) = cell.astype(np.float64).tolist()
+        volume = abs(a * (e * i - f * h) - b * (d * i - f * g) + c * (d * h - e * g))
+        lengths = [math.sqrt(x * x + y * y + z * z) for x, y, z in ((a, b, c), (d, e, f), (g, h, i))]
+        if min(lengths) == 0 or volume < 1e-6 * lengths[0] * lengths[1] * lengths[2]:
             raise StructureError(
                 f"periodic structure (non-zero cell) with a singular cell {cell.tolist()}; orb needs "
                 "three independent lattice vectors, or an all-zero cell for a non-periodic system"
@@ -128,14 +130,8 @@ def _check_structure(positions: np.ndarray, numbers: np.ndarray, cell: np.ndarra
 
 def _image_positions(positions: np.ndarray, cell: np.ndarray) -> np.ndarray:
     """Positions of the 27 cell images, image-major: index = image * N + atom (float32)."""
-    shifts = (IMAGE_OFFSETS[:, :, None] * cell[None, :, :]).sum(axis=1)  # (27, 3)
+    shifts = IMAGE_OFFSETS @ cell  # (27, 3) lattice translations
     return (positions[None, :, :] + shifts[:, None, :]).reshape(-1, 3)
-
-
-# Candidates farther than this from the central cell are left out of the first k-NN search; the
-# result is exact whenever every atom's k-th neighbour lies closer than this (checked), otherwise
-# the search is repeated over all 27 images.
-SKIN = 6.0
 
 
 def _tree_query(candidates: np.ndarray, positions: np.ndarray, k: int, radius: float):
@@ -143,39 +139,17 @@ def _tree_query(candidates: np.ndarray, positions: np.ndarray, k: int, radius: f
     return tree.query(positions, k=k, distance_upper_bound=radius + 1e-5)
 
 
-def _skin_candidates(positions: np.ndarray, cell: np.ndarray, skin: float) -> np.ndarray:
-    """Indices of the 27-image candidates within ``skin`` (perpendicular distance) of the central cell."""
-    cell64 = cell.astype(np.float64)
-    frac = np.linalg.solve(cell64.T, positions.astype(np.float64).T).T
-    volume = abs(np.linalg.det(cell64))
-    heights = volume / np.linalg.norm(np.cross(cell64[[1, 2, 0]], cell64[[2, 0, 1]]), axis=1)
-    margin = skin / heights
-    image_frac = frac[None, :, :] + IMAGE_OFFSETS[:, None, :]
-    inside = np.all((image_frac >= -margin) & (image_frac <= 1.0 + margin), axis=2).reshape(-1)
-    return np.flatnonzero(inside)
-
-
-def knn_edges(positions: np.ndarray, cell: np.ndarray, radius: float, max_neighbors: int, skin: float = SKIN):
+def knn_edges(positions: np.ndarray, cell: np.ndarray, radius: float, max_neighbors: int):
     """Directed k-NN edges among the 27 images; returns senders, receivers, vectors (sorted by sender, distance)."""
     n = len(positions)
-    periodic = bool(np.any(cell != 0))
-    candidates = _image_positions(positions, cell) if periodic else positions
+    candidates = _image_positions(positions, cell) if cell.any() else positions
     k = min(max_neighbors + 1, len(candidates))
     if k < 2:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 3), np.float32)
-    result = None
-    if periodic and skin < radius:
-        subset = _skin_candidates(positions, cell, skin)
-        if len(subset) >= k:
-            dist, idx = _tree_query(candidates[subset], positions, k, radius)
-            if np.all(dist[:, -1] < skin - 1e-3):  # no left-out candidate can be among the k nearest
-                result = dist, subset[idx]
-    if result is None:
-        result = _tree_query(candidates, positions, k, radius)
-    dist, idx = result[0][:, 1:], result[1][:, 1:]  # drop the nearest candidate: the atom itself
-    keep = dist < radius + 1e-6
+    dist, idx = _tree_query(candidates, positions, k, radius)
+    keep = dist[:, 1:] < radius + 1e-6  # column 0 is the nearest candidate: the atom itself
     senders = np.repeat(np.arange(n, dtype=np.int64), keep.sum(axis=1))
-    images = idx[keep].astype(np.int64)
+    images = idx[:, 1:][keep]
     vectors = candidates[images] - positions[senders]
     return senders, images % n, vectors
 
