@@ -10,9 +10,8 @@ from typing import Sequence
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from orb.kernels import softplus_op
+from orb.kernels import shifted_softplus_op
 
-LN2 = math.log(2.0)
 
 
 def uniform(shape, bound: float, rng: np.random.Generator) -> np.ndarray:
@@ -48,12 +47,13 @@ class _LayerNormFunction(nn.Cell):
         self.norm = ops.LayerNorm(begin_norm_axis=-1, begin_params_axis=-1, epsilon=eps)
 
     def construct(self, x, weight, bias):
-        return self.norm(x, weight, bias)[0]
+        return self.norm(x, weight, bias)  # (y, mean, variance): the statistics feed the backward
 
     def bprop(self, x, weight, bias, out, dout):
-        centred = x - x.mean(-1, keep_dims=True)
-        rstd = ops.rsqrt(ops.square(centred).mean(-1, keep_dims=True) + self.eps)
-        xhat = centred * rstd
+        _, mean, variance = out
+        dout = dout[0]
+        rstd = ops.rsqrt(variance + self.eps)
+        xhat = (x - mean) * rstd
         g = dout * weight
         dx = rstd * (g - g.mean(-1, keep_dims=True) - xhat * (g * xhat).mean(-1, keep_dims=True))
         rows = dout.reshape(-1, dout.shape[-1])
@@ -70,7 +70,7 @@ class LayerNorm(nn.Cell):
         self.function = _LayerNormFunction(eps)
 
     def construct(self, x: Tensor) -> Tensor:
-        return self.function(x, self.weight, self.bias)
+        return self.function(x, self.weight, self.bias)[0]
 
 
 class MLP(nn.Cell):
@@ -82,7 +82,7 @@ class MLP(nn.Cell):
 
     def __init__(self, sizes: Sequence[int], rng: np.random.Generator):
         super().__init__()
-        self.softplus = softplus_op()
+        self.ssp = shifted_softplus_op()
         self.layer_names = tuple(f"NN-{i}" for i in range(len(sizes) - 1))
         for name, d_in, d_out in zip(self.layer_names, sizes[:-1], sizes[1:]):
             self.insert_child_to_cell(name, Linear(d_in, d_out, rng))
@@ -101,7 +101,7 @@ class MLP(nn.Cell):
         for i, name in enumerate(self.layer_names):
             if i >= start:
                 if i > 0:
-                    x = self.softplus(x) - LN2
+                    x = self.ssp(x)
                 x = getattr(self, name)(x)
         return x
 

@@ -2,7 +2,7 @@
 
 MindSpore 2.10's CPU ``Softplus`` and ``Exp`` kernels are accurate to only ~3e-6 absolute
 (tens of ulps); through 15 layers that moves orb-v2's energies by ~3e-4 eV against PyTorch.
-``activations.cc`` computes softplus, its derivative and exp(min(x, 0)) to ~1 ulp and, being
+``activations.cc`` computes orb's shifted softplus, its derivative and exp(min(x, 0)) to ~1 ulp and, being
 auto-vectorised, faster than the built-in kernels. It is compiled once with the system's g++
 into a cache folder (``ORB_KERNEL_CACHE``, default ``~/.cache/orb_mindspore``). Without a
 compiler, or on Ascend/GPU, the built-in operators are used (a warning says so on CPU).
@@ -10,6 +10,7 @@ compiler, or on Ascend/GPU, the built-in operators are used (a warning says so o
 
 import hashlib
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -63,20 +64,21 @@ def _on_cpu() -> bool:
     return ms.get_context("device_target") == "CPU"
 
 
-def softplus_op():
-    """softplus as a MindSpore operator: the accurate custom kernel on CPU, else ``ops.Softplus``."""
+def shifted_softplus_op():
+    """ssp(x) = softplus(x) - ln 2 as an operator: the accurate custom kernel on CPU, else built-in ops."""
     from mindspore import ops
 
     path = library_path() if _on_cpu() else None
     if path is None:
-        return ops.Softplus()
+        softplus = ops.Softplus()  # the primitive: ops.softplus adds a threshold select (and its gradient)
+        return lambda x: softplus(x) - math.log(2.0)
     same = lambda *shapes: shapes[0]  # noqa: E731  (output shape/dtype = first input's)
     grad = ops.Custom(f"{path}:OrbSoftplusGrad", out_shape=same, out_dtype=same, func_type="aot")
 
     def bprop(x, out, dout):
         return (grad(x, dout),)
 
-    return ops.Custom(f"{path}:OrbSoftplus", out_shape=same, out_dtype=same, func_type="aot", bprop=bprop)
+    return ops.Custom(f"{path}:OrbShiftedSoftplus", out_shape=same, out_dtype=same, func_type="aot", bprop=bprop)
 
 
 def exp_nonpositive_op():
