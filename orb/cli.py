@@ -1,11 +1,9 @@
 """Command line of ``finetune.py`` and ``finetune_parallel.py`` (one implementation for both)."""
 
 import argparse
-import hashlib
 import logging
 import os
 import sys
-from importlib import metadata
 from typing import List, Optional
 
 from orb.config import TrainConfig, load_config
@@ -24,26 +22,15 @@ def parse_args(argv: Optional[List[str]], default_config: str):
     return parser.parse_known_args(argv)
 
 
-def code_fingerprint() -> str:
-    """Hash of this package's sources and the MindSpore version (MindSpore's compile cache cannot tell
-    that the code behind a cached graph changed, so each code version gets its own cache folder)."""
-    digest = hashlib.sha256(metadata.version("mindspore").encode())
-    package = os.path.dirname(os.path.abspath(__file__))
-    for name in sorted(os.listdir(package)):
-        if name.endswith(".py"):
-            with open(os.path.join(package, name), "rb") as f:
-                digest.update(name.encode() + f.read())
-    return digest.hexdigest()[:16]
-
-
 def set_environment(cfg: TrainConfig) -> None:
-    """Settings MindSpore reads when it starts: kernel threads and the compile cache."""
+    """Settings MindSpore reads when it starts (kernel threads).
+
+    MindSpore's compile cache (MS_COMPILER_CACHE_ENABLE) is deliberately not used: in 2.10 it
+    matches cached graphs by compilation order, not by input shapes, so a run whose batches arrive
+    in a different bucket order loads the wrong graph (reproduced here).
+    """
     if cfg.num_threads:
         os.environ["OMP_NUM_THREADS"] = str(cfg.num_threads)
-    if cfg.compile_cache:
-        base = cfg.compile_cache_dir or os.path.join(cfg.output_dir, "compile_cache")
-        os.environ["MS_COMPILER_CACHE_ENABLE"] = "1"
-        os.environ["MS_COMPILER_CACHE_PATH"] = os.path.join(os.path.abspath(base), code_fingerprint())
 
 
 def main(argv: Optional[List[str]] = None, parallel: bool = False) -> int:

@@ -55,8 +55,6 @@ class TrainConfig:
     progress_bar: str = "auto"
     record_batches: bool = False
     num_threads: int = 0
-    compile_cache: bool = True
-    compile_cache_dir: str = ""
     optimizer_shard: bool = False
     model: ModelConfig = field(default_factory=ModelConfig)
 

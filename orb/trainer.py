@@ -154,6 +154,7 @@ class Trainer:
                                     self.dist.grad_reducer(self.params))
         self.eval_step = EvalStep(self.loss_cell)
         self.compiled: Dict[Tuple[str, Bucket], float] = {}
+        self.compile_time = 0.0  # seconds spent compiling during the current epoch
         self.start_epoch, self.global_step, self.best_val = 0, 0, math.inf
         if resume:
             self._resume(resume)
@@ -230,6 +231,7 @@ class Trainer:
         out = cell(*inputs)
         out.asnumpy()
         self.compiled[key] = time.perf_counter() - start
+        self.compile_time += self.compiled[key]
         log.info("compiled %s step in %.1f s (%d compilations so far)", kind, self.compiled[key], len(self.compiled))
         return out
 
@@ -245,6 +247,7 @@ class Trainer:
         global_batches = self.sampler.global_batches(epoch)
         totals = np.zeros(len(SUM_KEYS))
         data_time = 0.0
+        self.compile_time = 0.0
         start = time.perf_counter()
         bar = progress(total=len(global_batches), desc=f"epoch {epoch + 1}", leave=False)
         for step, global_batch in enumerate(global_batches):
@@ -266,7 +269,9 @@ class Trainer:
         bar.close()
         metrics = metrics_from_sums(totals, self.has_stress)
         metrics["data_time"] = data_time
-        metrics["train_time"] = time.perf_counter() - start - data_time
+        metrics["train_time"] = time.perf_counter() - start - data_time - self.compile_time
+        if self.compile_time:
+            metrics["compile_time"] = self.compile_time
         return metrics
 
     def validate(self, progress) -> Dict[str, float]:

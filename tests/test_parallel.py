@@ -30,10 +30,10 @@ def model_args():
     return sum((["--model." + k, str(v)] for k, v in SMALL_MODEL.items()), [])
 
 
-def common_args(out, train, cache):
+def common_args(out, train):
     return ["--train_data_path", train, "--val_data_path", DEMO_VAL, "--output_dir", str(out), "--batch_size", "4",
             "--max_epochs", "2", "--lr", "1e-3", "--num_buckets", "1", "--log_every_n_steps", "2",
-            "--compile_cache_dir", cache, "--record_batches", "true", "--progress_bar", "false",
+            "--record_batches", "true", "--progress_bar", "false",
             "--device_target", "auto", *model_args()]
 
 
@@ -59,10 +59,9 @@ def nine_rows(tmp_path_factory):
 def runs(tmp_path_factory, nine_rows):
     """One 2-worker job (through run_parallel.sh) and one single-device job on the same global batches."""
     base = tmp_path_factory.mktemp("parallel")
-    cache = str(base / "cache")
-    job = run_parallel(common_args(base / "par", nine_rows, cache), base / "logs")
+    job = run_parallel(common_args(base / "par", nine_rows), base / "logs")
     single = subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), "--config",
-                             "configs/config.yaml", *common_args(base / "single", nine_rows, cache)],
+                             "configs/config.yaml", *common_args(base / "single", nine_rows)],
                             cwd=ROOT, capture_output=True, text=True, timeout=420)
     out, _ = job.communicate(timeout=420)
     return {"base": base, "job_status": job.returncode, "job_output": out, "single": single}
@@ -80,8 +79,10 @@ def test_same_parameters_and_metrics_as_one_device(runs):
     base = runs["base"]
     par, _ = read_weights(str(base / "par" / "checkpoints" / "last.ckpt"))
     one, _ = read_weights(str(base / "single" / "checkpoints" / "last.ckpt"))
-    for key in one:
-        np.testing.assert_allclose(par[key], one[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    for key in one:  # per tensor within 1e-5 relative (L2); elements near zero within 1e-5 absolute
+        diff = np.linalg.norm(par[key].astype(np.float64) - one[key])
+        assert diff <= 1e-5 * max(np.linalg.norm(one[key].astype(np.float64)), 1e-3), key
+        np.testing.assert_allclose(par[key], one[key], rtol=1e-5, atol=1e-5, err_msg=key)
     epochs_par = [r for r in map(json.loads, open(base / "par" / "metrics.jsonl")) if r["type"] == "epoch"]
     epochs_one = [r for r in map(json.loads, open(base / "single" / "metrics.jsonl")) if r["type"] == "epoch"]
     assert len(epochs_par) == len(epochs_one) == 2
@@ -122,7 +123,7 @@ def test_only_rank0_writes(runs):
 
 
 def test_killed_worker_ends_the_job(tmp_path, nine_rows):
-    args = common_args(tmp_path / "kill", nine_rows, str(tmp_path / "cache")) + ["--max_epochs", "50"]
+    args = common_args(tmp_path / "kill", nine_rows) + ["--max_epochs", "50"]
     start = time.time()
     job = run_parallel(args, tmp_path / "logs")
     deadline = time.time() + 300
@@ -142,8 +143,7 @@ def test_killed_worker_ends_the_job(tmp_path, nine_rows):
 
 
 def test_optimizer_shard_refused_on_cpu(tmp_path, nine_rows):
-    args = common_args(tmp_path / "shard", nine_rows, str(tmp_path / "cache")) + ["--optimizer_shard", "true",
-                                                                                  "--device_target", "CPU"]
+    args = common_args(tmp_path / "shard", nine_rows) + ["--optimizer_shard", "true", "--device_target", "CPU"]
     job = run_parallel(args, tmp_path / "logs")
     out, _ = job.communicate(timeout=300)
     assert job.returncode != 0

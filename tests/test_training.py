@@ -18,17 +18,12 @@ from conftest import DEMO_TRAIN, DEMO_VAL, ROOT, SMALL_MODEL
 BUCKET = [[136, 2720]]  # one static shape fits any 8 demo structures: one compilation per step kind
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("compile_cache"))
-
-
-def make_cfg(tmp_path, cache_dir, **overrides):
+def make_cfg(tmp_path, **overrides):
     from orb.config import config_from_dict
 
     values = dict(train_data_path=DEMO_TRAIN, val_data_path=DEMO_VAL, output_dir=str(tmp_path / "run"),
                   device_target="CPU", batch_size=8, max_epochs=2, lr=1e-3, buckets=BUCKET, progress_bar="false",
-                  compile_cache_dir=cache_dir, log_every_n_steps=4, model=dict(SMALL_MODEL))
+                  log_every_n_steps=4, model=dict(SMALL_MODEL))
     values.update(overrides)
     return config_from_dict(values)
 
@@ -69,12 +64,12 @@ def test_loss_falls_on_a_fixed_batch():
     assert losses[-1] < losses[0] / 5, (losses[0], losses[-1])
 
 
-def test_resume_equals_straight_run(tmp_path, cache_dir):
-    straight = trainer_for(make_cfg(tmp_path / "a", cache_dir))
+def test_resume_equals_straight_run(tmp_path):
+    straight = trainer_for(make_cfg(tmp_path / "a"))
     straight.fit()
-    first = trainer_for(make_cfg(tmp_path / "b", cache_dir))
+    first = trainer_for(make_cfg(tmp_path / "b"))
     first.fit(until_epoch=1)
-    resumed = trainer_for(make_cfg(tmp_path / "b", cache_dir), resume=str(tmp_path / "b" / "run"))
+    resumed = trainer_for(make_cfg(tmp_path / "b"), resume=str(tmp_path / "b" / "run"))
     assert resumed.start_epoch == 1 and resumed.global_step == straight.steps_per_epoch
     resumed.fit()
     a, b = params_of(straight.model), params_of(resumed.model)
@@ -90,8 +85,8 @@ def test_resume_equals_straight_run(tmp_path, cache_dir):
         assert ep_a[1]["val"][key] == pytest.approx(ep_b[1]["val"][key], rel=1e-5)
 
 
-def test_freeze_backbone_and_zero_weights(tmp_path, cache_dir):
-    trainer = trainer_for(make_cfg(tmp_path, cache_dir, freeze_backbone=True, max_epochs=1,
+def test_freeze_backbone_and_zero_weights(tmp_path):
+    trainer = trainer_for(make_cfg(tmp_path, freeze_backbone=True, max_epochs=1,
                                    loss_weights=dict(energy=1.0, forces=1.0, stress=0.0)))
     before = params_of(trainer.model)
     history = trainer.fit()["history"]
@@ -108,14 +103,14 @@ def test_freeze_backbone_and_zero_weights(tmp_path, cache_dir):
     assert m["loss"] == pytest.approx(m["energy_mae"] + m["node_mae"], rel=1e-4)
 
 
-def test_stressless_database_trains(tmp_path, cache_dir):
+def test_stressless_database_trains(tmp_path):
     path = str(tmp_path / "nostress.db")
     with ase.db.connect(DEMO_TRAIN) as src, ase.db.connect(path) as dst:
         for row in list(src.select())[:16]:
             atoms = row.toatoms()
             atoms.calc = SinglePointCalculator(atoms, energy=row.energy, forces=row.forces)
             dst.write(atoms)
-    trainer = trainer_for(make_cfg(tmp_path, cache_dir, train_data_path=path, val_data_path="", max_epochs=2))
+    trainer = trainer_for(make_cfg(tmp_path, train_data_path=path, val_data_path="", max_epochs=2))
     assert not trainer.has_stress
     before = params_of(trainer.model)["stress_head.mlp.NN-1.weight"]
     history = trainer.fit()["history"]
@@ -123,8 +118,8 @@ def test_stressless_database_trains(tmp_path, cache_dir):
     np.testing.assert_array_equal(before, params_of(trainer.model)["stress_head.mlp.NN-1.weight"])
 
 
-def test_compilations_bounded_by_buckets(tmp_path, cache_dir):
-    trainer = trainer_for(make_cfg(tmp_path, cache_dir, buckets=[], num_buckets=2, max_epochs=3))
+def test_compilations_bounded_by_buckets(tmp_path):
+    trainer = trainer_for(make_cfg(tmp_path, buckets=[], num_buckets=2, max_epochs=3))
     trainer.fit()
     kinds = [k for k, _ in trainer.compiled]
     assert len(trainer.train_buckets) <= 2
@@ -137,10 +132,10 @@ def run_cli(*args, timeout=600):
                           capture_output=True, text=True)
 
 
-def test_cli_end_to_end_and_config_typo(tmp_path, cache_dir):
+def test_cli_end_to_end_and_config_typo(tmp_path):
     out = tmp_path / "cli"
     result = run_cli("--config", "configs/demo.yaml", "--max_epochs", "1", "--output_dir", str(out), "--checkpoint_path", "",
-                     "--device_target", "CPU", "--compile_cache_dir", cache_dir, "--buckets", "[[136, 2720]]",
+                     "--device_target", "CPU", "--buckets", "[[136, 2720]]",
                      *sum((["--model." + k, str(v)] for k, v in SMALL_MODEL.items()), []))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert (out / "checkpoints" / "last.ckpt").exists() and (out / "checkpoints" / "best_weights.ckpt").exists()
