@@ -13,7 +13,8 @@
 #   NODE_RANK         this node's rank (multi-node)   (default: 0)
 #   LOG_DIR           worker logs                     (default: msrun_logs/<date-time>)
 #   CLUSTER_TIME_OUT  seconds to wait for all workers (default: 600)
-# On CPU each worker gets OMP_NUM_THREADS = cores / LOCAL_WORKER_NUM unless OMP_NUM_THREADS is set.
+# On CPU each worker gets OMP_NUM_THREADS = cores / LOCAL_WORKER_NUM unless OMP_NUM_THREADS is set (the
+# workers also size MindSpore's CPU kernel thread pool from it).
 # The exit status is msrun's (non-zero if any worker failed).
 set -u
 cd "$(dirname "$0")" || exit 1

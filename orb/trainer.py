@@ -42,6 +42,10 @@ def configure_mindspore(cfg: TrainConfig, parallel: bool = False) -> str:
 
     target = select_device(cfg.device_target)
     ms.set_context(mode=ms.GRAPH_MODE)
+    threads = cfg.num_threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+    if target == "CPU" and threads:
+        # MindSpore's CPU kernels use their own pool (25 threads by default), not only OpenMP's
+        ms.device_context.cpu.op_tuning.threads_num(threads)
     try:
         if parallel:
             ms.set_device(target)
