@@ -27,7 +27,7 @@ class Bucket:
                 and batch.num_graphs < self.num_graphs)
 
 
-def _round_up(x: int, multiple: int) -> int:
+def round_up(x: int, multiple: int) -> int:
     return int(-(-x // multiple) * multiple)
 
 
@@ -58,8 +58,8 @@ def plan_buckets(natoms: Sequence[int], batch_size: int, max_neighbors: int = 20
     batch_size = min(batch_size, len(natoms))
     largest = int(np.sort(natoms)[-batch_size:].sum())
     totals = simulate_batch_nodes(natoms, batch_size, seed=seed)
-    caps = sorted({_round_up(int(q) + 1, multiple) for q in np.quantile(totals, np.linspace(0.05, 0.95, 19))})
-    top = _round_up(largest + 1, multiple)
+    caps = sorted({round_up(int(q) + 1, multiple) for q in np.quantile(totals, np.linspace(0.05, 0.95, 19))})
+    top = round_up(largest + 1, multiple)
     caps = [c for c in caps if c < top]
     best, best_cost = (top,), None
     for k in range(0, max_buckets):

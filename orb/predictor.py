@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 import numpy as np
 from mindspore import nn
 
-from orb.buckets import Bucket
+from orb.buckets import Bucket, round_up
 from orb.graphs import AtomGraphs, pad_batch
 from orb.tensors import model_inputs
 
@@ -32,10 +32,6 @@ class PredictCell(nn.Cell):
         return self.model.physical(*raw, numbers, node_graph, n_node)
 
 
-def _round_up(x: int, multiple: int) -> int:
-    return int(-(-x // multiple) * multiple)
-
-
 class Predictor:
     """Pads batches to reusable bucket shapes and runs the compiled forward pass."""
 
@@ -51,8 +47,8 @@ class Predictor:
             if bucket.fits(batch):
                 return bucket
         max_nb = self.model.cfg.max_neighbors
-        nodes = _round_up(int((batch.num_nodes + 1) * self.growth), self.multiple)
-        edges = max(nodes * max_nb, _round_up(batch.num_edges, self.multiple))
+        nodes = round_up(int((batch.num_nodes + 1) * self.growth), self.multiple)
+        edges = max(nodes * max_nb, round_up(batch.num_edges, self.multiple))
         bucket = Bucket(nodes, edges, batch.num_graphs + 1)
         if self.buckets:
             log.info("batch of %d atoms / %d edges outgrew the buckets: adding (nodes %d, edges %d, graphs %d)",
