@@ -109,10 +109,7 @@ class OrbLoss(nn.Cell):
         cosine = (force_pred * forces).sum(1) / ops.maximum(norms, 1e-8)
         within = (ops.amax(force_abs, 1) < FORCE_THRESHOLD).astype(forces.dtype)
         all_within = (segment_sum(within, node_graph, num_graphs) == n_node).astype(forces.dtype)
-        stress_raw_err = ops.abs(ops.stop_gradient(s_raw * s_std + s_mean) - stress).mean(1)
-        if not self.has_stress:
-            stress_err = stress_err * 0.0
-            stress_raw_err = stress_raw_err * 0.0
+        stress_raw_err = ops.abs(ops.stop_gradient(s_raw * s_std + s_mean) - stress).mean(1)  # unreported without stress
         m = graph_mask
         sums = ops.stack((
             (per_graph * m).sum(),

@@ -240,13 +240,9 @@ class Trainer:
         return out
 
     # ----------------------------------------------------------------- epochs
-    def _read_sums(self, sums_param) -> np.ndarray:
-        from orb.train_step import read_and_reset
-
-        return read_and_reset(sums_param)
-
     def train_epoch(self, epoch: int, progress) -> Dict[str, float]:
         from orb.loss import SUM_KEYS, metrics_from_sums
+        from orb.train_step import read_and_reset
 
         global_batches = self.sampler.global_batches(epoch)
         totals = np.zeros(len(SUM_KEYS))
@@ -264,7 +260,7 @@ class Trainer:
             self.global_step += 1
             bar.update(1)
             if (step + 1) % self.cfg.log_every_n_steps == 0 or step + 1 == len(global_batches):
-                part = self.dist.sum(self._read_sums(self.train_step.metric_sums))  # one host sync per interval
+                part = self.dist.sum(read_and_reset(self.train_step.metric_sums))  # one host sync per interval
                 totals += part
                 interval = metrics_from_sums(part, self.has_stress)
                 bar.set_postfix(loss=f"{interval['loss']:.4f}")
@@ -280,6 +276,7 @@ class Trainer:
 
     def validate(self, progress) -> Dict[str, float]:
         from orb.loss import metrics_from_sums
+        from orb.train_step import read_and_reset
 
         if self.val_set is None:
             return {}
@@ -292,7 +289,7 @@ class Trainer:
             self._run("eval", self.eval_step, inputs, bucket)
             bar.update(1)
         bar.close()
-        sums = self.dist.sum(self._read_sums(self.eval_step.metric_sums))
+        sums = self.dist.sum(read_and_reset(self.eval_step.metric_sums))
         metrics = metrics_from_sums(sums, self.has_stress)
         metrics["val_time"] = time.perf_counter() - start
         return metrics
