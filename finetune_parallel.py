@@ -2,7 +2,7 @@
 
 import sys
 
-from orb.cli import main
+from orb.training.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:], parallel=True))

@@ -72,8 +72,8 @@ print(json.dumps(out))
 def bench_graphs(args) -> None:
     import ase.db
 
-    from orb.dataset import AseDbDataset
-    from orb.graphs import atoms_to_graph
+    from orb.data.dataset import AseDbDataset
+    from orb.data.graphs import atoms_to_graph
 
     rows = []
     for path in (DEMO, MPTRJ):
@@ -146,13 +146,13 @@ def bench_model(args) -> None:
     import mindspore as ms
     from mindspore import Tensor, nn
 
-    from orb.buckets import plan_buckets, select_bucket
-    from orb.dataset import AseDbDataset
-    from orb.graphs import batch_graphs, pad_batch
-    from orb.loss import OrbLoss
-    from orb.models import orb_v2
-    from orb.tensors import loss_inputs
-    from orb.train_step import EvalStep, TrainStep
+    from orb.data.buckets import plan_buckets, select_bucket
+    from orb.data.dataset import AseDbDataset
+    from orb.data.graphs import batch_graphs, pad_batch
+    from orb.training.loss import OrbLoss
+    from orb.models.orb_v2 import orb_v2
+    from orb.data.tensors import loss_inputs
+    from orb.training.steps import EvalStep, TrainStep
 
     ms.set_context(mode=ms.GRAPH_MODE)
     ds = AseDbDataset(DEMO)
@@ -207,13 +207,13 @@ def _dynamic_train(batches):
     from mindspore import Tensor, nn
 
     from orb import kernels
-    from orb.graphs import pad_batch
-    from orb.loss import OrbLoss
-    from orb.models import orb_v2
-    from orb.tensors import loss_inputs
-    from orb.train_step import TrainStep
+    from orb.data.graphs import pad_batch
+    from orb.training.loss import OrbLoss
+    from orb.models.orb_v2 import orb_v2
+    from orb.data.tensors import loss_inputs
+    from orb.training.steps import TrainStep
 
-    os.environ["ORB_DISABLE_CUSTOM_KERNELS"] = "1"
+    os.environ["ORB_KERNELS"] = "builtin"
     kernels.library_path.cache_clear()
     model = orb_v2()
     step = TrainStep(OrbLoss(model), nn.Adam(model.trainable_params(), learning_rate=Tensor(np.float32(1e-4))))
@@ -300,8 +300,8 @@ def bench_calculator(args) -> None:
     import mindspore as ms
     from ase.build import bulk
 
-    from orb.calculator import ORBCalculator
-    from orb.models import orb_v2
+    from orb.inference.calculator import ORBCalculator
+    from orb.models.orb_v2 import orb_v2
 
     ms.set_context(mode=ms.GRAPH_MODE)
     calc = ORBCalculator(orb_v2())

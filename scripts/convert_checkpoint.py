@@ -29,16 +29,16 @@ def main(argv=None) -> int:
     parser.add_argument("--config", default="", help="YAML config whose 'model:' block gives the architecture")
     args = parser.parse_args(argv)
 
-    from orb.config import load_config
+    from orb.training.config import load_config
     from orb.errors import OrbInputError
 
     try:
         cfg = load_config(args.config or None)
         import mindspore as ms
 
-        from orb.checkpoint import load_torch_state_dict, read_weights, save_checkpoint, to_torch_state_dict
-        from orb.models import GraphRegressor
-        from orb.torch_format import is_torch_zip, write_torch_checkpoint
+        from orb.io.checkpoint import load_torch_state_dict, read_weights, save_checkpoint, to_torch_state_dict
+        from orb.models.orb_v2 import GraphRegressor
+        from orb.io.torch_format import is_torch_zip, write_torch_checkpoint
 
         ms.set_context(mode=ms.GRAPH_MODE)
         source_is_torch = os.path.isfile(args.source) and is_torch_zip(args.source)

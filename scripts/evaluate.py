@@ -68,15 +68,15 @@ def main(argv=None) -> int:
 
     from tqdm import tqdm
 
-    from orb.dataset import AseDbDataset
+    from orb.data.dataset import AseDbDataset
     from orb.errors import OrbInputError
-    from orb.graphs import batch_graphs
+    from orb.data.graphs import batch_graphs
 
     try:
         import mindspore as ms
 
-        from orb.calculator import model_from_checkpoint
-        from orb.predictor import Predictor
+        from orb.inference.calculator import model_from_checkpoint
+        from orb.inference.predictor import Predictor
 
         ms.set_context(mode=ms.GRAPH_MODE)
         model = model_from_checkpoint(args.checkpoint, args.config)

@@ -28,7 +28,7 @@ def reference():
 
 def reference_graph(z, i):
     """The stored reference graph and labels of structure ``i`` as AtomGraphs."""
-    from orb.graphs import AtomGraphs
+    from orb.data.graphs import AtomGraphs
 
     p = f"s{i}/"
     return AtomGraphs(

@@ -12,8 +12,8 @@ import pytest
 
 from conftest import ROOT, SMALL_MODEL, STATE_DICT_KEYS, TORCH_SAMPLE
 from orb.errors import CheckpointError
-from orb.recipe import recipe_weights
-from orb.torch_format import read_torch_checkpoint, write_torch_checkpoint
+from orb.models.recipe import recipe_weights
+from orb.io.torch_format import read_torch_checkpoint, write_torch_checkpoint
 
 
 def reference_keys():
@@ -80,8 +80,8 @@ def test_write_then_read_bit_exact_with_aligned_storages(tmp_path, recipe):
 
 
 def test_state_dict_round_trip_through_model(tmp_path, recipe):
-    from orb.checkpoint import load_torch_state_dict, read_weights, save_checkpoint, to_torch_state_dict
-    from orb.models import orb_v2
+    from orb.io.checkpoint import load_torch_state_dict, read_weights, save_checkpoint, to_torch_state_dict
+    from orb.models.orb_v2 import orb_v2
 
     model = orb_v2()
     load_torch_state_dict(model, recipe)
@@ -98,8 +98,8 @@ def test_state_dict_round_trip_through_model(tmp_path, recipe):
 
 
 def test_strict_loading_names_the_bad_key(recipe):
-    from orb.checkpoint import load_torch_state_dict
-    from orb.models import orb_v2
+    from orb.io.checkpoint import load_torch_state_dict
+    from orb.models.orb_v2 import orb_v2
 
     model = orb_v2()
     missing = dict(recipe)
@@ -118,8 +118,8 @@ def test_strict_loading_names_the_bad_key(recipe):
 
 
 def test_convert_script_both_ways(tmp_path):
-    from orb.checkpoint import save_checkpoint, to_torch_state_dict
-    from orb.models import orb_v2
+    from orb.io.checkpoint import save_checkpoint, to_torch_state_dict
+    from orb.models.orb_v2 import orb_v2
 
     config = tmp_path / "small.yaml"
     config.write_text("model:\n" + "".join(f"  {k}: {v}\n" for k, v in SMALL_MODEL.items()))
@@ -134,7 +134,7 @@ def test_convert_script_both_ways(tmp_path):
                            "--config", str(config)], capture_output=True, text=True, timeout=300)
     assert back.returncode == 0, back.stderr[-2000:]
     torch_sd = read_torch_checkpoint(str(tmp_path / "small_torch.ckpt"))
-    from orb.checkpoint import read_weights
+    from orb.io.checkpoint import read_weights
 
     final, _ = read_weights(str(tmp_path / "back.ckpt"))
     for key, value in to_torch_state_dict(model).items():

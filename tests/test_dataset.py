@@ -11,7 +11,7 @@ from ase.calculators.emt import EMT
 from ase.calculators.singlepoint import SinglePointCalculator
 
 from conftest import MPTRJ_DB, MPTRJ_THIN_DB
-from orb.dataset import AseDbDataset, EpochSampler, random_rotation, rotate_structure
+from orb.data.dataset import AseDbDataset, EpochSampler, random_rotation, rotate_structure
 from orb.errors import DatasetError
 
 

@@ -6,9 +6,9 @@ from ase import Atoms
 from ase.build import bulk
 from ase.neighborlist import neighbor_list
 
-from orb.buckets import Bucket, pad_to_bucket, padding_fraction, plan_buckets, select_bucket
+from orb.data.buckets import Bucket, pad_to_bucket, padding_fraction, plan_buckets, select_bucket
 from orb.errors import StructureError
-from orb.graphs import (PADDING_EDGE_LENGTH, atoms_to_graph, batch_graphs, graph_from_arrays, pad_batch,
+from orb.data.graphs import (PADDING_EDGE_LENGTH, atoms_to_graph, batch_graphs, graph_from_arrays, pad_batch,
                         split_batch, unpad_batch, wrap_positions)
 
 

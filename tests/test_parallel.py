@@ -74,7 +74,7 @@ def test_parallel_job_exits_zero(runs):
 
 
 def test_same_parameters_and_metrics_as_one_device(runs):
-    from orb.checkpoint import read_weights
+    from orb.io.checkpoint import read_weights
 
     base = runs["base"]
     par, _ = read_weights(str(base / "par" / "checkpoints" / "last.ckpt"))

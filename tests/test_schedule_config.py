@@ -5,9 +5,9 @@ import math
 import numpy as np
 import pytest
 
-from orb.config import load_config, parse_overrides
+from orb.training.config import load_config, parse_overrides
 from orb.errors import ConfigError
-from orb.schedule import one_cycle
+from orb.training.schedule import one_cycle
 
 
 def torch_one_cycle(lr, total, pct=0.05):

@@ -19,7 +19,7 @@ BUCKET = [[136, 2720]]  # one static shape fits any 8 demo structures: one compi
 
 
 def make_cfg(tmp_path, **overrides):
-    from orb.config import config_from_dict
+    from orb.training.config import config_from_dict
 
     values = dict(train_data_path=DEMO_TRAIN, val_data_path=DEMO_VAL, output_dir=str(tmp_path / "run"),
                   device_target="CPU", batch_size=8, max_epochs=2, lr=1e-3, buckets=BUCKET, progress_bar="false",
@@ -29,8 +29,8 @@ def make_cfg(tmp_path, **overrides):
 
 
 def trainer_for(cfg, resume=None):
-    from orb.cli import set_environment
-    from orb.trainer import Trainer, configure_mindspore
+    from orb.training.cli import set_environment
+    from orb.training.trainer import Trainer, configure_mindspore
 
     set_environment(cfg)
     configure_mindspore(cfg)
@@ -45,12 +45,12 @@ def test_loss_falls_on_a_fixed_batch():
     import mindspore as ms
     from mindspore import Tensor, nn
 
-    from orb.dataset import AseDbDataset
-    from orb.graphs import batch_graphs, pad_batch
-    from orb.loss import OrbLoss
-    from orb.models import orb_v2
-    from orb.tensors import loss_inputs
-    from orb.train_step import TrainStep
+    from orb.data.dataset import AseDbDataset
+    from orb.data.graphs import batch_graphs, pad_batch
+    from orb.training.loss import OrbLoss
+    from orb.models.orb_v2 import orb_v2
+    from orb.data.tensors import loss_inputs
+    from orb.training.steps import TrainStep
 
     ms.set_context(mode=ms.GRAPH_MODE)
     ds = AseDbDataset(DEMO_TRAIN)
@@ -150,8 +150,8 @@ def test_cli_end_to_end_and_config_typo(tmp_path):
 KILL_SCRIPT = """
 import sys
 sys.path.insert(0, {root!r})
-from orb.checkpoint import save_checkpoint
-from orb.models import orb_v2
+from orb.io.checkpoint import save_checkpoint
+from orb.models.orb_v2 import orb_v2
 model = orb_v2(latent_dim=64, mlp_hidden_dim=128, num_message_passing_steps=3)
 print("ready", flush=True)
 i = 0
@@ -162,8 +162,8 @@ while True:
 
 
 def test_killed_while_saving_never_leaves_a_broken_checkpoint(tmp_path):
-    from orb.checkpoint import load_checkpoint, save_checkpoint
-    from orb.models import orb_v2
+    from orb.io.checkpoint import load_checkpoint, save_checkpoint
+    from orb.models.orb_v2 import orb_v2
 
     path = str(tmp_path / "last.ckpt")
     save_checkpoint(path, orb_v2(**SMALL_MODEL), {"i": 0})

@@ -20,9 +20,9 @@ def reference_model(reference, tmp_path_factory):
     """orb-v2 with the recipe weights, saved as a MindSpore checkpoint (as a user would have it)."""
     import mindspore as ms
 
-    from orb.checkpoint import load_torch_state_dict, save_checkpoint
-    from orb.models import orb_v2
-    from orb.recipe import model_recipe_weights
+    from orb.io.checkpoint import load_torch_state_dict, save_checkpoint
+    from orb.models.orb_v2 import orb_v2
+    from orb.models.recipe import model_recipe_weights
 
     ms.set_context(mode=ms.GRAPH_MODE)
     model = orb_v2()
@@ -42,7 +42,8 @@ def atoms_of(z, i):
 
 
 def test_calculator_matches_predict_and_pytorch(reference_model, reference):
-    from orb.calculator import ORBCalculator
+    from orb.inference.calculator import ORBCalculator
+    from orb.inference.predictor import Predictor
 
     model, path = reference_model
     calc = ORBCalculator.from_checkpoint(path)
@@ -50,7 +51,7 @@ def test_calculator_matches_predict_and_pytorch(reference_model, reference):
         atoms = atoms_of(reference, i)
         atoms.calc = calc
         energy, forces, stress = atoms.get_potential_energy(), atoms.get_forces(), atoms.get_stress()
-        direct = model.predict(reference_graph(reference, i))
+        direct = Predictor(model)(reference_graph(reference, i))
         assert energy == pytest.approx(float(direct["energy"][0]), abs=1e-4)
         np.testing.assert_allclose(forces, direct["forces"], atol=2e-5)
         np.testing.assert_allclose(stress, direct["stress"][0], atol=1e-5)
@@ -68,7 +69,7 @@ def test_relaxation_and_md_with_finetuned_checkpoint():
     from ase.optimize import BFGS
     from ase import units
 
-    from orb.calculator import ORBCalculator
+    from orb.inference.calculator import ORBCalculator
 
     calc = ORBCalculator.from_checkpoint(DEMO_PRETRAINED)
     atoms = bulk("Cu", "fcc", a=3.6).repeat((2, 2, 2))

@@ -18,7 +18,7 @@ from typing import Dict, Optional, Sequence
 import numpy as np
 from mindspore import nn, ops
 
-from orb.nn import segment_sum
+from orb.models.blocks import segment_sum
 
 METRIC_KEYS = ("loss", "energy_reference_mae", "energy_mae", "energy_mae_raw", "stress_mae", "stress_mae_raw",
                "node_mae", "node_mae_raw", "node_cosine_sim", "fwt_0.03")
@@ -28,9 +28,9 @@ FORCE_THRESHOLD = 0.03  # eV/Å, for fwt_0.03
 
 
 class OrbLoss(nn.Cell):
-    """Loss and metric sums of a :class:`~orb.models.GraphRegressor` on a (padded) batch.
+    """Loss and metric sums of a :class:`~orb.models.orb_v2.GraphRegressor` on a (padded) batch.
 
-    ``construct(*loss_inputs, *stats)`` takes the tensors of :func:`orb.tensors.loss_inputs`
+    ``construct(*loss_inputs, *stats)`` takes the tensors of :func:`orb.data.tensors.loss_inputs`
     followed by the six normaliser statistics (mean and variance for energy, forces, stress):
     :meth:`current_stats` in evaluation, :meth:`update_stats` in training.
     """
@@ -141,11 +141,11 @@ def metrics_from_sums(sums: Sequence[float], has_stress: bool = True) -> Dict[st
 
 
 def compute_loss(model, batch, training: bool = False, loss_cell: Optional[OrbLoss] = None) -> Dict[str, float]:
-    """Loss and metrics of ``model`` on an :class:`~orb.graphs.AtomGraphs` batch (PyTorch ``model.loss``).
+    """Loss and metrics of ``model`` on an :class:`~orb.data.graphs.AtomGraphs` batch (PyTorch ``model.loss``).
 
     ``training=True`` updates the normalisers first, as orb-models does in ``model.train()``.
     """
-    from orb.tensors import loss_inputs
+    from orb.data.tensors import loss_inputs
 
     cell = loss_cell or OrbLoss(model, has_stress=batch.stress is not None)
     inputs = loss_inputs(batch)

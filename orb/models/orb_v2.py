@@ -14,10 +14,10 @@ from typing import Optional
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from orb import reference_energies
-from orb.kernels import exp_nonpositive_op
-from orb.model_config import ModelConfig
-from orb.nn import Linear, MLP, MLPLayerNorm, segment_mean, segment_sum
+from orb.models import reference_energies
+from orb.models.kernels import exp_nonpositive_op
+from orb.models.config import ModelConfig
+from orb.models.blocks import Linear, MLP, MLPLayerNorm, segment_mean, segment_sum
 
 
 def polynomial_envelope(r: Tensor, r_max: float, p: int) -> Tensor:
@@ -343,13 +343,6 @@ class GraphRegressor(nn.Cell):
         forces = forces_raw * ops.sqrt(f_var) + f_mean
         stress = stress_raw * ops.sqrt(s_var) + s_mean
         return energy, forces, stress
-
-    def predict(self, batch) -> dict:
-        """``energy`` (B,) eV, ``forces`` (N, 3) eV/Å and ``stress`` (B, 6) eV/Å^3 (ASE Voigt) as numpy
-        arrays for an :class:`~orb.graphs.AtomGraphs` batch (compiled once per padded size)."""
-        from orb.predictor import predictor_for
-
-        return predictor_for(self)(batch)
 
     def backbone_parameters(self):
         return list(self.model.trainable_params())

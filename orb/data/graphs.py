@@ -184,7 +184,7 @@ def graph_from_arrays(
 
 
 def atoms_to_graph(atoms, radius: float = 10.0, max_neighbors: int = 20, system_id: Optional[int] = None) -> AtomGraphs:
-    """Build orb-v2's graph of an ``ase.Atoms`` (labels are not attached; see ``orb.dataset``)."""
+    """Build orb-v2's graph of an ``ase.Atoms`` (labels are not attached; see ``orb.data.dataset``)."""
     return graph_from_arrays(atoms.positions, atoms.numbers, atoms.cell.array, radius, max_neighbors, system_id)
 
 

@@ -5,7 +5,7 @@ from typing import Optional, Tuple
 import numpy as np
 from mindspore import Tensor
 
-from orb.graphs import AtomGraphs
+from orb.data.graphs import AtomGraphs
 
 MODEL_INPUTS = ("numbers", "positions", "vectors", "senders", "receivers", "node_graph", "n_node", "nonperiodic")
 TARGET_INPUTS = ("graph_mask", "graph_weight", "energy", "forces", "stress")

@@ -13,7 +13,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from orb.errors import DatasetError, StructureError
-from orb.graphs import AtomGraphs, graph_from_arrays
+from orb.data.graphs import AtomGraphs, graph_from_arrays
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 

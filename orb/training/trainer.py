@@ -10,12 +10,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from orb.buckets import Bucket, pad_to_bucket, padding_fraction, parse_buckets, plan_buckets
-from orb.config import TrainConfig
-from orb.dataset import AseDbDataset, EpochSampler
-from orb.distributed import Distributed
+from orb.data.buckets import Bucket, pad_to_bucket, padding_fraction, parse_buckets, plan_buckets
+from orb.training.config import TrainConfig
+from orb.data.dataset import AseDbDataset, EpochSampler
+from orb.training.distributed import Distributed
 from orb.errors import CheckpointError, ConfigError
-from orb.graphs import AtomGraphs, batch_graphs, empty_batch
+from orb.data.graphs import AtomGraphs, batch_graphs, empty_batch
 
 log = logging.getLogger("orb")
 CHECKPOINT_FORMAT = "orb-mindspore-train-1"
@@ -59,9 +59,9 @@ def configure_mindspore(cfg: TrainConfig, parallel: bool = False) -> str:
 
 def build_model(cfg: TrainConfig):
     """orb model of the config's architecture with pretrained (or random) weights and reference energies."""
-    from orb.checkpoint import load_weights_into
-    from orb.models import GraphRegressor
-    from orb.reference_energies import load_reference_file
+    from orb.io.checkpoint import load_weights_into
+    from orb.models.orb_v2 import GraphRegressor
+    from orb.models.reference_energies import load_reference_file
 
     model = GraphRegressor(cfg.model, seed=cfg.random_seed)
     if cfg.checkpoint_path:
@@ -112,13 +112,13 @@ class Trainer:
     """Fits an orb model to an ASE database: compiled steps, validation, logging, checkpoints, resume."""
 
     def __init__(self, cfg: TrainConfig, dist: Optional[Distributed] = None, resume: Optional[str] = None):
-        from orb.loss import OrbLoss
-        from orb.train_step import EvalStep, TrainStep
+        from orb.training.loss import OrbLoss
+        from orb.training.steps import EvalStep, TrainStep
 
         import mindspore as ms
         from mindspore import Tensor, nn
 
-        from orb.schedule import learning_rates
+        from orb.training.schedule import learning_rates
 
         self.cfg, self.dist = cfg, dist or Distributed()
         self.output_dir = cfg.output_dir
@@ -216,7 +216,7 @@ class Trainer:
         return batch_graphs(graphs)
 
     def _inputs(self, batch: AtomGraphs, buckets: Sequence[Bucket], global_count: int):
-        from orb.tensors import loss_inputs
+        from orb.data.tensors import loss_inputs
 
         padded = pad_to_bucket(batch, buckets)
         weight = padded.graph_mask.astype(np.float32) * (self.dist.world_size / max(global_count, 1))
@@ -241,8 +241,8 @@ class Trainer:
 
     # ----------------------------------------------------------------- epochs
     def train_epoch(self, epoch: int, progress) -> Dict[str, float]:
-        from orb.loss import SUM_KEYS, metrics_from_sums
-        from orb.train_step import read_and_reset
+        from orb.training.loss import SUM_KEYS, metrics_from_sums
+        from orb.training.steps import read_and_reset
 
         global_batches = self.sampler.global_batches(epoch)
         totals = np.zeros(len(SUM_KEYS))
@@ -275,8 +275,8 @@ class Trainer:
         return metrics
 
     def validate(self, progress) -> Dict[str, float]:
-        from orb.loss import metrics_from_sums
-        from orb.train_step import read_and_reset
+        from orb.training.loss import metrics_from_sums
+        from orb.training.steps import read_and_reset
 
         if self.val_set is None:
             return {}
@@ -372,7 +372,7 @@ class Trainer:
                 "random_seed": self.cfg.random_seed, "config": self.cfg.to_dict()}
 
     def _save_epoch(self, epoch: int, val_loss: float) -> None:
-        from orb.checkpoint import save_checkpoint
+        from orb.io.checkpoint import save_checkpoint
 
         improved = val_loss < self.best_val
         if improved:
@@ -392,7 +392,7 @@ class Trainer:
     def _resume(self, path: str) -> None:
         from mindspore import Tensor
 
-        from orb.checkpoint import load_checkpoint, load_torch_state_dict
+        from orb.io.checkpoint import load_checkpoint, load_torch_state_dict
 
         if os.path.isdir(path):
             path = os.path.join(path, "checkpoints", "last.ckpt") if os.path.isdir(

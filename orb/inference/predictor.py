@@ -2,20 +2,19 @@
 
 Batches are padded to a bucket shape so that graph mode compiles once per bucket; a batch that
 outgrows every bucket adds a larger one (by ``growth``), which is logged. Used by
-``GraphRegressor.predict``, the ASE calculator and the evaluation script.
+the ASE calculator and the evaluation script.
 """
 
 import logging
 import time
-import weakref
 from typing import Dict, List, Optional
 
 import numpy as np
 from mindspore import nn
 
-from orb.buckets import Bucket, round_up
-from orb.graphs import AtomGraphs, pad_batch
-from orb.tensors import model_inputs
+from orb.data.buckets import Bucket, round_up
+from orb.data.graphs import AtomGraphs, pad_batch
+from orb.data.tensors import model_inputs
 
 log = logging.getLogger("orb")
 
@@ -71,13 +70,3 @@ class Predictor:
             self.compiled[bucket] = time.perf_counter() - start
             log.debug("compiled inference for %s in %.1f s", bucket, self.compiled[bucket])
         return out
-
-
-_PREDICTORS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def predictor_for(model) -> Predictor:
-    """The model's shared predictor (kept outside the Cell tree so the model holds no reference cycle)."""
-    if model not in _PREDICTORS:
-        _PREDICTORS[model] = Predictor(model)
-    return _PREDICTORS[model]

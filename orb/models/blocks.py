@@ -10,7 +10,7 @@ from typing import Sequence
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from orb.kernels import shifted_softplus_op
+from orb.models.kernels import shifted_softplus_op
 
 
 
@@ -39,7 +39,12 @@ class Linear(nn.Cell):
 
 
 class _LayerNormFunction(nn.Cell):
-    """Fused LayerNorm forward with an analytic backward (MindSpore's CPU LayerNormGrad is slow)."""
+    """Fused LayerNorm forward with an analytic backward (MindSpore's CPU LayerNormGrad is slow).
+
+    The backward recomputes the mean and 1/std from ``x`` instead of reading the kernel's
+    auxiliary outputs: their meaning differs between backends (MindSpore 2.10's CPU kernel returns
+    the variance, Ascend's the reciprocal standard deviation), the recomputation does not.
+    """
 
     def __init__(self, eps: float):
         super().__init__()
@@ -47,13 +52,12 @@ class _LayerNormFunction(nn.Cell):
         self.norm = ops.LayerNorm(begin_norm_axis=-1, begin_params_axis=-1, epsilon=eps)
 
     def construct(self, x, weight, bias):
-        return self.norm(x, weight, bias)  # (y, mean, variance): the statistics feed the backward
+        return self.norm(x, weight, bias)[0]
 
     def bprop(self, x, weight, bias, out, dout):
-        _, mean, variance = out
-        dout = dout[0]
-        rstd = ops.rsqrt(variance + self.eps)
-        xhat = (x - mean) * rstd
+        centred = x - x.mean(-1, keep_dims=True)
+        rstd = ops.rsqrt(ops.square(centred).mean(-1, keep_dims=True) + self.eps)
+        xhat = centred * rstd
         g = dout * weight
         dx = rstd * (g - g.mean(-1, keep_dims=True) - xhat * (g * xhat).mean(-1, keep_dims=True))
         rows = dout.reshape(-1, dout.shape[-1])
@@ -70,7 +74,7 @@ class LayerNorm(nn.Cell):
         self.function = _LayerNormFunction(eps)
 
     def construct(self, x: Tensor) -> Tensor:
-        return self.function(x, self.weight, self.bias)[0]
+        return self.function(x, self.weight, self.bias)
 
 
 class MLP(nn.Cell):

@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from orb.graphs import AtomGraphs, pad_batch
+from orb.data.graphs import AtomGraphs, pad_batch
 
 
 @dataclass(frozen=True, order=True)

@@ -6,7 +6,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from orb.loss import SUM_KEYS, OrbLoss
+from orb.training.loss import SUM_KEYS, OrbLoss
 
 
 def clip_gradients(grads, mode: str, value: float):

@@ -6,7 +6,7 @@ import os
 import sys
 from typing import List, Optional
 
-from orb.config import TrainConfig, load_config
+from orb.training.config import TrainConfig, load_config
 from orb.errors import OrbInputError
 
 USAGE = """%(prog)s [--config PATH] [--resume DIR_OR_FILE] [--key value ...]
@@ -39,8 +39,8 @@ def main(argv: Optional[List[str]] = None, parallel: bool = False) -> int:
     try:
         cfg = load_config(args.config, overrides)
         set_environment(cfg)
-        from orb.distributed import Distributed, init_data_parallel
-        from orb.trainer import Trainer, configure_mindspore, setup_logging
+        from orb.training.distributed import Distributed, init_data_parallel
+        from orb.training.trainer import Trainer, configure_mindspore, setup_logging
 
         target = configure_mindspore(cfg, parallel)
         dist = init_data_parallel(cfg.optimizer_shard and target != "CPU") if parallel else Distributed()

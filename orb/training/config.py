@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import yaml
 
 from orb.errors import ConfigError
-from orb.model_config import ModelConfig
+from orb.models.config import ModelConfig
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """An ASE calculator for orb models: relaxations and molecular dynamics with a fine-tuned model.
 
-    from orb.calculator import ORBCalculator
+    from orb.inference.calculator import ORBCalculator
     atoms.calc = ORBCalculator.from_checkpoint("outputs/run/checkpoints/best_weights.ckpt")
     BFGS(atoms).run(fmax=0.05)
 
@@ -16,8 +16,8 @@ from typing import Dict, Optional
 import numpy as np
 from ase.calculators.calculator import Calculator, all_changes
 
-from orb.graphs import atoms_to_graph
-from orb.predictor import Predictor
+from orb.data.graphs import atoms_to_graph
+from orb.inference.predictor import Predictor
 
 
 def model_from_checkpoint(path: str, config_path: str = ""):
@@ -26,10 +26,10 @@ def model_from_checkpoint(path: str, config_path: str = ""):
     The architecture comes from ``config_path`` (its ``model:`` block) if given, else from the
     checkpoint's own metadata (written by this program), else orb-v2's.
     """
-    from orb.checkpoint import load_torch_state_dict, read_weights
-    from orb.config import load_config
-    from orb.model_config import ModelConfig
-    from orb.models import GraphRegressor
+    from orb.io.checkpoint import load_torch_state_dict, read_weights
+    from orb.training.config import load_config
+    from orb.models.config import ModelConfig
+    from orb.models.orb_v2 import GraphRegressor
 
     weights, meta = read_weights(path)
     if config_path:

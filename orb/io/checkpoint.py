@@ -14,7 +14,7 @@ import numpy as np
 from mindspore import Tensor, nn
 
 from orb.errors import CheckpointError
-from orb.torch_format import is_torch_zip, read_torch_checkpoint, write_torch_checkpoint
+from orb.io.torch_format import is_torch_zip, read_torch_checkpoint, write_torch_checkpoint
 
 __all__ = [
     "read_torch_checkpoint", "write_torch_checkpoint", "load_torch_state_dict", "to_torch_state_dict",

@@ -1,0 +1,137 @@
+"""Building blocks on the code paths every device takes: LayerNorm's backward whatever the kernel's
+auxiliary outputs mean, and the kernel switch between the CPU custom kernels and MindSpore's built-ins."""
+
+import numpy as np
+import pytest
+
+
+def layer_norm_np(x, w, b, eps=1e-5):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * w + b
+
+
+def finite_difference_grads(x, w, b, dy, h=1e-6):
+    """Central differences of sum(layer_norm(x) * dy) in float64."""
+    def f(x_, w_, b_):
+        return float((layer_norm_np(x_, w_, b_) * dy).sum())
+
+    grads = []
+    for arg in range(3):
+        values = [x.copy(), w.copy(), b.copy()]
+        g = np.zeros_like(values[arg])
+        for idx in np.ndindex(g.shape):
+            plus, minus = [v.copy() for v in values], [v.copy() for v in values]
+            plus[arg][idx] += h
+            minus[arg][idx] -= h
+            g[idx] = (f(*plus) - f(*minus)) / (2 * h)
+        grads.append(g)
+    return grads
+
+
+class RstdLayerNorm:
+    """Stands for a backend whose LayerNorm kernel returns (y, mean, rstd), as Ascend's does."""
+
+    def __new__(cls, eps):
+        from mindspore import nn, ops
+
+        class Kernel(nn.Cell):
+            def __init__(self):
+                super().__init__()
+                self.norm = ops.LayerNorm(begin_norm_axis=-1, begin_params_axis=-1, epsilon=eps)
+
+            def construct(self, x, w, b):
+                y, mean, variance = self.norm(x, w, b)
+                return y, mean, ops.rsqrt(variance + eps)
+
+        return Kernel()
+
+
+@pytest.mark.parametrize("kernel", ["cpu", "rstd"])
+def test_layer_norm_gradient(kernel):
+    import mindspore as ms
+    from mindspore import Tensor, nn
+
+    from orb.models.blocks import LayerNorm
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    rng = np.random.default_rng(0)
+    x = rng.normal(0.3, 2.0, (7, 32))
+    w, b = 1 + 0.1 * rng.standard_normal(32), 0.1 * rng.standard_normal(32)
+    dy = rng.standard_normal((7, 32))
+    ours = LayerNorm(32)
+    ours.weight.set_data(Tensor(w.astype(np.float32)))
+    ours.bias.set_data(Tensor(b.astype(np.float32)))
+    if kernel == "rstd":
+        ours.function.norm = RstdLayerNorm(1e-5)
+
+    class Loss(nn.Cell):
+        def __init__(self, norm):
+            super().__init__()
+            self.norm = norm
+
+        def construct(self, x, dy):
+            return (self.norm(x) * dy).sum()
+
+    def gradients(cell):
+        params = cell.trainable_params()
+        grad_fn = ms.grad(Loss(cell), grad_position=0, weights=params)
+        gx, (gw, gb) = grad_fn(Tensor(x.astype(np.float32)), Tensor(dy.astype(np.float32)))
+        return gx.asnumpy(), gw.asnumpy(), gb.asnumpy()
+
+    builtin = nn.LayerNorm((32,), begin_norm_axis=-1, begin_params_axis=-1, epsilon=1e-5)
+    builtin.gamma.set_data(Tensor(w.astype(np.float32)))
+    builtin.beta.set_data(Tensor(b.astype(np.float32)))
+    expected = finite_difference_grads(x, w, b, dy)
+    for got, reference, fd in zip(gradients(ours), gradients(builtin), expected):
+        np.testing.assert_allclose(got, reference, atol=2e-5, rtol=1e-5)  # MindSpore's own LayerNormGrad
+        np.testing.assert_allclose(got, fd, atol=2e-5, rtol=1e-5)  # float64 finite differences
+    y = ours(Tensor(x.astype(np.float32))).asnumpy()
+    np.testing.assert_allclose(y, layer_norm_np(x, w, b), atol=2e-6)
+
+
+def test_kernel_mode_switch(monkeypatch):
+    """``ORB_KERNELS=builtin`` selects MindSpore's built-in operators on CPU (the Ascend/GPU path)."""
+    import mindspore as ms
+    from mindspore import Tensor, ops
+
+    from orb.models import kernels
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    x = np.linspace(-30, 30, 4001).astype(np.float32)
+    exact = np.logaddexp(0.0, x.astype(np.float64)) - np.log(2.0)
+    monkeypatch.setenv("ORB_KERNELS", "builtin")
+    assert not kernels.uses_custom_kernels()
+    builtin = kernels.shifted_softplus_op()
+    assert not isinstance(builtin, ops.Custom)
+    builtin_err = np.abs(builtin(Tensor(x)).asnumpy() - exact).max()
+    monkeypatch.setenv("ORB_KERNELS", "auto")
+    if kernels.library_path() is None:
+        pytest.fail("the custom kernels could not be built (a C++ compiler is part of the test environment)")
+    custom = kernels.shifted_softplus_op()
+    assert isinstance(custom, ops.Custom)
+    custom_err = np.abs(custom(Tensor(x)).asnumpy() - exact).max()
+    assert custom_err <= 4e-6 and builtin_err <= 1e-5  # both usable; the custom one is the accurate one
+    assert custom_err <= builtin_err
+    monkeypatch.setenv("ORB_KERNELS", "fast")
+    with pytest.raises(ValueError, match="ORB_KERNELS"):
+        kernels.kernel_mode()
+
+
+def test_kernel_cache_falls_back(monkeypatch, tmp_path):
+    """An unwritable cache folder falls back to a temporary one; the cache key includes the CPU flags."""
+    from orb.models import kernels
+
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("")  # a cache path below a file cannot be created, even by root
+    monkeypatch.setenv("ORB_KERNEL_CACHE", str(blocker / "cache"))
+    monkeypatch.setattr(kernels.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    kernels.library_path.cache_clear()
+    try:
+        path = kernels.library_path()
+        assert path is not None and path.startswith(str(tmp_path / "tmp"))
+        monkeypatch.setattr(kernels, "_cpu_signature", lambda: "another cpu")
+        kernels.library_path.cache_clear()
+        assert kernels.library_path() != path  # a different CPU never loads this build
+    finally:
+        kernels.library_path.cache_clear()
