@@ -13,13 +13,47 @@ from mindspore import Parameter, Tensor, nn, ops
 from orb.models.kernels import shifted_softplus_op
 
 
-
 def uniform(shape, bound: float, rng: np.random.Generator) -> np.ndarray:
     return rng.uniform(-bound, bound, size=shape).astype(np.float32)
 
 
+# Memory: MindSpore 2.10's CPU kernels for reductions (ReduceSum/ReduceMean) and for binary
+# operators that broadcast (x + bias, x * column) each keep host index/work buffers of 8-16 bytes
+# per element of their input for the life of the compiled graph (22 MB per kernel on a 2720 x 512
+# activation, measured with heaptrack); over orb's 15 layers, forward and backward, that was
+# ~3 GB. So large activations are reduced by matrix products with a ones vector, biases are added
+# with BiasAdd and other operands are expanded with BroadcastTo first (neither keeps such buffers).
+def row_sum(x: Tensor) -> Tensor:
+    """Sum over the last axis of a 2-D tensor, keeping it: (rows, cols) -> (rows, 1)."""
+    return ops.matmul(x, ops.ones((x.shape[-1], 1), x.dtype))
+
+
+def row_mean(x: Tensor) -> Tensor:
+    return row_sum(x) * (1.0 / x.shape[-1])
+
+
+def column_sum(x: Tensor) -> Tensor:
+    """Sum over the first axis of a 2-D tensor: (rows, cols) -> (cols,)."""
+    return ops.matmul(ops.ones((1, x.shape[0]), x.dtype), x).reshape(-1)
+
+
+class _LinearFunction(nn.Cell):
+    """x W^T + b with the backward written as three matrix products (no reduction kernels)."""
+
+    def __init__(self):
+        super().__init__()
+        self.matmul_t = ops.MatMul(transpose_b=True)
+        self.matmul_ta = ops.MatMul(transpose_a=True)
+
+    def construct(self, x, weight, bias):
+        return ops.bias_add(self.matmul_t(x, weight), bias)
+
+    def bprop(self, x, weight, bias, out, dout):
+        return ops.matmul(dout, weight), self.matmul_ta(dout, x), column_sum(dout)
+
+
 class Linear(nn.Cell):
-    """y = x W^T + b with W of shape (out, in), PyTorch's default initialisation."""
+    """y = x W^T + b with W of shape (out, in), PyTorch's default initialisation; x is 2-D."""
 
     def __init__(self, in_dim: int, out_dim: int, rng: np.random.Generator, bias: bool = True):
         super().__init__()
@@ -28,14 +62,24 @@ class Linear(nn.Cell):
         self.has_bias = bias
         if bias:
             self.bias = Parameter(Tensor(uniform((out_dim,), bound, rng)), name="bias")
-        self.matmul = ops.MatMul(transpose_b=True)
+            self.function = _LinearFunction()
+        else:
+            self.matmul = ops.MatMul(transpose_b=True)
 
     def construct(self, x: Tensor) -> Tensor:
-        y = self.matmul(x, self.weight)
         if self.has_bias:
-            y = y + self.bias
-        return y
+            return self.function(x, self.weight, self.bias)
+        return self.matmul(x, self.weight)
 
+
+class ScaleRows(nn.Cell):
+    """x * gate with gate (rows, 1), the gate's gradient as a row sum (see :func:`row_sum`)."""
+
+    def construct(self, x, gate):
+        return x * ops.broadcast_to(gate, x.shape)
+
+    def bprop(self, x, gate, out, dout):
+        return dout * ops.broadcast_to(gate, x.shape), row_sum(dout * x)
 
 
 class _LayerNormFunction(nn.Cell):
@@ -55,13 +99,14 @@ class _LayerNormFunction(nn.Cell):
         return self.norm(x, weight, bias)[0]
 
     def bprop(self, x, weight, bias, out, dout):
-        centred = x - x.mean(-1, keep_dims=True)
-        rstd = ops.rsqrt(ops.square(centred).mean(-1, keep_dims=True) + self.eps)
+        shape = x.shape
+        centred = x - ops.broadcast_to(row_mean(x), shape)
+        rstd = ops.broadcast_to(ops.rsqrt(row_mean(ops.square(centred)) + self.eps), shape)
         xhat = centred * rstd
-        g = dout * weight
-        dx = rstd * (g - g.mean(-1, keep_dims=True) - xhat * (g * xhat).mean(-1, keep_dims=True))
-        rows = dout.reshape(-1, dout.shape[-1])
-        return dx, (rows * xhat.reshape(rows.shape)).sum(0), rows.sum(0)
+        g = dout * ops.broadcast_to(weight, shape)
+        mean_g, mean_gx = row_mean(g), row_mean(g * xhat)
+        dx = rstd * (g - ops.broadcast_to(mean_g, shape) - xhat * ops.broadcast_to(mean_gx, shape))
+        return dx, column_sum(dout * xhat), column_sum(dout)
 
 
 class LayerNorm(nn.Cell):

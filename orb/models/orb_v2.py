@@ -17,7 +17,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from orb.models import reference_energies
 from orb.models.kernels import exp_nonpositive_op
 from orb.models.config import ModelConfig
-from orb.models.blocks import Linear, MLP, MLPLayerNorm, segment_mean, segment_sum
+from orb.models.blocks import Linear, MLP, MLPLayerNorm, ScaleRows, segment_mean, segment_sum
 
 
 def polynomial_envelope(r: Tensor, r_max: float, p: int) -> Tensor:
@@ -73,6 +73,7 @@ class AttentionInteraction(nn.Cell):
         self._receive_attn = Linear(d, 1, rng)
         self._send_attn = Linear(d, 1, rng)
         self.matmul_t = ops.MatMul(transpose_b=True)
+        self.scale_rows = ScaleRows()
 
     def construct(self, nodes: Tensor, edges: Tensor, senders: Tensor, receivers: Tensor, cutoff: Tensor):
         d, h = self.latent_dim, self.hidden_dim
@@ -82,14 +83,14 @@ class AttentionInteraction(nn.Cell):
         first = self._edge_mlp.mlp.layer(0)
         w = first.weight  # (h, 3d) acting on [edge, sender node, receiver node]
         node_part = self.matmul_t(nodes, ops.concat((w[:, d:2 * d], w[:, 2 * d:]), 0))  # (N, 2h)
-        from_sender = node_part[:, :h] + first.bias  # the bias is added per node, not per edge
+        from_sender = ops.bias_add(node_part[:, :h], first.bias)  # the bias is added per node, not per edge
         pre = (self.matmul_t(edges, w[:, :d])
                + ops.gather(from_sender, senders, 0) + ops.gather(node_part[:, h:], receivers, 0))
         new_edges = self._edge_mlp.after_first_layer(pre)
 
         num_nodes = nodes.shape[0]
-        sent = segment_sum(new_edges * send_gate, senders, num_nodes)
-        received = segment_sum(new_edges * receive_gate, receivers, num_nodes)
+        sent = segment_sum(self.scale_rows(new_edges, send_gate), senders, num_nodes)
+        received = segment_sum(self.scale_rows(new_edges, receive_gate), receivers, num_nodes)
         new_nodes = self._node_mlp(ops.concat((nodes, received, sent), 1))
         return nodes + new_nodes, edges + new_edges
 

@@ -12,7 +12,7 @@ from orb.training.loss import SUM_KEYS, OrbLoss
 def clip_gradients(grads, mode: str, value: float):
     """'value': element-wise clamp to [-value, value] (orb-models 0.4.2); 'norm': global L2 norm; 'none'."""
     if mode == "value":
-        return tuple(ops.clip_by_value(g, -value, value) for g in grads)
+        return tuple(ops.clamp(g, -value, value) for g in grads)
     if mode == "norm":
         return ops.clip_by_global_norm(grads, value)
     return grads
