@@ -1,8 +1,28 @@
-"""Fine-tune orb-v2 on one device: python finetune.py --config configs/config.yaml [--key value ...]"""
+"""Fine-tune orb on one device:  python finetune.py --config configs/config.yaml [--key value ...]
+
+``finetune_parallel.py`` is the same run made data-parallel; diff the two to see what that adds.
+"""
 
 import sys
 
-from orb.training.cli import main
+from orb.training.cli import run
+from orb.training.device import configure_mindspore
+from orb.training.outputs import prepare_output_dir, setup_logging
+
+
+def fine_tune(cfg, args) -> None:
+    configure_mindspore(cfg.device_target, cfg.device_id, cfg.num_threads)
+    prepare_output_dir(cfg.output_dir, resume=bool(args.resume), overwrite=args.overwrite)
+    setup_logging(cfg.output_dir)
+
+    from orb.training.trainer import Trainer
+
+    Trainer(cfg, resume=args.resume or None, accept_config_changes=args.accept_config_changes).fit()
+
+
+def main(argv=None) -> int:
+    return run(argv, "configs/config.yaml", fine_tune)
+
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:], parallel=False))
+    sys.exit(main())

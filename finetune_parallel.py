@@ -1,8 +1,66 @@
-"""Data-parallel fine-tuning, one process per device, launched by msrun (see run_parallel.sh)."""
+"""Data-parallel fine-tuning of orb, one worker per device, launched by msrun (see run_parallel.sh):
+
+    bash run_parallel.sh configs/config_parallel.yaml [--key value ...]
+
+The same run as ``finetune.py`` (one shared Trainer); what data parallelism adds is numbered below.
+"""
 
 import sys
 
-from orb.training.cli import main
+import numpy as np
+
+from orb.training.cli import run
+from orb.training.device import configure_mindspore
+from orb.training.distributed import DataParallel
+from orb.training.outputs import prepare_output_dir, setup_logging
+
+_rank = 0
+
+
+def fine_tune(cfg, args) -> None:
+    global _rank
+    configure_mindspore(cfg.device_target, num_threads=cfg.num_threads, parallel=True)  # msrun assigns the device
+
+    import mindspore as ms
+    from mindspore import ops
+    from mindspore.communication import get_group_size, get_rank, init
+
+    # 1. Start communication between the workers msrun launched (HCCL on Ascend, NCCL on GPU, TCP on CPU).
+    init()
+    # 2. This worker's rank and the number of workers (over all nodes).
+    rank, world = get_rank(), get_group_size()
+    _rank = rank
+    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, device_num=world)
+
+    data_parallel = DataParallel(
+        rank=rank,
+        world_size=world,
+        # 3. The gradient reducer handed to the shared compiled step: the flat gradient (one buffer, one
+        #    call per step) and the normalisers' batch statistics are summed over all ranks in the graph;
+        #    each structure weighs 1 / (global batch size), so the sum is the global batch's mean.
+        all_reduce=ops.AllReduce(ops.ReduceOp.SUM),
+        # With optimizer_shard, each rank keeps and updates 1/world of Adam's state and the updated
+        # parameter slices are all-gathered.
+        all_gather=ops.AllGather(),
+        shard_optimizer=cfg.optimizer_shard,
+        # 4. Each rank's part of every global batch: contiguous, sizes differing by at most one. Every rank
+        #    computes every part, so all ranks pad each step to the same shape.
+        split=lambda global_batch: np.array_split(global_batch, world),
+    )
+
+    # 5. Rank 0 alone writes train.log, metrics.jsonl and checkpoints (the others log to msrun's worker logs).
+    prepare_output_dir(cfg.output_dir, resume=bool(args.resume), overwrite=args.overwrite,
+                       is_main=data_parallel.is_main)
+    setup_logging(cfg.output_dir, data_parallel.is_main, rank)
+
+    from orb.training.trainer import Trainer
+
+    Trainer(cfg, data_parallel, resume=args.resume or None, accept_config_changes=args.accept_config_changes).fit()
+
+
+def main(argv=None) -> int:
+    return run(argv, "configs/config_parallel.yaml", fine_tune, is_main=lambda: _rank == 0)
+
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:], parallel=True))
+    sys.exit(main())

@@ -17,7 +17,10 @@ class DatasetError(OrbInputError):
         if key is not None:
             where += f", key '{key}'"
         super().__init__(f"{where}: {message}")
-        self.path, self.row, self.key = str(path), row, key
+        self.path, self.message, self.row, self.key = str(path), message, row, key
+
+    def __reduce__(self):  # raised in data-loading worker processes, re-raised in the trainer
+        return type(self), (self.path, self.message, self.row, self.key)
 
 
 class StructureError(OrbInputError):

@@ -153,15 +153,16 @@ def test_augmentation_is_reproducible_and_rotates_labels():
     assert not np.allclose(a.forces, ref.forces)
 
 
-def test_sampler_shards_cover_each_row_once():
+def test_sampler_and_shards_cover_each_row_once():
+    from orb.training.distributed import DataParallel
+
     for n, batch, world in [(10, 4, 2), (9, 4, 2), (7, 3, 3), (5, 5, 1)]:
-        shards = [EpochSampler(n, batch, seed=3, rank=r, world_size=world) for r in range(world)]
+        sampler = EpochSampler(n, batch, seed=3)
+        ranks = [DataParallel(r, world, split=lambda b, w=world: np.array_split(b, w)) for r in range(world)]
         for epoch in range(3):
-            seen = np.concatenate([np.concatenate(s.batches(epoch)) for s in shards])
+            parts = [[dp.shard(b) for b in sampler.global_batches(epoch)] for dp in ranks]
+            seen = np.concatenate([np.concatenate(p) for p in parts])
             assert sorted(seen.tolist()) == list(range(n))
-            assert all(len(s.batches(epoch)) == len(shards[0].batches(epoch)) for s in shards)
-            assert all(sum(len(b) for b in s.batches(epoch)) > 0 for s in shards)
-        assert not np.array_equal(shards[0].order(0), shards[0].order(1)) or n < 3
+            assert all(len(p) == len(sampler) for p in parts)  # every rank runs every step
+        assert not np.array_equal(sampler.order(0), sampler.order(1)) or n < 3
     np.testing.assert_array_equal(EpochSampler(10, 4, seed=1).order(2), EpochSampler(10, 4, seed=1).order(2))
-    with pytest.raises(ValueError, match="at least the number of workers"):
-        EpochSampler(10, 1, rank=0, world_size=2)

@@ -6,7 +6,8 @@ from ase import Atoms
 from ase.build import bulk
 from ase.neighborlist import neighbor_list
 
-from orb.data.buckets import Bucket, pad_to_bucket, padding_fraction, plan_buckets, select_bucket
+from orb.data.buckets import Bucket, bucket_for, check_buckets, pad_to_bucket, padding_fraction, plan_buckets
+from orb.errors import ConfigError
 from orb.errors import StructureError
 from orb.data.graphs import (PADDING_EDGE_LENGTH, atoms_to_graph, batch_graphs, graph_from_arrays, pad_batch,
                         split_batch, unpad_batch, wrap_positions)
@@ -137,17 +138,49 @@ def test_pad_refuses_too_small():
         pad_batch(g, 0, 0, 1)
 
 
+def brute_force_best(natoms, batch_size, k, max_buckets):
+    """The planner's objective minimised by trying every subset of candidate caps."""
+    from itertools import combinations
+
+    from orb.data.buckets import round_up, simulate_batch_nodes
+
+    totals = simulate_batch_nodes(np.asarray(natoms), batch_size)
+    top = round_up(int(np.sort(natoms)[-batch_size:].sum()) + 1, 8)
+    caps = sorted({round_up(int(q) + 1, 8) for q in np.quantile(totals, np.linspace(0.05, 0.95, 19))})
+    caps = [c for c in caps if c < top]
+    best = None
+    for n in range(max_buckets):
+        for chosen in combinations(caps, n):
+            sizes = np.array(sorted(chosen) + [top])
+            cost = sizes[np.searchsorted(sizes, totals + 1)].sum()
+            best = cost if best is None else min(best, cost)
+    return best
+
+
 def test_buckets_fit_every_batch_and_are_few():
+    from orb.data.buckets import simulate_batch_nodes
+
     rng = np.random.default_rng(0)
     natoms = rng.choice([4, 8, 13, 16, 32], size=200)
-    buckets = plan_buckets(natoms, batch_size=8, max_neighbors=20, max_buckets=3)
-    assert 1 <= len(buckets) <= 3
-    assert buckets[-1].num_nodes > np.sort(natoms)[-8:].sum()  # the 8 largest structures fit
+    for max_buckets in (1, 2, 3, 4):
+        buckets = plan_buckets(natoms, batch_size=8, max_neighbors=20, max_buckets=max_buckets)
+        assert 1 <= len(buckets) <= max_buckets
+        assert buckets[-1].num_nodes > np.sort(natoms)[-8:].sum()  # the 8 largest structures fit
+        sizes = np.array([b.num_nodes for b in buckets])
+        totals = simulate_batch_nodes(natoms, 8)
+        cost = sizes[np.searchsorted(sizes, totals + 1)].sum()
+        assert cost == brute_force_best(natoms, 8, 20, max_buckets)  # the dynamic programme is optimal
     frac = padding_fraction(natoms, 8, buckets)
     assert 0 <= frac["nodes"] < 0.5
+    big = plan_buckets(rng.integers(1, 300, size=5000), 32, 20, 16)  # many buckets stay fast
+    assert len(big) <= 16
     cu = atoms_to_graph(bulk("Cu", "fcc", a=3.6).repeat((2, 2, 2)))
     batch = batch_graphs([cu] * 8)
-    padded = pad_to_bucket(batch, buckets)
-    assert select_bucket(batch, buckets).num_nodes == padded.num_nodes
-    with pytest.raises(ValueError, match="fits no bucket"):
-        select_bucket(batch, [Bucket(16, 320, 9)])
+    bucket = bucket_for([np.full(8, 8)], buckets, 20)
+    assert bucket.fits(batch) and pad_to_bucket(batch, bucket).num_nodes == bucket.num_nodes
+    # two ranks: the bucket holds the larger shard, whichever rank computes it
+    assert bucket_for([np.full(4, 8), np.full(3, 32)], buckets, 20).num_nodes > 96
+    with pytest.raises(ConfigError, match="fits no bucket"):
+        bucket_for([np.full(8, 8)], [Bucket(16, 320, 9)], 20)
+    with pytest.raises(ConfigError, match="largest bucket \\[64, 640\\] cannot hold"):
+        check_buckets(natoms, 8, [Bucket(64, 640, 9)], 20, "training")

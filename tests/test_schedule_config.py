@@ -1,37 +1,9 @@
 """Learning-rate schedule and configuration validation."""
 
-import math
-
-import numpy as np
 import pytest
 
 from orb.training.config import load_config, parse_overrides
 from orb.errors import ConfigError
-from orb.training.schedule import one_cycle
-
-
-def torch_one_cycle(lr, total, pct=0.05):
-    """PyTorch OneCycleLR(max_lr=10 lr, div_factor=10, final_div_factor=10, cos, two phases), written out."""
-    start, peak, end = lr, 10 * lr, lr / 10
-    warm = pct * total - 1
-    out = []
-    for step in range(total):
-        if step <= warm:
-            p, a, b = step / warm, start, peak
-        else:
-            p, a, b = (step - warm) / (total - 1 - warm), peak, end
-        out.append(b + (a - b) / 2 * (math.cos(math.pi * p) + 1))
-    return np.array(out)
-
-
-def test_one_cycle_matches_pytorch_and_survives_short_runs():
-    np.testing.assert_allclose(one_cycle(3e-4, 1000), torch_one_cycle(3e-4, 1000), rtol=1e-6)
-    lrs = one_cycle(3e-4, 1000)
-    assert lrs[0] == pytest.approx(3e-4) and lrs.max() == pytest.approx(3e-3, rel=1e-6)
-    assert lrs[-1] == pytest.approx(3e-5, rel=1e-5)
-    for total in (1, 2, 20, 21):  # orb-models 0.4.2 divides by zero at 20 steps
-        lrs = one_cycle(1e-3, total)
-        assert len(lrs) == total and np.all(np.isfinite(lrs)) and np.all(lrs > 0)
 
 
 def test_config_overrides_and_errors(tmp_path):

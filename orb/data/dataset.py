@@ -208,32 +208,21 @@ class AseDbDataset:
 
 
 class EpochSampler:
-    """Shuffled global batches of dataset positions, split disjointly across data-parallel ranks.
+    """Shuffled global batches of dataset positions, one permutation per epoch.
 
-    Every epoch uses a new permutation derived from ``(seed, epoch)``, so a resumed run replays
-    the same order. Each global batch of ``batch_size`` positions is split into ``world_size``
-    contiguous parts whose sizes differ by at most one; a part can be empty when a batch has
-    fewer structures than ranks (the training step then pads it with masked structures).
-    Over an epoch the ranks together see every position exactly once.
+    The permutation is derived from ``(seed, epoch)``, so a resumed run replays the same order and
+    every data-parallel rank computes the same global batches (each then takes its part).
     """
 
-    def __init__(self, num_items: int, batch_size: int, seed: int = 0, shuffle: bool = True,
-                 rank: int = 0, world_size: int = 1):
+    def __init__(self, num_items: int, batch_size: int, seed: int = 0, shuffle: bool = True):
         if num_items < 1:
             raise ValueError("EpochSampler needs at least one item")
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} outside world of size {world_size}")
-        if world_size > 1 and batch_size < world_size:
-            raise ValueError(f"the global batch_size ({batch_size}) must be at least the number of workers ({world_size})")
-        if num_items < world_size:
-            raise ValueError(f"{num_items} structures cannot be shared by {world_size} workers")
-        self.num_items, self.batch_size, self.seed = num_items, batch_size, seed
-        self.shuffle, self.rank, self.world_size = shuffle, rank, world_size
+        self.num_items, self.batch_size, self.seed, self.shuffle = num_items, batch_size, seed, shuffle
 
     def __len__(self) -> int:
-        """Steps per epoch (identical on every rank)."""
+        """Steps per epoch."""
         return -(-self.num_items // self.batch_size)
 
     def order(self, epoch: int) -> np.ndarray:
@@ -244,11 +233,3 @@ class EpochSampler:
     def global_batches(self, epoch: int) -> List[np.ndarray]:
         order = self.order(epoch)
         return [order[i:i + self.batch_size] for i in range(0, self.num_items, self.batch_size)]
-
-    def shard(self, global_batch: Sequence[int]) -> np.ndarray:
-        """This rank's part of a global batch."""
-        return np.array_split(np.asarray(global_batch), self.world_size)[self.rank]
-
-    def batches(self, epoch: int) -> List[np.ndarray]:
-        """This rank's per-step positions for ``epoch``."""
-        return [self.shard(b) for b in self.global_batches(epoch)]

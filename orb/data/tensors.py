@@ -1,9 +1,8 @@
-"""AtomGraphs (numpy) -> the MindSpore tensors the model and the loss take, in a fixed order."""
+"""AtomGraphs (numpy) -> the arrays the model and the loss take, in a fixed order, and MindSpore tensors."""
 
 from typing import Optional, Tuple
 
 import numpy as np
-from mindspore import Tensor
 
 from orb.data.graphs import AtomGraphs
 
@@ -44,13 +43,19 @@ def target_arrays(batch: AtomGraphs, graph_weight: Optional[np.ndarray] = None) 
     )
 
 
-def to_tensors(arrays: Tuple[np.ndarray, ...]) -> Tuple[Tensor, ...]:
+def loss_arrays(batch: AtomGraphs, graph_weight: Optional[np.ndarray] = None) -> Tuple[np.ndarray, ...]:
+    return model_arrays(batch) + target_arrays(batch, graph_weight)
+
+
+def to_tensors(arrays: Tuple[np.ndarray, ...]):
+    from mindspore import Tensor
+
     return tuple(Tensor(a) for a in arrays)
 
 
-def model_inputs(batch: AtomGraphs) -> Tuple[Tensor, ...]:
+def model_inputs(batch: AtomGraphs):
     return to_tensors(model_arrays(batch))
 
 
-def loss_inputs(batch: AtomGraphs, graph_weight: Optional[np.ndarray] = None) -> Tuple[Tensor, ...]:
-    return to_tensors(model_arrays(batch) + target_arrays(batch, graph_weight))
+def loss_inputs(batch: AtomGraphs, graph_weight: Optional[np.ndarray] = None):
+    return to_tensors(loss_arrays(batch, graph_weight))

@@ -1,56 +1,45 @@
-"""Command line of ``finetune.py`` and ``finetune_parallel.py`` (one implementation for both)."""
+"""What ``finetune.py`` and ``finetune_parallel.py`` share: the command line, and running a fine-tuning
+so that a mistake in the input ends in one clear line (on the console and in train.log), never a traceback."""
 
 import argparse
 import logging
-import os
 import sys
-from typing import List, Optional
+from typing import Callable, List, Optional, Tuple
 
-from orb.training.config import TrainConfig, load_config
 from orb.errors import OrbInputError
+from orb.training.config import TrainConfig, load_config
 
-USAGE = """%(prog)s [--config PATH] [--resume DIR_OR_FILE] [--key value ...]
+USAGE = """%(prog)s [--config PATH] [--resume DIR_OR_FILE] [--overwrite] [--accept_config_changes] [--key value ...]
 
 Any config key can be overridden, nested keys with dots:
   --max_epochs 3 --device_target CPU --model.num_message_passing_steps 2 --loss_weights.stress 0"""
 
 
-def parse_args(argv: Optional[List[str]], default_config: str):
-    parser = argparse.ArgumentParser(usage=USAGE, description="Fine-tune orb-v2 on an ASE database.")
+def parse_command_line(argv: Optional[List[str]], default_config: str) -> Tuple[argparse.Namespace, List[str]]:
+    parser = argparse.ArgumentParser(usage=USAGE, description="Fine-tune orb on an ASE database.")
     parser.add_argument("--config", default=default_config, help=f"YAML config (default: {default_config})")
     parser.add_argument("--resume", default="", help="training checkpoint, or an output_dir, to continue from")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start a fresh run in an output_dir that holds an earlier run (deletes its files)")
+    parser.add_argument("--accept_config_changes", action="store_true",
+                        help="resume although settings that fix the schedule or data order changed")
     return parser.parse_known_args(argv)
 
 
-def set_environment(cfg: TrainConfig) -> None:
-    """Settings MindSpore reads when it starts (kernel threads).
-
-    MindSpore's compile cache (MS_COMPILER_CACHE_ENABLE) is deliberately not used: in 2.10 it
-    matches cached graphs by compilation order, not by input shapes, so a run whose batches arrive
-    in a different bucket order loads the wrong graph (reproduced here).
-    """
-    if cfg.num_threads:
-        os.environ["OMP_NUM_THREADS"] = str(cfg.num_threads)
-
-
-def main(argv: Optional[List[str]] = None, parallel: bool = False) -> int:
-    default = "configs/config_parallel.yaml" if parallel else "configs/config.yaml"
-    args, overrides = parse_args(argv, default)
+def run(argv: Optional[List[str]], default_config: str, fine_tune: Callable[[TrainConfig, argparse.Namespace], None],
+        is_main: Callable[[], bool] = lambda: True) -> int:
+    """Parse arguments, load the config and call ``fine_tune``; bad input -> ``error: ...`` and exit status 2."""
+    args, overrides = parse_command_line(argv, default_config)
+    log = logging.getLogger("orb")
     try:
         cfg = load_config(args.config, overrides)
-        set_environment(cfg)
-        from orb.training.distributed import Distributed, init_data_parallel
-        from orb.training.trainer import Trainer, configure_mindspore, setup_logging
-
-        target = configure_mindspore(cfg, parallel)
-        dist = init_data_parallel(cfg.optimizer_shard and target != "CPU") if parallel else Distributed()
-        setup_logging(cfg.output_dir, dist.is_main, dist.rank)
-        log = logging.getLogger("orb")
-        log.info("device: %s%s", target, " (auto)" if cfg.device_target == "auto" else "")
-        if dist.parallel:
-            log.info("data parallel: rank %d of %d (pid %d)", dist.rank, dist.world_size, os.getpid())
-        Trainer(cfg, dist, resume=args.resume or None).fit()
+        fine_tune(cfg, args)
     except OrbInputError as exc:
+        if is_main():  # into train.log too, when it is open
+            record = log.makeRecord("orb", logging.ERROR, __file__, 0, "%s", (exc,), None)
+            for handler in log.handlers:
+                if isinstance(handler, logging.FileHandler):
+                    handler.emit(record)
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

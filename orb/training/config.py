@@ -11,8 +11,11 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
+from orb.data.buckets import MAX_BUCKETS
 from orb.errors import ConfigError
 from orb.models.config import ModelConfig
+from orb.models.kernels import MODES
+from orb.training.schedule import SCHEDULES
 
 
 @dataclass
@@ -38,9 +41,10 @@ class TrainConfig:
     device_id: int = 0
     batch_size: int = 8
     max_epochs: int = 10
-    lr: float = 3e-4
-    lr_schedule: str = "one_cycle"
+    lr: float = 1e-4
+    lr_schedule: str = "cosine"
     warmup_fraction: float = 0.05
+    ema_decay: float = 0.0
     gradient_clip_mode: str = "value"
     gradient_clip_val: float = 0.5
     loss_weights: LossWeights = field(default_factory=LossWeights)
@@ -55,6 +59,8 @@ class TrainConfig:
     progress_bar: str = "auto"
     record_batches: bool = False
     num_threads: int = 0
+    data_workers: int = 2
+    kernels: str = "auto"
     optimizer_shard: bool = False
     model: ModelConfig = field(default_factory=ModelConfig)
 
@@ -64,7 +70,8 @@ class TrainConfig:
 
 CHOICES = {
     "device_target": ("auto", "CPU", "GPU", "Ascend"),
-    "lr_schedule": ("one_cycle", "constant"),
+    "lr_schedule": SCHEDULES,
+    "kernels": MODES,
     "gradient_clip_mode": ("value", "norm", "none"),
     "progress_bar": ("auto", "true", "false"),
 }
@@ -155,6 +162,16 @@ def _validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError("config key 'train_data_path' is empty")
     if cfg.num_threads < 0:
         raise ConfigError("config key 'num_threads' must be >= 0 (0 = MindSpore's default)")
+    if cfg.data_workers < 0:
+        raise ConfigError("config key 'data_workers' must be >= 0 (0 = prepare batches in the training process)")
+    if cfg.num_buckets > MAX_BUCKETS:
+        raise ConfigError(f"config key 'num_buckets' must be at most {MAX_BUCKETS} (each bucket compiles once), "
+                          f"got {cfg.num_buckets}")
+    if not 0 <= cfg.ema_decay < 1:
+        raise ConfigError(f"config key 'ema_decay' must be in [0, 1) (0 = off), got {cfg.ema_decay}")
+    for key in ("radius", "cutoff_rmax", "rbf_radius"):
+        if getattr(cfg.model, key) <= 0:
+            raise ConfigError(f"config key 'model.{key}' must be positive, got {getattr(cfg.model, key)}")
     return cfg
 
 

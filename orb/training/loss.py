@@ -1,6 +1,6 @@
 """orb-v2's fine-tuning loss and metrics (``GraphRegressor.loss`` of orb-models 0.4.2).
 
-Loss = w_E * energy_mae + w_F * node_mae + w_S * stress_mae, each an L1 error in normalised
+Loss = w_E * loss_energy + w_F * loss_forces + w_S * loss_stress, each an L1 error in normalised
 units averaged over structures:
 
 * energy: target t = (E - reference(Z)) / n_atoms, error |norm_E(t) - head| per structure;
@@ -9,8 +9,9 @@ units averaged over structures:
 
 In training mode every normaliser first absorbs the batch targets (cumulative mean and unbiased
 variance, BatchNorm with momentum None) and the updated statistics are used. Metrics are
-returned as sums over structures (atoms for ``node_cosine_sim``) so that epoch averages and
-data-parallel reductions are exact; :func:`metrics_from_sums` turns them into averages.
+returned as sums over structures (atoms for ``forces_cosine``) so that epoch averages and
+data-parallel reductions are exact; :func:`orb.metrics.metrics_from_sums` turns them into averages
+(metric names and units: :data:`orb.metrics.METRICS`).
 """
 
 from typing import Dict, Optional, Sequence
@@ -18,13 +19,12 @@ from typing import Dict, Optional, Sequence
 import numpy as np
 from mindspore import nn, ops
 
+from orb.metrics import FORCE_THRESHOLD, metrics_from_sums
 from orb.models.blocks import segment_sum
 
-METRIC_KEYS = ("loss", "energy_reference_mae", "energy_mae", "energy_mae_raw", "stress_mae", "stress_mae_raw",
-               "node_mae", "node_mae_raw", "node_cosine_sim", "fwt_0.03")
-COUNT_KEYS = ("num_graphs", "num_atoms")
-SUM_KEYS = METRIC_KEYS + COUNT_KEYS
-FORCE_THRESHOLD = 0.03  # eV/Å, for fwt_0.03
+SUM_KEYS = ("loss", "loss_energy", "loss_forces", "loss_stress", "energy_mae", "energy_per_atom_mae", "forces_mae",
+            "forces_cosine", "forces_within_0.03", "stress_mae", "energy_per_atom_reference_mae", "num_graphs",
+            "num_atoms")
 
 
 class OrbLoss(nn.Cell):
@@ -101,43 +101,38 @@ class OrbLoss(nn.Cell):
             per_graph = per_graph + self.stress_weight * stress_err
         loss = (per_graph * graph_weight).sum()
 
-        # Metrics, in physical units where "raw"; no gradient flows through them.
+        # Metrics, in physical units where not loss_*; no gradient flows through them.
         force_pred = ops.stop_gradient(f_raw * f_std + f_mean)
         force_abs = ops.abs(force_pred - forces)
-        node_mae_raw = segment_sum(force_abs.mean(1), node_graph, num_graphs) / atoms
+        forces_mae = segment_sum(force_abs.mean(1), node_graph, num_graphs) / atoms
         norms = ops.norm(force_pred, dim=1) * ops.norm(forces, dim=1)
         cosine = (force_pred * forces).sum(1) / ops.maximum(norms, 1e-8)
         within = (ops.amax(force_abs, 1) < FORCE_THRESHOLD).astype(forces.dtype)
         all_within = (segment_sum(within, node_graph, num_graphs) == n_node).astype(forces.dtype)
-        stress_raw_err = ops.abs(ops.stop_gradient(s_raw * s_std + s_mean) - stress).mean(1)  # unreported without stress
+        stress_mae = ops.abs(ops.stop_gradient(s_raw * s_std + s_mean) - stress).mean(1)  # unreported without stress
+        energy_abs = ops.abs(ops.stop_gradient(energy_pred) - energy)
         m = graph_mask
         sums = ops.stack((
             (per_graph * m).sum(),
-            (ops.abs(target) * m).sum(),
             (energy_err * m).sum(),
-            (ops.abs(energy_pred - energy) * m).sum(),
-            (stress_err * m).sum(),
-            (stress_raw_err * m).sum(),
             (node_mae * m).sum(),
-            (node_mae_raw * m).sum(),
+            (stress_err * m).sum(),
+            (energy_abs * m).sum(),
+            (energy_abs / atoms * m).sum(),
+            (forces_mae * m).sum(),
             (cosine * node_mask).sum(),
             (all_within * m).sum(),
+            (stress_mae * m).sum(),
+            (ops.abs(target) * m).sum(),
             m.sum(),
             node_mask.sum(),
         ))
         return loss, ops.stop_gradient(sums)
 
 
-def metrics_from_sums(sums: Sequence[float], has_stress: bool = True) -> Dict[str, float]:
-    """Averages from accumulated metric sums (over structures; ``node_cosine_sim`` over atoms)."""
-    values = dict(zip(SUM_KEYS, (float(v) for v in np.asarray(sums, dtype=np.float64))))
-    graphs, atoms = max(values["num_graphs"], 1.0), max(values["num_atoms"], 1.0)
-    out = {}
-    for key in METRIC_KEYS:
-        if not has_stress and key.startswith("stress"):
-            continue
-        out[key] = values[key] / (atoms if key == "node_cosine_sim" else graphs)
-    return out
+def sums_to_metrics(sums, has_stress: bool = True) -> Dict[str, float]:
+    """Averages from a vector of sums in :data:`SUM_KEYS` order."""
+    return metrics_from_sums(dict(zip(SUM_KEYS, np.asarray(sums, dtype=np.float64))), has_stress)
 
 
 def compute_loss(model, batch, training: bool = False, loss_cell: Optional[OrbLoss] = None) -> Dict[str, float]:
@@ -151,7 +146,7 @@ def compute_loss(model, batch, training: bool = False, loss_cell: Optional[OrbLo
     inputs = loss_inputs(batch)
     stats = cell.update_stats(*inputs) if training else cell.current_stats()
     loss, sums = cell(*inputs, *stats)
-    metrics = metrics_from_sums(sums.asnumpy(), cell.has_stress)
+    metrics = sums_to_metrics(sums.asnumpy(), cell.has_stress)
     metrics["loss_value"] = float(loss.asnumpy())
     return metrics
 

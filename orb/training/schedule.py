@@ -1,45 +1,89 @@
-"""Learning-rate schedules as per-step arrays (MindSpore optimizers index them by global step)."""
+"""Per-step learning rates and Adam beta1 values, computed once on the host.
+
+The compiled optimizer indexes these arrays by its step counter, so a schedule costs nothing per
+step and a resumed run continues at exactly the same position.
+
+* ``one_cycle``: orb-models' fine-tuning schedule, PyTorch ``OneCycleLR(max_lr=10 lr,
+  pct_start=warmup_fraction, div_factor=10, final_div_factor=10, cycle_momentum=True)``: the rate
+  rises from ``lr`` to 10 ``lr`` and anneals to ``lr / 10`` (cosine), while Adam's beta1 moves
+  the opposite way, 0.95 -> 0.85 -> 0.95.
+* ``cosine``: linear warm-up from 0 to ``lr`` over ``warmup_fraction`` of the steps, then cosine
+  decay to ``lr / final_div``; beta1 constant. The peak is ``lr`` itself, so a pretrained model is
+  never pushed by a rate larger than the one asked for (the default for fine-tuning).
+* ``constant``: ``lr`` at every step.
+"""
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
+SCHEDULES = ("cosine", "one_cycle", "constant")
+BETA1 = 0.9  # Adam's default, used by the schedules that do not cycle it
+ONE_CYCLE_BETA1 = (0.85, 0.95)  # OneCycleLR's base_momentum, max_momentum
+
+
+class Schedule(NamedTuple):
+    lr: np.ndarray  # (steps,) float64
+    beta1: np.ndarray  # (steps,) float64
+
+
+def _cosine(a: float, b: float, pct: float) -> float:
+    """PyTorch's _annealing_cos: from a (pct 0) to b (pct 1)."""
+    return b + (a - b) / 2.0 * (math.cos(math.pi * pct) + 1.0)
+
 
 def one_cycle(lr: float, total_steps: int, warmup_fraction: float = 0.05, div_factor: float = 10.0,
-              final_div_factor: float = 10.0) -> np.ndarray:
-    """PyTorch ``OneCycleLR`` (cosine, two phases) as orb-models' fine-tuning uses it.
+              final_div_factor: float = 10.0) -> Schedule:
+    """PyTorch ``OneCycleLR`` (two phases, cosine, momentum cycled) as orb-models' fine-tuning uses it.
 
-    Starts at ``lr``, rises to ``div_factor * lr`` over ``warmup_fraction`` of the steps and anneals
-    to ``lr / final_div_factor``. Unlike the PyTorch scheduler it never divides by zero for short
-    runs (a warm-up shorter than one step is skipped) and has no step limit.
+    Unlike the PyTorch scheduler it never divides by zero for short runs (a warm-up shorter than
+    one step is skipped) and has no step limit.
     """
     if total_steps < 1:
         raise ValueError("total_steps must be at least 1")
     start, peak, end = lr, lr * div_factor, lr / final_div_factor
+    low, high = ONE_CYCLE_BETA1
     warmup_end = float(warmup_fraction * total_steps) - 1.0  # PyTorch's phase boundary
     last = float(total_steps - 1)
-
-    def anneal(a: float, b: float, pct: float) -> float:
-        return b + (a - b) / 2.0 * (math.cos(math.pi * pct) + 1.0)
-
-    out = np.empty(total_steps, dtype=np.float32)
+    lrs, betas = np.empty(total_steps), np.empty(total_steps)
     for step in range(total_steps):
         if warmup_end > 0 and step <= warmup_end:
-            out[step] = anneal(start, peak, step / warmup_end)
+            pct = step / warmup_end
+            lrs[step], betas[step] = _cosine(start, peak, pct), _cosine(high, low, pct)
         else:
             begin = max(warmup_end, 0.0)
             span = last - begin
-            out[step] = anneal(peak, end, (step - begin) / span if span > 0 else 1.0)
-    return out
+            pct = (step - begin) / span if span > 0 else 1.0
+            lrs[step], betas[step] = _cosine(peak, end, pct), _cosine(low, high, pct)
+    return Schedule(lrs, betas)
 
 
-def constant(lr: float, total_steps: int) -> np.ndarray:
-    return np.full(max(total_steps, 1), lr, dtype=np.float32)
+def warmup_cosine(lr: float, total_steps: int, warmup_fraction: float = 0.05, final_div: float = 10.0) -> Schedule:
+    """Linear warm-up to ``lr`` (the first step already trains at lr / warm-up steps), cosine to lr / final_div."""
+    if total_steps < 1:
+        raise ValueError("total_steps must be at least 1")
+    warmup = int(round(warmup_fraction * total_steps))
+    lrs = np.empty(total_steps)
+    for step in range(total_steps):
+        if step < warmup:
+            lrs[step] = lr * (step + 1) / warmup
+        else:
+            span = total_steps - warmup - 1
+            lrs[step] = _cosine(lr, lr / final_div, (step - warmup) / span if span > 0 else 1.0)
+    return Schedule(lrs, np.full(total_steps, BETA1))
 
 
-def learning_rates(kind: str, lr: float, total_steps: int, warmup_fraction: float) -> np.ndarray:
+def constant(lr: float, total_steps: int) -> Schedule:
+    steps = max(total_steps, 1)
+    return Schedule(np.full(steps, float(lr)), np.full(steps, BETA1))
+
+
+def make_schedule(kind: str, lr: float, total_steps: int, warmup_fraction: float) -> Schedule:
     if kind == "one_cycle":
         return one_cycle(lr, total_steps, warmup_fraction)
+    if kind == "cosine":
+        return warmup_cosine(lr, total_steps, warmup_fraction)
     if kind == "constant":
         return constant(lr, total_steps)
-    raise ValueError(f"unknown lr_schedule {kind!r}")
+    raise ValueError(f"unknown lr_schedule {kind!r}; expected one of {SCHEDULES}")

@@ -1,0 +1,125 @@
+"""Training batches: which rows each step takes (same plan on every rank) and their padded arrays,
+prepared ahead of the device in background worker processes.
+
+A step's plan is a pure function of (seed, epoch, step): every data-parallel rank computes the
+same global batches, the same bucket for each step (from all ranks' atom counts) and its own
+shard. Preparing a step (reading rows, rotating, building graphs, padding) is done by up to
+``workers`` processes a few steps ahead, in order, so the device does not wait for the host;
+with ``workers = 0`` it happens inline. Workers are started with ``spawn`` (they import numpy,
+scipy and ase, never MindSpore) and read the database through their own connections.
+"""
+
+import multiprocessing
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from orb.data.buckets import Bucket, bucket_for, pad_to_bucket
+from orb.data.dataset import AseDbDataset, EpochSampler
+from orb.data.graphs import batch_graphs, empty_batch
+from orb.data.tensors import loss_arrays
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of one rank: its dataset positions, the bucket all ranks pad to, the global batch size."""
+
+    epoch: int
+    indices: Tuple[int, ...]
+    bucket: Bucket
+    global_count: int
+
+
+def plan_epoch(sampler: EpochSampler, natoms: np.ndarray, shards: Callable[[np.ndarray], List[np.ndarray]],
+               rank: int, buckets: Sequence[Bucket], max_neighbors: int, epoch: int) -> List[Step]:
+    """This rank's steps of ``epoch`` (``shards`` splits a global batch among the ranks)."""
+    steps = []
+    for global_batch in sampler.global_batches(epoch):
+        parts = shards(global_batch)
+        bucket = bucket_for([natoms[p] for p in parts], buckets, max_neighbors)
+        steps.append(Step(epoch, tuple(int(i) for i in parts[rank]), bucket, len(global_batch)))
+    return steps
+
+
+def prepare(dataset: AseDbDataset, step: Step, seed: Optional[int], with_stress: bool) -> Tuple[np.ndarray, ...]:
+    """The padded loss-input arrays of a step. ``seed`` (None = no augmentation) fixes each row's rotation.
+
+    Each real structure weighs 1 / (structures in the global batch): summed over ranks, the loss
+    is the mean over the global batch.
+    """
+    graphs = [dataset.get(i, rotation_seed=None if seed is None else [seed, step.epoch, i]) for i in step.indices]
+    batch = batch_graphs(graphs) if graphs else empty_batch(with_stress=dataset.has_stress)
+    padded = pad_to_bucket(batch, step.bucket)
+    if not with_stress:
+        padded.stress = None
+    weight = padded.graph_mask.astype(np.float32) / max(step.global_count, 1)
+    return loss_arrays(padded, weight)
+
+
+_worker_datasets: Dict[str, AseDbDataset] = {}
+
+
+def _init_worker(datasets: Dict[str, AseDbDataset]) -> None:
+    _worker_datasets.update(datasets)
+
+
+def _prepare_in_worker(args):
+    name, step, seed, with_stress = args
+    return prepare(_worker_datasets[name], step, seed, with_stress)
+
+
+class BatchLoader:
+    """Prepared steps of named datasets in order, ``depth`` steps ahead, from ``workers`` processes (0: inline).
+
+    ``wait_time`` accumulates the seconds the consumer waited for a batch that was not ready.
+    """
+
+    def __init__(self, datasets: Dict[str, AseDbDataset], workers: int = 0, depth: int = 4):
+        self.datasets, self.workers, self.depth = dict(datasets), int(workers), max(int(depth), 1)
+        self.wait_time = 0.0
+        self._pool = None
+
+    def _ensure_pool(self):
+        if self._pool is None and self.workers > 0:
+            context = multiprocessing.get_context("spawn")
+            self._pool = context.Pool(self.workers, initializer=_init_worker, initargs=(self.datasets,))
+        return self._pool
+
+    def iterate(self, name: str, steps: Sequence[Step], seed: Optional[int],
+                with_stress: bool) -> Iterator[Tuple[Step, tuple]]:
+        pool = self._ensure_pool()
+        if pool is None:
+            for step in steps:
+                start = time.perf_counter()
+                arrays = prepare(self.datasets[name], step, seed, with_stress)
+                self.wait_time += time.perf_counter() - start
+                yield step, arrays
+            return
+        pending: deque = deque()
+        todo = iter(steps)
+
+        def submit(step: Step) -> None:
+            pending.append((step, pool.apply_async(_prepare_in_worker, ((name, step, seed, with_stress),))))
+
+        for step in todo:
+            submit(step)
+            if len(pending) >= self.depth:
+                break
+        while pending:
+            step, result = pending.popleft()
+            start = time.perf_counter()
+            arrays = result.get()
+            self.wait_time += time.perf_counter() - start
+            following = next(todo, None)
+            if following is not None:
+                submit(following)
+            yield step, arrays
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None

@@ -1,0 +1,72 @@
+"""One definition of every metric the training log, metrics.jsonl and ``evaluate.py`` report.
+
+Names say what is measured; :data:`METRICS` gives each one's unit and how it is averaged, and is
+printed at the head of the training log and of the evaluation table. ``loss*`` metrics are in
+the normalised units the model is trained in (not eV); every other metric is physical.
+"""
+
+from typing import Dict, Iterable, Mapping, Optional, Sequence
+
+import numpy as np
+
+FORCE_THRESHOLD = 0.03  # eV/Å, for forces_within_0.03
+
+# name: (unit, averaging and meaning)
+METRICS: Dict[str, tuple] = {
+    "loss": ("normalised", "weighted sum of the loss_* terms, averaged over structures"),
+    "loss_energy": ("normalised", "L1 error of the normalised per-atom energy, averaged over structures"),
+    "loss_forces": ("normalised", "L1 error of the normalised forces over a structure's atoms and x, y, z, "
+                                  "averaged over structures"),
+    "loss_stress": ("normalised", "L1 error of the normalised stress over 6 components, averaged over structures"),
+    "energy_mae": ("eV", "|E_pred - E| per structure, averaged over structures"),
+    "energy_per_atom_mae": ("eV/atom", "|E_pred - E| / atoms per structure, averaged over structures"),
+    "forces_mae": ("eV/Å", "|F_pred - F| over a structure's atoms and x, y, z, averaged over structures"),
+    "forces_cosine": ("", "cosine of predicted and true force vectors, averaged over atoms"),
+    "forces_within_0.03": ("", "fraction of structures whose every force component is within 0.03 eV/Å"),
+    "stress_mae": ("eV/Å³", "|S_pred - S| over 6 Voigt components, averaged over structures"),
+    "energy_per_atom_reference_mae": ("eV/atom", "error of the reference energies alone (the baseline the model "
+                                                 "improves on), averaged over structures"),
+}
+ATOM_AVERAGED = ("forces_cosine",)
+STRESS_METRICS = ("loss_stress", "stress_mae")
+
+
+def metrics_from_sums(sums: Mapping[str, float], has_stress: bool = True,
+                      keys: Optional[Iterable[str]] = None) -> Dict[str, float]:
+    """Averages from sums over structures (over atoms for ``forces_cosine``) and the counts
+    ``num_graphs`` and ``num_atoms``."""
+    graphs, atoms = max(float(sums["num_graphs"]), 1.0), max(float(sums["num_atoms"]), 1.0)
+    out = {}
+    for key in keys or METRICS:
+        if key not in sums or (not has_stress and key in STRESS_METRICS):
+            continue
+        out[key] = float(sums[key]) / (atoms if key in ATOM_AVERAGED else graphs)
+    return out
+
+
+def structure_sums(energy_pred: float, energy: float, natoms: int, forces_pred: Optional[np.ndarray] = None,
+                   forces: Optional[np.ndarray] = None, stress_pred: Optional[np.ndarray] = None,
+                   stress: Optional[np.ndarray] = None) -> Dict[str, float]:
+    """One structure's contribution to the physical metric sums (host side, float64)."""
+    out = {"num_graphs": 1.0, "num_atoms": float(natoms), "energy_mae": abs(energy_pred - energy),
+           "energy_per_atom_mae": abs(energy_pred - energy) / natoms}
+    if forces is not None:
+        diff = np.abs(np.asarray(forces_pred, np.float64) - forces)
+        norms = np.linalg.norm(forces_pred, axis=1) * np.linalg.norm(forces, axis=1)
+        out["forces_mae"] = float(diff.mean())
+        out["forces_cosine"] = float(((forces_pred * forces).sum(1) / np.maximum(norms, 1e-8)).sum())
+        out["forces_within_0.03"] = float(diff.max() < FORCE_THRESHOLD)
+    if stress is not None:
+        out["stress_mae"] = float(np.abs(np.asarray(stress_pred, np.float64) - stress).mean())
+    return out
+
+
+def add_sums(total: Dict[str, float], part: Mapping[str, float]) -> Dict[str, float]:
+    for key, value in part.items():
+        total[key] = total.get(key, 0.0) + float(value)
+    return total
+
+
+def describe(keys: Sequence[str]) -> str:
+    """A legend for the metrics in ``keys``: name [unit]: meaning, one per line."""
+    return "\n".join(f"  {k} [{METRICS[k][0] or '-'}]: {METRICS[k][1]}" for k in keys if k in METRICS)

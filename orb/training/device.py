@@ -1,0 +1,57 @@
+"""MindSpore start-up for training and inference: device, execution mode, kernel threads, quiet logs."""
+
+import logging
+import os
+
+log = logging.getLogger("orb")
+
+
+def quiet_mindspore() -> None:
+    """Keep MindSpore's C++ log to errors (its warnings are about backends that are not installed, retries of
+    the cluster's TCP connections, ...), unless the user set ``GLOG_v`` themselves. Call before importing it."""
+    os.environ.setdefault("GLOG_v", "3")
+
+
+def select_device(requested: str) -> str:
+    """``auto`` picks Ascend, then GPU, then CPU (whichever MindSpore can use here)."""
+    if requested != "auto":
+        return requested
+    import mindspore as ms
+
+    for target in ("Ascend", "GPU"):
+        try:
+            if ms.hal.is_available(target):
+                return target
+        except Exception:  # a backend plug-in that fails to load counts as unavailable
+            pass
+    return "CPU"
+
+
+def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_threads: int = 0,
+                        parallel: bool = False) -> str:
+    """Graph mode on the device (in an msrun job each worker gets its local device); returns the target.
+
+    ``num_threads`` (0: ``OMP_NUM_THREADS`` if set) also sizes MindSpore's own CPU kernel pool,
+    which otherwise starts 25 threads whatever the core count.
+    """
+    quiet_mindspore()
+    import mindspore as ms
+
+    target = select_device(device_target)
+    ms.set_context(mode=ms.GRAPH_MODE)
+    threads = num_threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+    if target == "CPU" and threads:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        try:
+            ms.device_context.cpu.op_tuning.threads_num(threads)
+        except RuntimeError:  # already set in this process
+            pass
+    try:
+        if parallel:
+            ms.set_device(target)
+        else:
+            ms.set_device(target, device_id)
+    except RuntimeError:  # already running (a second run in the same process) on the same device is fine
+        if ms.get_context("device_target") != target:
+            raise
+    return target

@@ -1,0 +1,93 @@
+"""A run's output directory: refusing to mix runs, stale temporary files, the log and metrics.jsonl."""
+
+import json
+import logging
+import os
+import re
+import sys
+from typing import Dict, List
+
+from orb.errors import ConfigError
+
+log = logging.getLogger("orb")
+RUN_FILES = ("metrics.jsonl", "train.log")
+_TMP = re.compile(r"^\..+\.tmp-(\d+)\.ckpt$")
+
+
+def existing_run_files(output_dir: str) -> List[str]:
+    """Files of an earlier run in ``output_dir`` (its metrics, log or checkpoints)."""
+    found = [f for f in RUN_FILES if os.path.exists(os.path.join(output_dir, f))]
+    ckpts = os.path.join(output_dir, "checkpoints")
+    if os.path.isdir(ckpts):
+        found += [os.path.join("checkpoints", f) for f in sorted(os.listdir(ckpts)) if f.endswith(".ckpt")]
+    return found
+
+
+def prepare_output_dir(output_dir: str, resume: bool, overwrite: bool, is_main: bool = True) -> None:
+    """A fresh run never appends to or overwrites an earlier run's files unless told to (``overwrite``).
+
+    Every rank checks; only the main rank deletes and creates.
+    """
+    found = existing_run_files(output_dir)
+    if found and not resume and not overwrite:
+        listed = ", ".join(found[:4]) + (" ..." if len(found) > 4 else "")
+        raise ConfigError(f"output_dir {output_dir} already holds a run ({listed}); continue it with "
+                          f"--resume {output_dir}, start over with --overwrite (deletes those files), "
+                          "or choose another --output_dir")
+    if not is_main:
+        return
+    if found and not resume:
+        for name in found:
+            os.remove(os.path.join(output_dir, name))
+        for name in os.listdir(output_dir):
+            if name.startswith("batches_rank") and name.endswith(".jsonl"):
+                os.remove(os.path.join(output_dir, name))
+    os.makedirs(os.path.join(output_dir, "checkpoints"), exist_ok=True)
+    remove_stale_temporaries(os.path.join(output_dir, "checkpoints"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(folder: str) -> List[str]:
+    """Delete ``.<name>.tmp-<pid>.ckpt`` files left by a save that was killed (their writer is gone)."""
+    removed = []
+    for name in os.listdir(folder):
+        match = _TMP.match(name)
+        if match and int(match.group(1)) != os.getpid() and not _alive(int(match.group(1))):
+            os.remove(os.path.join(folder, name))
+            removed.append(name)
+    if removed:
+        log.info("removed %d temporary file(s) of an interrupted checkpoint save: %s", len(removed), ", ".join(removed))
+    return removed
+
+
+def append_jsonl(path: str, record: Dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def setup_logging(output_dir: str, is_main: bool = True, rank: int = 0) -> None:
+    """Console (and for rank 0, ``output_dir/train.log``) logging in a readable format."""
+    logger = logging.getLogger("orb")
+    logger.setLevel(logging.INFO)
+    logger.handlers.clear()
+    fmt = logging.Formatter(f"%(asctime)s [%(levelname)s]{f' rank {rank}' if rank else ''} %(message)s",
+                            "%Y-%m-%d %H:%M:%S")
+    console = logging.StreamHandler(sys.stdout)
+    console.setFormatter(fmt)
+    logger.addHandler(console)
+    if is_main and output_dir:
+        os.makedirs(output_dir, exist_ok=True)
+        file_handler = logging.FileHandler(os.path.join(output_dir, "train.log"))
+        file_handler.setFormatter(fmt)
+        logger.addHandler(file_handler)
+    logger.propagate = False
+

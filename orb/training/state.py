@@ -1,0 +1,111 @@
+"""Training checkpoints: the model, the optimizer state (complete, even when sharded over ranks),
+the run's position and the settings a resume must not silently change.
+
+A training checkpoint stores, beside the model's weights, ``optimizer.moment1.<param>``,
+``optimizer.moment2.<param>`` (and ``optimizer.ema.<param>`` with an EMA) per trained parameter,
+``optimizer.step``, and JSON metadata: epoch, global step, best validation loss, the config and
+the training database's row count. Resuming refuses a changed schedule or data order, naming the
+keys, unless the user accepts the changes.
+"""
+
+import math
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+
+from orb.errors import CheckpointError, ConfigError
+from orb.training.distributed import DataParallel
+from orb.training.optimizer import FlatAdam
+
+CHECKPOINT_FORMAT = "orb-mindspore-train-2"
+OLDER_FORMATS = ("orb-mindspore-train-1",)
+# Settings that fix the learning-rate schedule or the order and content of the batches.
+RESUME_KEYS = ("train_data_path", "batch_size", "max_epochs", "lr", "lr_schedule", "warmup_fraction", "random_seed",
+               "augmentation", "ema_decay")
+
+
+def _full(optimizer: FlatAdam, local: np.ndarray, dp: DataParallel) -> np.ndarray:
+    """The full flat vector of a (possibly sharded) optimizer buffer, gathered over ranks."""
+    full = dp.gather(local) if optimizer.sharding is not None else local
+    return np.asarray(full, np.float32)[:optimizer.size]
+
+
+def optimizer_state(optimizer: FlatAdam, names: Sequence[str], dp: DataParallel) -> List[Tuple[str, np.ndarray]]:
+    """(key, array) entries of the optimizer state; every rank must call it (sharded state is gathered)."""
+    entries = []
+    buffers = [("moment1", optimizer.moment1.asnumpy()), ("moment2", optimizer.moment2.asnumpy())]
+    for kind, local in buffers:
+        entries += [(f"optimizer.{kind}.{n}", a) for n, a in zip(names, optimizer.split(_full(optimizer, local, dp)))]
+    if optimizer.ema_decay > 0:
+        ema = optimizer.ema.asnumpy()
+        entries += [(f"optimizer.ema.{n}", a) for n, a in zip(names, optimizer.split(ema))]
+    entries.append(("optimizer.step", optimizer.step.asnumpy().astype(np.int64)))
+    return entries
+
+
+def ema_weights(optimizer: FlatAdam) -> List[np.ndarray]:
+    return optimizer.split(optimizer.ema.asnumpy())
+
+
+def restore_optimizer(optimizer: FlatAdam, names: Sequence[str], state: Dict[str, np.ndarray], path: str) -> None:
+    """Load the optimizer state of a training checkpoint (this rank's slice when sharded)."""
+    from mindspore import Tensor
+
+    missing = [n for n in names if f"moment1.{n}" not in state]
+    if missing:
+        raise CheckpointError(f"{path}: the optimizer state does not match the trained parameters (missing {missing[:3]}"
+                              f"{' ...' if len(missing) > 3 else ''}); was freeze_backbone, "
+                              "reference_energies.trainable or the model changed?")
+
+    def flat(kind: str) -> np.ndarray:
+        full = np.concatenate([np.asarray(state[f"{kind}.{n}"], np.float32).reshape(-1) for n in names])
+        padded = np.concatenate([full, np.zeros(optimizer.padding, np.float32)])
+        return padded[optimizer.offset:optimizer.offset + optimizer.local_size]
+
+    optimizer.moment1.set_data(Tensor(flat("moment1")))
+    optimizer.moment2.set_data(Tensor(flat("moment2")))
+    step = state.get("step", state.get("global_step"))
+    optimizer.step.set_data(Tensor(np.array(int(np.asarray(step).reshape(-1)[0]), np.int32)))
+    optimizer.sync_from_model()
+    if optimizer.ema_decay > 0:
+        if f"ema.{names[0]}" in state:
+            optimizer.ema.set_data(Tensor(np.concatenate([np.asarray(state[f"ema.{n}"], np.float32).reshape(-1)
+                                                          for n in names])))
+
+
+def _flatten(d: Dict, prefix: str = "") -> Dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def config_changes(saved: Dict, current: Dict, keys: Sequence[str] = RESUME_KEYS) -> List[str]:
+    """``key: saved -> current`` for each resume-relevant setting that differs."""
+    old, new = _flatten(saved), _flatten(current)
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
+
+
+def check_resume(meta: Dict, current_config: Dict, train_rows: int, path: str, accept_changes: bool) -> List[str]:
+    """Refuse to resume with a changed schedule or data order unless ``accept_changes``; returns the changes."""
+    fmt = meta.get("format")
+    if fmt != CHECKPOINT_FORMAT and fmt not in OLDER_FORMATS:
+        raise CheckpointError(f"{path}: not a training checkpoint of this program (use checkpoint_path to start "
+                              "from plain weights)")
+    changes = config_changes(meta.get("config", {}), current_config)
+    rows = meta.get("train_rows")
+    if rows is not None and rows != train_rows:
+        changes.append(f"rows in train_data_path: {rows} -> {train_rows}")
+    if changes and not accept_changes:
+        raise ConfigError(f"--resume {path}: these settings differ from the checkpoint's run and would change its "
+                          f"schedule or data order: {'; '.join(changes)}. Restore them, or pass "
+                          "--accept_config_changes to continue with the new settings")
+    return changes
+
+
+def best_loss(meta: Dict) -> float:
+    value = meta.get("best_val_loss")
+    return math.inf if value is None else float(value)

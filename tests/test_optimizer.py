@@ -1,0 +1,141 @@
+"""The flat Adam optimizer: torch.optim.Adam's update (bias correction, per-step lr and beta1), the
+same update as MindSpore's nn.Adam, gradient clipping, the EMA of the weights; the schedules."""
+
+import math
+
+import numpy as np
+import pytest
+
+from orb.training.schedule import make_schedule, one_cycle, warmup_cosine
+
+
+def torch_adam_reference(params, grads_per_step, lrs, beta1s, beta2=0.999, eps=1e-8, clip=None):
+    """torch.optim.Adam (single tensor, amsgrad off, no weight decay), written out in float64."""
+    params = [p.astype(np.float64).copy() for p in params]
+    m = [np.zeros_like(p) for p in params]
+    v = [np.zeros_like(p) for p in params]
+    for step, grads in enumerate(grads_per_step, start=1):
+        lr, b1 = lrs[step - 1], beta1s[step - 1]
+        if clip is not None:
+            grads = [np.clip(g, -clip, clip) for g in grads]
+        for p, g, m_, v_ in zip(params, grads, m, v):
+            m_ += (1 - b1) * (g - m_)
+            v_ *= beta2
+            v_ += (1 - beta2) * g * g
+            denom = np.sqrt(v_) / math.sqrt(1 - beta2 ** step) + eps
+            p -= lr / (1 - b1 ** step) * m_ / denom
+    return params
+
+
+def make_params(rng):
+    from mindspore import Parameter, Tensor
+
+    shapes = [(7, 5), (5,), (3, 2, 4), ()]
+    values = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    return values, [Parameter(Tensor(v), name=f"p{i}") for i, v in enumerate(values)]
+
+
+@pytest.mark.parametrize("schedule", ["one_cycle", "constant"])
+def test_flat_adam_is_torch_adam(schedule):
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from orb.training.optimizer import FlatAdam
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    rng = np.random.default_rng(1)
+    values, params = make_params(rng)
+    sched = make_schedule(schedule, 1e-2, 12, 0.3)
+    opt = FlatAdam(params, sched, clip_mode="value", clip_value=0.8)
+    grads_per_step = [[rng.standard_normal(v.shape).astype(np.float32) for v in values] for _ in range(12)]
+    for grads in grads_per_step:
+        opt(tuple(Tensor(g) for g in grads))
+    expected = torch_adam_reference(values, grads_per_step, sched.lr, sched.beta1, clip=0.8)
+    for p, e in zip(params, expected):
+        np.testing.assert_allclose(p.asnumpy(), e, rtol=2e-5, atol=2e-6)
+    assert int(opt.step.asnumpy()) == 12
+
+
+def test_flat_adam_equals_mindspore_adam():
+    """On one device, the same parameters as nn.Adam step after step (constant lr, eps negligible)."""
+    import mindspore as ms
+    from mindspore import Tensor, nn
+
+    from orb.training.optimizer import FlatAdam
+    from orb.training.schedule import constant
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    rng = np.random.default_rng(2)
+    values, ours = make_params(rng)
+    _, theirs = make_params(np.random.default_rng(2))
+    flat = FlatAdam(ours, constant(3e-3, 10), clip_mode="none")
+    adam = nn.Adam(theirs, learning_rate=3e-3)
+    for _ in range(10):
+        grads = tuple(Tensor(rng.standard_normal(v.shape).astype(np.float32)) for v in values)
+        flat(grads)
+        adam(grads)
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_norm_clipping_and_ema():
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from orb.training.optimizer import FlatAdam
+    from orb.training.schedule import constant
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    rng = np.random.default_rng(3)
+    values, params = make_params(rng)
+    opt = FlatAdam(params, constant(1e-2, 5), clip_mode="norm", clip_value=0.5, ema_decay=0.9)
+    ema = np.concatenate([v.reshape(-1) for v in values]).astype(np.float64)
+    grads_per_step = []
+    for step in range(5):
+        grads = [(10 * rng.standard_normal(v.shape)).astype(np.float32) for v in values]
+        norm = math.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in grads))
+        grads_per_step.append([g * min(0.5 / (norm + 1e-6), 1.0) for g in grads])
+        opt(tuple(Tensor(g) for g in grads))
+        now = np.concatenate([p.asnumpy().reshape(-1) for p in params])
+        decay = min(0.9, (1 + step) / (10 + step))
+        ema = ema + (1 - decay) * (now - ema)
+    expected = torch_adam_reference(values, grads_per_step, [1e-2] * 5, [0.9] * 5)
+    for p, e in zip(params, expected):
+        np.testing.assert_allclose(p.asnumpy(), e, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(opt.ema.asnumpy(), ema, rtol=1e-5, atol=1e-6)
+
+
+def torch_one_cycle(lr, total, pct=0.05):
+    """PyTorch OneCycleLR(max_lr=10 lr, div_factor=10, final_div_factor=10, cos, two phases,
+    cycle_momentum, base 0.85, max 0.95), written out: (lrs, momenta)."""
+    warm = pct * total - 1
+    lrs, moms = [], []
+    for step in range(total):
+        if step <= warm:
+            p, (a, b), (ma, mb) = step / warm, (lr, 10 * lr), (0.95, 0.85)
+        else:
+            p, (a, b), (ma, mb) = (step - warm) / (total - 1 - warm), (10 * lr, lr / 10), (0.85, 0.95)
+        lrs.append(b + (a - b) / 2 * (math.cos(math.pi * p) + 1))
+        moms.append(mb + (ma - mb) / 2 * (math.cos(math.pi * p) + 1))
+    return np.array(lrs), np.array(moms)
+
+
+def test_one_cycle_matches_pytorch_and_survives_short_runs():
+    sched = one_cycle(3e-4, 1000)
+    lrs, moms = torch_one_cycle(3e-4, 1000)
+    np.testing.assert_allclose(sched.lr, lrs, rtol=1e-12)
+    np.testing.assert_allclose(sched.beta1, moms, rtol=1e-12)
+    assert sched.lr.max() == pytest.approx(3e-3) and sched.beta1.min() == pytest.approx(0.85)
+    assert sched.beta1[0] == pytest.approx(0.95) and sched.beta1[-1] == pytest.approx(0.95)
+    for total in (1, 2, 20, 21):  # orb-models 0.4.2 divides by zero at 20 steps
+        s = one_cycle(1e-3, total)
+        assert len(s.lr) == total and np.all(np.isfinite(s.lr)) and np.all(s.lr > 0)
+
+
+def test_warmup_cosine_never_exceeds_lr():
+    s = warmup_cosine(1e-4, 200, 0.05)
+    assert s.lr.max() == pytest.approx(1e-4) and s.lr[0] == pytest.approx(1e-5)
+    assert s.lr[9] == pytest.approx(1e-4) and s.lr[-1] == pytest.approx(1e-5)
+    assert np.all(np.diff(s.lr[10:]) <= 0) and np.all(s.beta1 == 0.9)
+    for total in (1, 2, 3):
+        assert np.all(np.isfinite(warmup_cosine(1e-3, total, 0.05).lr))
