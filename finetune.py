@@ -6,7 +6,7 @@
 import sys
 
 from orb.training.cli import run
-from orb.training.device import configure_mindspore
+from orb.device import configure_mindspore
 from orb.training.outputs import prepare_output_dir, setup_logging
 
 

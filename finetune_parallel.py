@@ -9,10 +9,11 @@ import sys
 
 import numpy as np
 
+from orb.errors import ClusterError
 from orb.training.cli import run
-from orb.training.device import configure_mindspore
+from orb.device import configure_mindspore
 from orb.training.distributed import DataParallel
-from orb.training.outputs import prepare_output_dir, setup_logging
+from orb.training.outputs import check_output_dir, prepare_output_dir, setup_logging
 
 _rank = 0
 
@@ -25,8 +26,13 @@ def fine_tune(cfg, args) -> None:
     from mindspore import ops
     from mindspore.communication import get_group_size, get_rank, init
 
-    # 1. Start communication between the workers msrun launched (HCCL on Ascend, NCCL on GPU, TCP on CPU).
-    init()
+    check_output_dir(cfg.output_dir, resume=bool(args.resume), overwrite=args.overwrite)  # before rank 0 writes
+    # 1. Start communication between the workers msrun launched (HCCL on Ascend, NCCL on GPU, TCP on CPU);
+    #    init() returns once every worker has joined.
+    try:
+        init()
+    except RuntimeError as exc:  # msrun's scheduler process, or a worker, sees another worker stop
+        raise ClusterError(f"the job stopped: {str(exc).strip().splitlines()[0]}") from None
     # 2. This worker's rank and the number of workers (over all nodes).
     rank, world = get_rank(), get_group_size()
     _rank = rank
@@ -49,8 +55,8 @@ def fine_tune(cfg, args) -> None:
     )
 
     # 5. Rank 0 alone writes train.log, metrics.jsonl and checkpoints (the others log to msrun's worker logs).
-    prepare_output_dir(cfg.output_dir, resume=bool(args.resume), overwrite=args.overwrite,
-                       is_main=data_parallel.is_main)
+    if data_parallel.is_main:
+        prepare_output_dir(cfg.output_dir, resume=bool(args.resume), overwrite=args.overwrite)
     setup_logging(cfg.output_dir, data_parallel.is_main, rank)
 
     from orb.training.trainer import Trainer

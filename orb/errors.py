@@ -33,3 +33,7 @@ class ConfigError(OrbInputError):
 
 class CheckpointError(OrbInputError):
     """A checkpoint that cannot be read or does not fit the model."""
+
+
+class ClusterError(Exception):
+    """A data-parallel job that cannot go on because another of its processes stopped."""

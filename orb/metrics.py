@@ -61,9 +61,10 @@ def structure_sums(energy_pred: float, energy: float, natoms: int, forces_pred: 
     return out
 
 
-def add_sums(total: Dict[str, float], part: Mapping[str, float]) -> Dict[str, float]:
-    for key, value in part.items():
-        total[key] = total.get(key, 0.0) + float(value)
+def add_sums(total: Dict[str, float], *parts: Mapping[str, float]) -> Dict[str, float]:
+    for part in parts:
+        for key, value in part.items():
+            total[key] = total.get(key, 0.0) + float(value)
     return total
 
 

@@ -1,5 +1,6 @@
-"""Single-device fine-tuning: it learns, resumes exactly, respects loss weights and frozen backbones,
-compiles a bounded number of times, and writes checkpoints that survive a crash."""
+"""Single-device fine-tuning: it learns, resumes exactly (or refuses and says why), is reproducible,
+respects loss weights and frozen backbones, compiles once per bucket, protects earlier runs and
+writes checkpoints that survive a crash."""
 
 import json
 import os
@@ -16,73 +17,95 @@ from ase.calculators.singlepoint import SinglePointCalculator
 from conftest import DEMO_TRAIN, DEMO_VAL, ROOT, SMALL_MODEL
 
 BUCKET = [[136, 2720]]  # one static shape fits any 8 demo structures: one compilation per step kind
+TIMING = ("train_time", "val_time", "compile_time", "data_wait")
 
 
 def make_cfg(tmp_path, **overrides):
     from orb.training.config import config_from_dict
 
     values = dict(train_data_path=DEMO_TRAIN, val_data_path=DEMO_VAL, output_dir=str(tmp_path / "run"),
-                  device_target="CPU", batch_size=8, max_epochs=2, lr=1e-3, buckets=BUCKET, progress_bar="false",
-                  log_every_n_steps=4, model=dict(SMALL_MODEL))
+                  device_target="CPU", batch_size=8, max_epochs=2, lr=1e-3, lr_schedule="one_cycle", buckets=BUCKET,
+                  progress_bar="false", log_every_n_steps=4, data_workers=0, model=dict(SMALL_MODEL))
     values.update(overrides)
     return config_from_dict(values)
 
 
-def trainer_for(cfg, resume=None):
-    from orb.training.cli import set_environment
-    from orb.training.trainer import Trainer, configure_mindspore
+def trainer_for(cfg, resume=None, accept=False, overwrite=False):
+    from orb.device import configure_mindspore
+    from orb.training.outputs import prepare_output_dir
+    from orb.training.trainer import Trainer
 
-    set_environment(cfg)
-    configure_mindspore(cfg)
-    return Trainer(cfg, resume=resume)
+    configure_mindspore(cfg.device_target, cfg.device_id, cfg.num_threads)
+    prepare_output_dir(cfg.output_dir, resume=bool(resume), overwrite=overwrite)
+    return Trainer(cfg, resume=resume, accept_config_changes=accept)
 
 
 def params_of(model):
     return {name: p.asnumpy().copy() for name, p in model.parameters_and_names()}
 
 
+def epochs_of(path):
+    return [r for r in map(json.loads, open(path)) if r["type"] in ("initial", "epoch")]
+
+
+def without_timing(record):
+    return {part: {k: v for k, v in record.get(part, {}).items() if k not in TIMING} for part in ("train", "val")}
+
+
 def test_loss_falls_on_a_fixed_batch():
     import mindspore as ms
-    from mindspore import Tensor, nn
 
     from orb.data.dataset import AseDbDataset
     from orb.data.graphs import batch_graphs, pad_batch
-    from orb.training.loss import OrbLoss
-    from orb.models.orb_v2 import orb_v2
     from orb.data.tensors import loss_inputs
+    from orb.models.orb_v2 import orb_v2
+    from orb.training.loss import OrbLoss
+    from orb.training.optimizer import FlatAdam
+    from orb.training.schedule import constant
     from orb.training.steps import TrainStep
 
     ms.set_context(mode=ms.GRAPH_MODE)
     ds = AseDbDataset(DEMO_TRAIN)
     batch = pad_batch(batch_graphs([ds[i] for i in range(4)]), 80, 1600, 5)
     model = orb_v2(**SMALL_MODEL)
-    step = TrainStep(OrbLoss(model), nn.Adam(model.trainable_params(), learning_rate=Tensor(np.float32(3e-3))),
-                     "norm", 10.0)
+    step = TrainStep(OrbLoss(model), FlatAdam(model.trainable_params(), constant(3e-3, 80), clip_mode="norm",
+                                              clip_value=10.0))
     inputs = loss_inputs(batch)
     losses = [float(step(*inputs).asnumpy()) for _ in range(80)]
     assert np.isfinite(losses).all()
     assert losses[-1] < losses[0] / 5, (losses[0], losses[-1])
 
 
-def test_resume_equals_straight_run(tmp_path):
+def test_resume_equals_straight_run_and_refuses_changes(tmp_path):
+    from orb.errors import ConfigError
+
     straight = trainer_for(make_cfg(tmp_path / "a"))
     straight.fit()
     first = trainer_for(make_cfg(tmp_path / "b"))
     first.fit(until_epoch=1)
-    resumed = trainer_for(make_cfg(tmp_path / "b"), resume=str(tmp_path / "b" / "run"))
+    run_dir = str(tmp_path / "b" / "run")
+    with pytest.raises(ConfigError, match=r"max_epochs: 2 -> 3; lr: 0.001 -> 0.002.*--accept_config_changes"):
+        trainer_for(make_cfg(tmp_path / "b", max_epochs=3, lr=2e-3), resume=run_dir)
+    resumed = trainer_for(make_cfg(tmp_path / "b"), resume=run_dir)
     assert resumed.start_epoch == 1 and resumed.global_step == straight.steps_per_epoch
     resumed.fit()
     a, b = params_of(straight.model), params_of(resumed.model)
     for name in a:
-        np.testing.assert_allclose(a[name], b[name], atol=1e-6, rtol=1e-6, err_msg=name)
-    rec_a = [json.loads(l) for l in open(tmp_path / "a" / "run" / "metrics.jsonl")]
-    rec_b = [json.loads(l) for l in open(tmp_path / "b" / "run" / "metrics.jsonl")]
-    ep_a = [r for r in rec_a if r["type"] == "epoch"]
-    ep_b = [r for r in rec_b if r["type"] == "epoch"]
-    assert [r["epoch"] for r in ep_b] == [1, 2]
-    for key in ("loss", "energy_mae", "node_mae", "stress_mae"):
-        assert ep_a[1]["train"][key] == pytest.approx(ep_b[1]["train"][key], rel=1e-5)
-        assert ep_a[1]["val"][key] == pytest.approx(ep_b[1]["val"][key], rel=1e-5)
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)  # bit for bit: same steps, same kernels
+    ep_a, ep_b = epochs_of(tmp_path / "a" / "run" / "metrics.jsonl"), epochs_of(f"{run_dir}/metrics.jsonl")
+    assert [r["epoch"] for r in ep_b] == [0, 1, 2]
+    assert without_timing(ep_a[-1]) == without_timing(ep_b[-1])
+    more = trainer_for(make_cfg(tmp_path / "b", max_epochs=3), resume=run_dir, accept=True)
+    assert more.start_epoch == 2 and more.total_steps == 3 * more.steps_per_epoch
+
+
+def test_same_seed_same_metrics(tmp_path):
+    """Two runs of one config give identical metrics.jsonl (training and validation numbers)."""
+    cfg = dict(max_epochs=2, augmentation=True, buckets=[], num_buckets=2, data_workers=1)
+    for name in ("one", "two"):
+        trainer_for(make_cfg(tmp_path / name, **cfg)).fit()
+    one, two = (epochs_of(tmp_path / n / "run" / "metrics.jsonl") for n in ("one", "two"))
+    assert len(one) == 3 and [without_timing(r) for r in one] == [without_timing(r) for r in two]
 
 
 def test_freeze_backbone_and_zero_weights(tmp_path):
@@ -98,9 +121,8 @@ def test_freeze_backbone_and_zero_weights(tmp_path):
     # stress weight 0: its head gets no gradient (its normaliser still tracks the data)
     np.testing.assert_array_equal(before["stress_head.mlp.NN-1.weight"], after["stress_head.mlp.NN-1.weight"])
     assert "stress_mae" not in history[0]["train"]
-    # loss = energy + forces terms only
     m = history[0]["train"]
-    assert m["loss"] == pytest.approx(m["energy_mae"] + m["node_mae"], rel=1e-4)
+    assert m["loss"] == pytest.approx(m["loss_energy"] + m["loss_forces"], rel=1e-4)  # energy + forces terms only
 
 
 def test_stressless_database_trains(tmp_path):
@@ -118,33 +140,54 @@ def test_stressless_database_trains(tmp_path):
     np.testing.assert_array_equal(before, params_of(trainer.model)["stress_head.mlp.NN-1.weight"])
 
 
-def test_compilations_bounded_by_buckets(tmp_path):
+def test_one_compilation_per_bucket(tmp_path):
+    """MindSpore's own record of compiled graphs (``Cell.compile_cache``, one phase per real compilation):
+    exactly one per (step kind, bucket) that the batches use."""
     trainer = trainer_for(make_cfg(tmp_path, buckets=[], num_buckets=2, max_epochs=3))
     trainer.fit()
-    kinds = [k for k, _ in trainer.compiled]
-    assert len(trainer.train_buckets) <= 2
-    assert kinds.count("train") <= len(trainer.train_buckets)
-    assert kinds.count("eval") <= len(trainer.val_buckets)
+    used_train = {s.bucket for e in range(3) for s in trainer._plan(trainer.sampler, trainer.train_set,
+                                                                    trainer.train_buckets, e)}
+    used_val = {s.bucket for s in trainer._plan(trainer.val_sampler, trainer.val_set, trainer.val_buckets, 0)}
+    assert len(used_train) == 2  # both buckets are used, so a recompilation would show
+    assert len(trainer.train_step.compile_cache) == len(used_train)
+    assert len(trainer.eval_step.compile_cache) == len(used_val)
 
 
-def run_cli(*args, timeout=600):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), *args], cwd=ROOT, timeout=timeout,
+def run_cli(*args, timeout=600, cwd=ROOT):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), *args], cwd=cwd, timeout=timeout,
                           capture_output=True, text=True)
 
 
-def test_cli_end_to_end_and_config_typo(tmp_path):
+def small_model_args():
+    return sum((["--model." + k, str(v)] for k, v in SMALL_MODEL.items()), [])
+
+
+def test_cli_end_to_end_output_dir_and_config_typo(tmp_path):
     out = tmp_path / "cli"
-    result = run_cli("--config", "configs/demo.yaml", "--max_epochs", "1", "--output_dir", str(out), "--checkpoint_path", "",
-                     "--device_target", "CPU", "--buckets", "[[136, 2720]]",
-                     *sum((["--model." + k, str(v)] for k, v in SMALL_MODEL.items()), []))
+    args = ("--config", "configs/demo.yaml", "--max_epochs", "1", "--output_dir", str(out), "--checkpoint_path", "",
+            "--device_target", "CPU", "--buckets", "[[136, 2720]]", *small_model_args())
+    result = run_cli(*args)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert (out / "checkpoints" / "last.ckpt").exists() and (out / "checkpoints" / "best_weights.ckpt").exists()
     records = [json.loads(l) for l in open(out / "metrics.jsonl")]
-    assert records[0]["type"] == "initial" and "energy_mae" in records[0]["val"]  # the starting point
-    assert records[-1]["type"] == "epoch" and "energy_mae" in records[-1]["val"]
+    assert records[0]["type"] == "initial" and "forces_mae" in records[0]["val"]  # the starting point
+    assert records[-1]["type"] == "epoch" and "forces_mae" in records[-1]["val"]
     assert "Epoch: 1/1, train_metrics:" in (out / "train.log").read_text()
+    again = run_cli(*args, timeout=120)  # a fresh run into the same output_dir is refused ...
+    assert again.returncode == 2 and "already holds a run" in again.stderr and "--resume" in again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1 and "Traceback" not in again.stderr
+    assert len(open(out / "metrics.jsonl").readlines()) == len(records)  # ... and loses nothing
+    stale = out / "checkpoints" / ".last.ckpt.tmp-999999999.ckpt"
+    stale.write_bytes(b"half a checkpoint")
+    redo = run_cli(*args, "--overwrite")  # ... unless asked to start over
+    assert redo.returncode == 0, redo.stderr[-2000:]
+    assert len([json.loads(l) for l in open(out / "metrics.jsonl")]) == len(records) and not stale.exists()
     bad = run_cli("--config", "configs/demo.yaml", "--max_epoch", "1", timeout=120)
     assert bad.returncode != 0 and "max_epoch" in bad.stderr and "did you mean 'max_epochs'" in bad.stderr
+    bad_row = run_cli(*args, "--output_dir", str(tmp_path / "bad"), "--train_data_path",
+                      os.path.join(ROOT, "README.md"), timeout=120)
+    assert bad_row.returncode == 2 and "is not an SQLite database" in bad_row.stderr
+    assert "is not an SQLite database" in (tmp_path / "bad" / "train.log").read_text()  # the log says why too
 
 
 KILL_SCRIPT = """
@@ -164,6 +207,7 @@ while True:
 def test_killed_while_saving_never_leaves_a_broken_checkpoint(tmp_path):
     from orb.io.checkpoint import load_checkpoint, save_checkpoint
     from orb.models.orb_v2 import orb_v2
+    from orb.training.outputs import remove_stale_temporaries
 
     path = str(tmp_path / "last.ckpt")
     save_checkpoint(path, orb_v2(**SMALL_MODEL), {"i": 0})
@@ -178,3 +222,5 @@ def test_killed_while_saving_never_leaves_a_broken_checkpoint(tmp_path):
         assert "model.atom_emb.embeddings.weight" in weights and "i" in meta
     leftovers = [f for f in os.listdir(tmp_path) if f != "last.ckpt"]
     assert all(f.startswith(".last.ckpt.tmp-") for f in leftovers)  # temp files never replace the checkpoint
+    remove_stale_temporaries(str(tmp_path))  # their writers are dead: cleaned up at the next start
+    assert os.listdir(tmp_path) == ["last.ckpt"]

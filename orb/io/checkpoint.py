@@ -14,6 +14,8 @@ import numpy as np
 from mindspore import Tensor, nn
 
 from orb.errors import CheckpointError
+from orb.models import build, config_from_state_dict
+from orb.models.config import ModelConfig
 from orb.io.torch_format import is_torch_zip, read_torch_checkpoint, write_torch_checkpoint
 
 __all__ = [
@@ -60,7 +62,7 @@ def load_torch_state_dict(model: nn.Cell, state_dict: Dict[str, np.ndarray], sou
         value = np.asarray(state_dict[name])
         if not np.issubdtype(value.dtype, np.number):
             raise CheckpointError(f"{source}: {name} has non-numeric dtype {value.dtype}")
-        param.set_data(Tensor(value.astype(ms.dtype_to_nptype(param.dtype))))
+        param.set_data(Tensor(value.astype(param.asnumpy().dtype)))
 
 
 def _ms_checkpoint_arrays(path: str) -> Tuple[Dict[str, np.ndarray], Dict]:
@@ -92,6 +94,15 @@ def read_weights(path: str) -> Tuple["OrderedDict[str, np.ndarray]", Dict]:
     return weights, meta
 
 
+def fsync_directory(folder: str) -> None:
+    """Make a rename in ``folder`` durable (the directory entry itself reaches the disk)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_checkpoint(path: str, model: nn.Cell, meta: Optional[Dict] = None,
                     extra: Optional[Iterable[Tuple[str, Tensor]]] = None) -> None:
     """Write a MindSpore checkpoint atomically: a temporary file in the same folder, then rename.
@@ -111,6 +122,7 @@ def save_checkpoint(path: str, model: nn.Cell, meta: Optional[Dict] = None,
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_directory(folder)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -128,8 +140,41 @@ def load_checkpoint(path: str) -> Tuple[Dict[str, np.ndarray], Dict[str, np.ndar
     return weights, optimizer, meta
 
 
+def describe(cfg: ModelConfig) -> str:
+    return (f"{cfg.name} (latent_dim {cfg.latent_dim}, mlp_hidden_dim {cfg.mlp_hidden_dim}, "
+            f"{cfg.num_message_passing_steps} message-passing layers, head_mlp_hidden_dim {cfg.head_mlp_hidden_dim})")
+
+
+def architecture(weights: Dict[str, np.ndarray], meta: Dict) -> ModelConfig:
+    """The architecture of a checkpoint: stored by this program, else read from the tensor shapes."""
+    stored = meta.get("model") or meta.get("config", {}).get("model")
+    if stored:
+        return ModelConfig.from_dict(stored)
+    return config_from_state_dict(weights)
+
+
 def load_weights_into(model: nn.Cell, path: str) -> Dict:
-    """Load a PyTorch or MindSpore checkpoint's weights into ``model`` (strict); returns its metadata."""
+    """Load a PyTorch or MindSpore checkpoint's weights into ``model`` (strict); returns its metadata.
+
+    If the architectures differ, the error says what the checkpoint holds.
+    """
     weights, meta = read_weights(path)
-    load_torch_state_dict(model, weights, source=path)
+    try:
+        load_torch_state_dict(model, weights, source=path)
+    except CheckpointError as exc:
+        try:
+            held = describe(architecture(weights, meta))
+        except (CheckpointError, TypeError):
+            raise exc from None
+        raise CheckpointError(f"{path} holds {held}, which does not match the config's 'model:' block "
+                              f"({describe(model.cfg)}); set the model block to the checkpoint's architecture") from None
     return meta
+
+
+def model_from_checkpoint(path: str):
+    """The model stored in a PyTorch or MindSpore checkpoint, its architecture read from the checkpoint."""
+    weights, meta = read_weights(path)
+    model = build(architecture(weights, meta))
+    load_torch_state_dict(model, weights, source=path)
+    model.set_train(False)
+    return model

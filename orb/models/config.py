@@ -3,11 +3,14 @@
 from dataclasses import asdict, dataclass, fields
 from typing import Dict
 
+MODEL_NAMES = ("orb_v2",)
+
 
 @dataclass
 class ModelConfig:
     """Architecture hyper-parameters; the defaults are orb-v2's."""
 
+    name: str = "orb_v2"
     latent_dim: int = 256
     mlp_hidden_dim: int = 512
     num_mlp_layers: int = 2

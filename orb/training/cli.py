@@ -6,7 +6,7 @@ import logging
 import sys
 from typing import Callable, List, Optional, Tuple
 
-from orb.errors import OrbInputError
+from orb.errors import ClusterError, OrbInputError
 from orb.training.config import TrainConfig, load_config
 
 USAGE = """%(prog)s [--config PATH] [--resume DIR_OR_FILE] [--overwrite] [--accept_config_changes] [--key value ...]
@@ -42,4 +42,7 @@ def run(argv: Optional[List[str]], default_config: str, fine_tune: Callable[[Tra
                     handler.emit(record)
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except ClusterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0

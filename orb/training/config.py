@@ -13,9 +13,11 @@ import yaml
 
 from orb.data.buckets import MAX_BUCKETS
 from orb.errors import ConfigError
-from orb.models.config import ModelConfig
+from orb.models.config import MODEL_NAMES, ModelConfig
 from orb.models.kernels import MODES
 from orb.training.schedule import SCHEDULES
+
+ALGORITHMS = ("adam", "sgd")  # orb.training.optimizer.FlatAdam
 
 
 @dataclass
@@ -45,6 +47,7 @@ class TrainConfig:
     lr_schedule: str = "cosine"
     warmup_fraction: float = 0.05
     ema_decay: float = 0.0
+    optimizer: str = "adam"
     gradient_clip_mode: str = "value"
     gradient_clip_val: float = 0.5
     loss_weights: LossWeights = field(default_factory=LossWeights)
@@ -72,6 +75,8 @@ CHOICES = {
     "device_target": ("auto", "CPU", "GPU", "Ascend"),
     "lr_schedule": SCHEDULES,
     "kernels": MODES,
+    "optimizer": ALGORITHMS,
+    "model.name": MODEL_NAMES,
     "gradient_clip_mode": ("value", "norm", "none"),
     "progress_bar": ("auto", "true", "false"),
 }

@@ -1,4 +1,4 @@
-"""PyTorch's Adam over all trained parameters as one flat vector, inside the compiled step.
+"""PyTorch's Adam (or plain SGD) over all trained parameters as one flat vector, inside the compiled step.
 
 Why flat: one fused gradient all-reduce per step instead of one per tensor; gradient clipping
 as one operation (per-tensor clipping made MindSpore's compiler spend ~55 s and ~2 GB on
@@ -17,6 +17,9 @@ Per step, on the flat gradient ``g`` (and, sharded, on this rank's slice of it):
    all-gathered; every rank ends the step with identical full parameters;
 5. optionally an exponential moving average of the weights (``ema_decay``), kept flat beside them.
 
+``algorithm="sgd"`` replaces step 3 by p <- p - lr g (no moments): its update is proportional to
+the gradient, so comparisons of runs can see a wrong gradient scale that Adam would hide.
+
 The optimizer keeps its own flat float32 copy of the parameters (its slice, when sharded) and
 writes the updated values into the model's parameters after every step.
 """
@@ -29,6 +32,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.ops.auto_generate.gen_ops_prim import SplitWithSize
 
 from orb.models.blocks import row_sum
+from orb.training.config import ALGORITHMS
 from orb.training.schedule import Schedule
 
 CLIP_MODES = ("value", "norm", "none")
@@ -73,10 +77,13 @@ class FlatAdam(nn.Cell):
 
     def __init__(self, params: Sequence[Parameter], schedule: Schedule, beta2: float = 0.999, eps: float = 1e-8,
                  clip_mode: str = "value", clip_value: float = 0.5, all_reduce: Optional[Callable] = None,
-                 sharding: Optional[Sharding] = None, ema_decay: float = 0.0):
+                 sharding: Optional[Sharding] = None, ema_decay: float = 0.0, algorithm: str = "adam"):
         super().__init__(auto_prefix=False)
         if clip_mode not in CLIP_MODES:
             raise ValueError(f"clip_mode must be one of {CLIP_MODES}, got {clip_mode!r}")
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        self.algorithm = algorithm
         self.params = list(params)
         self.shapes = [tuple(p.shape) for p in self.params]
         self.sizes = [int(np.prod(s)) if s else 1 for s in self.shapes]
@@ -95,8 +102,9 @@ class FlatAdam(nn.Cell):
         self.beta2_tensor = Tensor(np.float32(beta2))
         self.step = Parameter(Tensor(np.array(0, np.int32)), name="optimizer_step", requires_grad=False)
         zeros = np.zeros(self.local_size, np.float32)
-        self.moment1 = Parameter(Tensor(zeros), name="optimizer_moment1", requires_grad=False)
-        self.moment2 = Parameter(Tensor(zeros), name="optimizer_moment2", requires_grad=False)
+        moments = zeros if algorithm == "adam" else np.zeros(1, np.float32)  # plain SGD keeps no moments
+        self.moment1 = Parameter(Tensor(moments), name="optimizer_moment1", requires_grad=False)
+        self.moment2 = Parameter(Tensor(moments.copy()), name="optimizer_moment2", requires_grad=False)
         self.master = Parameter(Tensor(zeros), name="optimizer_master", requires_grad=False)
         self.ema_decay = float(ema_decay)
         if self.ema_decay > 0:
@@ -169,10 +177,14 @@ class FlatAdam(nn.Cell):
             flat = self.all_reduce(flat)
         grad = self._local(self._clip(flat))
         step = ops.minimum(self.step, self.num_steps - 1)
-        done = self.adam(self.master, self.moment1, self.moment2,
-                         ops.gather(self.table_beta1_power, step, 0), ops.gather(self.table_beta2_power, step, 0),
-                         ops.gather(self.table_lr, step, 0), ops.gather(self.table_beta1, step, 0),
-                         self.beta2_tensor, ops.gather(self.table_epsilon, step, 0), grad)
+        if self.algorithm == "sgd":
+            lr = ops.broadcast_to(ops.gather(self.table_lr, step, 0), grad.shape)
+            done = ops.assign(self.master, self.master - lr * grad)
+        else:
+            done = self.adam(self.master, self.moment1, self.moment2,
+                             ops.gather(self.table_beta1_power, step, 0), ops.gather(self.table_beta2_power, step, 0),
+                             ops.gather(self.table_lr, step, 0), ops.gather(self.table_beta1, step, 0),
+                             self.beta2_tensor, ops.gather(self.table_epsilon, step, 0), grad)
         updated = ops.depend(self.master, done)
         done = self._write_back(updated)
         return ops.depend(ops.assign_add(self.step, ops.ones((), self.step.dtype)), done)

@@ -11,7 +11,7 @@ from orb.errors import ConfigError
 
 log = logging.getLogger("orb")
 RUN_FILES = ("metrics.jsonl", "train.log")
-_TMP = re.compile(r"^\..+\.tmp-(\d+)\.ckpt$")
+_TMP = re.compile(r"^\..+\.tmp-(\d+)\.(ckpt|tmp)$")  # ours, and MindSpore's own temporary of it
 
 
 def existing_run_files(output_dir: str) -> List[str]:
@@ -23,19 +23,20 @@ def existing_run_files(output_dir: str) -> List[str]:
     return found
 
 
-def prepare_output_dir(output_dir: str, resume: bool, overwrite: bool, is_main: bool = True) -> None:
-    """A fresh run never appends to or overwrites an earlier run's files unless told to (``overwrite``).
-
-    Every rank checks; only the main rank deletes and creates.
-    """
+def check_output_dir(output_dir: str, resume: bool, overwrite: bool) -> List[str]:
+    """A fresh run never appends to or overwrites an earlier run's files unless told to (``overwrite``)."""
     found = existing_run_files(output_dir)
     if found and not resume and not overwrite:
         listed = ", ".join(found[:4]) + (" ..." if len(found) > 4 else "")
         raise ConfigError(f"output_dir {output_dir} already holds a run ({listed}); continue it with "
                           f"--resume {output_dir}, start over with --overwrite (deletes those files), "
                           "or choose another --output_dir")
-    if not is_main:
-        return
+    return found
+
+
+def prepare_output_dir(output_dir: str, resume: bool, overwrite: bool) -> None:
+    """Check, then (``overwrite``) delete the earlier run's files, create the folders, remove stale temporaries."""
+    found = check_output_dir(output_dir, resume, overwrite)
     if found and not resume:
         for name in found:
             os.remove(os.path.join(output_dir, name))
@@ -57,7 +58,7 @@ def _alive(pid: int) -> bool:
 
 
 def remove_stale_temporaries(folder: str) -> List[str]:
-    """Delete ``.<name>.tmp-<pid>.ckpt`` files left by a save that was killed (their writer is gone)."""
+    """Delete ``.<name>.tmp-<pid>.ckpt`` (and .tmp) files left by a save that was killed (their writer is gone)."""
     removed = []
     for name in os.listdir(folder):
         match = _TMP.match(name)

@@ -21,7 +21,7 @@ CHECKPOINT_FORMAT = "orb-mindspore-train-2"
 OLDER_FORMATS = ("orb-mindspore-train-1",)
 # Settings that fix the learning-rate schedule or the order and content of the batches.
 RESUME_KEYS = ("train_data_path", "batch_size", "max_epochs", "lr", "lr_schedule", "warmup_fraction", "random_seed",
-               "augmentation", "ema_decay")
+               "augmentation", "ema_decay", "optimizer")
 
 
 def _full(optimizer: FlatAdam, local: np.ndarray, dp: DataParallel) -> np.ndarray:
@@ -34,6 +34,8 @@ def optimizer_state(optimizer: FlatAdam, names: Sequence[str], dp: DataParallel)
     """(key, array) entries of the optimizer state; every rank must call it (sharded state is gathered)."""
     entries = []
     buffers = [("moment1", optimizer.moment1.asnumpy()), ("moment2", optimizer.moment2.asnumpy())]
+    if optimizer.algorithm != "adam":
+        buffers = []
     for kind, local in buffers:
         entries += [(f"optimizer.{kind}.{n}", a) for n, a in zip(names, optimizer.split(_full(optimizer, local, dp)))]
     if optimizer.ema_decay > 0:
@@ -51,7 +53,7 @@ def restore_optimizer(optimizer: FlatAdam, names: Sequence[str], state: Dict[str
     """Load the optimizer state of a training checkpoint (this rank's slice when sharded)."""
     from mindspore import Tensor
 
-    missing = [n for n in names if f"moment1.{n}" not in state]
+    missing = [n for n in names if f"moment1.{n}" not in state] if optimizer.algorithm == "adam" else []
     if missing:
         raise CheckpointError(f"{path}: the optimizer state does not match the trained parameters (missing {missing[:3]}"
                               f"{' ...' if len(missing) > 3 else ''}); was freeze_backbone, "
@@ -62,8 +64,9 @@ def restore_optimizer(optimizer: FlatAdam, names: Sequence[str], state: Dict[str
         padded = np.concatenate([full, np.zeros(optimizer.padding, np.float32)])
         return padded[optimizer.offset:optimizer.offset + optimizer.local_size]
 
-    optimizer.moment1.set_data(Tensor(flat("moment1")))
-    optimizer.moment2.set_data(Tensor(flat("moment2")))
+    if optimizer.algorithm == "adam":
+        optimizer.moment1.set_data(Tensor(flat("moment1")))
+        optimizer.moment2.set_data(Tensor(flat("moment2")))
     step = state.get("step", state.get("global_step"))
     optimizer.step.set_data(Tensor(np.array(int(np.asarray(step).reshape(-1)[0]), np.int32)))
     optimizer.sync_from_model()

@@ -26,12 +26,10 @@ log = logging.getLogger("orb")
 def build_model(cfg: TrainConfig):
     """orb model of the config's architecture with pretrained (or random) weights and reference energies."""
     from orb.io.checkpoint import load_weights_into
-    from orb.models import kernels
-    from orb.models.orb_v2 import GraphRegressor
+    from orb.models import build
     from orb.models.reference_energies import load_reference_file
 
-    kernels.set_kernel_mode(cfg.kernels)
-    model = GraphRegressor(cfg.model, seed=cfg.random_seed)
+    model = build(cfg.model, seed=cfg.random_seed)
     if cfg.checkpoint_path:
         load_weights_into(model, cfg.checkpoint_path)
         log.info("loaded weights from %s", cfg.checkpoint_path)
@@ -86,6 +84,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, data_parallel: Optional[DataParallel] = None, resume: Optional[str] = None,
                  accept_config_changes: bool = False):
         self.cfg, self.dp = cfg, data_parallel or DataParallel()
+        self._log_device()
         self.output_dir = cfg.output_dir
         self.checkpoint_dir = os.path.join(self.output_dir, "checkpoints")
         self._load_data()
@@ -104,6 +103,17 @@ class Trainer:
         self._log_start()
 
     # ----------------------------------------------------------------- setup
+    def _log_device(self) -> None:
+        import mindspore as ms
+
+        from orb.models.kernels import set_kernel_mode, uses_custom_kernels
+
+        set_kernel_mode(self.cfg.kernels)
+        kernels = "accurate custom CPU kernels" if uses_custom_kernels() else "MindSpore's built-in kernels"
+        log.info("device: %s (%s)", ms.get_context("device_target"), kernels)
+        if self.dp.parallel:
+            log.info("data parallel: rank %d of %d (pid %d)", self.dp.rank, self.dp.world_size, os.getpid())
+
     def _load_data(self) -> None:
         cfg, world = self.cfg, self.dp.world_size
         if cfg.optimizer_shard and world < 2:
@@ -156,7 +166,7 @@ class Trainer:
         sharding = Sharding(dp.rank, dp.world_size, dp.all_gather) if dp.shard_optimizer else None
         self.optimizer = FlatAdam(self.params, self.schedule, clip_mode=cfg.gradient_clip_mode,
                                   clip_value=cfg.gradient_clip_val, all_reduce=dp.all_reduce, sharding=sharding,
-                                  ema_decay=cfg.ema_decay)
+                                  ema_decay=cfg.ema_decay, algorithm=cfg.optimizer)
         w = cfg.loss_weights
         self.loss_cell = OrbLoss(self.model, w.energy, w.forces, w.stress, self.has_stress, dp.all_reduce)
         self.train_step = TrainStep(self.loss_cell, self.optimizer)
@@ -174,7 +184,7 @@ class Trainer:
             log.info("validation data: %s (%d structures)", cfg.val_data_path, len(self.val_set))
         log.info("batch size: %d global, %d per worker x %d worker(s); %d steps per epoch, %d epochs",
                  cfg.batch_size, self.local_batch, self.dp.world_size, self.steps_per_epoch, cfg.max_epochs)
-        log.info("optimizer: Adam, %s schedule, peak lr %.3g%s, clipping %s %g%s", cfg.lr_schedule,
+        log.info("optimizer: %s, %s schedule, peak lr %.3g%s, clipping %s %g%s", cfg.optimizer, cfg.lr_schedule,
                  float(self.schedule.lr.max()), f", EMA of weights {cfg.ema_decay}" if cfg.ema_decay else "",
                  cfg.gradient_clip_mode, cfg.gradient_clip_val,
                  ", state sharded over ranks" if self.dp.shard_optimizer else "")

@@ -1,0 +1,132 @@
+"""Evaluate an orb checkpoint on an ASE database: per-structure CSV, summary table and JSON.
+
+    orb-evaluate --checkpoint outputs/run/checkpoints/best_weights.ckpt --data data/demo_val.db
+
+Writes ``<output_dir>/predictions.csv`` (one row per structure: row id, formula, atoms, predicted
+energy, and where the row has labels its errors) and ``<output_dir>/summary.json``, and prints the
+summary. The metrics are those of the training log (same names, units and averaging,
+``orb.metrics``), computed over the rows that carry each label; rows without labels are
+predicted only. The checkpoint may be PyTorch or MindSpore; its architecture is read from it.
+"""
+
+import argparse
+import csv
+import json
+import os
+import sys
+from typing import Dict, List
+
+import numpy as np
+
+from orb.errors import OrbInputError
+from orb.metrics import METRICS, add_sums, metrics_from_sums, structure_sums
+
+CSV_FIELDS = ("row_id", "formula", "natoms", "energy_pred", "energy_true", "energy_abs_error",
+              "energy_per_atom_abs_error", "forces_mae", "forces_cosine", "forces_within_0.03", "stress_mae")
+
+
+def structure_record(row_id: int, formula: str, graph, pred: Dict[str, np.ndarray]) -> Dict:
+    """One CSV row and its metric sums (labels may be missing)."""
+    natoms = graph.num_nodes
+    record = {"row_id": row_id, "formula": formula, "natoms": natoms, "energy_pred": float(pred["energy"])}
+    if graph.energy is None:
+        return {"row": record, "sums": None}
+    sums = structure_sums(float(pred["energy"]), float(graph.energy[0]), natoms,
+                          pred["forces"] if graph.forces is not None else None, graph.forces,
+                          pred["stress"] if graph.stress is not None else None,
+                          None if graph.stress is None else graph.stress[0])
+    record.update(energy_true=float(graph.energy[0]), energy_abs_error=sums["energy_mae"],
+                  energy_per_atom_abs_error=sums["energy_per_atom_mae"])
+    if "forces_mae" in sums:
+        record.update(forces_mae=sums["forces_mae"], forces_cosine=sums["forces_cosine"] / natoms,
+                      **{"forces_within_0.03": bool(sums["forces_within_0.03"])})
+    if "stress_mae" in sums:
+        record["stress_mae"] = sums["stress_mae"]
+    return {"row": record, "sums": sums}
+
+
+def summarise(results: List[Dict]) -> Dict:
+    """Dataset metrics over the labelled structures (each metric over the rows that have its label)."""
+    out = {"structures": len(results), "labelled": sum(r["sums"] is not None for r in results),
+           "atoms": int(sum(r["row"]["natoms"] for r in results))}
+    for key in METRICS:
+        rows = [r["sums"] for r in results if r["sums"] is not None and key in r["sums"]]
+        if rows:
+            out[key] = metrics_from_sums(add_sums({}, *rows), keys=[key])[key]
+    return out
+
+
+def print_summary(summary: Dict) -> None:
+    print(f"{'metric':<32}{'value':>14}  unit   averaging")
+    for key, value in summary.items():
+        if key in METRICS:
+            unit, meaning = METRICS[key]
+            print(f"{key:<32}{value:>14.6g}  {unit:<6} {meaning}")
+        elif isinstance(value, int):
+            print(f"{key:<32}{value:>14d}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="PyTorch or MindSpore orb checkpoint")
+    parser.add_argument("--data", required=True, help="ASE SQLite database")
+    parser.add_argument("--output_dir", default="", help="where to write predictions.csv and summary.json "
+                        "(default: evaluation/<database name>)")
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--device_target", default="auto", choices=("auto", "CPU", "GPU", "Ascend"))
+    parser.add_argument("--progress_bar", choices=("auto", "true", "false"), default="auto")
+    args = parser.parse_args(argv)
+    try:
+        return evaluate(args)
+    except OrbInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def evaluate(args) -> int:
+    from tqdm import tqdm
+
+    from orb.data.dataset import AseDbDataset
+    from orb.data.graphs import batch_graphs
+    from orb.device import configure_mindspore
+    from orb.inference.predictor import Predictor
+    from orb.io.checkpoint import model_from_checkpoint
+
+    configure_mindspore(args.device_target)
+    model = model_from_checkpoint(args.checkpoint)
+    data = AseDbDataset(args.data, model.cfg.radius, model.cfg.max_neighbors, require_labels=False)
+    predictor = Predictor(model)
+    out_dir = args.output_dir or os.path.join("evaluation", os.path.splitext(os.path.basename(args.data))[0])
+    results = []
+    show = sys.stderr.isatty() if args.progress_bar == "auto" else args.progress_bar == "true"
+    with tqdm(total=len(data), desc="evaluating", disable=not show) as bar:
+        for start in range(0, len(data), args.batch_size):
+            indices = range(start, min(start + args.batch_size, len(data)))
+            graphs = [data[i] for i in indices]
+            pred = predictor(batch_graphs(graphs))
+            offset = 0
+            for i, graph in zip(indices, graphs):
+                n = graph.num_nodes
+                one = {"energy": pred["energy"][i - start], "forces": pred["forces"][offset:offset + n],
+                       "stress": pred["stress"][i - start]}
+                offset += n
+                row = data.row(i)
+                results.append(structure_record(int(row.id), row.formula, graph, one))
+            bar.update(len(graphs))
+    summary = summarise(results)
+    summary.update({"checkpoint": os.path.abspath(args.checkpoint), "data": os.path.abspath(args.data)})
+    os.makedirs(out_dir, exist_ok=True)
+    fields = [f for f in CSV_FIELDS if any(f in r["row"] for r in results)]
+    with open(os.path.join(out_dir, "predictions.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, restval="")
+        writer.writeheader()
+        writer.writerows(r["row"] for r in results)
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print_summary(summary)
+    print(f"wrote {os.path.join(out_dir, 'predictions.csv')} and {os.path.join(out_dir, 'summary.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

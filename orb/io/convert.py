@@ -1,0 +1,61 @@
+"""Convert orb checkpoints between PyTorch (orb-models) and MindSpore, without needing torch.
+
+    # PyTorch orb state dict -> MindSpore checkpoint (for checkpoint_path, evaluation, the calculator)
+    orb-convert orb-v2-20241011.ckpt orb_v2_mindspore.ckpt
+
+    # fine-tuned MindSpore checkpoint (e.g. outputs/run/checkpoints/best_weights.ckpt) -> PyTorch state dict
+    orb-convert outputs/run/checkpoints/best_weights.ckpt finetuned_torch.ckpt --to torch
+
+The architecture is read from the checkpoint (stored by this program, else from the tensor shapes),
+and every key and shape is checked against it. The PyTorch file is written in torch.save's zip
+format by this program itself (torch is not imported) and loads with ``torch.load`` +
+``model.load_state_dict(state_dict, strict=True)`` in orb-models. Optimizer state in training
+checkpoints is dropped.
+"""
+
+import argparse
+import os
+import sys
+
+from orb.errors import OrbInputError
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", help="PyTorch .ckpt (zip) or MindSpore checkpoint")
+    parser.add_argument("target", help="output file")
+    parser.add_argument("--to", choices=("mindspore", "torch"), default=None,
+                        help="output format (default: the other one of the source's)")
+    args = parser.parse_args(argv)
+    try:
+        return convert(args.source, args.target, args.to)
+    except OrbInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def convert(source: str, target: str, to=None) -> int:
+    from orb.device import quiet_mindspore
+
+    quiet_mindspore()
+    from orb.io.checkpoint import (architecture, describe, load_torch_state_dict, read_weights, save_checkpoint,
+                                   to_torch_state_dict)
+    from orb.io.torch_format import is_torch_zip, write_torch_checkpoint
+    from orb.models import build
+
+    weights, meta = read_weights(source)
+    to = to or ("mindspore" if is_torch_zip(source) else "torch")
+    cfg = architecture(weights, meta)
+    model = build(cfg)
+    load_torch_state_dict(model, weights, source=source)  # strict: keys and shapes
+    if to == "torch":
+        write_torch_checkpoint(to_torch_state_dict(model), target)
+    else:
+        save_checkpoint(target, model, {"converted_from": os.path.abspath(source), "model": cfg.to_dict()})
+    print(f"wrote {to} checkpoint {target}: {describe(cfg)}, {len(weights)} tensors, "
+          f"{model.num_parameters():,} parameters")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

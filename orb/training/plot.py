@@ -1,0 +1,87 @@
+"""Plot training and validation curves from a run's metrics.jsonl.
+
+    orb-plot outputs/demo/metrics.jsonl -o outputs/demo/curves.png
+
+Four panels per epoch: total loss (normalised units), energy MAE (eV), force MAE (eV/Å) and
+stress MAE (eV/Å³), train and validation (epoch 0: the starting checkpoint), on log scales.
+Several metrics.jsonl files are drawn in one figure (one colour per run, with its label).
+"""
+
+import argparse
+import json
+import os
+import sys
+from typing import Dict, List, Sequence, Tuple
+
+from orb.errors import OrbInputError
+
+PANELS = (("loss", "loss (normalised)"), ("energy_mae", "energy MAE (eV)"),
+          ("forces_mae", "force MAE (eV/Å)"), ("stress_mae", "stress MAE (eV/Å³)"))
+
+
+def read_epochs(path: str) -> List[Dict]:
+    """The epoch records of a metrics.jsonl (epoch 0: the starting checkpoint, validation only)."""
+    try:
+        with open(path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    except (OSError, json.JSONDecodeError) as exc:
+        raise OrbInputError(f"{path}: cannot read metrics ({exc})") from None
+    epochs = [r for r in records if r.get("type") in ("initial", "epoch")]
+    if not epochs:
+        raise OrbInputError(f"{path}: no epoch records (is it a metrics.jsonl written by finetune.py?)")
+    return epochs
+
+
+def plot(runs: Sequence[Tuple[str, List[Dict]]], output: str) -> None:
+    """One figure for one or several runs ((label, epoch records)): validation solid, training dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), constrained_layout=True)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (key, title) in zip(axes.ravel(), PANELS):
+        for (label, epochs), colour in zip(runs, colours * 4):
+            x = [r["epoch"] for r in epochs]
+            for part, style in (("val", "-s"), ("train", "--o")):
+                points = [(e, r[part][key]) for e, r in zip(x, epochs) if key in r.get(part, {})]
+                if points:
+                    name = f"{label} {part}" if len(runs) > 1 else part
+                    ax.plot(*zip(*points), style, color=colour, markersize=3, label=name,
+                            alpha=1.0 if part == "val" else 0.6)
+        if ax.lines:
+            if all(v > 0 for line in ax.lines for v in line.get_ydata()):
+                ax.set_yscale("log")
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "not trained", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xlabel("epoch (0: before fine-tuning)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    fig.savefig(output, dpi=120)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("metrics", nargs="+", help="metrics.jsonl file(s) written by finetune.py")
+    parser.add_argument("-o", "--output", default="", help="PNG file (default: curves.png beside the first file)")
+    parser.add_argument("--labels", nargs="*", default=None, help="one label per file (default: its folder name)")
+    args = parser.parse_args(argv)
+    labels = args.labels or [os.path.basename(os.path.dirname(os.path.abspath(m))) for m in args.metrics]
+    if len(labels) != len(args.metrics):
+        print(f"error: {len(args.metrics)} metrics files but {len(labels)} labels", file=sys.stderr)
+        return 2
+    output = args.output or os.path.join(os.path.dirname(os.path.abspath(args.metrics[0])), "curves.png")
+    try:
+        runs = [(label, read_epochs(path)) for label, path in zip(labels, args.metrics)]
+    except OrbInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    plot(runs, output)
+    print(f"wrote {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
