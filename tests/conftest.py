@@ -37,3 +37,11 @@ def reference_graph(z, i):
         n_node=np.array([len(z[p + "numbers"])]), n_edge=np.array([len(z[p + "senders"])]),
         energy=z[p + "label_energy"], forces=z[p + "label_forces"], stress=z[p + "label_stress"],
     )
+
+
+def pytest_runtest_logreport(report):
+    """With ORB_NO_SKIP=1 (set by .ci/run) a skipped test fails the run: CI must run every supported path."""
+    if os.environ.get("ORB_NO_SKIP") == "1" and report.skipped and report.when in ("setup", "call"):
+        report.outcome = "failed"
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.longrepr = f"skipped while ORB_NO_SKIP=1: {reason}"

@@ -22,6 +22,8 @@ import pytest
 from conftest import DEMO_TRAIN, DEMO_VAL, ROOT, SMALL_MODEL
 
 TIMING = ("train_time", "val_time", "compile_time", "data_wait")
+# MindSpore's cluster notices a vanished process after MS_NODE_TIMEOUT seconds (default 30): shorter in tests
+FAST_FAILURE = {"MS_NODE_TIMEOUT": "10"}
 
 
 def free_port() -> int:
@@ -202,7 +204,8 @@ def test_bad_input_stops_every_worker_with_one_line(tmp_path, nine_rows):
              (dict(val_data_path=one_row), "one.db has 1 structure(s), fewer than the 2 workers"),
              (dict(buckets="[[16,100]]"), "the largest bucket [16, 100] cannot hold a batch of the 2 largest"))
     for i, (extra, message) in enumerate(cases):
-        job = launch(common_args(tmp_path / f"bad{i}", nine_rows, **extra), tmp_path / f"logs{i}", cwd=ROOT)
+        job = launch(common_args(tmp_path / f"bad{i}", nine_rows, **extra), tmp_path / f"logs{i}", cwd=ROOT,
+                     env_extra=FAST_FAILURE)
         out, _ = job.communicate(timeout=300)
         assert job.returncode != 0 and message in out, out[-2000:]
         assert "Traceback" not in out
@@ -211,14 +214,14 @@ def test_bad_input_stops_every_worker_with_one_line(tmp_path, nine_rows):
 def test_killed_worker_ends_the_job(tmp_path, nine_rows):
     args = common_args(tmp_path / "kill", nine_rows) + ["--max_epochs", "50"]
     start = time.time()
-    job = launch(args, tmp_path / "logs", cwd=ROOT)
+    job = launch(args, tmp_path / "logs", cwd=ROOT, env_extra=FAST_FAILURE)
     deadline = time.time() + 300
     pid = None
-    while time.time() < deadline and pid is None:  # wait until rank 1 is training, then kill it
-        log = tmp_path / "logs" / "worker_1.log"
-        text = log.read_text() if log.exists() else ""
-        if "compiled the train step" in text:
-            pid = int(re.search(r"rank 1 of 2 \(pid (\d+)\)", text).group(1))
+    while time.time() < deadline and pid is None:  # wait until the job trains (an epoch done), then kill rank 1
+        logs = [tmp_path / "logs" / f"worker_{r}.log" for r in (0, 1)]
+        text = [log.read_text() if log.exists() else "" for log in logs]
+        if "Epoch: 1/50" in text[0]:
+            pid = int(re.search(r"rank 1 of 2 \(pid (\d+)\)", text[1]).group(1))
         time.sleep(1)
     assert pid is not None, "rank 1 never started training"
     os.kill(pid, signal.SIGKILL)
@@ -226,3 +229,68 @@ def test_killed_worker_ends_the_job(tmp_path, nine_rows):
     assert job.returncode != 0
     assert time.time() - start < 420
     assert "FAILED" in out
+
+
+class TwoHosts:
+    """Two network namespaces joined by a veth pair: node 0 at 10.213.0.1, node 1 at 10.213.0.2."""
+
+    def __init__(self):
+        tag = str(os.getpid() % 100000)
+        self.names = (f"orb{tag}a", f"orb{tag}b")
+        self.addresses = ("10.213.0.1", "10.213.0.2")
+
+    def _ip(self, *args):
+        subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+    def __enter__(self):
+        a, b = self.names
+        for ns in self.names:
+            self._ip("netns", "add", ns)
+        self._ip("link", "add", f"{a}v", "type", "veth", "peer", "name", f"{b}v")
+        for ns, address in zip(self.names, self.addresses):
+            self._ip("link", "set", f"{ns}v", "netns", ns)
+            self._ip("-n", ns, "addr", "add", f"{address}/24", "dev", f"{ns}v")
+            self._ip("-n", ns, "link", "set", f"{ns}v", "up")
+            self._ip("-n", ns, "link", "set", "lo", "up")
+        return self
+
+    def __exit__(self, *exc):
+        for ns in self.names:
+            subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
+
+    def prefix(self, node: int):
+        return ("ip", "netns", "exec", self.names[node])
+
+
+def namespaces_unavailable():
+    if shutil.which("ip") is None:
+        return "the 'ip' command (iproute2) is not installed"
+    probe = subprocess.run(["ip", "netns", "add", f"orbprobe{os.getpid() % 100000}"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"network namespaces cannot be created here: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "delete", f"orbprobe{os.getpid() % 100000}"], capture_output=True)
+    return ""
+
+
+def test_two_nodes_in_network_namespaces(tmp_path, runs, nine_rows):
+    """Two 'hosts' (network namespaces, one worker each, msrun on each with node 0 as master) sharing the
+    output folder: both exit 0, one metrics file, and the same weights and metrics as the 2-worker job on
+    one host -- bit for bit: same batches, same collectives, same order."""
+    reason = namespaces_unavailable()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "two_nodes"
+    with TwoHosts() as hosts:
+        port = str(free_port())
+        env = dict(WORKER_NUM="2", LOCAL_WORKER_NUM="1", MASTER_ADDR=hosts.addresses[0], MASTER_PORT=port)
+        nodes = [launch(common_args(out, nine_rows), tmp_path / f"logs{n}", cwd=ROOT, prefix=hosts.prefix(n),
+                        env_extra=dict(env, NODE_RANK=str(n))) for n in (0, 1)]
+        outputs = [node.communicate(timeout=480)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    assert (tmp_path / "logs1" / "worker_1.log").exists()  # rank 1 ran on node 1
+    assert len(epochs(out)) == 2 and not os.path.exists(tmp_path / "logs0" / "worker_1.log")
+    two_nodes, _ = weights(out)
+    one_host, _ = weights(runs["par"])
+    for key in one_host:
+        np.testing.assert_array_equal(two_nodes[key], one_host[key], err_msg=key)
+    assert [without_timing(r) for r in epochs(out)] == [without_timing(r) for r in epochs(runs["par"])]

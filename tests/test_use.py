@@ -89,47 +89,66 @@ def test_relaxation_and_md_with_finetuned_checkpoint():
     assert len(calc.predictor.compiled) == 2  # one padded shape per system (8 and 32 atoms), reused every MD step
 
 
+def run_evaluate(path, data, out, *extra):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "evaluate.py"), "--checkpoint", path,
+                           "--data", data, "--output_dir", str(out), *extra], capture_output=True, text=True,
+                          timeout=600)
+
+
 def test_evaluate_script_on_mptrj(reference_model, tmp_path):
     _, path = reference_model
     out = tmp_path / "eval"
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "evaluate.py"), "--checkpoint", path,
-                             "--data", MPTRJ_DB, "--output_dir", str(out), "--batch_size", "4"],
-                            capture_output=True, text=True, timeout=600)
+    result = run_evaluate(path, MPTRJ_DB, out, "--batch_size", "4")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = list(csv.DictReader(open(out / "predictions.csv")))
     summary = json.load(open(out / "summary.json"))
-    assert len(rows) == 10 == summary["structures"]
+    assert len(rows) == 10 == summary["structures"] == summary["labelled"]
     by_hand = np.mean([abs(float(r["energy_pred"]) - float(r["energy_true"])) / int(r["natoms"]) for r in rows])
-    assert summary["energy_mae_per_atom"] == pytest.approx(by_hand, rel=1e-9)
-    atoms = np.array([int(r["natoms"]) for r in rows])
-    force = np.sum([float(r["force_mae"]) * n for r, n in zip(rows, atoms)]) / atoms.sum()
-    assert summary["force_mae"] == pytest.approx(force, rel=1e-9)
-    assert "energy_mae_per_atom" in result.stdout
+    assert summary["energy_per_atom_mae"] == pytest.approx(by_hand, rel=1e-9)
+    assert summary["forces_mae"] == pytest.approx(np.mean([float(r["forces_mae"]) for r in rows]), rel=1e-9)
+    assert "energy_per_atom_mae" in result.stdout and "eV/atom" in result.stdout
     # row 1 and 3 are reference structures 4 and 5: the evaluation sees PyTorch's predictions
     ref = np.load(os.path.join(DATA, "orb_v2_parity.npz"))
     assert float(rows[0]["energy_pred"]) == pytest.approx(float(ref["s4/energy"][0]), abs=1e-4)
 
 
-def test_evaluate_without_labels(reference_model, tmp_path):
+def test_evaluate_without_labels_and_with_some(reference_model, tmp_path):
     import ase.db
+    from ase.calculators.singlepoint import SinglePointCalculator
 
     _, path = reference_model
-    db_path = str(tmp_path / "unlabelled.db")
+    db_path = str(tmp_path / "mixed.db")
     with ase.db.connect(db_path) as db:
         db.write(bulk("Cu", "fcc", a=3.6))
-    out = tmp_path / "eval"
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "evaluate.py"), "--checkpoint", path,
-                             "--data", db_path, "--output_dir", str(out)], capture_output=True, text=True, timeout=600)
+    result = run_evaluate(path, db_path, tmp_path / "eval")
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = list(csv.DictReader(open(out / "predictions.csv")))
+    rows = list(csv.DictReader(open(tmp_path / "eval" / "predictions.csv")))
     assert list(rows[0]) == ["row_id", "formula", "natoms", "energy_pred"]
+    with ase.db.connect(db_path) as db:  # now one labelled row beside the unlabelled one
+        atoms = bulk("Cu", "fcc", a=3.7)
+        atoms.calc = SinglePointCalculator(atoms, energy=-3.5, forces=np.zeros((1, 3)))
+        db.write(atoms)
+    result = run_evaluate(path, db_path, tmp_path / "eval2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.load(open(tmp_path / "eval2" / "summary.json"))
+    assert summary["structures"] == 2 and summary["labelled"] == 1 and "energy_mae" in summary
 
 
 def test_plot_metrics(tmp_path):
+    from orb.training.plot import plot, read_epochs
+
     metrics = os.path.join(DATA, "demo_metrics.jsonl")
+    epochs = read_epochs(metrics)
+    fig = plot([("demo", epochs)], str(tmp_path / "direct.png"))
+    forces = [ax for ax in fig.axes if ax.get_title().startswith("force MAE")][0]
+    val = [line for line in forces.lines if line.get_label() == "val"][0]
+    np.testing.assert_array_equal(val.get_xdata(), [r["epoch"] for r in epochs])  # epoch 0: before fine-tuning
+    np.testing.assert_allclose(val.get_ydata(), [r["val"]["forces_mae"] for r in epochs])
     out = tmp_path / "curves.png"
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plot_metrics.py"), metrics, "-o", str(out)],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plot_metrics.py"), metrics, metrics,
+                             "--labels", "a", "b", "-o", str(out)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    data = out.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plot_metrics.py"), os.path.join(DATA, "x.jsonl")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("error:") and "Traceback" not in bad.stderr

@@ -98,7 +98,7 @@ def report_failures(log_dir: str) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in ("-h", "--help"):
-        print(__doc__)
+        print(f"usage: {os.path.basename(sys.argv[0])} [CONFIG] [--key value ...]\n\n{__doc__}")
         return 0
     config = DEFAULT_CONFIG
     if args and not args[0].startswith("--"):

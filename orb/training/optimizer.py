@@ -52,6 +52,18 @@ def _assign_tensor(param, piece):
     return ops.assign(param, piece.reshape(param.shape))
 
 
+_recursion_limit = 1000  # MindSpore's default
+
+
+def _raise_recursion_limit(limit: int) -> None:
+    """MindSpore's compiler walks tuples element by element: splitting the flat vector into orb-v2's ~340
+    tensors needs a deeper call limit than the default 1000 (never lowered once raised)."""
+    global _recursion_limit
+    if limit > _recursion_limit:
+        ms.set_recursion_limit(limit)
+        _recursion_limit = limit
+
+
 class Sharding:
     """This rank's part of the flat vector: elements [rank * size, (rank + 1) * size) of the padded vector."""
 
@@ -109,8 +121,7 @@ class FlatAdam(nn.Cell):
         self.ema_decay = float(ema_decay)
         if self.ema_decay > 0:
             self.ema = Parameter(Tensor(np.zeros(self.size, np.float32)), name="optimizer_ema", requires_grad=False)
-        # MindSpore walks tuples element by element: a 345-tensor split needs a deeper call limit than 1000
-        ms.set_context(max_call_depth=max(ms.get_context("max_call_depth"), 4 * len(self.params) + 1000))
+        _raise_recursion_limit(4 * len(self.params) + 1000)
         self.adam = ops.Adam()
         self.hyper_map = ops.HyperMap()
         self.sizes_tuple = tuple(self.sizes)

@@ -32,7 +32,7 @@ def read_epochs(path: str) -> List[Dict]:
     return epochs
 
 
-def plot(runs: Sequence[Tuple[str, List[Dict]]], output: str) -> None:
+def plot(runs: Sequence[Tuple[str, List[Dict]]], output: str):
     """One figure for one or several runs ((label, epoch records)): validation solid, training dashed."""
     import matplotlib
 
@@ -60,6 +60,34 @@ def plot(runs: Sequence[Tuple[str, List[Dict]]], output: str) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
     fig.savefig(output, dpi=120)
+    return fig
+
+
+def summary_table(runs: Sequence[Tuple[str, List[Dict]]]) -> str:
+    """A markdown table of validation metrics: the start (epoch 0), the worst epoch relative to the start
+    for loss and force MAE, and the end with its change from the start."""
+    header = ("| run | val loss: start / worst epoch vs start | force MAE (eV/Å): start / worst vs start | "
+              "final energy MAE (eV) | final force MAE (eV/Å) | final stress MAE (eV/Å³) | final force cosine |")
+    lines = [header, "|" + "---|" * 7]
+
+    def change(end: float, start: float) -> str:
+        return f"{100 * (end / start - 1):+.0f}%"
+
+    for label, epochs in runs:
+        start = epochs[0]["val"] if epochs[0].get("type") == "initial" else None
+        vals = [r["val"] for r in epochs if r.get("type") == "epoch" and r.get("val")]
+        if start is None or not vals:
+            continue
+        end = vals[-1]
+        worst_loss = max(v["loss"] for v in vals) / start["loss"] - 1
+        worst_force = max(v["forces_mae"] for v in vals) / start["forces_mae"] - 1
+        cells = [label, f"{start['loss']:.4g} / {100 * worst_loss:+.0f}%",
+                 f"{start['forces_mae']:.4g} / {100 * worst_force:+.0f}%"]
+        for key in ("energy_mae", "forces_mae", "stress_mae"):
+            cells.append(f"{end[key]:.4g} ({change(end[key], start[key])})" if key in end else "-")
+        cells.append(f"{end['forces_cosine']:.4f} (start {start['forces_cosine']:.4f})")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -67,6 +95,8 @@ def main(argv=None) -> int:
     parser.add_argument("metrics", nargs="+", help="metrics.jsonl file(s) written by finetune.py")
     parser.add_argument("-o", "--output", default="", help="PNG file (default: curves.png beside the first file)")
     parser.add_argument("--labels", nargs="*", default=None, help="one label per file (default: its folder name)")
+    parser.add_argument("--table", action="store_true", help="also print a markdown table of validation metrics "
+                        "(start, worst epoch, end)")
     args = parser.parse_args(argv)
     labels = args.labels or [os.path.basename(os.path.dirname(os.path.abspath(m))) for m in args.metrics]
     if len(labels) != len(args.metrics):
@@ -80,6 +110,8 @@ def main(argv=None) -> int:
         return 2
     plot(runs, output)
     print(f"wrote {output}")
+    if args.table:
+        print(summary_table(runs))
     return 0
 
 

@@ -206,14 +206,13 @@ class Trainer:
         key = (kind, bucket)
         if key in self.compiled:
             return cell(*inputs)
-        log.info("compiling the %s step for batch shape (nodes %d, edges %d, graphs %d) ...", kind,
+        log.info("compiling the %s step for batch shape (nodes %d, edges %d, graphs %d), once per shape", kind,
                  bucket.num_nodes, bucket.num_edges, bucket.num_graphs)
         start = time.perf_counter()
         out = cell(*inputs)
         out.asnumpy()
         self.compiled[key] = time.perf_counter() - start
         self.compile_time += self.compiled[key]
-        log.info("compiled the %s step in %.1f s", kind, self.compiled[key])
         return out
 
     def _sums_to_metrics(self, sums: np.ndarray) -> Dict[str, float]:
