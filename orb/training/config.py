@@ -43,10 +43,10 @@ class TrainConfig:
     device_id: int = 0
     batch_size: int = 8
     max_epochs: int = 10
-    lr: float = 1e-4
+    lr: float = 3e-4
     lr_schedule: str = "cosine"
     warmup_fraction: float = 0.05
-    ema_decay: float = 0.0
+    ema_decay: float = 0.99
     optimizer: str = "adam"
     gradient_clip_mode: str = "value"
     gradient_clip_val: float = 0.5
