@@ -1,5 +1,7 @@
 """Graph construction against orb-models 0.4.2's stored graphs and ASE's neighbour list."""
 
+import os
+
 import numpy as np
 import pytest
 from ase import Atoms
@@ -7,8 +9,7 @@ from ase.build import bulk
 from ase.neighborlist import neighbor_list
 
 from orb.data.buckets import Bucket, bucket_for, check_buckets, pad_to_bucket, padding_fraction, plan_buckets
-from orb.errors import ConfigError
-from orb.errors import StructureError
+from orb.errors import ConfigError, StructureError
 from orb.data.graphs import (PADDING_EDGE_LENGTH, atoms_to_graph, batch_graphs, graph_from_arrays, pad_batch,
                         split_batch, unpad_batch, wrap_positions)
 
@@ -184,3 +185,60 @@ def test_buckets_fit_every_batch_and_are_few():
         bucket_for([np.full(8, 8)], [Bucket(16, 320, 9)], 20)
     with pytest.raises(ConfigError, match="largest bucket \\[64, 640\\] cannot hold"):
         check_buckets(natoms, 8, [Bucket(64, 640, 9)], 20, "training")
+
+
+V3 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "orb_v3_parity.npz")
+
+
+@pytest.mark.parametrize("k", [20, 120])
+def test_orb_v3_graphs_match_orb_models_055(k):
+    """orb-v3's construction (exact minimal supercell, float64 wrap, unit shifts, radius 6) against the
+    stored orb-models 0.5.5 graphs: the same edges per sender with the same image, vectors to 1e-5 Å;
+    only atoms with a near-tie at the k-th neighbour or the radius (gap < 1e-4 Å) may differ."""
+    from orb.data.graphs import GraphSettings, graph_from_arrays
+
+    z = np.load(V3)
+    settings = GraphSettings(radius=6.0, max_neighbors=k, minimal_supercell=True)
+    for name in [f"s{i}" for i in range(8)] + ["probe/p0", "probe/p1"]:
+        ref = f"graph/nn{k}/{name.split('/')[-1]}/"
+        g = graph_from_arrays(z[name + "/positions_input"], z[name + "/numbers"], z[name + "/cell_input"],
+                              pbc=z[name + "/pbc"], settings=settings)
+        np.testing.assert_array_equal(g.positions, z[name + "/positions"], err_msg=name)  # float64 wrap, then cast
+        ambiguous = (z[ref + "knn_gap"] < 1e-4) | (z[ref + "radius_margin"] < 1e-4)
+        ours = edges_by_sender(g.senders, g.receivers, g.unit_shifts, g.vectors)
+        theirs = edges_by_sender(z[ref + "senders"], z[ref + "receivers"], z[ref + "unit_shifts"], z[ref + "vectors"])
+        for atom in range(len(z[name + "/numbers"])):
+            if ambiguous[atom]:
+                continue
+            assert ours.get(atom, {}).keys() == theirs.get(atom, {}).keys(), (name, atom)
+            for edge, vector in theirs[atom].items():
+                np.testing.assert_allclose(ours[atom][edge], vector, atol=1e-5, err_msg=(name, atom))
+        assert g.num_edges == len(z[ref + "senders"]) or ambiguous.any(), name
+
+
+def edges_by_sender(senders, receivers, shifts, vectors):
+    out = {}
+    for s, r, shift, v in zip(senders, receivers, shifts, vectors):
+        out.setdefault(int(s), {})[(int(r),) + tuple(int(round(x)) for x in shift)] = v
+    return {a: out.get(a, {}) for a in range(max(out) + 1 if out else 0)}
+
+
+def test_orb_v3_periodicity_rules():
+    from ase import Atoms
+    from ase.build import bulk
+
+    from orb.data.graphs import GraphSettings, atoms_to_graph
+
+    v3 = GraphSettings(radius=6.0, max_neighbors=20, minimal_supercell=True)
+    boxed = Atoms("Cu2", positions=[[0, 0, 0], [2.5, 0, 0]], cell=np.eye(3) * 3.0, pbc=False)
+    assert atoms_to_graph(boxed, settings=v3).num_edges == 2  # a box without pbc is not periodic in orb-v3 ...
+    assert atoms_to_graph(boxed).num_edges > 2  # ... while orb-v2 looks at the cell only
+    slab = bulk("Cu", "fcc", a=3.6)
+    slab.pbc = [True, True, False]
+    with pytest.raises(StructureError, match="periodic along some axes only"):
+        atoms_to_graph(slab, settings=v3)
+    thin = bulk("Cu", "fcc", a=3.6)
+    g = atoms_to_graph(thin, settings=v3)
+    assert g.num_edges == 20 and np.all(np.linalg.norm(g.vectors, axis=1) <= 6.0)
+    np.testing.assert_allclose(g.vectors, g.positions[g.receivers] - g.positions[g.senders] + g.unit_shifts @ g.cell[0],
+                               atol=1e-5)  # edge vectors are rebuilt from positions, cell and unit shifts

@@ -8,7 +8,7 @@ a database where no row has stress trains without the stress loss.
 
 import os
 import sqlite3
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 

@@ -1,6 +1,8 @@
-"""Atom graphs: orb-v2's periodic k-nearest-neighbour graph, batching and static-shape padding.
+"""Atom graphs: orb's periodic k-nearest-neighbour graphs, batching and static-shape padding.
 
-The graph is the one orb-models 0.4.2 builds (``ase_atoms_to_atom_graphs``):
+Two constructions, selected by :class:`GraphSettings` (each model family carries its own):
+
+orb-v2 (orb-models 0.4.2's ``ase_atoms_to_atom_graphs``):
 
 * a structure is periodic iff its cell is not all zero; ``atoms.pbc`` is ignored, as in
   the original (a molecule in a box with ``pbc=False`` but a non-zero cell is periodic);
@@ -25,8 +27,17 @@ from orb.errors import StructureError
 MAX_ATOMIC_NUMBER = 118
 # The 27 lattice translations (-1, 0, 1)^3 of the image block.
 IMAGE_OFFSETS = np.array(list(product((-1.0, 0.0, 1.0), repeat=3)), dtype=np.float32)
-# Edge length given to padding edges: beyond orb-v2's 6 Å attention cutoff, so they carry no message.
+# Edge length given to padding edges: beyond orb's 6 Å attention cutoff, so they carry no message.
 PADDING_EDGE_LENGTH = 7.0
+
+
+@dataclass(frozen=True)
+class GraphSettings:
+    """How a model family builds its graphs."""
+
+    radius: float = 10.0
+    max_neighbors: int = 20
+    minimal_supercell: bool = False  # orb-v3's construction (see the module docstring)
 
 
 @dataclass
@@ -51,10 +62,15 @@ class AtomGraphs:
     stress: Optional[np.ndarray] = None  # (B, 6) float32, eV/Å^3, Voigt, ASE sign
     system_id: Optional[np.ndarray] = None  # (B,) int64, e.g. the database row id
     graph_mask: np.ndarray = field(default=None)  # (B,) bool, False for padding graphs
+    unit_shifts: np.ndarray = field(default=None)  # (E, 3) float32, integer cell offset of each receiver image
+    charge: Optional[np.ndarray] = None  # (B,) float32 total charge (orb-v3 OMol models)
+    spin: Optional[np.ndarray] = None  # (B,) float32 total spin (orb-v3 OMol models)
 
     def __post_init__(self):
         if self.graph_mask is None:
             self.graph_mask = np.ones(len(self.n_node), dtype=bool)
+        if self.unit_shifts is None:
+            self.unit_shifts = np.zeros((len(self.senders), 3), np.float32)
 
     @property
     def num_graphs(self) -> int:
@@ -93,12 +109,15 @@ class AtomGraphs:
         return np.any(self.cell.reshape(-1, 9) != 0, axis=1)
 
 
+def wrap_positions64(positions: np.ndarray, cell: np.ndarray) -> np.ndarray:
+    """Wrap positions into a periodic cell (float64: solve for fractional coordinates, modulo 1)."""
+    frac = np.mod(np.linalg.solve(cell.T, positions.T).T, 1.0)
+    return frac @ cell
+
+
 def wrap_positions(positions: np.ndarray, cell: np.ndarray) -> np.ndarray:
-    """Wrap float32 positions into a periodic cell as orb-models does (float64 solve, mod 1)."""
-    cell64 = cell.astype(np.float64)
-    frac = np.linalg.solve(cell64.T, positions.astype(np.float64).T).T
-    frac = np.mod(frac, 1.0)
-    return (frac @ cell64).astype(np.float32)
+    """orb-v2's wrap: float32 positions and cell, computed in float64, back to float32."""
+    return wrap_positions64(positions.astype(np.float64), cell.astype(np.float64)).astype(np.float32)
 
 
 def _check_structure(positions: np.ndarray, numbers: np.ndarray, cell: np.ndarray) -> bool:
@@ -140,18 +159,62 @@ def _tree_query(candidates: np.ndarray, positions: np.ndarray, k: int, radius: f
 
 
 def knn_edges(positions: np.ndarray, cell: np.ndarray, radius: float, max_neighbors: int):
-    """Directed k-NN edges among the 27 images; returns senders, receivers, vectors (sorted by sender, distance)."""
+    """orb-v2's directed k-NN edges among the 27 images: senders, receivers, vectors, unit shifts
+    (sorted by sender, then distance)."""
     n = len(positions)
     candidates = _image_positions(positions, cell) if cell.any() else positions
     k = min(max_neighbors + 1, len(candidates))
     if k < 2:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 3), np.float32)
+        return (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 3), np.float32),
+                np.zeros((0, 3), np.float32))
     dist, idx = _tree_query(candidates, positions, k, radius)
     keep = dist[:, 1:] < radius + 1e-6  # column 0 is the nearest candidate: the atom itself
     senders = np.repeat(np.arange(n, dtype=np.int64), keep.sum(axis=1))
     images = idx[:, 1:][keep]
     vectors = candidates[images] - positions[senders]
-    return senders, images % n, vectors
+    shifts = IMAGE_OFFSETS[images // n] if cell.any() else np.zeros((len(images), 3), np.float32)
+    return senders, images % n, vectors, shifts
+
+
+# Integer offsets n in [-4, 4]^3, the search range orb-models 0.5.5 validated for radii up to 6 Å.
+_LATTICE_4 = np.array(list(product(range(-4, 5), repeat=3)), dtype=np.float32)
+_LATTICE_1 = np.array(list(product((-1, 0, 1), repeat=3)), dtype=np.float32)
+
+
+def minimal_supercell_offsets(cell: np.ndarray, radius: float) -> np.ndarray:
+    """Integer offsets of every cell image that can hold a neighbour within ``radius`` (sorted, float32)."""
+    if radius > 6.0:
+        raise StructureError(f"orb-v3 graphs are validated for radii up to 6 Å, got {radius}")
+    near = _LATTICE_4[np.linalg.norm(_LATTICE_4 @ cell, axis=1) <= radius + 1e-4]
+    widened = (near[:, None, :] + _LATTICE_1[None, :, :]).reshape(-1, 3)
+    return np.unique(widened, axis=0)  # lexicographic, as torch.unique(dim=0)
+
+
+def supercell_edges(positions: np.ndarray, cell: np.ndarray, periodic: bool, radius: float, max_neighbors: int):
+    """orb-v3's edges: senders, receivers, vectors and unit shifts (float32), grouped by sender by distance."""
+    n = len(positions)
+    offsets = minimal_supercell_offsets(cell, radius) if periodic else np.zeros((1, 3), np.float32)
+    candidates = (positions[None, :, :] + (offsets @ cell)[:, None, :]).reshape(-1, 3)
+    k = min(max_neighbors + 1, len(candidates))
+    if k < 2:
+        return (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 3), np.float32),
+                np.zeros((0, 3), np.float32))
+    _, idx = cKDTree(candidates, leafsize=100).query(positions, k=k, distance_upper_bound=radius + 1e-8)
+    idx = idx.reshape(n, k)[:, 1:]  # the nearest candidate is the atom itself
+    hit = idx != len(candidates)
+    senders = np.repeat(np.arange(n, dtype=np.int64), hit.sum(axis=1))
+    images = idx[hit]
+    vectors = candidates[images] - positions[senders]
+    return senders, images % n, vectors, offsets[images // n]
+
+
+def _check_pbc(pbc: Optional[np.ndarray], cell: np.ndarray) -> bool:
+    """orb-v3's periodicity: a non-zero cell and pbc; refuses periodicity along some axes only."""
+    pbc = np.zeros(3, bool) if pbc is None else np.broadcast_to(np.asarray(pbc, bool), (3,))
+    if pbc.any() and not pbc.all():
+        raise StructureError(f"periodic along some axes only (pbc {pbc.tolist()}) is not supported; set pbc on all "
+                             "three axes (pad with vacuum) or none")
+    return bool(cell.any() and pbc.any())
 
 
 def graph_from_arrays(
@@ -161,15 +224,30 @@ def graph_from_arrays(
     radius: float = 10.0,
     max_neighbors: int = 20,
     system_id: Optional[int] = None,
+    pbc: Optional[np.ndarray] = None,
+    settings: Optional[GraphSettings] = None,
 ) -> AtomGraphs:
-    """Build orb's graph from raw arrays (positions Å, atomic numbers, cell rows)."""
-    positions = np.asarray(positions).astype(np.float32)
+    """Build orb's graph from raw arrays (positions Å, atomic numbers, cell rows, pbc flags).
+
+    ``settings`` (default: orb-v2's construction with ``radius`` and ``max_neighbors``) selects
+    the construction; ``pbc`` matters to orb-v3 only.
+    """
+    settings = settings or GraphSettings(radius, max_neighbors)
+    positions64 = np.asarray(positions, dtype=np.float64)
     numbers = np.asarray(numbers).astype(np.int64)
-    cell = np.asarray(cell).astype(np.float32).reshape(3, 3) if np.size(cell) else np.zeros((3, 3), np.float32)
-    periodic = _check_structure(positions, numbers, cell)
-    if periodic:
-        positions = wrap_positions(positions, cell)
-    senders, receivers, vectors = knn_edges(positions, cell, radius, max_neighbors)
+    cell64 = np.asarray(cell, dtype=np.float64).reshape(3, 3) if np.size(cell) else np.zeros((3, 3))
+    cell = cell64.astype(np.float32)
+    if settings.minimal_supercell:
+        periodic = _check_structure(positions64.astype(np.float32), numbers, cell) and _check_pbc(pbc, cell)
+        positions = (wrap_positions64(positions64, cell64) if periodic else positions64).astype(np.float32)
+        senders, receivers, vectors, shifts = supercell_edges(positions, cell, periodic, settings.radius,
+                                                              settings.max_neighbors)
+    else:
+        positions = positions64.astype(np.float32)
+        periodic = _check_structure(positions, numbers, cell)
+        if periodic:
+            positions = wrap_positions(positions, cell)
+        senders, receivers, vectors, shifts = knn_edges(positions, cell, settings.radius, settings.max_neighbors)
     return AtomGraphs(
         positions=positions,
         numbers=numbers,
@@ -180,12 +258,22 @@ def graph_from_arrays(
         n_node=np.array([len(numbers)], np.int64),
         n_edge=np.array([len(senders)], np.int64),
         system_id=None if system_id is None else np.array([system_id], np.int64),
+        unit_shifts=shifts.astype(np.float32),
     )
 
 
-def atoms_to_graph(atoms, radius: float = 10.0, max_neighbors: int = 20, system_id: Optional[int] = None) -> AtomGraphs:
-    """Build orb-v2's graph of an ``ase.Atoms`` (labels are not attached; see ``orb.data.dataset``)."""
-    return graph_from_arrays(atoms.positions, atoms.numbers, atoms.cell.array, radius, max_neighbors, system_id)
+def atoms_to_graph(atoms, radius: float = 10.0, max_neighbors: int = 20, system_id: Optional[int] = None,
+                   settings: Optional[GraphSettings] = None) -> AtomGraphs:
+    """Build orb's graph of an ``ase.Atoms`` (labels are not attached; see ``orb.data.dataset``).
+
+    ``atoms.info["charge"]`` and ``atoms.info["spin"]``, when present, are kept for OMol models.
+    """
+    graph = graph_from_arrays(atoms.positions, atoms.numbers, atoms.cell.array, radius, max_neighbors, system_id,
+                              pbc=atoms.pbc, settings=settings)
+    for key in ("charge", "spin"):
+        if key in atoms.info:
+            setattr(graph, key, np.array([float(atoms.info[key])], np.float32))
+    return graph
 
 
 def _concat_optional(arrays: Sequence[Optional[np.ndarray]]) -> Optional[np.ndarray]:
@@ -213,10 +301,14 @@ def batch_graphs(graphs: List[AtomGraphs]) -> AtomGraphs:
         stress=_concat_optional([g.stress for g in graphs]),
         system_id=_concat_optional([g.system_id for g in graphs]),
         graph_mask=np.concatenate([g.graph_mask for g in graphs]),
+        unit_shifts=np.concatenate([g.unit_shifts for g in graphs]),
+        charge=_concat_optional([g.charge for g in graphs]),
+        spin=_concat_optional([g.spin for g in graphs]),
     )
 
 
-def empty_batch(with_energy: bool = True, with_forces: bool = True, with_stress: bool = True) -> AtomGraphs:
+def empty_batch(with_energy: bool = True, with_forces: bool = True, with_stress: bool = True,
+                with_charge: bool = False) -> AtomGraphs:
     """A batch of zero graphs (what a data-parallel rank gets when a batch has fewer structures than ranks)."""
     f32 = np.float32
     return AtomGraphs(
@@ -227,6 +319,8 @@ def empty_batch(with_energy: bool = True, with_forces: bool = True, with_stress:
         forces=np.zeros((0, 3), f32) if with_forces else None,
         stress=np.zeros((0, 6), f32) if with_stress else None,
         system_id=np.zeros(0, np.int64),
+        charge=np.zeros(0, f32) if with_charge else None,
+        spin=np.zeros(0, f32) if with_charge else None,
     )
 
 
@@ -236,8 +330,9 @@ def pad_batch(batch: AtomGraphs, num_nodes: int, num_edges: int, num_graphs: int
     Padding nodes (atomic number 0) all belong to the first padding graph, which has an identity
     cell (so no torque removal runs on it) and ``graph_mask`` False (zero weight in loss and
     metrics). Padding edges join the first padding node to itself with length
-    ``PADDING_EDGE_LENGTH`` (beyond the attention cutoff), so no real node's neighbourhood changes.
-    Further padding graphs are empty.
+    ``PADDING_EDGE_LENGTH`` (beyond the attention cutoff), so no real node's neighbourhood changes;
+    their unit shift is that vector too, so edge vectors rebuilt from positions, shifts and the
+    identity cell have the same length. Further padding graphs are empty.
     """
     pad_n, pad_e, pad_g = num_nodes - batch.num_nodes, num_edges - batch.num_edges, num_graphs - batch.num_graphs
     if pad_n < 0 or pad_e < 0 or pad_g < 0:
@@ -271,6 +366,9 @@ def pad_batch(batch: AtomGraphs, num_nodes: int, num_edges: int, num_graphs: int
         stress=None if batch.stress is None else np.zeros((pad_g, 6), f32),
         system_id=None if batch.system_id is None else np.full(pad_g, -1, np.int64),
         graph_mask=np.zeros(pad_g, bool),
+        unit_shifts=pad_vec.copy(),
+        charge=None if batch.charge is None else np.zeros(pad_g, f32),
+        spin=None if batch.spin is None else np.zeros(pad_g, f32),
     )
     return batch_graphs([batch, padding])
 
@@ -291,7 +389,9 @@ def unpad_batch(batch: AtomGraphs) -> AtomGraphs:
         forces=None if batch.forces is None else batch.forces[:n],
         stress=None if batch.stress is None else batch.stress[:g],
         system_id=None if batch.system_id is None else batch.system_id[:g],
-        graph_mask=batch.graph_mask[:g],
+        graph_mask=batch.graph_mask[:g], unit_shifts=batch.unit_shifts[:e],
+        charge=None if batch.charge is None else batch.charge[:g],
+        spin=None if batch.spin is None else batch.spin[:g],
     )
 
 
@@ -309,7 +409,9 @@ def split_batch(batch: AtomGraphs) -> List[AtomGraphs]:
             forces=None if batch.forces is None else batch.forces[n0:n1],
             stress=None if batch.stress is None else batch.stress[g:g + 1],
             system_id=None if batch.system_id is None else batch.system_id[g:g + 1],
-            graph_mask=batch.graph_mask[g:g + 1],
+            graph_mask=batch.graph_mask[g:g + 1], unit_shifts=batch.unit_shifts[e0:e1],
+            charge=None if batch.charge is None else batch.charge[g:g + 1],
+            spin=None if batch.spin is None else batch.spin[g:g + 1],
         ))
         n0, e0 = n1, e1
     return out

@@ -10,7 +10,7 @@ from typing import Sequence
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from orb.models.kernels import shifted_softplus_op
+from orb.models.kernels import shifted_softplus_op, silu_op
 
 
 def uniform(shape, bound: float, rng: np.random.Generator) -> np.ndarray:
@@ -122,16 +122,54 @@ class LayerNorm(nn.Cell):
         return self.function(x, self.weight, self.bias)
 
 
-class MLP(nn.Cell):
-    """Linear -> ssp -> ... -> Linear (no activation after the last layer); layers named NN-<i>.
+ACTIVATIONS = {"ssp": shifted_softplus_op, "silu": silu_op}
 
-    ssp(x) = softplus(x) - ln 2 is the shifted softplus. (Folding the shift into the next bias would
-    save a pass over the activations but loses precision to cancellation in the matmul.)
+
+class _RMSNormFunction(nn.Cell):
+    """x / sqrt(mean(x^2) + eps) * w with its backward written out (matrix-product reductions, see above);
+    the backward is made of differentiable operators, so conservative models can train through it."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def construct(self, x, weight):
+        rstd = ops.rsqrt(row_mean(ops.square(x)) + self.eps)
+        return x * ops.broadcast_to(rstd, x.shape) * ops.broadcast_to(weight, x.shape)
+
+    def bprop(self, x, weight, out, dout):
+        shape = x.shape
+        rstd = ops.broadcast_to(ops.rsqrt(row_mean(ops.square(x)) + self.eps), shape)
+        xhat = x * rstd
+        g = dout * ops.broadcast_to(weight, shape)
+        dx = rstd * (g - xhat * ops.broadcast_to(row_mean(g * xhat), shape))
+        return dx, column_sum(dout * xhat)
+
+
+class RMSNorm(nn.Cell):
+    """RMSNorm over the last axis with torch's default eps for float32 (machine epsilon 1.1920929e-07:
+    orb-v3's outputs move by 1e-2 eV with eps 1e-6) and a ``weight``, no bias."""
+
+    def __init__(self, dim: int, eps: float = float(np.finfo(np.float32).eps)):
+        super().__init__()
+        self.weight = Parameter(Tensor(np.ones(dim, np.float32)), name="weight")
+        self.function = _RMSNormFunction(eps)
+
+    def construct(self, x: Tensor) -> Tensor:
+        return self.function(x, self.weight)
+
+
+class MLP(nn.Cell):
+    """Linear -> act -> ... -> Linear (no activation after the last layer); layers named NN-<i>.
+
+    ``activation``: "ssp" (orb-v2: softplus(x) - ln 2, the shifted softplus; folding the shift into
+    the next bias would save a pass but loses precision to cancellation in the matmul) or "silu"
+    (orb-v3).
     """
 
-    def __init__(self, sizes: Sequence[int], rng: np.random.Generator):
+    def __init__(self, sizes: Sequence[int], rng: np.random.Generator, activation: str = "ssp"):
         super().__init__()
-        self.ssp = shifted_softplus_op()
+        self.act = ACTIVATIONS[activation]()
         self.layer_names = tuple(f"NN-{i}" for i in range(len(sizes) - 1))
         for name, d_in, d_out in zip(self.layer_names, sizes[:-1], sizes[1:]):
             self.insert_child_to_cell(name, Linear(d_in, d_out, rng))
@@ -143,25 +181,27 @@ class MLP(nn.Cell):
         return self.tail(x, 0)
 
     def tail(self, x: Tensor, start: int) -> Tensor:
-        """Apply layers ``start..`` to ``x``, with ssp before every layer after ``start``.
+        """Apply layers ``start..`` to ``x``, with the activation before every layer after ``start``.
 
         ``tail(h, 1)`` continues the MLP from the pre-activation ``h`` of the first layer.
         """
         for i, name in enumerate(self.layer_names):
             if i >= start:
                 if i > 0:
-                    x = self.ssp(x)
+                    x = self.act(x)
                 x = getattr(self, name)(x)
         return x
 
 
 class MLPLayerNorm(nn.Cell):
-    """An MLP followed by LayerNorm (orb's ``mlp_and_layer_norm``)."""
+    """An MLP followed by a normalisation named ``layer_norm`` (orb's ``mlp_and_layer_norm``): LayerNorm
+    (orb-v2) or RMSNorm (orb-v3)."""
 
-    def __init__(self, in_dim: int, hidden_dim: int, out_dim: int, num_hidden: int, rng: np.random.Generator):
+    def __init__(self, in_dim: int, hidden_dim: int, out_dim: int, num_hidden: int, rng: np.random.Generator,
+                 activation: str = "ssp", norm: str = "layer_norm"):
         super().__init__()
-        self.mlp = MLP([in_dim] + [hidden_dim] * num_hidden + [out_dim], rng)
-        self.layer_norm = LayerNorm(out_dim)
+        self.mlp = MLP([in_dim] + [hidden_dim] * num_hidden + [out_dim], rng, activation)
+        self.layer_norm = LayerNorm(out_dim) if norm == "layer_norm" else RMSNorm(out_dim)
 
     def construct(self, x: Tensor) -> Tensor:
         return self.layer_norm(self.mlp(x))

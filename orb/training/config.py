@@ -138,6 +138,13 @@ def _build(cls, values: Dict[str, Any], prefix: str = ""):
             hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
             raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
     kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in values.items()}
+    if cls is ModelConfig:  # the model's name chooses the defaults of the other settings
+        if kwargs.get("name", "orb_v2") not in MODEL_NAMES:
+            close = difflib.get_close_matches(str(kwargs.get("name")), MODEL_NAMES, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"config key '{prefix}name': unknown model '{kwargs.get('name')}'{hint}; valid names: "
+                              f"{', '.join(MODEL_NAMES)}")
+        return ModelConfig.from_dict(kwargs)
     return cls(**kwargs)
 
 

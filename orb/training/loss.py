@@ -14,7 +14,7 @@ data-parallel reductions are exact; :func:`orb.metrics.metrics_from_sums` turns 
 (metric names and units: :data:`orb.metrics.METRICS`).
 """
 
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional
 
 import numpy as np
 from mindspore import nn, ops

@@ -1,9 +1,10 @@
 """Accurate float32 activations for MindSpore's CPU backend, as AOT custom operators.
 
-MindSpore 2.10's CPU ``Softplus`` and ``Exp`` kernels are accurate to only ~3e-6 absolute
-(tens of ulps); through 15 layers that moves orb-v2's energies by ~3e-4 eV against PyTorch.
-``activations.cc`` computes orb's shifted softplus, its derivative and exp(min(x, 0)) to ~1 ulp and, being
-auto-vectorised, faster than the built-in kernels. It is compiled once with the system's g++
+MindSpore 2.10's CPU ``Softplus``, ``Sigmoid`` and ``Exp`` kernels are accurate to only ~1e-6
+(tens to hundreds of ulps); through 15 layers that moves orb-v2's energies by ~3e-4 eV against
+PyTorch. ``activations.cc`` computes orb-v2's shifted softplus and its derivative, orb-v3's SiLU
+with its first and second derivatives (conservative models train through a gradient), and
+exp(min(x, 0)) to ~1 ulp and, being auto-vectorised, faster than the built-in kernels. It is compiled once with the system's g++
 into a cache folder (``ORB_KERNEL_CACHE``, default ``~/.cache/orb_mindspore``), keyed by the
 source, the flags and the CPU's instruction-set flags (``-march=native`` code must never run
 on another CPU), falling back to a temporary folder if the cache is not writable.
@@ -160,3 +161,24 @@ def exp_nonpositive_op():
         return (dout * out * (x <= 0).astype(x.dtype),)
 
     return ops.Custom(f"{path}:OrbExpNonpositive", out_shape=same, out_dtype=same, func_type="aot", bprop=bprop)
+
+
+def silu_op():
+    """SiLU x sigmoid(x), differentiable twice: the accurate custom kernels on CPU, else built-in ops."""
+    from mindspore import ops
+
+    path = _custom_library()
+    if path is None:
+        return lambda x: x * ops.sigmoid(x)  # Sigmoid's gradient is itself differentiable
+    same = lambda *shapes: shapes[0]  # noqa: E731
+    second = ops.Custom(f"{path}:OrbSiluGrad2", out_shape=same, out_dtype=same, func_type="aot")
+
+    def first_bprop(x, g, out, dout):  # d/dx (g silu'(x)) = g silu''(x); d/dg = silu'(x)
+        return second(x, g * dout), first(x, dout)
+
+    first = ops.Custom(f"{path}:OrbSiluGrad", out_shape=same, out_dtype=same, func_type="aot", bprop=first_bprop)
+
+    def bprop(x, out, dout):
+        return (first(x, dout),)
+
+    return ops.Custom(f"{path}:OrbSilu", out_shape=same, out_dtype=same, func_type="aot", bprop=bprop)

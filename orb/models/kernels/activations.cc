@@ -95,3 +95,51 @@ extern "C" int OrbExpNonpositive(int nparam, void **params, int *ndims, int64_t 
   }
   return 0;
 }
+
+namespace {
+
+// sigmoid(v) to ~1 ulp: e = exp(-|v|), sigmoid = 1 / (1 + e) for v >= 0, e / (1 + e) otherwise.
+inline float sigmoid(float v) {
+  const float e = exp_nonpositive(v < 0.0f ? v : -v);
+  return (v >= 0.0f ? 1.0f : e) / (1.0f + e);
+}
+
+}  // namespace
+
+// SiLU, orb-v3's activation: x * sigmoid(x).
+extern "C" int OrbSilu(int nparam, void **params, int *ndims, int64_t **shapes, const char **, void *, void *) {
+  if (nparam != 2) return 1;
+  const float *__restrict x = static_cast<const float *>(params[0]);
+  float *__restrict y = static_cast<float *>(params[1]);
+  const int64_t n = numel(ndims[0], shapes[0]);
+  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * sigmoid(x[i]);
+  return 0;
+}
+
+// g * silu'(x), silu'(x) = s (1 + x (1 - s)).
+extern "C" int OrbSiluGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **, void *, void *) {
+  if (nparam != 3) return 1;
+  const float *__restrict x = static_cast<const float *>(params[0]);
+  const float *__restrict g = static_cast<const float *>(params[1]);
+  float *__restrict out = static_cast<float *>(params[2]);
+  const int64_t n = numel(ndims[0], shapes[0]);
+  for (int64_t i = 0; i < n; ++i) {
+    const float s = sigmoid(x[i]);
+    out[i] = g[i] * (s * (1.0f + x[i] * (1.0f - s)));
+  }
+  return 0;
+}
+
+// g * silu''(x), silu''(x) = s (1 - s) (2 + x (1 - 2 s)): the second derivative conservative models train with.
+extern "C" int OrbSiluGrad2(int nparam, void **params, int *ndims, int64_t **shapes, const char **, void *, void *) {
+  if (nparam != 3) return 1;
+  const float *__restrict x = static_cast<const float *>(params[0]);
+  const float *__restrict g = static_cast<const float *>(params[1]);
+  float *__restrict out = static_cast<float *>(params[2]);
+  const int64_t n = numel(ndims[0], shapes[0]);
+  for (int64_t i = 0; i < n; ++i) {
+    const float s = sigmoid(x[i]);
+    out[i] = g[i] * (s * (1.0f - s) * (2.0f + x[i] * (1.0f - 2.0f * s)));
+  }
+  return 0;
+}

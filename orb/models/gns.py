@@ -1,0 +1,254 @@
+"""The graph network both orb families share (orb-models' ``gns.py``): embeddings, the encoder, the
+attention interaction layers, the unused decoder, online normalisers, reference energies and
+net-torque removal. Family modules (``orb_v2``, ``orb_v3``) add their edge features and heads.
+
+Parameter paths equal PyTorch's state-dict keys. One thing is computed differently but
+equivalently, for speed: the first edge-MLP layer over ``[e, h_sender, h_receiver]`` is
+``e W_e + (h W_s)[senders] + (h W_r)[receivers] + b``: node projections are computed once per
+node, not once per edge.
+"""
+
+import math
+from typing import Optional
+
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+
+from orb.models.blocks import Linear, MLP, MLPLayerNorm, ScaleRows, segment_mean, segment_sum
+from orb.models.config import ModelConfig
+
+
+def polynomial_envelope(r: Tensor, r_max: float, p: int) -> Tensor:
+    """Smooth cutoff 1 - (p+1)(p+2)/2 x^p + p(p+2) x^(p+1) - p(p+1)/2 x^(p+2), x = r/r_max, 0 beyond r_max."""
+    x = r / r_max
+    xp = ops.pow(x, p)
+    env = 1.0 - (p + 1.0) * (p + 2.0) / 2.0 * xp + p * (p + 2.0) * xp * x - p * (p + 1.0) / 2.0 * xp * x * x
+    return env * (r < r_max).astype(r.dtype)
+
+
+class EmbeddingTable(nn.Cell):
+    """Lookup table with a PyTorch-named ``weight`` (num_embeddings, dim)."""
+
+    def __init__(self, num: int, dim: int, rng: np.random.Generator):
+        super().__init__()
+        bound = math.sqrt(3.0)
+        self.weight = Parameter(Tensor(rng.uniform(-bound, bound, (num, dim)).astype(np.float32)), name="weight")
+
+    def construct(self, index: Tensor) -> Tensor:
+        return ops.gather(self.weight, index, 0)
+
+
+class AtomEmbedding(nn.Cell):
+    def __init__(self, num_elements: int, dim: int, rng: np.random.Generator):
+        super().__init__()
+        self.embeddings = EmbeddingTable(num_elements + 1, dim, rng)
+
+    def construct(self, numbers: Tensor) -> Tensor:
+        return self.embeddings(numbers)
+
+
+def style(cfg: ModelConfig):
+    """(activation, normalisation) of the family: orb-v2 shifted softplus and LayerNorm, orb-v3 SiLU and RMSNorm."""
+    return ("silu", "rms_norm") if cfg.family == "orb_v3" else ("ssp", "layer_norm")
+
+
+class Encoder(nn.Cell):
+    def __init__(self, cfg: ModelConfig, rng: np.random.Generator, edge_features: int):
+        super().__init__()
+        d, h, k = cfg.latent_dim, cfg.mlp_hidden_dim, cfg.num_mlp_layers
+        self._node_fn = MLPLayerNorm(d, h, d, k, rng, *style(cfg))
+        self._edge_fn = MLPLayerNorm(edge_features, h, d, k, rng, *style(cfg))
+
+    def construct(self, node_features: Tensor, edge_features: Tensor):
+        return self._node_fn(node_features), self._edge_fn(edge_features)
+
+
+class AttentionInteraction(nn.Cell):
+    """One message-passing step with sigmoid attention gates and a polynomial distance envelope.
+
+    ``conditioned`` (orb-v3 OMol): first adds ``_cond_node_proj(cond)`` to the node latents, where it
+    stays (orb-models' "additive" node conditioning).
+    """
+
+    def __init__(self, cfg: ModelConfig, rng: np.random.Generator, conditioned: bool = False):
+        super().__init__()
+        d, h, k = cfg.latent_dim, cfg.mlp_hidden_dim, cfg.num_mlp_layers
+        self.latent_dim = d
+        self.hidden_dim = h
+        self._node_mlp = MLPLayerNorm(3 * d, h, d, k, rng, *style(cfg))
+        self._edge_mlp = MLPLayerNorm(3 * d, h, d, k, rng, *style(cfg))
+        self._receive_attn = Linear(d, 1, rng)
+        self._send_attn = Linear(d, 1, rng)
+        self.conditioned = conditioned
+        if conditioned:
+            self._cond_node_proj = Linear(d, d, rng)
+        self.matmul_t = ops.MatMul(transpose_b=True)
+        self.scale_rows = ScaleRows()
+
+    def construct(self, nodes: Tensor, edges: Tensor, senders: Tensor, receivers: Tensor, cutoff: Tensor,
+                  cond: Optional[Tensor] = None):
+        d, h = self.latent_dim, self.hidden_dim
+        if self.conditioned:
+            nodes = nodes + self._cond_node_proj(cond)
+        receive_gate = ops.sigmoid(self._receive_attn(edges)) * cutoff
+        send_gate = ops.sigmoid(self._send_attn(edges)) * cutoff
+
+        first = self._edge_mlp.mlp.layer(0)
+        w = first.weight  # (h, 3d) acting on [edge, sender node, receiver node]
+        node_part = self.matmul_t(nodes, ops.concat((w[:, d:2 * d], w[:, 2 * d:]), 0))  # (N, 2h)
+        from_sender = ops.bias_add(node_part[:, :h], first.bias)  # the bias is added per node, not per edge
+        pre = (self.matmul_t(edges, w[:, :d])
+               + ops.gather(from_sender, senders, 0) + ops.gather(node_part[:, h:], receivers, 0))
+        new_edges = self._edge_mlp.after_first_layer(pre)
+
+        num_nodes = nodes.shape[0]
+        sent = segment_sum(self.scale_rows(new_edges, send_gate), senders, num_nodes)
+        received = segment_sum(self.scale_rows(new_edges, receive_gate), receivers, num_nodes)
+        new_nodes = self._node_mlp(ops.concat((nodes, received, sent), 1))
+        return nodes + new_nodes, edges + new_edges
+
+
+class DecoderFn(nn.Cell):
+    def __init__(self, cfg: ModelConfig, rng: np.random.Generator):
+        super().__init__()
+        sizes = [cfg.latent_dim] + [cfg.mlp_hidden_dim] * cfg.num_mlp_layers + [cfg.decoder_out_dim]
+        self.mlp = MLP(sizes, rng, style(cfg)[0])
+
+    def construct(self, x: Tensor) -> Tensor:
+        return self.mlp(x)
+
+
+class Decoder(nn.Cell):
+    """orb's node decoder: in every checkpoint, read by no head (never run here, never trained)."""
+
+    def __init__(self, cfg: ModelConfig, rng: np.random.Generator):
+        super().__init__()
+        self.node_fn = DecoderFn(cfg, rng)
+
+    def construct(self, x: Tensor) -> Tensor:
+        return self.node_fn(x)
+
+
+class RunningStats(nn.Cell):
+    """BatchNorm1d(1, affine=False, momentum=None) buffers: a cumulative mean and unbiased variance."""
+
+    def __init__(self, mean: float, var: float, count: int, count_shape: tuple):
+        super().__init__()
+        self.running_mean = Parameter(Tensor(np.array([mean], np.float32)), name="running_mean", requires_grad=False)
+        self.running_var = Parameter(Tensor(np.array([var], np.float32)), name="running_var", requires_grad=False)
+        self.num_batches_tracked = Parameter(
+            Tensor(np.full(count_shape, count, np.int64)), name="num_batches_tracked", requires_grad=False)
+
+
+class ScalarNormalizer(nn.Cell):
+    """Normalises a target as (x - mean) / sqrt(var) with running statistics (no eps, as orb)."""
+
+    def __init__(self, mean: float = 0.0, std: float = 1.0, count: int = 0, count_shape: tuple = ()):
+        super().__init__()
+        self.bn = RunningStats(mean, std * std, count, count_shape)
+
+    def stats(self):
+        return self.bn.running_mean, self.bn.running_var
+
+    def updated_stats(self, values: Tensor, mask: Tensor, allreduce=None):
+        """Statistics after one training batch (masked ``values``), and the new count.
+
+        With ``f = 1 / (count + 1)``: mean <- (1 - f) mean + f batch_mean and var <- (1 - f) var +
+        f batch_var_unbiased (the first batch replaces the statistics exactly). ``allreduce`` (a sum over data-parallel ranks) makes the
+        batch statistics those of the global batch. A batch with fewer than two values leaves
+        the statistics unchanged (PyTorch raises there).
+        """
+        values = ops.stop_gradient(values)
+        mask = ops.broadcast_to(mask, values.shape)
+        n = mask.sum()
+        total = (values * mask).sum()
+        if allreduce is not None:
+            n = allreduce(n)
+            total = allreduce(total)
+        batch_mean = total / ops.maximum(n, 1.0)
+        sq = (ops.square(values - batch_mean) * mask).sum()
+        if allreduce is not None:
+            sq = allreduce(sq)
+        batch_var = sq / ops.maximum(n - 1.0, 1.0)
+        old_count = self.bn.num_batches_tracked
+        factor = 1.0 / (old_count.astype(values.dtype) + 1.0).reshape(-1)
+        mean, var = self.bn.running_mean, self.bn.running_var
+        valid = n > 1.5
+        new_mean = ops.where(valid, (1.0 - factor) * mean + factor * batch_mean, mean)
+        new_var = ops.where(valid, (1.0 - factor) * var + factor * batch_var, var)
+        new_count = old_count + valid.astype(old_count.dtype)
+        return new_mean, new_var, new_count
+
+    def commit(self, mean: Tensor, var: Tensor, count: Tensor):
+        ops.assign(self.bn.running_mean, mean)
+        ops.assign(self.bn.running_var, var)
+        ops.assign(self.bn.num_batches_tracked, count)
+        return mean
+
+
+class ReferenceEnergy(nn.Cell):
+    def __init__(self, coefficients: np.ndarray):
+        super().__init__()
+        self.weight = Parameter(Tensor(np.asarray(coefficients, np.float32)), name="weight")
+
+
+class LinearReferenceEnergy(nn.Cell):
+    """Per-element energies summed over each graph's atoms (weight index = atomic number)."""
+
+    def __init__(self, coefficients: np.ndarray):
+        super().__init__()
+        self.linear = ReferenceEnergy(coefficients)
+
+    def construct(self, numbers: Tensor, node_graph: Tensor, num_graphs: int) -> Tensor:
+        # The weight has entries for Z = 0..117; Z = 118 gets a reference energy of 0.
+        table = ops.concat((self.linear.weight, ops.zeros(1, self.linear.weight.dtype)))
+        return segment_sum(ops.gather(table, numbers, 0), node_graph, num_graphs)
+
+
+def cross(a: Tensor, b: Tensor) -> Tensor:
+    """Row-wise cross product of (n, 3) tensors."""
+    a0, a1, a2 = a[:, 0], a[:, 1], a[:, 2]
+    b0, b1, b2 = b[:, 0], b[:, 1], b[:, 2]
+    return ops.stack((a1 * b2 - a2 * b1, a2 * b0 - a0 * b2, a0 * b1 - a1 * b0), 1)
+
+
+def solve_symmetric_3x3(m: Tensor, b: Tensor) -> Tensor:
+    """Solve m x = b for a batch of 3x3 matrices (B, 3, 3) by the adjugate; x = 0 where det = 0."""
+    a, bb, c = m[:, 0, 0], m[:, 0, 1], m[:, 0, 2]
+    d, e, f = m[:, 1, 0], m[:, 1, 1], m[:, 1, 2]
+    g, h, i = m[:, 2, 0], m[:, 2, 1], m[:, 2, 2]
+    co00, co01, co02 = e * i - f * h, f * g - d * i, d * h - e * g
+    det = a * co00 + bb * co01 + c * co02
+    adj = ops.stack((
+        ops.stack((co00, c * h - bb * i, bb * f - c * e), 1),
+        ops.stack((co01, a * i - c * g, c * d - a * f), 1),
+        ops.stack((co02, bb * g - a * h, a * e - bb * d), 1),
+    ), 1)
+    ok = ops.abs(det) > 1e-30
+    safe_det = ops.where(ok, det, ops.ones_like(det))
+    x = (adj @ b.reshape(-1, 3, 1)).reshape(-1, 3) / safe_det.reshape(-1, 1)
+    return x * ok.astype(x.dtype).reshape(-1, 1)
+
+
+def remove_net_torque(forces: Tensor, positions: Tensor, node_graph: Tensor, n_node: Tensor,
+                      nonperiodic: Tensor) -> Tensor:
+    """Remove the net torque of non-periodic graphs by the smallest (L2) force change.
+
+    Solves (S - s I) mu = -tau per graph, with r_i = pos_i - mean(pos), tau = sum r_i x f_i,
+    S = sum r_i r_i^T, s = sum |r_i|^2, and adds r_i x mu (orb-models' ``remove_net_torque``).
+    A tiny diagonal shift (1e-7 of the mean moment) keeps linear molecules and single atoms
+    finite (PyTorch falls back to a pseudo-inverse there); periodic graphs are unchanged.
+    """
+    num_graphs = n_node.shape[0]
+    centre = segment_mean(positions, node_graph, n_node)
+    r = positions - ops.gather(centre, node_graph, 0)
+    tau = segment_sum(cross(r, forces), node_graph, num_graphs)
+    s = segment_sum(ops.square(r).sum(1), node_graph, num_graphs)
+    outer = (r.reshape(-1, 3, 1) * r.reshape(-1, 1, 3)).reshape(-1, 9)
+    big_s = segment_sum(outer, node_graph, num_graphs).reshape(-1, 3, 3)
+    eye = ops.eye(3, 3, forces.dtype).reshape(1, 3, 3)
+    m = big_s - (s * (1.0 + 1e-7)).reshape(-1, 1, 1) * eye
+    flag = nonperiodic.reshape(-1, 1, 1)
+    m = m * flag - (1.0 - flag) * eye  # periodic graphs: a harmless -I, their correction is masked below
+    mu = solve_symmetric_3x3(m, -tau) * nonperiodic.reshape(-1, 1)
+    return forces + cross(r, ops.gather(mu, node_graph, 0))
