@@ -6,12 +6,14 @@ import numpy as np
 
 from orb.data.graphs import AtomGraphs
 
-MODEL_INPUTS = ("numbers", "positions", "vectors", "senders", "receivers", "node_graph", "n_node", "nonperiodic")
+MODEL_INPUTS = ("numbers", "positions", "vectors", "senders", "receivers", "node_graph", "n_node", "nonperiodic", "cell",
+                "unit_shifts", "charge", "spin")
 TARGET_INPUTS = ("graph_mask", "graph_weight", "energy", "forces", "stress")
 
 
 def model_arrays(batch: AtomGraphs) -> Tuple[np.ndarray, ...]:
-    """Numpy arrays in :data:`MODEL_INPUTS` order (int32 indices, float32 values)."""
+    """Numpy arrays in :data:`MODEL_INPUTS` order (int32 indices, float32 values; charge and spin 0 if absent)."""
+    zeros_g = np.zeros(batch.num_graphs, np.float32)
     return (
         batch.numbers.astype(np.int32),
         batch.positions.astype(np.float32),
@@ -21,6 +23,10 @@ def model_arrays(batch: AtomGraphs) -> Tuple[np.ndarray, ...]:
         batch.node_graph.astype(np.int32),
         batch.n_node.astype(np.float32),
         (~batch.periodic).astype(np.float32),
+        batch.cell.astype(np.float32),
+        batch.unit_shifts.astype(np.float32),
+        zeros_g if batch.charge is None else batch.charge.astype(np.float32),
+        zeros_g if batch.spin is None else batch.spin.astype(np.float32),
     )
 
 

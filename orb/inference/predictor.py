@@ -20,15 +20,14 @@ log = logging.getLogger("orb")
 
 
 class PredictCell(nn.Cell):
-    """Forward pass returning (energy eV, forces eV/Å, stress eV/Å^3)."""
+    """Forward pass returning (energy eV, forces eV/Å, stress eV/Å^3[, confidence]) of the model's family."""
 
     def __init__(self, model):
         super().__init__(auto_prefix=False)
         self.model = model
 
-    def construct(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic):
-        raw = self.model(numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic)
-        return self.model.physical(*raw, numbers, node_graph, n_node)
+    def construct(self, *inputs):
+        return self.model.predictions(*inputs)
 
 
 class Predictor:
@@ -56,16 +55,19 @@ class Predictor:
         return bucket
 
     def __call__(self, batch: AtomGraphs) -> Dict[str, np.ndarray]:
-        """``energy`` (B,), ``forces`` (N, 3), ``stress`` (B, 6) of the real graphs of ``batch``."""
+        """``energy`` (B,), ``forces`` (N, 3), ``stress`` (B, 6) of the real graphs of ``batch``, and for orb-v3
+        ``confidence`` (N, 50): the predicted distribution of each atom's force error over 0-0.3 eV/Å."""
         real = batch.graph_mask
         n_real_nodes = int(batch.n_node[real].sum())
         bucket = self._bucket(batch)
         padded = pad_batch(batch, bucket.num_nodes, bucket.num_edges, bucket.num_graphs)
         start = time.perf_counter()
-        energy, forces, stress = self.cell(*model_inputs(padded))
-        out = {"energy": energy.asnumpy()[: len(real)][real].astype(np.float64),
-               "forces": forces.asnumpy()[:n_real_nodes].astype(np.float64),
-               "stress": stress.asnumpy()[: len(real)][real].astype(np.float64)}
+        outputs = self.cell(*model_inputs(padded))
+        per_graph = lambda t: t.asnumpy()[: len(real)][real].astype(np.float64)  # noqa: E731
+        per_node = lambda t: t.asnumpy()[:n_real_nodes].astype(np.float64)  # noqa: E731
+        out = {"energy": per_graph(outputs[0]), "forces": per_node(outputs[1]), "stress": per_graph(outputs[2])}
+        if len(outputs) > 3:
+            out["confidence"] = per_node(outputs[3])
         if bucket not in self.compiled:
             self.compiled[bucket] = time.perf_counter() - start
             log.debug("compiled inference for %s in %.1f s", bucket, self.compiled[bucket])

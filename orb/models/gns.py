@@ -252,3 +252,13 @@ def remove_net_torque(forces: Tensor, positions: Tensor, node_graph: Tensor, n_n
     m = m * flag - (1.0 - flag) * eye  # periodic graphs: a harmless -I, their correction is masked below
     mu = solve_symmetric_3x3(m, -tau) * nonperiodic.reshape(-1, 1)
     return forces + cross(r, ops.gather(mu, node_graph, 0))
+
+
+BUFFERS = ("running_mean", "running_var", "num_batches_tracked", "bessel_weights", "r_max", "prefactor", "bin_edges")
+
+
+def count_parameters(model: nn.Cell) -> int:
+    """Parameters as PyTorch counts them: every weight, trained or not (decoder and reference energies
+    included), but no buffers (normaliser statistics and constants)."""
+    return int(sum(np.prod(p.shape) for name, p in model.parameters_and_names()
+                   if name.rsplit(".", 1)[-1] not in BUFFERS))

@@ -15,7 +15,7 @@ from orb.models import reference_energies
 from orb.models.blocks import MLP, segment_mean
 from orb.models.config import ModelConfig
 from orb.models.gns import (AtomEmbedding, AttentionInteraction, Decoder, Encoder, LinearReferenceEnergy,
-                            ScalarNormalizer, polynomial_envelope, remove_net_torque)
+                            ScalarNormalizer, count_parameters, polynomial_envelope, remove_net_torque)
 from orb.models.kernels import exp_nonpositive_op
 
 
@@ -101,13 +101,20 @@ class GraphRegressor(nn.Cell):
         self.stress_head = Head(cfg, 6, ScalarNormalizer(), rng)
         self.model = MoleculeGNS(cfg, rng)
 
-    def construct(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic):
+    def construct(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
+                  unit_shifts, charge, spin):
+        """(cell, unit_shifts, charge and spin are orb-v3 inputs, unused here)"""
         nodes = self.model(numbers, vectors, senders, receivers)
         pooled = segment_mean(nodes, node_graph, n_node)
         energy = self.graph_head(pooled)
         stress = self.stress_head(pooled)
         forces = self.node_head.forces(nodes, positions, node_graph, n_node, nonperiodic)
         return energy, forces, stress
+
+    def predictions(self, *inputs):
+        """Energy (B,) eV, forces (N, 3) eV/Å and stress (B, 6) eV/Å^3 from the model inputs."""
+        numbers, node_graph, n_node = inputs[0], inputs[5], inputs[6]
+        return self.physical(*self(*inputs), numbers, node_graph, n_node)
 
     def reference_energy(self, numbers, node_graph, num_graphs):
         return self.graph_head.reference(numbers, node_graph, num_graphs)
@@ -130,8 +137,8 @@ class GraphRegressor(nn.Cell):
         return list(self.model._decoder.trainable_params())
 
     def num_parameters(self) -> int:
-        """Trainable parameters as PyTorch counts them (decoder included; normaliser buffers excluded)."""
-        return int(sum(np.prod(p.shape) for p in self.trainable_params()))
+        """Parameters as PyTorch counts them (decoder included; normaliser buffers excluded)."""
+        return count_parameters(self)
 
 
 def orb_v2(seed: int = 0, **overrides) -> GraphRegressor:

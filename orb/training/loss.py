@@ -56,8 +56,8 @@ class OrbLoss(nn.Cell):
         reference = self.model.reference_energy(numbers, node_graph, n_node.shape[0])
         return (energy - reference) / ops.maximum(n_node, 1.0), reference
 
-    def update_stats(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic,
-                     graph_mask, graph_weight, energy, forces, stress):
+    def update_stats(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
+                     unit_shifts, charge, spin, graph_mask, graph_weight, energy, forces, stress):
         """Absorb a training batch's targets into the normalisers; returns the new statistics."""
         node_mask = ops.gather(graph_mask, node_graph, 0)
         target, _ = self.energy_target(numbers, node_graph, n_node, energy)
@@ -75,11 +75,12 @@ class OrbLoss(nn.Cell):
             s_mean, s_var = s_norm.stats()
         return e_mean, e_var, f_mean, f_var, s_mean, s_var
 
-    def construct(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic,
-                  graph_mask, graph_weight, energy, forces, stress, e_mean, e_var, f_mean, f_var, s_mean, s_var):
+    def construct(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
+                  unit_shifts, charge, spin, graph_mask, graph_weight, energy, forces, stress, e_mean, e_var, f_mean,
+                  f_var, s_mean, s_var):
         num_graphs = n_node.shape[0]
         e_raw, f_raw, s_raw = self.model(numbers, positions, vectors, senders, receivers, node_graph, n_node,
-                                         nonperiodic)
+                                         nonperiodic, cell, unit_shifts, charge, spin)
         e_raw = e_raw.reshape(-1)
         node_mask = ops.gather(graph_mask, node_graph, 0)
         atoms = ops.maximum(n_node, 1.0)

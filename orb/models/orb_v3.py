@@ -1,0 +1,447 @@
+"""orb-v3 in MindSpore: the shared graph network (``orb.models.gns``) with Bessel x spherical-harmonic edge
+features, ZBL pair repulsion, and either direct heads or forces and stress as derivatives of the energy.
+
+Formulas follow orb-models 0.5.5 (``gns.py``, ``forcefield_heads.py``, ``conservative_regressor.py``,
+``direct_regressor.py``, ``pair_repulsion.py``, ``nn_util.py``); parameter paths equal the PyTorch
+state_dict keys, registered in the same order. Deliberate differences, both for structures that
+are not periodic (cell = 0): the ZBL stress of direct models is 0 (PyTorch divides by det = 0 and
+returns NaN or inf), and the stress of conservative models is 0 with finite gradients (PyTorch
+returns 0 but its backward gives NaN), so a training batch may mix molecules and crystals.
+
+Conservative models rebuild the edge vectors inside the differentiated function from positions,
+cell and integer cell shifts, after a zero strain ``eps`` and a zero rotation generator ``G``:
+forces = -dE/dpositions, stress = (dE/deps) / |det cell|, rotational gradient = dE/dG. The
+rotation is ``I + G - G^T``: at G = 0 it has the value and first derivative of orb-models'
+``matrix_exp(G - G^T)``, which is all any of these quantities (and their gradients) use.
+"""
+
+import math
+from typing import Optional
+
+import numpy as np
+from ase.data import covalent_radii
+from mindspore import Parameter, Tensor, nn, ops
+
+from orb.models import reference_energies
+from orb.models.blocks import MLP, segment_mean, segment_sum
+from orb.models.config import ModelConfig
+from orb.models.gns import (AtomEmbedding, AttentionInteraction, Decoder, Encoder, LinearReferenceEnergy,
+                            ScalarNormalizer, count_parameters, polynomial_envelope, remove_net_torque, style)
+
+SH_COMPONENTS = 16  # real spherical harmonics up to l = 3
+CONFIDENCE_BINS = 50
+CONFIDENCE_MAX_ERROR = 0.3  # eV/Å
+
+
+def _buffer(value, name: str) -> Parameter:
+    """A non-trainable tensor that is part of the state dict (a PyTorch buffer)."""
+    return Parameter(Tensor(np.asarray(value)), name=name, requires_grad=False)
+
+
+class BesselBasis(nn.Cell):
+    """sqrt(2 / r_max) sin(n pi r / r_max) / r, n = 1..num (buffers as PyTorch's ``rbf_transform``)."""
+
+    def __init__(self, r_max: float, num: int):
+        super().__init__()
+        self.bessel_weights = _buffer(np.float32(np.pi / r_max) * np.arange(1, num + 1, dtype=np.float32),
+                                      "bessel_weights")
+        self.r_max = _buffer(np.float32(r_max), "r_max")
+        self.prefactor = _buffer(np.float32(math.sqrt(2.0 / r_max)), "prefactor")
+
+    def construct(self, r: Tensor) -> Tensor:
+        shape = (r.shape[0], self.bessel_weights.shape[0])
+        x = ops.broadcast_to(r.reshape(-1, 1), shape)
+        return self.prefactor * (ops.sin(ops.broadcast_to(self.bessel_weights, shape) * x) / x)
+
+
+def spherical_harmonics(vectors: Tensor, r: Tensor) -> Tensor:
+    """Real spherical harmonics l <= 3 of the edge directions (e3nn's formulas, component normalisation,
+    components in the given x, y, z order): (E, 16)."""
+    u = vectors / ops.broadcast_to(ops.maximum(r, 1e-12).reshape(-1, 1), vectors.shape)
+    x, y, z = ops.split(u, 1, axis=1)  # (E, 1) columns (indexing u[:, i] breaks MindSpore's second derivative)
+    s3 = math.sqrt(3.0)
+    y2, x2z2 = y * y, x * x + z * z
+    s20, s24 = s3 * x * z, s3 / 2.0 * (z * z - x * x)
+    l0 = [ops.ones_like(x)]
+    l1 = [x, y, z]
+    l2 = [s20, s3 * x * y, y2 - 0.5 * x2z2, s3 * y * z, s24]
+    l3 = [math.sqrt(5.0 / 6.0) * (s20 * z + s24 * x), math.sqrt(5.0) * s20 * y,
+          math.sqrt(3.0 / 8.0) * (4.0 * y2 - x2z2) * x, 0.5 * y * (2.0 * y2 - 3.0 * x2z2),
+          math.sqrt(3.0 / 8.0) * z * (4.0 * y2 - x2z2), math.sqrt(5.0) * s24 * y,
+          math.sqrt(5.0 / 6.0) * (s24 * z - s20 * x)]
+    scaled = l0 + [c * math.sqrt(3.0) for c in l1] + [c * math.sqrt(5.0) for c in l2] + [c * math.sqrt(7.0) for c in l3]
+    return ops.concat(scaled, 1)
+
+
+class ChargeSpinEmbedding(nn.Cell):
+    """[sin(2 pi v W), cos(2 pi v W)] of a total charge or spin (a spin of 0 embeds to 0)."""
+
+    def __init__(self, dim: int, rng: np.random.Generator, spin: bool):
+        super().__init__()
+        self.W = Parameter(Tensor(rng.standard_normal(dim // 4).astype(np.float32)), name="W")
+        self.spin = spin
+
+    def construct(self, values: Tensor) -> Tensor:
+        shape = (values.shape[0], self.W.shape[0])
+        proj = ops.broadcast_to(values.reshape(-1, 1), shape) * ops.broadcast_to(self.W, shape) * 2.0 * math.pi
+        emb = ops.concat((ops.sin(proj), ops.cos(proj)), 1)
+        if self.spin:
+            emb = emb * ops.broadcast_to((values != 0).astype(emb.dtype).reshape(-1, 1), emb.shape)
+        return emb
+
+
+class ChargeSpinConditioner(nn.Cell):
+    def __init__(self, dim: int, rng: np.random.Generator):
+        super().__init__()
+        self.charge_embedding = ChargeSpinEmbedding(dim, rng, spin=False)
+        self.spin_embedding = ChargeSpinEmbedding(dim, rng, spin=True)
+
+    def construct(self, charge: Tensor, spin: Tensor) -> Tensor:
+        return ops.concat((self.charge_embedding(charge), self.spin_embedding(spin)), 1)
+
+
+class MoleculeGNS(nn.Cell):
+    """orb-v3 backbone: (charge/spin conditioned) attention GNS over Bessel x spherical-harmonic edge features."""
+
+    def __init__(self, cfg: ModelConfig, rng: np.random.Generator):
+        super().__init__()
+        self.cfg = cfg
+        self.rbf_transform = BesselBasis(cfg.rbf_radius, cfg.num_rbf)
+        self.atom_emb = AtomEmbedding(cfg.num_elements, cfg.latent_dim, rng)
+        if cfg.omol:
+            self.conditioner = ChargeSpinConditioner(cfg.latent_dim, rng)
+        self._encoder = Encoder(cfg, rng, edge_features=cfg.num_rbf * SH_COMPONENTS)
+        self.gnn_stacks = nn.CellList([AttentionInteraction(cfg, rng, conditioned=cfg.omol)
+                                       for _ in range(cfg.num_message_passing_steps)])
+        self._decoder = Decoder(cfg, rng)
+
+    def edge_features(self, vectors: Tensor):
+        """(E, num_rbf * 16) features: envelope(r) * Bessel_n(r) * Y_m(direction); also the envelope."""
+        r = ops.norm(vectors, dim=1)
+        envelope = polynomial_envelope(r, self.cfg.cutoff_rmax, self.cfg.polynomial_order).reshape(-1, 1)
+        rbf, sh = self.rbf_transform(r), spherical_harmonics(vectors, r)
+        shape = (r.shape[0], rbf.shape[1], SH_COMPONENTS)
+        outer = ops.broadcast_to(rbf.reshape(-1, rbf.shape[1], 1), shape) * ops.broadcast_to(
+            sh.reshape(-1, 1, SH_COMPONENTS), shape)
+        features = outer.reshape(r.shape[0], -1) * ops.broadcast_to(envelope, (r.shape[0], shape[1] * shape[2]))
+        return features, envelope
+
+    def construct(self, numbers, vectors, senders, receivers, node_graph, charge, spin):
+        features, cutoff = self.edge_features(vectors)
+        nodes, edges = self._encoder(self.atom_emb(numbers), features)
+        cond = ops.gather(self.conditioner(charge, spin), node_graph, 0) if self.cfg.omol else None
+        for layer in self.gnn_stacks:
+            nodes, edges = layer(nodes, edges, senders, receivers, cutoff, cond)
+        return nodes
+
+
+class HeadMLP(nn.Cell):
+    """The MLP of a head: latent -> hidden (x layers) -> out, with the family's activation."""
+
+    @staticmethod
+    def make(cfg: ModelConfig, out_dim: int, rng: np.random.Generator) -> MLP:
+        sizes = [cfg.latent_dim] + [cfg.head_mlp_hidden_dim] * cfg.head_num_mlp_layers + [out_dim]
+        return MLP(sizes, rng, style(cfg)[0])
+
+
+class EnergyHead(nn.Cell):
+    """Per-atom-average energy: MLP of the mean node latent, normalised per atom, plus reference energies."""
+
+    def __init__(self, cfg: ModelConfig, rng: np.random.Generator):
+        super().__init__()
+        self.normalizer = ScalarNormalizer(reference_energies.RESIDUAL_MEAN_PER_ATOM,
+                                           reference_energies.RESIDUAL_STD_PER_ATOM, 1000, (1,))
+        self.mlp = HeadMLP.make(cfg, 1, rng)
+        self.reference = LinearReferenceEnergy(reference_energies.vasp_shifted())
+
+    def construct(self, nodes, node_graph, n_node):
+        return self.mlp(segment_mean(nodes, node_graph, n_node)).reshape(-1)
+
+
+class ForceHead(nn.Cell):
+    def __init__(self, cfg: ModelConfig, rng: np.random.Generator):
+        super().__init__()
+        self.normalizer = ScalarNormalizer()
+        self.mlp = HeadMLP.make(cfg, 3, rng)
+
+    def construct(self, nodes, positions, node_graph, n_node, nonperiodic):
+        """Normalised forces: MLP output minus its per-graph mean, net torque removed where the cell is 0."""
+        pred = self.mlp(nodes)
+        pred = pred - ops.gather(segment_mean(pred, node_graph, n_node), node_graph, 0)
+        return remove_net_torque(pred, positions, node_graph, n_node, nonperiodic)
+
+
+class StressHead(nn.Cell):
+    """Stress from the mean node latent; diagonal and off-diagonal parts have their own normalisers."""
+
+    def __init__(self, cfg: ModelConfig, rng: np.random.Generator):
+        super().__init__()
+        self.diag_normalizer = ScalarNormalizer()
+        self.offdiag_normalizer = ScalarNormalizer()
+        self.mlp = HeadMLP.make(cfg, 6, rng)
+
+    def construct(self, nodes, node_graph, n_node):
+        return self.mlp(segment_mean(nodes, node_graph, n_node))
+
+    def stats(self):
+        """Per-component mean and std, (6,) each."""
+        d_mean, d_var = self.diag_normalizer.stats()
+        o_mean, o_var = self.offdiag_normalizer.stats()
+        mean = ops.concat((ops.tile(d_mean, (3,)), ops.tile(o_mean, (3,))))
+        std = ops.concat((ops.tile(ops.sqrt(d_var), (3,)), ops.tile(ops.sqrt(o_var), (3,))))
+        return mean, std
+
+
+class ConfidenceHead(nn.Cell):
+    """Logits of 50 bins of the per-atom force error (0 to 0.3 eV/Å), from detached node latents."""
+
+    def __init__(self, cfg: ModelConfig, rng: np.random.Generator):
+        super().__init__()
+        self.bin_edges = _buffer(np.linspace(0.0, CONFIDENCE_MAX_ERROR, CONFIDENCE_BINS + 1).astype(np.float32),
+                                 "bin_edges")
+        self.mlp = HeadMLP.make(cfg, CONFIDENCE_BINS, rng)
+
+    def construct(self, nodes):
+        return self.mlp(ops.stop_gradient(nodes))
+
+
+class Heads(nn.Cell):
+    """PyTorch's ``heads`` ModuleDict, in its order."""
+
+    def __init__(self, cfg: ModelConfig, rng: np.random.Generator):
+        super().__init__()
+        self.energy = EnergyHead(cfg, rng)
+        if not cfg.conservative:
+            self.forces = ForceHead(cfg, rng)
+        self.confidence = ConfidenceHead(cfg, rng)
+        if not cfg.conservative and cfg.has_stress:
+            self.stress = StressHead(cfg, rng)
+
+
+# ZBL screened nuclear repulsion (orb-models' ZBLBasis, p = 6).
+ZBL_C = (0.1818, 0.5099, 0.2802, 0.02817)
+ZBL_D = (3.2, 0.9423, 0.4028, 0.2016)
+COULOMB = 14.3996  # eV Å / e^2
+
+
+class PairRepulsion(nn.Cell):
+    """ZBL energy of every edge, 0.5 * 14.3996 Zu Zv / r * phi(r / a) * envelope(r / (R_u + R_v)).
+
+    As orb-models 0.5.5, the element of an atom is taken to be Z + 1 (the argmax of a one-hot
+    that starts at hydrogen, plus one), in the screening length and the covalent radii alike.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.radii = Tensor(covalent_radii.astype(np.float32))
+
+    def construct(self, numbers, vectors, senders, receivers):
+        z_u = ops.gather(numbers, senders, 0).astype(vectors.dtype) + 1.0
+        z_v = ops.gather(numbers, receivers, 0).astype(vectors.dtype) + 1.0
+        a = 0.4543 * 0.529 / (ops.pow(z_u, 0.3) + ops.pow(z_v, 0.3))
+        r = ops.norm(vectors, dim=1)
+        phi = 0.0
+        for c, d in zip(ZBL_C, ZBL_D):
+            phi = phi + c * ops.exp(-d * r / a)
+        r_max = (ops.gather(self.radii, z_u.astype(senders.dtype), 0)
+                 + ops.gather(self.radii, z_v.astype(senders.dtype), 0))
+        x = r / r_max
+        x6 = ops.pow(x, 6)
+        envelope = (1.0 - 28.0 * x6 + 48.0 * x6 * x - 21.0 * x6 * x * x) * (x < 1.0).astype(r.dtype)
+        return 0.5 * COULOMB * z_u * z_v / r * phi * envelope
+
+
+def determinant(cell: Tensor) -> Tensor:
+    """Determinants of (B, 3, 3) matrices."""
+    a, b, c = cell[:, 0], cell[:, 1], cell[:, 2]
+    return (a * ops.stack((b[:, 1] * c[:, 2] - b[:, 2] * c[:, 1], b[:, 2] * c[:, 0] - b[:, 0] * c[:, 2],
+                           b[:, 0] * c[:, 1] - b[:, 1] * c[:, 0]), 1)).sum(1)
+
+
+def voigt(m: Tensor) -> Tensor:
+    """(B, 3, 3) -> (B, 6) [xx, yy, zz, yz, xz, xy] with symmetrised off-diagonals."""
+    return ops.stack((m[:, 0, 0], m[:, 1, 1], m[:, 2, 2], (m[:, 1, 2] + m[:, 2, 1]) / 2.0,
+                      (m[:, 0, 2] + m[:, 2, 0]) / 2.0, (m[:, 0, 1] + m[:, 1, 0]) / 2.0), 1)
+
+
+def per_volume(virial: Tensor, cell: Tensor, signed: bool) -> Tensor:
+    """virial / det(cell) (|det| if not ``signed``), 0 where det = 0 or the result is >= 1e10 (finite gradients)."""
+    det = determinant(cell)
+    det = det if signed else ops.abs(det)
+    ok = det != 0
+    safe = ops.where(ok, det, ops.ones_like(det)).reshape(-1, 1, 1)
+    stress = virial / safe * ok.astype(virial.dtype).reshape(-1, 1, 1)
+    return ops.where(ops.abs(stress) < 1e10, stress, ops.zeros_like(stress))
+
+
+class Orbv3(nn.Cell):
+    """Common parts of the two regressors; see :class:`DirectRegressor` and :class:`ConservativeRegressor`."""
+
+    def energy_from_nodes(self, nodes, numbers, node_graph, n_node):
+        """Energy head output (normalised per-atom energy) and E_raw without pair repulsion."""
+        head = self.heads.energy
+        raw = head(nodes, node_graph, n_node)
+        mean, var = head.normalizer.stats()
+        energy = (raw * ops.sqrt(var) + mean) * n_node + head.reference(numbers, node_graph, n_node.shape[0])
+        return raw, energy
+
+    def reference_energy(self, numbers, node_graph, num_graphs):
+        return self.heads.energy.reference(numbers, node_graph, num_graphs)
+
+    def normalise_energy(self, energy, numbers, node_graph, n_node, mean, var):
+        """(E - reference) / atoms, normalised by (mean, var)."""
+        per_atom = (energy - self.reference_energy(numbers, node_graph, n_node.shape[0])) / ops.maximum(n_node, 1.0)
+        return (per_atom - mean) / ops.sqrt(var)
+
+    def denormalise_energy(self, normalised, numbers, node_graph, n_node, mean, var):
+        return ((normalised * ops.sqrt(var) + mean) * n_node
+                + self.reference_energy(numbers, node_graph, n_node.shape[0]))
+
+    def backbone_parameters(self):
+        return list(self.model.trainable_params())
+
+    def decoder_parameters(self):
+        return list(self.model._decoder.trainable_params())
+
+    def frozen_by_default(self):
+        """Parameters orb-models does not train: the reference energies (``trainable=False`` in orb-v3)."""
+        return [self.heads.energy.reference.linear.weight]
+
+    def num_parameters(self) -> int:
+        """Parameters as PyTorch counts them (decoder and reference energies included; buffers excluded)."""
+        return count_parameters(self)
+
+
+class DirectRegressor(Orbv3):
+    """orb-v3 direct models: energy, forces (and stress) heads, each plus the ZBL repulsion's analytic part."""
+
+    def __init__(self, cfg: Optional[ModelConfig] = None, seed: int = 0):
+        super().__init__()
+        cfg = cfg or ModelConfig.from_dict({"name": "orb_v3_direct_20_omat"})
+        self.cfg = cfg
+        rng = np.random.default_rng(seed)
+        self.heads = Heads(cfg, rng)
+        self.model = MoleculeGNS(cfg, rng)
+        self.pair_repulsion = PairRepulsion()
+        self.pair_grad = ops.GradOperation()
+
+    def pair_energy_sum(self, vectors, numbers, senders, receivers):
+        return self.pair_repulsion(numbers, vectors, senders, receivers).sum()
+
+    def pair_terms(self, numbers, vectors, senders, receivers, node_graph, cell, num_nodes):
+        """ZBL energy (sum over edges, per graph), forces and stress (analytic: from d energy / d vectors)."""
+        edge_energy = self.pair_repulsion(numbers, vectors, senders, receivers)
+        dv = self.pair_grad(self.pair_energy_sum)(vectors, numbers, senders, receivers)
+        num_graphs = cell.shape[0]
+        energy = segment_sum(segment_sum(edge_energy, senders, num_nodes), node_graph, num_graphs)
+        forces = segment_sum(dv, senders, num_nodes) - segment_sum(dv, receivers, num_nodes)
+        edge_graph = ops.gather(node_graph, senders, 0)
+        outer = (vectors.reshape(-1, 3, 1) * dv.reshape(-1, 1, 3)).reshape(-1, 9)
+        virial = segment_sum(outer, edge_graph, num_graphs).reshape(-1, 3, 3)
+        return energy, forces, voigt(per_volume(virial, cell, signed=True))
+
+    def construct(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
+                  unit_shifts, charge, spin):
+        """Raw head outputs and the pair terms: (energy head, E_raw without ZBL, forces head, stress head,
+        confidence logits, ZBL energy, ZBL forces, ZBL stress)."""
+        nodes = self.model(numbers, vectors, senders, receivers, node_graph, charge, spin)
+        head_energy, energy = self.energy_from_nodes(nodes, numbers, node_graph, n_node)
+        forces = self.heads.forces(nodes, positions, node_graph, n_node, nonperiodic)
+        stress = self.heads.stress(nodes, node_graph, n_node) if self.cfg.has_stress else ops.zeros(
+            (n_node.shape[0], 6), nodes.dtype)
+        pair = self.pair_terms(numbers, vectors, senders, receivers, node_graph, cell, nodes.shape[0])
+        return (head_energy, energy, forces, stress, self.heads.confidence(nodes)) + pair
+
+    def predictions(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
+                 unit_shifts, charge, spin):
+        """Energy (B,) eV, forces (N, 3) eV/Å, stress (B, 6) eV/Å^3 and confidence (N, 50) probabilities."""
+        _, energy, forces, stress, logits, pair_e, pair_f, pair_s = self(
+            numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell, unit_shifts,
+            charge, spin)
+        f_mean, f_var = self.heads.forces.normalizer.stats()
+        forces = forces * ops.sqrt(f_var) + f_mean + pair_f
+        if self.cfg.has_stress:
+            s_mean, s_std = self.heads.stress.stats()
+            stress = stress * s_std + s_mean + pair_s
+        return energy + pair_e, forces, stress, ops.softmax(logits, -1)
+
+
+class ConservativeRegressor(Orbv3):
+    """orb-v3 conservative models: energy head (plus ZBL, averaged over atoms); forces, stress and rotational
+    gradient by automatic differentiation of the energy."""
+
+    def __init__(self, cfg: Optional[ModelConfig] = None, seed: int = 0):
+        super().__init__()
+        cfg = cfg or ModelConfig.from_dict({"name": "orb_v3_conservative_20_omat"})
+        self.cfg = cfg
+        rng = np.random.default_rng(seed)
+        self.model = MoleculeGNS(cfg, rng)
+        self.heads = Heads(cfg, rng)
+        self.grad_forces_normalizer = ScalarNormalizer()
+        self.grad_stress_normalizer = ScalarNormalizer()
+        self.pair_repulsion = PairRepulsion()
+
+    def strained_vectors(self, positions, displacement, generator, cell, unit_shifts, senders, receivers, node_graph):
+        """Edge vectors from positions and cell after strain (eps + eps^T)/2 and rotation I + G - G^T."""
+        eps = (displacement + displacement.transpose(0, 2, 1)) / 2.0
+        rotation = ops.eye(3, 3, positions.dtype).reshape(1, 3, 3) + generator - generator.transpose(0, 2, 1)
+        transform = ops.matmul(ops.eye(3, 3, positions.dtype).reshape(1, 3, 3) + eps, rotation)
+        moved = ops.matmul(positions.reshape(-1, 1, 3), ops.gather(transform, node_graph, 0)).reshape(-1, 3)
+        moved_cell = ops.matmul(cell, transform)
+        edge_graph = ops.gather(node_graph, senders, 0)
+        shifts = ops.matmul(unit_shifts.reshape(-1, 1, 3), ops.gather(moved_cell, edge_graph, 0)).reshape(-1, 3)
+        return ops.gather(moved, receivers, 0) - ops.gather(moved, senders, 0) + shifts
+
+    def energies(self, positions, displacement, generator, numbers, senders, receivers, node_graph, n_node, cell,
+                 unit_shifts, charge, spin):
+        """(head output (B,), E_raw (B,) with ZBL, ZBL energy (B,), confidence logits) of the strained structure."""
+        vectors = self.strained_vectors(positions, displacement, generator, cell, unit_shifts, senders, receivers,
+                                        node_graph)
+        nodes = self.model(numbers, vectors, senders, receivers, node_graph, charge, spin)
+        head_energy, energy = self.energy_from_nodes(nodes, numbers, node_graph, n_node)
+        node_pair = segment_sum(self.pair_repulsion(numbers, vectors, senders, receivers), senders, nodes.shape[0])
+        pair = segment_mean(node_pair, node_graph, n_node)
+        return head_energy, energy + pair, pair, self.heads.confidence(nodes)
+
+    def total_energy(self, positions, displacement, generator, numbers, senders, receivers, node_graph, n_node, cell,
+                     unit_shifts, charge, spin):
+        """sum of E_raw (what is differentiated), and the per-structure outputs."""
+        head_energy, energy, pair, logits = self.energies(positions, displacement, generator, numbers, senders,
+                                                          receivers, node_graph, n_node, cell, unit_shifts, charge,
+                                                          spin)
+        return energy.sum(), (head_energy, energy, pair, logits)
+
+    def construct(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
+                  unit_shifts, charge, spin):
+        """(energy head output, E_raw incl. ZBL, forces, stress, confidence logits, ZBL energy, rotational gradient)."""
+        # two distinct zero tensors: MindSpore merges identical constants, and a gradient with respect to
+        # two positions holding one node would come back as one
+        displacement = cell * 0.0
+        generator = ops.zeros_like(cell)
+        (_, (head_energy, energy, pair, logits)), grads = ops.value_and_grad(
+            self.total_energy, grad_position=(0, 1, 2), has_aux=True)(
+            positions, displacement, generator, numbers, senders, receivers, node_graph, n_node, cell, unit_shifts,
+            charge, spin)
+        forces, virial, rotational = -grads[0], grads[1], grads[2]
+        stress = voigt(per_volume(virial, cell, signed=False))
+        return head_energy, energy, forces, stress, logits, pair, rotational
+
+    def predictions(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
+                 unit_shifts, charge, spin):
+        """Energy (B,) eV, forces (N, 3) eV/Å, stress (B, 6) eV/Å^3 and confidence (N, 50) probabilities.
+
+        The energy goes through orb-models' normalise/denormalise round trip (float32 rounding, ~1e-5
+        relative), as its ``predict`` does."""
+        _, energy, forces, stress, logits, _, _ = self(numbers, positions, vectors, senders, receivers, node_graph,
+                                                       n_node, nonperiodic, cell, unit_shifts, charge, spin)
+        mean, var = self.heads.energy.normalizer.stats()
+        normalised = self.normalise_energy(energy, numbers, node_graph, n_node, mean, var)
+        energy = self.denormalise_energy(normalised, numbers, node_graph, n_node, mean, var)
+        return energy, forces, stress, ops.softmax(logits, -1)
+
+
+def orb_v3(name: str = "orb_v3_conservative_inf_omat", seed: int = 0, **overrides) -> Orbv3:
+    """An orb-v3 model with randomly initialised weights; ``overrides`` change :class:`ModelConfig` fields."""
+    cfg = ModelConfig.from_dict(dict(overrides, name=name))
+    return (ConservativeRegressor if cfg.conservative else DirectRegressor)(cfg, seed)
+
