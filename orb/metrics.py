@@ -14,10 +14,14 @@ FORCE_THRESHOLD = 0.03  # eV/Å, for forces_within_0.03
 # name: (unit, averaging and meaning)
 METRICS: Dict[str, tuple] = {
     "loss": ("normalised", "weighted sum of the loss_* terms, averaged over structures"),
-    "loss_energy": ("normalised", "L1 error of the normalised per-atom energy, averaged over structures"),
+    "loss_energy": ("normalised", "L1 error of the normalised per-atom energy, averaged over structures "
+                                  "(orb-v3: Huber)"),
     "loss_forces": ("normalised", "L1 error of the normalised forces over a structure's atoms and x, y, z, "
-                                  "averaged over structures"),
-    "loss_stress": ("normalised", "L1 error of the normalised stress over 6 components, averaged over structures"),
+                                  "averaged over structures (orb-v3: conditional Huber, averaged over components)"),
+    "loss_stress": ("normalised", "L1 error of the normalised stress over 6 components, averaged over structures "
+                                  "(orb-v3: Huber)"),
+    "loss_confidence": ("normalised", "orb-v3: cross-entropy of the force-error classifier, averaged over atoms"),
+    "loss_equigrad": ("normalised", "orb-v3 conservative: weight x mean norm of dE/d(rotation), when weighted"),
     "energy_mae": ("eV", "|E_pred - E| per structure, averaged over structures"),
     "energy_per_atom_mae": ("eV/atom", "|E_pred - E| / atoms per structure, averaged over structures"),
     "forces_mae": ("eV/Å", "|F_pred - F| over a structure's atoms and x, y, z, averaged over structures"),
@@ -26,8 +30,11 @@ METRICS: Dict[str, tuple] = {
     "stress_mae": ("eV/Å³", "|S_pred - S| over 6 Voigt components, averaged over structures"),
     "energy_per_atom_reference_mae": ("eV/atom", "error of the reference energies alone (the baseline the model "
                                                  "improves on), averaged over structures"),
+    "confidence_accuracy": ("", "orb-v3: fraction of atoms whose force-error bin the classifier predicts"),
+    "rotational_grad_rms": ("eV", "orb-v3 conservative: norm of dE/d(rotation) (0 for a rotation-invariant energy), "
+                                  "averaged over structures"),
 }
-ATOM_AVERAGED = ("forces_cosine",)
+ATOM_AVERAGED = ("forces_cosine", "confidence_accuracy")
 STRESS_METRICS = ("loss_stress", "stress_mae")
 
 

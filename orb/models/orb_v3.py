@@ -403,25 +403,22 @@ class ConservativeRegressor(Orbv3):
         pair = segment_mean(node_pair, node_graph, n_node)
         return head_energy, energy + pair, pair, self.heads.confidence(nodes)
 
-    def total_energy(self, positions, displacement, generator, numbers, senders, receivers, node_graph, n_node, cell,
-                     unit_shifts, charge, spin):
-        """sum of E_raw (what is differentiated), and the per-structure outputs."""
-        head_energy, energy, pair, logits = self.energies(positions, displacement, generator, numbers, senders,
-                                                          receivers, node_graph, n_node, cell, unit_shifts, charge,
-                                                          spin)
-        return energy.sum(), (head_energy, energy, pair, logits)
-
     def construct(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
                   unit_shifts, charge, spin):
-        """(energy head output, E_raw incl. ZBL, forces, stress, confidence logits, ZBL energy, rotational gradient)."""
+        """(energy head output, E_raw incl. ZBL, forces, stress, confidence logits, ZBL energy, rotational gradient).
+
+        One forward pass and one backward pass from E_raw (``ops.vjp``, as torch.autograd.grad): every output
+        stays differentiable with respect to the parameters, so training goes through the forces."""
         # two distinct zero tensors: MindSpore merges identical constants, and a gradient with respect to
         # two positions holding one node would come back as one
         displacement = cell * 0.0
         generator = ops.zeros_like(cell)
-        (_, (head_energy, energy, pair, logits)), grads = ops.value_and_grad(
-            self.total_energy, grad_position=(0, 1, 2), has_aux=True)(
-            positions, displacement, generator, numbers, senders, receivers, node_graph, n_node, cell, unit_shifts,
-            charge, spin)
+
+        (head_energy, energy, pair, logits), vjp = ops.vjp(self.energies, positions, displacement, generator, numbers,
+                                                           senders, receivers, node_graph, n_node, cell, unit_shifts,
+                                                           charge, spin)
+        grads = vjp((ops.zeros_like(head_energy), ops.ones_like(energy), ops.zeros_like(pair),
+                     ops.zeros_like(logits)))
         forces, virial, rotational = -grads[0], grads[1], grads[2]
         stress = voigt(per_volume(virial, cell, signed=False))
         return head_energy, energy, forces, stress, logits, pair, rotational

@@ -27,57 +27,94 @@ SUM_KEYS = ("loss", "loss_energy", "loss_forces", "loss_stress", "energy_mae", "
             "num_atoms")
 
 
-class OrbLoss(nn.Cell):
-    """Loss and metric sums of a :class:`~orb.models.orb_v2.GraphRegressor` on a (padded) batch.
+class NormalisedLoss(nn.Cell):
+    """The online normalisers of a model's targets, as a loss cell uses them.
 
-    ``construct(*loss_inputs, *stats)`` takes the tensors of :func:`orb.data.tensors.loss_inputs`
-    followed by the six normaliser statistics (mean and variance for energy, forces, stress):
-    :meth:`current_stats` in evaluation, :meth:`update_stats` in training.
+    In training, orb-models updates each normaliser (cumulative mean and unbiased variance,
+    BatchNorm with momentum None) from the batch's targets. Here the new statistics are computed
+    first (:meth:`new_stats`, no side effect), the loss is evaluated with the statistics before and
+    after the batch (``construct(*loss_inputs, *old, *new)``: the model's forward pass reads the
+    old ones, as PyTorch's does), and :meth:`commit` stores the new ones after the gradient. In
+    evaluation both are :meth:`current_stats`. Subclasses list their normalisers and what each
+    absorbs (:meth:`absorbed`).
     """
+
+    sum_keys = ()  # the metric sums construct returns, in order
+
+    def __init__(self, normalizers, allreduce=None):
+        super().__init__()
+        self.normalizers = nn.CellList(normalizers)
+        self.allreduce = allreduce  # sum over data-parallel ranks, so the statistics are the global batch's
+
+    def absorbed(self, numbers, node_graph, n_node, graph_mask, energy, forces, stress):
+        """[(values, mask, update?)] per normaliser: the targets a training batch feeds it."""
+        raise NotImplementedError
+
+    def current_stats(self):
+        stats = ()
+        for normalizer in self.normalizers:
+            stats = stats + tuple(t + 0.0 for t in normalizer.stats())  # values, not the parameters themselves
+        return stats
+
+    def new_stats(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
+                  unit_shifts, charge, spin, graph_mask, graph_weight, energy, forces, stress):
+        """(statistics after absorbing the batch's targets, their counts); nothing is stored yet."""
+        stats, counts = (), ()
+        for normalizer, (values, mask, update) in zip(self.normalizers, self.absorbed(
+                numbers, node_graph, n_node, graph_mask, energy, forces, stress)):
+            if update:
+                mean, var, count = normalizer.updated_stats(values, mask, self.allreduce)
+            else:  # e.g. no stress labels: the statistics stay
+                mean, var = normalizer.stats()
+                count = normalizer.bn.num_batches_tracked + 0
+            stats, counts = stats + (mean, var), counts + (count,)
+        return stats, counts
+
+    def commit(self, stats, counts):
+        done = ()
+        for i, normalizer in enumerate(self.normalizers):
+            done = done + (normalizer.commit(stats[2 * i], stats[2 * i + 1], counts[i]),)
+        return done
+
+    def metrics(self, sums) -> Dict[str, float]:
+        """Averages (:data:`orb.metrics.METRICS`) from accumulated metric sums."""
+        return metrics_from_sums(dict(zip(self.sum_keys, np.asarray(sums, dtype=np.float64))), self.has_stress)
+
+    def residual_per_atom(self, numbers, node_graph, n_node, energy):
+        """(E - sum_i ref[Z_i]) / atoms: the per-atom energy the energy normaliser tracks."""
+        reference = self.model.reference_energy(numbers, node_graph, n_node.shape[0])
+        return (energy - reference) / ops.maximum(n_node, 1.0)
+
+
+class OrbLoss(NormalisedLoss):
+    """Loss and metric sums of an orb-v2 :class:`~orb.models.orb_v2.GraphRegressor` on a (padded) batch.
+
+    ``construct(*loss_inputs, *old, *new)`` takes the tensors of :func:`orb.data.tensors.loss_inputs`
+    followed by the normalisers' statistics before and after the batch (mean and variance for energy,
+    forces, stress); orb-models 0.4.2 uses the updated statistics throughout.
+    """
+
+    sum_keys = SUM_KEYS
 
     def __init__(self, model, energy_weight: float = 1.0, forces_weight: float = 1.0, stress_weight: float = 1.0,
                  has_stress: bool = True, allreduce=None):
-        super().__init__()
+        super().__init__([model.graph_head.normalizer, model.node_head.normalizer, model.stress_head.normalizer],
+                         allreduce)
         self.model = model
         self.has_stress = bool(has_stress)
         self.energy_weight = float(energy_weight)
         self.forces_weight = float(forces_weight)
         self.stress_weight = float(stress_weight) if has_stress else 0.0
-        self.allreduce = allreduce
 
-    def current_stats(self):
-        e = self.model.graph_head.normalizer.stats()
-        f = self.model.node_head.normalizer.stats()
-        s = self.model.stress_head.normalizer.stats()
-        return e[0], e[1], f[0], f[1], s[0], s[1]
-
-    def energy_target(self, numbers, node_graph, n_node, energy):
-        """Per-atom energy residual after the reference energies, (E - sum_i ref[Z_i]) / n."""
-        reference = self.model.reference_energy(numbers, node_graph, n_node.shape[0])
-        return (energy - reference) / ops.maximum(n_node, 1.0), reference
-
-    def update_stats(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
-                     unit_shifts, charge, spin, graph_mask, graph_weight, energy, forces, stress):
-        """Absorb a training batch's targets into the normalisers; returns the new statistics."""
+    def absorbed(self, numbers, node_graph, n_node, graph_mask, energy, forces, stress):
         node_mask = ops.gather(graph_mask, node_graph, 0)
-        target, _ = self.energy_target(numbers, node_graph, n_node, energy)
-        e_norm = self.model.graph_head.normalizer
-        f_norm = self.model.node_head.normalizer
-        s_norm = self.model.stress_head.normalizer
-        e_mean, e_var, e_count = e_norm.updated_stats(target, graph_mask, self.allreduce)
-        f_mean, f_var, f_count = f_norm.updated_stats(forces, node_mask.reshape(-1, 1), self.allreduce)
-        e_norm.commit(e_mean, e_var, e_count)
-        f_norm.commit(f_mean, f_var, f_count)
-        if self.has_stress:
-            s_mean, s_var, s_count = s_norm.updated_stats(stress, graph_mask.reshape(-1, 1), self.allreduce)
-            s_norm.commit(s_mean, s_var, s_count)
-        else:
-            s_mean, s_var = s_norm.stats()
-        return e_mean, e_var, f_mean, f_var, s_mean, s_var
+        return [(self.residual_per_atom(numbers, node_graph, n_node, energy), graph_mask, True),
+                (forces, node_mask.reshape(-1, 1), True),
+                (stress, graph_mask.reshape(-1, 1), self.has_stress)]
 
     def construct(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
-                  unit_shifts, charge, spin, graph_mask, graph_weight, energy, forces, stress, e_mean, e_var, f_mean,
-                  f_var, s_mean, s_var):
+                  unit_shifts, charge, spin, graph_mask, graph_weight, energy, forces, stress, *stats):
+        e_mean, e_var, f_mean, f_var, s_mean, s_var = stats[6:]
         num_graphs = n_node.shape[0]
         e_raw, f_raw, s_raw = self.model(numbers, positions, vectors, senders, receivers, node_graph, n_node,
                                          nonperiodic, cell, unit_shifts, charge, spin)
@@ -85,7 +122,8 @@ class OrbLoss(nn.Cell):
         node_mask = ops.gather(graph_mask, node_graph, 0)
         atoms = ops.maximum(n_node, 1.0)
 
-        target, reference = self.energy_target(numbers, node_graph, n_node, energy)
+        reference = self.model.reference_energy(numbers, node_graph, num_graphs)
+        target = (energy - reference) / atoms
         e_std = ops.sqrt(e_var)
         energy_err = ops.abs((target - e_mean) / e_std - e_raw)
         energy_pred = (e_raw * e_std + e_mean) * n_node + reference
@@ -131,11 +169,6 @@ class OrbLoss(nn.Cell):
         return loss, ops.stop_gradient(sums)
 
 
-def sums_to_metrics(sums, has_stress: bool = True) -> Dict[str, float]:
-    """Averages from a vector of sums in :data:`SUM_KEYS` order."""
-    return metrics_from_sums(dict(zip(SUM_KEYS, np.asarray(sums, dtype=np.float64))), has_stress)
-
-
 def compute_loss(model, batch, training: bool = False, loss_cell: Optional[OrbLoss] = None) -> Dict[str, float]:
     """Loss and metrics of ``model`` on an :class:`~orb.data.graphs.AtomGraphs` batch (PyTorch ``model.loss``).
 
@@ -145,9 +178,11 @@ def compute_loss(model, batch, training: bool = False, loss_cell: Optional[OrbLo
 
     cell = loss_cell or OrbLoss(model, has_stress=batch.stress is not None)
     inputs = loss_inputs(batch)
-    stats = cell.update_stats(*inputs) if training else cell.current_stats()
-    loss, sums = cell(*inputs, *stats)
-    metrics = sums_to_metrics(sums.asnumpy(), cell.has_stress)
+    old = cell.current_stats()
+    new, counts = cell.new_stats(*inputs) if training else (old, None)
+    loss, sums = cell(*inputs, *old, *new)
+    if training:
+        cell.commit(new, counts)
+    metrics = cell.metrics(sums.asnumpy())
     metrics["loss_value"] = float(loss.asnumpy())
     return metrics
-

@@ -216,18 +216,15 @@ class Trainer:
         return out
 
     def _sums_to_metrics(self, sums: np.ndarray) -> Dict[str, float]:
-        from orb.training.loss import sums_to_metrics
-
-        return sums_to_metrics(sums, self.has_stress)
+        return self.loss_cell.metrics(sums)
 
     # ----------------------------------------------------------------- epochs
     def train_epoch(self, epoch: int, progress) -> Dict[str, float]:
-        from orb.training.loss import SUM_KEYS
         from orb.training.steps import read_and_reset
 
         steps = self._plan(self.sampler, self.train_set, self.train_buckets, epoch)
         seed = self.cfg.random_seed if self.cfg.augmentation else None
-        totals = np.zeros(len(SUM_KEYS))
+        totals = np.zeros(len(self.loss_cell.sum_keys))
         self.compile_time, wait_before = 0.0, self.loader.wait_time
         start = time.perf_counter()
         bar = progress(total=len(steps), desc=f"epoch {epoch + 1}", leave=False)

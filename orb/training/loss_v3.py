@@ -1,0 +1,200 @@
+"""orb-v3's fine-tuning loss and metrics (``model.loss`` of orb-models 0.5.5), for direct and conservative models.
+
+Terms (weights from the config's ``loss_weights``):
+
+* energy: Huber (delta 0.01) of the normalised per-atom energy, averaged over structures;
+* forces: MACE's conditional Huber (delta 0.01 x 1, 0.7, 0.4, 0.1 for normalised target forces of
+  norm < 100, < 200, < 300, above) averaged over every force component; conservative models
+  compare -dE/dpositions, direct ones the force head (plus the ZBL forces);
+* stress: Huber of the normalised stress (conservative: all 6 components; direct: the diagonal
+  plus 0.1 x the off-diagonal, each with its own normaliser); OMol models have none;
+* confidence: cross-entropy of the 50-bin force-error classifier (atoms whose error exceeds
+  0.3 eV/Å are ignored), averaged over the remaining atoms;
+* equigrad (conservative, weight 0 by default): the mean Frobenius norm of dE/dG, the energy's
+  gradient with respect to an infinitesimal rotation.
+
+orb-models' order of operations in training mode is reproduced: predictions are normalised with
+the normalisers' statistics *before* this batch updates them, targets and the physical metrics
+with the statistics after. The denominators of the averages (structures, atoms, components) are
+summed over data-parallel ranks, so the loss summed over ranks is the global batch's.
+"""
+
+import numpy as np
+from mindspore import ops
+
+from orb.metrics import FORCE_THRESHOLD
+from orb.models.blocks import segment_sum
+from orb.models.orb_v3 import CONFIDENCE_MAX_ERROR
+from orb.training.loss import NormalisedLoss
+
+SUM_KEYS = ("loss", "loss_energy", "loss_forces", "loss_stress", "loss_confidence", "loss_equigrad", "energy_mae",
+            "energy_per_atom_mae", "forces_mae", "forces_cosine", "forces_within_0.03", "stress_mae",
+            "energy_per_atom_reference_mae", "confidence_accuracy", "rotational_grad_rms", "num_graphs",
+            "num_atoms")
+HUBER_DELTA = 0.01
+
+
+def huber(pred, target, delta):
+    """torch's huber_loss, element-wise (delta may be a tensor)."""
+    diff = ops.abs(pred - target)
+    return ops.where(diff < delta, 0.5 * diff * diff, delta * (diff - 0.5 * delta))
+
+
+def conditional_huber_deltas(target):
+    """MACE's per-atom delta from the norm of the normalised target force, broadcast to (N, 3)."""
+    norm = ops.norm(target, dim=1)
+    factor = ops.where(norm < 100.0, 1.0, ops.where(norm < 200.0, 0.7, ops.where(norm < 300.0, 0.4, 0.1)))
+    return ops.broadcast_to((HUBER_DELTA * factor).reshape(-1, 1), target.shape)
+
+
+class OrbV3Loss(NormalisedLoss):
+    """Loss and metric sums of an orb-v3 model on a (padded) batch.
+
+    ``construct(*loss_inputs, *old, *new)`` takes the tensors of :func:`orb.data.tensors.loss_inputs` and the
+    normalisers' statistics before and after this batch (see :class:`~orb.training.loss.NormalisedLoss`).
+    """
+
+    sum_keys = SUM_KEYS
+
+    def __init__(self, model, energy_weight: float = 1.0, forces_weight: float = 1.0, stress_weight: float = 1.0,
+                 has_stress: bool = True, allreduce=None, confidence_weight: float = 1.0,
+                 equigrad_weight: float = 0.0):
+        heads = model.heads
+        if model.cfg.conservative:
+            normalizers = [heads.energy.normalizer, model.grad_forces_normalizer, model.grad_stress_normalizer]
+        else:
+            stress = [heads.stress.diag_normalizer, heads.stress.offdiag_normalizer] if model.cfg.has_stress else []
+            normalizers = [heads.energy.normalizer, heads.forces.normalizer] + stress
+        super().__init__(normalizers, allreduce)
+        self.model = model
+        self.conservative = model.cfg.conservative
+        self.has_stress = bool(has_stress) and model.cfg.has_stress
+        self.weights = (float(energy_weight), float(forces_weight), float(stress_weight) if self.has_stress else 0.0,
+                        float(confidence_weight), float(equigrad_weight) if self.conservative else 0.0)
+
+    def absorbed(self, numbers, node_graph, n_node, graph_mask, energy, forces, stress):
+        per_graph = graph_mask.reshape(-1, 1)
+        out = [(self.residual_per_atom(numbers, node_graph, n_node, energy), graph_mask, True),
+               (forces, ops.gather(graph_mask, node_graph, 0).reshape(-1, 1), True)]
+        if self.conservative:
+            out.append((stress, per_graph, self.has_stress))
+        elif self.model.cfg.has_stress:
+            out += [(stress[:, :3], per_graph, self.has_stress), (stress[:, 3:], per_graph, self.has_stress)]
+        return out
+
+    # ----------------------------------------------------------------- loss
+    def _global(self, x):
+        return self.allreduce(x) if self.allreduce is not None else x
+
+    def construct(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
+                  unit_shifts, charge, spin, graph_mask, graph_weight, energy, forces, stress, *stats):
+        half = len(stats) // 2
+        old, new = stats[:half], stats[half:]
+        num_graphs = n_node.shape[0]
+        node_mask = ops.gather(graph_mask, node_graph, 0)
+        atoms = ops.maximum(n_node, 1.0)
+        graphs_total = ops.maximum(self._global(graph_mask.sum()), 1.0)
+        atoms_total = ops.maximum(self._global(node_mask.sum()), 1.0)
+        mask3 = ops.broadcast_to(node_mask.reshape(-1, 1), forces.shape)
+        outputs = self.model(numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
+                             unit_shifts, charge, spin)
+        reference = self.model.reference_energy(numbers, node_graph, num_graphs)
+        e_mean_o, e_var_o, e_mean_n, e_var_n = old[0], old[1], new[0], new[1]
+        f_mean_o, f_std_o, f_mean_n, f_std_n = old[2], ops.sqrt(old[3]), new[2], ops.sqrt(new[3])
+
+        if self.conservative:
+            _, energy_raw, forces_raw, stress_raw, logits, _, rotational = outputs
+            energy_pred = ((energy_raw - reference) / atoms - e_mean_o) / ops.sqrt(e_var_o)
+            forces_pred = (forces_raw - f_mean_o) / f_std_o
+            forces_error = ops.abs(forces_raw - forces).mean(1)  # the confidence head's target
+        else:
+            head_energy, energy_nozbl, forces_head, stress_head, logits, pair_e, pair_f, pair_s = outputs
+            energy_pred = head_energy + pair_e / atoms / ops.sqrt(e_var_o)
+            forces_pred = forces_head + pair_f / f_std_o
+            forces_error = ops.abs(forces_pred * f_std_n + f_mean_n - forces).mean(1)
+
+        # energy
+        energy_target = ((energy - reference) / atoms - e_mean_n) / ops.sqrt(e_var_n)
+        loss_energy = (huber(energy_pred, energy_target, HUBER_DELTA) * graph_mask).sum() / graphs_total
+        energy_phys = (energy_pred * ops.sqrt(e_var_n) + e_mean_n) * n_node + reference
+        energy_abs = ops.abs(ops.stop_gradient(energy_phys) - energy)
+
+        # forces
+        forces_target = (forces - f_mean_n) / f_std_n
+        deltas = conditional_huber_deltas(forces_target)
+        loss_forces = (huber(forces_pred, forces_target, deltas) * mask3).sum() / (3.0 * atoms_total)
+        forces_phys = ops.stop_gradient(forces_pred * f_std_n + f_mean_n)
+        force_abs = ops.abs(forces_phys - forces)
+        forces_mae = segment_sum(force_abs.mean(1), node_graph, num_graphs) / atoms
+        norms = ops.norm(forces_phys, dim=1) * ops.norm(forces, dim=1)
+        cosine = (forces_phys * forces).sum(1) / ops.maximum(norms, 1e-8)
+        within = (ops.amax(force_abs, 1) < FORCE_THRESHOLD).astype(forces.dtype)
+        all_within = (segment_sum(within, node_graph, num_graphs) == n_node).astype(forces.dtype)
+
+        # stress
+        loss_stress, stress_mae = self._stress(outputs, stress, old, new, graph_mask, graphs_total)
+
+        # confidence
+        bins, valid = self._confidence_bins(ops.stop_gradient(forces_error))
+        valid = valid * node_mask
+        log_probs = ops.log_softmax(logits, -1)
+        picked = (log_probs * ops.one_hot(bins, logits.shape[1], 1.0, 0.0)).sum(1)
+        loss_confidence = -(picked * valid).sum() / ops.maximum(self._global(valid.sum()), 1.0)
+        correct = (ops.argmax(logits, -1) == bins).astype(forces.dtype) * valid
+
+        # equigrad
+        rot_norm = ops.zeros_like(graph_mask)
+        if self.conservative:
+            rot_norm = ops.sqrt(ops.square(rotational).reshape(num_graphs, 9).sum(1) + 1e-30)
+        loss_equigrad = (rot_norm * graph_mask).sum() / graphs_total
+
+        w = self.weights
+        loss = (w[0] * loss_energy + w[1] * loss_forces + w[2] * loss_stress + w[3] * loss_confidence
+                + w[4] * loss_equigrad)
+        m = graph_mask
+        scale = graphs_total  # step terms weighted by the structures of the step (epoch averages)
+        sums = ops.stack((
+            loss * scale, loss_energy * scale, loss_forces * scale, loss_stress * scale, loss_confidence * scale,
+            loss_equigrad * w[4] * scale,
+            (energy_abs * m).sum(), (energy_abs / atoms * m).sum(), (forces_mae * m).sum(), (cosine * node_mask).sum(),
+            (all_within * m).sum(), (stress_mae * m).sum(),
+            (ops.abs((energy - reference) / atoms) * m).sum(), correct.sum(), (rot_norm * m).sum(),
+            m.sum(), node_mask.sum(),
+        ))
+        return loss, ops.stop_gradient(sums)
+
+    def _stress(self, outputs, stress, old, new, graph_mask, graphs_total):
+        """(stress loss term, per-structure stress MAE (B,))."""
+        if not self.has_stress:
+            zero = ops.zeros_like(graph_mask)
+            return zero.sum(), zero
+        mask6 = ops.broadcast_to(graph_mask.reshape(-1, 1), stress.shape)
+        if self.conservative:
+            stress_raw = outputs[3]
+            s_mean_o, s_std_o, s_mean_n, s_std_n = old[4], ops.sqrt(old[5]), new[4], ops.sqrt(new[5])
+            pred = (stress_raw - s_mean_o) / s_std_o
+            target = (stress - s_mean_n) / s_std_n
+            loss = (huber(pred, target, HUBER_DELTA) * mask6).sum() / (6.0 * graphs_total)
+            phys = pred * s_std_n + s_mean_n
+        else:
+            stress_head, pair_s = outputs[3], outputs[7]
+            std_o = ops.concat((ops.tile(ops.sqrt(old[5]), (3,)), ops.tile(ops.sqrt(old[7]), (3,))))
+            mean_n = ops.concat((ops.tile(new[4], (3,)), ops.tile(new[6], (3,))))
+            std_n = ops.concat((ops.tile(ops.sqrt(new[5]), (3,)), ops.tile(ops.sqrt(new[7]), (3,))))
+            pred = stress_head + pair_s / std_o  # normalise(denormalise(head) + ZBL) with the old statistics
+            target = (stress - mean_n) / std_n
+            per = huber(pred, target, HUBER_DELTA) * mask6
+            loss = (per[:, :3].sum() + 0.1 * per[:, 3:].sum()) / (3.0 * graphs_total)
+            phys = pred * std_n + mean_n
+        stress_mae = ops.abs(ops.stop_gradient(phys) - stress).mean(1)
+        return loss, stress_mae
+
+    def _confidence_bins(self, error):
+        """Bin index of each atom's force error and whether it counts (errors above 0.3 eV/Å are ignored)."""
+        edges = self.model.heads.confidence.bin_edges
+        clamped = ops.clamp(error, 0.0, CONFIDENCE_MAX_ERROR)
+        below = (ops.broadcast_to(edges.reshape(1, -1), (error.shape[0], edges.shape[0]))
+                 < ops.broadcast_to(clamped.reshape(-1, 1), (error.shape[0], edges.shape[0])))
+        bins = ops.clamp(below.astype(np.int32).sum(1) - 1, 0, edges.shape[0] - 2)
+        valid = (error <= CONFIDENCE_MAX_ERROR).astype(error.dtype)
+        return bins, valid
