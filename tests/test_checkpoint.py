@@ -144,7 +144,7 @@ def test_convert_script_reads_the_architecture_from_the_checkpoint(tmp_path):
     write_torch_checkpoint(broken, str(tmp_path / "broken.ckpt"))
     bad = subprocess.run([sys.executable, script, str(tmp_path / "broken.ckpt"), str(tmp_path / "x.ckpt")],
                          capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "not an orb-v2 state dict" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "not an orb state dict" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_fine_tuning_names_the_checkpoints_architecture(tmp_path):

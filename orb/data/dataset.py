@@ -13,7 +13,7 @@ from typing import Iterator, List, Optional, Tuple
 import numpy as np
 
 from orb.errors import DatasetError, StructureError
-from orb.data.graphs import AtomGraphs, graph_from_arrays
+from orb.data.graphs import AtomGraphs, GraphSettings, graph_from_arrays
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 
@@ -71,7 +71,10 @@ class AseDbDataset:
 
     Only row ids and atom counts are read up front (one SQL query). Each item is read,
     checked and turned into a graph when asked for. ``require_labels=False`` allows rows
-    without energy/forces (prediction only).
+    without energy/forces (prediction only). ``settings`` chooses the model family's graph
+    (default: orb-v2's with ``radius`` and ``max_neighbors``). ``charge_spin`` (OMol models)
+    requires each row's total charge and spin: key-value pairs ``charge`` and ``spin``
+    (``db.write(atoms, charge=0, spin=1)``) or entries of ``row.data``.
     """
 
     def __init__(
@@ -81,11 +84,15 @@ class AseDbDataset:
         max_neighbors: int = 20,
         augmentation: bool = False,
         require_labels: bool = True,
+        settings: Optional[GraphSettings] = None,
+        charge_spin: bool = False,
     ):
         self.path = str(path)
-        self.radius, self.max_neighbors = float(radius), int(max_neighbors)
+        self.settings = settings or GraphSettings(float(radius), int(max_neighbors))
+        self.radius, self.max_neighbors = self.settings.radius, self.settings.max_neighbors
         self.augmentation = augmentation
         self.require_labels = require_labels
+        self.charge_spin = charge_spin
         check_sqlite_file(self.path)
         self.ids, self.natoms, self.has_stress, self.has_labels = self._scan()
         self._db = None
@@ -177,6 +184,25 @@ class AseDbDataset:
                 raise DatasetError(self.path, "label contains NaN or inf", row.id, key)
         return energy, forces, stress
 
+    def _charge_spin(self, row) -> Tuple[Optional[np.ndarray], Optional[np.ndarray]]:
+        """The row's total charge and spin (key-value pairs or ``row.data``); required for OMol models."""
+        values = []
+        for key in ("charge", "spin"):
+            value = row.key_value_pairs.get(key, (row.data or {}).get(key))
+            if value is None and self.charge_spin:
+                raise DatasetError(self.path, f"row has no total {key}, which OMol models need (store it with "
+                                   f"db.write(atoms, charge=..., spin=...))", row.id, key)
+            if value is not None:
+                try:
+                    value = float(value)
+                except (TypeError, ValueError):
+                    raise DatasetError(self.path, f"{key} must be a number, got {value!r}", row.id, key) from None
+                if not np.isfinite(value):
+                    raise DatasetError(self.path, f"{key} must be finite", row.id, key)
+                value = np.array([value], np.float32)
+            values.append(value)
+        return values[0], values[1]
+
     def get(self, index: int, rotation_seed: Optional[int] = None) -> AtomGraphs:
         """Graph with targets of the row at ``index``; rotated randomly when augmentation is on.
 
@@ -190,10 +216,13 @@ class AseDbDataset:
             rng = np.random.default_rng(rotation_seed)
             positions, cell, forces, stress = rotate_structure(positions, cell, forces, stress, random_rotation(rng))
         try:
-            graph = graph_from_arrays(positions, row.numbers, cell, self.radius, self.max_neighbors, system_id=row.id)
+            graph = graph_from_arrays(positions, row.numbers, cell, system_id=row.id, pbc=row.pbc,
+                                      settings=self.settings)
         except StructureError as exc:
-            key = "numbers" if "atomic number" in str(exc) else ("cell" if "cell" in str(exc) else "positions")
+            key = ("numbers" if "atomic number" in str(exc) else "pbc" if "pbc" in str(exc)
+                   else "cell" if "cell" in str(exc) else "positions")
             raise DatasetError(self.path, str(exc), row.id, key) from None
+        graph.charge, graph.spin = self._charge_spin(row)
         graph.energy = None if energy is None else np.array([energy], np.float32)
         graph.forces = None if forces is None else forces.astype(np.float32)
         graph.stress = None if stress is None else stress.astype(np.float32)[None]

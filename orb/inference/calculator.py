@@ -6,11 +6,14 @@
 
 Graphs are built exactly as in training. The forward pass is compiled once per padded system
 size and reused across MD steps; a structure that outgrows it gets a larger size (logged).
-orb-v2's energies, forces and stresses are direct predictions: its forces are not derivatives of
-its energy.
+orb-v2 and orb-v3 direct models predict forces and stress directly; orb-v3 conservative models
+return the derivatives of their energy (energy-conserving MD). orb-v3 models also give
+``confidence``: per atom, the predicted distribution of its force error over 50 bins from 0 to
+0.3 eV/Å. OMol models read the total charge and spin from ``atoms.info["charge"]`` and
+``atoms.info["spin"]``.
 """
 
-from typing import Dict
+from typing import Dict, Optional
 
 import numpy as np
 from ase.calculators.calculator import Calculator, all_changes
@@ -22,7 +25,7 @@ from orb.inference.predictor import Predictor
 class ORBCalculator(Calculator):
     """ASE calculator: energy, free_energy (= energy), forces and stress from an orb model."""
 
-    implemented_properties = ["energy", "free_energy", "forces", "stress"]
+    implemented_properties = ["energy", "free_energy", "forces", "stress", "confidence"]
 
     def __init__(self, model, **kwargs):
         super().__init__(**kwargs)
@@ -30,19 +33,25 @@ class ORBCalculator(Calculator):
         self.predictor = Predictor(model)
 
     @classmethod
-    def from_checkpoint(cls, path: str, device_target: str = "auto", **kwargs) -> "ORBCalculator":
-        """A calculator for a PyTorch or MindSpore checkpoint (its architecture is read from the file)."""
-        from orb.io.checkpoint import model_from_checkpoint
+    def from_checkpoint(cls, path: str, device_target: str = "auto", model_name: Optional[str] = None,
+                        **kwargs) -> "ORBCalculator":
+        """A calculator for a PyTorch or MindSpore checkpoint (its architecture is read from the file;
+        ``model_name`` tells a published orb-v3 file's 20- from its unlimited-neighbour variant)."""
         from orb.device import configure_mindspore
+        from orb.io.checkpoint import model_from_checkpoint
 
         configure_mindspore(device_target)
-        return cls(model_from_checkpoint(path), **kwargs)
+        return cls(model_from_checkpoint(path, model_name), **kwargs)
 
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes):
         super().calculate(atoms, properties, system_changes)
         cfg = self.model.cfg
-        graph = atoms_to_graph(self.atoms, cfg.radius, cfg.max_neighbors)
+        if cfg.omol and not {"charge", "spin"} <= set(self.atoms.info):
+            raise ValueError(f"{cfg.name} needs the total charge and spin: set atoms.info['charge'] and "
+                             "atoms.info['spin']")
+        graph = atoms_to_graph(self.atoms, settings=cfg.graph_settings())
         out: Dict[str, np.ndarray] = self.predictor(graph)
         energy = float(out["energy"][0])
-        self.results = {"energy": energy, "free_energy": energy, "forces": out["forces"],
-                        "stress": out["stress"][0]}
+        self.results = {"energy": energy, "free_energy": energy, "forces": out["forces"], "stress": out["stress"][0]}
+        if "confidence" in out:
+            self.results["confidence"] = out["confidence"]

@@ -72,6 +72,8 @@ def main(argv=None) -> int:
     parser.add_argument("--data", required=True, help="ASE SQLite database")
     parser.add_argument("--output_dir", default="", help="where to write predictions.csv and summary.json "
                         "(default: evaluation/<database name>)")
+    parser.add_argument("--model", default=None, help="model name, when the checkpoint cannot tell (a published "
+                        "orb-v3 file: orb_v3_conservative_20_omat or ..._inf_omat)")
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--device_target", default="auto", choices=("auto", "CPU", "GPU", "Ascend"))
     parser.add_argument("--progress_bar", choices=("auto", "true", "false"), default="auto")
@@ -93,8 +95,9 @@ def evaluate(args) -> int:
     from orb.io.checkpoint import model_from_checkpoint
 
     configure_mindspore(args.device_target)
-    model = model_from_checkpoint(args.checkpoint)
-    data = AseDbDataset(args.data, model.cfg.radius, model.cfg.max_neighbors, require_labels=False)
+    model = model_from_checkpoint(args.checkpoint, args.model)
+    data = AseDbDataset(args.data, require_labels=False, settings=model.cfg.graph_settings(),
+                        charge_spin=model.cfg.omol)
     predictor = Predictor(model)
     out_dir = args.output_dir or os.path.join("evaluation", os.path.splitext(os.path.basename(args.data))[0])
     results = []

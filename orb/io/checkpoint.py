@@ -145,12 +145,13 @@ def describe(cfg: ModelConfig) -> str:
             f"{cfg.num_message_passing_steps} message-passing layers, head_mlp_hidden_dim {cfg.head_mlp_hidden_dim})")
 
 
-def architecture(weights: Dict[str, np.ndarray], meta: Dict) -> ModelConfig:
-    """The architecture of a checkpoint: stored by this program, else read from the tensor shapes."""
+def architecture(weights: Dict[str, np.ndarray], meta: Dict, name: Optional[str] = None) -> ModelConfig:
+    """The architecture of a checkpoint: stored by this program, else read from the tensor shapes
+    (``name``: the model name when the shapes cannot tell, e.g. orb-v3's 20 or unlimited neighbours)."""
     stored = meta.get("model") or meta.get("config", {}).get("model")
-    if stored:
+    if stored and (name is None or stored.get("name", "orb_v2") == name):
         return ModelConfig.from_dict(stored)
-    return config_from_state_dict(weights)
+    return config_from_state_dict(weights, name=name)
 
 
 def load_weights_into(model: nn.Cell, path: str) -> Dict:
@@ -171,10 +172,10 @@ def load_weights_into(model: nn.Cell, path: str) -> Dict:
     return meta
 
 
-def model_from_checkpoint(path: str):
+def model_from_checkpoint(path: str, name: Optional[str] = None):
     """The model stored in a PyTorch or MindSpore checkpoint, its architecture read from the checkpoint."""
     weights, meta = read_weights(path)
-    model = build(architecture(weights, meta))
+    model = build(architecture(weights, meta, name))
     load_torch_state_dict(model, weights, source=path)
     model.set_train(False)
     return model

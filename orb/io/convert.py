@@ -26,15 +26,17 @@ def main(argv=None) -> int:
     parser.add_argument("target", help="output file")
     parser.add_argument("--to", choices=("mindspore", "torch"), default=None,
                         help="output format (default: the other one of the source's)")
+    parser.add_argument("--model", default=None, help="model name, when the checkpoint cannot tell (a published "
+                        "orb-v3 file: orb_v3_conservative_20_omat or ..._inf_omat)")
     args = parser.parse_args(argv)
     try:
-        return convert(args.source, args.target, args.to)
+        return convert(args.source, args.target, args.to, args.model)
     except OrbInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
 
-def convert(source: str, target: str, to=None) -> int:
+def convert(source: str, target: str, to=None, name=None) -> int:
     from orb.device import quiet_mindspore
 
     quiet_mindspore()
@@ -45,7 +47,7 @@ def convert(source: str, target: str, to=None) -> int:
 
     weights, meta = read_weights(source)
     to = to or ("mindspore" if is_torch_zip(source) else "torch")
-    cfg = architecture(weights, meta)
+    cfg = architecture(weights, meta, name)
     model = build(cfg)
     load_torch_state_dict(model, weights, source=source)  # strict: keys and shapes
     if to == "torch":

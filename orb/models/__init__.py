@@ -1,13 +1,15 @@
 """orb model families: one entry point builds any of them by name.
 
     from orb.models import create
-    model = create("orb_v2")                       # random weights, PyTorch parameter paths
-    model = create("orb_v2", latent_dim=128)       # architecture overrides
+    model = create("orb_v3_conservative_inf_omat")   # random weights, PyTorch parameter paths
+    model = create("orb_v2", latent_dim=128)        # architecture overrides
 
-MindSpore is imported only when a model is built, so configs can be checked without it.
+Names (:data:`MODEL_NAMES`) are orb-models' loaders: ``orb_v2`` and the six orb-v3 models
+(conservative/direct, 20/inf neighbours, OMat; conservative/direct OMol). MindSpore is imported
+only when a model is built, so configs can be checked without it.
 """
 
-from typing import Dict
+from typing import Dict, Optional
 
 import numpy as np
 
@@ -17,6 +19,10 @@ from orb.models.config import MODEL_NAMES, ModelConfig
 
 def build(cfg: ModelConfig, seed: int = 0):
     """A model of architecture ``cfg`` with random weights."""
+    if cfg.family == "orb_v3":
+        from orb.models.orb_v3 import ConservativeRegressor, DirectRegressor
+
+        return (ConservativeRegressor if cfg.conservative else DirectRegressor)(cfg, seed)
     from orb.models.orb_v2 import GraphRegressor
 
     return GraphRegressor(cfg, seed=seed)
@@ -39,28 +45,51 @@ def _mlp_layers(weights: Dict[str, np.ndarray], prefix: str) -> int:
     return len({k for k in weights if k.startswith(prefix + "NN-") and k.endswith(".weight")})
 
 
-def config_from_state_dict(weights: Dict[str, np.ndarray], base: ModelConfig = None) -> ModelConfig:
+def _common_sizes(weights: Dict[str, np.ndarray], head: str) -> Dict:
+    """Sizes every orb family shows in its tensor shapes (``head``: the energy head's path)."""
+    embedding = weights["model.atom_emb.embeddings.weight"]
+    node_mlp = "model._encoder._node_fn.mlp."
+    decoder = "model._decoder.node_fn.mlp."
+    return dict(latent_dim=int(embedding.shape[1]), num_elements=int(embedding.shape[0]) - 1,
+                mlp_hidden_dim=int(weights[node_mlp + "NN-0.weight"].shape[0]),
+                num_mlp_layers=_mlp_layers(weights, node_mlp) - 1,
+                num_message_passing_steps=_count(weights, "model.gnn_stacks."),
+                head_mlp_hidden_dim=int(weights[head + "mlp.NN-0.weight"].shape[0]),
+                head_num_mlp_layers=_mlp_layers(weights, head + "mlp.") - 1,
+                decoder_out_dim=int(weights[f"{decoder}NN-{_mlp_layers(weights, decoder) - 1}.weight"].shape[0]))
+
+
+def v3_name(weights: Dict[str, np.ndarray], neighbours: str = "inf") -> str:
+    """The orb-v3 model name of a state dict's layout (20 or inf neighbours cannot be read from weights)."""
+    kind = "direct" if "heads.forces.mlp.NN-0.weight" in weights else "conservative"
+    if "model.conditioner.charge_embedding.W" in weights:
+        return f"orb_v3_{kind}_omol"
+    return f"orb_v3_{kind}_{neighbours}_omat"
+
+
+def config_from_state_dict(weights: Dict[str, np.ndarray], base: ModelConfig = None,
+                           name: Optional[str] = None) -> ModelConfig:
     """The architecture of an orb state dict, read from its tensor shapes.
 
-    Settings that shapes do not show (radii, neighbour count, cutoff) come from ``base`` (orb-v2's
-    defaults if not given).
+    Settings that shapes do not show come from ``name`` (an orb-v3 checkpoint does not say whether
+    it is a 20- or an unlimited-neighbour model: without a name it is taken as unlimited) or from
+    ``base`` for orb-v2 (orb-v2's defaults if not given).
     """
-    base = base or ModelConfig()
     try:
+        if "heads.energy.mlp.NN-0.weight" in weights:
+            found = v3_name(weights)
+            if name is not None and name not in MODEL_NAMES:
+                raise ConfigError(f"unknown model '{name}'; valid names: {', '.join(MODEL_NAMES)}")
+            if name is not None and v3_name(weights, "20" if "_20_" in name else "inf") != name:
+                raise CheckpointError(f"the checkpoint holds an {found.replace('_inf', '_20/inf')} model, not {name}")
+            cfg = dict(ModelConfig.defaults(name or found), **_common_sizes(weights, "heads.energy."))
+            cfg["num_rbf"] = int(weights["model.rbf_transform.bessel_weights"].shape[0])
+            return ModelConfig.from_dict(cfg)
         if "graph_head.mlp.NN-0.weight" not in weights:
-            raise KeyError("graph_head.mlp.NN-0.weight")
-        embedding = weights["model.atom_emb.embeddings.weight"]
-        node_mlp = "model._encoder._node_fn.mlp."
+            raise KeyError("graph_head.mlp.NN-0.weight or heads.energy.mlp.NN-0.weight")
+        base = base or ModelConfig()
         return ModelConfig.from_dict(dict(
-            base.to_dict(), name="orb_v2",
-            latent_dim=int(embedding.shape[1]), num_elements=int(embedding.shape[0]) - 1,
-            mlp_hidden_dim=int(weights[node_mlp + "NN-0.weight"].shape[0]),
-            num_mlp_layers=_mlp_layers(weights, node_mlp) - 1,
-            num_message_passing_steps=_count(weights, "model.gnn_stacks."),
-            num_rbf=int(weights["model._encoder._edge_fn.mlp.NN-0.weight"].shape[1]) - 3,
-            head_mlp_hidden_dim=int(weights["graph_head.mlp.NN-0.weight"].shape[0]),
-            head_num_mlp_layers=_mlp_layers(weights, "graph_head.mlp.") - 1,
-            decoder_out_dim=int(weights[f"model._decoder.node_fn.mlp.NN-{_mlp_layers(weights, 'model._decoder.node_fn.mlp.') - 1}.weight"].shape[0]),
-        ))
+            base.to_dict(), name="orb_v2", **_common_sizes(weights, "graph_head."),
+            num_rbf=int(weights["model._encoder._edge_fn.mlp.NN-0.weight"].shape[1]) - 3))
     except KeyError as exc:
-        raise CheckpointError(f"not an orb-v2 state dict (no {exc.args[0]})") from None
+        raise CheckpointError(f"not an orb state dict (no {exc.args[0]})") from None

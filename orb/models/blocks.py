@@ -175,6 +175,7 @@ class MLP(nn.Cell):
             self.insert_child_to_cell(name, Linear(d_in, d_out, rng))
 
     def layer(self, i: int) -> Linear:
+        """The i-th Linear layer (negative i counts from the end)."""
         return getattr(self, self.layer_names[i])
 
     def construct(self, x: Tensor) -> Tensor:

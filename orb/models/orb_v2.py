@@ -133,8 +133,14 @@ class GraphRegressor(nn.Cell):
     def backbone_parameters(self):
         return list(self.model.trainable_params())
 
-    def decoder_parameters(self):
-        return list(self.model._decoder.trainable_params())
+    def never_trained(self):
+        """Parameters no output depends on: the decoder (no head reads it) and the force head's last bias
+        (the per-structure mean removal cancels it exactly; its gradient is rounding noise, which Adam
+        would amplify into a random walk)."""
+        return list(self.model._decoder.get_parameters()) + [self.node_head.mlp.layer(-1).bias]
+
+    def reference_energy_weight(self):
+        return self.graph_head.reference.linear.weight
 
     def num_parameters(self) -> int:
         """Parameters as PyTorch counts them (decoder included; normaliser buffers excluded)."""

@@ -300,12 +300,14 @@ class Orbv3(nn.Cell):
     def backbone_parameters(self):
         return list(self.model.trainable_params())
 
-    def decoder_parameters(self):
-        return list(self.model._decoder.trainable_params())
+    def never_trained(self):
+        """Parameters no output depends on: the decoder and, in direct models, the force head's last bias
+        (cancelled by the per-structure mean removal)."""
+        forces = [self.heads.forces.mlp.layer(-1).bias] if not self.cfg.conservative else []
+        return list(self.model._decoder.get_parameters()) + forces
 
-    def frozen_by_default(self):
-        """Parameters orb-models does not train: the reference energies (``trainable=False`` in orb-v3)."""
-        return [self.heads.energy.reference.linear.weight]
+    def reference_energy_weight(self):
+        return self.heads.energy.reference.linear.weight
 
     def num_parameters(self) -> int:
         """Parameters as PyTorch counts them (decoder and reference energies included; buffers excluded)."""

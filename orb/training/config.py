@@ -25,11 +25,13 @@ class LossWeights:
     energy: float = 1.0
     forces: float = 1.0
     stress: float = 1.0
+    confidence: float = 1.0  # orb-v3
+    equigrad: float = 0.0  # orb-v3 conservative
 
 
 @dataclass
 class ReferenceEnergyConfig:
-    trainable: bool = True
+    trainable: str = "auto"  # auto: orb-v2 trains them, orb-v3 keeps them (as orb-models) | true | false
     file: str = ""
 
 
@@ -77,6 +79,7 @@ CHOICES = {
     "kernels": MODES,
     "optimizer": ALGORITHMS,
     "model.name": MODEL_NAMES,
+    "reference_energies.trainable": ("auto", "true", "false"),
     "gradient_clip_mode": ("value", "norm", "none"),
     "progress_bar": ("auto", "true", "false"),
 }
@@ -162,7 +165,7 @@ def _validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"config key 'warmup_fraction' must be in [0, 1), got {cfg.warmup_fraction}")
     if cfg.gradient_clip_val <= 0:
         raise ConfigError(f"config key 'gradient_clip_val' must be positive, got {cfg.gradient_clip_val}")
-    for name in ("energy", "forces", "stress"):
+    for name in ("energy", "forces", "stress", "confidence", "equigrad"):
         if getattr(cfg.loss_weights, name) < 0:
             raise ConfigError(f"config key 'loss_weights.{name}' must be >= 0")
     if not any(getattr(cfg.loss_weights, n) > 0 for n in ("energy", "forces", "stress")):

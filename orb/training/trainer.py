@@ -47,23 +47,31 @@ def build_model(cfg: TrainConfig):
 
 
 def trainable_parameters(model, cfg: TrainConfig) -> list:
-    """Parameters the optimizer updates: all but those that cannot change any output, the backbone if
-    frozen, and the reference energies if fixed.
-
-    Never updated: the decoder (no head reads it) and the force head's last bias (the per-structure
-    mean removal cancels it exactly; its gradient is rounding noise, which Adam would amplify into
-    a random walk).
-    """
-    excluded = {id(p) for p in model.decoder_parameters()}
-    excluded.add(id(model.node_head.mlp.layer(len(model.node_head.mlp.layer_names) - 1).bias))
+    """Parameters the optimizer updates: all but those that cannot change any output
+    (``model.never_trained()``), the backbone if frozen, and the reference energies unless trained
+    (``reference_energies.trainable``; auto: orb-v2 trains them, orb-v3 keeps them, as orb-models)."""
+    excluded = {id(p) for p in model.never_trained()}
     if cfg.freeze_backbone:
         excluded |= {id(p) for p in model.backbone_parameters()}
-    if not cfg.reference_energies.trainable:
-        excluded.add(id(model.graph_head.reference.linear.weight))
+    trainable = cfg.reference_energies.trainable
+    if trainable == "false" or (trainable == "auto" and cfg.model.family == "orb_v3"):
+        excluded.add(id(model.reference_energy_weight()))
     params = [p for p in model.trainable_params() if id(p) not in excluded]
     for p in model.trainable_params():
         p.requires_grad = id(p) not in excluded
     return params
+
+
+def make_loss(model, cfg: TrainConfig, has_stress: bool, allreduce=None):
+    """The loss cell of the model's family with the config's weights."""
+    w = cfg.loss_weights
+    if cfg.model.family == "orb_v3":
+        from orb.training.loss_v3 import OrbV3Loss
+
+        return OrbV3Loss(model, w.energy, w.forces, w.stress, has_stress, allreduce, w.confidence, w.equigrad)
+    from orb.training.loss import OrbLoss
+
+    return OrbLoss(model, w.energy, w.forces, w.stress, has_stress, allreduce)
 
 
 def _tqdm_enabled(setting: str, is_main: bool) -> bool:
@@ -122,15 +130,17 @@ class Trainer:
         if cfg.batch_size < world:
             raise ConfigError(f"config key 'batch_size' ({cfg.batch_size}) is the global batch and must be at least "
                               f"the number of workers ({world})")
-        radius, k = cfg.model.radius, cfg.model.max_neighbors
-        self.train_set = AseDbDataset(cfg.train_data_path, radius, k, augmentation=cfg.augmentation)
-        self.val_set = AseDbDataset(cfg.val_data_path, radius, k) if cfg.val_data_path else None
+        graphs, charge_spin = cfg.model.graph_settings(), cfg.model.omol
+        self.train_set = AseDbDataset(cfg.train_data_path, augmentation=cfg.augmentation, settings=graphs,
+                                      charge_spin=charge_spin)
+        self.val_set = (AseDbDataset(cfg.val_data_path, settings=graphs, charge_spin=charge_spin)
+                        if cfg.val_data_path else None)
         for key, data in (("train_data_path", self.train_set), ("val_data_path", self.val_set)):
             if data is not None and len(data) < world:
                 raise ConfigError(f"config key '{key}': {data.path} has {len(data)} structure(s), fewer than the "
                                   f"{world} workers")
-        self.has_stress = self.train_set.has_stress and cfg.loss_weights.stress > 0
-        if cfg.loss_weights.stress > 0 and not self.train_set.has_stress:
+        self.has_stress = self.train_set.has_stress and cfg.loss_weights.stress > 0 and cfg.model.has_stress
+        if cfg.loss_weights.stress > 0 and cfg.model.has_stress and not self.train_set.has_stress:
             log.warning("%s has no stress labels: training without the stress loss", cfg.train_data_path)
         if self.val_set is not None and self.has_stress and not self.val_set.has_stress:
             raise ConfigError(f"val_data_path {cfg.val_data_path} has no stress while the training data has; "
@@ -156,7 +166,6 @@ class Trainer:
         return [names[id(p)] for p in params]
 
     def _build_steps(self) -> None:
-        from orb.training.loss import OrbLoss
         from orb.training.optimizer import FlatAdam, Sharding
         from orb.training.schedule import make_schedule
         from orb.training.steps import EvalStep, TrainStep
@@ -167,8 +176,7 @@ class Trainer:
         self.optimizer = FlatAdam(self.params, self.schedule, clip_mode=cfg.gradient_clip_mode,
                                   clip_value=cfg.gradient_clip_val, all_reduce=dp.all_reduce, sharding=sharding,
                                   ema_decay=cfg.ema_decay, algorithm=cfg.optimizer)
-        w = cfg.loss_weights
-        self.loss_cell = OrbLoss(self.model, w.energy, w.forces, w.stress, self.has_stress, dp.all_reduce)
+        self.loss_cell = make_loss(self.model, cfg, self.has_stress, dp.all_reduce)
         self.train_step = TrainStep(self.loss_cell, self.optimizer)
         self.eval_step = EvalStep(self.loss_cell)
 
@@ -176,8 +184,9 @@ class Trainer:
         cfg = self.cfg
         n_params = self.model.num_parameters()
         n_train = int(sum(np.prod(p.shape) for p in self.params))
-        log.info("model: %s parameters (%s trained), %d message-passing layers, latent %d",
-                 f"{n_params:,}", f"{n_train:,}", cfg.model.num_message_passing_steps, cfg.model.latent_dim)
+        log.info("model: %s, %s parameters (%s trained), %d message-passing layers, latent %d; graphs: %d neighbours "
+                 "within %g Å", cfg.model.name, f"{n_params:,}", f"{n_train:,}", cfg.model.num_message_passing_steps,
+                 cfg.model.latent_dim, cfg.model.max_neighbors, cfg.model.radius)
         log.info("train data: %s (%d structures, %d atoms)%s", cfg.train_data_path, len(self.train_set),
                  int(self.train_set.natoms.sum()), "" if self.train_set.has_stress else ", no stress")
         if self.val_set is not None:
@@ -191,7 +200,7 @@ class Trainer:
         pad = padding_fraction(self.train_set.natoms, self.local_batch, self.train_buckets, cfg.model.max_neighbors)
         log.info("train buckets (nodes, edges, graphs): %s; expected padding %.0f%% of nodes",
                  [(b.num_nodes, b.num_edges, b.num_graphs) for b in self.train_buckets], 100 * pad["nodes"])
-        keys = [k for k in METRICS if self.has_stress or "stress" not in k]
+        keys = [k for k in self.loss_cell.sum_keys if k in METRICS and (self.has_stress or "stress" not in k)]
         log.info("metrics (per epoch, train and validation):\n%s", describe(keys))
 
     # ----------------------------------------------------------------- steps
