@@ -1,7 +1,7 @@
 """Benchmarks: graph construction, model inference and training step, data parallel, ASE calculator.
 
     python scripts/benchmark.py graphs     [--torch-python PATH]
-    python scripts/benchmark.py model      [--torch-python PATH] [--steps 10]
+    python scripts/benchmark.py model      [--model NAME] [--torch-python PATH] [--steps 8] [--rounds 2]
     python scripts/benchmark.py parallel   [--steps 12]
     python scripts/benchmark.py calculator [--torch-python PATH]
 
@@ -14,7 +14,6 @@ compare figures from one run. Results go to stdout as a Markdown table (paste in
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -102,7 +101,7 @@ def bench_graphs(args) -> None:
 # ------------------------------------------------------------------------------------------- model
 # orb-v2 in PyTorch orb-models 0.4.2, built as pretrained.orb_v2() does (random weights, no download).
 TORCH_ORB_V2 = """
-import json, time, resource, numpy as np, torch
+import json, time, re, numpy as np, torch
 torch.set_num_threads(2)
 from orb_models.forcefield import pretrained
 from orb_models.forcefield.graph_regressor import GraphRegressor, EnergyHead, NodeHead, GraphHead
@@ -114,121 +113,148 @@ model = GraphRegressor(
     model=pretrained.get_base())
 """
 
-TORCH_MODEL = TORCH_ORB_V2 + """
+TORCH_V2_BATCHES = """
 from orb_models.forcefield.base import batch_graphs
 from orb_models.dataset.ase_dataset import AseSqliteDataset
 ds = AseSqliteDataset(%(db)r, augmentation=False)
-graphs = [ds[i] for i in range(len(ds))]
-batches = [batch_graphs(graphs[i:i + 8]) for i in range(0, %(n)d * 8, 8)]
+graphs = [ds[i] for i in range(%(n)d * 8)]
+"""
+
+# orb-v3 in PyTorch orb-models 0.5.5, built as its pretrained loaders do (random weights, no download).
+TORCH_V3 = """
+import json, time, re, numpy as np, torch, ase.db
+torch.set_num_threads(2)
+from orb_models.forcefield.pretrained import orb_v3_conservative_architecture, orb_v3_direct_architecture
+from orb_models.forcefield.atomic_system import SystemConfig, ase_atoms_to_atom_graphs
+from orb_models.forcefield.base import batch_graphs
+name = %(name)r
+sc = SystemConfig(radius=6.0, max_num_neighbors=20 if "_20_" in name else 120)
+extra = dict(has_charge_spin_cond=True, has_stress=False) if name.endswith("omol") else {}
+model = (orb_v3_conservative_architecture if "conservative" in name else orb_v3_direct_architecture)(
+    device="cpu", system_config=sc, **extra)
+graphs = []
+for row in list(ase.db.connect(%(db)r).select())[:%(n)d * 8]:
+    atoms = row.toatoms()
+    atoms.info["graph_targets"] = {"energy": torch.tensor([row.energy], dtype=torch.float32)}
+    atoms.info["node_targets"] = {"forces": torch.tensor(row.forces, dtype=torch.float32)}
+    if extra:
+        atoms.info["charge"], atoms.info["spin"] = 0.0, 1.0
+    else:
+        atoms.info["graph_targets"]["stress"] = torch.tensor(row.stress, dtype=torch.float32)
+    graphs.append(ase_atoms_to_atom_graphs(atoms, system_config=sc))
+"""
+
+TORCH_STEPS = """
+batches = [batch_graphs(graphs[i:i + 8]) for i in range(0, len(graphs), 8)]
 opt = torch.optim.Adam(model.parameters(), lr=1e-4)
 out = {}
-model.eval()
-with torch.no_grad():
-    model.predict(batches[0])
+def timed(fn):
+    fn(batches[0])
     ts = []
     for b in batches:
-        t = time.perf_counter(); model.predict(b); ts.append(time.perf_counter() - t)
-out["inference"] = float(np.median(ts))
-model.train()
+        t = time.perf_counter(); fn(b); ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+def predict(b):
+    if %(conservative)r:  # forces are derivatives: autograd stays on
+        model.predict(b)
+    else:
+        with torch.no_grad():
+            model.predict(b)
 def step(b):
     opt.zero_grad(); loss = model.loss(b).loss; loss.backward(); opt.step()
-step(batches[0])
-ts = []
-for b in batches:
-    t = time.perf_counter(); step(b); ts.append(time.perf_counter() - t)
-out["train"] = float(np.median(ts))
-out["rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+model.eval()
+out["inference"] = timed(predict)
+model.train()
+out["train"] = timed(step)
+out["peak_gb"] = int(re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) / 1e6
 print(json.dumps(out))
 """
 
 
-def bench_model(args) -> None:
-    import mindspore as ms
-    from mindspore import Tensor, nn
+def peak_memory_gb() -> float:
+    """This process's peak resident memory (VmHWM: unlike ru_maxrss, not inherited across fork/exec)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1e6
+    return float("nan")
 
-    from orb.data.buckets import plan_buckets, select_bucket
+
+def measure_ours(name: str, steps: int) -> dict:
+    """Median inference and training-step times (and first-call compile times) of model ``name`` on
+    batches of 8 demo structures, all padded to one bucket (one compilation per step kind)."""
+    import mindspore as ms
+
     from orb.data.dataset import AseDbDataset
     from orb.data.graphs import batch_graphs, pad_batch
-    from orb.training.loss import OrbLoss
-    from orb.models.orb_v2 import orb_v2
     from orb.data.tensors import loss_inputs
+    from orb.models import create
+    from orb.training.config import config_from_dict
+    from orb.training.optimizer import FlatAdam
+    from orb.training.schedule import make_schedule
     from orb.training.steps import EvalStep, TrainStep
+    from orb.training.trainer import make_loss
 
     ms.set_context(mode=ms.GRAPH_MODE)
-    ds = AseDbDataset(DEMO)
-    graphs = [ds[i] for i in range(len(ds))]
-    batches = [batch_graphs(graphs[i:i + 8]) for i in range(0, args.steps * 8, 8)]
-    buckets = plan_buckets(ds.natoms, 8, max_buckets=3)
-    model = orb_v2()
-    cell = OrbLoss(model)
-    train = TrainStep(cell, nn.Adam(model.trainable_params(), learning_rate=Tensor(np.float32(1e-4))))
-    evaluate = EvalStep(cell)
-    results, compile_times = {}, {}
-    real = np.mean([b.num_nodes for b in batches]), np.mean([b.num_edges for b in batches])
-    for name, step in (("inference", evaluate), ("train", train)):
+    model = create(name)
+    cfg = config_from_dict(dict(model=dict(name=name), reference_energies=dict(trainable="auto")))
+    ds = AseDbDataset(DEMO, settings=model.cfg.graph_settings(), charge_spin=model.cfg.omol)
+    graphs = [ds[i] for i in range(steps * 8)]
+    if model.cfg.omol:
+        for g in graphs:
+            g.charge, g.spin = np.zeros(1, np.float32), np.ones(1, np.float32)
+    batches = [batch_graphs(graphs[i:i + 8]) for i in range(0, len(graphs), 8)]
+    nodes, edges = max(b.num_nodes for b in batches) + 1, max(b.num_edges for b in batches)
+    loss = make_loss(model, cfg, has_stress=model.cfg.has_stress)
+    params = [p for p in model.trainable_params() if not (model.cfg.family == "orb_v3" and
+                                                          p is model.reference_energy_weight())]
+    optimizer = FlatAdam(params, make_schedule("constant", 1e-4, 10 ** 6, 0.0), ema_decay=0.99)
+    out = {"atoms": float(np.mean([b.num_nodes for b in batches])),
+           "edges": float(np.mean([b.num_edges for b in batches])), "bucket": [nodes, edges]}
+    for kind, step in (("inference", EvalStep(loss)), ("train", TrainStep(loss, optimizer))):
         times = []
         for b in batches:
-            bucket = select_bucket(b, buckets)
-            inputs = loss_inputs(pad_batch(b, bucket.num_nodes, bucket.num_edges, bucket.num_graphs))
+            inputs = loss_inputs(pad_batch(b, nodes, edges, b.num_graphs + 1))
             start = time.perf_counter()
             step(*inputs).asnumpy()
-            elapsed = time.perf_counter() - start
-            if (name, bucket) not in compile_times:
-                compile_times[(name, bucket)] = elapsed
-            else:
-                times.append(elapsed)
-        results[name] = float(np.median(times))
-    if args.dynamic:
-        results["train (dynamic shapes)"], compile_times[("train (dynamic shapes)", None)] = _dynamic_train(batches)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
-    theirs = {}
-    if args.torch_python:
-        theirs = run_torch(args.torch_python, TORCH_MODEL % dict(db=DEMO, n=args.steps))
-    print(f"orb-v2 (25.2 M parameters), batches of 8 demo structures: {real[0]:.0f} atoms, {real[1]:.0f} edges on "
-          f"average, padded to buckets {[(b.num_nodes, b.num_edges) for b in buckets]}; "
-          f"{os.environ.get('OMP_NUM_THREADS', 'default')} threads")
-    print("| step | MindSpore median (s) | structures/s | compile (s, per bucket) | PyTorch 0.4.2 median (s) | ratio |")
+            times.append(time.perf_counter() - start)
+        out[kind], out[kind + "_compile"] = float(np.median(times[1:])), times[0]
+    out["peak_gb"] = peak_memory_gb()
+    return out
+
+
+def measure_theirs(name: str, steps: int, torch_python: str) -> dict:
+    setup = (TORCH_ORB_V2 + TORCH_V2_BATCHES) if name == "orb_v2" else TORCH_V3
+    code = (setup + TORCH_STEPS) % dict(db=DEMO, n=steps, name=name, conservative="conservative" in name)
+    return run_torch(torch_python, code)
+
+
+def bench_model(args) -> None:
+    """Ours and PyTorch's, each in a fresh process (own peak memory), alternated over ``--rounds``."""
+    ours, theirs = [], []
+    for _ in range(args.rounds):
+        result = subprocess.run([sys.executable, __file__, "_ours", args.model, str(args.steps)],
+                                capture_output=True, text=True, timeout=7200)
+        if result.returncode != 0:
+            raise RuntimeError(result.stderr[-3000:])
+        ours.append(json.loads(result.stdout.strip().splitlines()[-1]))
+        if args.torch_python:
+            theirs.append(measure_theirs(args.model, args.steps, args.torch_python))
+    first = ours[0]
+    peer = "orb-models 0.4.2" if args.model == "orb_v2" else "orb-models 0.5.5"
+    print(f"{args.model}, batches of 8 demo structures: {first['atoms']:.0f} atoms, {first['edges']:.0f} edges on "
+          f"average, padded to one bucket {tuple(first['bucket'])}; {args.rounds} rounds, ours and PyTorch "
+          f"alternated, each in a fresh process; medians over {args.steps - 1} steps, median over rounds\n")
+    print(f"| step | MindSpore (s) | structures/s | compile (s) | PyTorch {peer} (s) | MindSpore / PyTorch time |")
     print("|---|---|---|---|---|---|")
-    for name in results:
-        compiles = [t for (n, _), t in compile_times.items() if n == name]
-        torch_t = theirs.get(name)
-        print(f"| {name} | {results[name]:.3f} | {8 / results[name]:.1f} | {np.mean(compiles):.0f} "
-              f"({len(compiles)} buckets) | {f'{torch_t:.3f}' if torch_t else '-'} | "
-              f"{f'{results[name] / torch_t:.2f}x' if torch_t else '-'} |")
-    print(f"peak RSS: MindSpore {rss:.1f} GB" + (f", PyTorch {theirs['rss_gb']:.1f} GB" if theirs else ""))
-
-
-def _dynamic_train(batches):
-    """The training step compiled once for dynamic shapes (``set_inputs``), run on unpadded batches.
-
-    The custom CPU kernels (AOT ops) need static shapes, so this model uses MindSpore's built-in ones.
-    """
-    import mindspore as ms
-    from mindspore import Tensor, nn
-
-    from orb import kernels
-    from orb.data.graphs import pad_batch
-    from orb.training.loss import OrbLoss
-    from orb.models.orb_v2 import orb_v2
-    from orb.data.tensors import loss_inputs
-    from orb.training.steps import TrainStep
-
-    os.environ["ORB_KERNELS"] = "builtin"
-    kernels.library_path.cache_clear()
-    model = orb_v2()
-    step = TrainStep(OrbLoss(model), nn.Adam(model.trainable_params(), learning_rate=Tensor(np.float32(1e-4))))
-    f32, i32 = ms.float32, ms.int32
-    shapes = [([None], i32), ([None, 3], f32), ([None, 3], f32), ([None], i32), ([None], i32), ([None], i32),
-              ([None], f32), ([None], f32), ([None], f32), ([None], f32), ([None], f32), ([None, 3], f32),
-              ([None, 6], f32)]
-    step.set_inputs(*[Tensor(shape=s, dtype=d) for s, d in shapes])
-    times = []
-    for b in batches:
-        inputs = loss_inputs(pad_batch(b, b.num_nodes + 1, b.num_edges, b.num_graphs + 1))
-        start = time.perf_counter()
-        step(*inputs).asnumpy()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times[1:])), times[0]
+    for kind in ("inference", "train"):
+        t = float(np.median([o[kind] for o in ours]))
+        c = float(np.median([o[kind + "_compile"] for o in ours])) - t
+        p = float(np.median([o[kind] for o in theirs])) if theirs else None
+        print(f"| {kind} | {t:.3f} | {8 / t:.1f} | {c:.0f} | {f'{p:.3f}' if p else '-'} | "
+              f"{f'{t / p:.2f}x' if p else '-'} |")
+    print(f"\npeak memory (VmHWM, whole process): MindSpore {max(o['peak_gb'] for o in ours):.2f} GB" +
+          (f", PyTorch {max(o['peak_gb'] for o in theirs):.2f} GB" if theirs else ""))
 
 
 # ---------------------------------------------------------------------------------------- parallel
@@ -326,15 +352,20 @@ def bench_calculator(args) -> None:
 
 
 def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "_ours":  # one measurement in a fresh process (bench_model)
+        print(json.dumps(measure_ours(sys.argv[2], int(sys.argv[3]))))
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="area", required=True)
     p = sub.add_parser("graphs")
     p.add_argument("--structures", type=int, default=2000)
     p.add_argument("--torch-python", default="")
     p = sub.add_parser("model")
+    p.add_argument("--model", default="orb_v2", help="orb_v2 or an orb-v3 name (orb.models.MODEL_NAMES)")
     p.add_argument("--steps", type=int, default=8, help="batches of 8 demo structures per measurement")
-    p.add_argument("--torch-python", default="")
-    p.add_argument("--dynamic", action="store_true", help="also time a dynamic-shape (set_inputs) train step")
+    p.add_argument("--rounds", type=int, default=2, help="ours/PyTorch alternations")
+    p.add_argument("--torch-python", default="", help="python with torch and orb-models (0.4.2 for orb_v2, "
+                   "0.5.5 for orb-v3)")
     p = sub.add_parser("parallel")
     p.add_argument("--config", default="configs/demo.yaml")
     p.add_argument("--batch", type=int, default=8, help="structures per worker per step")

@@ -38,3 +38,23 @@ def test_shipped_configs_are_valid():
         cfg = load_config(f"{ROOT}/configs/{name}")
         assert cfg.model.radius == 10.0 and cfg.model.max_neighbors == 20
     assert load_config(f"{ROOT}/configs/config.yaml").model.num_message_passing_steps == 15
+    # the model's name sets its whole architecture
+    v3 = load_config(f"{ROOT}/configs/config.yaml", ["--model.name", "orb_v3_conservative_inf_omat"]).model
+    assert (v3.latent_dim, v3.mlp_hidden_dim, v3.num_message_passing_steps, v3.radius, v3.max_neighbors) == \
+        (256, 1024, 5, 6.0, 120)
+
+
+def test_shipped_configs_document_every_key():
+    """configs/config.yaml is the reference of the keys: each one appears there with a comment."""
+    from dataclasses import fields, is_dataclass
+
+    from conftest import ROOT
+    from orb.training.config import TrainConfig
+
+    text = open(f"{ROOT}/configs/config.yaml").read()
+    for f in fields(TrainConfig):
+        assert f"\n{f.name}:" in text, f.name
+        default = f.default_factory() if callable(f.default_factory) else None
+        if is_dataclass(default) and f.name != "model":
+            for sub in fields(default):
+                assert f"\n  {sub.name}:" in text, f"{f.name}.{sub.name}"

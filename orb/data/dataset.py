@@ -96,6 +96,8 @@ class AseDbDataset:
         check_sqlite_file(self.path)
         self.ids, self.natoms, self.has_stress, self.has_labels = self._scan()
         self._db = None
+        if charge_spin:
+            self._check_charge_spin()
 
     def _scan(self) -> Tuple[np.ndarray, np.ndarray, bool, bool]:
         try:
@@ -125,6 +127,20 @@ class AseDbDataset:
                 self.path, "row has no stress while other rows have one; store stress for every row "
                 "or for none (then training runs without the stress loss)", row, "stress")
         return ids, natoms, bool(stress.all()), has_labels
+
+    def _check_charge_spin(self) -> None:
+        """Every row has its total charge and spin, checked up front (not hours into training)."""
+        con = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
+        try:
+            with_keys = {key: {i for (i,) in con.execute("SELECT id FROM keys WHERE key = ?", (key,))}
+                         for key in ("charge", "spin")}
+        except sqlite3.DatabaseError:  # a database without any key-value pairs has no keys table
+            with_keys = {"charge": set(), "spin": set()}
+        finally:
+            con.close()
+        for row_id in self.ids:
+            if row_id not in with_keys["charge"] or row_id not in with_keys["spin"]:
+                self._charge_spin(self._connection()._get_row(int(row_id)))  # row.data may hold them
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -114,7 +114,7 @@ class GraphRegressor(nn.Cell):
     def predictions(self, *inputs):
         """Energy (B,) eV, forces (N, 3) eV/Å and stress (B, 6) eV/Å^3 from the model inputs."""
         numbers, node_graph, n_node = inputs[0], inputs[5], inputs[6]
-        return self.physical(*self(*inputs), numbers, node_graph, n_node)
+        return self.physical(*self.construct(*inputs), numbers, node_graph, n_node)
 
     def reference_energy(self, numbers, node_graph, num_graphs):
         return self.graph_head.reference(numbers, node_graph, num_graphs)

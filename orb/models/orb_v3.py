@@ -355,9 +355,9 @@ class DirectRegressor(Orbv3):
         return (head_energy, energy, forces, stress, self.heads.confidence(nodes)) + pair
 
     def predictions(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
-                 unit_shifts, charge, spin):
+                    unit_shifts, charge, spin):
         """Energy (B,) eV, forces (N, 3) eV/Å, stress (B, 6) eV/Å^3 and confidence (N, 50) probabilities."""
-        _, energy, forces, stress, logits, pair_e, pair_f, pair_s = self(
+        _, energy, forces, stress, logits, pair_e, pair_f, pair_s = self.construct(
             numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell, unit_shifts,
             charge, spin)
         f_mean, f_var = self.heads.forces.normalizer.stats()
@@ -426,13 +426,14 @@ class ConservativeRegressor(Orbv3):
         return head_energy, energy, forces, stress, logits, pair, rotational
 
     def predictions(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
-                 unit_shifts, charge, spin):
+                    unit_shifts, charge, spin):
         """Energy (B,) eV, forces (N, 3) eV/Å, stress (B, 6) eV/Å^3 and confidence (N, 50) probabilities.
 
         The energy goes through orb-models' normalise/denormalise round trip (float32 rounding, ~1e-5
         relative), as its ``predict`` does."""
-        _, energy, forces, stress, logits, _, _ = self(numbers, positions, vectors, senders, receivers, node_graph,
-                                                       n_node, nonperiodic, cell, unit_shifts, charge, spin)
+        _, energy, forces, stress, logits, _, _ = self.construct(
+            numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell, unit_shifts,
+            charge, spin)
         mean, var = self.heads.energy.normalizer.stats()
         normalised = self.normalise_energy(energy, numbers, node_graph, n_node, mean, var)
         energy = self.denormalise_energy(normalised, numbers, node_graph, n_node, mean, var)

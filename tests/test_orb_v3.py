@@ -1,0 +1,267 @@
+"""orb-v3 in MindSpore against the PyTorch orb-models 0.5.5 reference (../shared/reference/orb_v3,
+bundled as tests/data/orb_v3_parity.npz): all six models, full size, recipe weights, stored graphs.
+
+Each model runs in its own process (tests/v3_parity.py): a full-size conservative model's
+double-backward training step holds ~3.5 GB, and one process per model keeps the suite's peak
+at one model's. Tolerances are the reference README's suggested ones (section 8, about 5x the
+deviations PyTorch shows between its own float32 runs), as (atol, rtol).
+
+Then what a user does with orb-v3: fine-tune a (small) conservative model with the trainer,
+evaluate it, run it as an ASE calculator with charge and spin, export it to PyTorch's format and
+read it back, and the mistakes that must get one clear line.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import DATA, DEMO_TRAIN, DEMO_VAL, ROOT
+
+V3_NPZ = os.path.join(DATA, "orb_v3_parity.npz")
+TOLERANCES = dict(
+    edge_features=(2e-6, 0), cutoff=(1e-5, 0), nodes_encoder=(1e-5, 0), edges_encoder=(1e-5, 0),
+    nodes_gnn0=(2e-5, 0), nodes_gnn4=(5e-5, 0), head_energy=(1e-5, 0), head_forces=(1e-5, 0), head_stress=(1e-5, 0),
+    conditioner=(1e-5, 0), confidence=(1e-6, 0), energy=(2e-4, 1e-6), forces=(2e-5, 2e-5), stress=(5e-6, 0),
+    rotational_grad=(1e-4, 0), pair_energy=(5e-6, 0), pair_forces=(1e-5, 2e-5), pair_stress=(5e-8, 0),
+    reference_energy=(2e-4, 0), loss=(5e-6, 1e-4), energy_mae=(1e-4, 0), normalizer=(1e-6, 1e-5),
+    grad_norm=(0, 1e-3), grad_value=(1e-3, 0))
+# Training checks (losses, normaliser updates, gradients incl. the double backward of conservative
+# models) run on the 20-neighbour and OMol models; the "inf" models share their weights and code
+# with the 20-neighbour ones and differ only in their graphs, whose forward pass is checked. Each
+# group runs in its own process: one training graph at a time (a conservative model's is 3.6 GB).
+RUNS = [
+    ("orb_v3_conservative_20_omat", "predict,inter,loss.eval"),
+    ("orb_v3_conservative_20_omat", "loss.train"),
+    ("orb_v3_conservative_20_omat", "loss.train_equigrad"),
+    ("orb_v3_direct_20_omat", "predict,inter,loss"),
+    ("orb_v3_direct_omol", "predict,inter,loss"),
+    ("orb_v3_conservative_omol", "predict,inter,loss.eval"),
+    ("orb_v3_conservative_inf_omat", "predict,inter"),
+    ("orb_v3_direct_inf_omat", "predict,inter"),
+]
+# Training conservative_omol on the reference batch (225 atoms, 14,940 edges at 120 neighbours)
+# peaks at 8.1 GB (PyTorch: 10.1 GB), above CI's 6 GB: it runs with ORB_LARGE_MEMORY=1 (README).
+# Its pieces are checked in CI: the double backward (conservative_20_omat) and the charge/spin
+# conditioner's gradients (direct_omol).
+LARGE_MEMORY_RUNS = [("orb_v3_conservative_omol", "loss.train"), ("orb_v3_conservative_omol", "loss.train_equigrad")]
+# what every model must report (a check that silently compared nothing would pass)
+PREDICT = {"energy", "forces", "confidence", "head_energy", "reference_energy", "pair_energy"}
+INTER = {"nodes_encoder", "nodes_gnn", "edge_features", "cutoff", "edges_encoder"}
+LOSS_EVAL = {"loss_loss", "loss_loss_energy", "loss_loss_forces", "loss_loss_confidence", "loss_energy_mae",
+             "loss_forces_mae"}
+LOSS_TRAIN = LOSS_EVAL | {"normalizer", "grad_norm", "grad_value"}
+
+
+def expected_quantities(name, checks):
+    expected = set()
+    for check in checks.split(","):
+        if check == "predict":
+            expected |= PREDICT | ({"rotational_grad"} if "conservative" in name else {"head_forces", "pair_forces"})
+            if not name.endswith("_omol"):
+                expected |= {"stress"} | (set() if "conservative" in name else {"head_stress", "pair_stress"})
+        elif check == "inter":
+            expected |= INTER | ({"conditioner"} if name.endswith("_omol") else set())
+        else:
+            expected |= LOSS_EVAL if check == "loss.eval" else LOSS_TRAIN
+            if check in ("loss", "loss.train_equigrad") and "conservative" in name:
+                expected |= {"loss_loss_equigrad"}
+    return expected
+
+
+def run_parity(name, checks):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "v3_parity.py"), name, checks,
+                             json.dumps(TOLERANCES)], capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = [l for l in result.stdout.splitlines() if l.startswith("RESULT ")]
+    assert line, result.stdout[-2000:] + result.stderr[-2000:]
+    report = json.loads(line[0][len("RESULT "):])
+    expected = expected_quantities(name, checks)
+    assert expected <= set(report), sorted(expected - set(report))
+    # a molecule's stress is NaN in orb-models' direct models (its cell volume is 0); ours is finite
+    for key, value in report.items():
+        if key.endswith("/ours_where_reference_nonfinite"):
+            assert np.isfinite(value).all(), key
+        else:
+            assert value <= 1.0, (key, value, report)
+
+
+@pytest.mark.parametrize("name,checks", RUNS)
+def test_matches_pytorch_orb_models_055(name, checks):
+    run_parity(name, checks)
+
+
+@pytest.mark.large_memory  # runs with ORB_LARGE_MEMORY=1 (conftest.py)
+@pytest.mark.parametrize("name,checks", LARGE_MEMORY_RUNS)
+def test_large_memory_training_matches_pytorch(name, checks):
+    run_parity(name, checks)
+
+
+@pytest.fixture(scope="module")
+def v3():
+    return np.load(V3_NPZ)
+
+
+LAYOUTS = {"conservative_omat": ("orb_v3_conservative_20_omat", 25_510_582),
+           "direct_omat": ("orb_v3_direct_inf_omat", 25_644_479),
+           "conservative_omol": ("orb_v3_conservative_omol", 25_839_670),
+           "direct_omol": ("orb_v3_direct_omol", 25_906_233)}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_keys_order_counts_and_recipe_of_each_layout(layout, v3):
+    """Same state-dict keys, order, shapes and parameter count as PyTorch; the recipe (the same
+    generator over our keys) gives the reference's bytes, so every parity check loads exactly its weights."""
+    from orb.io.checkpoint import to_torch_state_dict
+    from orb.models import config_from_state_dict, create
+    from orb.models.recipe import model_recipe_weights, weights_sha256
+
+    name, count = LAYOUTS[layout]
+    model = create(name)
+    state = to_torch_state_dict(model)
+    rows = [line.strip().split("\t") for line in open(os.path.join(DATA, f"state_dict_keys_v3_{layout}.txt"))
+            if line.strip() and not line.startswith("#")]
+    kinds = {r[0]: r[3] for r in rows}  # PyTorch's parameters (the published count) vs buffers
+    assert sum(int(np.prod(v.shape)) for k, v in state.items() if kinds.get(k) == "param") == count
+    assert list(state) == [r[0] for r in rows]
+    for (key, value), row in zip(state.items(), rows):
+        assert tuple(value.shape) == tuple(int(s) for s in row[1].strip("()").split(",") if s.strip()), key
+    weights = model_recipe_weights(model, 0)
+    assert weights_sha256(weights) == str(v3[f"meta/weights_sha256/{layout}"])
+    # a published checkpoint names its architecture by its keys alone
+    assert config_from_state_dict(weights).name.replace("_inf_", "_20_") == name.replace("_inf_", "_20_")
+
+
+def test_model_names_and_mistakes():
+    from orb.models import create
+    from orb.models.config import ModelConfig
+
+    cfg = ModelConfig.from_dict({"name": "orb_v3_conservative_inf_omat"})
+    assert (cfg.max_neighbors, cfg.radius, cfg.conservative, cfg.has_stress) == (120, 6.0, True, True)
+    assert ModelConfig.from_dict({"name": "orb_v3_direct_20_omat"}).max_neighbors == 20
+    omol = ModelConfig.from_dict({"name": "orb_v3_direct_omol"})
+    assert omol.omol and not omol.has_stress and not omol.conservative
+    with pytest.raises(ValueError, match="orb_v3_conservative_inf_omat"):  # the message lists the known names
+        create("orb_v3_conservative")
+
+
+def small_v3_cfg(tmp_path, name="orb_v3_conservative_20_omat", **overrides):
+    from orb.training.config import config_from_dict
+
+    values = dict(train_data_path=DEMO_TRAIN, val_data_path=DEMO_VAL, output_dir=str(tmp_path / "run"),
+                  checkpoint_path="", device_target="CPU", batch_size=8, max_epochs=1, lr=1e-3,
+                  buckets=[[136, 2720]], progress_bar="false", log_every_n_steps=4, data_workers=0,
+                  model=dict(name=name, latent_dim=32, mlp_hidden_dim=64, num_message_passing_steps=2,
+                             head_mlp_hidden_dim=32))
+    values.update(overrides)
+    return config_from_dict(values)
+
+
+def run_cli(*args, timeout=900):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), *args], cwd=ROOT, timeout=timeout,
+                          capture_output=True, text=True)
+
+
+SMALL_V3 = ("--model.latent_dim", "32", "--model.mlp_hidden_dim", "64", "--model.num_message_passing_steps", "2",
+            "--model.head_mlp_hidden_dim", "32")
+
+
+def test_fine_tune_evaluate_calculate_and_export_a_conservative_model(tmp_path):
+    """The user's path with a (small, randomly initialised) orb-v3 conservative model: finetune.py
+    trains it (the loss differentiates through the forces: a gradient of a gradient), evaluate.py
+    reproduces its validation metrics, the ASE calculator's forces and stress are the derivatives
+    of its energy (finite differences), and the export to PyTorch's format reads back the same."""
+    from ase.calculators.fd import calculate_numerical_forces, calculate_numerical_stress
+    from ase.io import read
+
+    from orb.inference.calculator import ORBCalculator
+
+    out = tmp_path / "v3"
+    result = run_cli("--config", "configs/demo.yaml", "--max_epochs", "2", "--output_dir", str(out),
+                     "--checkpoint_path", "", "--device_target", "CPU", "--buckets", "[[136, 2720]]", "--lr", "1e-3",
+                     "--model.name", "orb_v3_conservative_20_omat", *SMALL_V3)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    records = [json.loads(l) for l in open(out / "metrics.jsonl")]
+    epochs = [r for r in records if r["type"] in ("initial", "epoch")]
+    assert [r["epoch"] for r in epochs] == [0, 1, 2]
+    assert {"loss_confidence", "confidence_accuracy", "stress_mae"} <= set(epochs[-1]["val"])
+    assert epochs[-1]["val"]["loss"] < epochs[0]["val"]["loss"]  # it learns (from random weights)
+    best = str(out / "checkpoints" / "best_weights.ckpt")
+    evaluation = subprocess.run([sys.executable, "-m", "orb.inference.evaluate", "--checkpoint", best, "--data",
+                                 DEMO_VAL, "--output_dir", str(tmp_path / "eval"), "--device_target", "CPU",
+                                 "--progress_bar", "false"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert evaluation.returncode == 0, evaluation.stderr[-2000:]
+    summary = json.load(open(tmp_path / "eval" / "summary.json"))
+    best_epoch = min(epochs[1:], key=lambda r: r["val"]["loss"])
+    for key in ("energy_mae", "forces_mae", "stress_mae"):
+        assert summary[key] == pytest.approx(best_epoch["val"][key], rel=2e-5, abs=1e-7), key
+
+    atoms = read(DEMO_VAL, index=0)
+    distances = atoms.get_all_distances(mic=True) + 9 * np.eye(len(atoms))
+    i, j = np.unravel_index(distances.argmin(), distances.shape)
+    bond = atoms.get_distance(i, j, mic=True, vector=True)
+    atoms.positions[j] -= bond * (1 - 1.3 / np.linalg.norm(bond))  # a close pair: forces well above the noise
+    atoms.calc = ORBCalculator.from_checkpoint(best, device_target="CPU")
+    forces, stress = atoms.get_forces(), atoms.get_stress()
+    assert atoms.calc.results["confidence"].shape == (len(atoms), 50)
+    assert np.abs(forces).max() > 0.1 and np.abs(stress).max() > 1e-3
+    # float32 energies carry ~1e-5 eV of rounding: steps of 3e-3 Å and 1e-3 strain keep both errors small
+    np.testing.assert_allclose(forces, calculate_numerical_forces(atoms, eps=3e-3), atol=4e-3)
+    np.testing.assert_allclose(stress, calculate_numerical_stress(atoms, eps=1e-3), atol=1e-4)
+
+    exported = tmp_path / "export.ckpt"
+    convert = subprocess.run([sys.executable, "-m", "orb.io.convert", best, str(exported), "--to", "torch",
+                              "--model", "orb_v3_conservative_20_omat"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=600)
+    assert convert.returncode == 0, convert.stderr[-2000:]
+    again = ORBCalculator.from_checkpoint(str(exported), device_target="CPU",
+                                          model_name="orb_v3_conservative_20_omat")
+    copy = atoms.copy()
+    copy.calc = again
+    np.testing.assert_array_equal(copy.get_forces(), forces)
+    assert copy.get_potential_energy() == atoms.get_potential_energy()
+
+
+def omol_db(path, charge_spin=True, skip_row=None):
+    """Small molecules labelled with EMT (which knows H, C, N, O) and their total charge and spin."""
+    import ase.db
+    from ase.build import molecule
+    from ase.calculators.emt import EMT
+
+    rng = np.random.default_rng(0)
+    with ase.db.connect(str(path), append=False) as db:
+        for i, name in enumerate(["H2O", "CH4", "NH3", "C2H6", "CO2", "HCN", "H2O2", "C2H4"]):
+            atoms = molecule(name)
+            atoms.positions += rng.normal(0, 0.05, atoms.positions.shape)
+            atoms.calc = EMT()
+            atoms.get_potential_energy()
+            extra = dict(charge=0, spin=1) if charge_spin and i != skip_row else {}
+            db.write(atoms, **extra)
+    return str(path)
+
+
+def test_omol_model_trains_on_charge_and_spin_and_names_a_row_without(tmp_path):
+    from orb.device import configure_mindspore
+    from orb.training.outputs import prepare_output_dir
+    from orb.training.trainer import Trainer
+
+    data = omol_db(tmp_path / "mol.db")
+    cfg = small_v3_cfg(tmp_path, name="orb_v3_direct_omol", train_data_path=data, val_data_path=data, batch_size=4,
+                       buckets=[])
+    configure_mindspore(cfg.device_target, cfg.device_id, cfg.num_threads)
+    prepare_output_dir(cfg.output_dir, resume=False, overwrite=False)
+    trainer = Trainer(cfg)
+    trainer.fit()
+    epochs = [json.loads(l) for l in open(os.path.join(cfg.output_dir, "metrics.jsonl"))]
+    assert "stress_mae" not in epochs[-1]["val"] and np.isfinite(epochs[-1]["val"]["loss"])
+
+    bad = omol_db(tmp_path / "bad.db", skip_row=5)
+    result = run_cli("--config", "configs/demo.yaml", "--output_dir", str(tmp_path / "bad_run"), "--checkpoint_path",
+                     "", "--device_target", "CPU", "--train_data_path", bad, "--val_data_path", data,
+                     "--model.name", "orb_v3_direct_omol", *SMALL_V3, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "bad.db, row 6, key 'charge'" in result.stderr and "OMol" in result.stderr
