@@ -229,9 +229,17 @@ def measure_theirs(name: str, steps: int, torch_python: str) -> dict:
     return run_torch(torch_python, code)
 
 
+def gemm_rate() -> float:
+    """The host's float32 matrix-multiply rate (GFLOP/s, 2 threads' worth via numpy's BLAS): recorded
+    before and after a benchmark, so a run during which the shared host's speed moved shows it."""
+    a = np.random.default_rng(0).random((1024, 1024), np.float32)
+    return 2 * 1024 ** 3 / median_time(lambda: a @ a, 9) / 1e9
+
+
 def bench_model(args) -> None:
     """Ours and PyTorch's, each in a fresh process (own peak memory), alternated over ``--rounds``."""
     ours, theirs = [], []
+    rate_before = gemm_rate()
     for _ in range(args.rounds):
         result = subprocess.run([sys.executable, __file__, "_ours", args.model, str(args.steps)],
                                 capture_output=True, text=True, timeout=7200)
@@ -240,6 +248,7 @@ def bench_model(args) -> None:
         ours.append(json.loads(result.stdout.strip().splitlines()[-1]))
         if args.torch_python:
             theirs.append(measure_theirs(args.model, args.steps, args.torch_python))
+    rate_after = gemm_rate()
     first = ours[0]
     peer = "orb-models 0.4.2" if args.model == "orb_v2" else "orb-models 0.5.5"
     print(f"{args.model}, batches of 8 demo structures: {first['atoms']:.0f} atoms, {first['edges']:.0f} edges on "
@@ -255,6 +264,9 @@ def bench_model(args) -> None:
               f"{f'{t / p:.2f}x' if p else '-'} |")
     print(f"\npeak memory (VmHWM, whole process): MindSpore {max(o['peak_gb'] for o in ours):.2f} GB" +
           (f", PyTorch {max(o['peak_gb'] for o in theirs):.2f} GB" if theirs else ""))
+    change = rate_after / rate_before - 1
+    print(f"host matrix-multiply calibration: {rate_before:.0f} GFLOP/s before, {rate_after:.0f} after "
+          f"({change:+.0%}{'; over 20 %: the host was not steady, repeat the run' if abs(change) > 0.2 else ''})")
 
 
 # ---------------------------------------------------------------------------------------- parallel
