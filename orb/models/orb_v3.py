@@ -439,9 +439,3 @@ class ConservativeRegressor(Orbv3):
         energy = self.denormalise_energy(normalised, numbers, node_graph, n_node, mean, var)
         return energy, forces, stress, ops.softmax(logits, -1)
 
-
-def orb_v3(name: str = "orb_v3_conservative_inf_omat", seed: int = 0, **overrides) -> Orbv3:
-    """An orb-v3 model with randomly initialised weights; ``overrides`` change :class:`ModelConfig` fields."""
-    cfg = ModelConfig.from_dict(dict(overrides, name=name))
-    return (ConservativeRegressor if cfg.conservative else DirectRegressor)(cfg, seed)
-

@@ -152,7 +152,7 @@ def _build(cls, values: Dict[str, Any], prefix: str = ""):
 
 
 def _validate(cfg: TrainConfig) -> TrainConfig:
-    flat = _flatten(cfg.to_dict())
+    flat = flatten(cfg.to_dict())
     for key, choices in CHOICES.items():
         if flat[key] not in choices:
             raise ConfigError(f"config key '{key}' must be one of {list(choices)}, got {flat[key]!r}")
@@ -190,11 +190,12 @@ def _validate(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-def _flatten(d: Dict, prefix: str = "") -> Dict[str, Any]:
+def flatten(d: Dict, prefix: str = "") -> Dict[str, Any]:
+    """Nested settings as dotted keys (``model.name``): how errors and resume checks name them."""
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         else:
             out[prefix + k] = v
     return out

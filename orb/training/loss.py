@@ -80,6 +80,19 @@ class NormalisedLoss(nn.Cell):
         """Averages (:data:`orb.metrics.METRICS`) from accumulated metric sums."""
         return metrics_from_sums(dict(zip(self.sum_keys, np.asarray(sums, dtype=np.float64))), self.has_stress)
 
+    @staticmethod
+    def force_metrics(force_pred, forces, node_graph, n_node, atoms):
+        """Per structure: force MAE (eV/Å) and whether every component is within FORCE_THRESHOLD;
+        per atom: cosine of predicted and true forces. ``force_pred`` carries no gradient."""
+        num_graphs = n_node.shape[0]
+        force_abs = ops.abs(force_pred - forces)
+        forces_mae = segment_sum(force_abs.mean(1), node_graph, num_graphs) / atoms
+        norms = ops.norm(force_pred, dim=1) * ops.norm(forces, dim=1)
+        cosine = (force_pred * forces).sum(1) / ops.maximum(norms, 1e-8)
+        within = (ops.amax(force_abs, 1) < FORCE_THRESHOLD).astype(forces.dtype)
+        all_within = (segment_sum(within, node_graph, num_graphs) == n_node).astype(forces.dtype)
+        return forces_mae, cosine, all_within
+
     def residual_per_atom(self, numbers, node_graph, n_node, energy):
         """(E - sum_i ref[Z_i]) / atoms: the per-atom energy the energy normaliser tracks."""
         reference = self.model.reference_energy(numbers, node_graph, n_node.shape[0])
@@ -142,12 +155,7 @@ class OrbLoss(NormalisedLoss):
 
         # Metrics, in physical units where not loss_*; no gradient flows through them.
         force_pred = ops.stop_gradient(f_raw * f_std + f_mean)
-        force_abs = ops.abs(force_pred - forces)
-        forces_mae = segment_sum(force_abs.mean(1), node_graph, num_graphs) / atoms
-        norms = ops.norm(force_pred, dim=1) * ops.norm(forces, dim=1)
-        cosine = (force_pred * forces).sum(1) / ops.maximum(norms, 1e-8)
-        within = (ops.amax(force_abs, 1) < FORCE_THRESHOLD).astype(forces.dtype)
-        all_within = (segment_sum(within, node_graph, num_graphs) == n_node).astype(forces.dtype)
+        forces_mae, cosine, all_within = self.force_metrics(force_pred, forces, node_graph, n_node, atoms)
         stress_mae = ops.abs(ops.stop_gradient(s_raw * s_std + s_mean) - stress).mean(1)  # unreported without stress
         energy_abs = ops.abs(ops.stop_gradient(energy_pred) - energy)
         m = graph_mask

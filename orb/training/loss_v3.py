@@ -22,8 +22,6 @@ summed over data-parallel ranks, so the loss summed over ranks is the global bat
 import numpy as np
 from mindspore import ops
 
-from orb.metrics import FORCE_THRESHOLD
-from orb.models.blocks import segment_sum
 from orb.models.orb_v3 import CONFIDENCE_MAX_ERROR
 from orb.training.loss import NormalisedLoss
 
@@ -124,12 +122,7 @@ class OrbV3Loss(NormalisedLoss):
         deltas = conditional_huber_deltas(forces_target)
         loss_forces = (huber(forces_pred, forces_target, deltas) * mask3).sum() / (3.0 * atoms_total)
         forces_phys = ops.stop_gradient(forces_pred * f_std_n + f_mean_n)
-        force_abs = ops.abs(forces_phys - forces)
-        forces_mae = segment_sum(force_abs.mean(1), node_graph, num_graphs) / atoms
-        norms = ops.norm(forces_phys, dim=1) * ops.norm(forces, dim=1)
-        cosine = (forces_phys * forces).sum(1) / ops.maximum(norms, 1e-8)
-        within = (ops.amax(force_abs, 1) < FORCE_THRESHOLD).astype(forces.dtype)
-        all_within = (segment_sum(within, node_graph, num_graphs) == n_node).astype(forces.dtype)
+        forces_mae, cosine, all_within = self.force_metrics(forces_phys, forces, node_graph, n_node, atoms)
 
         # stress
         loss_stress, stress_mae = self._stress(outputs, stress, old, new, graph_mask, graphs_total)

@@ -14,6 +14,7 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 
 from orb.errors import CheckpointError, ConfigError
+from orb.training.config import flatten
 from orb.training.distributed import DataParallel
 from orb.training.optimizer import FlatAdam
 
@@ -76,19 +77,9 @@ def restore_optimizer(optimizer: FlatAdam, names: Sequence[str], state: Dict[str
                                                           for n in names])))
 
 
-def _flatten(d: Dict, prefix: str = "") -> Dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v
-    return out
-
-
 def config_changes(saved: Dict, current: Dict, keys: Sequence[str] = RESUME_KEYS) -> List[str]:
     """``key: saved -> current`` for each resume-relevant setting that differs."""
-    old, new = _flatten(saved), _flatten(current)
+    old, new = flatten(saved), flatten(current)
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
 
 
