@@ -183,7 +183,7 @@ def test_pytorch_orb_models_loads_our_export_and_predicts_the_same(tmp_path, ref
         structures.update({f"{n}/numbers": reference[f"{n}/numbers"], f"{n}/positions": reference[f"{n}/positions_input"],
                            f"{n}/cell": reference[f"{n}/cell_input"]})
     np.savez(tmp_path / "structures.npz", **structures)
-    result = subprocess.run([peer, os.path.join(ROOT, "tests", "torch_peer.py"), path, str(tmp_path / "structures.npz"),
+    result = subprocess.run([peer, os.path.join(ROOT, "tests", "torch_peer.py"), "orb_v2", path, str(tmp_path / "structures.npz"),
                              str(tmp_path / "torch.npz")], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     theirs = np.load(tmp_path / "torch.npz")

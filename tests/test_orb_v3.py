@@ -225,6 +225,53 @@ def test_fine_tune_evaluate_calculate_and_export_a_conservative_model(tmp_path):
     assert copy.get_potential_energy() == atoms.get_potential_energy()
 
 
+@pytest.mark.parametrize("name", ["orb_v3_conservative_20_omat", "orb_v3_direct_omol"])
+def test_pytorch_orb_models_055_loads_our_export_and_predicts_the_same(tmp_path, name):
+    """Our orb-v3 export in the PyTorch peer environment (``ORB_TORCH_V3_PYTHON``: torch 2.13 +
+    orb-models 0.5.5, set up by .ci/run): orb-models' own loader (load_state_dict strict) accepts it
+    and predicts what our calculator predicts from the same file. Randomly initialised full-size
+    weights (not the recipe), a periodic crystal and a charged open-shell cluster."""
+    peer = os.environ.get("ORB_TORCH_V3_PYTHON", "")
+    if not peer:
+        pytest.skip("ORB_TORCH_V3_PYTHON (a python with torch and orb-models 0.5.5) is not set; .ci/run sets it")
+    from ase import Atoms
+
+    from orb.inference.calculator import ORBCalculator
+    from orb.io.checkpoint import to_torch_state_dict
+    from orb.io.torch_format import write_torch_checkpoint
+    from orb.models import create
+
+    path = str(tmp_path / "export.ckpt")
+    write_torch_checkpoint(to_torch_state_dict(create(name, seed=3)), path)
+    z = np.load(V3_NPZ)
+    names = ["s0", "s1", "s4"]  # alloy (32 atoms), cluster (13, charge 1, spin 2), periodic ion (charge 2)
+    structures = {"names": np.array(names)}
+    for n in names:
+        for key in ("numbers", "positions", "cell"):
+            structures[f"{n}/{key}"] = z[f"{n}/{key}"]
+        if name.endswith("_omol"):
+            structures[f"{n}/charge"], structures[f"{n}/spin"] = float(z[f"{n}/charge"][0]), float(z[f"{n}/spin"][0])
+    np.savez(tmp_path / "structures.npz", **structures)
+    result = subprocess.run([peer, os.path.join(ROOT, "tests", "torch_peer.py"), name, path,
+                             str(tmp_path / "structures.npz"), str(tmp_path / "torch.npz")],
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    theirs = np.load(tmp_path / "torch.npz")
+    calculator = ORBCalculator.from_checkpoint(path, device_target="CPU", model_name=name)
+    for n in names:
+        cell = structures[f"{n}/cell"]
+        atoms = Atoms(numbers=structures[f"{n}/numbers"], positions=structures[f"{n}/positions"], cell=cell,
+                      pbc=bool(np.any(cell != 0)))
+        atoms.info.update({k: structures[f"{n}/{k}"] for k in ("charge", "spin") if f"{n}/{k}" in structures})
+        atoms.calc = calculator
+        energy = theirs[f"{n}/energy"][0]
+        assert np.abs(theirs[f"{n}/forces"]).max() > 1e-2  # a comparison of zeros would prove nothing
+        np.testing.assert_allclose(atoms.get_potential_energy(), energy, atol=2e-4, rtol=1e-6, err_msg=n)
+        np.testing.assert_allclose(atoms.get_forces(), theirs[f"{n}/forces"], atol=2e-5, rtol=2e-5, err_msg=n)
+        if f"{n}/stress" in theirs and atoms.pbc.all():
+            np.testing.assert_allclose(atoms.get_stress(), theirs[f"{n}/stress"], atol=5e-6, err_msg=n)
+
+
 def omol_db(path, charge_spin=True, skip_row=None):
     """Small molecules labelled with EMT (which knows H, C, N, O) and their total charge and spin."""
     import ase.db
