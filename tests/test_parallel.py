@@ -173,6 +173,38 @@ def test_sgd_two_workers_equal_one_device(tmp_path, nine_rows):
     assert_same_weights(par, ref)
 
 
+def test_orb_v3_two_workers_stopped_and_resumed_equal_one_device(tmp_path, nine_rows):
+    """orb-v3: a small conservative model (forces and stress by autodiff, so its training step is a
+    gradient of a gradient) on 2 workers with plain SGD, stopped after one epoch and resumed, ends
+    with the weights and normalisers of one device's uninterrupted two epochs."""
+    extra = {"optimizer": "sgd", "gradient_clip_mode": "none", "lr": 0.05, "model.name": "orb_v3_conservative_20_omat"}
+    first = launch(common_args(tmp_path / "par", nine_rows, max_epochs=1, **extra), tmp_path / "logs1", cwd=ROOT)
+    one = single(common_args(tmp_path / "one", nine_rows, **extra), timeout=600)
+    out, _ = first.communicate(timeout=600)
+    assert first.returncode == 0 and one.returncode == 0, out[-2000:] + one.stderr[-2000:]
+    resumed = launch(common_args(tmp_path / "par", nine_rows, **extra) + ["--resume", str(tmp_path / "par"),
+                                                                        "--accept_config_changes"],
+                     tmp_path / "logs2", cwd=ROOT)
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0 and "resumed from" in out, out[-3000:]
+    from orb.io.checkpoint import to_torch_state_dict
+    from orb.models import create
+
+    par, _ = weights(tmp_path / "par")
+    ref, _ = weights(tmp_path / "one")
+    start = to_torch_state_dict(create("orb_v3_conservative_20_omat", seed=1234, **SMALL_MODEL))
+    assert set(ref) == set(start)
+    moved = [np.linalg.norm(ref[k] - start[k]) / max(np.linalg.norm(start[k]), 1e-3) for k in ref
+             if "normalizer" not in k]
+    assert np.median(moved) > 1e-3
+    assert_same_weights(par, ref)
+    last_par, last_one = epochs(tmp_path / "par")[-1], epochs(tmp_path / "one")[-1]
+    assert last_par["epoch"] == last_one["epoch"] == 2
+    for key, value in last_one["val"].items():
+        if key not in TIMING:
+            assert last_par["val"][key] == pytest.approx(value, rel=1e-4, abs=2e-3 if "cosine" in key else 1e-6), key
+
+
 def test_sharded_optimizer_resumes_and_equals_unsharded(tmp_path, runs, nine_rows):
     """optimizer_shard: each rank keeps half of Adam's state; the saved state is complete (gathered), a
     resume continues it, and the result equals the unsharded 2-worker run."""
