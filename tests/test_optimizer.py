@@ -105,6 +105,27 @@ def test_norm_clipping_and_ema():
     np.testing.assert_allclose(opt.ema.asnumpy(), ema, rtol=1e-5, atol=1e-6)
 
 
+def test_sgd_steps_are_lr_times_the_clipped_gradient():
+    """optimizer: sgd is torch.optim.SGD (no momentum): w <- w - lr_t clip(g), with the schedule's lr_t."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from orb.training.optimizer import FlatAdam
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    rng = np.random.default_rng(4)
+    values, params = make_params(rng)
+    sched = make_schedule("one_cycle", 1e-2, 6, 0.3)
+    opt = FlatAdam(params, sched, clip_mode="value", clip_value=0.8, algorithm="sgd")
+    expected = [v.astype(np.float64) for v in values]
+    for step in range(6):
+        grads = [rng.standard_normal(v.shape).astype(np.float32) for v in values]
+        opt(tuple(Tensor(g) for g in grads))
+        expected = [e - sched.lr[step] * np.clip(g, -0.8, 0.8) for e, g in zip(expected, grads)]
+    for p, e in zip(params, expected):
+        np.testing.assert_allclose(p.asnumpy(), e, rtol=1e-6, atol=1e-7)
+
+
 def torch_one_cycle(lr, total, pct=0.05):
     """PyTorch OneCycleLR(max_lr=10 lr, div_factor=10, final_div_factor=10, cos, two phases,
     cycle_momentum, base 0.85, max 0.95), written out: (lrs, momenta)."""

@@ -123,6 +123,7 @@ class FlatAdam(nn.Cell):
             self.ema = Parameter(Tensor(np.zeros(self.size, np.float32)), name="optimizer_ema", requires_grad=False)
         _raise_recursion_limit(4 * len(self.params) + 1000)
         self.adam = ops.Adam()
+        self.descend = ops.ApplyGradientDescent()  # var -= alpha * delta in place (SGD step, EMA update)
         self.hyper_map = ops.HyperMap()
         self.sizes_tuple = tuple(self.sizes)
         self.split_with_size = SplitWithSize()  # one kernel (ops.split unrolls a Python loop per piece)
@@ -178,8 +179,8 @@ class FlatAdam(nn.Cell):
         if self.ema_decay > 0:
             t = self.step.astype(full.dtype)
             decay = ops.clamp((1.0 + t) / (10.0 + t), None, self.ema_decay)  # warm-up as torch_ema / MACE
-            ema = self.ema + ops.broadcast_to(1.0 - decay, full.shape) * (full - self.ema)
-            done = ops.depend(done, ops.assign(self.ema, ema))
+            # ema <- ema - (1 - decay) (ema - full), in place: one fused kernel, no broadcast scalar
+            done = ops.depend(done, self.descend(self.ema, 1.0 - decay, self.ema - full))
         return done
 
     def construct(self, grads):
@@ -189,8 +190,7 @@ class FlatAdam(nn.Cell):
         grad = self._local(self._clip(flat))
         step = ops.minimum(self.step, self.num_steps - 1)
         if self.algorithm == "sgd":
-            lr = ops.broadcast_to(ops.gather(self.table_lr, step, 0), grad.shape)
-            done = ops.assign(self.master, self.master - lr * grad)
+            done = self.descend(self.master, ops.gather(self.table_lr, step, 0), grad)
         else:
             done = self.adam(self.master, self.moment1, self.moment2,
                              ops.gather(self.table_beta1_power, step, 0), ops.gather(self.table_beta2_power, step, 0),
