@@ -2,7 +2,8 @@
 
     python scripts/benchmark.py graphs     [--torch-python PATH]
     python scripts/benchmark.py model      [--model NAME] [--torch-python PATH] [--steps 8] [--rounds 2]
-    python scripts/benchmark.py parallel   [--steps 12]
+    python scripts/benchmark.py parallel   [--config C] [--batch 8]
+    python scripts/benchmark.py allreduce  [--steps 5]
     python scripts/benchmark.py calculator [--torch-python PATH]
 
 With ``--torch-python`` pointing at a Python that has torch and orb-models 0.4.2 installed (never
@@ -171,6 +172,12 @@ print(json.dumps(out))
 """
 
 
+def resident_gb() -> float:
+    """This process's resident memory now (VmRSS)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1e6 for line in f if line.startswith("VmRSS:"))
+
+
 def peak_memory_gb() -> float:
     """This process's peak resident memory (VmHWM: unlike ru_maxrss, not inherited across fork/exec)."""
     with open("/proc/self/status") as f:
@@ -178,6 +185,29 @@ def peak_memory_gb() -> float:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1e6
     return float("nan")
+
+
+def forward_matmul_flops(model, nodes: float, edges: float, graphs: float) -> float:
+    """Matrix-multiply FLOPs (2 x multiply-adds) of one forward pass: every Linear weight (out, in)
+    times the rows it acts on -- edges (edge encoder, edge MLPs, attention gates), graphs (stress
+    heads) or nodes (the rest); the interaction layers' first edge layer as computed (its edge
+    columns on edges, its sender/receiver columns on nodes). Embedding lookups and the unused
+    decoder do no matrix products."""
+    from orb.io.checkpoint import to_torch_state_dict
+
+    macs = 0.0
+    for key, w in to_torch_state_dict(model).items():
+        if w.ndim != 2 or not key.endswith(".weight") or "_decoder" in key or "emb" in key:
+            continue
+        out_dim, in_dim = w.shape
+        if "_edge_mlp.mlp.NN-0." in key:
+            d = model.cfg.latent_dim
+            macs += out_dim * (edges * d + nodes * (in_dim - d))
+        elif "_edge_fn" in key or "_edge_mlp" in key or "_attn" in key:
+            macs += out_dim * in_dim * edges
+        else:
+            macs += out_dim * in_dim * (graphs if "stress" in key else nodes)
+    return 2.0 * macs
 
 
 def measure_ours(name: str, steps: int) -> dict:
@@ -196,7 +226,9 @@ def measure_ours(name: str, steps: int) -> dict:
     from orb.training.trainer import make_loss
 
     ms.set_context(mode=ms.GRAPH_MODE)
+    memory = {"runtime": resident_gb()}  # MindSpore and the project imported
     model = create(name)
+    memory["weights"] = resident_gb()
     cfg = config_from_dict(dict(model=dict(name=name), reference_energies=dict(trainable="auto")))
     ds = AseDbDataset(DEMO, settings=model.cfg.graph_settings(), charge_spin=model.cfg.omol)
     graphs = [ds[i] for i in range(steps * 8)]
@@ -208,9 +240,12 @@ def measure_ours(name: str, steps: int) -> dict:
     loss = make_loss(model, cfg, has_stress=model.cfg.has_stress)
     params = [p for p in model.trainable_params() if not (model.cfg.family == "orb_v3" and
                                                           p is model.reference_energy_weight())]
+    memory["data"] = resident_gb()
     optimizer = FlatAdam(params, make_schedule("constant", 1e-4, 10 ** 6, 0.0), ema_decay=0.99)
+    memory["optimizer state"] = resident_gb()
     out = {"atoms": float(np.mean([b.num_nodes for b in batches])),
            "edges": float(np.mean([b.num_edges for b in batches])), "bucket": [nodes, edges]}
+    out["forward_gflop"] = forward_matmul_flops(model, out["atoms"], out["edges"], 8) / 1e9
     for kind, step in (("inference", EvalStep(loss)), ("train", TrainStep(loss, optimizer))):
         times = []
         for b in batches:
@@ -219,7 +254,10 @@ def measure_ours(name: str, steps: int) -> dict:
             step(*inputs).asnumpy()
             times.append(time.perf_counter() - start)
         out[kind], out[kind + "_compile"] = float(np.median(times[1:])), times[0]
+        memory[f"{kind} graph and activations"] = resident_gb()
     out["peak_gb"] = peak_memory_gb()
+    stages = list(memory.items())  # resident memory after each stage -> what each stage added
+    out["memory_gb"] = {k: v - (stages[i - 1][1] if i else 0.0) for i, (k, v) in enumerate(stages)}
     return out
 
 
@@ -234,6 +272,20 @@ def gemm_rate() -> float:
     before and after a benchmark, so a run during which the shared host's speed moved shows it."""
     a = np.random.default_rng(0).random((1024, 1024), np.float32)
     return 2 * 1024 ** 3 / median_time(lambda: a @ a, 9) / 1e9
+
+
+def print_bound(name: str, forward_gflop: float, ours: list, theirs: list, rate: float) -> None:
+    """Each step's matrix-multiply work and the time it takes at the host's measured GEMM rate: the
+    bound no implementation of this model can beat on this CPU (backward = 2 x forward; a
+    conservative model's inference is a forward and a backward pass, its training step thrice that)."""
+    per_inference = forward_gflop * (2 if "conservative" in name else 1)
+    work = {"inference": per_inference, "train": 3 * per_inference}
+    print("\n| step | matrix-multiply work (GFLOP) | bound at the measured GEMM rate (s) | MindSpore at | PyTorch at |")
+    print("|---|---|---|---|---|")
+    for kind, gflop in work.items():
+        bound = gflop / rate
+        ratio = lambda runs: f"{float(np.median([r[kind] for r in runs])) / bound:.2f}x the bound" if runs else "-"  # noqa: E731
+        print(f"| {kind} | {gflop:.1f} | {bound:.3f} | {ratio(ours)} | {ratio(theirs)} |")
 
 
 def bench_model(args) -> None:
@@ -262,8 +314,11 @@ def bench_model(args) -> None:
         p = float(np.median([o[kind] for o in theirs])) if theirs else None
         print(f"| {kind} | {t:.3f} | {8 / t:.1f} | {c:.0f} | {f'{p:.3f}' if p else '-'} | "
               f"{f'{t / p:.2f}x' if p else '-'} |")
+    print_bound(args.model, first["forward_gflop"], ours, theirs, (rate_before + rate_after) / 2)
     print(f"\npeak memory (VmHWM, whole process): MindSpore {max(o['peak_gb'] for o in ours):.2f} GB" +
           (f", PyTorch {max(o['peak_gb'] for o in theirs):.2f} GB" if theirs else ""))
+    print("MindSpore's resident memory by stage (what each added, GB): " +
+          ", ".join(f"{k} {v:+.2f}" for k, v in first["memory_gb"].items()))
     change = rate_after / rate_before - 1
     print(f"host matrix-multiply calibration: {rate_before:.0f} GFLOP/s before, {rate_after:.0f} after "
           f"({change:+.0%}{'; over 20 %: the host was not steady, repeat the run' if abs(change) > 0.2 else ''})")
@@ -313,6 +368,109 @@ def bench_parallel(args) -> None:
     print(f"| 2 workers x 1 thread (msrun) | {par_rate:.3f} | {par_rate * 2 * per_worker:.2f} | {eff:.2f} |")
     print(f"msrun start-up (launch to rank 0's first log line, 1 s resolution): {startup:.0f} s; job wall time "
           f"{wall:.0f} s. Steps/s are over epochs 2-3 (no compilation).")
+
+
+def allreduce_worker(name: str, repeats: int) -> None:
+    """One msrun worker: sums model ``name``'s gradient-shaped tensors over the ranks, one
+    AllReduce per tensor (MindSpore's gradient reducer without fusion) and once as one flat buffer
+    (what the trainer does), alternated; rank 0 prints the medians."""
+    import mindspore as ms
+    from mindspore import Tensor, nn, ops
+    from mindspore.communication import get_rank, init
+    from mindspore.ops.auto_generate.gen_ops_prim import SplitWithSize
+
+    from orb.models import create
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    init()
+    shapes = [tuple(p.shape) for p in create(name).trainable_params()]
+    ms.set_recursion_limit(4 * len(shapes) + 1000)  # the compiler walks the tuple of tensors element by element
+
+    def values(rank):
+        rng = np.random.default_rng(rank)
+        return [rng.random(s).astype(np.float32) for s in shapes]
+
+    grads = tuple(Tensor(v) for v in values(get_rank()))
+
+    class PerTensor(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.reduce = ops.AllReduce(ops.ReduceOp.SUM)
+            self.hyper_map = ops.HyperMap()
+
+        def construct(self, grads):
+            return self.hyper_map(self.reduce, grads)
+
+    class Flat(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.reduce = ops.AllReduce(ops.ReduceOp.SUM)
+            self.sizes = tuple(int(np.prod(s)) for s in shapes)
+            self.split = SplitWithSize()
+
+        def construct(self, grads):
+            flat = self.reduce(ops.concat([g.reshape(-1) for g in grads]))
+            return self.split(flat, self.sizes, 0)
+
+    class Buckets(nn.Cell):  # the flat buffer summed in pieces of 2^22 floats (16 MB)
+        def __init__(self):
+            super().__init__()
+            self.reduce = ops.AllReduce(ops.ReduceOp.SUM)
+            self.hyper_map = ops.HyperMap()
+            self.sizes = tuple(int(np.prod(s)) for s in shapes)
+            total, piece = sum(self.sizes), 1 << 22
+            self.pieces = tuple([piece] * (total // piece) + ([total % piece] if total % piece else []))
+            self.split = SplitWithSize()
+
+        def construct(self, grads):
+            flat = ops.concat([g.reshape(-1) for g in grads])
+            flat = ops.concat(self.hyper_map(self.reduce, self.split(flat, self.pieces, 0)))
+            return self.split(flat, self.sizes, 0)
+
+    expected = [a + b for a, b in zip(values(0)[:3], values(1)[:3])]
+    times = {}
+    for kind, cell in {"per tensor": PerTensor(), "flat": Flat(), "buckets": Buckets()}.items():
+        for i in range(repeats + 1):  # the first call compiles
+            start = time.perf_counter()
+            out = cell(grads)
+            ms.runtime.synchronize()
+            times.setdefault(kind, []).append(time.perf_counter() - start)
+        for got, want in zip(out[:3], expected):  # a sum over both ranks, not a no-op
+            np.testing.assert_allclose(got.asnumpy().reshape(want.shape), want, rtol=1e-6)
+        times[kind] = times[kind][1:]
+    if get_rank() == 0:
+        floats = sum(int(np.prod(s)) for s in shapes)
+        print("RESULT " + json.dumps({"tensors": len(shapes), "floats": floats,
+                                      **{k: float(np.median(v)) for k, v in times.items()}}))
+
+
+def bench_allreduce(args) -> None:
+    """Gradient all-reduce on 2 CPU workers (msrun): one call per tensor vs one flat buffer."""
+    import socket
+
+    from orb.training.launch import find_msrun
+
+    rows = []
+    for name, label in (("orb_v2", "full orb-v2"), ("orb_v3_direct_20_omat", "full orb-v3 direct")):
+        with tempfile.TemporaryDirectory() as tmp, socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            s.close()
+            subprocess.run([find_msrun(), "--worker_num=2", "--local_worker_num=2", f"--master_port={port}",
+                            f"--log_dir={tmp}", "--join=True", __file__, "_allreduce", name, str(args.steps)],
+                           check=True, capture_output=True, timeout=1800,
+                           env=dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep +
+                                    os.environ.get("PATH", "")))  # msrun starts `python` from PATH
+            log = open(os.path.join(tmp, "worker_0.log")).read()
+        result = json.loads(log.split("RESULT ")[1].splitlines()[0])
+        rows.append((label, result))
+    print("| model | gradient tensors | floats | one AllReduce per tensor (s) | one flat AllReduce (s) | "
+          "flat buffer in 16 MB buckets (s) |")
+    print("|---|---|---|---|---|---|")
+    for label, r in rows:
+        print(f"| {label} | {r['tensors']} | {r['floats'] / 1e6:.1f} M | {r['per tensor']:.3f} | {r['flat']:.3f} | "
+              f"{r['buckets']:.3f} |")
 
 
 # -------------------------------------------------------------------------------------- calculator
@@ -367,6 +525,9 @@ def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "_ours":  # one measurement in a fresh process (bench_model)
         print(json.dumps(measure_ours(sys.argv[2], int(sys.argv[3]))))
         return
+    if len(sys.argv) == 4 and sys.argv[1] == "_allreduce":  # one msrun worker (bench_allreduce)
+        allreduce_worker(sys.argv[2], int(sys.argv[3]))
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="area", required=True)
     p = sub.add_parser("graphs")
@@ -381,12 +542,14 @@ def main() -> None:
     p = sub.add_parser("parallel")
     p.add_argument("--config", default="configs/demo.yaml")
     p.add_argument("--batch", type=int, default=8, help="structures per worker per step")
+    p = sub.add_parser("allreduce")
+    p.add_argument("--steps", type=int, default=5, help="all-reduces of each kind (after one to compile)")
     p = sub.add_parser("calculator")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--torch-python", default="")
     args = parser.parse_args()
-    {"graphs": bench_graphs, "model": bench_model, "parallel": bench_parallel, "calculator": bench_calculator}[
-        args.area](args)
+    {"graphs": bench_graphs, "model": bench_model, "parallel": bench_parallel, "calculator": bench_calculator,
+     "allreduce": bench_allreduce}[args.area](args)
 
 
 if __name__ == "__main__":

@@ -126,6 +126,31 @@ def test_sgd_steps_are_lr_times_the_clipped_gradient():
         np.testing.assert_allclose(p.asnumpy(), e, rtol=1e-6, atol=1e-7)
 
 
+def test_gradient_sum_over_ranks_in_buckets():
+    """The flat gradient goes to the all-reduce in buckets and comes back whole: with a stand-in
+    all-reduce that doubles what it gets (2 ranks with equal gradients) and buckets of 7 floats,
+    SGD moves every weight by lr x 2 g."""
+    import mindspore as ms
+    from mindspore import Tensor, nn
+
+    from orb.training.optimizer import FlatAdam
+    from orb.training.schedule import constant
+
+    class TwoEqualRanks(nn.Cell):
+        def construct(self, x):
+            return x * 2.0
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    rng = np.random.default_rng(5)
+    values, params = make_params(rng)
+    opt = FlatAdam(params, constant(0.1, 3), clip_mode="none", algorithm="sgd", all_reduce=TwoEqualRanks(), bucket=7)
+    assert len(opt.buckets) > 3 and sum(opt.buckets) == opt.size
+    grads = [rng.standard_normal(v.shape).astype(np.float32) for v in values]
+    opt(tuple(Tensor(g) for g in grads))
+    for p, v, g in zip(params, values, grads):
+        np.testing.assert_allclose(p.asnumpy(), v - 0.2 * g, rtol=1e-6, atol=1e-7)
+
+
 def torch_one_cycle(lr, total, pct=0.05):
     """PyTorch OneCycleLR(max_lr=10 lr, div_factor=10, final_div_factor=10, cos, two phases,
     cycle_momentum, base 0.85, max 0.95), written out: (lrs, momenta)."""
