@@ -13,6 +13,7 @@ compare figures from one run. Results go to stdout as a Markdown table (paste in
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -102,9 +103,7 @@ def bench_graphs(args) -> None:
         row_rate = 1.0 / (median_time(lambda: [ds[i] for _ in range(reps) for i in range(len(ds))], 5)
                           / (reps * len(ds)))
         rows.append((path, len(atoms), float(np.mean([len(a) for a in atoms])), graph_rate, row_rate))
-        try:
-            import vesin  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("vesin") is None:
             continue
         vesin_rate = 1.0 / (median_time(lambda: [vesin_top_k(a) for _ in range(reps) for a in atoms], 5)
                             / (reps * len(atoms)))
