@@ -4,6 +4,7 @@
     python scripts/benchmark.py model      [--model NAME] [--torch-python PATH] [--steps 8] [--rounds 2]
     python scripts/benchmark.py parallel   [--config C] [--batch 8]
     python scripts/benchmark.py allreduce  [--steps 5]
+    python scripts/benchmark.py pipeline   [--config C] [--batch 16]
     python scripts/benchmark.py calculator [--torch-python PATH]
 
 With ``--torch-python`` pointing at a Python that has torch and orb-models 0.4.2 installed (never
@@ -497,6 +498,30 @@ def bench_allreduce(args) -> None:
               f"{r['buckets']:.3f} |")
 
 
+def bench_pipeline(args) -> None:
+    """Host pipeline: how long the training loop waits for batches, with a model so small that its
+    step is as short as a full model's on an NPU, batches prepared in the loop vs by workers."""
+    small = ["--model.latent_dim", "32", "--model.mlp_hidden_dim", "64", "--model.num_message_passing_steps", "2",
+             "--model.head_mlp_hidden_dim", "32"]
+    common = ["--config", args.config, "--train_data_path", args.data, "--max_epochs", "3", "--val_data_path", "",
+              "--progress_bar", "false",
+              "--log_every_n_steps", "1000", "--checkpoint_path", "", "--batch_size", str(args.batch), *small]
+    print("| batches prepared | step (ms) | data wait (fraction of the training time) |")
+    print("|---|---|---|")
+    for workers in (0, 2):
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), *common, "--output_dir", tmp,
+                            "--data_workers", str(workers)], check=True, capture_output=True, timeout=3600)
+            epochs = [r for r in map(json.loads, open(os.path.join(tmp, "metrics.jsonl"))) if r["type"] == "epoch"]
+        later = epochs[1:]  # the first epoch compiles
+        steps = later[-1]["step"] - epochs[0]["step"]
+        step_ms = 1e3 * sum(r["train"]["train_time"] for r in later) / steps
+        wait = sum(r["train"]["data_wait"] * r["train"]["train_time"] for r in later) / sum(
+            r["train"]["train_time"] for r in later)
+        label = "in the training loop" if workers == 0 else f"by {workers} worker processes, ahead"
+        print(f"| {label} | {step_ms:.1f} | {100 * wait:.1f} % |")
+
+
 # -------------------------------------------------------------------------------------- calculator
 TORCH_CALC = TORCH_ORB_V2 + """
 from ase.build import bulk
@@ -566,6 +591,11 @@ def main() -> None:
     p = sub.add_parser("parallel")
     p.add_argument("--config", default="configs/demo.yaml")
     p.add_argument("--batch", type=int, default=8, help="structures per worker per step")
+    p = sub.add_parser("pipeline")
+    p.add_argument("--config", default="configs/demo.yaml")
+    p.add_argument("--batch", type=int, default=16, help="structures per step")
+    p.add_argument("--data", default=os.path.join(ROOT, "data", "pretrain", "pretrain_train.db"),
+                   help="training rows (the default 512 give 32 steps per epoch)")
     p = sub.add_parser("allreduce")
     p.add_argument("--steps", type=int, default=5, help="all-reduces of each kind (after one to compile)")
     p = sub.add_parser("calculator")
@@ -573,7 +603,7 @@ def main() -> None:
     p.add_argument("--torch-python", default="")
     args = parser.parse_args()
     {"graphs": bench_graphs, "model": bench_model, "parallel": bench_parallel, "calculator": bench_calculator,
-     "allreduce": bench_allreduce}[args.area](args)
+     "allreduce": bench_allreduce, "pipeline": bench_pipeline}[args.area](args)
 
 
 if __name__ == "__main__":
