@@ -6,6 +6,7 @@ the ASE calculator and the evaluation script.
 """
 
 import logging
+import math
 import time
 from typing import Dict, List, Optional
 
@@ -33,7 +34,7 @@ class PredictCell(nn.Cell):
 class Predictor:
     """Pads batches to reusable bucket shapes and runs the compiled forward pass."""
 
-    def __init__(self, model, buckets: Optional[List[Bucket]] = None, growth: float = 1.25, multiple: int = 16):
+    def __init__(self, model, buckets: Optional[List[Bucket]] = None, growth: float = 1.25, multiple: int = 8):
         self.model = model
         self.cell = PredictCell(model)
         self.buckets: List[Bucket] = sorted(buckets or [])
@@ -41,13 +42,25 @@ class Predictor:
         self.compiled: Dict[Bucket, float] = {}
 
     def _bucket(self, batch: AtomGraphs) -> Bucket:
+        """The smallest known bucket that fits, else a new one.
+
+        A first bucket fits the batch closely (an MD run or a relaxation repeats one structure size:
+        padding is work done at every step); once batches outgrow the known buckets, new ones get
+        ``growth`` headroom so that a growing workload compiles a few shapes. Edges: a structure in
+        which every atom has ``max_neighbors`` neighbours (orb-v2, orb-v3 "20" models in dense
+        solids) cannot gain edges at the same atom count; otherwise (molecules, "inf" models) the
+        count moves from step to step and gets 10 % headroom.
+        """
         for bucket in self.buckets:
             if bucket.fits(batch):
                 return bucket
+        growth = self.growth if self.buckets else 1.0
         max_nb = self.model.cfg.max_neighbors
-        nodes = round_up(int((batch.num_nodes + 1) * self.growth), self.multiple)
-        edges = max(nodes * max_nb, round_up(batch.num_edges, self.multiple))
-        bucket = Bucket(nodes, edges, batch.num_graphs + 1)
+        nodes = round_up(int(math.ceil((batch.num_nodes + 1) * growth)), self.multiple)
+        saturated = batch.num_edges >= batch.num_nodes * max_nb
+        edge_growth = growth if saturated else max(growth, 1.1)
+        edges = min(nodes * max_nb, round_up(int(math.ceil(batch.num_edges * edge_growth)), self.multiple))
+        bucket = Bucket(nodes, max(edges, self.multiple), batch.num_graphs + 1)
         if self.buckets:
             log.info("batch of %d atoms / %d edges outgrew the buckets: adding (nodes %d, edges %d, graphs %d)",
                      batch.num_nodes, batch.num_edges, bucket.num_nodes, bucket.num_edges, bucket.num_graphs)
