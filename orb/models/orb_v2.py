@@ -46,7 +46,7 @@ class MoleculeGNS(nn.Cell):
         cutoff = polynomial_envelope(r, self.cfg.cutoff_rmax, self.cfg.polynomial_order).reshape(-1, 1)
         nodes, edges = self._encoder(self.atom_emb(numbers), edge_features)
         for layer in self.gnn_stacks:
-            nodes, edges = layer(nodes, edges, senders, receivers, cutoff)
+            nodes, edges = layer(nodes, edges, senders, receivers, cutoff, None)
         return nodes
 
 

@@ -13,6 +13,7 @@ import numpy as np
 from orb.data.buckets import Bucket, check_buckets, padding_fraction, parse_buckets, plan_buckets
 from orb.data.dataset import AseDbDataset, EpochSampler
 from orb.data.loader import BatchLoader, Step, plan_epoch
+from orb.device import compile_cell
 from orb.errors import ConfigError
 from orb.metrics import METRICS, describe
 from orb.training import state as training_state
@@ -218,6 +219,7 @@ class Trainer:
         log.info("compiling the %s step for batch shape (nodes %d, edges %d, graphs %d), once per shape", kind,
                  bucket.num_nodes, bucket.num_edges, bucket.num_graphs)
         start = time.perf_counter()
+        compile_cell(cell, *inputs)
         out = cell(*inputs)
         out.asnumpy()
         self.compiled[key] = time.perf_counter() - start
