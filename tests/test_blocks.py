@@ -135,3 +135,21 @@ def test_kernel_cache_falls_back(monkeypatch, tmp_path):
         assert kernels.library_path() != path  # a different CPU never loads this build
     finally:
         kernels.library_path.cache_clear()
+
+
+def test_compile_cell_compiles_the_phase_the_run_uses():
+    """The trainer and predictor compile before the first run (then return the compiler's freed heap):
+    the run must reuse that compilation, not compile again, and give the same numbers."""
+    import mindspore as ms
+    from mindspore import Tensor, nn
+
+    from orb.device import compile_cell
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    cell = nn.Dense(4, 3)
+    x = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
+    compile_cell(cell, Tensor(x))
+    out = cell(Tensor(x)).asnumpy()
+    assert len(cell.compile_cache) == 1
+    expected = x @ cell.weight.asnumpy().T + cell.bias.asnumpy()
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
