@@ -61,9 +61,9 @@ def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_thr
 def release_host_memory() -> None:
     """Hand the C heap's freed pages back to the operating system (glibc's ``malloc_trim``).
 
-    Compiling a step frees most of the memory the compiler used, but glibc keeps it mapped: for
-    full orb-v2 training that is ~0.27 GB of the process's peak (scripts/benchmark.py model).
-    Elsewhere (no glibc) this does nothing.
+    Compiling a step frees most of the memory the compiler used, but glibc keeps it mapped, where
+    it would add to the process's peak (docs/benchmarks.md, orb-v2 memory). Elsewhere (no glibc)
+    this does nothing.
     """
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -149,6 +149,7 @@ def test_compile_cell_compiles_the_phase_the_run_uses():
     cell = nn.Dense(4, 3)
     x = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
     compile_cell(cell, Tensor(x))
+    assert len(cell.compile_cache) == 1  # compiled before any run
     out = cell(Tensor(x)).asnumpy()
     assert len(cell.compile_cache) == 1
     expected = x @ cell.weight.asnumpy().T + cell.bias.asnumpy()

@@ -77,7 +77,8 @@ class Predictor:
         padded = pad_batch(batch, bucket.num_nodes, bucket.num_edges, bucket.num_graphs)
         start = time.perf_counter()
         inputs = model_inputs(padded)
-        if bucket not in self.compiled:
+        first = bucket not in self.compiled
+        if first:
             compile_cell(self.cell, *inputs)
         outputs = self.cell(*inputs)
         per_graph = lambda t: t.asnumpy()[: len(real)][real].astype(np.float64)  # noqa: E731
@@ -85,7 +86,7 @@ class Predictor:
         out = {"energy": per_graph(outputs[0]), "forces": per_node(outputs[1]), "stress": per_graph(outputs[2])}
         if len(outputs) > 3:
             out["confidence"] = per_node(outputs[3])
-        if bucket not in self.compiled:
+        if first:
             self.compiled[bucket] = time.perf_counter() - start
             log.debug("compiled inference for %s in %.1f s", bucket, self.compiled[bucket])
         return out

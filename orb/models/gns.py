@@ -72,9 +72,8 @@ class AttentionInteraction(nn.Cell):
     ``lazy_inline(policy="front")``: the compiler's front end parses this layer once and inlines the
     copies afterwards, instead of parsing 15 (orb-v2) or 5 (orb-v3) unrolled copies. The backend
     sees the same inlined graph as without it (so it runs on every device, not only Ascend where
-    non-inlined reuse is supported): full orb-v2 training compiles in 12 s instead of 18 s and
-    keeps 0.13 GB less compiler memory (scripts/benchmark.py model). Its rule: ``construct``
-    arguments are positional, without defaults.
+    non-inlined reuse is supported); compile time and compiler memory fall (docs/benchmarks.md).
+    Its rule: ``construct`` arguments are positional, without defaults.
     """
 
     @lazy_inline(policy="front")
