@@ -158,7 +158,8 @@ class ScalarNormalizer(nn.Cell):
         return self.bn.running_mean, self.bn.running_var
 
     def updated_stats(self, values: Tensor, mask: Tensor, allreduce=None):
-        """Statistics after one training batch (masked ``values``), and the new count.
+        """Statistics after one training batch (``values`` where ``mask``, a 0/1 tensor of their shape), and the
+        new count.
 
         With ``f = 1 / (count + 1)``: mean <- (1 - f) mean + f batch_mean and var <- (1 - f) var +
         f batch_var_unbiased (the first batch replaces the statistics exactly). ``allreduce`` (a sum over data-parallel ranks) makes the
@@ -166,7 +167,6 @@ class ScalarNormalizer(nn.Cell):
         the statistics unchanged (PyTorch raises there).
         """
         values = ops.stop_gradient(values)
-        mask = ops.broadcast_to(mask, values.shape)
         n = mask.sum()
         total = (values * mask).sum()
         if allreduce is not None:

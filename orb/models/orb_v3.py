@@ -23,7 +23,7 @@ from ase.data import covalent_radii
 from mindspore import Parameter, Tensor, nn, ops
 
 from orb.models import reference_energies
-from orb.models.blocks import MLP, segment_mean, segment_sum
+from orb.models.blocks import MLP, expand_column, expand_row, segment_mean, segment_sum
 from orb.models.config import ModelConfig
 from orb.models.gns import (AtomEmbedding, AttentionInteraction, Decoder, Encoder, LinearReferenceEnergy,
                             ScalarNormalizer, count_parameters, polynomial_envelope, remove_net_torque, style)
@@ -49,15 +49,14 @@ class BesselBasis(nn.Cell):
         self.prefactor = _buffer(np.float32(math.sqrt(2.0 / r_max)), "prefactor")
 
     def construct(self, r: Tensor) -> Tensor:
-        shape = (r.shape[0], self.bessel_weights.shape[0])
-        x = ops.broadcast_to(r.reshape(-1, 1), shape)
-        return self.prefactor * (ops.sin(ops.broadcast_to(self.bessel_weights, shape) * x) / x)
+        x = expand_column(r.reshape(-1, 1), self.bessel_weights.shape[0])
+        return self.prefactor * (ops.sin(expand_row(self.bessel_weights, r.shape[0]) * x) / x)
 
 
 def spherical_harmonics(vectors: Tensor, r: Tensor) -> Tensor:
     """Real spherical harmonics l <= 3 of the edge directions (e3nn's formulas, component normalisation,
     components in the given x, y, z order): (E, 16)."""
-    u = vectors / ops.broadcast_to(ops.maximum(r, 1e-12).reshape(-1, 1), vectors.shape)
+    u = vectors / expand_column(ops.maximum(r, 1e-12).reshape(-1, 1), 3)
     x, y, z = ops.split(u, 1, axis=1)  # (E, 1) columns (indexing u[:, i] breaks MindSpore's second derivative)
     s3 = math.sqrt(3.0)
     y2, x2z2 = y * y, x * x + z * z
@@ -82,11 +81,10 @@ class ChargeSpinEmbedding(nn.Cell):
         self.spin = spin
 
     def construct(self, values: Tensor) -> Tensor:
-        shape = (values.shape[0], self.W.shape[0])
-        proj = ops.broadcast_to(values.reshape(-1, 1), shape) * ops.broadcast_to(self.W, shape) * 2.0 * math.pi
+        proj = expand_column(values.reshape(-1, 1), self.W.shape[0]) * expand_row(self.W, values.shape[0]) * 2.0 * math.pi
         emb = ops.concat((ops.sin(proj), ops.cos(proj)), 1)
         if self.spin:
-            emb = emb * ops.broadcast_to((values != 0).astype(emb.dtype).reshape(-1, 1), emb.shape)
+            emb = emb * expand_column((values != 0).astype(emb.dtype).reshape(-1, 1), emb.shape[1])
         return emb
 
 
@@ -120,10 +118,10 @@ class MoleculeGNS(nn.Cell):
         r = ops.norm(vectors, dim=1)
         envelope = polynomial_envelope(r, self.cfg.cutoff_rmax, self.cfg.polynomial_order).reshape(-1, 1)
         rbf, sh = self.rbf_transform(r), spherical_harmonics(vectors, r)
-        shape = (r.shape[0], rbf.shape[1], SH_COMPONENTS)
-        outer = ops.broadcast_to(rbf.reshape(-1, rbf.shape[1], 1), shape) * ops.broadcast_to(
-            sh.reshape(-1, 1, SH_COMPONENTS), shape)
-        features = outer.reshape(r.shape[0], -1) * ops.broadcast_to(envelope, (r.shape[0], shape[1] * shape[2]))
+        num_rbf = rbf.shape[1]
+        outer = ops.tile(rbf.reshape(-1, num_rbf, 1), (1, 1, SH_COMPONENTS)) * ops.tile(
+            sh.reshape(-1, 1, SH_COMPONENTS), (1, num_rbf, 1))  # Tile, not broadcasting: see expand_column
+        features = outer.reshape(r.shape[0], -1) * expand_column(envelope, num_rbf * SH_COMPONENTS)
         return features, envelope
 
     def construct(self, numbers, vectors, senders, receivers, node_graph, charge, spin):

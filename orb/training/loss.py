@@ -20,7 +20,7 @@ import numpy as np
 from mindspore import nn, ops
 
 from orb.metrics import FORCE_THRESHOLD, metrics_from_sums
-from orb.models.blocks import segment_sum
+from orb.models.blocks import expand_column, segment_sum
 
 SUM_KEYS = ("loss", "loss_energy", "loss_forces", "loss_stress", "energy_mae", "energy_per_atom_mae", "forces_mae",
             "forces_cosine", "forces_within_0.03", "stress_mae", "energy_per_atom_reference_mae", "num_graphs",
@@ -122,8 +122,8 @@ class OrbLoss(NormalisedLoss):
     def absorbed(self, numbers, node_graph, n_node, graph_mask, energy, forces, stress):
         node_mask = ops.gather(graph_mask, node_graph, 0)
         return [(self.residual_per_atom(numbers, node_graph, n_node, energy), graph_mask, True),
-                (forces, node_mask.reshape(-1, 1), True),
-                (stress, graph_mask.reshape(-1, 1), self.has_stress)]
+                (forces, expand_column(node_mask.reshape(-1, 1), 3), True),
+                (stress, expand_column(graph_mask.reshape(-1, 1), 6), self.has_stress)]
 
     def construct(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
                   unit_shifts, charge, spin, graph_mask, graph_weight, energy, forces, stress, *stats):

@@ -22,6 +22,7 @@ summed over data-parallel ranks, so the loss summed over ranks is the global bat
 import numpy as np
 from mindspore import ops
 
+from orb.models.blocks import expand_column, expand_row
 from orb.models.orb_v3 import CONFIDENCE_MAX_ERROR
 from orb.training.loss import NormalisedLoss
 
@@ -42,7 +43,7 @@ def conditional_huber_deltas(target):
     """MACE's per-atom delta from the norm of the normalised target force, broadcast to (N, 3)."""
     norm = ops.norm(target, dim=1)
     factor = ops.where(norm < 100.0, 1.0, ops.where(norm < 200.0, 0.7, ops.where(norm < 300.0, 0.4, 0.1)))
-    return ops.broadcast_to((HUBER_DELTA * factor).reshape(-1, 1), target.shape)
+    return expand_column((HUBER_DELTA * factor).reshape(-1, 1), target.shape[1])
 
 
 class OrbV3Loss(NormalisedLoss):
@@ -73,11 +74,12 @@ class OrbV3Loss(NormalisedLoss):
     def absorbed(self, numbers, node_graph, n_node, graph_mask, energy, forces, stress):
         per_graph = graph_mask.reshape(-1, 1)
         out = [(self.residual_per_atom(numbers, node_graph, n_node, energy), graph_mask, True),
-               (forces, ops.gather(graph_mask, node_graph, 0).reshape(-1, 1), True)]
+               (forces, expand_column(ops.gather(graph_mask, node_graph, 0).reshape(-1, 1), 3), True)]
         if self.conservative:
-            out.append((stress, per_graph, self.has_stress))
+            out.append((stress, expand_column(per_graph, 6), self.has_stress))
         elif self.model.cfg.has_stress:
-            out += [(stress[:, :3], per_graph, self.has_stress), (stress[:, 3:], per_graph, self.has_stress)]
+            three = expand_column(per_graph, 3)
+            out += [(stress[:, :3], three, self.has_stress), (stress[:, 3:], three, self.has_stress)]
         return out
 
     # ----------------------------------------------------------------- loss
@@ -93,7 +95,7 @@ class OrbV3Loss(NormalisedLoss):
         atoms = ops.maximum(n_node, 1.0)
         graphs_total = ops.maximum(self._global(graph_mask.sum()), 1.0)
         atoms_total = ops.maximum(self._global(node_mask.sum()), 1.0)
-        mask3 = ops.broadcast_to(node_mask.reshape(-1, 1), forces.shape)
+        mask3 = expand_column(node_mask.reshape(-1, 1), 3)
         outputs = self.model(numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
                              unit_shifts, charge, spin)
         reference = self.model.reference_energy(numbers, node_graph, num_graphs)
@@ -161,7 +163,7 @@ class OrbV3Loss(NormalisedLoss):
         if not self.has_stress:
             zero = ops.zeros_like(graph_mask)
             return zero.sum(), zero
-        mask6 = ops.broadcast_to(graph_mask.reshape(-1, 1), stress.shape)
+        mask6 = expand_column(graph_mask.reshape(-1, 1), 6)
         if self.conservative:
             stress_raw = outputs[3]
             s_mean_o, s_std_o, s_mean_n, s_std_n = old[4], ops.sqrt(old[5]), new[4], ops.sqrt(new[5])
@@ -186,8 +188,7 @@ class OrbV3Loss(NormalisedLoss):
         """Bin index of each atom's force error and whether it counts (errors above 0.3 eV/Å are ignored)."""
         edges = self.model.heads.confidence.bin_edges
         clamped = ops.clamp(error, 0.0, CONFIDENCE_MAX_ERROR)
-        below = (ops.broadcast_to(edges.reshape(1, -1), (error.shape[0], edges.shape[0]))
-                 < ops.broadcast_to(clamped.reshape(-1, 1), (error.shape[0], edges.shape[0])))
+        below = expand_row(edges, error.shape[0]) < expand_column(clamped.reshape(-1, 1), edges.shape[0])
         bins = ops.clamp(below.astype(np.int32).sum(1) - 1, 0, edges.shape[0] - 2)
         valid = (error <= CONFIDENCE_MAX_ERROR).astype(error.dtype)
         return bins, valid

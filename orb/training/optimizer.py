@@ -175,7 +175,7 @@ class FlatAdam(nn.Cell):
         if self.clip_mode == "norm":
             norm = ops.sqrt(row_sum(flat.reshape(1, -1) * flat.reshape(1, -1))).reshape(())
             scale = ops.clamp(self.clip_value / (norm + 1e-6), None, 1.0).astype(flat.dtype)
-            return flat * ops.broadcast_to(scale, flat.shape)
+            return flat * ops.tile(scale.reshape(1), flat.shape)  # Tile, not broadcasting: see expand_column
         return flat
 
     def _local(self, flat):
