@@ -55,7 +55,28 @@ def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_thr
     except RuntimeError:  # already running (a second run in the same process) on the same device is fine
         if ms.get_context("device_target") != target:
             raise
+    if target == "Ascend":
+        keep_float32_on_ascend()
     return target
+
+
+def keep_float32_on_ascend() -> None:
+    """Run float32 matrix products in float32 on Ascend, as PyTorch does on CPU and (by default) GPU.
+
+    CANN may compute float32 matrix products in float16 ("allow_fp32_to_fp16", the default of
+    earlier MindSpore releases on Atlas training products) or HF32; either moves orb's energies by
+    far more than the parity tolerances. Set explicitly so the numbers do not depend on the
+    release. (Where a chip has no float32 matrix unit, CANN still uses float16.) Call after
+    ``set_device``, before anything compiles.
+    """
+    from mindspore.device_context.ascend import op_precision
+
+    try:
+        op_precision.precision_mode("must_keep_origin_dtype")
+        op_precision.matmul_allow_hf32(False)
+    except RuntimeError as err:  # configured differently earlier in this process (by the caller)
+        log.warning("Ascend operator precision was already set elsewhere and is kept (%s); results may differ "
+                    "from PyTorch's float32", err)
 
 
 def release_host_memory() -> None:

@@ -154,3 +154,61 @@ def test_compile_cell_compiles_the_phase_the_run_uses():
     assert len(cell.compile_cache) == 1
     expected = x @ cell.weight.asnumpy().T + cell.bias.asnumpy()
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_ascend_keeps_float32_matrix_products(monkeypatch):
+    """On Ascend the step must not run float32 matrix products in float16 or HF32 (CANN's choice on some
+    chips and releases): configure_mindspore asks for the original dtype, after selecting the device."""
+    import mindspore as ms
+    from mindspore.device_context.ascend import op_precision
+
+    from orb import device
+
+    calls = []
+    monkeypatch.setattr(ms, "set_device", lambda *a, **k: calls.append(("set_device",) + a))
+    monkeypatch.setattr(ms, "set_context", lambda **k: None)
+    monkeypatch.setattr(op_precision, "precision_mode", lambda mode: calls.append(("precision_mode", mode)))
+    monkeypatch.setattr(op_precision, "matmul_allow_hf32", lambda value: calls.append(("matmul_allow_hf32", value)))
+    assert device.configure_mindspore("Ascend", device_id=3) == "Ascend"
+    assert calls == [("set_device", "Ascend", 3), ("precision_mode", "must_keep_origin_dtype"),
+                     ("matmul_allow_hf32", False)]
+    calls.clear()
+    device.configure_mindspore("CPU")
+    assert [c[0] for c in calls] == ["set_device"]  # nothing Ascend-specific elsewhere
+
+
+def test_expand_is_exact_and_its_gradient_is_the_sum():
+    """expand_column/expand_row (matrix products with ones) repeat values exactly; their gradients, also
+    differentiated a second time as conservative models do, are row/column sums."""
+    import mindspore as ms
+    from mindspore import Tensor, nn, ops
+
+    from orb.models.blocks import expand_column, expand_row
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    rng = np.random.default_rng(1)
+    col, row = rng.standard_normal((7, 1)).astype(np.float32), rng.standard_normal(5).astype(np.float32)
+    weight = rng.standard_normal((7, 5)).astype(np.float32)
+
+    class Net(nn.Cell):
+        def construct(self, c, r, w):
+            return (expand_column(c, 5) * expand_row(r, 7) * w).sum()
+
+    class Grad(nn.Cell):  # d/dc of (d/dc f)^2 summed: a second derivative through the expansions
+        def __init__(self):
+            super().__init__()
+            self.net, self.grad = Net(), ops.GradOperation(get_all=True)
+
+        def construct(self, c, r, w):
+            dc = self.grad(self.net)(c, r, w)[0]
+            return (dc * dc).sum()
+
+    out = Net()(Tensor(col), Tensor(row), Tensor(weight)).asnumpy()
+    np.testing.assert_allclose(out, (col * row * weight).sum(), rtol=1e-5)
+    dc = ops.GradOperation(get_all=True)(Net())(Tensor(col), Tensor(row), Tensor(weight))
+    np.testing.assert_allclose(dc[0].asnumpy(), (row * weight).sum(1, keepdims=True), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dc[1].asnumpy(), (col * weight).sum(0), rtol=1e-5, atol=1e-6)
+    d2 = ops.GradOperation(get_all=True)(Grad())(Tensor(col), Tensor(row), Tensor(weight))
+    # g = (sum_j r_j w_ij)_i; d/dr_k sum_i g_i^2 = 2 sum_i g_i w_ik
+    g = (row * weight).sum(1, keepdims=True)
+    np.testing.assert_allclose(d2[1].asnumpy(), 2 * (g * weight).sum(0), rtol=1e-4, atol=1e-5)

@@ -23,27 +23,32 @@ def uniform(shape, bound: float, rng: np.random.Generator) -> np.ndarray:
 # activation, measured with heaptrack); over orb's 15 layers, forward and backward, that was
 # ~3 GB. So large activations are reduced by matrix products with a ones vector, biases are added
 # with BiasAdd and other operands are expanded to the full shape first (see :func:`expand_column`).
-_TILE = ops.Tile()  # a primitive instance: functional ops.tile inside a custom bprop breaks recompilation in 2.10
+# Primitive instances, not functional ops: ops.tile inside a custom bprop breaks recompilation in
+# MindSpore 2.10, and the gradient of ops.matmul (MatMulExt) transposes its operands with
+# Transpose kernels where MatMul's gradient uses its transpose flags (8 % of a conservative
+# orb-v3 training step, which differentiates the backward passes below once more).
+_MATMUL = ops.MatMul()
 
 
 def expand_column(x: Tensor, width: int) -> Tensor:
-    """A (rows, 1) column repeated to (rows, width), materialised with Tile.
+    """A (rows, 1) column repeated to (rows, width), as the product x @ ones(1, width).
 
-    Tile keeps no per-element buffers (like BroadcastTo), but MindSpore 2.10's CPU BroadcastTo is
-    slow: 1.5 ms for a 1776 x 256 float32 result against 0.2 ms for Tile (12 % of an orb-v2
-    training step went to it). Both are ordinary operators on Ascend and GPU, with the same values.
+    Neither broadcasting binary operators (per-element buffers, see above) nor BroadcastTo
+    (MindSpore 2.10's CPU kernel: 1.5 ms for a 1776 x 256 float32 result, 12 % of an orb-v2
+    training step) nor Tile (its gradient is a ReduceSum: 3 % of a conservative orb-v3 step): the
+    product is as fast as Tile and its gradient is a matrix product too (a row sum).
     """
-    return _TILE(x, (1, width))
+    return _MATMUL(x, ops.ones((1, width), x.dtype))
 
 
 def expand_row(x: Tensor, height: int) -> Tensor:
-    """A (width,) vector repeated to (height, width) rows (Tile, see :func:`expand_column`)."""
-    return _TILE(x.reshape(1, -1), (height, 1))
+    """A (width,) vector repeated to (height, width), as ones(height, 1) @ x (see :func:`expand_column`)."""
+    return _MATMUL(ops.ones((height, 1), x.dtype), x.reshape(1, -1))
 
 
 def row_sum(x: Tensor) -> Tensor:
     """Sum over the last axis of a 2-D tensor, keeping it: (rows, cols) -> (rows, 1)."""
-    return ops.matmul(x, ops.ones((x.shape[-1], 1), x.dtype))
+    return _MATMUL(x, ops.ones((x.shape[-1], 1), x.dtype))
 
 
 def row_mean(x: Tensor) -> Tensor:
@@ -52,7 +57,7 @@ def row_mean(x: Tensor) -> Tensor:
 
 def column_sum(x: Tensor) -> Tensor:
     """Sum over the first axis of a 2-D tensor: (rows, cols) -> (cols,)."""
-    return ops.matmul(ops.ones((1, x.shape[0]), x.dtype), x).reshape(-1)
+    return _MATMUL(ops.ones((1, x.shape[0]), x.dtype), x).reshape(-1)
 
 
 class _LinearFunction(nn.Cell):
@@ -67,7 +72,7 @@ class _LinearFunction(nn.Cell):
         return ops.bias_add(self.matmul_t(x, weight), bias)
 
     def bprop(self, x, weight, bias, out, dout):
-        return ops.matmul(dout, weight), self.matmul_ta(dout, x), column_sum(dout)
+        return _MATMUL(dout, weight), self.matmul_ta(dout, x), column_sum(dout)
 
 
 class Linear(nn.Cell):
