@@ -194,7 +194,7 @@ def test_expand_is_exact_and_its_gradient_is_the_sum():
         def construct(self, c, r, w):
             return (expand_column(c, 5) * expand_row(r, 7) * w).sum()
 
-    class Grad(nn.Cell):  # d/dc of (d/dc f)^2 summed: a second derivative through the expansions
+    class Grad(nn.Cell):  # sum of (df/dc)^2, whose gradient is a second derivative through the expansions
         def __init__(self):
             super().__init__()
             self.net, self.grad = Net(), ops.GradOperation(get_all=True)

@@ -23,10 +23,12 @@ def uniform(shape, bound: float, rng: np.random.Generator) -> np.ndarray:
 # activation, measured with heaptrack); over orb's 15 layers, forward and backward, that was
 # ~3 GB. So large activations are reduced by matrix products with a ones vector, biases are added
 # with BiasAdd and other operands are expanded to the full shape first (see :func:`expand_column`).
-# Primitive instances, not functional ops: ops.tile inside a custom bprop breaks recompilation in
-# MindSpore 2.10, and the gradient of ops.matmul (MatMulExt) transposes its operands with
-# Transpose kernels where MatMul's gradient uses its transpose flags (8 % of a conservative
-# orb-v3 training step, which differentiates the backward passes below once more).
+#
+# The MatMul primitive, not functional ops.matmul: the gradient of ops.matmul (MatMulExt)
+# transposes its operands with Transpose kernels where MatMul's gradient uses its transpose flags
+# (8 % of a conservative orb-v3 training step, which differentiates the backward passes below once
+# more). A primitive instance also avoids a MindSpore 2.10 failure seen with functional ops.tile
+# inside a custom bprop ("func graph is empty" on recompilation).
 _MATMUL = ops.MatMul()
 
 

@@ -81,7 +81,8 @@ class ChargeSpinEmbedding(nn.Cell):
         self.spin = spin
 
     def construct(self, values: Tensor) -> Tensor:
-        proj = expand_column(values.reshape(-1, 1), self.W.shape[0]) * expand_row(self.W, values.shape[0]) * 2.0 * math.pi
+        proj = (expand_column(values.reshape(-1, 1), self.W.shape[0]) * expand_row(self.W, values.shape[0])
+                * 2.0 * math.pi)
         emb = ops.concat((ops.sin(proj), ops.cos(proj)), 1)
         if self.spin:
             emb = emb * expand_column((values != 0).astype(emb.dtype).reshape(-1, 1), emb.shape[1])
