@@ -120,21 +120,22 @@ def test_kernel_mode_switch(monkeypatch):
 
 def test_kernel_cache_falls_back(monkeypatch, tmp_path):
     """An unwritable cache folder falls back to a temporary one; the cache key includes the CPU flags."""
+    from orb import native
     from orb.models import kernels
 
     blocker = tmp_path / "not_a_folder"
     blocker.write_text("")  # a cache path below a file cannot be created, even by root
     monkeypatch.setenv("ORB_KERNEL_CACHE", str(blocker / "cache"))
-    monkeypatch.setattr(kernels.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
-    kernels.library_path.cache_clear()
+    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    native.build.cache_clear()
     try:
         path = kernels.library_path()
         assert path is not None and path.startswith(str(tmp_path / "tmp"))
-        monkeypatch.setattr(kernels, "_cpu_signature", lambda: "another cpu")
-        kernels.library_path.cache_clear()
+        monkeypatch.setattr(native, "_cpu_signature", lambda: "another cpu")
+        native.build.cache_clear()
         assert kernels.library_path() != path  # a different CPU never loads this build
     finally:
-        kernels.library_path.cache_clear()
+        native.build.cache_clear()
 
 
 def test_compile_cell_compiles_the_phase_the_run_uses():

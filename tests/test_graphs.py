@@ -242,3 +242,100 @@ def test_orb_v3_periodicity_rules():
     assert g.num_edges == 20 and np.all(np.linalg.norm(g.vectors, axis=1) <= 6.0)
     np.testing.assert_allclose(g.vectors, g.positions[g.receivers] - g.positions[g.senders] + g.unit_shifts @ g.cell[0],
                                atol=1e-5)  # edge vectors are rebuilt from positions, cell and unit shifts
+
+
+def search_cases():
+    """Structures for the neighbour search: MPtrj rows (thin cells too), perfect crystals (many exactly
+    equidistant neighbours), a large supercell, a flat molecule, far-apart atoms and a lone atom."""
+    import ase.db
+    from ase import Atoms
+    from ase.build import bulk, graphene, molecule
+
+    from conftest import MPTRJ_DB, MPTRJ_THIN_DB
+
+    cases = [row.toatoms() for db in (MPTRJ_DB, MPTRJ_THIN_DB) for row in ase.db.connect(db).select()]
+    big = bulk("Cu", "fcc", a=3.6).repeat((4, 4, 4))
+    big.rattle(0.05, seed=1)
+    sheet = graphene(size=(4, 4, 1))
+    sheet.cell[:] = 0.0
+    sheet.pbc = False
+    return cases + [bulk("Cu", "fcc", a=3.6), bulk("Si", cubic=True).repeat((2, 1, 1)), big, sheet,
+                    molecule("C6H6"), Atoms("H2", positions=[[0, 0, 0], [0, 0, 9.5]]), Atoms("H")]
+
+
+def exhaustive_nearest(positions, translations, shifts, self_image, k, cutoff):
+    """Every candidate's squared distance (float64, as the search computes it), the k nearest below the
+    cutoff per atom ordered by (distance, candidate index): what the native search must return exactly."""
+    n = len(positions)
+    candidates = (positions[None, :, :] + translations[:, None, :]).reshape(-1, 3)
+    e = candidates[None, :, :].astype(np.float64) - positions[:, None, :].astype(np.float64)
+    d2 = e[..., 0] * e[..., 0] + e[..., 1] * e[..., 1] + e[..., 2] * e[..., 2]
+    senders, images = [], []
+    for i in range(n):
+        order = np.lexsort((np.arange(len(candidates)), d2[i]))
+        order = order[(order != self_image * n + i) & (d2[i, order] < cutoff * cutoff)][:k]
+        senders += [i] * len(order)
+        images += order.tolist()
+    senders, images = np.array(senders, np.int64), np.array(images, np.int64)
+    return senders, images % n, candidates[images] - positions[senders], shifts[images // n]
+
+
+@pytest.mark.parametrize("construction", ["orb_v2", "orb_v3_20", "orb_v3_120"])
+def test_native_neighbour_search_is_exact(construction, monkeypatch):
+    """The compiled cell-list search returns exactly the exhaustive answer, equal distances ordered by
+    candidate index; scipy's k-d tree (used without a compiler) returns the same edges up to such ties."""
+    from orb.data import graphs, neighbours
+    from orb.data.graphs import IMAGE_OFFSETS, GraphSettings, atoms_to_graph, minimal_supercell_offsets
+
+    assert neighbours.native_search() is not None, "a C++ compiler is part of the test environment"
+    settings = {"orb_v2": GraphSettings(), "orb_v3_20": GraphSettings(6.0, 20, True),
+                "orb_v3_120": GraphSettings(6.0, 120, True)}[construction]
+    searched = []
+    monkeypatch.setattr(graphs, "nearest_images", lambda *args: searched.append(args) or
+                        neighbours.nearest_images(*args))
+    for atoms in search_cases():
+        g = atoms_to_graph(atoms, settings=settings)
+        positions, translations, shifts, self_image, k, cutoff = searched[-1]
+        if construction == "orb_v2" and atoms.cell.any():
+            assert self_image == 13 and np.array_equal(shifts, IMAGE_OFFSETS)
+        elif construction != "orb_v2" and atoms.pbc.all():
+            assert np.array_equal(shifts, minimal_supercell_offsets(atoms.cell.array.astype(np.float32), 6.0))
+        expected = exhaustive_nearest(positions, translations, shifts, self_image, k, cutoff)
+        for name, mine, exact in zip(("senders", "receivers", "vectors", "unit shifts"),
+                                     (g.senders, g.receivers, g.vectors, g.unit_shifts), expected):
+            np.testing.assert_array_equal(mine, exact, err_msg=f"{atoms.get_chemical_formula()}: {name}")
+        tree = neighbours.tree_edges(positions, translations, shifts, self_image, k, cutoff)
+        assert np.array_equal(tree[0], g.senders)  # the same number of edges per atom
+        for atom in range(len(atoms)):
+            mine = np.linalg.norm(g.vectors[g.senders == atom].astype(np.float64), axis=1)
+            theirs = np.linalg.norm(tree[2][tree[0] == atom].astype(np.float64), axis=1)
+            np.testing.assert_allclose(np.sort(mine), np.sort(theirs), atol=1e-6)  # same distances: differ by ties
+            nearer = mine < mine.max() - 1e-6 if len(mine) else mine.astype(bool)  # clear of the k-th's ties
+            same = {(int(r), *s) for r, s in zip(g.receivers[g.senders == atom][nearer],
+                                                 g.unit_shifts[g.senders == atom][nearer])}
+            assert same <= {(int(r), *s) for r, s in zip(tree[1][tree[0] == atom], tree[3][tree[0] == atom])}
+
+
+def test_graphs_build_without_a_compiler(monkeypatch, caplog):
+    """Without the compiled search (no g++), graphs come from scipy's k-d tree, with one warning saying so."""
+    from orb import native
+    from orb.data import neighbours
+    from orb.data.graphs import atoms_to_graph
+
+    native_graph = atoms_to_graph(bulk("Cu", "fcc", a=3.6).repeat((2, 2, 2)))
+    monkeypatch.setenv("PATH", "")
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("ORB_KERNEL_CACHE", str(os.path.join(os.sep, "nonexistent", "cache")))
+    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: os.path.join(os.sep, "nonexistent", "tmp"))
+    native.build.cache_clear()
+    neighbours.native_search.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="orb"):
+            assert neighbours.native_search() is None
+        assert "k-d tree" in caplog.text and "g++" in caplog.text
+        graph = atoms_to_graph(bulk("Cu", "fcc", a=3.6).repeat((2, 2, 2)))
+        assert np.array_equal(graph.senders, native_graph.senders)
+        np.testing.assert_allclose(np.sort(graph.r), np.sort(native_graph.r), atol=1e-6)  # ties may differ
+    finally:
+        native.build.cache_clear()
+        neighbours.native_search.cache_clear()

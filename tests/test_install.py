@@ -43,6 +43,9 @@ def test_pip_install_and_run_outside_the_checkout(tmp_path):
                "from ase.build import bulk\n"
                "atoms = bulk('Cu', 'fcc', a=3.6)\n"
                "atoms.calc = ORBCalculator.from_checkpoint('run/checkpoints/last.ckpt', device_target='CPU')\n"
-               "print('energy', atoms.get_potential_energy())\n")
+               "print('energy', atoms.get_potential_energy())\n"
+               "from orb.data.neighbours import native_search\n"
+               "print('native neighbour search', native_search() is not None)\n")
     calc = subprocess.run([str(python), "-c", snippet], cwd=work, env=env, capture_output=True, text=True, timeout=300)
     assert calc.returncode == 0 and "energy" in calc.stdout, calc.stderr[-2000:]
+    assert "native neighbour search True" in calc.stdout  # its C++ source is installed with the package

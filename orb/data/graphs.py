@@ -9,9 +9,21 @@ orb-v2 (orb-models 0.4.2's ``ase_atoms_to_atom_graphs``):
 * periodic positions are wrapped into the cell (float64 fractional coordinates, modulo 1);
 * neighbour candidates are the atoms of the 3x3x3 block of cell images only (27 N points),
   so thin cells get the same, not exact, neighbour list as the original;
-* each atom takes its ``max_neighbors + 1`` nearest candidates, drops the nearest (itself)
-  and keeps those closer than ``radius + 1e-6``; edges are directed sender (centre atom)
-  -> receiver (neighbour) and ``vector = receiver image - sender``.
+* each atom takes its ``max_neighbors`` nearest candidates other than itself closer than
+  ``radius + 1e-6``; edges are directed sender (centre atom) -> receiver (neighbour) and
+  ``vector = receiver image - sender``.
+
+orb-v3 (orb-models 0.5.5, ``minimal_supercell``):
+
+* periodic means a non-zero cell *and* pbc (periodicity along some axes only is refused);
+  positions are wrapped in float64, then cast to float32;
+* candidates are the images in the exact minimal supercell that can hold a neighbour within
+  ``radius`` (6 Å), so thin cells get every neighbour;
+* each atom takes its ``max_neighbors`` (20 or 120) nearest candidates other than itself
+  within ``radius``; every edge carries the integer cell shift of its receiver's image, from
+  which conservative models rebuild the edge vector inside the differentiated graph.
+
+The search itself is :func:`orb.data.neighbours.nearest_images`.
 """
 
 import math
@@ -20,12 +32,12 @@ from itertools import product
 from typing import List, Optional, Sequence
 
 import numpy as np
-from scipy.spatial import cKDTree
 
+from orb.data.neighbours import nearest_images
 from orb.errors import StructureError
 
 MAX_ATOMIC_NUMBER = 118
-# The 27 lattice translations (-1, 0, 1)^3 of the image block.
+# The 27 lattice translations (-1, 0, 1)^3 of the image block; (0, 0, 0) is number 13.
 IMAGE_OFFSETS = np.array(list(product((-1.0, 0.0, 1.0), repeat=3)), dtype=np.float32)
 # Edge length given to padding edges: beyond orb's 6 Å attention cutoff, so they carry no message.
 PADDING_EDGE_LENGTH = 7.0
@@ -147,33 +159,13 @@ def _check_structure(positions: np.ndarray, numbers: np.ndarray, cell: np.ndarra
     return periodic
 
 
-def _image_positions(positions: np.ndarray, cell: np.ndarray) -> np.ndarray:
-    """Positions of the 27 cell images, image-major: index = image * N + atom (float32)."""
-    shifts = IMAGE_OFFSETS @ cell  # (27, 3) lattice translations
-    return (positions[None, :, :] + shifts[:, None, :]).reshape(-1, 3)
-
-
-def _tree_query(candidates: np.ndarray, positions: np.ndarray, k: int, radius: float):
-    tree = cKDTree(candidates, balanced_tree=False, compact_nodes=False)  # 2-3x faster to build, same answers
-    return tree.query(positions, k=k, distance_upper_bound=radius + 1e-5)
-
-
 def knn_edges(positions: np.ndarray, cell: np.ndarray, radius: float, max_neighbors: int):
     """orb-v2's directed k-NN edges among the 27 images: senders, receivers, vectors, unit shifts
-    (sorted by sender, then distance)."""
-    n = len(positions)
-    candidates = _image_positions(positions, cell) if cell.any() else positions
-    k = min(max_neighbors + 1, len(candidates))
-    if k < 2:
-        return (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 3), np.float32),
-                np.zeros((0, 3), np.float32))
-    dist, idx = _tree_query(candidates, positions, k, radius)
-    keep = dist[:, 1:] < radius + 1e-6  # column 0 is the nearest candidate: the atom itself
-    senders = np.repeat(np.arange(n, dtype=np.int64), keep.sum(axis=1))
-    images = idx[:, 1:][keep]
-    vectors = candidates[images] - positions[senders]
-    shifts = IMAGE_OFFSETS[images // n] if cell.any() else np.zeros((len(images), 3), np.float32)
-    return senders, images % n, vectors, shifts
+    (grouped by sender, nearest first)."""
+    if not cell.any():
+        zero = np.zeros((1, 3), np.float32)
+        return nearest_images(positions, zero, zero, 0, max_neighbors, radius + 1e-6)
+    return nearest_images(positions, IMAGE_OFFSETS @ cell, IMAGE_OFFSETS, 13, max_neighbors, radius + 1e-6)
 
 
 # Integer offsets n in [-4, 4]^3, the search range orb-models 0.5.5 validated for radii up to 6 Å.
@@ -191,21 +183,10 @@ def minimal_supercell_offsets(cell: np.ndarray, radius: float) -> np.ndarray:
 
 
 def supercell_edges(positions: np.ndarray, cell: np.ndarray, periodic: bool, radius: float, max_neighbors: int):
-    """orb-v3's edges: senders, receivers, vectors and unit shifts (float32), grouped by sender by distance."""
-    n = len(positions)
+    """orb-v3's edges: senders, receivers, vectors and unit shifts (float32), grouped by sender, nearest first."""
     offsets = minimal_supercell_offsets(cell, radius) if periodic else np.zeros((1, 3), np.float32)
-    candidates = (positions[None, :, :] + (offsets @ cell)[:, None, :]).reshape(-1, 3)
-    k = min(max_neighbors + 1, len(candidates))
-    if k < 2:
-        return (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 3), np.float32),
-                np.zeros((0, 3), np.float32))
-    _, idx = cKDTree(candidates, leafsize=100).query(positions, k=k, distance_upper_bound=radius + 1e-8)
-    idx = idx.reshape(n, k)[:, 1:]  # the nearest candidate is the atom itself
-    hit = idx != len(candidates)
-    senders = np.repeat(np.arange(n, dtype=np.int64), hit.sum(axis=1))
-    images = idx[hit]
-    vectors = candidates[images] - positions[senders]
-    return senders, images % n, vectors, offsets[images // n]
+    home = int(np.flatnonzero(~offsets.any(axis=1))[0])
+    return nearest_images(positions, offsets @ cell, offsets, home, max_neighbors, radius + 1e-8)
 
 
 def _check_pbc(pbc: Optional[np.ndarray], cell: np.ndarray) -> bool:

@@ -4,10 +4,8 @@ MindSpore 2.10's CPU ``Softplus``, ``Sigmoid`` and ``Exp`` kernels are accurate 
 (tens to hundreds of ulps); through 15 layers that moves orb-v2's energies by ~3e-4 eV against
 PyTorch. ``activations.cc`` computes orb-v2's shifted softplus and its derivative, orb-v3's SiLU
 with its first and second derivatives (conservative models train through a gradient), and
-exp(min(x, 0)) to ~1 ulp and, being auto-vectorised, faster than the built-in kernels. It is compiled once with the system's g++
-into a cache folder (``ORB_KERNEL_CACHE``, default ``~/.cache/orb_mindspore``), keyed by the
-source, the flags and the CPU's instruction-set flags (``-march=native`` code must never run
-on another CPU), falling back to a temporary folder if the cache is not writable.
+exp(min(x, 0)) to ~1 ulp and, being auto-vectorised, faster than the built-in kernels. It is
+compiled once per machine with the system's g++ and cached (``orb.native``).
 
 Kernel mode (environment variable ``ORB_KERNELS`` or :func:`set_kernel_mode`):
 
@@ -16,20 +14,13 @@ Kernel mode (environment variable ``ORB_KERNELS`` or :func:`set_kernel_mode`):
   so that path can be tested on a CPU.
 """
 
-import hashlib
-import logging
 import math
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from functools import lru_cache
 from typing import Optional
 
-log = logging.getLogger("orb")
+from orb.native import build
+
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "activations.cc")
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
 MODES = ("auto", "builtin")
 _mode: Optional[str] = None
 
@@ -49,73 +40,10 @@ def kernel_mode() -> str:
     return mode
 
 
-def _cpu_signature() -> str:
-    """The CPU's instruction-set flags (what ``-march=native`` compiles for)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return f"{platform.machine()} {platform.processor()}"
-
-
-def _cache_dirs():
-    configured = os.environ.get("ORB_KERNEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "orb_mindspore")
-    return [configured, os.path.join(tempfile.gettempdir(), f"orb_mindspore-{os.getuid()}")]
-
-
-def _writable_dir(candidates) -> Optional[str]:
-    for folder in candidates:
-        try:
-            os.makedirs(folder, exist_ok=True)
-            if os.access(folder, os.W_OK):
-                return folder
-        except OSError:
-            continue
-    return None
-
-
-def _compile(compiler: str, folder: str, target: str) -> bool:
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *FLAGS, "-o", tmp, SOURCE], check=True, capture_output=True, text=True)
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, target)  # atomic: concurrent workers never load a half-written library
-        return True
-    except (subprocess.CalledProcessError, OSError) as exc:
-        detail = getattr(exc, "stderr", "") or str(exc)
-        log.warning("building %s failed (%s): using MindSpore's built-in kernels", SOURCE, detail.strip()[:200])
-        return False
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-@lru_cache(maxsize=1)
 def library_path() -> Optional[str]:
     """Path of the compiled kernel library, building it if needed; None if it cannot be built."""
-    with open(SOURCE, "rb") as f:
-        source = f.read()
-    tag = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    name = f"orb_activations_{tag}.so"
-    for folder in _cache_dirs():
-        if os.path.exists(os.path.join(folder, name)):
-            return os.path.join(folder, name)
-    compiler = shutil.which(os.environ.get("CXX", "g++"))
-    if compiler is None:
-        log.warning("no C++ compiler found: using MindSpore's built-in Softplus/Exp kernels (~1e-6 less accurate); "
-                    "install g++ for PyTorch-level accuracy")
-        return None
-    folder = _writable_dir(_cache_dirs())
-    if folder is None:
-        log.warning("no writable folder for the kernel cache (%s): using MindSpore's built-in kernels",
-                    " or ".join(_cache_dirs()))
-        return None
-    target = os.path.join(folder, name)
-    return target if _compile(compiler, folder, target) else None
+    return build(SOURCE, "using MindSpore's built-in Softplus/Exp kernels (~1e-6 less accurate); install g++ for "
+                         "PyTorch-level accuracy")
 
 
 def _custom_library() -> Optional[str]:
