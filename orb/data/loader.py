@@ -9,6 +9,7 @@ with ``workers = 0`` it happens inline. Workers are started with ``spawn`` (they
 scipy and ase, never MindSpore) and read the database through their own connections.
 """
 
+import logging
 import multiprocessing
 import time
 from collections import deque
@@ -20,6 +21,7 @@ import numpy as np
 from orb.data.buckets import Bucket, bucket_for, pad_to_bucket
 from orb.data.dataset import AseDbDataset, EpochSampler
 from orb.data.graphs import batch_graphs, empty_batch
+from orb.data.neighbours import native_search
 from orb.data.tensors import loss_arrays
 
 
@@ -64,6 +66,7 @@ _worker_datasets: Dict[str, AseDbDataset] = {}
 
 def _init_worker(datasets: Dict[str, AseDbDataset]) -> None:
     _worker_datasets.update(datasets)
+    logging.getLogger("orb").setLevel(logging.ERROR)  # e.g. "no C++ compiler": the main process said it once
 
 
 def _prepare_in_worker(args):
@@ -84,6 +87,7 @@ class BatchLoader:
 
     def _ensure_pool(self):
         if self._pool is None and self.workers > 0:
+            native_search()  # build the neighbour search once, here, before the workers load it
             context = multiprocessing.get_context("spawn")
             self._pool = context.Pool(self.workers, initializer=_init_worker, initargs=(self.datasets,))
         return self._pool
