@@ -2,9 +2,9 @@
 
 The candidates are every atom shifted by every given lattice translation (orb-v2: the 27 cells
 around the home cell; orb-v3: the minimal supercell); an atom's own untranslated copy is
-excluded. ``neighbours.cc`` does the search natively (a cell list, ~2x faster than scipy's
-k-d tree on MPtrj structures, and moving the per-edge bookkeeping out of numpy), built once per
-machine (``orb.native``); without a C++ compiler the same search runs on scipy's k-d tree.
+excluded. ``neighbours.cc`` does the search natively (a cell list that also writes the edges, so
+no per-edge numpy work remains: graphs ~2.5x faster on MPtrj rows, docs/benchmarks.md), built
+once per machine (``orb.native``); without a C++ compiler the same search runs on scipy's k-d tree.
 Both return the same edges except among candidates at exactly equal distance around the k-th
 neighbour, where the native search takes the lower candidate index and the tree any of them.
 """
@@ -26,7 +26,7 @@ Edges = Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # senders, receiv
 @lru_cache(maxsize=1)
 def native_search():
     """The compiled search function, or None when it cannot be built (the k-d tree is used)."""
-    path = build(SOURCE, "building graphs with scipy's k-d tree (about 2x slower); install g++ to speed it up")
+    path = build(SOURCE, "building graphs with scipy's k-d tree (about 2.5x slower); install g++ to speed it up")
     if path is None:
         return None
     function = ctypes.CDLL(path).orb_knn_edges
