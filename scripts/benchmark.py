@@ -1,4 +1,5 @@
-"""Benchmarks: graph construction, model inference and training step, data parallel, ASE calculator.
+"""Benchmarks: graph construction, model inference and training step, matrix products, data parallel,
+ASE calculator.
 
     python scripts/benchmark.py graphs     [--torch-python PATH]
     python scripts/benchmark.py model      [--model NAME] [--torch-python PATH] [--steps 8] [--rounds 2]
@@ -6,6 +7,7 @@
     python scripts/benchmark.py allreduce  [--steps 5]
     python scripts/benchmark.py pipeline   [--config C] [--batch 16]
     python scripts/benchmark.py calculator [--torch-python PATH]
+    python scripts/benchmark.py gemm       [--repeats 9]
 
 With ``--torch-python`` pointing at a Python that has torch and orb-models 0.4.2 installed (never
 required), the same measurement is made with PyTorch orb-models in that interpreter right after
@@ -352,6 +354,58 @@ def bench_model(args) -> None:
           f"({change:+.0%}{'; over 20 %: the host was not steady, repeat the run' if abs(change) > 0.2 else ''})")
 
 
+# ------------------------------------------------------------------------------------------- gemm
+# The interaction layers' edge products (rows = edges of a batch of 8 demo structures): the first
+# layer's edge columns, the hidden layer and the output layer of the edge MLP.
+GEMM_SHAPES = {"orb_v2": (1772, [(256, 512), (512, 512), (512, 256)]),
+               "orb-v3, 20 neighbours": (1856, [(256, 1024), (1024, 1024), (1024, 256)])}
+
+
+def bench_gemm(args) -> None:
+    """MindSpore's CPU MatMul against numpy's BLAS on the products a training step makes of each layer
+    y = x W^T: the forward, the input gradient dY W and the weight gradient dY^T x, alternated."""
+    import mindspore as ms
+    from mindspore import Tensor, nn, ops
+
+    from orb.device import configure_mindspore
+
+    configure_mindspore("CPU", num_threads=int(os.environ.get("OMP_NUM_THREADS", "2")))
+    rng = np.random.default_rng(0)
+
+    class Products(nn.Cell):
+        """Four independent products per call, so the call's fixed cost is shared."""
+
+        def __init__(self, transpose_a: bool, transpose_b: bool):
+            super().__init__()
+            self.matmul = ops.MatMul(transpose_a=transpose_a, transpose_b=transpose_b)
+
+        def construct(self, a, b):
+            return [self.matmul(a[i], b[i]) for i in range(len(a))]
+
+    print("| model | rows | in -> out | product | MindSpore MatMul (GFLOP/s) | numpy BLAS (GFLOP/s) | MindSpore / BLAS |")
+    print("|---|---|---|---|---|---|---|")
+    for model, (rows, layers) in GEMM_SHAPES.items():
+        for d_in, d_out in layers:
+            x, w, dy = ([rng.standard_normal(shape, np.float32) for _ in range(4)]
+                        for shape in ((rows, d_in), (d_out, d_in), (rows, d_out)))
+            x, w, dy = list(x), list(w), list(dy)
+            cases = {"forward x W^T": (Products(False, True), x, w, lambda i: x[i] @ w[i].T),
+                     "input grad dY W": (Products(False, False), dy, w, lambda i: dy[i] @ w[i]),
+                     "weight grad dY^T x": (Products(True, False), dy, x, lambda i: dy[i].T @ x[i])}
+            for name, (cell, a, b, reference) in cases.items():
+                a_ms, b_ms = tuple(Tensor(v) for v in a), tuple(Tensor(v) for v in b)
+                cell(a_ms, b_ms)  # compile
+                ours, blas = [], []
+                for _ in range(args.repeats):  # alternated, so a change of the host's speed hits both
+                    ours.append(median_time(lambda: cell(a_ms, b_ms)[-1].asnumpy(), 1))
+                    blas.append(median_time(lambda: [reference(i) for i in range(4)], 1))
+                gflop = 4 * 2 * rows * d_in * d_out / 1e9
+                r_ours, r_blas = gflop / np.median(ours), gflop / np.median(blas)
+                print(f"| {model} | {rows} | {d_in} -> {d_out} | {name} | {r_ours:.0f} | {r_blas:.0f} | "
+                      f"{r_ours / r_blas:.2f} |")
+    print(f"\nhost matrix-multiply calibration (numpy, 1024^3): {gemm_rate():.0f} GFLOP/s; MindSpore {ms.__version__}")
+
+
 # ---------------------------------------------------------------------------------------- parallel
 def bench_parallel(args) -> None:
     """Weak scaling: 2 workers x 1 thread vs 1 worker x 1 thread, same per-worker batch."""
@@ -604,9 +658,11 @@ def main() -> None:
     p = sub.add_parser("calculator")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--torch-python", default="")
+    p = sub.add_parser("gemm")
+    p.add_argument("--repeats", type=int, default=9, help="alternated timings of each product")
     args = parser.parse_args()
     {"graphs": bench_graphs, "model": bench_model, "parallel": bench_parallel, "calculator": bench_calculator,
-     "allreduce": bench_allreduce, "pipeline": bench_pipeline}[args.area](args)
+     "allreduce": bench_allreduce, "pipeline": bench_pipeline, "gemm": bench_gemm}[args.area](args)
 
 
 if __name__ == "__main__":
