@@ -388,7 +388,6 @@ def bench_gemm(args) -> None:
         for d_in, d_out in layers:
             x, w, dy = ([rng.standard_normal(shape, np.float32) for _ in range(4)]
                         for shape in ((rows, d_in), (d_out, d_in), (rows, d_out)))
-            x, w, dy = list(x), list(w), list(dy)
             cases = {"forward x W^T": (Products(False, True), x, w, lambda i: x[i] @ w[i].T),
                      "input grad dY W": (Products(False, False), dy, w, lambda i: dy[i] @ w[i]),
                      "weight grad dY^T x": (Products(True, False), dy, x, lambda i: dy[i].T @ x[i])}
