@@ -8,7 +8,7 @@
 // double from the float32 coordinates (as scipy's k-d tree does); equal distances are ordered by
 // candidate index, so the graph does not depend on the search order. Candidate positions and
 // edge vectors are float32 sums and differences, bit for bit what numpy computes.
-// Build: see orb/native.py.
+// Build: see orb/native.py (its flags, once per machine).
 //
 // No fused multiply-adds: -march=native would otherwise fuse the squared distance's products and
 // sums on CPUs that have FMA, so near-equal distances (and the graph) would depend on the host.

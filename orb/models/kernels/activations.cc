@@ -5,7 +5,7 @@
 // ssp(x) = softplus(x) - ln 2 = (max(x, 0) - ln 2) + log1p(exp(-|x|))
 // d ssp(x) / dx = sigmoid(x)
 // exp(min(x, 0)) for the Gaussian radial basis functions.
-// Build: g++ -O3 -march=native -fno-math-errno -fno-trapping-math -fPIC -shared (see orb/native.py).
+// Build: see orb/native.py (its flags, once per machine).
 #include <cstdint>
 #include <cstring>
 
