@@ -8,6 +8,7 @@ ASE calculator.
     python scripts/benchmark.py pipeline   [--config C] [--batch 16]
     python scripts/benchmark.py calculator [--torch-python PATH]
     python scripts/benchmark.py gemm       [--repeats 9]
+    python scripts/benchmark.py breakdown  [--model NAME] [--steps 6]
 
 With ``--torch-python`` pointing at a Python that has torch and orb-models 0.4.2 installed (never
 required), the same measurement is made with PyTorch orb-models in that interpreter right after
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -237,52 +239,73 @@ def forward_matmul_flops(model, nodes: float, edges: float, graphs: float) -> fl
     return 2.0 * macs
 
 
+class Setup:
+    """Model ``name``, ``steps`` batches of 8 demo structures padded to one bucket, and its compiled-to-be
+    inference and training steps (the trainer's, with Adam and the EMA), as the model benchmark runs them."""
+
+    def __init__(self, name: str, steps: int, memory: Optional[dict] = None):
+        import mindspore as ms
+
+        from orb.data.dataset import AseDbDataset
+        from orb.data.graphs import batch_graphs, pad_batch
+        from orb.data.tensors import loss_inputs
+        from orb.models import create
+        from orb.training.config import config_from_dict
+        from orb.training.optimizer import FlatAdam
+        from orb.training.schedule import make_schedule
+        from orb.training.steps import EvalStep, TrainStep
+        from orb.training.trainer import make_loss
+
+        memory = {} if memory is None else memory
+        ms.set_context(mode=ms.GRAPH_MODE)
+        memory["runtime"] = resident_gb()  # MindSpore and the project imported
+        self.model = model = create(name)
+        memory["weights"] = resident_gb()
+        cfg = config_from_dict(dict(model=dict(name=name), reference_energies=dict(trainable="auto")))
+        ds = AseDbDataset(DEMO, settings=model.cfg.graph_settings(), charge_spin=model.cfg.omol)
+        graphs = [ds[i] for i in range(steps * 8)]
+        if model.cfg.omol:
+            for g in graphs:
+                g.charge, g.spin = np.zeros(1, np.float32), np.ones(1, np.float32)
+        self.batches = [batch_graphs(graphs[i:i + 8]) for i in range(0, len(graphs), 8)]
+        self.bucket = (max(b.num_nodes for b in self.batches) + 1, max(b.num_edges for b in self.batches))
+        self.inputs = [loss_inputs(pad_batch(b, *self.bucket, b.num_graphs + 1)) for b in self.batches]
+        loss = make_loss(model, cfg, has_stress=model.cfg.has_stress)
+        params = [p for p in model.trainable_params() if not (model.cfg.family == "orb_v3" and
+                                                              p is model.reference_energy_weight())]
+        memory["data"] = resident_gb()
+        optimizer = FlatAdam(params, make_schedule("constant", 1e-4, 10 ** 6, 0.0), ema_decay=0.99)
+        memory["optimizer state"] = resident_gb()
+        self.steps = {"inference": EvalStep(loss), "train": TrainStep(loss, optimizer)}
+        self.atoms = float(np.mean([b.num_nodes for b in self.batches]))
+        self.edges = float(np.mean([b.num_edges for b in self.batches]))
+
+    def forward_gflop(self) -> float:
+        """The matrix-multiply work of one forward pass on the batches' real (unpadded) sizes."""
+        return forward_matmul_flops(self.model, self.atoms, self.edges, 8) / 1e9
+
+    def run(self, kind: str, i: int) -> float:
+        """One step of ``kind`` on batch ``i`` (compiled at its first call, as the trainer does); seconds."""
+        from orb.device import compile_cell
+
+        step, inputs = self.steps[kind], self.inputs[i % len(self.inputs)]
+        start = time.perf_counter()
+        if not getattr(step, "_benchmark_compiled", False):
+            compile_cell(step, *inputs)  # as the trainer: compile, return the compiler's freed memory, run
+            step._benchmark_compiled = True
+        step(*inputs).asnumpy()
+        return time.perf_counter() - start
+
+
 def measure_ours(name: str, steps: int) -> dict:
     """Median inference and training-step times (and first-call compile times) of model ``name`` on
     batches of 8 demo structures, all padded to one bucket (one compilation per step kind)."""
-    import mindspore as ms
-
-    from orb.data.dataset import AseDbDataset
-    from orb.data.graphs import batch_graphs, pad_batch
-    from orb.data.tensors import loss_inputs
-    from orb.device import compile_cell
-    from orb.models import create
-    from orb.training.config import config_from_dict
-    from orb.training.optimizer import FlatAdam
-    from orb.training.schedule import make_schedule
-    from orb.training.steps import EvalStep, TrainStep
-    from orb.training.trainer import make_loss
-
-    ms.set_context(mode=ms.GRAPH_MODE)
-    memory = {"runtime": resident_gb()}  # MindSpore and the project imported
-    model = create(name)
-    memory["weights"] = resident_gb()
-    cfg = config_from_dict(dict(model=dict(name=name), reference_energies=dict(trainable="auto")))
-    ds = AseDbDataset(DEMO, settings=model.cfg.graph_settings(), charge_spin=model.cfg.omol)
-    graphs = [ds[i] for i in range(steps * 8)]
-    if model.cfg.omol:
-        for g in graphs:
-            g.charge, g.spin = np.zeros(1, np.float32), np.ones(1, np.float32)
-    batches = [batch_graphs(graphs[i:i + 8]) for i in range(0, len(graphs), 8)]
-    nodes, edges = max(b.num_nodes for b in batches) + 1, max(b.num_edges for b in batches)
-    loss = make_loss(model, cfg, has_stress=model.cfg.has_stress)
-    params = [p for p in model.trainable_params() if not (model.cfg.family == "orb_v3" and
-                                                          p is model.reference_energy_weight())]
-    memory["data"] = resident_gb()
-    optimizer = FlatAdam(params, make_schedule("constant", 1e-4, 10 ** 6, 0.0), ema_decay=0.99)
-    memory["optimizer state"] = resident_gb()
-    out = {"atoms": float(np.mean([b.num_nodes for b in batches])),
-           "edges": float(np.mean([b.num_edges for b in batches])), "bucket": [nodes, edges]}
-    out["forward_gflop"] = forward_matmul_flops(model, out["atoms"], out["edges"], 8) / 1e9
-    for kind, step in (("inference", EvalStep(loss)), ("train", TrainStep(loss, optimizer))):
-        times = []
-        for i, b in enumerate(batches):
-            inputs = loss_inputs(pad_batch(b, nodes, edges, b.num_graphs + 1))
-            start = time.perf_counter()
-            if i == 0:
-                compile_cell(step, *inputs)  # as the trainer: compile, return the compiler's freed memory, run
-            step(*inputs).asnumpy()
-            times.append(time.perf_counter() - start)
+    memory = {}
+    setup = Setup(name, steps, memory)
+    out = {"atoms": setup.atoms, "edges": setup.edges, "bucket": list(setup.bucket),
+           "forward_gflop": setup.forward_gflop()}
+    for kind in setup.steps:
+        times = [setup.run(kind, i) for i in range(steps)]
         out[kind], out[kind + "_compile"] = float(np.median(times[1:])), times[0]
         memory[f"{kind} graph and activations"] = resident_gb()
     out["peak_gb"] = peak_memory_gb()
@@ -403,6 +426,108 @@ def bench_gemm(args) -> None:
                 print(f"| {model} | {rows} | {d_in} -> {d_out} | {name} | {r_ours:.0f} | {r_blas:.0f} | "
                       f"{r_ours / r_blas:.2f} |")
     print(f"\nhost matrix-multiply calibration (numpy, 1024^3): {gemm_rate():.0f} GFLOP/s; MindSpore {ms.__version__}")
+
+
+# --------------------------------------------------------------------------------------- breakdown
+PRODUCT_KINDS = ("forward and input-gradient products", "weight gradients (transposed first operand, dY^T x)",
+                 "ones-vector products (row/column expansions and sums)")
+
+
+class OneDnnLog:
+    """The matrix products MindSpore's CPU backend runs through oneDNN, each with its kernel time, as
+    oneDNN's verbose mode reports them (``dnnl_set_verbose`` of the library MindSpore loaded; the
+    report goes to file descriptor 1, captured here while the log is on)."""
+
+    def __init__(self):
+        import ctypes
+
+        import mindspore as ms
+
+        self.libc = ctypes.CDLL(None)
+        self.dnnl = ctypes.CDLL(os.path.join(os.path.dirname(ms.__file__), "lib", "libdnnl.so.3"))
+
+    def run(self, fn) -> list:
+        """Call ``fn`` with the log on; returns (kind, GFLOP, milliseconds) per matrix product it ran."""
+        sys.stdout.flush()
+        self.libc.fflush(None)
+        saved = os.dup(1)
+        with tempfile.TemporaryFile("w+") as capture:
+            os.dup2(capture.fileno(), 1)
+            self.dnnl.dnnl_set_verbose(1)
+            try:
+                fn()
+            finally:
+                self.libc.fflush(None)
+                self.dnnl.dnnl_set_verbose(0)
+                os.dup2(saved, 1)
+                os.close(saved)
+            capture.seek(0)
+            return [p for p in map(self.parse, capture) if p]
+
+    @staticmethod
+    def parse(line: str):
+        """``onednn_verbose,v1,primitive,exec,cpu,matmul,impl,prop,src:f32::blocked:ba::f0 wei:... dst:...,
+        attrs,aux,MxK:KxN,ms`` -> (kind, GFLOP, ms); None for other lines."""
+        fields = line.strip().split(",")
+        if len(fields) < 8 or fields[0] != "onednn_verbose" or "exec" not in fields or "matmul" not in fields:
+            return None
+        src = next(f for f in fields if f.startswith("src:")).split()[0]
+        layout = src.split("::")[1].split(":")[1]
+        a, b = (list(map(int, side.split("x"))) for side in fields[-2].split(":"))
+        m, k, n = int(np.prod(a[:-1])), a[-1], b[-1]
+        if min(m, k, n) == 1:
+            kind = PRODUCT_KINDS[2]
+        elif layout != "".join(sorted(layout)):
+            kind = PRODUCT_KINDS[1]
+        else:
+            kind = PRODUCT_KINDS[0]
+        return kind, 2.0 * m * k * n / 1e9, float(fields[-1])
+
+
+def bench_breakdown(args) -> None:
+    """Where a step's time goes: matrix-product kernel time by kind (from oneDNN's own timing, in
+    steps alternated with uninstrumented ones) and everything else (the step's median time minus it)."""
+    from orb.device import configure_mindspore
+
+    configure_mindspore("CPU", num_threads=int(os.environ.get("OMP_NUM_THREADS", "2")))
+    rate_before = gemm_rate()
+    setup = Setup(args.model, args.steps)
+    log = OneDnnLog()
+    print(f"{args.model}, batches of 8 demo structures ({setup.atoms:.0f} atoms, {setup.edges:.0f} edges on average), "
+          f"padded to {setup.bucket}; medians over {args.steps} steps of each kind, instrumented (oneDNN's "
+          "verbose log) and plain steps alternated\n")
+    print("| step | part | time per step (ms) | share of the step | GFLOP per step | GFLOP/s |")
+    print("|---|---|---|---|---|---|")
+    rates = {}
+    for kind in setup.steps:
+        setup.run(kind, 0)  # compile
+        plain, products = [], []
+        for i in range(args.steps):
+            products.append(log.run(lambda: setup.run(kind, i)))
+            plain.append(setup.run(kind, i))
+        step_ms = 1e3 * float(np.median(plain))
+        per_kind = {k: [sum(ms for kk, _, ms in p if kk == k) for p in products] for k in PRODUCT_KINDS}
+        work = {k: sum(g for kk, g, _ in products[0] if kk == k) for k in PRODUCT_KINDS}
+        total_ms = float(np.median([sum(ms for _, _, ms in p) for p in products]))
+        for k in PRODUCT_KINDS:
+            t = float(np.median(per_kind[k]))
+            if not work[k]:
+                continue
+            print(f"| {kind} | {k} | {t:.0f} | {t / step_ms:.0%} | {work[k]:.1f} | {work[k] / t * 1e3:.0f} |")
+        print(f"| {kind} | all matrix products | {total_ms:.0f} | {total_ms / step_ms:.0%} | "
+              f"{sum(work.values()):.1f} | {sum(work.values()) / total_ms * 1e3:.0f} |")
+        print(f"| {kind} | everything else | {step_ms - total_ms:.0f} | {1 - total_ms / step_ms:.0%} | | |")
+        print(f"| {kind} | whole step (uninstrumented) | {step_ms:.0f} | 100% | | |")
+        rates[kind] = work
+    rate_after = gemm_rate()
+    rate = (rate_before + rate_after) / 2
+    change = rate_after / rate_before - 1
+    print(f"\nGFLOP per step: as run, on the padded bucket; the model benchmark's bound counts the real "
+          f"(unpadded) work, {setup.forward_gflop():.1f} GFLOP per forward pass. Host matrix-multiply "
+          f"calibration (numpy, 1024^3): {rate_before:.0f} GFLOP/s before, {rate_after:.0f} after ({change:+.0%}"
+          f"{'; over 20 %: the host was not steady, repeat the run' if abs(change) > 0.2 else ''}); "
+          f"matrix products at that rate would take: " +
+          ", ".join(f"{kind} {sum(w.values()) / rate * 1e3:.0f} ms" for kind, w in rates.items()))
 
 
 # ---------------------------------------------------------------------------------------- parallel
@@ -657,11 +782,15 @@ def main() -> None:
     p = sub.add_parser("calculator")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--torch-python", default="")
+    p = sub.add_parser("breakdown")
+    p.add_argument("--model", default="orb_v2", help="orb_v2 or an orb-v3 name (orb.models.MODEL_NAMES)")
+    p.add_argument("--steps", type=int, default=6, help="instrumented and plain steps of each kind")
     p = sub.add_parser("gemm")
     p.add_argument("--repeats", type=int, default=9, help="alternated timings of each product")
     args = parser.parse_args()
     {"graphs": bench_graphs, "model": bench_model, "parallel": bench_parallel, "calculator": bench_calculator,
-     "allreduce": bench_allreduce, "pipeline": bench_pipeline, "gemm": bench_gemm}[args.area](args)
+     "allreduce": bench_allreduce, "pipeline": bench_pipeline, "gemm": bench_gemm,
+     "breakdown": bench_breakdown}[args.area](args)
 
 
 if __name__ == "__main__":
