@@ -139,52 +139,100 @@ def test_pad_refuses_too_small():
         pad_batch(g, 0, 0, 1)
 
 
-def brute_force_best(natoms, batch_size, k, max_buckets):
-    """The planner's objective minimised by trying every subset of candidate caps."""
+def brute_force_best(natoms, edges, batch_size, max_buckets):
+    """The planner's objective (padded edges of simulated batches) minimised by trying every subset of
+    candidate edge capacities."""
     from itertools import combinations
 
-    from orb.data.buckets import round_up, simulate_batch_nodes
+    from orb.data.buckets import round_up, simulate_batches
 
-    totals = simulate_batch_nodes(np.asarray(natoms), batch_size)
-    top = round_up(int(np.sort(natoms)[-batch_size:].sum()) + 1, 8)
-    caps = sorted({round_up(int(q) + 1, 8) for q in np.quantile(totals, np.linspace(0.05, 0.95, 19))})
+    _, totals = simulate_batches(np.asarray(natoms), np.asarray(edges), batch_size)
+    top = round_up(int(np.sort(edges)[-batch_size:].sum()), 8)
+    caps = sorted({round_up(int(q), 8) for q in np.quantile(totals, np.linspace(0.05, 0.95, 19))})
     caps = [c for c in caps if c < top]
     best = None
     for n in range(max_buckets):
         for chosen in combinations(caps, n):
             sizes = np.array(sorted(chosen) + [top])
-            cost = sizes[np.searchsorted(sizes, totals + 1)].sum()
+            cost = sizes[np.searchsorted(sizes, totals)].sum()
             best = cost if best is None else min(best, cost)
     return best
 
 
 def test_buckets_fit_every_batch_and_are_few():
-    from orb.data.buckets import simulate_batch_nodes
+    from orb.data.buckets import simulate_batches
 
     rng = np.random.default_rng(0)
     natoms = rng.choice([4, 8, 13, 16, 32], size=200)
+    edges = natoms * rng.integers(5, 60, size=200)  # per-structure edge capacities, not proportional to atoms
     for max_buckets in (1, 2, 3, 4):
-        buckets = plan_buckets(natoms, batch_size=8, max_neighbors=20, max_buckets=max_buckets)
+        buckets = plan_buckets(natoms, edges, batch_size=8, max_buckets=max_buckets)
         assert 1 <= len(buckets) <= max_buckets
-        assert buckets[-1].num_nodes > np.sort(natoms)[-8:].sum()  # the 8 largest structures fit
-        sizes = np.array([b.num_nodes for b in buckets])
-        totals = simulate_batch_nodes(natoms, 8)
-        cost = sizes[np.searchsorted(sizes, totals + 1)].sum()
-        assert cost == brute_force_best(natoms, 8, 20, max_buckets)  # the dynamic programme is optimal
-    frac = padding_fraction(natoms, 8, buckets)
-    assert 0 <= frac["nodes"] < 0.5
-    big = plan_buckets(rng.integers(1, 300, size=5000), 32, 20, 16)  # many buckets stay fast
+        biggest = buckets[-1]  # holds the 8 largest structures by atoms and by edges
+        assert biggest.num_nodes > np.sort(natoms)[-8:].sum() and biggest.num_edges >= np.sort(edges)[-8:].sum()
+        nodes, totals = simulate_batches(natoms, edges, 8)
+        chosen = [bucket_for([np.full(1, n)], [np.full(1, e)], buckets) for n, e in zip(nodes, totals)]
+        assert all(b.holds(n, e, 1) for b, n, e in zip(chosen, nodes, totals))  # every simulated batch fits
+        cost = sum(b.num_edges for b in chosen)
+        assert cost == brute_force_best(natoms, edges, 8, max_buckets)  # the dynamic programme is optimal
+    frac = padding_fraction(natoms, edges, 8, buckets)
+    assert 0 <= frac["nodes"] < 0.5 and 0 <= frac["edges"] < 0.5
+    big_natoms = rng.integers(1, 300, size=5000)
+    big = plan_buckets(big_natoms, 20 * big_natoms, 32, 16)  # many buckets stay fast
     assert len(big) <= 16
     cu = atoms_to_graph(bulk("Cu", "fcc", a=3.6).repeat((2, 2, 2)))
     batch = batch_graphs([cu] * 8)
-    bucket = bucket_for([np.full(8, 8)], buckets, 20)
+    eight = [np.full(8, 8)], [np.full(8, 160)]
+    bucket = bucket_for(*eight, buckets)
     assert bucket.fits(batch) and pad_to_bucket(batch, bucket).num_nodes == bucket.num_nodes
     # two ranks: the bucket holds the larger shard, whichever rank computes it
-    assert bucket_for([np.full(4, 8), np.full(3, 32)], buckets, 20).num_nodes > 96
+    assert bucket_for([np.full(4, 8), np.full(3, 32)], [np.full(4, 160), np.full(3, 640)], buckets).num_nodes > 96
     with pytest.raises(ConfigError, match="fits no bucket"):
-        bucket_for([np.full(8, 8)], [Bucket(16, 320, 9)], 20)
+        bucket_for(*eight, [Bucket(16, 320, 9)])
     with pytest.raises(ConfigError, match="largest bucket \\[64, 640\\] cannot hold"):
-        check_buckets(natoms, 8, [Bucket(64, 640, 9)], 20, "training")
+        check_buckets(natoms, edges, 8, [Bucket(64, 640, 9)], "training")
+
+
+@pytest.mark.parametrize("name", ["orb_v3_conservative_inf_omat", "orb_v3_direct_20_omat", "orb_v2"])
+def test_edge_capacity_bounds_every_rotation(name):
+    """A row's edge capacity is at least its graph's edges under every augmentation rotation; for
+    orb-v3 it is the neighbour count (so 120-neighbour buckets are sized by the real graphs, not by
+    atoms x 120), for orb-v2 atoms x 20."""
+    from conftest import DEMO_TRAIN, MPTRJ_DB, MPTRJ_THIN_DB
+    from orb.data.dataset import AseDbDataset
+    from orb.models.config import ModelConfig
+
+    settings = ModelConfig.from_dict(dict(name=name)).graph_settings()
+    for path in (MPTRJ_THIN_DB, MPTRJ_DB, DEMO_TRAIN):
+        ds = AseDbDataset(path, settings=settings, augmentation=True)
+        capacity = ds.edge_capacities()
+        unrotated = np.array([ds.get(i, rotation_seed=None).num_edges for i in range(len(ds))])
+        if settings.minimal_supercell:
+            assert (capacity - unrotated).max() <= 0.01 * unrotated.max()  # tight: the neighbour count itself
+        else:
+            np.testing.assert_array_equal(capacity, ds.natoms * 20)
+        for i in range(len(ds)):
+            for seed in range(4):
+                assert ds.get(i, rotation_seed=[seed, 0, i]).num_edges <= capacity[i]
+    if "inf" in name:  # what the buckets gain: crystals have ~50-65 neighbours within 6 Å, not 120
+        assert capacity.sum() < 0.6 * 120 * ds.natoms.sum()
+
+
+def test_edge_capacities_counted_by_workers_equal_the_serial_count():
+    from conftest import DEMO_TRAIN
+    from orb.data.dataset import AseDbDataset
+    from orb.data.loader import BatchLoader
+    from orb.models.config import ModelConfig
+
+    settings = ModelConfig.from_dict(dict(name="orb_v3_direct_inf_omat")).graph_settings()
+    serial = AseDbDataset(DEMO_TRAIN, settings=settings).edge_capacities()
+    loader = BatchLoader({"train": AseDbDataset(DEMO_TRAIN, settings=settings)}, workers=2)
+    try:
+        counted = loader.edge_capacities("train", chunk=10)  # 7 chunks over 2 processes
+    finally:
+        loader.close()
+    np.testing.assert_array_equal(counted, serial)
+    assert loader.datasets["train"].edge_capacities() is counted  # kept: the buckets and the epochs use it
 
 
 V3 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "orb_v3_parity.npz")

@@ -2,13 +2,14 @@
 
 A graph-mode step compiles once per input shape. Batches are padded up to the smallest bucket
 that fits, so a run compiles at most ``len(buckets)`` times. The bucket of a step is chosen from
-atom counts alone (known for every row before any graph is built) and an upper bound on the
-edges, so every data-parallel rank can compute every rank's needs and all ranks pick the same
-bucket at every step; the largest bucket fits the worst possible batch, checked before training.
+each structure's atom count and edge capacity (an upper bound on its edges under any rotation,
+computed once before training), so every data-parallel rank can compute every rank's needs and
+all ranks pick the same bucket at every step; the largest bucket fits the worst possible batch,
+checked before training.
 """
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Sequence, Tuple
 
 import numpy as np
 
@@ -38,38 +39,46 @@ def round_up(x: int, multiple: int) -> int:
     return int(-(-x // multiple) * multiple)
 
 
-def edge_bound(natoms: np.ndarray, max_neighbors: int) -> int:
-    """Upper bound on the edges of structures with ``natoms`` atoms: at most k per atom."""
-    return int(np.asarray(natoms, dtype=np.int64).sum() * max_neighbors)
-
-
-def simulate_batch_nodes(natoms: np.ndarray, batch_size: int, epochs: int = 50, seed: int = 0) -> np.ndarray:
-    """Node totals of randomly shuffled batches over a number of simulated epochs."""
+def simulate_batches(natoms: np.ndarray, edges: np.ndarray, batch_size: int, epochs: int = 50,
+                     seed: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+    """Node and edge-capacity totals of randomly shuffled batches over a number of simulated epochs."""
     rng = np.random.default_rng(seed)
-    totals = []
+    nodes_out, edges_out = [], []
     for _ in range(epochs):
-        order = natoms[rng.permutation(len(natoms))]
-        totals.extend(order[i:i + batch_size].sum() for i in range(0, len(order), batch_size))
-    return np.asarray(totals)
+        order = rng.permutation(len(natoms))
+        for i in range(0, len(order), batch_size):
+            part = order[i:i + batch_size]
+            nodes_out.append(natoms[part].sum())
+            edges_out.append(edges[part].sum())
+    return np.asarray(nodes_out), np.asarray(edges_out)
 
 
-def plan_buckets(natoms: Sequence[int], batch_size: int, max_neighbors: int = 20, max_buckets: int = 3,
+def largest_batch(natoms: np.ndarray, edges: np.ndarray, batch_size: int) -> Tuple[int, int]:
+    """Node and edge totals no batch of ``batch_size`` structures can exceed."""
+    return int(np.sort(natoms)[-batch_size:].sum()), int(np.sort(edges)[-batch_size:].sum())
+
+
+def plan_buckets(natoms: Sequence[int], edges: Sequence[int], batch_size: int, max_buckets: int = 3,
                  multiple: int = 8, seed: int = 0) -> List[Bucket]:
-    """At most ``max_buckets`` bucket shapes minimising the expected padded size (exact, by dynamic programming).
+    """At most ``max_buckets`` bucket shapes minimising the expected padded edges (exact, by dynamic programming).
 
-    The largest bucket holds the ``batch_size`` largest structures; the smaller ones are chosen
-    among quantiles of simulated batch node totals. Edge capacity is ``max_neighbors`` per node,
-    an upper bound for any batch that fits the node capacity.
+    ``edges``: each structure's edge capacity (:meth:`AseDbDataset.edge_capacities`); edge rows are
+    most of a step's work. The largest bucket holds the worst possible batch (the ``batch_size``
+    largest structures by atoms and by edges); smaller edge capacities are chosen among quantiles of
+    simulated batch edge totals, each with the node capacity of the simulated batches it holds.
     """
-    natoms = np.asarray(natoms, dtype=np.int64)
+    natoms, edges = np.asarray(natoms, dtype=np.int64), np.asarray(edges, dtype=np.int64)
     batch_size = min(batch_size, len(natoms))
-    top = round_up(int(np.sort(natoms)[-batch_size:].sum()) + 1, multiple)
-    totals = np.sort(simulate_batch_nodes(natoms, batch_size, seed=seed))
-    caps = sorted({round_up(int(q) + 1, multiple) for q in np.quantile(totals, np.linspace(0.05, 0.95, 19))})
-    caps = [c for c in caps if c < top] + [top]
-    # cost(i, j): padded nodes of the batches whose smallest fitting cap is caps[j] when the
-    # previous chosen cap is caps[i] (i = -1: none); best[k][j]: least cost with k caps ending at j.
-    first = np.searchsorted(totals + 1, caps, side="right")  # batches with total + 1 <= cap
+    top_nodes, top_edges = largest_batch(natoms, edges, batch_size)
+    top = (round_up(top_nodes + 1, multiple), round_up(max(top_edges, 1), multiple))
+    nodes, totals = simulate_batches(natoms, edges, batch_size, seed=seed)
+    order = np.argsort(totals, kind="stable")
+    nodes, totals = nodes[order], totals[order]
+    caps = sorted({round_up(int(q), multiple) for q in np.quantile(totals, np.linspace(0.05, 0.95, 19))})
+    caps = [c for c in caps if c < top[1]] + [top[1]]
+    # cost(i, j): padded edges of the batches whose smallest fitting cap is caps[j] when the previous
+    # chosen cap is caps[i] (i = -1: none); best[k][j]: least cost with k caps ending at j.
+    first = np.searchsorted(totals, caps, side="right")  # batches with total <= cap
 
     def count(i: int, j: int) -> int:
         return int(first[j] - (first[i] if i >= 0 else 0))
@@ -89,9 +98,15 @@ def plan_buckets(natoms: Sequence[int], batch_size: int, max_neighbors: int = 20
     k = min(range(1, max_buckets + 1), key=lambda kk: (best[kk][n - 1], kk))
     chosen, j = [], n - 1
     while j >= 0 and k >= 1:
-        chosen.append(caps[j])
+        chosen.append(j)
         j, k = back[k][j], k - 1
-    return [Bucket(c, c * max_neighbors, batch_size + 1) for c in sorted(chosen)]
+    buckets = []
+    for j in sorted(chosen):
+        held = nodes[:first[j]]  # the simulated batches within this edge capacity
+        node_cap = top[0] if caps[j] == top[1] or not len(held) else min(top[0], round_up(int(held.max()) + 1,
+                                                                                          multiple))
+        buckets.append(Bucket(node_cap, caps[j], batch_size + 1))
+    return buckets
 
 
 def parse_buckets(spec: Sequence[Sequence[int]], batch_size: int) -> List[Bucket]:
@@ -99,12 +114,14 @@ def parse_buckets(spec: Sequence[Sequence[int]], batch_size: int) -> List[Bucket
     return sorted(Bucket(int(n), int(e), batch_size + 1) for n, e in spec)
 
 
-def bucket_for(shard_natoms: Sequence[np.ndarray], buckets: Sequence[Bucket], max_neighbors: int) -> Bucket:
-    """The smallest bucket that holds every shard (each shard: the atom counts of its structures)."""
+def bucket_for(shard_natoms: Sequence[np.ndarray], shard_edges: Sequence[np.ndarray],
+               buckets: Sequence[Bucket]) -> Bucket:
+    """The smallest bucket that holds every shard (each shard: the atom counts and edge capacities of its
+    structures): every rank computes the same one from every rank's structures."""
     nodes = max(int(np.sum(s)) for s in shard_natoms)
-    edges = max(edge_bound(s, max_neighbors) for s in shard_natoms)
+    edges = max(int(np.sum(s)) for s in shard_edges)
     graphs = max(len(s) for s in shard_natoms)
-    for bucket in sorted(buckets):
+    for bucket in sorted(buckets, key=lambda b: (b.num_edges, b.num_nodes)):
         if bucket.holds(nodes, edges, graphs):
             return bucket
     raise ConfigError(
@@ -112,28 +129,34 @@ def bucket_for(shard_natoms: Sequence[np.ndarray], buckets: Sequence[Bucket], ma
         f"{[(b.num_nodes, b.num_edges) for b in buckets]}; enlarge 'buckets' in the config or leave it empty")
 
 
-def check_buckets(natoms: Sequence[int], local_batch: int, buckets: Sequence[Bucket], max_neighbors: int,
+def check_buckets(natoms: Sequence[int], edges: Sequence[int], local_batch: int, buckets: Sequence[Bucket],
                   what: str) -> None:
     """Refuse, before training, buckets that some batch could not fit (the ``local_batch`` largest structures)."""
-    largest = np.sort(np.asarray(natoms, dtype=np.int64))[-local_batch:]
-    biggest = max(buckets)
-    if not biggest.holds(int(largest.sum()), edge_bound(largest, max_neighbors), len(largest)):
+    natoms = np.asarray(natoms, dtype=np.int64)
+    count = min(local_batch, len(natoms))
+    nodes, edge_total = largest_batch(natoms, np.asarray(edges, dtype=np.int64), count)
+    if not any(b.holds(nodes, edge_total, count) for b in buckets):
+        biggest = max(buckets, key=lambda b: (b.num_edges, b.num_nodes))
         raise ConfigError(
             f"config key 'buckets': the largest bucket {[biggest.num_nodes, biggest.num_edges]} cannot hold a batch "
-            f"of the {len(largest)} largest {what} structures ({int(largest.sum())} atoms, up to "
-            f"{edge_bound(largest, max_neighbors)} edges at {max_neighbors} neighbours per atom, plus one padding "
-            "atom); enlarge it or leave 'buckets' empty to have them chosen")
+            f"of the {count} largest {what} structures ({nodes} atoms plus one padding atom, up to {edge_total} "
+            "edges); enlarge it or leave 'buckets' empty to have them chosen")
 
 
 def pad_to_bucket(batch: AtomGraphs, bucket: Bucket) -> AtomGraphs:
     return pad_batch(batch, bucket.num_nodes, bucket.num_edges, bucket.num_graphs)
 
 
-def padding_fraction(natoms: Sequence[int], batch_size: int, buckets: Sequence[Bucket],
-                     max_neighbors: int = 20, seed: int = 0) -> Optional[dict]:
-    """Expected fraction of padded nodes (simulated shuffled batches)."""
-    natoms = np.asarray(natoms, dtype=np.int64)
-    totals = simulate_batch_nodes(natoms, min(batch_size, len(natoms)), epochs=20, seed=seed)
-    sizes = np.array(sorted(b.num_nodes for b in buckets))
-    padded = sizes[np.minimum(np.searchsorted(sizes, totals + 1), len(sizes) - 1)]
-    return {"nodes": float(1 - totals.sum() / padded.sum())}
+def padding_fraction(natoms: Sequence[int], edges: Sequence[int], batch_size: int, buckets: Sequence[Bucket],
+                     seed: int = 0) -> dict:
+    """Expected fractions of padded nodes and edges (simulated shuffled batches; edges counted at their
+    capacities, so the true edge padding is a little larger)."""
+    natoms, edges = np.asarray(natoms, dtype=np.int64), np.asarray(edges, dtype=np.int64)
+    nodes, totals = simulate_batches(natoms, edges, min(batch_size, len(natoms)), epochs=20, seed=seed)
+    padded_nodes, padded_edges = np.zeros(len(nodes)), np.zeros(len(nodes))
+    left = np.ones(len(nodes), bool)
+    for bucket in sorted(buckets, key=lambda b: (b.num_edges, b.num_nodes)):  # as bucket_for chooses
+        fits = left & (nodes < bucket.num_nodes) & (totals <= bucket.num_edges)
+        padded_nodes[fits], padded_edges[fits] = bucket.num_nodes, bucket.num_edges
+        left &= ~fits
+    return {"nodes": float(1 - nodes.sum() / padded_nodes.sum()), "edges": float(1 - totals.sum() / padded_edges.sum())}

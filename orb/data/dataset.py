@@ -13,7 +13,7 @@ from typing import Iterator, List, Optional, Tuple
 import numpy as np
 
 from orb.errors import DatasetError, StructureError
-from orb.data.graphs import AtomGraphs, GraphSettings, graph_from_arrays
+from orb.data.graphs import AtomGraphs, GraphSettings, edge_capacity, graph_from_arrays
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 
@@ -91,6 +91,7 @@ class AseDbDataset:
         self.settings = settings or GraphSettings(float(radius), int(max_neighbors))
         self.radius, self.max_neighbors = self.settings.radius, self.settings.max_neighbors
         self.augmentation = augmentation
+        self._edge_capacities: Optional[np.ndarray] = None
         self.require_labels = require_labels
         self.charge_spin = charge_spin
         check_sqlite_file(self.path)
@@ -235,14 +236,40 @@ class AseDbDataset:
             graph = graph_from_arrays(positions, row.numbers, cell, system_id=row.id, pbc=row.pbc,
                                       settings=self.settings)
         except StructureError as exc:
-            key = ("numbers" if "atomic number" in str(exc) else "pbc" if "pbc" in str(exc)
-                   else "cell" if "cell" in str(exc) else "positions")
-            raise DatasetError(self.path, str(exc), row.id, key) from None
+            raise self._structure_error(row, exc) from None
         graph.charge, graph.spin = self._charge_spin(row)
         graph.energy = None if energy is None else np.array([energy], np.float32)
         graph.forces = None if forces is None else forces.astype(np.float32)
         graph.stress = None if stress is None else stress.astype(np.float32)[None]
         return graph
+
+    def _structure_error(self, row, exc: StructureError) -> DatasetError:
+        key = ("numbers" if "atomic number" in str(exc) else "pbc" if "pbc" in str(exc)
+               else "cell" if "cell" in str(exc) else "positions")
+        return DatasetError(self.path, str(exc), row.id, key)
+
+    def count_edge_capacities(self, start: int, stop: int) -> np.ndarray:
+        """The edge capacities (:func:`edge_capacity`) of rows ``start:stop``."""
+        capacities = np.empty(stop - start, np.int64)
+        for i in range(start, stop):
+            row = self.row(i)
+            try:
+                capacities[i - start] = edge_capacity(row.positions, row.numbers, row.cell, row.pbc, self.settings)
+            except StructureError as exc:
+                raise self._structure_error(row, exc) from None
+        return capacities
+
+    def edge_capacities(self, counted: Optional[np.ndarray] = None) -> np.ndarray:
+        """Per row, an upper bound on its graph's edges under any rotation, computed once (or taken from
+        ``counted``, e.g. counted by worker processes): batch shapes are planned from it before any batch
+        is built."""
+        if counted is not None:
+            if len(counted) != len(self):
+                raise ValueError(f"{len(counted)} edge capacities for {len(self)} rows")
+            self._edge_capacities = np.asarray(counted, np.int64)
+        elif self._edge_capacities is None:
+            self._edge_capacities = self.count_edge_capacities(0, len(self))
+        return self._edge_capacities
 
     def __getitem__(self, index: int) -> AtomGraphs:
         return self.get(index)

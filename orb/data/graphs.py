@@ -182,11 +182,21 @@ def minimal_supercell_offsets(cell: np.ndarray, radius: float) -> np.ndarray:
     return np.unique(widened, axis=0)  # lexicographic, as torch.unique(dim=0)
 
 
-def supercell_edges(positions: np.ndarray, cell: np.ndarray, periodic: bool, radius: float, max_neighbors: int):
-    """orb-v3's edges: senders, receivers, vectors and unit shifts (float32), grouped by sender, nearest first."""
+def supercell_edges(positions: np.ndarray, cell: np.ndarray, periodic: bool, radius: float, max_neighbors: int,
+                    margin: float = 1e-8):
+    """orb-v3's edges: senders, receivers, vectors and unit shifts (float32), grouped by sender, nearest first
+    (neighbours closer than ``radius + margin``)."""
     offsets = minimal_supercell_offsets(cell, radius) if periodic else np.zeros((1, 3), np.float32)
     home = int(np.flatnonzero(~offsets.any(axis=1))[0])
-    return nearest_images(positions, offsets @ cell, offsets, home, max_neighbors, radius + 1e-8)
+    return nearest_images(positions, offsets @ cell, offsets, home, max_neighbors, radius + margin)
+
+
+def _v3_frame(positions64: np.ndarray, numbers: np.ndarray, cell64: np.ndarray, pbc: Optional[np.ndarray]):
+    """orb-v3's checked float32 positions (wrapped in float64 when periodic), float32 cell and periodicity."""
+    cell = cell64.astype(np.float32)
+    periodic = _check_structure(positions64.astype(np.float32), numbers, cell) and _check_pbc(pbc, cell)
+    positions = (wrap_positions64(positions64, cell64) if periodic else positions64).astype(np.float32)
+    return positions, cell, periodic
 
 
 def _check_pbc(pbc: Optional[np.ndarray], cell: np.ndarray) -> bool:
@@ -216,11 +226,10 @@ def graph_from_arrays(
     settings = settings or GraphSettings(radius, max_neighbors)
     positions64 = np.asarray(positions, dtype=np.float64)
     numbers = np.asarray(numbers).astype(np.int64)
-    cell64 = np.asarray(cell, dtype=np.float64).reshape(3, 3) if np.size(cell) else np.zeros((3, 3))
+    cell64 = _cell64(cell)
     cell = cell64.astype(np.float32)
     if settings.minimal_supercell:
-        periodic = _check_structure(positions64.astype(np.float32), numbers, cell) and _check_pbc(pbc, cell)
-        positions = (wrap_positions64(positions64, cell64) if periodic else positions64).astype(np.float32)
+        positions, cell, periodic = _v3_frame(positions64, numbers, cell64, pbc)
         senders, receivers, vectors, shifts = supercell_edges(positions, cell, periodic, settings.radius,
                                                               settings.max_neighbors)
     else:
@@ -241,6 +250,34 @@ def graph_from_arrays(
         system_id=None if system_id is None else np.array([system_id], np.int64),
         unit_shifts=shifts.astype(np.float32),
     )
+
+
+# Distances move by float32 rounding (~1e-6 Å) when a structure is rotated (augmentation) and
+# re-wrapped; counting neighbours this much beyond the radius bounds every rotation's edge count.
+EDGE_CAPACITY_MARGIN = 1e-3
+
+
+def edge_capacity(positions: np.ndarray, numbers: np.ndarray, cell: np.ndarray, pbc: Optional[np.ndarray],
+                  settings: GraphSettings) -> int:
+    """An upper bound on the edges of this structure's graph, however it is rotated.
+
+    orb-v3 graphs hold every neighbour within the radius (up to ``max_neighbors`` per atom), so the
+    bound is that count at the radius plus :data:`EDGE_CAPACITY_MARGIN`: for "inf" models it is
+    typically 2-3x below atoms x 120 in crystals and further below in molecules, which is what the
+    padded batch shapes then cost. orb-v2's 27-image candidates change when a rotation wraps an atom
+    across the cell, so there the bound stays atoms x ``max_neighbors``.
+    """
+    numbers = np.asarray(numbers).astype(np.int64)
+    if not settings.minimal_supercell:
+        return len(numbers) * settings.max_neighbors
+    positions, cell, periodic = _v3_frame(np.asarray(positions, dtype=np.float64), numbers, _cell64(cell), pbc)
+    senders = supercell_edges(positions, cell, periodic, settings.radius, settings.max_neighbors,
+                              margin=EDGE_CAPACITY_MARGIN)[0]
+    return len(senders)
+
+
+def _cell64(cell) -> np.ndarray:
+    return np.asarray(cell, dtype=np.float64).reshape(3, 3) if np.size(cell) else np.zeros((3, 3))
 
 
 def atoms_to_graph(atoms, radius: float = 10.0, max_neighbors: int = 20, system_id: Optional[int] = None,

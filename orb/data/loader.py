@@ -35,13 +35,15 @@ class Step:
     global_count: int
 
 
-def plan_epoch(sampler: EpochSampler, natoms: np.ndarray, shards: Callable[[np.ndarray], List[np.ndarray]],
-               rank: int, buckets: Sequence[Bucket], max_neighbors: int, epoch: int) -> List[Step]:
-    """This rank's steps of ``epoch`` (``shards`` splits a global batch among the ranks)."""
+def plan_epoch(sampler: EpochSampler, natoms: np.ndarray, edges: np.ndarray,
+               shards: Callable[[np.ndarray], List[np.ndarray]], rank: int, buckets: Sequence[Bucket],
+               epoch: int) -> List[Step]:
+    """This rank's steps of ``epoch`` (``shards`` splits a global batch among the ranks; ``edges``: each
+    structure's edge capacity)."""
     steps = []
     for global_batch in sampler.global_batches(epoch):
         parts = shards(global_batch)
-        bucket = bucket_for([natoms[p] for p in parts], buckets, max_neighbors)
+        bucket = bucket_for([natoms[p] for p in parts], [edges[p] for p in parts], buckets)
         steps.append(Step(epoch, tuple(int(i) for i in parts[rank]), bucket, len(global_batch)))
     return steps
 
@@ -74,6 +76,11 @@ def _prepare_in_worker(args):
     return prepare(_worker_datasets[name], step, seed, with_stress)
 
 
+def _count_in_worker(args):
+    name, start, stop = args
+    return _worker_datasets[name].count_edge_capacities(start, stop)
+
+
 class BatchLoader:
     """Prepared steps of named datasets in order, ``depth`` steps ahead, from ``workers`` processes (0: inline).
 
@@ -91,6 +98,15 @@ class BatchLoader:
             context = multiprocessing.get_context("spawn")
             self._pool = context.Pool(self.workers, initializer=_init_worker, initargs=(self.datasets,))
         return self._pool
+
+    def edge_capacities(self, name: str, chunk: int = 256) -> np.ndarray:
+        """Dataset ``name``'s edge capacities (one neighbour search per structure), counted by the workers."""
+        dataset = self.datasets[name]
+        if not dataset.settings.minimal_supercell or self.workers == 0:  # orb-v2's capacity needs no search
+            return dataset.edge_capacities()
+        pool = self._ensure_pool()
+        ranges = [(name, a, min(a + chunk, len(dataset))) for a in range(0, len(dataset), chunk)]
+        return dataset.edge_capacities(np.concatenate(pool.map(_count_in_worker, ranges)))
 
     def iterate(self, name: str, steps: Sequence[Step], seed: Optional[int],
                 with_stress: bool) -> Iterator[Tuple[Step, tuple]]:

@@ -149,18 +149,23 @@ class Trainer:
         self.local_batch = math.ceil(cfg.batch_size / world)
         self.sampler = EpochSampler(len(self.train_set), cfg.batch_size, cfg.random_seed, True)
         self.val_sampler = EpochSampler(len(self.val_set), cfg.batch_size, 0, False) if self.val_set else None
-        self.train_buckets = self._buckets(self.train_set, "training")
-        self.val_buckets = self._buckets(self.val_set, "validation") if self.val_set is not None else []
         datasets = {"train": self.train_set, **({"val": self.val_set} if self.val_set is not None else {})}
         self.loader = BatchLoader(datasets, cfg.data_workers)
+        self.train_buckets = self._buckets("train", "training")
+        self.val_buckets = self._buckets("val", "validation") if self.val_set is not None else []
 
-    def _buckets(self, dataset: AseDbDataset, what: str) -> List[Bucket]:
-        k = self.cfg.model.max_neighbors
+    def _buckets(self, name: str, what: str) -> List[Bucket]:
+        dataset = self.loader.datasets[name]
+        start = time.perf_counter()
+        edges = self.loader.edge_capacities(name)
+        if dataset.settings.minimal_supercell:  # orb-v3: counted (orb-v2's capacity is atoms x max_neighbors)
+            log.info("%s data: neighbours of %d structures counted for the batch shapes in %.1f s", what, len(dataset),
+                     time.perf_counter() - start)
         if self.cfg.buckets:
             buckets = parse_buckets(self.cfg.buckets, self.local_batch)
-            check_buckets(dataset.natoms, self.local_batch, buckets, k, what)
+            check_buckets(dataset.natoms, edges, self.local_batch, buckets, what)
             return buckets
-        return plan_buckets(dataset.natoms, self.local_batch, k, self.cfg.num_buckets, seed=self.cfg.random_seed)
+        return plan_buckets(dataset.natoms, edges, self.local_batch, self.cfg.num_buckets, seed=self.cfg.random_seed)
 
     def _names(self, params) -> List[str]:
         names = {id(p): name for name, p in self.model.parameters_and_names()}
@@ -198,16 +203,18 @@ class Trainer:
                  float(self.schedule.lr.max()), f", EMA of weights {cfg.ema_decay}" if cfg.ema_decay else "",
                  cfg.gradient_clip_mode, cfg.gradient_clip_val,
                  ", state sharded over ranks" if self.dp.shard_optimizer else "")
-        pad = padding_fraction(self.train_set.natoms, self.local_batch, self.train_buckets, cfg.model.max_neighbors)
-        log.info("train buckets (nodes, edges, graphs): %s; expected padding %.0f%% of nodes",
-                 [(b.num_nodes, b.num_edges, b.num_graphs) for b in self.train_buckets], 100 * pad["nodes"])
+        pad = padding_fraction(self.train_set.natoms, self.train_set.edge_capacities(), self.local_batch,
+                               self.train_buckets)
+        log.info("train buckets (nodes, edges, graphs): %s; expected padding %.0f%% of nodes, %.0f%% of edges",
+                 [(b.num_nodes, b.num_edges, b.num_graphs) for b in self.train_buckets], 100 * pad["nodes"],
+                 100 * pad["edges"])
         keys = [k for k in self.loss_cell.sum_keys if k in METRICS and (self.has_stress or "stress" not in k)]
         log.info("metrics (per epoch, train and validation):\n%s", describe(keys))
 
     # ----------------------------------------------------------------- steps
     def _plan(self, sampler: EpochSampler, dataset: AseDbDataset, buckets, epoch: int) -> List[Step]:
-        return plan_epoch(sampler, dataset.natoms, self.dp.shards, self.dp.rank, buckets,
-                          self.cfg.model.max_neighbors, epoch)
+        return plan_epoch(sampler, dataset.natoms, dataset.edge_capacities(), self.dp.shards, self.dp.rank, buckets,
+                          epoch)
 
     def _run(self, kind: str, cell, arrays, bucket: Bucket):
         from orb.data.tensors import to_tensors
