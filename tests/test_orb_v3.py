@@ -325,3 +325,28 @@ def test_omol_model_trains_on_charge_and_spin_and_names_a_row_without(tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert len(result.stderr.strip().splitlines()) == 1
     assert "bad.db, row 6, key 'charge'" in result.stderr and "OMol" in result.stderr
+
+
+def test_bad_row_found_while_counting_neighbours_stops_with_one_line(tmp_path):
+    """orb-v3 counts every structure's neighbours before training (in the data workers) to size the
+    batch shapes: a broken row stops the run there with its row and key named, and the worker
+    processes end quietly (no traceback at exit)."""
+    import ase.db
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    bad = str(tmp_path / "bad.db")
+    with ase.db.connect(DEMO_VAL) as src, ase.db.connect(bad) as dst:
+        for i, row in enumerate(src.select()):
+            atoms = row.toatoms()
+            if i == 5:
+                cell = atoms.cell.array.copy()
+                cell[2] = cell[0]  # singular
+                atoms.set_cell(cell)
+            atoms.calc = SinglePointCalculator(atoms, energy=row.energy, forces=row.forces, stress=row.stress)
+            dst.write(atoms)
+    result = run_cli("--config", "configs/demo.yaml", "--output_dir", str(tmp_path / "run"), "--checkpoint_path", "",
+                     "--device_target", "CPU", "--train_data_path", bad, "--data_workers", "2",
+                     "--model.name", "orb_v3_direct_inf_omat", *SMALL_V3, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr[-2000:]
+    assert "bad.db, row 6, key 'cell'" in result.stderr and "singular" in result.stderr

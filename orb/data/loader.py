@@ -92,21 +92,28 @@ class BatchLoader:
         self.wait_time = 0.0
         self._pool = None
 
+    def _new_pool(self):
+        native_search()  # build the neighbour search once, here, before the workers load it
+        context = multiprocessing.get_context("spawn")
+        return context.Pool(self.workers, initializer=_init_worker, initargs=(self.datasets,))
+
     def _ensure_pool(self):
         if self._pool is None and self.workers > 0:
-            native_search()  # build the neighbour search once, here, before the workers load it
-            context = multiprocessing.get_context("spawn")
-            self._pool = context.Pool(self.workers, initializer=_init_worker, initargs=(self.datasets,))
+            self._pool = self._new_pool()
         return self._pool
 
     def edge_capacities(self, name: str, chunk: int = 256) -> np.ndarray:
-        """Dataset ``name``'s edge capacities (one neighbour search per structure), counted by the workers."""
+        """Dataset ``name``'s edge capacities (one neighbour search per structure), counted by the workers.
+
+        Their own short-lived pool: set-up that fails after this (a bad checkpoint, a refused resume)
+        leaves no worker processes behind; the training pool starts with the first epoch."""
         dataset = self.datasets[name]
         if not dataset.settings.minimal_supercell or self.workers == 0:  # orb-v2's capacity needs no search
             return dataset.edge_capacities()
-        pool = self._ensure_pool()
         ranges = [(name, a, min(a + chunk, len(dataset))) for a in range(0, len(dataset), chunk)]
-        return dataset.edge_capacities(np.concatenate(pool.map(_count_in_worker, ranges)))
+        with self._new_pool() as pool:
+            counted = pool.map(_count_in_worker, ranges)
+        return dataset.edge_capacities(np.concatenate(counted))
 
     def iterate(self, name: str, steps: Sequence[Step], seed: Optional[int],
                 with_stress: bool) -> Iterator[Tuple[Step, tuple]]:
