@@ -13,7 +13,7 @@ from typing import Iterator, List, Optional, Tuple
 import numpy as np
 
 from orb.errors import DatasetError, StructureError
-from orb.data.graphs import AtomGraphs, GraphSettings, edge_capacity, graph_from_arrays
+from orb.data.graphs import AtomGraphs, GraphSettings, capacity_is_counted, edge_capacity, graph_from_arrays
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 
@@ -268,7 +268,8 @@ class AseDbDataset:
                 raise ValueError(f"{len(counted)} edge capacities for {len(self)} rows")
             self._edge_capacities = np.asarray(counted, np.int64)
         elif self._edge_capacities is None:
-            self._edge_capacities = self.count_edge_capacities(0, len(self))
+            self._edge_capacities = (self.count_edge_capacities(0, len(self)) if capacity_is_counted(self.settings)
+                                     else self.natoms * self.settings.max_neighbors)  # no row read
         return self._edge_capacities
 
     def __getitem__(self, index: int) -> AtomGraphs:

@@ -257,18 +257,23 @@ def graph_from_arrays(
 EDGE_CAPACITY_MARGIN = 1e-3
 
 
-def edge_capacity(positions: np.ndarray, numbers: np.ndarray, cell: np.ndarray, pbc: Optional[np.ndarray],
-                  settings: GraphSettings) -> int:
-    """An upper bound on the edges of this structure's graph, however it is rotated.
+def capacity_is_counted(settings: GraphSettings) -> bool:
+    """Whether a structure's edge capacity needs a neighbour search (else it is atoms x ``max_neighbors``).
 
     orb-v3 graphs hold every neighbour within the radius (up to ``max_neighbors`` per atom), so the
-    bound is that count at the radius plus :data:`EDGE_CAPACITY_MARGIN`: for "inf" models it is
-    typically 2-3x below atoms x 120 in crystals and further below in molecules, which is what the
-    padded batch shapes then cost. orb-v2's 27-image candidates change when a rotation wraps an atom
-    across the cell, so there the bound stays atoms x ``max_neighbors``.
+    capacity is that count: for "inf" models typically 2-3x below atoms x 120 in crystals and
+    further below in molecules, which is what the padded batch shapes then cost. orb-v2's 27-image
+    candidates change when a rotation wraps an atom across the cell, so no count bounds them.
     """
+    return settings.minimal_supercell
+
+
+def edge_capacity(positions: np.ndarray, numbers: np.ndarray, cell: np.ndarray, pbc: Optional[np.ndarray],
+                  settings: GraphSettings) -> int:
+    """An upper bound on the edges of this structure's graph, however it is rotated: counted at the
+    radius plus :data:`EDGE_CAPACITY_MARGIN` where :func:`capacity_is_counted`, else atoms x k."""
     numbers = np.asarray(numbers).astype(np.int64)
-    if not settings.minimal_supercell:
+    if not capacity_is_counted(settings):
         return len(numbers) * settings.max_neighbors
     positions, cell, periodic = _v3_frame(np.asarray(positions, dtype=np.float64), numbers, _cell64(cell), pbc)
     senders = supercell_edges(positions, cell, periodic, settings.radius, settings.max_neighbors,

@@ -20,7 +20,7 @@ import numpy as np
 
 from orb.data.buckets import Bucket, bucket_for, pad_to_bucket
 from orb.data.dataset import AseDbDataset, EpochSampler
-from orb.data.graphs import batch_graphs, empty_batch
+from orb.data.graphs import batch_graphs, capacity_is_counted, empty_batch
 from orb.data.neighbours import native_search
 from orb.data.tensors import loss_arrays
 
@@ -108,7 +108,7 @@ class BatchLoader:
         Their own short-lived pool: set-up that fails after this (a bad checkpoint, a refused resume)
         leaves no worker processes behind; the training pool starts with the first epoch."""
         dataset = self.datasets[name]
-        if not dataset.settings.minimal_supercell or self.workers == 0:  # orb-v2's capacity needs no search
+        if not capacity_is_counted(dataset.settings) or self.workers == 0:
             return dataset.edge_capacities()
         ranges = [(name, a, min(a + chunk, len(dataset))) for a in range(0, len(dataset), chunk)]
         with self._new_pool() as pool:

@@ -12,6 +12,7 @@ import numpy as np
 
 from orb.data.buckets import Bucket, check_buckets, padding_fraction, parse_buckets, plan_buckets
 from orb.data.dataset import AseDbDataset, EpochSampler
+from orb.data.graphs import capacity_is_counted
 from orb.data.loader import BatchLoader, Step, plan_epoch
 from orb.device import compile_cell
 from orb.errors import ConfigError
@@ -158,7 +159,7 @@ class Trainer:
         dataset = self.loader.datasets[name]
         start = time.perf_counter()
         edges = self.loader.edge_capacities(name)
-        if dataset.settings.minimal_supercell:  # orb-v3: counted (orb-v2's capacity is atoms x max_neighbors)
+        if capacity_is_counted(dataset.settings):
             log.info("%s data: neighbours of %d structures counted for the batch shapes in %.1f s", what, len(dataset),
                      time.perf_counter() - start)
         if self.cfg.buckets:
