@@ -2,11 +2,10 @@
 
 Used for the accurate CPU activations (``orb.models.kernels``) and the neighbour search that
 builds graphs on the host (``orb.data.neighbours``). A source is compiled with the system's
-g++ (or ``$CXX``) into a cache folder (``ORB_KERNEL_CACHE``, default ``~/.cache/orb_mindspore``),
-keyed by the source, the flags and the CPU's instruction-set flags (``-march=native`` code must
-never run on another CPU), falling back to a temporary folder if the cache is not writable. The
-library is written under a temporary name and renamed, so concurrent workers never load a
-half-written file. Without a compiler the caller falls back to its portable path.
+g++ (or ``$CXX``) into the project's cache (``orb.cache``: ``ORB_CACHE_DIR``, default
+``~/.cache/orb_mindspore``), keyed by the source, the flags and the CPU's instruction-set flags
+(``-march=native`` code must never run on another CPU), written atomically. Without a compiler
+the caller falls back to its portable path.
 """
 
 import hashlib
@@ -15,9 +14,10 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 from functools import lru_cache
 from typing import Optional
+
+from orb import cache
 
 log = logging.getLogger("orb")
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
@@ -35,36 +35,18 @@ def _cpu_signature() -> str:
     return f"{platform.machine()} {platform.processor()}"
 
 
-def _cache_dirs():
-    configured = os.environ.get("ORB_KERNEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "orb_mindspore")
-    return [configured, os.path.join(tempfile.gettempdir(), f"orb_mindspore-{os.getuid()}")]
-
-
-def _writable_dir(candidates) -> Optional[str]:
-    for folder in candidates:
-        try:
-            os.makedirs(folder, exist_ok=True)
-            if os.access(folder, os.W_OK):
-                return folder
-        except OSError:
-            continue
-    return None
-
-
-def _compile(compiler: str, source: str, folder: str, target: str) -> Optional[str]:
+def _compile(compiler: str, source: str, target: str) -> Optional[str]:
     """Compile ``source`` to ``target``; the compiler's message on failure, else None."""
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-    os.close(fd)
-    try:
+
+    def compile_to(tmp: str) -> None:
         subprocess.run([compiler, *FLAGS, "-o", tmp, source], check=True, capture_output=True, text=True)
         os.chmod(tmp, 0o755)
-        os.replace(tmp, target)  # atomic: concurrent workers never load a half-written library
+
+    try:
+        cache.write_atomically(target, compile_to, suffix=".so")  # concurrent workers never load half a library
         return None
     except (subprocess.CalledProcessError, OSError) as exc:
         return (getattr(exc, "stderr", "") or str(exc)).strip()[:200]
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 @lru_cache(maxsize=None)
@@ -76,20 +58,20 @@ def build(source: str, fallback: str) -> Optional[str]:
         text = f.read()
     tag = hashlib.sha256(text + " ".join(FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
     name = f"orb_{os.path.splitext(os.path.basename(source))[0]}_{tag}.so"
-    for folder in _cache_dirs():
-        if os.path.exists(os.path.join(folder, name)):
-            return os.path.join(folder, name)
+    cached = cache.find(name)
+    if cached is not None:
+        return cached
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
         log.warning("no C++ compiler found to build %s: %s", os.path.basename(source), fallback)
         return None
-    folder = _writable_dir(_cache_dirs())
+    folder = cache.writable_dir()
     if folder is None:
-        log.warning("no writable folder to cache %s (%s): %s", os.path.basename(source), " or ".join(_cache_dirs()),
-                    fallback)
+        log.warning("no writable folder to cache %s (%s): %s", os.path.basename(source),
+                    " or ".join(cache.cache_dirs()), fallback)
         return None
     target = os.path.join(folder, name)
-    error = _compile(compiler, source, folder, target)
+    error = _compile(compiler, source, target)
     if error is not None:
         log.warning("building %s failed (%s): %s", os.path.basename(source), error, fallback)
         return None

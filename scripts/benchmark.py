@@ -9,6 +9,7 @@ ASE calculator.
     python scripts/benchmark.py calculator [--torch-python PATH]
     python scripts/benchmark.py gemm       [--repeats 9]
     python scripts/benchmark.py breakdown  [--model NAME] [--steps 6]
+    python scripts/benchmark.py counts     [--model NAME] [--rows 20000] [--workers 2]
 
 With ``--torch-python`` pointing at a Python that has torch and orb-models 0.4.2 installed (never
 required), the same measurement is made with PyTorch orb-models in that interpreter right after
@@ -753,6 +754,52 @@ def bench_calculator(args) -> None:
         print(f"| {n} | {rate:.2f} | {f'{t:.2f}' if t else '-'} | {f'{rate / t:.2f}x' if t else '-'} |")
 
 
+# ------------------------------------------------------------------------------- neighbour counts
+MPTRJ_FRAMES = 1_580_395  # structures in MPtrj
+
+
+def bench_counts(args) -> None:
+    """orb-v3's neighbour counts for the batch shapes, as a training start makes them: counted by the
+    data workers the first time, read from the cache at every later start. Rows: the MPtrj test rows,
+    each copy randomly rotated (a distinct structure for the search)."""
+    import ase.db
+
+    from orb.data.dataset import AseDbDataset, random_rotation
+    from orb.data.loader import BatchLoader
+    from orb.models.config import ModelConfig
+
+    settings = ModelConfig.from_dict(dict(name=args.model)).graph_settings()
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["ORB_CACHE_DIR"] = os.path.join(tmp, "cache")
+        path = os.path.join(tmp, "rows.db")
+        with ase.db.connect(MPTRJ) as src, ase.db.connect(path) as dst:
+            sources = [row.toatoms() for row in src.select()]
+            for i in range(args.rows):
+                atoms = sources[i % len(sources)].copy()
+                rotation = random_rotation(rng)
+                atoms.set_cell(atoms.cell.array @ rotation)
+                atoms.positions = atoms.positions @ rotation
+                dst.write(atoms)
+
+        def start():
+            dataset = AseDbDataset(path, settings=settings, require_labels=False)
+            loader = BatchLoader({"train": dataset}, args.workers)
+            began = time.perf_counter()
+            loader.edge_capacities("train")
+            return time.perf_counter() - began, dataset
+
+        first, counted = start()
+        later, read = start()
+        assert counted.capacities_kept_in and read.capacities_read_from == counted.capacities_kept_in
+    rate = args.rows / first
+    print(f"| graphs | rows | data workers | first start: counted (s) | structures/s | later starts: read | "
+          f"MPtrj's {MPTRJ_FRAMES:,} frames at this rate (min) |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| {args.model} | {args.rows} | {args.workers} | {first:.1f} | {rate:.0f} | {later * 1e3:.1f} ms | "
+          f"{MPTRJ_FRAMES / rate / 60:.0f} |")
+
+
 def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "_ours":  # one measurement in a fresh process (bench_model)
         print(json.dumps(measure_ours(sys.argv[2], int(sys.argv[3]))))
@@ -787,12 +834,16 @@ def main() -> None:
     p = sub.add_parser("breakdown")
     p.add_argument("--model", default="orb_v2", help="orb_v2 or an orb-v3 name (orb.models.MODEL_NAMES)")
     p.add_argument("--steps", type=int, default=6, help="instrumented and plain steps of each kind")
+    p = sub.add_parser("counts")
+    p.add_argument("--model", default="orb_v3_conservative_inf_omat", help="an orb-v3 name")
+    p.add_argument("--rows", type=int, default=20000)
+    p.add_argument("--workers", type=int, default=2)
     p = sub.add_parser("gemm")
     p.add_argument("--repeats", type=int, default=9, help="alternated timings of each product")
     args = parser.parse_args()
     {"graphs": bench_graphs, "model": bench_model, "parallel": bench_parallel, "calculator": bench_calculator,
      "allreduce": bench_allreduce, "pipeline": bench_pipeline, "gemm": bench_gemm,
-     "breakdown": bench_breakdown}[args.area](args)
+     "breakdown": bench_breakdown, "counts": bench_counts}[args.area](args)
 
 
 if __name__ == "__main__":

@@ -120,13 +120,13 @@ def test_kernel_mode_switch(monkeypatch):
 
 def test_kernel_cache_falls_back(monkeypatch, tmp_path):
     """An unwritable cache folder falls back to a temporary one; the cache key includes the CPU flags."""
-    from orb import native
+    from orb import cache, native
     from orb.models import kernels
 
     blocker = tmp_path / "not_a_folder"
     blocker.write_text("")  # a cache path below a file cannot be created, even by root
-    monkeypatch.setenv("ORB_KERNEL_CACHE", str(blocker / "cache"))
-    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setenv("ORB_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setattr(cache.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     native.build.cache_clear()
     try:
         path = kernels.library_path()

@@ -205,7 +205,7 @@ def test_edge_capacity_bounds_every_rotation(name):
     settings = ModelConfig.from_dict(dict(name=name)).graph_settings()
     for path in (MPTRJ_THIN_DB, MPTRJ_DB, DEMO_TRAIN):
         ds = AseDbDataset(path, settings=settings, augmentation=True)
-        capacity = ds.edge_capacities()
+        capacity = ds.count_edge_capacities(0, len(ds))  # counted here, never from a cache of an older count
         unrotated = np.array([ds.get(i, rotation_seed=None).num_edges for i in range(len(ds))])
         if settings.minimal_supercell:
             assert (capacity - unrotated).max() <= 0.01 * unrotated.max()  # tight: the neighbour count itself
@@ -218,14 +218,15 @@ def test_edge_capacity_bounds_every_rotation(name):
         assert capacity.sum() < 0.6 * 120 * ds.natoms.sum()
 
 
-def test_edge_capacities_counted_by_workers_equal_the_serial_count():
+def test_edge_capacities_counted_by_workers_equal_the_serial_count(monkeypatch, tmp_path):
     from conftest import DEMO_TRAIN
     from orb.data.dataset import AseDbDataset
     from orb.data.loader import BatchLoader
     from orb.models.config import ModelConfig
 
+    monkeypatch.setenv("ORB_CACHE_DIR", str(tmp_path / "cache"))  # counted, not read from an earlier run
     settings = ModelConfig.from_dict(dict(name="orb_v3_direct_inf_omat")).graph_settings()
-    serial = AseDbDataset(DEMO_TRAIN, settings=settings).edge_capacities()
+    serial = AseDbDataset(DEMO_TRAIN, settings=settings).count_edge_capacities(0, 64)
     loader = BatchLoader({"train": AseDbDataset(DEMO_TRAIN, settings=settings)}, workers=2)
     try:
         counted = loader.edge_capacities("train", chunk=10)  # 7 chunks over 2 processes
@@ -233,6 +234,83 @@ def test_edge_capacities_counted_by_workers_equal_the_serial_count():
         loader.close()
     np.testing.assert_array_equal(counted, serial)
     assert loader.datasets["train"].edge_capacities() is counted  # kept: the buckets and the epochs use it
+    assert loader.datasets["train"].capacities_read_from is None
+
+
+def _copy_db(source: str, target: str) -> str:
+    import ase.db
+
+    with ase.db.connect(source) as src, ase.db.connect(target) as dst:
+        for row in src.select():
+            atoms = row.toatoms()
+            atoms.calc = None  # unlabelled: the counts need structures only
+            dst.write(atoms)
+    return target
+
+
+def test_neighbour_counts_are_kept_per_database_and_settings(monkeypatch, tmp_path, caplog):
+    """Counted once (by the data workers, as training does), kept in the cache, read back at the next
+    start without a count or a worker pool; missed when the database or the graph settings change;
+    a damaged cache file is counted again; an unwritable cache warns once and still counts."""
+    import ase.db
+
+    from orb import cache
+    from orb.data.dataset import AseDbDataset
+    from orb.data.loader import BatchLoader
+    from orb.models.config import ModelConfig
+    from conftest import MPTRJ_DB
+
+    monkeypatch.setenv("ORB_CACHE_DIR", str(tmp_path / "cache"))
+    inf = ModelConfig.from_dict(dict(name="orb_v3_conservative_inf_omat")).graph_settings()
+    twenty = ModelConfig.from_dict(dict(name="orb_v3_direct_20_omat")).graph_settings()
+    path = _copy_db(MPTRJ_DB, str(tmp_path / "data.db"))
+
+    def capacities(settings, workers=0):
+        loader = BatchLoader({"train": AseDbDataset(path, settings=settings, require_labels=False)}, workers)
+        try:
+            return loader.edge_capacities("train", chunk=4), loader.datasets["train"]
+        finally:
+            loader.close()
+
+    counted, first = capacities(inf, workers=2)
+    assert first.capacities_read_from is None and first.capacities_kept_in.startswith(str(tmp_path / "cache"))
+    np.testing.assert_array_equal(counted, first.count_edge_capacities(0, len(first)))
+
+    def no_count(*args):
+        raise AssertionError("counted although cached")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(AseDbDataset, "count_edge_capacities", no_count)
+        patched.setattr(BatchLoader, "_new_pool", no_count)
+        again, second = capacities(inf, workers=2)
+        np.testing.assert_array_equal(again, counted)
+        assert second.capacities_read_from == first.capacities_kept_in
+        with pytest.raises(AssertionError, match="counted although cached"):
+            capacities(twenty)  # other settings: other graphs
+
+    _, changed = capacities(twenty)
+    assert changed.capacities_read_from is None  # and now kept for these settings too
+    with open(first.capacities_kept_in, "wb") as f:
+        f.write(b"not an array")
+    again, damaged = capacities(inf)
+    np.testing.assert_array_equal(again, counted)
+    assert damaged.capacities_read_from is None and damaged.capacities_kept_in == first.capacities_kept_in
+
+    with ase.db.connect(path) as db:
+        db.write(bulk("Cu", "fcc", a=3.6))  # the same file, one more row
+    grown, after = capacities(inf)
+    assert after.capacities_read_from is None and len(grown) == len(counted) + 1
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10**9))  # rewritten in place
+    assert capacities(inf)[1].capacities_read_from is None
+
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("")
+    monkeypatch.setenv("ORB_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setattr(cache.tempfile, "gettempdir", lambda: str(blocker / "tmp"))
+    with caplog.at_level("WARNING", logger="orb"):
+        unkept, dataset = capacities(inf)
+    np.testing.assert_array_equal(unkept, grown)
+    assert dataset.capacities_kept_in is None and "ORB_CACHE_DIR" in caplog.text
 
 
 V3 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "orb_v3_parity.npz")
@@ -366,15 +444,15 @@ def test_native_neighbour_search_is_exact(construction, monkeypatch):
 
 def test_graphs_build_without_a_compiler(monkeypatch, caplog):
     """Without the compiled search (no g++), graphs come from scipy's k-d tree, with one warning saying so."""
-    from orb import native
+    from orb import cache, native
     from orb.data import neighbours
     from orb.data.graphs import atoms_to_graph
 
     native_graph = atoms_to_graph(bulk("Cu", "fcc", a=3.6).repeat((2, 2, 2)))
     monkeypatch.setenv("PATH", "")
     monkeypatch.delenv("CXX", raising=False)
-    monkeypatch.setenv("ORB_KERNEL_CACHE", str(os.path.join(os.sep, "nonexistent", "cache")))
-    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: os.path.join(os.sep, "nonexistent", "tmp"))
+    monkeypatch.setenv("ORB_CACHE_DIR", str(os.path.join(os.sep, "nonexistent", "cache")))
+    monkeypatch.setattr(cache.tempfile, "gettempdir", lambda: os.path.join(os.sep, "nonexistent", "tmp"))
     native.build.cache_clear()
     neighbours.native_search.cache_clear()
     try:

@@ -6,16 +6,25 @@ an ``Atoms`` with a ``SinglePointCalculator`` (the MPtrj convention). Stress is 
 a database where no row has stress trains without the stress loss.
 """
 
+import hashlib
+import logging
 import os
 import sqlite3
-from typing import Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
+from orb import cache
 from orb.errors import DatasetError, StructureError
-from orb.data.graphs import AtomGraphs, GraphSettings, capacity_is_counted, edge_capacity, graph_from_arrays
+from orb.data.graphs import (EDGE_CAPACITY_MARGIN, AtomGraphs, GraphSettings, capacity_is_counted, edge_capacity,
+                             graph_from_arrays)
+
+log = logging.getLogger("orb")
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
+# Raised whenever what :func:`edge_capacity` counts changes, so no run plans from an older count.
+CAPACITY_VERSION = 1
+CAPACITY_CACHE = "neighbour_counts"  # the subfolder of the project's cache (``orb.cache``)
 
 
 def check_sqlite_file(path: str) -> None:
@@ -92,6 +101,8 @@ class AseDbDataset:
         self.radius, self.max_neighbors = self.settings.radius, self.settings.max_neighbors
         self.augmentation = augmentation
         self._edge_capacities: Optional[np.ndarray] = None
+        self.capacities_read_from: Optional[str] = None  # the cache file the edge capacities came from
+        self.capacities_kept_in: Optional[str] = None  # the cache file they were written to when counted
         self.require_labels = require_labels
         self.charge_spin = charge_spin
         check_sqlite_file(self.path)
@@ -259,18 +270,67 @@ class AseDbDataset:
                 raise self._structure_error(row, exc) from None
         return capacities
 
-    def edge_capacities(self, counted: Optional[np.ndarray] = None) -> np.ndarray:
-        """Per row, an upper bound on its graph's edges under any rotation, computed once (or taken from
-        ``counted``, e.g. counted by worker processes): batch shapes are planned from it before any batch
-        is built."""
-        if counted is not None:
-            if len(counted) != len(self):
-                raise ValueError(f"{len(counted)} edge capacities for {len(self)} rows")
-            self._edge_capacities = np.asarray(counted, np.int64)
-        elif self._edge_capacities is None:
-            self._edge_capacities = (self.count_edge_capacities(0, len(self)) if capacity_is_counted(self.settings)
-                                     else self.natoms * self.settings.max_neighbors)  # no row read
+    def edge_capacities(self, count: Optional[Callable[[], np.ndarray]] = None) -> np.ndarray:
+        """Per row, an upper bound on its graph's edges under any rotation, known before any batch is
+        built (the batch shapes are planned from it).
+
+        Where it takes a neighbour search (:func:`capacity_is_counted`), it is counted once per database
+        and graph settings, by ``count`` (e.g. worker processes; default: here, row by row), and kept in
+        the project's cache: an MPtrj-sized dataset takes minutes to count, at every start and resume.
+        """
+        if self._edge_capacities is None:
+            if not capacity_is_counted(self.settings):
+                self._edge_capacities = self.natoms * self.settings.max_neighbors  # no row read
+            else:
+                name = self._capacity_cache_name()  # of the database as it was before any row was read
+                self._edge_capacities = self._cached_capacities(name)
+                if self._edge_capacities is None:
+                    counted = np.asarray(count() if count else self.count_edge_capacities(0, len(self)), np.int64)
+                    if counted.shape != (len(self),):
+                        raise ValueError(f"{counted.shape} edge capacities for {len(self)} rows")
+                    self._edge_capacities = counted
+                    self._cache_capacities(name, counted)
         return self._edge_capacities
+
+    def _capacity_cache_name(self) -> str:
+        """The database's identity (file, size and modification time, row ids and atom counts) and the
+        graph settings, hashed: any change to the rows or to how they are counted misses the cache."""
+        files = [p for p in (self.path, self.path + "-wal") if os.path.exists(p)]
+        identity = (CAPACITY_VERSION, EDGE_CAPACITY_MARGIN, repr(self.settings), os.path.realpath(self.path),
+                    [(os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in files])
+        digest = hashlib.sha256(repr(identity).encode())
+        digest.update(self.ids.tobytes())
+        digest.update(self.natoms.tobytes())
+        return digest.hexdigest()[:32] + ".npy"
+
+    def _cached_capacities(self, name: str) -> Optional[np.ndarray]:
+        path = cache.find(name, CAPACITY_CACHE)
+        if path is None:
+            return None
+        try:
+            capacities = np.load(path, allow_pickle=False)
+        except (OSError, ValueError):
+            return None  # unreadable (e.g. truncated by a full disk): counted again and rewritten
+        bound = self.natoms * self.settings.max_neighbors
+        if capacities.dtype != np.int64 or capacities.shape != bound.shape or (capacities < 0).any() or \
+                (capacities > bound).any():
+            return None
+        self.capacities_read_from = path
+        return capacities
+
+    def _cache_capacities(self, name: str, capacities: np.ndarray) -> None:
+        folder = cache.writable_dir(CAPACITY_CACHE)
+        if folder is None:
+            log.warning("no writable folder to keep the neighbour counts of %s (%s): they are counted again at the "
+                        "next start; set ORB_CACHE_DIR", self.path, " or ".join(cache.cache_dirs(CAPACITY_CACHE)))
+            return
+        path = os.path.join(folder, name)
+        try:
+            cache.write_atomically(path, lambda tmp: np.save(tmp, capacities), suffix=".npy")
+            self.capacities_kept_in = path
+        except OSError as exc:
+            log.warning("could not keep the neighbour counts of %s in %s (%s): they are counted again at the next "
+                        "start", self.path, folder, exc)
 
     def __getitem__(self, index: int) -> AtomGraphs:
         return self.get(index)

@@ -20,7 +20,7 @@ import numpy as np
 
 from orb.data.buckets import Bucket, bucket_for, pad_to_bucket
 from orb.data.dataset import AseDbDataset, EpochSampler
-from orb.data.graphs import batch_graphs, capacity_is_counted, empty_batch
+from orb.data.graphs import batch_graphs, empty_batch
 from orb.data.neighbours import native_search
 from orb.data.tensors import loss_arrays
 
@@ -103,17 +103,21 @@ class BatchLoader:
         return self._pool
 
     def edge_capacities(self, name: str, chunk: int = 256) -> np.ndarray:
-        """Dataset ``name``'s edge capacities (one neighbour search per structure), counted by the workers.
+        """Dataset ``name``'s edge capacities (:meth:`AseDbDataset.edge_capacities`), counted by the workers
+        when not cached.
 
         Their own short-lived pool: set-up that fails after this (a bad checkpoint, a refused resume)
         leaves no worker processes behind; the training pool starts with the first epoch."""
         dataset = self.datasets[name]
-        if not capacity_is_counted(dataset.settings) or self.workers == 0:
+        if self.workers == 0:
             return dataset.edge_capacities()
-        ranges = [(name, a, min(a + chunk, len(dataset))) for a in range(0, len(dataset), chunk)]
-        with self._new_pool() as pool:
-            counted = pool.map(_count_in_worker, ranges)
-        return dataset.edge_capacities(np.concatenate(counted))
+
+        def count() -> np.ndarray:
+            ranges = [(name, a, min(a + chunk, len(dataset))) for a in range(0, len(dataset), chunk)]
+            with self._new_pool() as pool:
+                return np.concatenate(pool.map(_count_in_worker, ranges))
+
+        return dataset.edge_capacities(count)
 
     def iterate(self, name: str, steps: Sequence[Step], seed: Optional[int],
                 with_stress: bool) -> Iterator[Tuple[Step, tuple]]:

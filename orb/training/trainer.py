@@ -159,9 +159,13 @@ class Trainer:
         dataset = self.loader.datasets[name]
         start = time.perf_counter()
         edges = self.loader.edge_capacities(name)
-        if capacity_is_counted(dataset.settings):
-            log.info("%s data: neighbours of %d structures counted for the batch shapes in %.1f s", what, len(dataset),
-                     time.perf_counter() - start)
+        if dataset.capacities_read_from is not None:
+            log.info("%s data: neighbour counts of %d structures for the batch shapes read from %s", what, len(dataset),
+                     dataset.capacities_read_from)
+        elif capacity_is_counted(dataset.settings):
+            log.info("%s data: neighbours of %d structures counted for the batch shapes in %.1f s%s", what,
+                     len(dataset), time.perf_counter() - start,
+                     f", kept in {dataset.capacities_kept_in}" if dataset.capacities_kept_in else "")
         if self.cfg.buckets:
             buckets = parse_buckets(self.cfg.buckets, self.local_batch)
             check_buckets(dataset.natoms, edges, self.local_batch, buckets, what)
