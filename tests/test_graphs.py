@@ -465,3 +465,62 @@ def test_graphs_build_without_a_compiler(monkeypatch, caplog):
     finally:
         native.build.cache_clear()
         neighbours.native_search.cache_clear()
+
+
+class _ThreadRanks:
+    """Ranks of a data-parallel run as threads: ``sum`` is a real all-reduce (every rank waits for all)."""
+
+    def __init__(self, rank: int, world_size: int, board: dict, barrier):
+        self.rank, self.world_size, self.board, self.barrier = rank, world_size, board, barrier
+
+    def sum(self, values):
+        self.board[self.rank] = np.asarray(values, np.float64)
+        self.barrier.wait()
+        total = sum(self.board[r] for r in range(self.world_size))
+        self.barrier.wait()  # nobody deposits the next values before all have read these
+        return total
+
+
+def test_ranks_share_the_neighbour_count(monkeypatch, tmp_path):
+    """In a data-parallel run each rank counts only its share of the rows, and every rank ends with the
+    whole count (the serial one); the next start reads it back on every rank without counting."""
+    import threading
+
+    from conftest import DEMO_TRAIN
+    from orb.data.dataset import AseDbDataset
+    from orb.models.config import ModelConfig
+
+    monkeypatch.setenv("ORB_CACHE_DIR", str(tmp_path / "cache"))
+    settings = ModelConfig.from_dict(dict(name="orb_v3_conservative_inf_omat")).graph_settings()
+    serial = AseDbDataset(DEMO_TRAIN, settings=settings).count_edge_capacities(0, 64)
+
+    def start(world: int):
+        board, barrier, counted, results = {}, threading.Barrier(world), {}, {}
+
+        def rank(r: int) -> None:
+            dataset = AseDbDataset(DEMO_TRAIN, settings=settings)
+
+            def count(a: int, b: int):
+                counted[r] = (a, b)
+                return dataset.count_edge_capacities(a, b)
+
+            results[r] = (dataset.edge_capacities(count, _ThreadRanks(r, world, board, barrier)), dataset)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert len(results) == world
+        return results, counted
+
+    results, counted = start(3)
+    assert sorted(counted.values()) == [(0, 21), (21, 42), (42, 64)]  # disjoint shares, all rows
+    for capacities, dataset in results.values():
+        np.testing.assert_array_equal(capacities, serial)
+        assert dataset.capacities_read_from is None and dataset.capacities_kept_in
+    results, counted = start(3)
+    assert counted == {}
+    for capacities, dataset in results.values():
+        np.testing.assert_array_equal(capacities, serial)
+        assert dataset.capacities_read_from == results[0][1].capacities_read_from is not None

@@ -173,20 +173,37 @@ def test_sgd_two_workers_equal_one_device(tmp_path, nine_rows):
     assert_same_weights(par, ref)
 
 
-def test_orb_v3_two_workers_stopped_and_resumed_equal_one_device(tmp_path, nine_rows):
+def test_orb_v3_two_workers_stopped_and_resumed_equal_one_device(tmp_path, nine_rows, monkeypatch):
     """orb-v3: a small conservative model (forces and stress by autodiff, so its training step is a
     gradient of a gradient) on 2 workers with plain SGD, stopped after one epoch and resumed, ends
     with the weights and normalisers of one device's uninterrupted two epochs."""
     extra = {"optimizer": "sgd", "gradient_clip_mode": "none", "lr": 0.05, "model.name": "orb_v3_conservative_20_omat"}
-    first = launch(common_args(tmp_path / "par", nine_rows, max_epochs=1, **extra), tmp_path / "logs1", cwd=ROOT)
+    cache = {"ORB_CACHE_DIR": str(tmp_path / "cache")}  # the ranks count the neighbours, then read them back
+    first = launch(common_args(tmp_path / "par", nine_rows, max_epochs=1, **extra), tmp_path / "logs1", cwd=ROOT,
+                   env_extra=cache)
     one = single(common_args(tmp_path / "one", nine_rows, **extra), timeout=600)
     out, _ = first.communicate(timeout=600)
     assert first.returncode == 0 and one.returncode == 0, out[-2000:] + one.stderr[-2000:]
+    for r in (0, 1):
+        assert "neighbours of 9 structures counted for the batch shapes" in (
+            tmp_path / "logs1" / f"worker_{r}.log").read_text()
     resumed = launch(common_args(tmp_path / "par", nine_rows, **extra) + ["--resume", str(tmp_path / "par"),
                                                                         "--accept_config_changes"],
-                     tmp_path / "logs2", cwd=ROOT)
+                     tmp_path / "logs2", cwd=ROOT, env_extra=cache)
     out, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0 and "resumed from" in out, out[-3000:]
+    for r in (0, 1):
+        assert "neighbour counts of 9 structures for the batch shapes read from" in (
+            tmp_path / "logs2" / f"worker_{r}.log").read_text()
+    from orb.data.dataset import AseDbDataset
+    from orb.models.config import ModelConfig
+
+    monkeypatch.setenv("ORB_CACHE_DIR", cache["ORB_CACHE_DIR"])
+    settings = ModelConfig.from_dict(dict(name="orb_v3_conservative_20_omat")).graph_settings()
+    for path in (nine_rows, DEMO_VAL):  # what the two ranks counted together, each its share: the serial count
+        kept = AseDbDataset(path, settings=settings)
+        np.testing.assert_array_equal(kept.edge_capacities(), kept.count_edge_capacities(0, len(kept)))
+        assert kept.capacities_read_from is not None
     from orb.io.checkpoint import to_torch_state_dict
     from orb.models import create
 

@@ -10,7 +10,7 @@ import hashlib
 import logging
 import os
 import sqlite3
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Protocol, Tuple
 
 import numpy as np
 
@@ -20,6 +20,27 @@ from orb.data.graphs import (EDGE_CAPACITY_MARGIN, AtomGraphs, GraphSettings, ca
                              graph_from_arrays)
 
 log = logging.getLogger("orb")
+
+
+class Ranks(Protocol):
+    """The processes of a data-parallel run as the data layer sees them (``DataParallel`` is one)."""
+
+    rank: int
+    world_size: int
+
+    def sum(self, values: np.ndarray) -> np.ndarray:
+        """Element-wise sum over all ranks (float64)."""
+
+
+class _OneProcess:
+    rank, world_size = 0, 1
+
+    @staticmethod
+    def sum(values: np.ndarray) -> np.ndarray:
+        return np.asarray(values, np.float64)
+
+
+ONE_PROCESS: Ranks = _OneProcess()
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 # Raised whenever what :func:`edge_capacity` counts changes, so no run plans from an older count.
@@ -270,27 +291,37 @@ class AseDbDataset:
                 raise self._structure_error(row, exc) from None
         return capacities
 
-    def edge_capacities(self, count: Optional[Callable[[], np.ndarray]] = None) -> np.ndarray:
+    def edge_capacities(self, count: Optional[Callable[[int, int], np.ndarray]] = None,
+                        ranks: Optional[Ranks] = None) -> np.ndarray:
         """Per row, an upper bound on its graph's edges under any rotation, known before any batch is
         built (the batch shapes are planned from it).
 
         Where it takes a neighbour search (:func:`capacity_is_counted`), it is counted once per database
-        and graph settings, by ``count`` (e.g. worker processes; default: here, row by row), and kept in
-        the project's cache: an MPtrj-sized dataset takes minutes to count, at every start and resume.
+        and graph settings and kept in the project's cache: an MPtrj-sized dataset takes minutes to
+        count. ``count(start, stop)`` counts rows ``start:stop`` (e.g. in worker processes; default:
+        here, row by row). In a data-parallel run (``ranks``) each rank counts its share of the rows and
+        the shares are summed over ranks; every rank takes the same path (the cache is used only if
+        every rank has it), so their collectives always match.
         """
         if self._edge_capacities is None:
             if not capacity_is_counted(self.settings):
                 self._edge_capacities = self.natoms * self.settings.max_neighbors  # no row read
             else:
-                name = self._capacity_cache_name()  # of the database as it was before any row was read
-                self._edge_capacities = self._cached_capacities(name)
-                if self._edge_capacities is None:
-                    counted = np.asarray(count() if count else self.count_edge_capacities(0, len(self)), np.int64)
-                    if counted.shape != (len(self),):
-                        raise ValueError(f"{counted.shape} edge capacities for {len(self)} rows")
-                    self._edge_capacities = counted
-                    self._cache_capacities(name, counted)
+                self._edge_capacities = self._shared_count(count or self.count_edge_capacities, ranks or ONE_PROCESS)
         return self._edge_capacities
+
+    def _shared_count(self, count: Callable[[int, int], np.ndarray], ranks: Ranks) -> np.ndarray:
+        name = self._capacity_cache_name()  # of the database as it was before any row was read
+        path, cached = self._cached_capacities(name)
+        if ranks.sum(np.array([cached is not None], np.float64))[0] == ranks.world_size:
+            self.capacities_read_from = path
+            return cached
+        start, stop = (len(self) * r // ranks.world_size for r in (ranks.rank, ranks.rank + 1))
+        share = np.zeros(len(self), np.float64)
+        share[start:stop] = cached[start:stop] if cached is not None else count(start, stop)
+        counted = np.rint(ranks.sum(share)).astype(np.int64)
+        self._cache_capacities(name, counted)
+        return counted
 
     def _capacity_cache_name(self) -> str:
         """The database's identity (file, size and modification time, row ids and atom counts) and the
@@ -303,20 +334,19 @@ class AseDbDataset:
         digest.update(self.natoms.tobytes())
         return digest.hexdigest()[:32] + ".npy"
 
-    def _cached_capacities(self, name: str) -> Optional[np.ndarray]:
+    def _cached_capacities(self, name: str) -> Tuple[Optional[str], Optional[np.ndarray]]:
+        """The cache file and its valid contents, or (None, None): unreadable (e.g. truncated by a full
+        disk) or implausible contents are counted again and rewritten."""
         path = cache.find(name, CAPACITY_CACHE)
-        if path is None:
-            return None
         try:
-            capacities = np.load(path, allow_pickle=False)
+            capacities = np.load(path, allow_pickle=False) if path else None
         except (OSError, ValueError):
-            return None  # unreadable (e.g. truncated by a full disk): counted again and rewritten
+            return None, None
         bound = self.natoms * self.settings.max_neighbors
-        if capacities.dtype != np.int64 or capacities.shape != bound.shape or (capacities < 0).any() or \
-                (capacities > bound).any():
-            return None
-        self.capacities_read_from = path
-        return capacities
+        if capacities is None or capacities.dtype != np.int64 or capacities.shape != bound.shape or \
+                (capacities < 0).any() or (capacities > bound).any():
+            return None, None
+        return path, capacities
 
     def _cache_capacities(self, name: str, capacities: np.ndarray) -> None:
         folder = cache.writable_dir(CAPACITY_CACHE)

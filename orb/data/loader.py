@@ -19,7 +19,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from orb.data.buckets import Bucket, bucket_for, pad_to_bucket
-from orb.data.dataset import AseDbDataset, EpochSampler
+from orb.data.dataset import AseDbDataset, EpochSampler, Ranks
 from orb.data.graphs import batch_graphs, empty_batch
 from orb.data.neighbours import native_search
 from orb.data.tensors import loss_arrays
@@ -102,22 +102,24 @@ class BatchLoader:
             self._pool = self._new_pool()
         return self._pool
 
-    def edge_capacities(self, name: str, chunk: int = 256) -> np.ndarray:
+    def edge_capacities(self, name: str, ranks: Optional[Ranks] = None, chunk: int = 256) -> np.ndarray:
         """Dataset ``name``'s edge capacities (:meth:`AseDbDataset.edge_capacities`), counted by the workers
-        when not cached.
+        when not cached (in a data-parallel run, this rank's share of the rows).
 
         Their own short-lived pool: set-up that fails after this (a bad checkpoint, a refused resume)
         leaves no worker processes behind; the training pool starts with the first epoch."""
         dataset = self.datasets[name]
         if self.workers == 0:
-            return dataset.edge_capacities()
+            return dataset.edge_capacities(ranks=ranks)
 
-        def count() -> np.ndarray:
-            ranges = [(name, a, min(a + chunk, len(dataset))) for a in range(0, len(dataset), chunk)]
+        def count(start: int, stop: int) -> np.ndarray:
+            ranges = [(name, a, min(a + chunk, stop)) for a in range(start, stop, chunk)]
+            if not ranges:
+                return np.zeros(0, np.int64)
             with self._new_pool() as pool:
                 return np.concatenate(pool.map(_count_in_worker, ranges))
 
-        return dataset.edge_capacities(count)
+        return dataset.edge_capacities(count, ranks)
 
     def iterate(self, name: str, steps: Sequence[Step], seed: Optional[int],
                 with_stress: bool) -> Iterator[Tuple[Step, tuple]]:

@@ -158,13 +158,14 @@ class Trainer:
     def _buckets(self, name: str, what: str) -> List[Bucket]:
         dataset = self.loader.datasets[name]
         start = time.perf_counter()
-        edges = self.loader.edge_capacities(name)
+        edges = self.loader.edge_capacities(name, self.dp)
         if dataset.capacities_read_from is not None:
             log.info("%s data: neighbour counts of %d structures for the batch shapes read from %s", what, len(dataset),
                      dataset.capacities_read_from)
         elif capacity_is_counted(dataset.settings):
-            log.info("%s data: neighbours of %d structures counted for the batch shapes in %.1f s%s", what,
+            log.info("%s data: neighbours of %d structures counted for the batch shapes in %.1f s%s%s", what,
                      len(dataset), time.perf_counter() - start,
+                     f" (shared by {self.dp.world_size} ranks)" if self.dp.parallel else "",
                      f", kept in {dataset.capacities_kept_in}" if dataset.capacities_kept_in else "")
         if self.cfg.buckets:
             buckets = parse_buckets(self.cfg.buckets, self.local_batch)
