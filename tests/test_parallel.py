@@ -17,6 +17,7 @@ import time
 
 import ase.db
 import numpy as np
+from ase.calculators.singlepoint import SinglePointCalculator
 import pytest
 
 from conftest import DEMO_TRAIN, DEMO_VAL, ROOT, SMALL_MODEL
@@ -249,15 +250,26 @@ def test_bad_input_stops_every_worker_with_one_line(tmp_path, nine_rows):
     one_row = str(tmp_path / "one.db")
     with ase.db.connect(DEMO_VAL) as src, ase.db.connect(one_row) as dst:
         dst.write(next(src.select()).toatoms())
+    bad_row = str(tmp_path / "bad_row.db")  # row 9 (in rank 1's share of the neighbour count): a singular cell
+    with ase.db.connect(nine_rows) as src, ase.db.connect(bad_row) as dst:
+        for i, row in enumerate(src.select()):
+            atoms = row.toatoms()
+            if i == 8:
+                atoms.set_cell([atoms.cell[0], atoms.cell[1], atoms.cell[0]])
+                atoms.calc = SinglePointCalculator(atoms, energy=row.energy, forces=row.forces, stress=row.stress)
+            dst.write(atoms)
     cases = ((dict(batch_size=1), "'batch_size' (1) is the global batch and must be at least the number of workers"),
              (dict(val_data_path=one_row), "one.db has 1 structure(s), fewer than the 2 workers"),
-             (dict(buckets="[[16,100]]"), "the largest bucket [16, 100] cannot hold a batch of the 2 largest"))
+             (dict(buckets="[[16,100]]"), "the largest bucket [16, 100] cannot hold a batch of the 2 largest"),
+             ({"train_data_path": bad_row, "model.name": "orb_v3_direct_20_omat"},
+              "bad_row.db: another rank found a bad row while counting neighbours"))
     for i, (extra, message) in enumerate(cases):
         job = launch(common_args(tmp_path / f"bad{i}", nine_rows, **extra), tmp_path / f"logs{i}", cwd=ROOT,
                      env_extra=FAST_FAILURE)
         out, _ = job.communicate(timeout=300)
         assert job.returncode != 0 and message in out, out[-2000:]
         assert "Traceback" not in out
+    assert "rank 1 failed" in out and "bad_row.db, row 9, key 'cell'" in out  # the launcher shows rank 1's line
 
 
 def test_killed_worker_ends_the_job(tmp_path, nine_rows):

@@ -15,7 +15,7 @@ from typing import Callable, Iterator, List, Optional, Protocol, Tuple
 import numpy as np
 
 from orb import cache
-from orb.errors import DatasetError, StructureError
+from orb.errors import ClusterError, DatasetError, StructureError
 from orb.data.graphs import (EDGE_CAPACITY_MARGIN, AtomGraphs, GraphSettings, capacity_is_counted, edge_capacity,
                              graph_from_arrays)
 
@@ -317,9 +317,19 @@ class AseDbDataset:
             self.capacities_read_from = path
             return cached
         start, stop = (len(self) * r // ranks.world_size for r in (ranks.rank, ranks.rank + 1))
-        share = np.zeros(len(self), np.float64)
-        share[start:stop] = cached[start:stop] if cached is not None else count(start, stop)
-        counted = np.rint(ranks.sum(share)).astype(np.int64)
+        share = np.zeros(len(self) + 1, np.float64)  # the last element: this rank found a bad row
+        failure = None
+        try:
+            share[start:stop] = cached[start:stop] if cached is not None else count(start, stop)
+        except DatasetError as exc:
+            failure, share[-1] = exc, 1.0
+        total = ranks.sum(share)
+        if failure is not None:
+            raise failure
+        if total[-1]:  # every rank stops now, not when the cluster notices the failed one
+            raise ClusterError(f"{self.path}: another rank found a bad row while counting neighbours (its log "
+                               "names the row)")
+        counted = np.rint(total[:-1]).astype(np.int64)
         self._cache_capacities(name, counted)
         return counted
 
