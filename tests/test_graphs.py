@@ -1,6 +1,7 @@
 """Graph construction against orb-models 0.4.2's stored graphs and ASE's neighbour list."""
 
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -250,7 +251,8 @@ def _copy_db(source: str, target: str) -> str:
 
 def test_neighbour_counts_are_kept_per_database_and_settings(monkeypatch, tmp_path, caplog):
     """Counted once (by the data workers, as training does), kept in the cache, read back at the next
-    start without a count or a worker pool; missed when the database or the graph settings change;
+    start without a count or a worker pool (also from a copy that keeps the modification time);
+    missed when the database or the graph settings change;
     a damaged cache file is counted again; an unwritable cache warns once and still counts."""
     import ase.db
 
@@ -287,6 +289,11 @@ def test_neighbour_counts_are_kept_per_database_and_settings(monkeypatch, tmp_pa
         assert second.capacities_read_from == first.capacities_kept_in
         with pytest.raises(AssertionError, match="counted although cached"):
             capacities(twenty)  # other settings: other graphs
+        staged = str(tmp_path / "scratch" / "data.db")  # the same data elsewhere (rsync -a, cp -p): read back
+        os.makedirs(os.path.dirname(staged))
+        shutil.copy2(path, staged)
+        loader = BatchLoader({"train": AseDbDataset(staged, settings=inf, require_labels=False)}, 0)
+        np.testing.assert_array_equal(loader.edge_capacities("train"), counted)
 
     _, changed = capacities(twenty)
     assert changed.capacities_read_from is None  # and now kept for these settings too

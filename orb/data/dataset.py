@@ -334,10 +334,12 @@ class AseDbDataset:
         return counted
 
     def _capacity_cache_name(self) -> str:
-        """The database's identity (file, size and modification time, row ids and atom counts) and the
-        graph settings, hashed: any change to the rows or to how they are counted misses the cache."""
+        """The database's identity (file size and modification time, row ids and atom counts) and the
+        graph settings, hashed: any change to the rows or to how they are counted misses the cache. Not
+        its path: a copy that keeps the modification time (``rsync -a`` to a node's scratch disk) is the
+        same data."""
         files = [p for p in (self.path, self.path + "-wal") if os.path.exists(p)]
-        identity = (CAPACITY_VERSION, EDGE_CAPACITY_MARGIN, repr(self.settings), os.path.realpath(self.path),
+        identity = (CAPACITY_VERSION, EDGE_CAPACITY_MARGIN, repr(self.settings),
                     [(os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in files])
         digest = hashlib.sha256(repr(identity).encode())
         digest.update(self.ids.tobytes())
