@@ -531,3 +531,21 @@ def test_ranks_share_the_neighbour_count(monkeypatch, tmp_path):
     for capacities, dataset in results.values():
         np.testing.assert_array_equal(capacities, serial)
         assert dataset.capacities_read_from == results[0][1].capacities_read_from is not None
+
+
+def test_supercell_offsets_are_the_widened_lattice_points_in_lexicographic_order():
+    """orb-v3's image offsets: every lattice point within the radius widened by one cell, unique and
+    sorted as torch.unique(dim=0) sorts them (edge order follows it), for cells from thin to skewed."""
+    from itertools import product
+
+    from orb.data.graphs import minimal_supercell_offsets
+
+    lattice = np.array(list(product(range(-4, 5), repeat=3)), np.float32)
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        cell = ((np.eye(3) + rng.normal(0, 0.35, (3, 3))) * rng.uniform(1.5, 14, (3, 1))).astype(np.float32)
+        near = lattice[np.linalg.norm(lattice @ cell, axis=1) <= 6.0 + 1e-4]
+        widened = (near[:, None, :] + np.array(list(product((-1, 0, 1), repeat=3)), np.float32)).reshape(-1, 3)
+        expected = np.unique(widened, axis=0)
+        offsets = minimal_supercell_offsets(cell, 6.0)
+        assert offsets.dtype == np.float32 and np.array_equal(offsets, expected)
