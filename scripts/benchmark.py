@@ -770,6 +770,7 @@ def bench_counts(args) -> None:
 
     settings = ModelConfig.from_dict(dict(name=args.model)).graph_settings()
     rng = np.random.default_rng(0)
+    rate_before = gemm_rate()
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["ORB_CACHE_DIR"] = os.path.join(tmp, "cache")
         path = os.path.join(tmp, "rows.db")
@@ -792,6 +793,7 @@ def bench_counts(args) -> None:
         first, counted = start()
         later, read = start()
         assert counted.capacities_kept_in and read.capacities_read_from == counted.capacities_kept_in
+    print(f"host calibration: {calibration(rate_before, gemm_rate())}")
     rate = args.rows / first
     print(f"| graphs | rows | data workers | first start: counted (s) | structures/s | later starts: read | "
           f"MPtrj's {MPTRJ_FRAMES:,} frames at this rate (min) |")
