@@ -178,7 +178,8 @@ def test_orb_v3_two_workers_stopped_and_resumed_equal_one_device(tmp_path, nine_
     """orb-v3: a small conservative model (forces and stress by autodiff, so its training step is a
     gradient of a gradient) on 2 workers with plain SGD, stopped after one epoch and resumed, ends
     with the weights and normalisers of one device's uninterrupted two epochs."""
-    extra = {"optimizer": "sgd", "gradient_clip_mode": "none", "lr": 0.05, "model.name": "orb_v3_conservative_20_omat"}
+    extra = {"optimizer": "sgd", "gradient_clip_mode": "none", "lr": 0.05, "model.name": "orb_v3_conservative_20_omat",
+             "num_buckets": 1}  # one compilation of the double backward per process (bucket agreement: tests above)
     cache = {"ORB_CACHE_DIR": str(tmp_path / "cache")}  # the ranks count the neighbours, then read them back
     first = launch(common_args(tmp_path / "par", nine_rows, max_epochs=1, **extra), tmp_path / "logs1", cwd=ROOT,
                    env_extra=cache)
