@@ -344,7 +344,11 @@ def test_two_nodes_in_network_namespaces(tmp_path, runs, nine_rows):
     out = tmp_path / "two_nodes"
     with TwoHosts() as hosts:
         port = str(free_port())
-        env = dict(WORKER_NUM="2", LOCAL_WORKER_NUM="1", MASTER_ADDR=hosts.addresses[0], MASTER_PORT=port)
+        # one thread per worker, as each of the one-host job's two workers gets on this 2-core machine: with
+        # one local worker the launcher would give it both cores, and a weight gradient's matrix product
+        # split over two threads sums in another order (seen: 1 element of 6,144 one ulp off on AMD EPYC)
+        env = dict(WORKER_NUM="2", LOCAL_WORKER_NUM="1", MASTER_ADDR=hosts.addresses[0], MASTER_PORT=port,
+                   OMP_NUM_THREADS="1")
         nodes = [launch(common_args(out, nine_rows), tmp_path / f"logs{n}", cwd=ROOT, prefix=hosts.prefix(n),
                         env_extra=dict(env, NODE_RANK=str(n))) for n in (0, 1)]
         outputs = [node.communicate(timeout=480)[0] for node in nodes]
