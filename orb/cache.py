@@ -11,6 +11,8 @@ import os
 import tempfile
 from typing import Callable, List, Optional
 
+import numpy as np
+
 
 def cache_dirs(subfolder: str = "") -> List[str]:
     """Candidate cache folders, preferred first."""
@@ -50,3 +52,9 @@ def write_atomically(path: str, write: Callable[[str], None], suffix: str = "") 
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def everyone_has(found: bool, ranks) -> bool:
+    """Whether every data-parallel rank (``ranks``: rank, world_size, sum) found its cached file: a cache is used
+    only then, so all ranks take the same path and their collectives match."""
+    return ranks.sum(np.array([found], np.float64))[0] == ranks.world_size

@@ -8,8 +8,13 @@ the normalised units the model is trained in (not eV); every other metric is phy
 from typing import Dict, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
+from ase.data import chemical_symbols
 
 FORCE_THRESHOLD = 0.03  # eV/Å, for forces_within_0.03
+ELEMENT_BINS = 119  # atomic numbers 0 (padding) to 118
+BY_ELEMENT = "forces_mae_by_element"
+BY_ELEMENT_MEANING = ("eV/Å", "|F_pred - F| over x, y, z, averaged over all atoms of each element (per element: "
+                              "which chemistry got better or worse)")
 
 # name: (unit, averaging and meaning)
 METRICS: Dict[str, tuple] = {
@@ -51,6 +56,24 @@ def metrics_from_sums(sums: Mapping[str, float], has_stress: bool = True,
     return out
 
 
+def forces_by_element(error_sums: np.ndarray, atom_counts: np.ndarray) -> Dict[str, float]:
+    """Force MAE of each element present, from per-atomic-number sums of the per-atom error (mean over x, y, z)
+    and atom counts; keys are element symbols, in atomic-number order."""
+    error_sums, atom_counts = np.asarray(error_sums, np.float64), np.asarray(atom_counts, np.float64)
+    return {chemical_symbols[z]: float(error_sums[z] / atom_counts[z]) for z in range(1, len(atom_counts))
+            if atom_counts[z] > 0}
+
+
+def element_sums(numbers: np.ndarray, forces_pred: np.ndarray, forces: np.ndarray) -> np.ndarray:
+    """(2, ELEMENT_BINS): per atomic number, the sum of |F_pred - F| averaged over x, y, z, and the atom count."""
+    error = np.abs(np.asarray(forces_pred, np.float64) - forces).mean(1)
+    return np.stack([np.bincount(numbers, error, ELEMENT_BINS), np.bincount(numbers, None, ELEMENT_BINS)])
+
+
+def format_by_element(values: Mapping[str, float]) -> str:
+    return ", ".join(f"{symbol} {value:.4g}" for symbol, value in values.items())
+
+
 def structure_sums(energy_pred: float, energy: float, natoms: int, forces_pred: Optional[np.ndarray] = None,
                    forces: Optional[np.ndarray] = None, stress_pred: Optional[np.ndarray] = None,
                    stress: Optional[np.ndarray] = None) -> Dict[str, float]:
@@ -77,4 +100,5 @@ def add_sums(total: Dict[str, float], *parts: Mapping[str, float]) -> Dict[str, 
 
 def describe(keys: Sequence[str]) -> str:
     """A legend for the metrics in ``keys``: name [unit]: meaning, one per line."""
-    return "\n".join(f"  {k} [{METRICS[k][0] or '-'}]: {METRICS[k][1]}" for k in keys if k in METRICS)
+    known = dict(METRICS, **{BY_ELEMENT: BY_ELEMENT_MEANING})
+    return "\n".join(f"  {k} [{known[k][0] or '-'}]: {known[k][1]}" for k in keys if k in known)

@@ -6,11 +6,12 @@ Labels (energy, forces, stress) come from ASE's EMT calculator and are stored as
 results, as MPtrj-style databases store them. Deterministic for a given seed.
 
     python scripts/make_demo_dataset.py --out data --train 64 --val 16 --seed 0
+    python scripts/make_demo_dataset.py --out narrow --prefix narrow --metals Cu,Ni --cluster_fraction 0 --seed 31
 """
 
 import argparse
 import os
-from typing import List
+from typing import List, Sequence
 
 import numpy as np
 from ase import Atoms
@@ -27,9 +28,9 @@ def _lattice_constant(symbols: List[str]) -> float:
     return float(np.mean([reference_states[atomic_numbers[s]]["a"] for s in symbols]))
 
 
-def random_bulk(rng: np.random.Generator, max_rattle: float = 0.12) -> Atoms:
-    """A rattled, strained fcc supercell of one metal or a random binary alloy."""
-    metals = list(rng.choice(METALS, size=2, replace=False))
+def random_bulk(rng: np.random.Generator, max_rattle: float = 0.12, metals: Sequence[str] = METALS) -> Atoms:
+    """A rattled, strained fcc supercell of one metal or a random binary alloy of ``metals``."""
+    metals = list(rng.choice(list(metals), size=2, replace=False))
     alloy = rng.random() < 0.4
     a = _lattice_constant(metals if alloy else metals[:1])
     kind = rng.integers(4)
@@ -51,9 +52,9 @@ def random_bulk(rng: np.random.Generator, max_rattle: float = 0.12) -> Atoms:
     return atoms
 
 
-def random_cluster(rng: np.random.Generator) -> Atoms:
+def random_cluster(rng: np.random.Generator, metals: Sequence[str] = METALS) -> Atoms:
     """A rattled non-periodic cluster (all-zero cell)."""
-    metal = str(rng.choice(METALS))
+    metal = str(rng.choice(list(metals)))
     a = _lattice_constant([metal])
     atoms = Icosahedron(metal, 2, latticeconstant=a) if rng.random() < 0.5 else Octahedron(metal, 3, 1, latticeconstant=a)
     atoms.rattle(stdev=0.05, seed=int(rng.integers(2**31)))
@@ -72,9 +73,11 @@ def label(atoms: Atoms) -> Atoms:
     return atoms
 
 
-def make_structures(count: int, seed: int, cluster_fraction: float = 0.1, max_rattle: float = 0.12) -> List[Atoms]:
+def make_structures(count: int, seed: int, cluster_fraction: float = 0.1, max_rattle: float = 0.12,
+                    metals: Sequence[str] = METALS) -> List[Atoms]:
     rng = np.random.default_rng(seed)
-    return [label(random_cluster(rng) if rng.random() < cluster_fraction else random_bulk(rng, max_rattle))
+    return [label(random_cluster(rng, metals) if rng.random() < cluster_fraction
+                  else random_bulk(rng, max_rattle, metals))
             for _ in range(count)]
 
 
@@ -96,12 +99,19 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefix", default="demo", help="file names <prefix>_train.db, <prefix>_val.db")
     parser.add_argument("--max_rattle", type=float, default=0.12, help="largest rattle stdev (Å)")
+    parser.add_argument("--metals", default=",".join(METALS),
+                        help=f"comma-separated fcc metals to draw from (default: {','.join(METALS)})")
+    parser.add_argument("--cluster_fraction", type=float, default=0.1, help="share of non-periodic clusters")
     args = parser.parse_args()
+    metals = [m.strip() for m in args.metals.split(",") if m.strip()]
+    unknown = [m for m in metals if m not in METALS]
+    if len(metals) < 2 or unknown:
+        parser.error(f"--metals needs at least two of {','.join(METALS)}" + (f" (unknown: {unknown})" if unknown else ""))
     os.makedirs(args.out, exist_ok=True)
     for name, count, seed in ((f"{args.prefix}_train.db", args.train, args.seed),
                               (f"{args.prefix}_val.db", args.val, args.seed + 1)):
         path = os.path.join(args.out, name)
-        write_db(path, make_structures(count, seed, max_rattle=args.max_rattle))
+        write_db(path, make_structures(count, seed, args.cluster_fraction, args.max_rattle, metals))
         print(f"wrote {count} EMT-labelled structures to {path}")
 
 

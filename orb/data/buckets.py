@@ -9,7 +9,7 @@ checked before training.
 """
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -64,19 +64,22 @@ def largest_batch(natoms: np.ndarray, edges: np.ndarray, batch_size: int) -> Tup
 
 
 def plan_buckets(natoms: Sequence[int], edges: Sequence[int], batch_size: int, max_buckets: int = 3,
-                 multiple: int = 8, seed: int = 0) -> List[Bucket]:
+                 multiple: int = 8, seed: int = 0,
+                 batches: Optional[Tuple[np.ndarray, np.ndarray]] = None) -> List[Bucket]:
     """At most ``max_buckets`` bucket shapes minimising the expected padded edges (exact, by dynamic programming).
 
     ``edges``: each structure's edge capacity (:meth:`AseDbDataset.edge_capacities`); edge rows are
     most of a step's work. The largest bucket holds the worst possible batch (the ``batch_size``
     largest structures by atoms and by edges); smaller edge capacities are chosen among quantiles of
-    simulated batch edge totals, each with the node capacity of the simulated batches it holds.
+    the node and edge totals of sample batches: ``batches`` if given (e.g. the steps a sampler
+    plans), else simulated random batches, each with the node capacity of the batches it holds.
     """
     natoms, edges = np.asarray(natoms, dtype=np.int64), np.asarray(edges, dtype=np.int64)
     batch_size = min(batch_size, len(natoms))
     top_nodes, top_edges = largest_batch(natoms, edges, batch_size)
     top = (round_up(top_nodes + 1, multiple), round_up(max(top_edges, 1), multiple))
-    nodes, totals = simulate_batches(natoms, edges, batch_size, seed=seed)
+    nodes, totals = batches if batches is not None else simulate_batches(natoms, edges, batch_size, seed=seed)
+    nodes, totals = np.asarray(nodes, np.int64), np.asarray(totals, np.int64)
     order = np.argsort(totals, kind="stable")
     nodes, totals = nodes[order], totals[order]
     caps = sorted({round_up(int(q), multiple) for q in np.quantile(totals, np.linspace(0.05, 0.95, 19))})
@@ -153,11 +156,13 @@ def pad_to_bucket(batch: AtomGraphs, bucket: Bucket) -> AtomGraphs:
 
 
 def padding_fraction(natoms: Sequence[int], edges: Sequence[int], batch_size: int, buckets: Sequence[Bucket],
-                     seed: int = 0) -> dict:
-    """Expected fractions of padded nodes and edges (simulated shuffled batches; edges counted at their
-    capacities, so the true edge padding is a little larger)."""
+                     seed: int = 0, batches: Optional[Tuple[np.ndarray, np.ndarray]] = None) -> dict:
+    """Expected fractions of padded nodes and edges (``batches``' node and edge totals, else simulated shuffled
+    batches; edges counted at their capacities, so the true edge padding is a little larger)."""
     natoms, edges = np.asarray(natoms, dtype=np.int64), np.asarray(edges, dtype=np.int64)
-    nodes, totals = simulate_batches(natoms, edges, min(batch_size, len(natoms)), epochs=20, seed=seed)
+    nodes, totals = batches if batches is not None else simulate_batches(natoms, edges, min(batch_size, len(natoms)),
+                                                                        epochs=20, seed=seed)
+    nodes, totals = np.asarray(nodes, np.int64), np.asarray(totals, np.int64)
     padded_nodes, padded_edges = np.zeros(len(nodes)), np.zeros(len(nodes))
     left = np.ones(len(nodes), bool)
     for bucket in smallest_first(buckets):  # as bucket_for chooses

@@ -2,14 +2,17 @@
 
 Labels are the calculator columns ``row.energy`` (eV), ``row.forces`` (eV/Å) and
 ``row.stress`` (eV/Å^3, 6-component Voigt, ASE sign), i.e. what ``db.write(atoms)`` stores for
-an ``Atoms`` with a ``SinglePointCalculator`` (the MPtrj convention). Stress is optional:
-a database where no row has stress trains without the stress loss.
+an ``Atoms`` with a ``SinglePointCalculator`` (the MPtrj convention), or a :class:`LabelTable`
+that replaces them (a model's predictions, for replay). Stress is optional: a database where no
+row has stress trains without the stress loss. A row's ``weight`` key-value pair
+(``db.write(atoms, weight=2.0)``) scales its structure's share of the loss (default 1).
 """
 
 import hashlib
 import logging
 import os
 import sqlite3
+from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional, Protocol, Tuple
 
 import numpy as np
@@ -96,6 +99,32 @@ def rotate_structure(positions, cell, forces, stress, rotation):
     return positions, cell, forces, stress
 
 
+@dataclass
+class LabelTable:
+    """Labels that replace a database's own for some of its rows (e.g. a model's predictions).
+
+    ``positions``: the dataset positions labelled, ascending; for the k-th of them ``energy[k]`` (eV),
+    ``forces[offsets[k]:offsets[k + 1]]`` (eV/Å) and ``stress[k]`` (eV/Å^3 Voigt, or no stress at all).
+    """
+
+    positions: np.ndarray
+    energy: np.ndarray
+    forces: np.ndarray
+    offsets: np.ndarray
+    stress: Optional[np.ndarray] = None
+
+    def find(self, position: int) -> int:
+        k = int(np.searchsorted(self.positions, position))
+        if k == len(self.positions) or self.positions[k] != position:
+            raise KeyError(position)
+        return k
+
+    def labels(self, position: int) -> Tuple[float, np.ndarray, Optional[np.ndarray]]:
+        k = self.find(position)
+        stress = None if self.stress is None else np.asarray(self.stress[k], np.float64)
+        return float(self.energy[k]), np.asarray(self.forces[self.offsets[k]:self.offsets[k + 1]], np.float64), stress
+
+
 class AseDbDataset:
     """Lazy, validated access to an ASE SQLite database as :class:`AtomGraphs`.
 
@@ -126,8 +155,10 @@ class AseDbDataset:
         self.capacities_kept_in: Optional[str] = None  # the cache file they were written to when counted
         self.require_labels = require_labels
         self.charge_spin = charge_spin
+        self.label_table: Optional[LabelTable] = None
         check_sqlite_file(self.path)
         self.ids, self.natoms, self.has_stress, self.has_labels = self._scan()
+        self.weights = self._weights()
         self._db = None
         if charge_spin:
             self._check_charge_spin()
@@ -160,6 +191,55 @@ class AseDbDataset:
                 self.path, "row has no stress while other rows have one; store stress for every row "
                 "or for none (then training runs without the stress loss)", row, "stress")
         return ids, natoms, bool(stress.all()), has_labels
+
+    def _read(self, query: str, default=None) -> list:
+        """Rows of a read-only query; ``default`` when a table the query needs does not exist (ASE creates
+        the key-value tables with the first key-value pair)."""
+        con = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
+        try:
+            return con.execute(query).fetchall()
+        except sqlite3.OperationalError:
+            if default is None:
+                raise
+            return default
+        finally:
+            con.close()
+
+    def _weights(self) -> np.ndarray:
+        """Each row's ``weight`` key-value pair (1 where absent), checked: a number, finite and >= 0."""
+        weights = np.ones(len(self.ids))
+        position = {int(i): k for k, i in enumerate(self.ids)}
+        text = self._read("SELECT id, value FROM text_key_values WHERE key = 'weight' LIMIT 1", [])
+        if text:
+            raise DatasetError(self.path, f"weight must be a number, got {text[0][1]!r}", text[0][0], "weight")
+        for row, value in self._read("SELECT id, value FROM number_key_values WHERE key = 'weight'", []):
+            if value is None or not np.isfinite(value) or value < 0:
+                raise DatasetError(self.path, f"weight must be a finite number >= 0, got {value!r}", row, "weight")
+            weights[position[int(row)]] = float(value)
+        return weights
+
+    def energies(self) -> np.ndarray:
+        """Every row's stored energy (eV), read from its column alone; a row without one is named."""
+        rows = np.array(self._read("SELECT id, energy FROM systems ORDER BY id"), dtype=np.float64).reshape(-1, 2)
+        missing = np.isnan(rows[:, 1])
+        if missing.any():
+            raise DatasetError(self.path, "row has no energy", int(rows[np.argmax(missing), 0]), "energy")
+        return rows[:, 1]
+
+    def composition(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(dataset position, atomic number, count) for every element of every row, from ASE's species table
+        (no row is read)."""
+        table = np.array(self._read("SELECT id, Z, n FROM species", []), np.int64).reshape(-1, 3)
+        positions = np.searchsorted(self.ids, table[:, 0])
+        known = (positions < len(self.ids)) & (self.ids[np.minimum(positions, len(self.ids) - 1)] == table[:, 0])
+        return positions[known], table[known, 1], table[known, 2]
+
+    def set_labels(self, table: Optional[LabelTable]) -> None:
+        """Use ``table``'s labels instead of the database's for the rows it holds (None: the database's again)."""
+        self.label_table = table
+        if table is not None:
+            self.has_stress = table.stress is not None
+            self.has_labels = True
 
     def _check_charge_spin(self) -> None:
         """Every row has its total charge and spin, checked up front (not hours into training)."""
@@ -208,11 +288,14 @@ class AseDbDataset:
         """The ``ase.Atoms`` (with its calculator results) at position ``index``."""
         return self.row(index).toatoms()
 
-    def _labels(self, row) -> Tuple[Optional[float], Optional[np.ndarray], Optional[np.ndarray]]:
+    def _labels(self, row, index: int) -> Tuple[Optional[float], Optional[np.ndarray], Optional[np.ndarray]]:
         n = row.natoms
-        energy = row.get("energy")
-        forces = row.get("forces")
-        stress = row.get("stress") if self.has_stress else None
+        if self.label_table is not None:
+            energy, forces, stress = self.label_table.labels(index)
+        else:
+            energy = row.get("energy")
+            forces = row.get("forces")
+            stress = row.get("stress") if self.has_stress else None
         if energy is not None:
             energy = np.asarray(energy, dtype=np.float64)
             if energy.size != 1:
@@ -253,15 +336,14 @@ class AseDbDataset:
         return values[0], values[1]
 
     def get(self, index: int, rotation_seed: Optional[int] = None) -> AtomGraphs:
-        """Graph with targets of the row at ``index``; rotated randomly when augmentation is on.
-
-        ``rotation_seed`` makes the augmentation reproducible (the training loop derives it from
-        the run seed, epoch and position, so a resumed run sees the same rotations).
-        """
+        """Graph with targets of the row at ``index``; with augmentation on and a ``rotation_seed``, rotated by the
+        random rotation that seed draws (the training loop derives it from the run seed, epoch and position, so
+        a resumed run sees the same rotations). Without a seed the structure is never rotated (validation and
+        the model's passes over the data before training)."""
         row = self.row(index)
-        energy, forces, stress = self._labels(row)
+        energy, forces, stress = self._labels(row, index)
         positions, cell = np.asarray(row.positions, np.float64), np.asarray(row.cell, np.float64)
-        if self.augmentation:
+        if self.augmentation and rotation_seed is not None:
             rng = np.random.default_rng(rotation_seed)
             positions, cell, forces, stress = rotate_structure(positions, cell, forces, stress, random_rotation(rng))
         try:
@@ -270,6 +352,7 @@ class AseDbDataset:
         except StructureError as exc:
             raise self._structure_error(row, exc) from None
         graph.charge, graph.spin = self._charge_spin(row)
+        graph.weight = np.array([self.weights[index]], np.float32)
         graph.energy = None if energy is None else np.array([energy], np.float32)
         graph.forces = None if forces is None else forces.astype(np.float32)
         graph.stress = None if stress is None else stress.astype(np.float32)[None]
@@ -313,7 +396,7 @@ class AseDbDataset:
     def _shared_count(self, count: Callable[[int, int], np.ndarray], ranks: Ranks) -> np.ndarray:
         name = self._capacity_cache_name()  # of the database as it was before any row was read
         path, cached = self._cached_capacities(name)
-        if ranks.sum(np.array([cached is not None], np.float64))[0] == ranks.world_size:
+        if cache.everyone_has(cached is not None, ranks):
             self.capacities_read_from = path
             return cached
         start, stop = (len(self) * r // ranks.world_size for r in (ranks.rank, ranks.rank + 1))
@@ -333,18 +416,20 @@ class AseDbDataset:
         self._cache_capacities(name, counted)
         return counted
 
-    def _capacity_cache_name(self) -> str:
-        """The database's identity (file size and modification time, row ids and atom counts) and the
-        graph settings, hashed: any change to the rows or to how they are counted misses the cache. Not
-        its path: a copy that keeps the modification time (``rsync -a`` to a node's scratch disk) is the
-        same data."""
+    def identity(self) -> str:
+        """The database's identity for caches (file size and modification time, row ids and atom counts),
+        hashed: any change to the rows misses a cache. Not its path: a copy that keeps the modification time
+        (``rsync -a`` to a node's scratch disk) is the same data."""
         files = [p for p in (self.path, self.path + "-wal") if os.path.exists(p)]
-        identity = (CAPACITY_VERSION, EDGE_CAPACITY_MARGIN, repr(self.settings),
-                    [(os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in files])
-        digest = hashlib.sha256(repr(identity).encode())
+        digest = hashlib.sha256(repr([(os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in files]).encode())
         digest.update(self.ids.tobytes())
         digest.update(self.natoms.tobytes())
-        return digest.hexdigest()[:32] + ".npy"
+        return digest.hexdigest()
+
+    def _capacity_cache_name(self) -> str:
+        """The database's identity and the graph settings, hashed: a change to either misses the cache."""
+        key = (CAPACITY_VERSION, EDGE_CAPACITY_MARGIN, repr(self.settings), self.identity())
+        return hashlib.sha256(repr(key).encode()).hexdigest()[:32] + ".npy"
 
     def _cached_capacities(self, name: str) -> Tuple[Optional[str], Optional[np.ndarray]]:
         """The cache file and its valid contents, or (None, None): unreadable (e.g. truncated by a full

@@ -77,6 +77,7 @@ class AtomGraphs:
     unit_shifts: np.ndarray = field(default=None)  # (E, 3) float32, integer cell offset of each receiver image
     charge: Optional[np.ndarray] = None  # (B,) float32 total charge (orb-v3 OMol models)
     spin: Optional[np.ndarray] = None  # (B,) float32 total spin (orb-v3 OMol models)
+    weight: Optional[np.ndarray] = None  # (B,) float32 weight of each structure in the loss (None: 1)
 
     def __post_init__(self):
         if self.graph_mask is None:
@@ -332,6 +333,7 @@ def batch_graphs(graphs: List[AtomGraphs]) -> AtomGraphs:
         unit_shifts=np.concatenate([g.unit_shifts for g in graphs]),
         charge=_concat_optional([g.charge for g in graphs]),
         spin=_concat_optional([g.spin for g in graphs]),
+        weight=_concat_optional([g.weight for g in graphs]),
     )
 
 
@@ -397,6 +399,7 @@ def pad_batch(batch: AtomGraphs, num_nodes: int, num_edges: int, num_graphs: int
         unit_shifts=pad_vec.copy(),
         charge=None if batch.charge is None else np.zeros(pad_g, f32),
         spin=None if batch.spin is None else np.zeros(pad_g, f32),
+        weight=None if batch.weight is None else np.zeros(pad_g, f32),
     )
     return batch_graphs([batch, padding])
 
@@ -420,6 +423,7 @@ def unpad_batch(batch: AtomGraphs) -> AtomGraphs:
         graph_mask=batch.graph_mask[:g], unit_shifts=batch.unit_shifts[:e],
         charge=None if batch.charge is None else batch.charge[:g],
         spin=None if batch.spin is None else batch.spin[:g],
+        weight=None if batch.weight is None else batch.weight[:g],
     )
 
 
@@ -440,6 +444,7 @@ def split_batch(batch: AtomGraphs) -> List[AtomGraphs]:
             graph_mask=batch.graph_mask[g:g + 1], unit_shifts=batch.unit_shifts[e0:e1],
             charge=None if batch.charge is None else batch.charge[g:g + 1],
             spin=None if batch.spin is None else batch.spin[g:g + 1],
+            weight=None if batch.weight is None else batch.weight[g:g + 1],
         ))
         n0, e0 = n1, e1
     return out

@@ -48,18 +48,34 @@ def plan_epoch(sampler: EpochSampler, natoms: np.ndarray, edges: np.ndarray,
     return steps
 
 
+def step_totals(sampler, natoms: np.ndarray, edges: np.ndarray, shards: Callable[[np.ndarray], List[np.ndarray]],
+                epochs: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Per planned step of ``epochs`` epochs, the atoms and edge capacity of its largest shard (what its bucket
+    must hold): sample batches to plan buckets on when steps are not random draws (stratified replay)."""
+    nodes, totals = [], []
+    for epoch in range(epochs):
+        for global_batch in sampler.global_batches(epoch):
+            parts = shards(global_batch)
+            nodes.append(max(int(natoms[p].sum()) for p in parts))
+            totals.append(max(int(edges[p].sum()) for p in parts))
+    return np.asarray(nodes), np.asarray(totals)
+
+
 def prepare(dataset: AseDbDataset, step: Step, seed: Optional[int], with_stress: bool) -> Tuple[np.ndarray, ...]:
     """The padded loss-input arrays of a step. ``seed`` (None = no augmentation) fixes each row's rotation.
 
-    Each real structure weighs 1 / (structures in the global batch): summed over ranks, the loss
-    is the mean over the global batch.
+    Each real structure weighs its loss weight (1 unless weighted) / (structures in the global batch):
+    summed over ranks, the loss is the mean over the global batch.
     """
     graphs = [dataset.get(i, rotation_seed=None if seed is None else [seed, step.epoch, i]) for i in step.indices]
     batch = batch_graphs(graphs) if graphs else empty_batch(with_stress=dataset.has_stress)
     padded = pad_to_bucket(batch, step.bucket)
     if not with_stress:
         padded.stress = None
-    weight = padded.graph_mask.astype(np.float32) / max(step.global_count, 1)
+    weight = padded.graph_mask.astype(np.float32)
+    if padded.weight is not None:
+        weight = weight * padded.weight
+    weight = weight / max(step.global_count, 1)
     return loss_arrays(padded, weight)
 
 
@@ -91,6 +107,12 @@ class BatchLoader:
         self.datasets, self.workers, self.depth = dict(datasets), int(workers), max(int(depth), 1)
         self.wait_time = 0.0
         self._pool = None
+
+    def add(self, name: str, dataset) -> None:
+        """Make ``dataset`` (anything with ``get`` and ``has_stress``) iterable as ``name``; running workers are
+        stopped, so the next :meth:`iterate` starts workers that hold it."""
+        self.datasets[name] = dataset
+        self.close()
 
     def _new_pool(self):
         native_search()  # build the neighbour search once, here, before the workers load it

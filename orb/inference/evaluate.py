@@ -19,18 +19,19 @@ from typing import Dict, List
 import numpy as np
 
 from orb.errors import OrbInputError
-from orb.metrics import METRICS, add_sums, metrics_from_sums, structure_sums
+from orb.metrics import (BY_ELEMENT, BY_ELEMENT_MEANING, METRICS, add_sums, element_sums,
+                         forces_by_element, metrics_from_sums, structure_sums)
 
 CSV_FIELDS = ("row_id", "formula", "natoms", "energy_pred", "energy_true", "energy_abs_error",
               "energy_per_atom_abs_error", "forces_mae", "forces_cosine", "forces_within_0.03", "stress_mae")
 
 
 def structure_record(row_id: int, formula: str, graph, pred: Dict[str, np.ndarray]) -> Dict:
-    """One CSV row and its metric sums (labels may be missing)."""
+    """One CSV row, its metric sums and its per-element force sums (labels may be missing)."""
     natoms = graph.num_nodes
     record = {"row_id": row_id, "formula": formula, "natoms": natoms, "energy_pred": float(pred["energy"])}
     if graph.energy is None:
-        return {"row": record, "sums": None}
+        return {"row": record, "sums": None, "elements": None}
     sums = structure_sums(float(pred["energy"]), float(graph.energy[0]), natoms,
                           pred["forces"] if graph.forces is not None else None, graph.forces,
                           pred["stress"] if graph.stress is not None else None,
@@ -42,7 +43,8 @@ def structure_record(row_id: int, formula: str, graph, pred: Dict[str, np.ndarra
                       **{"forces_within_0.03": bool(sums["forces_within_0.03"])})
     if "stress_mae" in sums:
         record["stress_mae"] = sums["stress_mae"]
-    return {"row": record, "sums": sums}
+    elements = element_sums(graph.numbers, pred["forces"], graph.forces) if graph.forces is not None else None
+    return {"row": record, "sums": sums, "elements": elements}
 
 
 def summarise(results: List[Dict]) -> Dict:
@@ -53,6 +55,10 @@ def summarise(results: List[Dict]) -> Dict:
         rows = [r["sums"] for r in results if r["sums"] is not None and key in r["sums"]]
         if rows:
             out[key] = metrics_from_sums(add_sums({}, *rows), keys=[key])[key]
+    elements = [r["elements"] for r in results if r.get("elements") is not None]
+    if elements:
+        total = np.sum(elements, axis=0)
+        out[BY_ELEMENT] = forces_by_element(total[0], total[1])
     return out
 
 
@@ -64,6 +70,11 @@ def print_summary(summary: Dict) -> None:
             print(f"{key:<32}{value:>14.6g}  {unit:<6} {meaning}")
         elif isinstance(value, int):
             print(f"{key:<32}{value:>14d}")
+    if summary.get(BY_ELEMENT):
+        print(f"\n{BY_ELEMENT} [{BY_ELEMENT_MEANING[0]}]: {BY_ELEMENT_MEANING[1]}")
+        print(f"{'element':<10}{'forces_mae':>14}")
+        for symbol, value in summary[BY_ELEMENT].items():
+            print(f"{symbol:<10}{value:>14.6g}")
 
 
 def main(argv=None) -> int:

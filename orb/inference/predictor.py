@@ -32,6 +32,17 @@ class PredictCell(nn.Cell):
         return self.model.predictions(*inputs)
 
 
+class DescriptorCell(nn.Cell):
+    """Forward pass returning each structure's descriptor (mean node latent, (B, latent_dim))."""
+
+    def __init__(self, model):
+        super().__init__(auto_prefix=False)
+        self.model = model
+
+    def construct(self, *inputs):
+        return self.model.descriptors(*inputs)
+
+
 class Predictor:
     """Pads batches to reusable bucket shapes and runs the compiled forward pass."""
 

@@ -119,6 +119,12 @@ class GraphRegressor(nn.Cell):
     def reference_energy(self, numbers, node_graph, num_graphs):
         return self.graph_head.reference(numbers, node_graph, num_graphs)
 
+    def descriptors(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
+                    unit_shifts, charge, spin):
+        """Per structure, the mean of the backbone's node latents (B, latent_dim): how the model sees it
+        (replay structures are chosen to be far apart in this space)."""
+        return segment_mean(self.model(numbers, vectors, senders, receivers), node_graph, n_node)
+
     def physical(self, energy_raw, forces_raw, stress_raw, numbers, node_graph, n_node):
         """Energy (B,) eV, forces (N, 3) eV/Å and stress (B, 6) eV/Å^3 from normalised head outputs."""
         e_mean, e_var = self.graph_head.normalizer.stats()

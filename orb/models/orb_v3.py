@@ -287,6 +287,13 @@ class Orbv3(nn.Cell):
     def reference_energy(self, numbers, node_graph, num_graphs):
         return self.heads.energy.reference(numbers, node_graph, num_graphs)
 
+    def descriptors(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
+                    unit_shifts, charge, spin):
+        """Per structure, the mean of the backbone's node latents (B, latent_dim): how the model sees it
+        (replay structures are chosen to be far apart in this space)."""
+        return segment_mean(self.model(numbers, vectors, senders, receivers, node_graph, charge, spin), node_graph,
+                            n_node)
+
     def normalise_energy(self, energy, numbers, node_graph, n_node, mean, var):
         """(E - reference) / atoms, normalised by (mean, var)."""
         per_atom = (energy - self.reference_energy(numbers, node_graph, n_node.shape[0])) / ops.maximum(n_node, 1.0)

@@ -8,6 +8,7 @@ from typing import Callable, List, Optional, Tuple
 
 from orb.errors import ClusterError, OrbInputError
 from orb.training.config import TrainConfig, load_config
+from orb.training.outputs import discard_unstarted
 
 USAGE = """%(prog)s [--config PATH] [--resume DIR_OR_FILE] [--overwrite] [--accept_config_changes] [--key value ...]
 
@@ -31,15 +32,18 @@ def run(argv: Optional[List[str]], default_config: str, fine_tune: Callable[[Tra
     """Parse arguments, load the config and call ``fine_tune``; bad input -> ``error: ...`` and exit status 2."""
     args, overrides = parse_command_line(argv, default_config)
     log = logging.getLogger("orb")
+    cfg = None
     try:
         cfg = load_config(args.config, overrides)
         fine_tune(cfg, args)
     except OrbInputError as exc:
-        if is_main():  # into train.log too, when it is open
+        if is_main():  # into train.log too, when it is open (a resumed run keeps it)
             record = log.makeRecord("orb", logging.ERROR, __file__, 0, "%s", (exc,), None)
             for handler in log.handlers:
                 if isinstance(handler, logging.FileHandler):
                     handler.emit(record)
+            if cfg is not None:  # a run that never trained a step leaves nothing behind
+                discard_unstarted(cfg.output_dir)
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except ClusterError as exc:

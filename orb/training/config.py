@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import yaml
 
 from orb.data.buckets import MAX_BUCKETS
+from orb.data.mixture import replay_per_step
 from orb.errors import ConfigError
 from orb.models.config import MODEL_NAMES, ModelConfig
 from orb.models.kernels import MODES
@@ -33,6 +34,26 @@ class LossWeights:
 class ReferenceEnergyConfig:
     trainable: str = "auto"  # auto: orb-v2 trains them, orb-v3 keeps them (as orb-models) | true | false
     file: str = ""
+    fit: str = "none"  # none | residual (to DFT - starting model) | least_squares (to the DFT energies)
+
+
+@dataclass
+class ReplayConfig:
+    """Structures of the foundation's own distribution trained and validated beside the target (replay)."""
+
+    data_path: str = ""
+    val_data_path: str = ""
+    val_samples: int = 100
+    labels: str = "data"  # data | model (the starting checkpoint's predictions)
+    fraction: float = 0.0
+    num_samples: int = 0
+    selection: str = "fps"  # fps | random
+    loss_weight: float = 1.0
+    head: str = "shared"  # shared | separate
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.data_path)
 
 
 @dataclass
@@ -54,6 +75,8 @@ class TrainConfig:
     gradient_clip_val: float = 0.5
     loss_weights: LossWeights = field(default_factory=LossWeights)
     reference_energies: ReferenceEnergyConfig = field(default_factory=ReferenceEnergyConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    patience: int = 0
     freeze_backbone: bool = False
     augmentation: bool = True
     random_seed: int = 1234
@@ -82,6 +105,10 @@ CHOICES = {
     "reference_energies.trainable": ("auto", "true", "false"),
     "gradient_clip_mode": ("value", "norm", "none"),
     "progress_bar": ("auto", "true", "false"),
+    "reference_energies.fit": ("none", "residual", "least_squares"),
+    "replay.labels": ("data", "model"),
+    "replay.selection": ("fps", "random"),
+    "replay.head": ("shared", "separate"),
 }
 POSITIVE = ("batch_size", "max_epochs", "save_every_x_epochs", "log_every_n_steps", "num_buckets",
             "model.latent_dim", "model.mlp_hidden_dim", "model.num_mlp_layers", "model.num_message_passing_steps",
@@ -187,7 +214,39 @@ def _validate(cfg: TrainConfig) -> TrainConfig:
     for key in ("radius", "cutoff_rmax", "rbf_radius"):
         if getattr(cfg.model, key) <= 0:
             raise ConfigError(f"config key 'model.{key}' must be positive, got {getattr(cfg.model, key)}")
+    if cfg.patience < 0:
+        raise ConfigError(f"config key 'patience' must be >= 0 (0 = train every epoch), got {cfg.patience}")
+    _validate_replay(cfg)
     return cfg
+
+
+def _validate_replay(cfg: TrainConfig) -> None:
+    replay = cfg.replay
+    if not 0 <= replay.fraction < 1:
+        raise ConfigError(f"config key 'replay.fraction' must be in [0, 1) (the share of each step's structures "
+                          f"drawn from replay data), got {replay.fraction}")
+    for key in ("num_samples", "val_samples"):
+        if getattr(replay, key) < 0:
+            raise ConfigError(f"config key 'replay.{key}' must be >= 0, got {getattr(replay, key)}")
+    if replay.loss_weight < 0:
+        raise ConfigError(f"config key 'replay.loss_weight' must be >= 0, got {replay.loss_weight}")
+    if not replay.enabled:
+        if replay.fraction > 0 or replay.val_data_path:
+            key = "fraction" if replay.fraction > 0 else "val_data_path"
+            raise ConfigError(f"config key 'replay.{key}' is set but 'replay.data_path' is empty")
+        return
+    if replay.head == "separate":
+        raise ConfigError("config key 'replay.head': separate replay heads are not available yet; use head: shared "
+                          "(replay data of the target's level of theory, or labels: model)")
+    if replay.head == "separate" and replay.fraction == 0:
+        raise ConfigError("config key 'replay.head': separate replay heads are trained only on replay structures; "
+                          "set replay.fraction > 0 (or head: shared to only measure forgetting)")
+    if replay.fraction > 0:
+        replay_count = replay_per_step(cfg.batch_size, replay.fraction)
+        if cfg.batch_size - replay_count < 1:
+            raise ConfigError(f"config keys 'replay.fraction' ({replay.fraction}) and 'batch_size' "
+                              f"({cfg.batch_size}) leave no target structure in a step")
+
 
 
 def flatten(d: Dict, prefix: str = "") -> Dict[str, Any]:

@@ -7,7 +7,9 @@ units averaged over structures:
 * forces: |head - norm_F(F)| averaged over xyz, then over the atoms of a structure;
 * stress: |head - norm_S(S)| averaged over the 6 Voigt components.
 
-In training mode every normaliser first absorbs the batch targets (cumulative mean and unbiased
+Each structure's error is multiplied by its loss weight (``graph_weight``: the structure's weight
+over the number of structures in the global batch; 1 / that number unless rows or sources are
+weighted). In training mode every normaliser first absorbs the batch targets (cumulative mean and unbiased
 variance, BatchNorm with momentum None) and the updated statistics are used. Metrics are
 returned as sums over structures (atoms for ``forces_cosine``) so that epoch averages and
 data-parallel reductions are exact; :func:`orb.metrics.metrics_from_sums` turns them into averages
@@ -19,7 +21,7 @@ from typing import Dict, Optional
 import numpy as np
 from mindspore import nn, ops
 
-from orb.metrics import FORCE_THRESHOLD, metrics_from_sums
+from orb.metrics import BY_ELEMENT, ELEMENT_BINS, FORCE_THRESHOLD, forces_by_element, metrics_from_sums
 from orb.models.blocks import expand_column, segment_sum
 
 SUM_KEYS = ("loss", "loss_energy", "loss_forces", "loss_stress", "energy_mae", "energy_per_atom_mae", "forces_mae",
@@ -39,7 +41,7 @@ class NormalisedLoss(nn.Cell):
     absorbs (:meth:`absorbed`).
     """
 
-    sum_keys = ()  # the metric sums construct returns, in order
+    sum_keys = ()  # the metric sums construct returns, in order (then the per-element force sums)
 
     def __init__(self, normalizers, allreduce=None):
         super().__init__()
@@ -76,22 +78,41 @@ class NormalisedLoss(nn.Cell):
             done = done + (normalizer.commit(stats[2 * i], stats[2 * i + 1], counts[i]),)
         return done
 
-    def metrics(self, sums) -> Dict[str, float]:
-        """Averages (:data:`orb.metrics.METRICS`) from accumulated metric sums."""
-        return metrics_from_sums(dict(zip(self.sum_keys, np.asarray(sums, dtype=np.float64))), self.has_stress)
+    @property
+    def num_sums(self) -> int:
+        """Length of the metric-sum vector: the named sums, then per atomic number the force error and atoms."""
+        return len(self.sum_keys) + 2 * ELEMENT_BINS
+
+    def metrics(self, sums, by_element: bool = False) -> Dict:
+        """Averages (:data:`orb.metrics.METRICS`) from accumulated metric sums; ``by_element`` adds the force MAE
+        of each element present (``forces_mae_by_element``)."""
+        sums = np.asarray(sums, dtype=np.float64)
+        n = len(self.sum_keys)
+        out = metrics_from_sums(dict(zip(self.sum_keys, sums[:n])), self.has_stress)
+        if by_element:
+            out[BY_ELEMENT] = forces_by_element(sums[n:n + ELEMENT_BINS], sums[n + ELEMENT_BINS:])
+        return out
 
     @staticmethod
     def force_metrics(force_pred, forces, node_graph, n_node, atoms):
         """Per structure: force MAE (eV/Å) and whether every component is within FORCE_THRESHOLD;
-        per atom: cosine of predicted and true forces. ``force_pred`` carries no gradient."""
+        per atom: cosine of predicted and true forces, and the error averaged over x, y, z.
+        ``force_pred`` carries no gradient."""
         num_graphs = n_node.shape[0]
         force_abs = ops.abs(force_pred - forces)
-        forces_mae = segment_sum(force_abs.mean(1), node_graph, num_graphs) / atoms
+        atom_error = force_abs.mean(1)
+        forces_mae = segment_sum(atom_error, node_graph, num_graphs) / atoms
         norms = ops.norm(force_pred, dim=1) * ops.norm(forces, dim=1)
         cosine = (force_pred * forces).sum(1) / ops.maximum(norms, 1e-8)
         within = (ops.amax(force_abs, 1) < FORCE_THRESHOLD).astype(forces.dtype)
         all_within = (segment_sum(within, node_graph, num_graphs) == n_node).astype(forces.dtype)
-        return forces_mae, cosine, all_within
+        return forces_mae, cosine, all_within, atom_error
+
+    @staticmethod
+    def with_element_sums(sums, atom_error, numbers, node_mask):
+        """The metric sums followed by, per atomic number, the summed per-atom force error and the atom count."""
+        return ops.concat((sums, segment_sum(atom_error * node_mask, numbers, ELEMENT_BINS),
+                           segment_sum(node_mask, numbers, ELEMENT_BINS)))
 
     def residual_per_atom(self, numbers, node_graph, n_node, energy):
         """(E - sum_i ref[Z_i]) / atoms: the per-atom energy the energy normaliser tracks."""
@@ -155,7 +176,7 @@ class OrbLoss(NormalisedLoss):
 
         # Metrics, in physical units where not loss_*; no gradient flows through them.
         force_pred = ops.stop_gradient(f_raw * f_std + f_mean)
-        forces_mae, cosine, all_within = self.force_metrics(force_pred, forces, node_graph, n_node, atoms)
+        forces_mae, cosine, all_within, atom_error = self.force_metrics(force_pred, forces, node_graph, n_node, atoms)
         stress_mae = ops.abs(ops.stop_gradient(s_raw * s_std + s_mean) - stress).mean(1)  # unreported without stress
         energy_abs = ops.abs(ops.stop_gradient(energy_pred) - energy)
         m = graph_mask
@@ -174,7 +195,7 @@ class OrbLoss(NormalisedLoss):
             m.sum(),
             node_mask.sum(),
         ))
-        return loss, ops.stop_gradient(sums)
+        return loss, ops.stop_gradient(self.with_element_sums(sums, atom_error, numbers, node_mask))
 
 
 def compute_loss(model, batch, training: bool = False, loss_cell: Optional[OrbLoss] = None) -> Dict[str, float]:

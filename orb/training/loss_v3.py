@@ -13,7 +13,9 @@ Terms (weights from the config's ``loss_weights``):
 * equigrad (conservative, weight 0 by default): the mean Frobenius norm of dE/dG, the energy's
   gradient with respect to an infinitesimal rotation.
 
-orb-models' order of operations in training mode is reproduced: predictions are normalised with
+Each structure's terms are multiplied by its loss weight (1 unless rows or sources are weighted;
+``graph_weight`` carries it divided by the global batch's structures); the denominators count
+structures and atoms. orb-models' order of operations in training mode is reproduced: predictions are normalised with
 the normalisers' statistics *before* this batch updates them, targets and the physical metrics
 with the statistics after. The denominators of the averages (structures, atoms, components) are
 summed over data-parallel ranks, so the loss summed over ranks is the global batch's.
@@ -95,7 +97,9 @@ class OrbV3Loss(NormalisedLoss):
         atoms = ops.maximum(n_node, 1.0)
         graphs_total = ops.maximum(self._global(graph_mask.sum()), 1.0)
         atoms_total = ops.maximum(self._global(node_mask.sum()), 1.0)
-        mask3 = expand_column(node_mask.reshape(-1, 1), 3)
+        weight = graph_weight * graphs_total  # each structure's loss weight (0 for padding)
+        node_weight = ops.gather(weight, node_graph, 0)
+        weight3 = expand_column(node_weight.reshape(-1, 1), 3)
         outputs = self.model(numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
                              unit_shifts, charge, spin)
         reference = self.model.reference_energy(numbers, node_graph, num_graphs)
@@ -115,33 +119,33 @@ class OrbV3Loss(NormalisedLoss):
 
         # energy
         energy_target = ((energy - reference) / atoms - e_mean_n) / ops.sqrt(e_var_n)
-        loss_energy = (huber(energy_pred, energy_target, HUBER_DELTA) * graph_mask).sum() / graphs_total
+        loss_energy = (huber(energy_pred, energy_target, HUBER_DELTA) * graph_weight).sum()
         energy_phys = (energy_pred * ops.sqrt(e_var_n) + e_mean_n) * n_node + reference
         energy_abs = ops.abs(ops.stop_gradient(energy_phys) - energy)
 
         # forces
         forces_target = (forces - f_mean_n) / f_std_n
         deltas = conditional_huber_deltas(forces_target)
-        loss_forces = (huber(forces_pred, forces_target, deltas) * mask3).sum() / (3.0 * atoms_total)
+        loss_forces = (huber(forces_pred, forces_target, deltas) * weight3).sum() / (3.0 * atoms_total)
         forces_phys = ops.stop_gradient(forces_pred * f_std_n + f_mean_n)
-        forces_mae, cosine, all_within = self.force_metrics(forces_phys, forces, node_graph, n_node, atoms)
+        forces_mae, cosine, all_within, atom_error = self.force_metrics(forces_phys, forces, node_graph, n_node, atoms)
 
         # stress
-        loss_stress, stress_mae = self._stress(outputs, stress, old, new, graph_mask, graphs_total)
+        loss_stress, stress_mae = self._stress(outputs, stress, old, new, graph_weight)
 
         # confidence
         bins, valid = self._confidence_bins(ops.stop_gradient(forces_error))
         valid = valid * node_mask
         log_probs = ops.log_softmax(logits, -1)
         picked = (log_probs * ops.one_hot(bins, logits.shape[1], 1.0, 0.0)).sum(1)
-        loss_confidence = -(picked * valid).sum() / ops.maximum(self._global(valid.sum()), 1.0)
+        loss_confidence = -(picked * valid * node_weight).sum() / ops.maximum(self._global(valid.sum()), 1.0)
         correct = (ops.argmax(logits, -1) == bins).astype(forces.dtype) * valid
 
         # equigrad
         rot_norm = ops.zeros_like(graph_mask)
         if self.conservative:
             rot_norm = ops.sqrt(ops.square(rotational).reshape(num_graphs, 9).sum(1) + 1e-30)
-        loss_equigrad = (rot_norm * graph_mask).sum() / graphs_total
+        loss_equigrad = (rot_norm * graph_weight).sum()
 
         w = self.weights
         loss = (w[0] * loss_energy + w[1] * loss_forces + w[2] * loss_stress + w[3] * loss_confidence
@@ -156,20 +160,20 @@ class OrbV3Loss(NormalisedLoss):
             (ops.abs((energy - reference) / atoms) * m).sum(), correct.sum(), (rot_norm * m).sum(),
             m.sum(), node_mask.sum(),
         ))
-        return loss, ops.stop_gradient(sums)
+        return loss, ops.stop_gradient(self.with_element_sums(sums, atom_error, numbers, node_mask))
 
-    def _stress(self, outputs, stress, old, new, graph_mask, graphs_total):
+    def _stress(self, outputs, stress, old, new, graph_weight):
         """(stress loss term, per-structure stress MAE (B,))."""
         if not self.has_stress:
-            zero = ops.zeros_like(graph_mask)
+            zero = ops.zeros_like(graph_weight)
             return zero.sum(), zero
-        mask6 = expand_column(graph_mask.reshape(-1, 1), 6)
+        weight6 = expand_column(graph_weight.reshape(-1, 1), 6)
         if self.conservative:
             stress_raw = outputs[3]
             s_mean_o, s_std_o, s_mean_n, s_std_n = old[4], ops.sqrt(old[5]), new[4], ops.sqrt(new[5])
             pred = (stress_raw - s_mean_o) / s_std_o
             target = (stress - s_mean_n) / s_std_n
-            loss = (huber(pred, target, HUBER_DELTA) * mask6).sum() / (6.0 * graphs_total)
+            loss = (huber(pred, target, HUBER_DELTA) * weight6).sum() / 6.0
             phys = pred * s_std_n + s_mean_n
         else:
             stress_head, pair_s = outputs[3], outputs[7]
@@ -178,8 +182,8 @@ class OrbV3Loss(NormalisedLoss):
             std_n = ops.concat((ops.tile(ops.sqrt(new[5]), (3,)), ops.tile(ops.sqrt(new[7]), (3,))))
             pred = stress_head + pair_s / std_o  # normalise(denormalise(head) + ZBL) with the old statistics
             target = (stress - mean_n) / std_n
-            per = huber(pred, target, HUBER_DELTA) * mask6
-            loss = (per[:, :3].sum() + 0.1 * per[:, 3:].sum()) / (3.0 * graphs_total)
+            per = huber(pred, target, HUBER_DELTA) * weight6
+            loss = (per[:, :3].sum() + 0.1 * per[:, 3:].sum()) / 3.0
             phys = pred * std_n + mean_n
         stress_mae = ops.abs(ops.stop_gradient(phys) - stress).mean(1)
         return loss, stress_mae

@@ -14,12 +14,23 @@ RUN_FILES = ("metrics.jsonl", "train.log")
 _TMP = re.compile(r"^\..+\.tmp-(\d+)\.(ckpt|tmp)$")  # ours, and MindSpore's own temporary of it
 
 
+def _completed_steps(metrics_path: str) -> bool:
+    """Whether a metrics.jsonl records any training (a step or an epoch), not only the starting validation."""
+    try:
+        with open(metrics_path) as f:
+            return any('"type": "step"' in line or '"type": "epoch"' in line for line in f)
+    except OSError:
+        return False
+
+
 def existing_run_files(output_dir: str) -> List[str]:
-    """Files of an earlier run in ``output_dir`` (its metrics, log or checkpoints)."""
-    found = [f for f in RUN_FILES if os.path.exists(os.path.join(output_dir, f))]
+    """Files of an earlier run in ``output_dir``: its checkpoints, and its metrics and log once it has trained a
+    step (a run that failed before its first step left nothing worth keeping)."""
     ckpts = os.path.join(output_dir, "checkpoints")
-    if os.path.isdir(ckpts):
-        found += [os.path.join("checkpoints", f) for f in sorted(os.listdir(ckpts)) if f.endswith(".ckpt")]
+    found = [os.path.join("checkpoints", f) for f in sorted(os.listdir(ckpts)) if f.endswith(".ckpt")] \
+        if os.path.isdir(ckpts) else []
+    if found or _completed_steps(os.path.join(output_dir, "metrics.jsonl")):
+        found = [f for f in RUN_FILES if os.path.exists(os.path.join(output_dir, f))] + found
     return found
 
 
@@ -34,16 +45,47 @@ def check_output_dir(output_dir: str, resume: bool, overwrite: bool) -> List[str
     return found
 
 
+def _remove_unstarted(output_dir: str) -> None:
+    """Delete what a run that never trained a step left (log, metrics, batch records, empty folders)."""
+    for name in RUN_FILES:
+        path = os.path.join(output_dir, name)
+        if os.path.exists(path):
+            os.remove(path)
+    for name in os.listdir(output_dir):
+        if name.startswith("batches_rank") and name.endswith(".jsonl"):
+            os.remove(os.path.join(output_dir, name))
+    for folder in (os.path.join(output_dir, "checkpoints"), output_dir):
+        if os.path.isdir(folder) and not os.listdir(folder):
+            os.rmdir(folder)
+
+
+def discard_unstarted(output_dir: str) -> None:
+    """After a failure before the first training step: leave ``output_dir`` as it was (no log, no folders), so
+    the corrected command is not refused. A run that trained keeps everything."""
+    if output_dir and os.path.isdir(output_dir) and not existing_run_files(output_dir):
+        for handler in list(logging.getLogger("orb").handlers):
+            if isinstance(handler, logging.FileHandler) and \
+                    os.path.dirname(os.path.abspath(handler.baseFilename)) == os.path.abspath(output_dir):
+                handler.close()
+                logging.getLogger("orb").removeHandler(handler)
+        try:
+            _remove_unstarted(output_dir)
+        except OSError:
+            pass
+
+
 def prepare_output_dir(output_dir: str, resume: bool, overwrite: bool) -> None:
     """Check, then (``overwrite``) delete the earlier run's files, create the folders, remove stale temporaries."""
     found = check_output_dir(output_dir, resume, overwrite)
     if found and not resume:
         for name in found:
             os.remove(os.path.join(output_dir, name))
-        for name in os.listdir(output_dir):
-            if name.startswith("batches_rank") and name.endswith(".jsonl"):
-                os.remove(os.path.join(output_dir, name))
-    os.makedirs(os.path.join(output_dir, "checkpoints"), exist_ok=True)
+    if not resume and os.path.isdir(output_dir):
+        _remove_unstarted(output_dir)
+    try:
+        os.makedirs(os.path.join(output_dir, "checkpoints"), exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"config key 'output_dir': cannot create {output_dir} ({exc.strerror})") from None
     remove_stale_temporaries(os.path.join(output_dir, "checkpoints"))
 
 

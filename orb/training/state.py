@@ -14,7 +14,7 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 
 from orb.errors import CheckpointError, ConfigError
-from orb.training.config import flatten
+from orb.training.config import TrainConfig, flatten
 from orb.training.distributed import DataParallel
 from orb.training.optimizer import FlatAdam
 
@@ -22,7 +22,9 @@ CHECKPOINT_FORMAT = "orb-mindspore-train-2"
 OLDER_FORMATS = ("orb-mindspore-train-1",)
 # Settings that fix the learning-rate schedule or the order and content of the batches.
 RESUME_KEYS = ("train_data_path", "batch_size", "max_epochs", "lr", "lr_schedule", "warmup_fraction", "random_seed",
-               "augmentation", "ema_decay", "optimizer")
+               "augmentation", "ema_decay", "optimizer", "replay.data_path", "replay.val_data_path",
+               "replay.val_samples", "replay.labels", "replay.fraction", "replay.num_samples", "replay.selection",
+               "replay.loss_weight")
 
 
 def _full(optimizer: FlatAdam, local: np.ndarray, dp: DataParallel) -> np.ndarray:
@@ -78,8 +80,9 @@ def restore_optimizer(optimizer: FlatAdam, names: Sequence[str], state: Dict[str
 
 
 def config_changes(saved: Dict, current: Dict, keys: Sequence[str] = RESUME_KEYS) -> List[str]:
-    """``key: saved -> current`` for each resume-relevant setting that differs."""
-    old, new = flatten(saved), flatten(current)
+    """``key: saved -> current`` for each resume-relevant setting that differs (a key the saved run did not have
+    yet counts as its default)."""
+    old, new = dict(flatten(TrainConfig().to_dict()), **flatten(saved)), flatten(current)
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
 
 

@@ -21,7 +21,7 @@ class TrainStep(nn.Cell):
         self.loss_cell = loss_cell
         self.optimizer = optimizer
         self.grad_fn = ms.value_and_grad(self.loss_cell, None, optimizer.params, has_aux=True)
-        self.metric_sums = Parameter(Tensor(np.zeros(len(loss_cell.sum_keys), np.float32)), name="train_metric_sums",
+        self.metric_sums = Parameter(Tensor(np.zeros(loss_cell.num_sums, np.float32)), name="train_metric_sums",
                                      requires_grad=False)
 
     def construct(self, *inputs):

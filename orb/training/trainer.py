@@ -13,14 +13,17 @@ import numpy as np
 from orb.data.buckets import Bucket, check_buckets, padding_fraction, parse_buckets, plan_buckets
 from orb.data.dataset import AseDbDataset, EpochSampler
 from orb.data.graphs import capacity_is_counted
-from orb.data.loader import BatchLoader, Step, plan_epoch
+from orb.data.loader import BatchLoader, Step, plan_epoch, step_totals
+from orb.data.mixture import MixedSampler, Mixture, Source, replay_per_step
 from orb.device import compile_cell
 from orb.errors import ConfigError
-from orb.metrics import METRICS, describe
+from orb.metrics import BY_ELEMENT, METRICS, describe, format_by_element
+from orb.training import replay as replay_data
 from orb.training import state as training_state
 from orb.training.config import TrainConfig
 from orb.training.distributed import DataParallel
 from orb.training.outputs import append_jsonl
+from orb.training.reference_fit import fit_reference_energies, reference_baseline
 
 log = logging.getLogger("orb")
 
@@ -85,11 +88,24 @@ def _tqdm_enabled(setting: str, is_main: bool) -> bool:
 
 
 def _fmt(metrics: Dict[str, float]) -> str:
-    return "{" + ", ".join(f"'{k}': {v:.6g}" for k, v in metrics.items()) + "}"
+    return "{" + ", ".join(f"'{k}': {v:.6g}" for k, v in metrics.items() if isinstance(v, float)) + "}"
+
+
+def _change(now: float, start: float) -> str:
+    return f"{100 * (now - start) / abs(start):+.1f} %" if start else f"{now - start:+.3g}"
+
+
+FORGETTING_KEYS = ("energy_per_atom_mae", "forces_mae", "stress_mae")  # the replay_val line of every epoch
 
 
 class Trainer:
-    """Fits an orb model to an ASE database: compiled steps, validation, logging, checkpoints, resume."""
+    """Fits an orb model to the user's data (and replay data): compiled steps, validation, logging, checkpoints,
+    resume.
+
+    The data it sees: ``train_set``, one :class:`~orb.data.mixture.Mixture` of the target and (with
+    ``replay.fraction > 0``) replay structures, and ``val_sets``, named validation sets (``val``: the
+    target's; ``replay_val``: held-out replay structures, what fine-tuning costs the foundation).
+    """
 
     def __init__(self, cfg: TrainConfig, data_parallel: Optional[DataParallel] = None, resume: Optional[str] = None,
                  accept_config_changes: bool = False):
@@ -97,16 +113,24 @@ class Trainer:
         self._log_device()
         self.output_dir = cfg.output_dir
         self.checkpoint_dir = os.path.join(self.output_dir, "checkpoints")
-        self._load_data()
+        self.compiled: Dict[Tuple[str, Bucket], float] = {}
+        self.compile_time = 0.0  # seconds spent compiling during the current epoch
+        self._open_data()
         self.model = build_model(cfg)
+        self._starting_digest: Optional[str] = None
+        self._choose_replay()
+        self._plan_data()
+        self.reference_fit = None
+        if not resume and cfg.reference_energies.fit != "none":
+            self._fit_reference_energies()
         self.params = trainable_parameters(self.model, cfg)
         self.param_names = self._names(self.params)
         self.steps_per_epoch = len(self.sampler)
         self.total_steps = cfg.max_epochs * self.steps_per_epoch
         self._build_steps()
-        self.compiled: Dict[Tuple[str, Bucket], float] = {}
-        self.compile_time = 0.0  # seconds spent compiling during the current epoch
         self.start_epoch, self.global_step, self.best_val = 0, 0, math.inf
+        self.epochs_done, self.best_epoch = 0, 0
+        self.initial: Dict[str, Dict] = {}  # validation of the starting model (epoch 0), by set
         if resume:
             self._resume(resume, accept_config_changes)
         self.dp.check_same_parameters(self.model)
@@ -124,54 +148,150 @@ class Trainer:
         if self.dp.parallel:
             log.info("data parallel: rank %d of %d (pid %d)", self.dp.rank, self.dp.world_size, os.getpid())
 
-    def _load_data(self) -> None:
-        cfg, world = self.cfg, self.dp.world_size
+    def _open_data(self) -> None:
+        """Open and check every database, and count their neighbours (batch shapes), before the model is built."""
+        cfg, world, replay = self.cfg, self.dp.world_size, self.cfg.replay
         if cfg.optimizer_shard and world < 2:
             raise ConfigError("config key 'optimizer_shard': sharding the optimizer state needs a data-parallel run "
                               "with at least 2 workers (run_parallel.sh)")
         if cfg.batch_size < world:
             raise ConfigError(f"config key 'batch_size' ({cfg.batch_size}) is the global batch and must be at least "
                               f"the number of workers ({world})")
+        if cfg.patience and not cfg.val_data_path:
+            raise ConfigError("config key 'patience' stops on the validation loss and needs val_data_path")
+        if replay.enabled and replay.labels == "model" and not cfg.checkpoint_path:
+            raise ConfigError("config key 'replay.labels': model labels replay data with the starting checkpoint's "
+                              "predictions and needs checkpoint_path")
+        if cfg.reference_energies.fit == "residual" and not cfg.checkpoint_path:
+            raise ConfigError("config key 'reference_energies.fit': residual fits to the starting checkpoint's "
+                              "errors and needs checkpoint_path (least_squares needs none)")
         graphs, charge_spin = cfg.model.graph_settings(), cfg.model.omol
-        self.train_set = AseDbDataset(cfg.train_data_path, augmentation=cfg.augmentation, settings=graphs,
-                                      charge_spin=charge_spin)
-        self.val_set = (AseDbDataset(cfg.val_data_path, settings=graphs, charge_spin=charge_spin)
-                        if cfg.val_data_path else None)
-        for key, data in (("train_data_path", self.train_set), ("val_data_path", self.val_set)):
+
+        def open_db(path, **kwargs):
+            return AseDbDataset(path, settings=graphs, charge_spin=charge_spin, **kwargs)
+
+        self.databases: Dict[str, AseDbDataset] = {"train": open_db(cfg.train_data_path,
+                                                                    augmentation=cfg.augmentation)}
+        if cfg.val_data_path:
+            self.databases["val"] = open_db(cfg.val_data_path)
+        if replay.enabled:
+            labelled = replay.labels == "data"
+            self.databases["replay"] = open_db(replay.data_path, augmentation=cfg.augmentation,
+                                               require_labels=labelled)
+            if replay.val_data_path:
+                self.databases["replay_val"] = open_db(replay.val_data_path, require_labels=labelled)
+        for key, name in (("train_data_path", "train"), ("val_data_path", "val")):
+            data = self.databases.get(name)
             if data is not None and len(data) < world:
                 raise ConfigError(f"config key '{key}': {data.path} has {len(data)} structure(s), fewer than the "
                                   f"{world} workers")
-        self.has_stress = self.train_set.has_stress and cfg.loss_weights.stress > 0 and cfg.model.has_stress
-        if cfg.loss_weights.stress > 0 and cfg.model.has_stress and not self.train_set.has_stress:
+        train = self.databases["train"]
+        self.has_stress = train.has_stress and cfg.loss_weights.stress > 0 and cfg.model.has_stress
+        if cfg.loss_weights.stress > 0 and cfg.model.has_stress and not train.has_stress:
             log.warning("%s has no stress labels: training without the stress loss", cfg.train_data_path)
-        if self.val_set is not None and self.has_stress and not self.val_set.has_stress:
-            raise ConfigError(f"val_data_path {cfg.val_data_path} has no stress while the training data has; "
-                              "set loss_weights.stress: 0 or add stress labels")
+        self._check_stress()
         self.local_batch = math.ceil(cfg.batch_size / world)
-        self.sampler = EpochSampler(len(self.train_set), cfg.batch_size, cfg.random_seed, True)
-        self.val_sampler = EpochSampler(len(self.val_set), cfg.batch_size, 0, False) if self.val_set else None
-        datasets = {"train": self.train_set, **({"val": self.val_set} if self.val_set is not None else {})}
-        self.loader = BatchLoader(datasets, cfg.data_workers)
-        self.train_buckets = self._buckets("train", "training")
-        self.val_buckets = self._buckets("val", "validation") if self.val_set is not None else []
+        self.loader = BatchLoader(self.databases, cfg.data_workers)
+        for name, data in self.databases.items():
+            self._count_neighbours(name, data)
 
-    def _buckets(self, name: str, what: str) -> List[Bucket]:
-        dataset = self.loader.datasets[name]
+    def _check_stress(self) -> None:
+        """Every set a training batch or a validation mixes with the target must carry stress when it is trained."""
+        if not self.has_stress:
+            return
+        replay_by_model = self.cfg.replay.labels == "model" and self.cfg.model.has_stress
+        for name, key in (("val", "val_data_path"), ("replay", "replay.data_path"),
+                          ("replay_val", "replay.val_data_path")):
+            data = self.databases.get(name)
+            if data is not None and not data.has_stress and not (name.startswith("replay") and replay_by_model):
+                raise ConfigError(f"{key} {data.path} has no stress while the training data has; set "
+                                  "loss_weights.stress: 0 or add stress labels" +
+                                  (" (or replay.labels: model)" if name.startswith("replay") else ""))
+
+    def _count_neighbours(self, name: str, dataset: AseDbDataset) -> None:
         start = time.perf_counter()
-        edges = self.loader.edge_capacities(name, self.dp)
+        self.loader.edge_capacities(name, self.dp)
         if dataset.capacities_read_from is not None:
-            log.info("%s data: neighbour counts of %d structures for the batch shapes read from %s", what, len(dataset),
+            log.info("%s data: neighbour counts of %d structures for the batch shapes read from %s", name, len(dataset),
                      dataset.capacities_read_from)
         elif capacity_is_counted(dataset.settings):
-            log.info("%s data: neighbours of %d structures counted for the batch shapes in %.1f s%s%s", what,
+            log.info("%s data: neighbours of %d structures counted for the batch shapes in %.1f s%s%s", name,
                      len(dataset), time.perf_counter() - start,
                      f" (shared by {self.dp.world_size} ranks)" if self.dp.parallel else "",
                      f", kept in {dataset.capacities_kept_in}" if dataset.capacities_kept_in else "")
+
+    def starting_digest(self) -> str:
+        """The starting weights, hashed once (the key of cached descriptors and pseudo-labels)."""
+        if self._starting_digest is None:
+            self._starting_digest = replay_data.weights_digest(self.model)
+        return self._starting_digest
+
+    def _choose_replay(self) -> None:
+        """Which replay rows are trained on and validated, and their labels (model labels: the starting model's)."""
+        cfg, replay = self.cfg, self.cfg.replay
+        self.replay_train: Optional[Source] = None
+        self.replay_val: Optional[Source] = None
+        if not replay.enabled:
+            return
+        data = self.databases["replay"]
+        candidates, val = replay_data.split(data, self.databases.get("replay_val"), replay.fraction,
+                                            replay.val_samples, cfg.random_seed)
+        chosen = replay_data.select(data, candidates, replay.num_samples, replay.selection, cfg.random_seed,
+                                    self.forward, self.starting_digest, self.dp) if len(candidates) else candidates
+        if replay.labels == "model":
+            with_stress = self.has_stress
+            needed = {}  # database -> positions that need labels
+            if len(chosen):
+                needed[id(data)] = (data, chosen)
+            if val is not None:
+                db, positions = val
+                previous = needed.get(id(db), (db, np.zeros(0, np.int64)))[1]
+                needed[id(db)] = (db, np.union1d(previous, positions))
+            for db, positions in needed.values():
+                db.set_labels(replay_data.pseudo_labels(db, positions, self.forward, self.starting_digest,
+                                                        with_stress, self.dp))
+        if len(chosen):
+            self.replay_train = Source("replay", data, chosen, replay.loss_weight)
+        if val is not None:
+            self.replay_val = Source("replay_val", *val)
+
+    def _plan_data(self) -> None:
+        """The training stream, validation sets, samplers and bucket shapes."""
+        cfg, replay = self.cfg, self.cfg.replay
+        self.train_source = Source("train", self.databases["train"])
+        sources = [self.train_source] + ([self.replay_train] if self.replay_train is not None else [])
+        self.train_set = Mixture(sources)
+        self.val_sets: Dict[str, Source] = {}
+        if "val" in self.databases:
+            self.val_sets["val"] = Source("val", self.databases["val"])
+        if self.replay_val is not None:
+            self.val_sets["replay_val"] = self.replay_val
+        self.train_batches = None  # planned steps' totals, for bucket planning (stratified replay only)
+        if self.replay_train is not None:
+            self.sampler = MixedSampler(len(self.train_source), len(self.replay_train), cfg.batch_size,
+                                        replay_per_step(cfg.batch_size, replay.fraction), cfg.random_seed)
+            epochs = max(1, min(cfg.max_epochs, -(-2000 // len(self.sampler))))  # ~2000 sample steps
+            self.train_batches = step_totals(self.sampler, self.train_set.natoms, self.train_set.edge_capacities(),
+                                             self.dp.shards, epochs)
+        else:
+            self.sampler = EpochSampler(len(self.train_set), cfg.batch_size, cfg.random_seed, True)
+        self.loader.add("train", self.train_set)
+        self.train_buckets = self._buckets(self.train_set, "training", self.train_batches)
+        self.val_samplers: Dict[str, EpochSampler] = {}
+        self.val_buckets: Dict[str, List[Bucket]] = {}
+        for name, data in self.val_sets.items():
+            self.loader.add(name, data)
+            self.val_samplers[name] = EpochSampler(len(data), cfg.batch_size, 0, False)
+            self.val_buckets[name] = self._buckets(data, name)
+
+    def _buckets(self, dataset, what: str, batches=None) -> List[Bucket]:
+        edges = dataset.edge_capacities()
         if self.cfg.buckets:
             buckets = parse_buckets(self.cfg.buckets, self.local_batch)
             check_buckets(dataset.natoms, edges, self.local_batch, buckets, what)
             return buckets
-        return plan_buckets(dataset.natoms, edges, self.local_batch, self.cfg.num_buckets, seed=self.cfg.random_seed)
+        return plan_buckets(dataset.natoms, edges, self.local_batch, self.cfg.num_buckets, seed=self.cfg.random_seed,
+                            batches=batches)
 
     def _names(self, params) -> List[str]:
         names = {id(p): name for name, p in self.model.parameters_and_names()}
@@ -199,26 +319,64 @@ class Trainer:
         log.info("model: %s, %s parameters (%s trained), %d message-passing layers, latent %d; graphs: %d neighbours "
                  "within %g Å", cfg.model.name, f"{n_params:,}", f"{n_train:,}", cfg.model.num_message_passing_steps,
                  cfg.model.latent_dim, cfg.model.max_neighbors, cfg.model.radius)
-        log.info("train data: %s (%d structures, %d atoms)%s", cfg.train_data_path, len(self.train_set),
-                 int(self.train_set.natoms.sum()), "" if self.train_set.has_stress else ", no stress")
-        if self.val_set is not None:
-            log.info("validation data: %s (%d structures)", cfg.val_data_path, len(self.val_set))
-        log.info("batch size: %d global, %d per worker x %d worker(s); %d steps per epoch, %d epochs",
-                 cfg.batch_size, self.local_batch, self.dp.world_size, self.steps_per_epoch, cfg.max_epochs)
+        train = self.train_source
+        log.info("train data: %s (%d structures, %d atoms)%s%s", cfg.train_data_path, len(train),
+                 int(train.natoms.sum()), "" if train.has_stress else ", no stress", self._weights_note(train))
+        for name, data in self.val_sets.items():
+            log.info("%s data: %s (%d structures)%s", "validation" if name == "val" else name, data.path, len(data),
+                     self._weights_note(data))
+        if self.replay_train is not None:
+            r = self.replay_train
+            log.info("replay: %d structures of %s (%s labels, loss weight %g); each step: %d target + %d replay "
+                     "structures", len(r), r.path, cfg.replay.labels, cfg.replay.loss_weight,
+                     self.sampler.target_step, self.sampler.replay_step)
+        elif self.replay_val is not None:
+            log.info("replay: validated only (replay.fraction 0): forgetting is measured every epoch, not prevented")
+        log.info("batch size: %d global, %d per worker x %d worker(s); %d steps per epoch, %d epochs%s",
+                 cfg.batch_size, self.local_batch, self.dp.world_size, self.steps_per_epoch, cfg.max_epochs,
+                 f"; early stopping after {cfg.patience} epochs without a lower validation loss" if cfg.patience
+                 else "")
         log.info("optimizer: %s, %s schedule, peak lr %.3g%s, clipping %s %g%s", cfg.optimizer, cfg.lr_schedule,
                  float(self.schedule.lr.max()), f", EMA of weights {cfg.ema_decay}" if cfg.ema_decay else "",
                  cfg.gradient_clip_mode, cfg.gradient_clip_val,
                  ", state sharded over ranks" if self.dp.shard_optimizer else "")
         pad = padding_fraction(self.train_set.natoms, self.train_set.edge_capacities(), self.local_batch,
-                               self.train_buckets)
+                               self.train_buckets, batches=self.train_batches)
         log.info("train buckets (nodes, edges, graphs): %s; expected padding %.0f%% of nodes, %.0f%% of edges",
                  [(b.num_nodes, b.num_edges, b.num_graphs) for b in self.train_buckets], 100 * pad["nodes"],
                  100 * pad["edges"])
         keys = [k for k in self.loss_cell.sum_keys if k in METRICS and (self.has_stress or "stress" not in k)]
-        log.info("metrics (per epoch, train and validation):\n%s", describe(keys))
+        log.info("metrics (per epoch, train and validation):\n%s", describe(keys + [BY_ELEMENT]))
+
+    @staticmethod
+    def _weights_note(data: Source) -> str:
+        weights = data.dataset.weights[data.positions]
+        if np.all(weights == 1):
+            return ""
+        return (f", per-structure loss weights from the rows' 'weight' (mean {weights.mean():.3g}, "
+                f"{int((weights == 0).sum())} zero)")
+
+    # ----------------------------------------------------------------- reference energies
+    def _fit_reference_energies(self) -> None:
+        """Move the reference energies to the user's DFT (``reference_energies.fit``), before the first step."""
+        from mindspore import Tensor
+
+        method = self.cfg.reference_energies.fit
+        data = self.databases["train"]
+        weight = self.model.reference_energy_weight()
+        current = weight.asnumpy().astype(np.float64)
+        composition = data.composition()
+        if method == "residual":
+            baseline = self.forward("train_energies", self.train_source, "labels")["energy"]
+        else:
+            baseline = reference_baseline(composition, len(data), current)
+        fit = fit_reference_energies(method, composition, data.energies(), baseline, current)
+        weight.set_data(Tensor(fit.table.astype(np.float32)))
+        self.reference_fit = fit
+        log.info(fit.summary())
 
     # ----------------------------------------------------------------- steps
-    def _plan(self, sampler: EpochSampler, dataset: AseDbDataset, buckets, epoch: int) -> List[Step]:
+    def _plan(self, sampler, dataset, buckets, epoch: int) -> List[Step]:
         return plan_epoch(sampler, dataset.natoms, dataset.edge_capacities(), self.dp.shards, self.dp.rank, buckets,
                           epoch)
 
@@ -234,13 +392,48 @@ class Trainer:
         start = time.perf_counter()
         compile_cell(cell, *inputs)
         out = cell(*inputs)
-        out.asnumpy()
+        (out[0] if isinstance(out, tuple) else out).asnumpy()
         self.compiled[key] = time.perf_counter() - start
         self.compile_time += self.compiled[key]
         return out
 
-    def _sums_to_metrics(self, sums: np.ndarray) -> Dict[str, float]:
-        return self.loss_cell.metrics(sums)
+    def forward(self, name: str, source: Source, kind: str) -> Dict[str, np.ndarray]:
+        """The model's outputs over every structure of ``source``, in its order: ``kind`` "labels" gives energy (eV),
+        forces and stress; "descriptors" the per-structure descriptors. Each data-parallel rank computes its part
+        of every batch; the parts are summed over ranks, so every rank returns the whole."""
+        from orb.inference.predictor import DescriptorCell, PredictCell
+        from orb.data.tensors import MODEL_INPUTS
+
+        cell = DescriptorCell(self.model) if kind == "descriptors" else PredictCell(self.model)
+        sampler = EpochSampler(len(source), self.cfg.batch_size, 0, False)
+        buckets = self._buckets(source, name)
+        self.loader.add(name, source)
+        offsets = np.concatenate([[0], np.cumsum(source.natoms)]).astype(np.int64)
+        if kind == "descriptors":
+            out = {"descriptors": np.zeros((len(source), self.cfg.model.latent_dim))}
+        else:
+            out = {"energy": np.zeros(len(source)), "forces": np.zeros((int(offsets[-1]), 3)),
+                   "stress": np.zeros((len(source), 6))}
+        start = time.perf_counter()
+        for step, arrays in self.loader.iterate(name, self._plan(sampler, source, buckets, 0), None, False):
+            result = self._run(f"{kind} pass", cell, arrays[:len(MODEL_INPUTS)], step.bucket)
+            index = np.asarray(step.indices, np.int64)
+            if kind == "descriptors":
+                out["descriptors"][index] = result.asnumpy()[:len(index)]
+                continue
+            energy, forces, stress = (t.asnumpy() for t in result[:3])
+            out["energy"][index], out["stress"][index] = energy[:len(index)], stress[:len(index)]
+            node = 0
+            for i in index:  # a step's structures' atoms are consecutive, in its order
+                n = int(offsets[i + 1] - offsets[i])
+                out["forces"][offsets[i]:offsets[i + 1]] = forces[node:node + n]
+                node += n
+        self.loader.close()
+        log.info("%s: %s of %d structures in %.1f s", name, kind, len(source), time.perf_counter() - start)
+        return {key: self.dp.sum(value) for key, value in out.items()}  # each rank filled its own structures
+
+    def _sums_to_metrics(self, sums: np.ndarray, by_element: bool = False) -> Dict:
+        return self.loss_cell.metrics(sums, by_element)
 
     # ----------------------------------------------------------------- epochs
     def train_epoch(self, epoch: int, progress) -> Dict[str, float]:
@@ -248,7 +441,7 @@ class Trainer:
 
         steps = self._plan(self.sampler, self.train_set, self.train_buckets, epoch)
         seed = self.cfg.random_seed if self.cfg.augmentation else None
-        totals = np.zeros(len(self.loss_cell.sum_keys))
+        totals = np.zeros(self.loss_cell.num_sums)
         self.compile_time, wait_before = 0.0, self.loader.wait_time
         start = time.perf_counter()
         bar = progress(total=len(steps), desc=f"epoch {epoch + 1}", leave=False)
@@ -266,7 +459,7 @@ class Trainer:
                                    "lr": float(self.schedule.lr[min(self.global_step, self.total_steps) - 1]),
                                    **interval})
         bar.close()
-        metrics = self._sums_to_metrics(totals)
+        metrics = self._sums_to_metrics(totals, by_element=True)
         elapsed = time.perf_counter() - start - self.compile_time
         metrics["data_wait"] = (self.loader.wait_time - wait_before) / max(elapsed, 1e-9)
         metrics["train_time"] = elapsed
@@ -274,22 +467,25 @@ class Trainer:
             metrics["compile_time"] = self.compile_time
         return metrics
 
-    def validate(self, progress) -> Dict[str, float]:
-        if self.val_set is None:
+    def validate(self, progress, name: str = "val") -> Dict[str, float]:
+        """Metrics of validation set ``name`` (with the EMA weights when ``ema_decay`` is set)."""
+        if name not in self.val_sets:
             return {}
         start = time.perf_counter()
-        steps = self._plan(self.val_sampler, self.val_set, self.val_buckets, 0)
-        total = np.zeros(0)
-        bar = progress(total=len(steps), desc="validation", leave=False)
+        steps = self._plan(self.val_samplers[name], self.val_sets[name], self.val_buckets[name], 0)
+        total = np.zeros(self.loss_cell.num_sums)
+        bar = progress(total=len(steps), desc=name, leave=False)
         with self._evaluation_weights():
-            for step, arrays in self.loader.iterate("val", steps, None, self.has_stress):
-                sums = self._run("eval", self.eval_step, arrays, step.bucket).asnumpy().astype(np.float64)
-                total = sums if total.size == 0 else total + sums  # float64 on the host, batch by batch
+            for step, arrays in self.loader.iterate(name, steps, None, self.has_stress):
+                total += self._run("eval", self.eval_step, arrays, step.bucket).asnumpy().astype(np.float64)
                 bar.update(1)
         bar.close()
-        metrics = self._sums_to_metrics(self.dp.sum(total))
+        metrics = self._sums_to_metrics(self.dp.sum(total), by_element=True)
         metrics["val_time"] = time.perf_counter() - start
         return metrics
+
+    def validate_all(self, progress) -> Dict[str, Dict]:
+        return {name: self.validate(progress, name) for name in self.val_sets}
 
     @contextmanager
     def _evaluation_weights(self):
@@ -308,6 +504,19 @@ class Trainer:
             for p, value in zip(self.params, current):
                 p.set_data(Tensor(value))
 
+    def _log_validation(self, prefix: str, results: Dict[str, Dict]) -> None:
+        if not self.dp.is_main:
+            return
+        log.info(prefix + ", ".join(f"{name}_metrics: {_fmt(metrics)}" for name, metrics in results.items()))
+        for name, metrics in results.items():
+            if metrics.get(BY_ELEMENT):
+                log.info("%s forces MAE by element (eV/Å): %s", name, format_by_element(metrics[BY_ELEMENT]))
+        start, now = self.initial.get("replay_val"), results.get("replay_val")
+        if start and now and now is not start:
+            changes = [f"{k} {now[k]:.4g} ({_change(now[k], start[k])})" for k in FORGETTING_KEYS
+                       if k in now and k in start]
+            log.info("replay_val against the starting model: %s", ", ".join(changes))
+
     def fit(self, until_epoch: Optional[int] = None) -> Dict:
         """Train from the current epoch to ``until_epoch`` (default: the config's ``max_epochs``)."""
         from tqdm import tqdm
@@ -323,24 +532,24 @@ class Trainer:
         run_start = time.perf_counter()
         history = []
         try:
-            if self.start_epoch == 0 and self.val_set is not None:
-                initial = self.validate(progress)  # the starting checkpoint, to compare fine-tuning against
-                if self.dp.is_main:
-                    log.info("Before fine-tuning: val_metrics: %s", _fmt(initial))
-                self._write_jsonl({"type": "initial", "epoch": 0, "step": 0, "val": initial})
+            if self.start_epoch == 0 and self.val_sets:
+                self.initial = self.validate_all(progress)  # the starting checkpoint, to compare fine-tuning against
+                self._log_validation("Before fine-tuning: ", self.initial)
+                self._write_jsonl({"type": "initial", "epoch": 0, "step": 0, **self.initial})
             epochs = progress(total=cfg.max_epochs, initial=self.start_epoch, desc="fine-tuning")
             for epoch in range(self.start_epoch, last_epoch):
+                if self._stopped_early():
+                    break
                 train_metrics = self.train_epoch(epoch, progress)
-                val_metrics = self.validate(progress)
+                results = self.validate_all(progress)
                 epochs.update(1)
-                if self.dp.is_main:
-                    log.info(f"Epoch: {epoch + 1}/{cfg.max_epochs}, train_metrics: {_fmt(train_metrics)}, "
-                             f"val_metrics: {_fmt(val_metrics)}")
+                self._log_validation(f"Epoch: {epoch + 1}/{cfg.max_epochs}, train_metrics: {_fmt(train_metrics)}, ",
+                                     results)
                 record = {"type": "epoch", "epoch": epoch + 1, "step": self.global_step, "train": train_metrics,
-                          "val": val_metrics, "lr": float(self.schedule.lr[max(self.global_step, 1) - 1])}
+                          **results, "lr": float(self.schedule.lr[max(self.global_step, 1) - 1])}
                 self._write_jsonl(record)
                 history.append(record)
-                self._save_epoch(epoch + 1, val_metrics.get("loss", train_metrics["loss"]))
+                self._save_epoch(epoch + 1, results.get("val", {}).get("loss", train_metrics["loss"]))
             epochs.close()
         finally:
             self.loader.close()
@@ -352,11 +561,23 @@ class Trainer:
                      os.path.join(self.output_dir, "metrics.jsonl"))
         return {"history": history, "total_time": total, "compilations": len(self.compiled)}
 
+    def _stopped_early(self) -> bool:
+        """Early stopping: ``patience`` epochs in a row without a lower validation loss end the run."""
+        waited = self.epochs_done - self.best_epoch
+        if not self.cfg.patience or waited < self.cfg.patience or math.isinf(self.best_val):
+            return False
+        if self.dp.is_main:
+            log.info("early stopping: the validation loss has not improved for %d epochs (best %.6g after epoch %d; "
+                     "best.ckpt and best_weights.ckpt hold it)", waited, self.best_val, self.best_epoch)
+        self._write_jsonl({"type": "stopped", "epoch": self.epochs_done, "step": self.global_step,
+                           "best_epoch": self.best_epoch, "best_val_loss": self.best_val})
+        return True
+
     # ----------------------------------------------------------------- outputs
     def _record(self, step: Step) -> None:
         """With ``record_batches``: the database row ids this rank trains on, one line per step."""
         if self.cfg.record_batches:
-            ids = [int(self.train_set.ids[i]) for i in step.indices]
+            ids = [self.train_set.row_id(i) for i in step.indices]
             append_jsonl(os.path.join(self.output_dir, f"batches_rank{self.dp.rank}.jsonl"),
                          {"epoch": step.epoch + 1, "step": self.global_step + 1, "row_ids": ids})
 
@@ -365,17 +586,22 @@ class Trainer:
             append_jsonl(os.path.join(self.output_dir, "metrics.jsonl"), record)
 
     def _meta(self, epoch: int) -> Dict:
-        return {"format": training_state.CHECKPOINT_FORMAT, "epoch": epoch, "global_step": self.global_step,
-                "best_val_loss": None if math.isinf(self.best_val) else self.best_val,
-                "random_seed": self.cfg.random_seed, "config": self.cfg.to_dict(), "model": self.cfg.model.to_dict(),
-                "train_rows": len(self.train_set), "world_size": self.dp.world_size}
+        meta = {"format": training_state.CHECKPOINT_FORMAT, "epoch": epoch, "global_step": self.global_step,
+                "best_val_loss": None if math.isinf(self.best_val) else self.best_val, "best_epoch": self.best_epoch,
+                "initial": self.initial, "random_seed": self.cfg.random_seed, "config": self.cfg.to_dict(),
+                "model": self.cfg.model.to_dict(), "train_rows": len(self.train_source),
+                "world_size": self.dp.world_size}
+        if self.reference_fit is not None:
+            meta["reference_energies_fit"] = self.reference_fit.to_dict()
+        return meta
 
     def _save_epoch(self, epoch: int, val_loss: float) -> None:
         from orb.io.checkpoint import save_checkpoint
 
         improved = val_loss < self.best_val
         if improved:
-            self.best_val = val_loss
+            self.best_val, self.best_epoch = val_loss, epoch
+        self.epochs_done = epoch
         state = training_state.optimizer_state(self.optimizer, self.param_names, self.dp)  # collective when sharded
         if not self.dp.is_main:
             return
@@ -384,9 +610,11 @@ class Trainer:
         if improved:
             save_checkpoint(os.path.join(self.checkpoint_dir, "best.ckpt"), self.model, meta, state)
             with self._evaluation_weights():
-                save_checkpoint(os.path.join(self.checkpoint_dir, "best_weights.ckpt"), self.model,
-                                {"epoch": epoch, "val_loss": val_loss, "ema": bool(self.cfg.ema_decay),
-                                 "config": self.cfg.to_dict(), "model": self.cfg.model.to_dict()})
+                weights_meta = {"epoch": epoch, "val_loss": val_loss, "ema": bool(self.cfg.ema_decay),
+                                "config": self.cfg.to_dict(), "model": self.cfg.model.to_dict()}
+                if self.reference_fit is not None:
+                    weights_meta["reference_energies_fit"] = self.reference_fit.to_dict()
+                save_checkpoint(os.path.join(self.checkpoint_dir, "best_weights.ckpt"), self.model, weights_meta)
         if epoch % self.cfg.save_every_x_epochs == 0 or epoch == self.cfg.max_epochs:
             save_checkpoint(os.path.join(self.checkpoint_dir, f"epoch_{epoch:04d}.ckpt"), self.model, meta, state)
 
@@ -397,12 +625,14 @@ class Trainer:
             folder = os.path.join(path, "checkpoints")
             path = os.path.join(folder if os.path.isdir(folder) else path, "last.ckpt")
         weights, opt_state, meta = load_checkpoint(path)
-        changes = training_state.check_resume(meta, self.cfg.to_dict(), len(self.train_set), path, accept_changes)
+        changes = training_state.check_resume(meta, self.cfg.to_dict(), len(self.train_source), path, accept_changes)
         load_torch_state_dict(self.model, weights, source=path)
         training_state.restore_optimizer(self.optimizer, self.param_names, opt_state, path)
-        self.start_epoch = int(meta["epoch"])
+        self.start_epoch = self.epochs_done = int(meta["epoch"])
         self.global_step = int(meta["global_step"])
         self.best_val = training_state.best_loss(meta)
+        self.best_epoch = int(meta.get("best_epoch") or 0)
+        self.initial = meta.get("initial") or {}
         if changes:
             log.warning("resuming with changed settings (accepted): %s", "; ".join(changes))
         log.info("resumed from %s: %d epochs done, global step %d", path, self.start_epoch, self.global_step)

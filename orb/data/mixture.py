@@ -1,0 +1,186 @@
+"""Training data as one stream: named sources (the user's target data, replay data) mixed in fixed shares.
+
+A :class:`Source` is the rows of one database that a run uses (all of them, or a chosen subset),
+each structure weighted in the loss by its row's ``weight`` times the source's ``loss_weight``. A
+:class:`Mixture` concatenates sources: position ``i`` of the mixture is a position of one source,
+and each structure knows its source. The trainer, the batch plan and the data workers see one
+dataset; validation sets are single sources with names (``val``, ``replay_val``).
+
+:class:`MixedSampler` puts a fixed number of replay structures into every step (stratified, not
+random shares): an epoch is one pass over the target, the replay structures continue one seeded
+stream across epochs, and both are pure functions of (seed, epoch), so a resumed run and every
+data-parallel rank compute the same global batches.
+"""
+
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from orb.data.dataset import AseDbDataset
+from orb.data.graphs import AtomGraphs
+
+
+def replay_per_step(batch_size: int, fraction: float) -> int:
+    """Replay structures in a full global batch: the fraction of it, rounded, at least one when mixing."""
+    return 0 if fraction <= 0 else max(1, int(round(fraction * batch_size)))
+
+
+class Source:
+    """Positions ``positions`` (default: all) of ``dataset``, named; loss weights scaled by ``loss_weight``."""
+
+    def __init__(self, name: str, dataset: AseDbDataset, positions: Optional[Sequence[int]] = None,
+                 loss_weight: float = 1.0):
+        self.name, self.dataset, self.loss_weight = name, dataset, float(loss_weight)
+        self.positions = np.arange(len(dataset)) if positions is None else np.asarray(positions, np.int64)
+        if len(self.positions) == 0:
+            raise ValueError(f"source {name} of {dataset.path} has no structures")
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def __repr__(self) -> str:
+        return f"Source({self.name!r}, {self.dataset.path!r}, {len(self)} structures)"
+
+    @property
+    def path(self) -> str:
+        return self.dataset.path
+
+    @property
+    def has_stress(self) -> bool:
+        return self.dataset.has_stress
+
+    @property
+    def natoms(self) -> np.ndarray:
+        return self.dataset.natoms[self.positions]
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self.dataset.ids[self.positions]
+
+    @property
+    def weights(self) -> np.ndarray:
+        return self.dataset.weights[self.positions] * self.loss_weight
+
+    def edge_capacities(self) -> np.ndarray:
+        return self.dataset.edge_capacities()[self.positions]
+
+    def get(self, index: int, rotation_seed=None) -> AtomGraphs:
+        graph = self.dataset.get(int(self.positions[index]), rotation_seed=rotation_seed)
+        if self.loss_weight != 1.0:
+            graph.weight = graph.weight * np.float32(self.loss_weight)
+        return graph
+
+    def row(self, index: int):
+        return self.dataset.row(int(self.positions[index]))
+
+
+class Mixture:
+    """Sources as one dataset, in order: positions ``starts[s]`` to ``starts[s + 1]`` are source ``s``'s."""
+
+    def __init__(self, sources: List[Source]):
+        if not sources:
+            raise ValueError("a mixture needs at least one source")
+        self.sources = list(sources)
+        self.starts = np.cumsum([0] + [len(s) for s in self.sources])
+        self.source_of = np.repeat(np.arange(len(self.sources)), [len(s) for s in self.sources])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __repr__(self) -> str:
+        return f"Mixture({self.sources!r})"
+
+    @property
+    def names(self) -> List[str]:
+        return [s.name for s in self.sources]
+
+    @property
+    def path(self) -> str:
+        return self.sources[0].path
+
+    @property
+    def has_stress(self) -> bool:
+        """Stress is trained when the first source (the target) has it."""
+        return self.sources[0].has_stress
+
+    @property
+    def natoms(self) -> np.ndarray:
+        return np.concatenate([s.natoms for s in self.sources])
+
+    @property
+    def weights(self) -> np.ndarray:
+        return np.concatenate([s.weights for s in self.sources])
+
+    def edge_capacities(self) -> np.ndarray:
+        return np.concatenate([s.edge_capacities() for s in self.sources])
+
+    def locate(self, index: int):
+        """(source, position in that source) of mixture position ``index``."""
+        s = int(self.source_of[index])
+        return self.sources[s], int(index - self.starts[s])
+
+    def get(self, index: int, rotation_seed=None) -> AtomGraphs:
+        source, position = self.locate(index)
+        return source.get(position, rotation_seed)
+
+    def row_id(self, index: int):
+        """The database row id of mixture position ``index``, with its source's name when there are several."""
+        source, position = self.locate(index)
+        row = int(source.ids[position])
+        return row if len(self.sources) == 1 else [source.name, row]
+
+
+class MixedSampler:
+    """Global batches of ``target_count`` target positions (mixture positions 0...) and replay positions
+    (after them) in a fixed ratio.
+
+    A full step holds ``batch_size - replay_step`` target and ``replay_step`` replay structures; the
+    epoch's last step holds fewer target structures and proportionally fewer replay ones (rounded).
+    Target structures follow a permutation per epoch, so an epoch is one pass over the target. Replay
+    structure ``j`` of the run (counted from its first step) is position ``j % R`` of the permutation
+    number ``j // R`` of the ``R`` replay structures. Each global batch is shuffled, so data-parallel
+    ranks (which take contiguous parts) each get both kinds.
+    """
+
+    def __init__(self, target_count: int, replay_count: int, batch_size: int, replay_step: int, seed: int = 0):
+        if target_count < 1 or replay_count < 1:
+            raise ValueError("MixedSampler needs target and replay structures")
+        if not 1 <= replay_step < batch_size:
+            raise ValueError(f"replay structures per step must be in [1, {batch_size}), got {replay_step}")
+        self.target_count, self.replay_count = target_count, replay_count
+        self.batch_size, self.replay_step, self.seed = batch_size, replay_step, seed
+        self.target_step = batch_size - replay_step
+
+    def __len__(self) -> int:
+        """Steps per epoch."""
+        return -(-self.target_count // self.target_step)
+
+    def _replay_in(self, target: int) -> int:
+        """Replay structures in a step holding ``target`` target structures (rounded half up)."""
+        return (target * self.replay_step + self.target_step // 2) // self.target_step
+
+    def replay_per_epoch(self) -> int:
+        full, last = divmod(self.target_count, self.target_step)
+        return full * self.replay_step + (self._replay_in(last) if last else 0)
+
+    def _replay_stream(self, start: int, count: int) -> np.ndarray:
+        """Replay positions ``start`` to ``start + count`` of the run's stream."""
+        j = np.arange(start, start + count)
+        out = np.empty(count, np.int64)
+        for cycle in np.unique(j // self.replay_count):
+            here = j // self.replay_count == cycle
+            order = np.random.default_rng([self.seed, 1, int(cycle)]).permutation(self.replay_count)
+            out[here] = order[j[here] % self.replay_count]
+        return out
+
+    def global_batches(self, epoch: int) -> List[np.ndarray]:
+        targets = np.random.default_rng([self.seed, epoch]).permutation(self.target_count)
+        parts = [targets[i:i + self.target_step] for i in range(0, self.target_count, self.target_step)]
+        counts = [self._replay_in(len(p)) for p in parts]
+        replay = self._replay_stream(epoch * self.replay_per_epoch(), sum(counts)) + self.target_count
+        batches, used = [], 0
+        for step, (part, count) in enumerate(zip(parts, counts)):
+            batch = np.concatenate([part, replay[used:used + count]])
+            used += count
+            batches.append(np.random.default_rng([self.seed, 2, epoch, step]).permutation(batch))
+        return batches

@@ -1,0 +1,142 @@
+"""Replay: structures of the foundation's own distribution beside the user's target (``replay:`` config block).
+
+A fine-tune that sees only a narrow target forgets what made the foundation universal. Replay
+structures are validated every epoch (``replay_val``: what fine-tuning costs) and, with
+``fraction > 0``, trained on in every step (which prevents most of that cost). This module decides
+which replay rows are used and with which labels; the data layer (:mod:`orb.data.mixture`) mixes
+them into the steps.
+
+* Held out: ``val_data_path``, else ``val_samples`` random rows of ``data_path`` that are never
+  trained on (with ``fraction: 0`` every row of ``data_path`` is validated).
+* Selection: ``num_samples`` of the remaining rows (0 = all), by farthest-point sampling in the
+  starting model's descriptors (mean node latents: the model's own view of chemistry and
+  structure) or at random.
+* Labels: the file's (``data``) or the starting checkpoint's predictions (``model``,
+  pseudo-labels: no DFT needed, and the replay loss measures and limits the drift from the
+  foundation itself).
+
+Descriptors and pseudo-labels cost a forward pass over the rows; both are computed once per
+starting checkpoint and database and kept in the project's cache (``orb.cache``), so a resume or a
+second run reads them back. In a data-parallel run each rank computes its part of every batch and
+the parts are summed, so every rank holds the same result.
+"""
+
+import hashlib
+import logging
+import os
+from typing import Callable, Dict, Optional, Tuple
+
+import numpy as np
+
+from orb import cache
+from orb.data.dataset import AseDbDataset, LabelTable, Ranks
+from orb.data.mixture import Source
+from orb.data.selection import farthest_point_sampling, hold_out, random_sample
+from orb.errors import ClusterError, ConfigError
+
+log = logging.getLogger("orb")
+CACHE = "replay"  # subfolder of the project's cache
+CACHE_VERSION = 1
+
+# forward(name, source, kind) -> {"energy", "forces", "stress", "descriptors"}: the starting model over a source
+ForwardPass = Callable[[str, Source, str], Dict[str, np.ndarray]]
+
+
+def weights_digest(model) -> str:
+    """The model's weights and buffers, hashed (which checkpoint made the descriptors and pseudo-labels)."""
+    digest = hashlib.sha256()
+    for name, param in model.parameters_and_names():
+        digest.update(name.encode())
+        digest.update(np.ascontiguousarray(param.asnumpy()).tobytes())
+    return digest.hexdigest()
+
+
+def _cache_name(kind: str, *parts) -> str:
+    return f"{kind}-" + hashlib.sha256(repr((CACHE_VERSION,) + parts).encode()).hexdigest()[:32] + ".npz"
+
+
+def _load(name: str) -> Optional[Dict[str, np.ndarray]]:
+    path = cache.find(name, CACHE)
+    if path is None:
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except (OSError, ValueError):  # e.g. truncated by a full disk: computed again
+        return None
+
+
+def _keep(name: str, arrays: Dict[str, np.ndarray], what: str) -> None:
+    folder = cache.writable_dir(CACHE)
+    if folder is None:
+        log.warning("no writable folder to keep the replay %s (%s): they are computed again at the next start; set "
+                    "ORB_CACHE_DIR", what, " or ".join(cache.cache_dirs(CACHE)))
+        return
+    try:
+        cache.write_atomically(os.path.join(folder, name), lambda tmp: np.savez(tmp, **arrays), suffix=".npz")
+    except OSError as exc:
+        log.warning("could not keep the replay %s in %s (%s): they are computed again at the next start", what, folder,
+                    exc)
+
+
+def split(replay: AseDbDataset, replay_val: Optional[AseDbDataset], fraction: float, val_samples: int,
+          seed: int) -> Tuple[np.ndarray, Optional[Tuple[AseDbDataset, np.ndarray]]]:
+    """(positions of ``replay`` that may be trained on, (database, positions) validated every epoch or None)."""
+    if replay_val is not None:
+        return (np.arange(len(replay)) if fraction > 0 else np.zeros(0, np.int64)), \
+            (replay_val, np.arange(len(replay_val)))
+    if fraction == 0:  # only measured: every row is validated
+        return np.zeros(0, np.int64), (replay, np.arange(len(replay)))
+    if val_samples >= len(replay):
+        raise ConfigError(f"config key 'replay.val_samples' ({val_samples}) leaves none of the {len(replay)} "
+                          f"structures of {replay.path} to train on; lower it or set replay.val_data_path")
+    kept, held = hold_out(len(replay), val_samples, seed)
+    return kept, ((replay, held) if len(held) else None)
+
+
+def select(replay: AseDbDataset, candidates: np.ndarray, count: int, method: str, seed: int, forward: ForwardPass,
+           model_digest: Callable[[], str], ranks: Ranks) -> np.ndarray:
+    """``count`` of the ``candidates`` positions (all when 0 or more), ascending."""
+    if count == 0 or count >= len(candidates):
+        return candidates
+    if method == "random":
+        return random_sample(candidates, count, seed)
+    name = _cache_name("selection", replay.identity(), model_digest(), candidates.tobytes(), count, seed)
+    cached = _load(name)
+    valid = cached is not None and "positions" in cached and len(cached["positions"]) == count
+    if cache.everyone_has(valid, ranks):
+        log.info("replay: %d of %d structures of %s chosen by farthest-point sampling, read from the cache", count,
+                 len(candidates), replay.path)
+        return cached["positions"]
+    descriptors = forward("replay_candidates", Source("replay_candidates", replay, candidates), "descriptors")
+    chosen = np.sort(candidates[farthest_point_sampling(descriptors["descriptors"], count, seed)])
+    if ranks.world_size > 1 and ranks.sum(np.array([chosen.sum()], np.float64))[0] != ranks.world_size * chosen.sum():
+        raise ClusterError("replay: the ranks chose different structures (their descriptors differ)")
+    _keep(name, {"positions": chosen}, "selection")
+    log.info("replay: %d of %d structures of %s chosen by farthest-point sampling in the starting model's "
+             "descriptors", count, len(candidates), replay.path)
+    return chosen
+
+
+def pseudo_labels(dataset: AseDbDataset, positions: np.ndarray, forward: ForwardPass, model_digest: Callable[[], str],
+                  with_stress: bool, ranks: Ranks) -> LabelTable:
+    """The starting model's energy, forces (and stress) for ``positions`` of ``dataset``, as labels."""
+    positions = np.sort(np.asarray(positions, np.int64))
+    name = _cache_name("labels", dataset.identity(), model_digest(), positions.tobytes(), with_stress)
+    cached = _load(name)
+    keys = {"energy", "forces", "offsets"} | ({"stress"} if with_stress else set())
+    valid = cached is not None and keys <= set(cached) and len(cached["energy"]) == len(positions)
+    if cache.everyone_has(valid, ranks):
+        log.info("replay: pseudo-labels of %d structures of %s read from the cache", len(positions), dataset.path)
+        arrays = cached
+    else:
+        out = forward("replay_labels", Source("replay_labels", dataset, positions), "labels")
+        arrays = {"energy": out["energy"], "forces": out["forces"].astype(np.float32),
+                  "offsets": np.concatenate([[0], np.cumsum(dataset.natoms[positions])]).astype(np.int64)}
+        if with_stress:
+            arrays["stress"] = out["stress"].astype(np.float32)
+        _keep(name, arrays, "pseudo-labels")
+        log.info("replay: pseudo-labels of %d structures of %s computed by the starting model", len(positions),
+                 dataset.path)
+    return LabelTable(positions, arrays["energy"], arrays["forces"], arrays["offsets"],
+                      arrays["stress"] if with_stress else None)
