@@ -94,7 +94,7 @@ def run_model(model, batch):
 
     inputs = model_inputs(batch)
     raw = model(*inputs)
-    physical = model.physical(*raw, inputs[0], inputs[5], inputs[6])
+    physical = model.physical(*raw, inputs[0], inputs[5], inputs[6], inputs[12])
     return [x.asnumpy() for x in raw], [x.asnumpy() for x in physical]
 
 

@@ -174,6 +174,56 @@ def test_sgd_two_workers_equal_one_device(tmp_path, nine_rows):
     assert_same_weights(par, ref)
 
 
+def test_replay_two_workers_equal_one_device(tmp_path, nine_rows):
+    """Replay on 2 workers: the starting model's passes over the data (farthest-point descriptors, pseudo-labels,
+    the residual fit of the reference energies) are computed in parts by the ranks and summed; every rank then
+    holds what one device computes, trains each step's replay structures (each rank its share; separate replay
+    heads, whose normalisers absorb only replay structures over both ranks) and ends, with plain SGD, at one
+    device's weights; the same rows in every step."""
+    from orb.io.checkpoint import load_checkpoint, save_checkpoint
+    from orb.models import create
+
+    replay = str(tmp_path / "replay.db")
+    with ase.db.connect(os.path.join(ROOT, "data", "pretrain", "pretrain_train.db")) as src, \
+            ase.db.connect(replay) as dst:
+        for row in list(src.select())[:20]:
+            dst.write(row.toatoms())
+    start = str(tmp_path / "start.ckpt")
+    save_checkpoint(start, create("orb_v2", seed=7, **SMALL_MODEL))
+    extra = {"optimizer": "sgd", "gradient_clip_mode": "none", "lr": 0.05, "checkpoint_path": start,
+             "replay.data_path": replay, "replay.fraction": 0.5, "replay.labels": "model", "replay.num_samples": 8,
+             "replay.val_samples": 5, "replay.selection": "fps", "replay.head": "separate",
+             "reference_energies.fit": "residual"}
+    cache = {"ORB_CACHE_DIR": str(tmp_path / "cache")}
+    job = launch(common_args(tmp_path / "par", nine_rows, **extra), tmp_path / "logs", cwd=ROOT, env_extra=cache)
+    one = single(common_args(tmp_path / "one", nine_rows, **extra), timeout=600)
+    out, _ = job.communicate(timeout=600)
+    assert job.returncode == 0 and one.returncode == 0, out[-3000:] + one.stderr[-3000:]
+    for r in (0, 1):
+        log = (tmp_path / "logs" / f"worker_{r}.log").read_text()
+        assert "replay: 8 of 15 structures" in log and "pseudo-labels of 13 structures" in log
+    _, _, meta_par = load_checkpoint(str(tmp_path / "par" / "checkpoints" / "last.ckpt"))
+    _, _, meta_one = load_checkpoint(str(tmp_path / "one" / "checkpoints" / "last.ckpt"))
+    for symbol, change in meta_one["reference_energies_fit"]["change"].items():
+        assert meta_par["reference_energies_fit"]["change"][symbol] == pytest.approx(change, rel=1e-5, abs=1e-6)
+
+    def steps(run, ranks):
+        rows = {}
+        for rank in ranks:
+            for line in open(run / f"batches_rank{rank}.jsonl"):
+                rec = json.loads(line)
+                rows.setdefault(rec["step"], []).extend(map(tuple, rec["row_ids"]))
+        return {step: sorted(ids) for step, ids in rows.items()}
+
+    assert steps(tmp_path / "par", (0, 1)) == steps(tmp_path / "one", (0,))
+    assert all(sum(kind == "replay" for kind, _ in ids) in (1, 2) for ids in steps(tmp_path / "one", (0,)).values())
+    assert_same_weights(weights(tmp_path / "par")[0], weights(tmp_path / "one")[0])
+    ep_par, ep_one = epochs(tmp_path / "par")[-1], epochs(tmp_path / "one")[-1]
+    for key, value in ep_one["replay_val"].items():
+        if key not in TIMING and not isinstance(value, dict):
+            assert ep_par["replay_val"][key] == pytest.approx(value, rel=1e-4, abs=2e-3 if "cosine" in key else 1e-6)
+
+
 def test_orb_v3_two_workers_stopped_and_resumed_equal_one_device(tmp_path, nine_rows, monkeypatch):
     """orb-v3: a small conservative model (forces and stress by autodiff, so its training step is a
     gradient of a gradient) on 2 workers with plain SGD, stopped after one epoch and resumed, ends

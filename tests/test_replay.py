@@ -415,3 +415,144 @@ def test_early_stopping_ends_the_run_and_keeps_the_best(tmp_path, small_sets):
     assert stopped and len(losses) == expected_stop < 6  # it stopped, at the epoch the rule says
     assert stopped[0]["best_epoch"] == best and stopped[0]["best_val_loss"] == pytest.approx(min(losses))
     assert load_checkpoint(str(run / "checkpoints" / "best_weights.ckpt"))[2]["epoch"] == best
+
+
+def test_bad_replay_input_stops_with_one_line_and_writes_nothing(tmp_path, small_sets):
+    """Each mistake: one line naming the key, file or row, exit status 2, no output folder."""
+    import subprocess
+    import sys
+
+    unlabelled = str(tmp_path / "unlabelled.db")
+    with ase.db.connect(PRETRAIN_VAL) as src, ase.db.connect(unlabelled) as dst:
+        for row in list(src.select())[:3]:
+            atoms = row.toatoms()
+            atoms.calc = None
+            dst.write(atoms)
+    empty = str(tmp_path / "empty.db")
+    with ase.db.connect(empty) as db:
+        db.write(next(ase.db.connect(PRETRAIN_VAL).select()).toatoms())
+        db.delete([1])
+    negative = copy_rows(small_sets["train"], tmp_path / "negative.db", weight=-1.0)
+    no_energy = copy_rows(small_sets["train"], tmp_path / "no_energy.db", transform=lambda i, a: (
+        setattr(a, "calc", None) if i == 3 else None) or a)
+    cases = {
+        "fraction": (["--replay.data_path", PRETRAIN_VAL, "--replay.fraction", "1.0"], r"'replay.fraction' must be in"),
+        "missing": (["--replay.data_path", str(tmp_path / "nope.db")], r"nope.db: database file does not exist"),
+        "empty": (["--replay.data_path", empty], r"empty.db: database has no rows"),
+        "unlabelled": (["--replay.data_path", unlabelled, "--replay.fraction", "0.5"],
+                       r"unlabelled.db, row 1, key 'energy': row has no label"),
+        "separate": (["--replay.data_path", PRETRAIN_VAL, "--replay.head", "separate"], r"'replay.head'"),
+        "weight": (["--train_data_path", negative], r"negative.db, row 1, key 'weight': weight must be a finite"),
+        "fit": (["--train_data_path", no_energy, "--reference_energies.fit", "least_squares"],
+                r"no_energy.db, row 4, key 'energy'"),
+        "model labels": (["--replay.data_path", PRETRAIN_VAL, "--replay.labels", "model", "--checkpoint_path", ""],
+                         r"'replay.labels'.*needs checkpoint_path"),
+    }
+    for name, (args, message) in cases.items():
+        out = tmp_path / name.replace(" ", "_")
+        result = subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), "--config", "configs/demo.yaml",
+                                 "--device_target", "CPU", "--output_dir", str(out), *args], cwd=ROOT,
+                                capture_output=True, text=True, timeout=300)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, (name, result.stderr)
+        assert __import__("re").search(message, lines[0]), (name, lines[0])
+        assert not out.exists(), name
+
+
+# ------------------------------------------------------------------ separate replay heads
+@pytest.mark.parametrize("name", ["orb_v2", "orb_v3_direct_20_omat", "orb_v3_conservative_20_omat",
+                                  "orb_v3_direct_omol"])
+def test_replay_heads_start_as_copies_predict_their_rows_and_are_never_exported(name):
+    """Replay heads: copies of the heads (same predictions for either head index); changed, they change only the
+    structures whose head is 1; a training step on replay structures updates only the replay heads' normalisers;
+    exported weights hold the model's own heads only and load into a model without replay heads."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from orb.data.dataset import AseDbDataset
+    from orb.data.graphs import batch_graphs, pad_batch
+    from orb.data.tensors import loss_inputs, model_inputs
+    from orb.io.checkpoint import load_torch_state_dict, to_torch_state_dict
+    from orb.models import create
+    from orb.training.config import config_from_dict
+    from orb.training.optimizer import FlatAdam
+    from orb.training.schedule import constant
+    from orb.training.steps import TrainStep
+    from orb.training.trainer import make_loss
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    cfg = config_from_dict(dict(model=dict(SMALL_MODEL, name=name), device_target="CPU"))
+    data = AseDbDataset(DEMO_TRAIN, settings=cfg.model.graph_settings())
+    graphs = [data[i] for i in range(4)]
+    model = create(name, seed=3, **SMALL_MODEL)
+    exported_before = to_torch_state_dict(model)
+    model.add_replay_heads()
+
+    def predict(heads):
+        batch = batch_graphs(graphs)
+        batch.head = np.asarray(heads)
+        outputs = model.predictions(*model_inputs(pad_batch(batch, 80, 2400, 5)))
+        return [o.asnumpy() for o in outputs[:3]]
+
+    own, replay = predict([0, 0, 0, 0]), predict([1, 1, 1, 1])
+    for a, b in zip(own, replay):
+        np.testing.assert_array_equal(a, b)  # exact copies
+    for p in model.replay_heads.trainable_params():  # the replay heads move away from the model's own
+        p.set_data(Tensor(p.asnumpy() * 1.5 + 0.01))
+    mixed, changed = predict([0, 1, 0, 1]), predict([1, 1, 1, 1])
+    atoms = [g.num_nodes for g in graphs]
+    first = slice(0, atoms[0])  # atoms of structure 0 (head 0)
+    np.testing.assert_array_equal(mixed[0][[0, 2]], own[0][[0, 2]])
+    np.testing.assert_array_equal(mixed[1][first], own[1][first])
+    assert not np.allclose(mixed[0][[1, 3]], own[0][[1, 3]]) and np.allclose(mixed[0][[1, 3]], changed[0][[1, 3]],
+                                                                             rtol=1e-5)
+    exported = to_torch_state_dict(model)
+    assert set(exported) == set(exported_before) and not any("replay" in k for k in exported)
+    load_torch_state_dict(create(name, seed=0, **SMALL_MODEL), exported)
+    # a training step on replay structures only: only the replay heads' normalisers absorb them
+    loss = make_loss(model, cfg, has_stress=True)
+    assert len(loss.normalizers) == 2 * loss.replay_offset
+    step = TrainStep(loss, FlatAdam(model.trainable_params(), constant(1e-3, 4)))
+    before = [[t.asnumpy().copy() for t in n.stats()] for n in loss.normalizers]
+    batch = batch_graphs(graphs)
+    batch.head = np.ones(4, np.int64)
+    step(*loss_inputs(pad_batch(batch, 80, 2400, 5)))
+    after = [[t.asnumpy() for t in n.stats()] for n in loss.normalizers]
+    for k, (b, a) in enumerate(zip(before, after)):
+        moved = not all(np.array_equal(x, y) for x, y in zip(b, a))
+        assert moved == (k >= loss.replay_offset), k
+
+
+def test_separate_heads_train_on_model_labels_from_zero_and_export_the_target_heads(tmp_path, small_sets):
+    """head: separate with model labels: the replay heads start as the foundation's, so the replay loss starts at 0
+    (MACE's pseudo-label replay); both sets of heads train; best_weights.ckpt holds only the target's heads (the
+    calculator loads it); a resume continues exactly."""
+    from orb.inference.calculator import ORBCalculator
+    from orb.io.checkpoint import load_checkpoint
+
+    replay = dict(data_path=small_sets["replay"], fraction=0.5, val_samples=4, labels="model", head="separate",
+                  selection="random", num_samples=10)
+    cfg = dict(train_data_path=small_sets["train"], checkpoint_path=DEMO_CKPT, model=DEMO_ARCH, replay=replay,
+               buckets=[], max_epochs=2)
+    straight = trainer_for(make_cfg(tmp_path / "a", **cfg))
+    start = {n: p.asnumpy().copy() for n, p in straight.model.parameters_and_names()}
+    straight.fit()
+    run = tmp_path / "a" / "run"
+    initial = records(run, "initial")[0]
+    assert initial["replay_val"]["energy_mae"] < 1e-4 and initial["replay_val"]["forces_mae"] < 2e-5
+    assert initial["val"]["energy_mae"] > 0.01
+    now = {n: p.asnumpy() for n, p in straight.model.parameters_and_names()}
+    for prefix in ("replay_heads.graph_head.mlp", "graph_head.mlp"):
+        assert any(not np.array_equal(now[n], start[n]) for n in now if n.startswith(prefix)), prefix
+    best, _, _ = load_checkpoint(str(run / "checkpoints" / "best_weights.ckpt"))
+    last, _, _ = load_checkpoint(str(run / "checkpoints" / "last.ckpt"))
+    assert not any(k.startswith("replay_heads.") for k in best) and any(k.startswith("replay_heads.") for k in last)
+    atoms = ase.db.connect(DEMO_VAL).get(1).toatoms()
+    atoms.calc = ORBCalculator.from_checkpoint(str(run / "checkpoints" / "best_weights.ckpt"))
+    assert np.isfinite(atoms.get_potential_energy())
+    first = trainer_for(make_cfg(tmp_path / "b", **cfg))
+    first.fit(until_epoch=1)
+    resumed = trainer_for(make_cfg(tmp_path / "b", **cfg), resume=str(tmp_path / "b" / "run"))
+    resumed.fit()
+    for (name, a), (_, b) in zip(straight.model.parameters_and_names(), resumed.model.parameters_and_names()):
+        np.testing.assert_array_equal(a.asnumpy(), b.asnumpy(), err_msg=name)

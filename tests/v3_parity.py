@@ -91,7 +91,8 @@ def check_predict(model, short, k, report):
             report.compare("stress", stress.asnumpy(), ref("stress"))
         report.compare("confidence", confidence.asnumpy(), ref("confidence"))
         report.compare("head_energy", raw[0].asnumpy(), ref("head_energy"))
-        report.compare("reference_energy", model.reference_energy(inputs[0], inputs[5], len(structures)).asnumpy(),
+        report.compare("reference_energy",
+                       model.reference_energy(inputs[0], inputs[5], len(structures), inputs[12]).asnumpy(),
                        ref("reference_energy"))
         if model.cfg.conservative:
             report.compare("rotational_grad", raw[6].asnumpy(), ref("rotational_grad"))

@@ -78,6 +78,7 @@ class AtomGraphs:
     charge: Optional[np.ndarray] = None  # (B,) float32 total charge (orb-v3 OMol models)
     spin: Optional[np.ndarray] = None  # (B,) float32 total spin (orb-v3 OMol models)
     weight: Optional[np.ndarray] = None  # (B,) float32 weight of each structure in the loss (None: 1)
+    head: Optional[np.ndarray] = None  # (B,) int: 0 the model's heads, 1 its replay heads (None: 0)
 
     def __post_init__(self):
         if self.graph_mask is None:
@@ -334,6 +335,7 @@ def batch_graphs(graphs: List[AtomGraphs]) -> AtomGraphs:
         charge=_concat_optional([g.charge for g in graphs]),
         spin=_concat_optional([g.spin for g in graphs]),
         weight=_concat_optional([g.weight for g in graphs]),
+        head=_concat_optional([g.head for g in graphs]),
     )
 
 
@@ -400,6 +402,7 @@ def pad_batch(batch: AtomGraphs, num_nodes: int, num_edges: int, num_graphs: int
         charge=None if batch.charge is None else np.zeros(pad_g, f32),
         spin=None if batch.spin is None else np.zeros(pad_g, f32),
         weight=None if batch.weight is None else np.zeros(pad_g, f32),
+        head=None if batch.head is None else np.zeros(pad_g, np.int64),
     )
     return batch_graphs([batch, padding])
 
@@ -424,6 +427,7 @@ def unpad_batch(batch: AtomGraphs) -> AtomGraphs:
         charge=None if batch.charge is None else batch.charge[:g],
         spin=None if batch.spin is None else batch.spin[:g],
         weight=None if batch.weight is None else batch.weight[:g],
+        head=None if batch.head is None else batch.head[:g],
     )
 
 
@@ -445,6 +449,7 @@ def split_batch(batch: AtomGraphs) -> List[AtomGraphs]:
             charge=None if batch.charge is None else batch.charge[g:g + 1],
             spin=None if batch.spin is None else batch.spin[g:g + 1],
             weight=None if batch.weight is None else batch.weight[g:g + 1],
+            head=None if batch.head is None else batch.head[g:g + 1],
         ))
         n0, e0 = n1, e1
     return out

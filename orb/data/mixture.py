@@ -26,11 +26,12 @@ def replay_per_step(batch_size: int, fraction: float) -> int:
 
 
 class Source:
-    """Positions ``positions`` (default: all) of ``dataset``, named; loss weights scaled by ``loss_weight``."""
+    """Positions ``positions`` (default: all) of ``dataset``, named; loss weights scaled by ``loss_weight``;
+    predicted by the model's heads (``head`` 0) or its replay heads (1)."""
 
     def __init__(self, name: str, dataset: AseDbDataset, positions: Optional[Sequence[int]] = None,
-                 loss_weight: float = 1.0):
-        self.name, self.dataset, self.loss_weight = name, dataset, float(loss_weight)
+                 loss_weight: float = 1.0, head: int = 0):
+        self.name, self.dataset, self.loss_weight, self.head = name, dataset, float(loss_weight), int(head)
         self.positions = np.arange(len(dataset)) if positions is None else np.asarray(positions, np.int64)
         if len(self.positions) == 0:
             raise ValueError(f"source {name} of {dataset.path} has no structures")
@@ -68,6 +69,7 @@ class Source:
         graph = self.dataset.get(int(self.positions[index]), rotation_seed=rotation_seed)
         if self.loss_weight != 1.0:
             graph.weight = graph.weight * np.float32(self.loss_weight)
+        graph.head = np.array([self.head], np.int64)
         return graph
 
     def row(self, index: int):

@@ -7,12 +7,13 @@ import numpy as np
 from orb.data.graphs import AtomGraphs
 
 MODEL_INPUTS = ("numbers", "positions", "vectors", "senders", "receivers", "node_graph", "n_node", "nonperiodic", "cell",
-                "unit_shifts", "charge", "spin")
+                "unit_shifts", "charge", "spin", "head")
 TARGET_INPUTS = ("graph_mask", "graph_weight", "energy", "forces", "stress")
 
 
 def model_arrays(batch: AtomGraphs) -> Tuple[np.ndarray, ...]:
-    """Numpy arrays in :data:`MODEL_INPUTS` order (int32 indices, float32 values; charge and spin 0 if absent)."""
+    """Numpy arrays in :data:`MODEL_INPUTS` order (int32 indices, float32 values; charge and spin 0 if absent;
+    ``head``: which heads predict each structure, 0 = the model's own)."""
     zeros_g = np.zeros(batch.num_graphs, np.float32)
     return (
         batch.numbers.astype(np.int32),
@@ -27,6 +28,7 @@ def model_arrays(batch: AtomGraphs) -> Tuple[np.ndarray, ...]:
         batch.unit_shifts.astype(np.float32),
         zeros_g if batch.charge is None else batch.charge.astype(np.float32),
         zeros_g if batch.spin is None else batch.spin.astype(np.float32),
+        np.zeros(batch.num_graphs, np.int32) if batch.head is None else batch.head.astype(np.int32),
     )
 
 

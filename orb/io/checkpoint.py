@@ -16,6 +16,7 @@ from mindspore import Tensor, nn
 from orb.errors import CheckpointError
 from orb.models import build, config_from_state_dict
 from orb.models.config import ModelConfig
+from orb.models.gns import REPLAY_HEADS
 from orb.io.torch_format import is_torch_zip, read_torch_checkpoint, write_torch_checkpoint
 
 __all__ = [
@@ -25,16 +26,19 @@ __all__ = [
 
 META_KEY = "orb_meta_json"
 OPTIMIZER_PREFIX = "optimizer."
+TRAINING_ONLY = (OPTIMIZER_PREFIX, REPLAY_HEADS + ".")  # in training checkpoints, never in exported weights
 
 
-def named_parameters(cell: nn.Cell) -> "OrderedDict[str, ms.Parameter]":
-    """Parameters (normaliser buffers included) by their PyTorch-compatible path."""
-    return OrderedDict(cell.parameters_and_names())
+def named_parameters(cell: nn.Cell, exported: bool = False) -> "OrderedDict[str, ms.Parameter]":
+    """Parameters (normaliser buffers included) by their PyTorch-compatible path; ``exported``: without the
+    training-only replay heads (what orb-models and the calculator load)."""
+    return OrderedDict((name, p) for name, p in cell.parameters_and_names()
+                       if not (exported and name.startswith(TRAINING_ONLY)))
 
 
 def to_torch_state_dict(model: nn.Cell) -> "OrderedDict[str, np.ndarray]":
-    """The model's weights and buffers as a PyTorch-compatible ``{key: numpy array}``."""
-    return OrderedDict((name, p.asnumpy().copy()) for name, p in named_parameters(model).items())
+    """The model's weights and buffers as a PyTorch-compatible ``{key: numpy array}`` (no replay heads)."""
+    return OrderedDict((name, p.asnumpy().copy()) for name, p in named_parameters(model, exported=True).items())
 
 
 def _check_keys(expected: Dict[str, Tuple[int, ...]], given: Dict[str, np.ndarray], source: str) -> None:
@@ -83,14 +87,14 @@ def _ms_checkpoint_arrays(path: str) -> Tuple[Dict[str, np.ndarray], Dict]:
 def read_weights(path: str) -> Tuple["OrderedDict[str, np.ndarray]", Dict]:
     """Model weights from a PyTorch ``.ckpt`` (zip) or a MindSpore checkpoint, plus any stored metadata.
 
-    Optimizer state in a training checkpoint is left out (see :func:`load_checkpoint`).
+    Optimizer state and replay heads in a training checkpoint are left out (see :func:`load_checkpoint`).
     """
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: checkpoint file does not exist")
     if is_torch_zip(path):
         return read_torch_checkpoint(path), {}
     arrays, meta = _ms_checkpoint_arrays(path)
-    weights = OrderedDict((k, v) for k, v in arrays.items() if not k.startswith(OPTIMIZER_PREFIX))
+    weights = OrderedDict((k, v) for k, v in arrays.items() if not k.startswith(TRAINING_ONLY))
     return weights, meta
 
 
@@ -104,15 +108,16 @@ def fsync_directory(folder: str) -> None:
 
 
 def save_checkpoint(path: str, model: nn.Cell, meta: Optional[Dict] = None,
-                    extra: Optional[Iterable[Tuple[str, Tensor]]] = None) -> None:
+                    extra: Optional[Iterable[Tuple[str, Tensor]]] = None, exported: bool = False) -> None:
     """Write a MindSpore checkpoint atomically: a temporary file in the same folder, then rename.
 
-    ``extra`` adds named tensors (e.g. optimizer state under ``optimizer.``); ``meta`` is stored as JSON.
-    A crash at any point leaves either the previous file or the complete new one.
+    ``extra`` adds named tensors (e.g. optimizer state under ``optimizer.``); ``meta`` is stored as JSON;
+    ``exported``: the model's weights without training-only replay heads. A crash at any point leaves
+    either the previous file or the complete new one.
     """
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    entries = [{"name": name, "data": Tensor(p.asnumpy())} for name, p in named_parameters(model).items()]
+    entries = [{"name": name, "data": Tensor(p.asnumpy())} for name, p in named_parameters(model, exported).items()]
     entries += [{"name": name, "data": Tensor(t.asnumpy() if hasattr(t, "asnumpy") else np.asarray(t))}
                 for name, t in (extra or [])]
     tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}.ckpt")

@@ -261,6 +261,74 @@ def remove_net_torque(forces: Tensor, positions: Tensor, node_graph: Tensor, n_n
     return forces + cross(r, ops.gather(mu, node_graph, 0))
 
 
+REPLAY_HEADS = "replay_heads"  # parameters under this path are training-only (never exported)
+
+
+class ReplayHeads(nn.Cell):
+    """Copies of a model's output heads (MLPs, normalisers, reference energies) for replay structures whose level
+    of theory differs from the target's (``replay.head: separate``, as MACE's multihead fine-tuning): the
+    backbone is shared, each structure is predicted by the heads of its ``head`` index."""
+
+    def __init__(self, cells):
+        super().__init__()
+        for name, cell in cells.items():
+            setattr(self, name, cell)
+
+
+def copy_parameters(source: nn.Cell, target: nn.Cell) -> None:
+    """Set ``target``'s parameters to ``source``'s (two cells of the same structure)."""
+    sources, targets = list(source.parameters_and_names()), list(target.parameters_and_names())
+    if len(sources) != len(targets):
+        raise ValueError(f"cannot copy {len(sources)} parameters into {len(targets)}")
+    for (name, value), (other, param) in zip(sources, targets):
+        if not (name.endswith(other) or other.endswith(name)) or value.shape != param.shape:
+            raise ValueError(f"cannot copy {name} {value.shape} into {other} {param.shape}")
+        param.set_data(Tensor(value.asnumpy().copy()))
+
+
+class OrbModel(nn.Cell):
+    """What every orb family shares beyond the backbone: optional replay heads.
+
+    ``add_replay_heads`` adds copies of the heads (:meth:`head_cells`) under ``replay_heads``; a
+    structure whose model input ``head`` is 1 is then predicted by them. Without replay heads the
+    ``head`` input is ignored.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.replay_heads = None
+
+    def head_cells(self) -> dict:
+        """{name: cell} of the heads a replay copy duplicates."""
+        raise NotImplementedError
+
+    def new_head_cells(self, rng: np.random.Generator) -> dict:
+        """Freshly built cells of the same structure as :meth:`head_cells`."""
+        raise NotImplementedError
+
+    def add_replay_heads(self) -> None:
+        """Replay heads starting as exact copies of the current heads."""
+        current, fresh = self.head_cells(), self.new_head_cells(np.random.default_rng(0))
+        for name, cell in fresh.items():
+            copy_parameters(current[name], cell)
+        self.replay_heads = ReplayHeads(fresh)
+
+    def replay_parameters(self) -> list:
+        return [] if self.replay_heads is None else list(self.replay_heads.get_parameters())
+
+    @staticmethod
+    def by_head(replay_rows, replay_value, value):
+        """Row-wise ``replay_value`` where ``replay_rows`` (a (rows,) bool), else ``value``."""
+        return ops.where(replay_rows.reshape((-1,) + (1,) * (value.ndim - 1)), replay_value, value)
+
+    @staticmethod
+    def pick_stats(replay_rows, replay_stats, stats, ndim: int = 1):
+        """Normaliser statistics (mean, var) per row: ``replay_stats`` where ``replay_rows``, else ``stats``
+        (shaped to broadcast against ``ndim``-dimensional values of those rows)."""
+        rows = replay_rows.reshape((-1,) + (1,) * (ndim - 1))
+        return tuple(ops.where(rows, r, t) for r, t in zip(replay_stats, stats))
+
+
 BUFFERS = ("running_mean", "running_var", "num_batches_tracked", "bessel_weights", "r_max", "prefactor", "bin_edges")
 
 

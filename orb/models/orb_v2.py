@@ -14,7 +14,7 @@ from mindspore import Tensor, nn, ops
 from orb.models import reference_energies
 from orb.models.blocks import MLP, segment_mean
 from orb.models.config import ModelConfig
-from orb.models.gns import (AtomEmbedding, AttentionInteraction, Decoder, Encoder, LinearReferenceEnergy,
+from orb.models.gns import (AtomEmbedding, AttentionInteraction, Decoder, Encoder, LinearReferenceEnergy, OrbModel,
                             ScalarNormalizer, count_parameters, polynomial_envelope, remove_net_torque)
 from orb.models.kernels import exp_nonpositive_op
 
@@ -82,8 +82,8 @@ class NodeHead(Head):
         return remove_net_torque(pred, positions, node_graph, n_node, nonperiodic)
 
 
-class GraphRegressor(nn.Cell):
-    """orb-v2: backbone plus energy, forces and stress heads.
+class GraphRegressor(OrbModel):
+    """orb-v2: backbone plus energy, forces and stress heads (and optional replay copies of them).
 
     ``construct`` returns the normalised head outputs (energy per atom residual (B, 1), forces
     (N, 3), stress (B, 6)); :meth:`physical` turns them into eV, eV/Å and eV/Å^3.
@@ -101,37 +101,68 @@ class GraphRegressor(nn.Cell):
         self.stress_head = Head(cfg, 6, ScalarNormalizer(), rng)
         self.model = MoleculeGNS(cfg, rng)
 
+    def head_cells(self) -> dict:
+        return {"graph_head": self.graph_head, "node_head": self.node_head, "stress_head": self.stress_head}
+
+    def new_head_cells(self, rng: np.random.Generator) -> dict:
+        return {"graph_head": EnergyHead(self.cfg, rng, np.zeros(reference_energies.NUM_REFERENCE_ELEMENTS)),
+                "node_head": NodeHead(self.cfg, rng), "stress_head": Head(self.cfg, 6, ScalarNormalizer(), rng)}
+
     def construct(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
-                  unit_shifts, charge, spin):
-        """(cell, unit_shifts, charge and spin are orb-v3 inputs, unused here)"""
+                  unit_shifts, charge, spin, head):
+        """(cell, unit_shifts, charge and spin are orb-v3 inputs, unused here; ``head`` 1: the replay heads)"""
         nodes = self.model(numbers, vectors, senders, receivers)
         pooled = segment_mean(nodes, node_graph, n_node)
         energy = self.graph_head(pooled)
         stress = self.stress_head(pooled)
         forces = self.node_head.forces(nodes, positions, node_graph, n_node, nonperiodic)
+        if self.replay_heads is not None:
+            replay, replay_nodes = head == 1, ops.gather(head, node_graph, 0) == 1
+            heads = self.replay_heads
+            energy = self.by_head(replay, heads.graph_head(pooled), energy)
+            stress = self.by_head(replay, heads.stress_head(pooled), stress)
+            forces = self.by_head(replay_nodes, heads.node_head.forces(nodes, positions, node_graph, n_node,
+                                                                        nonperiodic), forces)
         return energy, forces, stress
 
     def predictions(self, *inputs):
         """Energy (B,) eV, forces (N, 3) eV/Å and stress (B, 6) eV/Å^3 from the model inputs."""
-        numbers, node_graph, n_node = inputs[0], inputs[5], inputs[6]
-        return self.physical(*self.construct(*inputs), numbers, node_graph, n_node)
+        numbers, node_graph, n_node, head = inputs[0], inputs[5], inputs[6], inputs[12]
+        return self.physical(*self.construct(*inputs), numbers, node_graph, n_node, head)
 
-    def reference_energy(self, numbers, node_graph, num_graphs):
-        return self.graph_head.reference(numbers, node_graph, num_graphs)
+    def reference_energy(self, numbers, node_graph, num_graphs, head):
+        reference = self.graph_head.reference(numbers, node_graph, num_graphs)
+        if self.replay_heads is not None:
+            reference = self.by_head(head == 1, self.replay_heads.graph_head.reference(numbers, node_graph, num_graphs),
+                                     reference)
+        return reference
 
     def descriptors(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
-                    unit_shifts, charge, spin):
+                    unit_shifts, charge, spin, head):
         """Per structure, the mean of the backbone's node latents (B, latent_dim): how the model sees it
         (replay structures are chosen to be far apart in this space)."""
         return segment_mean(self.model(numbers, vectors, senders, receivers), node_graph, n_node)
 
-    def physical(self, energy_raw, forces_raw, stress_raw, numbers, node_graph, n_node):
+    def normaliser_stats(self, head, node_graph):
+        """(energy, forces, stress) (mean, var) pairs; per row of the replay heads' where they predict it."""
+        e, f = self.graph_head.normalizer.stats(), self.node_head.normalizer.stats()
+        s = self.stress_head.normalizer.stats()
+        if self.replay_heads is not None:
+            r = self.replay_heads
+            rows, nodes = head == 1, ops.gather(head, node_graph, 0) == 1
+            e = self.pick_stats(rows, r.graph_head.normalizer.stats(), e)
+            f = self.pick_stats(nodes, r.node_head.normalizer.stats(), f, 2)
+            s = self.pick_stats(rows, r.stress_head.normalizer.stats(), s, 2)
+        return e, f, s
+
+    def physical(self, energy_raw, forces_raw, stress_raw, numbers, node_graph, n_node, head):
         """Energy (B,) eV, forces (N, 3) eV/Å and stress (B, 6) eV/Å^3 from normalised head outputs."""
-        e_mean, e_var = self.graph_head.normalizer.stats()
-        f_mean, f_var = self.node_head.normalizer.stats()
-        s_mean, s_var = self.stress_head.normalizer.stats()
+        stats = self.normaliser_stats(head, node_graph)
+        e_mean, e_var = stats[0]
+        f_mean, f_var = stats[1]
+        s_mean, s_var = stats[2]
         per_atom = energy_raw.reshape(-1) * ops.sqrt(e_var) + e_mean
-        energy = per_atom * n_node + self.reference_energy(numbers, node_graph, n_node.shape[0])
+        energy = per_atom * n_node + self.reference_energy(numbers, node_graph, n_node.shape[0], head)
         forces = forces_raw * ops.sqrt(f_var) + f_mean
         stress = stress_raw * ops.sqrt(s_var) + s_mean
         return energy, forces, stress
@@ -140,13 +171,19 @@ class GraphRegressor(nn.Cell):
         return list(self.model.trainable_params())
 
     def never_trained(self):
-        """Parameters no output depends on: the decoder (no head reads it) and the force head's last bias
+        """Parameters no output depends on: the decoder (no head reads it) and the force heads' last bias
         (the per-structure mean removal cancels it exactly; its gradient is rounding noise, which Adam
         would amplify into a random walk)."""
-        return list(self.model._decoder.get_parameters()) + [self.node_head.mlp.layer(-1).bias]
+        heads = [self.node_head] + ([self.replay_heads.node_head] if self.replay_heads is not None else [])
+        return list(self.model._decoder.get_parameters()) + [h.mlp.layer(-1).bias for h in heads]
 
     def reference_energy_weight(self):
         return self.graph_head.reference.linear.weight
+
+    def reference_energy_weights(self) -> list:
+        """The reference-energy tables of every head (trained or frozen together)."""
+        replay = [self.replay_heads.graph_head.reference.linear.weight] if self.replay_heads is not None else []
+        return [self.reference_energy_weight()] + replay
 
     def num_parameters(self) -> int:
         """Parameters as PyTorch counts them (decoder included; normaliser buffers excluded)."""

@@ -25,7 +25,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from orb.models import reference_energies
 from orb.models.blocks import MLP, expand_column, expand_row, segment_mean, segment_sum
 from orb.models.config import ModelConfig
-from orb.models.gns import (AtomEmbedding, AttentionInteraction, Decoder, Encoder, LinearReferenceEnergy,
+from orb.models.gns import (AtomEmbedding, AttentionInteraction, Decoder, Encoder, LinearReferenceEnergy, OrbModel,
                             ScalarNormalizer, count_parameters, polynomial_envelope, remove_net_torque, style)
 
 SH_COMPONENTS = 16  # real spherical harmonics up to l = 3
@@ -186,9 +186,13 @@ class StressHead(nn.Cell):
         """Per-component mean and std, (6,) each."""
         d_mean, d_var = self.diag_normalizer.stats()
         o_mean, o_var = self.offdiag_normalizer.stats()
-        mean = ops.concat((ops.tile(d_mean, (3,)), ops.tile(o_mean, (3,))))
-        std = ops.concat((ops.tile(ops.sqrt(d_var), (3,)), ops.tile(ops.sqrt(o_var), (3,))))
-        return mean, std
+        return six_components(d_mean, o_mean), six_components(ops.sqrt(d_var), ops.sqrt(o_var))
+
+
+def six_components(diagonal, off_diagonal):
+    """(..., 6) Voigt components from the diagonal's and the off-diagonal's value ((1,) or (rows, 1) each)."""
+    reps = (1,) * (diagonal.ndim - 1) + (3,)
+    return ops.concat((ops.tile(diagonal, reps), ops.tile(off_diagonal, reps)), -1)
 
 
 class ConfidenceHead(nn.Cell):
@@ -273,47 +277,77 @@ def per_volume(virial: Tensor, cell: Tensor, signed: bool) -> Tensor:
     return ops.where(ops.abs(stress) < 1e10, stress, ops.zeros_like(stress))
 
 
-class Orbv3(nn.Cell):
+class Orbv3(OrbModel):
     """Common parts of the two regressors; see :class:`DirectRegressor` and :class:`ConservativeRegressor`."""
 
-    def energy_from_nodes(self, nodes, numbers, node_graph, n_node):
-        """Energy head output (normalised per-atom energy) and E_raw without pair repulsion."""
-        head = self.heads.energy
-        raw = head(nodes, node_graph, n_node)
-        mean, var = head.normalizer.stats()
-        energy = (raw * ops.sqrt(var) + mean) * n_node + head.reference(numbers, node_graph, n_node.shape[0])
+    def energy_head(self, nodes, numbers, node_graph, n_node, energy_head):
+        """``energy_head``'s output (normalised per-atom energy) and E_raw without pair repulsion."""
+        raw = energy_head(nodes, node_graph, n_node)
+        mean, var = energy_head.normalizer.stats()
+        energy = (raw * ops.sqrt(var) + mean) * n_node + energy_head.reference(numbers, node_graph, n_node.shape[0])
         return raw, energy
 
-    def reference_energy(self, numbers, node_graph, num_graphs):
-        return self.heads.energy.reference(numbers, node_graph, num_graphs)
+    def energy_from_nodes(self, nodes, numbers, node_graph, n_node, head):
+        """Energy head output (normalised per-atom energy) and E_raw without pair repulsion, of each structure's
+        heads."""
+        raw, energy = self.energy_head(nodes, numbers, node_graph, n_node, self.heads.energy)
+        if self.replay_heads is not None:
+            replay = head == 1
+            r_raw, r_energy = self.energy_head(nodes, numbers, node_graph, n_node, self.replay_heads.energy)
+            raw, energy = self.by_head(replay, r_raw, raw), self.by_head(replay, r_energy, energy)
+        return raw, energy
+
+    def reference_energy(self, numbers, node_graph, num_graphs, head):
+        reference = self.heads.energy.reference(numbers, node_graph, num_graphs)
+        if self.replay_heads is not None:
+            reference = self.by_head(head == 1, self.replay_heads.energy.reference(numbers, node_graph, num_graphs),
+                                     reference)
+        return reference
+
+    def energy_stats(self, head):
+        """The energy normaliser's (mean, var), per structure of the replay heads' where they predict it."""
+        stats = self.heads.energy.normalizer.stats()
+        if self.replay_heads is not None:
+            stats = self.pick_stats(head == 1, self.replay_heads.energy.normalizer.stats(), stats)
+        return stats
 
     def descriptors(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
-                    unit_shifts, charge, spin):
+                    unit_shifts, charge, spin, head):
         """Per structure, the mean of the backbone's node latents (B, latent_dim): how the model sees it
         (replay structures are chosen to be far apart in this space)."""
         return segment_mean(self.model(numbers, vectors, senders, receivers, node_graph, charge, spin), node_graph,
                             n_node)
 
-    def normalise_energy(self, energy, numbers, node_graph, n_node, mean, var):
+    def normalise_energy(self, energy, numbers, node_graph, n_node, head, mean, var):
         """(E - reference) / atoms, normalised by (mean, var)."""
-        per_atom = (energy - self.reference_energy(numbers, node_graph, n_node.shape[0])) / ops.maximum(n_node, 1.0)
+        per_atom = ((energy - self.reference_energy(numbers, node_graph, n_node.shape[0], head))
+                    / ops.maximum(n_node, 1.0))
         return (per_atom - mean) / ops.sqrt(var)
 
-    def denormalise_energy(self, normalised, numbers, node_graph, n_node, mean, var):
+    def denormalise_energy(self, normalised, numbers, node_graph, n_node, head, mean, var):
         return ((normalised * ops.sqrt(var) + mean) * n_node
-                + self.reference_energy(numbers, node_graph, n_node.shape[0]))
+                + self.reference_energy(numbers, node_graph, n_node.shape[0], head))
 
     def backbone_parameters(self):
         return list(self.model.trainable_params())
 
     def never_trained(self):
-        """Parameters no output depends on: the decoder and, in direct models, the force head's last bias
+        """Parameters no output depends on: the decoder and, in direct models, the force heads' last bias
         (cancelled by the per-structure mean removal)."""
-        forces = [self.heads.forces.mlp.layer(-1).bias] if not self.cfg.conservative else []
+        forces = []
+        if not self.cfg.conservative:
+            forces = [self.heads.forces.mlp.layer(-1).bias]
+            if self.replay_heads is not None:
+                forces.append(self.replay_heads.forces.mlp.layer(-1).bias)
         return list(self.model._decoder.get_parameters()) + forces
 
     def reference_energy_weight(self):
         return self.heads.energy.reference.linear.weight
+
+    def reference_energy_weights(self) -> list:
+        """The reference-energy tables of every head (trained or frozen together)."""
+        replay = [self.replay_heads.energy.reference.linear.weight] if self.replay_heads is not None else []
+        return [self.reference_energy_weight()] + replay
 
     def num_parameters(self) -> int:
         """Parameters as PyTorch counts them (decoder and reference energies included; buffers excluded)."""
@@ -348,29 +382,61 @@ class DirectRegressor(Orbv3):
         virial = segment_sum(outer, edge_graph, num_graphs).reshape(-1, 3, 3)
         return energy, forces, voigt(per_volume(virial, cell, signed=True))
 
+    def head_cells(self) -> dict:
+        cells = {"energy": self.heads.energy, "forces": self.heads.forces}
+        return dict(cells, stress=self.heads.stress) if self.cfg.has_stress else cells
+
+    def new_head_cells(self, rng: np.random.Generator) -> dict:
+        cells = {"energy": EnergyHead(self.cfg, rng), "forces": ForceHead(self.cfg, rng)}
+        return dict(cells, stress=StressHead(self.cfg, rng)) if self.cfg.has_stress else cells
+
     def construct(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
-                  unit_shifts, charge, spin):
+                  unit_shifts, charge, spin, head):
         """Raw head outputs and the pair terms: (energy head, E_raw without ZBL, forces head, stress head,
         confidence logits, ZBL energy, ZBL forces, ZBL stress)."""
         nodes = self.model(numbers, vectors, senders, receivers, node_graph, charge, spin)
-        head_energy, energy = self.energy_from_nodes(nodes, numbers, node_graph, n_node)
+        head_energy, energy = self.energy_from_nodes(nodes, numbers, node_graph, n_node, head)
         forces = self.heads.forces(nodes, positions, node_graph, n_node, nonperiodic)
         stress = self.heads.stress(nodes, node_graph, n_node) if self.cfg.has_stress else ops.zeros(
             (n_node.shape[0], 6), nodes.dtype)
+        if self.replay_heads is not None:
+            replay = self.replay_heads
+            forces = self.by_head(ops.gather(head, node_graph, 0) == 1,
+                                  replay.forces(nodes, positions, node_graph, n_node, nonperiodic), forces)
+            if self.cfg.has_stress:
+                stress = self.by_head(head == 1, replay.stress(nodes, node_graph, n_node), stress)
         pair = self.pair_terms(numbers, vectors, senders, receivers, node_graph, cell, nodes.shape[0])
         return (head_energy, energy, forces, stress, self.heads.confidence(nodes)) + pair
 
+    def force_stats(self, head, node_graph):
+        """The force normaliser's (mean, var), per atom of the replay heads' where they predict it."""
+        stats = self.heads.forces.normalizer.stats()
+        if self.replay_heads is not None:
+            stats = self.pick_stats(ops.gather(head, node_graph, 0) == 1, self.replay_heads.forces.normalizer.stats(),
+                                    stats, 2)
+        return stats
+
+    def stress_stats(self, head):
+        """(diagonal mean, var, off-diagonal mean, var), per structure of the replay heads' where they predict it."""
+        heads = self.heads.stress
+        stats = heads.diag_normalizer.stats() + heads.offdiag_normalizer.stats()
+        if self.replay_heads is not None:
+            replay = self.replay_heads.stress
+            stats = self.pick_stats(head == 1, replay.diag_normalizer.stats() + replay.offdiag_normalizer.stats(),
+                                    stats, 2)
+        return stats
+
     def predictions(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
-                    unit_shifts, charge, spin):
+                    unit_shifts, charge, spin, head):
         """Energy (B,) eV, forces (N, 3) eV/Å, stress (B, 6) eV/Å^3 and confidence (N, 50) probabilities."""
         _, energy, forces, stress, logits, pair_e, pair_f, pair_s = self.construct(
             numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell, unit_shifts,
-            charge, spin)
-        f_mean, f_var = self.heads.forces.normalizer.stats()
+            charge, spin, head)
+        f_mean, f_var = self.force_stats(head, node_graph)
         forces = forces * ops.sqrt(f_var) + f_mean + pair_f
         if self.cfg.has_stress:
-            s_mean, s_std = self.heads.stress.stats()
-            stress = stress * s_std + s_mean + pair_s
+            d_mean, d_var, o_mean, o_var = self.stress_stats(head)
+            stress = stress * six_components(ops.sqrt(d_var), ops.sqrt(o_var)) + six_components(d_mean, o_mean) + pair_s
         return energy + pair_e, forces, stress, ops.softmax(logits, -1)
 
 
@@ -400,19 +466,27 @@ class ConservativeRegressor(Orbv3):
         shifts = ops.matmul(unit_shifts.reshape(-1, 1, 3), ops.gather(moved_cell, edge_graph, 0)).reshape(-1, 3)
         return ops.gather(moved, receivers, 0) - ops.gather(moved, senders, 0) + shifts
 
+    def head_cells(self) -> dict:
+        return {"energy": self.heads.energy, "grad_forces_normalizer": self.grad_forces_normalizer,
+                "grad_stress_normalizer": self.grad_stress_normalizer}
+
+    def new_head_cells(self, rng: np.random.Generator) -> dict:
+        return {"energy": EnergyHead(self.cfg, rng), "grad_forces_normalizer": ScalarNormalizer(),
+                "grad_stress_normalizer": ScalarNormalizer()}
+
     def energies(self, positions, displacement, generator, numbers, senders, receivers, node_graph, n_node, cell,
-                 unit_shifts, charge, spin):
+                 unit_shifts, charge, spin, head):
         """(head output (B,), E_raw (B,) with ZBL, ZBL energy (B,), confidence logits) of the strained structure."""
         vectors = self.strained_vectors(positions, displacement, generator, cell, unit_shifts, senders, receivers,
                                         node_graph)
         nodes = self.model(numbers, vectors, senders, receivers, node_graph, charge, spin)
-        head_energy, energy = self.energy_from_nodes(nodes, numbers, node_graph, n_node)
+        head_energy, energy = self.energy_from_nodes(nodes, numbers, node_graph, n_node, head)
         node_pair = segment_sum(self.pair_repulsion(numbers, vectors, senders, receivers), senders, nodes.shape[0])
         pair = segment_mean(node_pair, node_graph, n_node)
         return head_energy, energy + pair, pair, self.heads.confidence(nodes)
 
     def construct(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
-                  unit_shifts, charge, spin):
+                  unit_shifts, charge, spin, head):
         """(energy head output, E_raw incl. ZBL, forces, stress, confidence logits, ZBL energy, rotational gradient).
 
         One forward pass and one backward pass from E_raw (``ops.vjp``, as torch.autograd.grad): every output
@@ -424,7 +498,7 @@ class ConservativeRegressor(Orbv3):
 
         (head_energy, energy, pair, logits), vjp = ops.vjp(self.energies, positions, displacement, generator, numbers,
                                                            senders, receivers, node_graph, n_node, cell, unit_shifts,
-                                                           charge, spin)
+                                                           charge, spin, head)
         grads = vjp((ops.zeros_like(head_energy), ops.ones_like(energy), ops.zeros_like(pair),
                      ops.zeros_like(logits)))
         forces, virial, rotational = -grads[0], grads[1], grads[2]
@@ -432,16 +506,16 @@ class ConservativeRegressor(Orbv3):
         return head_energy, energy, forces, stress, logits, pair, rotational
 
     def predictions(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
-                    unit_shifts, charge, spin):
+                    unit_shifts, charge, spin, head):
         """Energy (B,) eV, forces (N, 3) eV/Å, stress (B, 6) eV/Å^3 and confidence (N, 50) probabilities.
 
         The energy goes through orb-models' normalise/denormalise round trip (float32 rounding, ~1e-5
         relative), as its ``predict`` does."""
         _, energy, forces, stress, logits, _, _ = self.construct(
             numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell, unit_shifts,
-            charge, spin)
-        mean, var = self.heads.energy.normalizer.stats()
-        normalised = self.normalise_energy(energy, numbers, node_graph, n_node, mean, var)
-        energy = self.denormalise_energy(normalised, numbers, node_graph, n_node, mean, var)
+            charge, spin, head)
+        mean, var = self.energy_stats(head)
+        normalised = self.normalise_energy(energy, numbers, node_graph, n_node, head, mean, var)
+        energy = self.denormalise_energy(normalised, numbers, node_graph, n_node, head, mean, var)
         return energy, forces, stress, ops.softmax(logits, -1)
 

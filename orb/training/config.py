@@ -235,9 +235,6 @@ def _validate_replay(cfg: TrainConfig) -> None:
             key = "fraction" if replay.fraction > 0 else "val_data_path"
             raise ConfigError(f"config key 'replay.{key}' is set but 'replay.data_path' is empty")
         return
-    if replay.head == "separate":
-        raise ConfigError("config key 'replay.head': separate replay heads are not available yet; use head: shared "
-                          "(replay data of the target's level of theory, or labels: model)")
     if replay.head == "separate" and replay.fraction == 0:
         raise ConfigError("config key 'replay.head': separate replay heads are trained only on replay structures; "
                           "set replay.fraction > 0 (or head: shared to only measure forgetting)")

@@ -18,6 +18,7 @@ data-parallel reductions are exact; :func:`orb.metrics.metrics_from_sums` turns 
 
 from typing import Dict, Optional
 
+import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
@@ -43,14 +44,22 @@ class NormalisedLoss(nn.Cell):
 
     sum_keys = ()  # the metric sums construct returns, in order (then the per-element force sums)
 
-    def __init__(self, normalizers, allreduce=None):
+    def __init__(self, normalizers, allreduce=None, replay_normalizers=()):
         super().__init__()
-        self.normalizers = nn.CellList(normalizers)
+        self.normalizers = nn.CellList(list(normalizers) + list(replay_normalizers))
+        self.replay_offset = len(normalizers) if replay_normalizers else 0  # where the replay heads' ones start
         self.allreduce = allreduce  # sum over data-parallel ranks, so the statistics are the global batch's
 
-    def absorbed(self, numbers, node_graph, n_node, graph_mask, energy, forces, stress):
-        """[(values, mask, update?)] per normaliser: the targets a training batch feeds it."""
+    def absorbed(self, numbers, node_graph, n_node, graph_mask, energy, forces, stress, head):
+        """[(values, mask, update?, replay rows)] per normaliser of the model's own heads: the targets a training
+        batch feeds it, and a 0/1 tensor (broadcasting against ``mask``) of the rows the replay heads predict."""
         raise NotImplementedError
+
+    @staticmethod
+    def replay_rows(head, node_graph):
+        """0/1 float of the structures (B,) and the atoms (N, 1) the replay heads predict."""
+        graphs = (head == 1).astype(ms.float32)
+        return graphs, ops.gather(graphs, node_graph, 0).reshape(-1, 1)
 
     def current_stats(self):
         stats = ()
@@ -59,11 +68,15 @@ class NormalisedLoss(nn.Cell):
         return stats
 
     def new_stats(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
-                  unit_shifts, charge, spin, graph_mask, graph_weight, energy, forces, stress):
-        """(statistics after absorbing the batch's targets, their counts); nothing is stored yet."""
+                  unit_shifts, charge, spin, head, graph_mask, graph_weight, energy, forces, stress):
+        """(statistics after absorbing the batch's targets, their counts); nothing is stored yet. With replay heads
+        each normaliser absorbs only the structures its heads predict."""
+        entries = self.absorbed(numbers, node_graph, n_node, graph_mask, energy, forces, stress, head)
+        if self.replay_offset:
+            entries = ([(v, m * (1.0 - r), u, r) for v, m, u, r in entries]
+                       + [(v, m * r, u, r) for v, m, u, r in entries])
         stats, counts = (), ()
-        for normalizer, (values, mask, update) in zip(self.normalizers, self.absorbed(
-                numbers, node_graph, n_node, graph_mask, energy, forces, stress)):
+        for normalizer, (values, mask, update, _) in zip(self.normalizers, entries):
             if update:
                 mean, var, count = normalizer.updated_stats(values, mask, self.allreduce)
             else:  # e.g. no stress labels: the statistics stay
@@ -71,6 +84,15 @@ class NormalisedLoss(nn.Cell):
                 count = normalizer.bn.num_batches_tracked + 0
             stats, counts = stats + (mean, var), counts + (count,)
         return stats, counts
+
+    def row_stats(self, stats, k, replay_rows, ndim: int = 1):
+        """(mean, var) of the ``k``-th normaliser in ``stats``; with replay heads per row, the replay copy's where
+        ``replay_rows`` (bool, shaped to broadcast against ``ndim``-dimensional values)."""
+        mean, var = stats[2 * k], stats[2 * k + 1]
+        if self.replay_offset:
+            j = k + self.replay_offset
+            mean, var = self.model.pick_stats(replay_rows, (stats[2 * j], stats[2 * j + 1]), (mean, var), ndim)
+        return mean, var
 
     def commit(self, stats, counts):
         done = ()
@@ -114,10 +136,23 @@ class NormalisedLoss(nn.Cell):
         return ops.concat((sums, segment_sum(atom_error * node_mask, numbers, ELEMENT_BINS),
                            segment_sum(node_mask, numbers, ELEMENT_BINS)))
 
-    def residual_per_atom(self, numbers, node_graph, n_node, energy):
+    def residual_per_atom(self, numbers, node_graph, n_node, energy, head):
         """(E - sum_i ref[Z_i]) / atoms: the per-atom energy the energy normaliser tracks."""
-        reference = self.model.reference_energy(numbers, node_graph, n_node.shape[0])
+        reference = self.model.reference_energy(numbers, node_graph, n_node.shape[0], head)
         return (energy - reference) / ops.maximum(n_node, 1.0)
+
+    @staticmethod
+    def replay_normalizers(model, names):
+        """The replay heads' copies of the normalisers at ``names`` (paths below the heads), or none."""
+        if model.replay_heads is None:
+            return []
+        out = []
+        for name in names:
+            cell = model.replay_heads
+            for part in name.split("."):
+                cell = getattr(cell, part)
+            out.append(cell)
+        return out
 
 
 class OrbLoss(NormalisedLoss):
@@ -132,31 +167,37 @@ class OrbLoss(NormalisedLoss):
 
     def __init__(self, model, energy_weight: float = 1.0, forces_weight: float = 1.0, stress_weight: float = 1.0,
                  has_stress: bool = True, allreduce=None):
+        names = ("graph_head.normalizer", "node_head.normalizer", "stress_head.normalizer")
         super().__init__([model.graph_head.normalizer, model.node_head.normalizer, model.stress_head.normalizer],
-                         allreduce)
+                         allreduce, self.replay_normalizers(model, names))
         self.model = model
         self.has_stress = bool(has_stress)
         self.energy_weight = float(energy_weight)
         self.forces_weight = float(forces_weight)
         self.stress_weight = float(stress_weight) if has_stress else 0.0
 
-    def absorbed(self, numbers, node_graph, n_node, graph_mask, energy, forces, stress):
+    def absorbed(self, numbers, node_graph, n_node, graph_mask, energy, forces, stress, head):
         node_mask = ops.gather(graph_mask, node_graph, 0)
-        return [(self.residual_per_atom(numbers, node_graph, n_node, energy), graph_mask, True),
-                (forces, expand_column(node_mask.reshape(-1, 1), 3), True),
-                (stress, expand_column(graph_mask.reshape(-1, 1), 6), self.has_stress)]
+        graphs, nodes = self.replay_rows(head, node_graph)
+        return [(self.residual_per_atom(numbers, node_graph, n_node, energy, head), graph_mask, True, graphs),
+                (forces, expand_column(node_mask.reshape(-1, 1), 3), True, nodes),
+                (stress, expand_column(graph_mask.reshape(-1, 1), 6), self.has_stress, graphs.reshape(-1, 1))]
 
     def construct(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
-                  unit_shifts, charge, spin, graph_mask, graph_weight, energy, forces, stress, *stats):
-        e_mean, e_var, f_mean, f_var, s_mean, s_var = stats[6:]
+                  unit_shifts, charge, spin, head, graph_mask, graph_weight, energy, forces, stress, *stats):
+        new = stats[len(stats) // 2:]  # orb-models 0.4.2 uses the updated statistics throughout
+        replay, replay_nodes = head == 1, ops.gather(head, node_graph, 0) == 1
+        e_mean, e_var = self.row_stats(new, 0, replay)
+        f_mean, f_var = self.row_stats(new, 1, replay_nodes, 2)
+        s_mean, s_var = self.row_stats(new, 2, replay, 2)
         num_graphs = n_node.shape[0]
         e_raw, f_raw, s_raw = self.model(numbers, positions, vectors, senders, receivers, node_graph, n_node,
-                                         nonperiodic, cell, unit_shifts, charge, spin)
+                                         nonperiodic, cell, unit_shifts, charge, spin, head)
         e_raw = e_raw.reshape(-1)
         node_mask = ops.gather(graph_mask, node_graph, 0)
         atoms = ops.maximum(n_node, 1.0)
 
-        reference = self.model.reference_energy(numbers, node_graph, num_graphs)
+        reference = self.model.reference_energy(numbers, node_graph, num_graphs, head)
         target = (energy - reference) / atoms
         e_std = ops.sqrt(e_var)
         energy_err = ops.abs((target - e_mean) / e_std - e_raw)

@@ -25,7 +25,7 @@ import numpy as np
 from mindspore import ops
 
 from orb.models.blocks import expand_column, expand_row
-from orb.models.orb_v3 import CONFIDENCE_MAX_ERROR
+from orb.models.orb_v3 import CONFIDENCE_MAX_ERROR, six_components
 from orb.training.loss import NormalisedLoss
 
 SUM_KEYS = ("loss", "loss_energy", "loss_forces", "loss_stress", "loss_confidence", "loss_equigrad", "energy_mae",
@@ -60,28 +60,33 @@ class OrbV3Loss(NormalisedLoss):
     def __init__(self, model, energy_weight: float = 1.0, forces_weight: float = 1.0, stress_weight: float = 1.0,
                  has_stress: bool = True, allreduce=None, confidence_weight: float = 1.0,
                  equigrad_weight: float = 0.0):
-        heads = model.heads
         if model.cfg.conservative:
-            normalizers = [heads.energy.normalizer, model.grad_forces_normalizer, model.grad_stress_normalizer]
+            names = ["energy.normalizer", "grad_forces_normalizer", "grad_stress_normalizer"]
+            normalizers = [model.heads.energy.normalizer, model.grad_forces_normalizer, model.grad_stress_normalizer]
         else:
-            stress = [heads.stress.diag_normalizer, heads.stress.offdiag_normalizer] if model.cfg.has_stress else []
-            normalizers = [heads.energy.normalizer, heads.forces.normalizer] + stress
-        super().__init__(normalizers, allreduce)
+            names = ["energy.normalizer", "forces.normalizer"] + (
+                ["stress.diag_normalizer", "stress.offdiag_normalizer"] if model.cfg.has_stress else [])
+            normalizers = [model.heads.energy.normalizer, model.heads.forces.normalizer]
+            if model.cfg.has_stress:
+                normalizers += [model.heads.stress.diag_normalizer, model.heads.stress.offdiag_normalizer]
+        super().__init__(normalizers, allreduce, self.replay_normalizers(model, names))
         self.model = model
         self.conservative = model.cfg.conservative
         self.has_stress = bool(has_stress) and model.cfg.has_stress
         self.weights = (float(energy_weight), float(forces_weight), float(stress_weight) if self.has_stress else 0.0,
                         float(confidence_weight), float(equigrad_weight) if self.conservative else 0.0)
 
-    def absorbed(self, numbers, node_graph, n_node, graph_mask, energy, forces, stress):
+    def absorbed(self, numbers, node_graph, n_node, graph_mask, energy, forces, stress, head):
         per_graph = graph_mask.reshape(-1, 1)
-        out = [(self.residual_per_atom(numbers, node_graph, n_node, energy), graph_mask, True),
-               (forces, expand_column(ops.gather(graph_mask, node_graph, 0).reshape(-1, 1), 3), True)]
+        graphs, nodes = self.replay_rows(head, node_graph)
+        out = [(self.residual_per_atom(numbers, node_graph, n_node, energy, head), graph_mask, True, graphs),
+               (forces, expand_column(ops.gather(graph_mask, node_graph, 0).reshape(-1, 1), 3), True, nodes)]
         if self.conservative:
-            out.append((stress, expand_column(per_graph, 6), self.has_stress))
+            out.append((stress, expand_column(per_graph, 6), self.has_stress, graphs.reshape(-1, 1)))
         elif self.model.cfg.has_stress:
             three = expand_column(per_graph, 3)
-            out += [(stress[:, :3], three, self.has_stress), (stress[:, 3:], three, self.has_stress)]
+            out += [(stress[:, :3], three, self.has_stress, graphs.reshape(-1, 1)),
+                    (stress[:, 3:], three, self.has_stress, graphs.reshape(-1, 1))]
         return out
 
     # ----------------------------------------------------------------- loss
@@ -89,9 +94,10 @@ class OrbV3Loss(NormalisedLoss):
         return self.allreduce(x) if self.allreduce is not None else x
 
     def construct(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
-                  unit_shifts, charge, spin, graph_mask, graph_weight, energy, forces, stress, *stats):
+                  unit_shifts, charge, spin, head, graph_mask, graph_weight, energy, forces, stress, *stats):
         half = len(stats) // 2
         old, new = stats[:half], stats[half:]
+        replay, replay_nodes = head == 1, ops.gather(head, node_graph, 0) == 1
         num_graphs = n_node.shape[0]
         node_mask = ops.gather(graph_mask, node_graph, 0)
         atoms = ops.maximum(n_node, 1.0)
@@ -101,10 +107,13 @@ class OrbV3Loss(NormalisedLoss):
         node_weight = ops.gather(weight, node_graph, 0)
         weight3 = expand_column(node_weight.reshape(-1, 1), 3)
         outputs = self.model(numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
-                             unit_shifts, charge, spin)
-        reference = self.model.reference_energy(numbers, node_graph, num_graphs)
-        e_mean_o, e_var_o, e_mean_n, e_var_n = old[0], old[1], new[0], new[1]
-        f_mean_o, f_std_o, f_mean_n, f_std_n = old[2], ops.sqrt(old[3]), new[2], ops.sqrt(new[3])
+                             unit_shifts, charge, spin, head)
+        reference = self.model.reference_energy(numbers, node_graph, num_graphs, head)
+        e_mean_o, e_var_o = self.row_stats(old, 0, replay)
+        e_mean_n, e_var_n = self.row_stats(new, 0, replay)
+        f_mean_o, f_var_o = self.row_stats(old, 1, replay_nodes, 2)
+        f_mean_n, f_var_n = self.row_stats(new, 1, replay_nodes, 2)
+        f_std_o, f_std_n = ops.sqrt(f_var_o), ops.sqrt(f_var_n)
 
         if self.conservative:
             _, energy_raw, forces_raw, stress_raw, logits, _, rotational = outputs
@@ -131,7 +140,7 @@ class OrbV3Loss(NormalisedLoss):
         forces_mae, cosine, all_within, atom_error = self.force_metrics(forces_phys, forces, node_graph, n_node, atoms)
 
         # stress
-        loss_stress, stress_mae = self._stress(outputs, stress, old, new, graph_weight)
+        loss_stress, stress_mae = self._stress(outputs, stress, old, new, graph_weight, replay)
 
         # confidence
         bins, valid = self._confidence_bins(ops.stop_gradient(forces_error))
@@ -162,7 +171,7 @@ class OrbV3Loss(NormalisedLoss):
         ))
         return loss, ops.stop_gradient(self.with_element_sums(sums, atom_error, numbers, node_mask))
 
-    def _stress(self, outputs, stress, old, new, graph_weight):
+    def _stress(self, outputs, stress, old, new, graph_weight, replay):
         """(stress loss term, per-structure stress MAE (B,))."""
         if not self.has_stress:
             zero = ops.zeros_like(graph_weight)
@@ -170,16 +179,22 @@ class OrbV3Loss(NormalisedLoss):
         weight6 = expand_column(graph_weight.reshape(-1, 1), 6)
         if self.conservative:
             stress_raw = outputs[3]
-            s_mean_o, s_std_o, s_mean_n, s_std_n = old[4], ops.sqrt(old[5]), new[4], ops.sqrt(new[5])
+            s_mean_o, s_var_o = self.row_stats(old, 2, replay, 2)
+            s_mean_n, s_var_n = self.row_stats(new, 2, replay, 2)
+            s_std_o, s_std_n = ops.sqrt(s_var_o), ops.sqrt(s_var_n)
             pred = (stress_raw - s_mean_o) / s_std_o
             target = (stress - s_mean_n) / s_std_n
             loss = (huber(pred, target, HUBER_DELTA) * weight6).sum() / 6.0
             phys = pred * s_std_n + s_mean_n
         else:
             stress_head, pair_s = outputs[3], outputs[7]
-            std_o = ops.concat((ops.tile(ops.sqrt(old[5]), (3,)), ops.tile(ops.sqrt(old[7]), (3,))))
-            mean_n = ops.concat((ops.tile(new[4], (3,)), ops.tile(new[6], (3,))))
-            std_n = ops.concat((ops.tile(ops.sqrt(new[5]), (3,)), ops.tile(ops.sqrt(new[7]), (3,))))
+            _, d_var_o = self.row_stats(old, 2, replay, 2)
+            _, o_var_o = self.row_stats(old, 3, replay, 2)
+            d_mean_n, d_var_n = self.row_stats(new, 2, replay, 2)
+            o_mean_n, o_var_n = self.row_stats(new, 3, replay, 2)
+            std_o = six_components(ops.sqrt(d_var_o), ops.sqrt(o_var_o))
+            mean_n = six_components(d_mean_n, o_mean_n)
+            std_n = six_components(ops.sqrt(d_var_n), ops.sqrt(o_var_n))
             pred = stress_head + pair_s / std_o  # normalise(denormalise(head) + ZBL) with the old statistics
             target = (stress - mean_n) / std_n
             per = huber(pred, target, HUBER_DELTA) * weight6

@@ -3,7 +3,8 @@
     orb-plot outputs/demo/metrics.jsonl -o outputs/demo/curves.png
 
 Four panels per epoch: total loss (normalised units), energy MAE (eV), force MAE (eV/Å) and
-stress MAE (eV/Å³), train and validation (epoch 0: the starting checkpoint), on log scales.
+stress MAE (eV/Å³), train and validation (epoch 0: the starting checkpoint), and with replay the
+held-out replay structures (``replay_val``: what fine-tuning costs the foundation), on log scales.
 Several metrics.jsonl files are drawn in one figure (one colour per run, with its label).
 """
 
@@ -33,7 +34,8 @@ def read_epochs(path: str) -> List[Dict]:
 
 
 def plot(runs: Sequence[Tuple[str, List[Dict]]], output: str):
-    """One figure for one or several runs ((label, epoch records)): validation solid, training dashed."""
+    """One figure for one or several runs ((label, epoch records)): validation solid, replay validation dotted,
+    training dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -44,12 +46,12 @@ def plot(runs: Sequence[Tuple[str, List[Dict]]], output: str):
     for ax, (key, title) in zip(axes.ravel(), PANELS):
         for (label, epochs), colour in zip(runs, colours * 4):
             x = [r["epoch"] for r in epochs]
-            for part, style in (("val", "-s"), ("train", "--o")):
+            for part, style in (("val", "-s"), ("replay_val", ":^"), ("train", "--o")):
                 points = [(e, r[part][key]) for e, r in zip(x, epochs) if key in r.get(part, {})]
                 if points:
                     name = f"{label} {part}" if len(runs) > 1 else part
                     ax.plot(*zip(*points), style, color=colour, markersize=3, label=name,
-                            alpha=1.0 if part == "val" else 0.6)
+                            alpha=0.6 if part == "train" else 1.0)
         if ax.lines:
             if all(v > 0 for line in ax.lines for v in line.get_ydata()):
                 ax.set_yscale("log")

@@ -24,7 +24,7 @@ OLDER_FORMATS = ("orb-mindspore-train-1",)
 RESUME_KEYS = ("train_data_path", "batch_size", "max_epochs", "lr", "lr_schedule", "warmup_fraction", "random_seed",
                "augmentation", "ema_decay", "optimizer", "replay.data_path", "replay.val_data_path",
                "replay.val_samples", "replay.labels", "replay.fraction", "replay.num_samples", "replay.selection",
-               "replay.loss_weight")
+               "replay.loss_weight", "replay.head")
 
 
 def _full(optimizer: FlatAdam, local: np.ndarray, dp: DataParallel) -> np.ndarray:

@@ -60,7 +60,7 @@ def trainable_parameters(model, cfg: TrainConfig) -> list:
         excluded |= {id(p) for p in model.backbone_parameters()}
     trainable = cfg.reference_energies.trainable
     if trainable == "false" or (trainable == "auto" and cfg.model.family == "orb_v3"):
-        excluded.add(id(model.reference_energy_weight()))
+        excluded |= {id(w) for w in model.reference_energy_weights()}
     params = [p for p in model.trainable_params() if id(p) not in excluded]
     for p in model.trainable_params():
         p.requires_grad = id(p) not in excluded
@@ -117,6 +117,8 @@ class Trainer:
         self.compile_time = 0.0  # seconds spent compiling during the current epoch
         self._open_data()
         self.model = build_model(cfg)
+        if cfg.replay.enabled and cfg.replay.head == "separate":
+            self.model.add_replay_heads()  # copies of the starting heads, before any fit of the target's
         self._starting_digest: Optional[str] = None
         self._choose_replay()
         self._plan_data()
@@ -250,10 +252,11 @@ class Trainer:
             for db, positions in needed.values():
                 db.set_labels(replay_data.pseudo_labels(db, positions, self.forward, self.starting_digest,
                                                         with_stress, self.dp))
+        head = 1 if replay.head == "separate" else 0  # replay structures are predicted by the replay heads
         if len(chosen):
-            self.replay_train = Source("replay", data, chosen, replay.loss_weight)
+            self.replay_train = Source("replay", data, chosen, replay.loss_weight, head)
         if val is not None:
-            self.replay_val = Source("replay_val", *val)
+            self.replay_val = Source("replay_val", *val, head=head)
 
     def _plan_data(self) -> None:
         """The training stream, validation sets, samplers and bucket shapes."""
@@ -327,8 +330,8 @@ class Trainer:
                      self._weights_note(data))
         if self.replay_train is not None:
             r = self.replay_train
-            log.info("replay: %d structures of %s (%s labels, loss weight %g); each step: %d target + %d replay "
-                     "structures", len(r), r.path, cfg.replay.labels, cfg.replay.loss_weight,
+            log.info("replay: %d structures of %s (%s labels, loss weight %g, %s heads); each step: %d target + %d "
+                     "replay structures", len(r), r.path, cfg.replay.labels, cfg.replay.loss_weight, cfg.replay.head,
                      self.sampler.target_step, self.sampler.replay_step)
         elif self.replay_val is not None:
             log.info("replay: validated only (replay.fraction 0): forgetting is measured every epoch, not prevented")
@@ -614,7 +617,8 @@ class Trainer:
                                 "config": self.cfg.to_dict(), "model": self.cfg.model.to_dict()}
                 if self.reference_fit is not None:
                     weights_meta["reference_energies_fit"] = self.reference_fit.to_dict()
-                save_checkpoint(os.path.join(self.checkpoint_dir, "best_weights.ckpt"), self.model, weights_meta)
+                save_checkpoint(os.path.join(self.checkpoint_dir, "best_weights.ckpt"), self.model, weights_meta,
+                                exported=True)
         if epoch % self.cfg.save_every_x_epochs == 0 or epoch == self.cfg.max_epochs:
             save_checkpoint(os.path.join(self.checkpoint_dir, f"epoch_{epoch:04d}.ckpt"), self.model, meta, state)
 
