@@ -491,7 +491,7 @@ def test_replay_heads_start_as_copies_predict_their_rows_and_are_never_exported(
     def predict(heads):
         batch = batch_graphs(graphs)
         batch.head = np.asarray(heads)
-        outputs = model.predictions(*model_inputs(pad_batch(batch, 80, 2400, 5)))
+        outputs = model.predictions(*model_inputs(pad_batch(batch, 80, batch.num_edges + 8, 5)))
         return [o.asnumpy() for o in outputs[:3]]
 
     own, replay = predict([0, 0, 0, 0]), predict([1, 1, 1, 1])
@@ -516,7 +516,7 @@ def test_replay_heads_start_as_copies_predict_their_rows_and_are_never_exported(
     before = [[t.asnumpy().copy() for t in n.stats()] for n in loss.normalizers]
     batch = batch_graphs(graphs)
     batch.head = np.ones(4, np.int64)
-    step(*loss_inputs(pad_batch(batch, 80, 2400, 5)))
+    step(*loss_inputs(pad_batch(batch, 80, batch.num_edges + 8, 5)))
     after = [[t.asnumpy() for t in n.stats()] for n in loss.normalizers]
     for k, (b, a) in enumerate(zip(before, after)):
         moved = not all(np.array_equal(x, y) for x, y in zip(b, a))
