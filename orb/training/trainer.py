@@ -167,6 +167,10 @@ class Trainer:
         if cfg.reference_energies.fit == "residual" and not cfg.checkpoint_path:
             raise ConfigError("config key 'reference_energies.fit': residual fits to the starting checkpoint's "
                               "errors and needs checkpoint_path (least_squares needs none)")
+        if cfg.reference_energies.fit == "least_squares" and cfg.checkpoint_path:
+            log.warning("reference_energies.fit: least_squares makes the reference energies explain the whole DFT "
+                        "energy, and the pretrained network adds its own per-atom energy on top (measured: 68x the "
+                        "starting energy error, docs/benchmarks.md); to fine-tune, use fit: residual")
         graphs, charge_spin = cfg.model.graph_settings(), cfg.model.omol
 
         def open_db(path, **kwargs):
