@@ -5,11 +5,13 @@
 The same run as ``finetune.py`` (one shared Trainer); what data parallelism adds is numbered below.
 """
 
+import os
 import sys
 
 import numpy as np
 
 from orb.errors import ClusterError
+from orb.signals import ignore_stop_signals
 from orb.training.cli import run
 from orb.device import configure_mindspore
 from orb.training.distributed import DataParallel
@@ -20,6 +22,8 @@ _rank = 0
 
 def fine_tune(cfg, args) -> None:
     global _rank
+    if os.environ.get("MS_ROLE") == "MS_SCHED":  # msrun's scheduler process: it ends when the workers end
+        ignore_stop_signals()
     configure_mindspore(cfg.device_target, num_threads=cfg.num_threads, parallel=True)  # msrun assigns the device
 
     import mindspore as ms

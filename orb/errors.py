@@ -37,3 +37,7 @@ class CheckpointError(OrbInputError):
 
 class ClusterError(Exception):
     """A data-parallel job that cannot go on because another of its processes stopped."""
+
+
+class DataWorkerError(ClusterError):
+    """The processes preparing batches died and could not be replaced."""

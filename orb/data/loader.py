@@ -13,6 +13,8 @@ import logging
 import multiprocessing
 import time
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -23,6 +25,8 @@ from orb.data.dataset import AseDbDataset, EpochSampler, Ranks
 from orb.data.graphs import batch_graphs, empty_batch
 from orb.data.neighbours import native_search
 from orb.data.tensors import loss_arrays
+from orb.errors import DataWorkerError
+from orb.signals import ignore_stop_signals
 
 
 @dataclass(frozen=True)
@@ -79,10 +83,13 @@ def prepare(dataset: AseDbDataset, step: Step, seed: Optional[int], with_stress:
     return loss_arrays(padded, weight)
 
 
+log = logging.getLogger("orb")
+WORKER_DEATH = "killed by the operating system, often for lack of memory: lower data_workers or batch_size"
 _worker_datasets: Dict[str, AseDbDataset] = {}
 
 
 def _init_worker(datasets: Dict[str, AseDbDataset]) -> None:
+    ignore_stop_signals()  # the training process decides when to stop (and saves first)
     _worker_datasets.update(datasets)
     logging.getLogger("orb").setLevel(logging.ERROR)  # e.g. "no C++ compiler": the main process said it once
 
@@ -114,10 +121,10 @@ class BatchLoader:
         self.datasets[name] = dataset
         self.close()
 
-    def _new_pool(self):
+    def _new_pool(self) -> ProcessPoolExecutor:
         native_search()  # build the neighbour search once, here, before the workers load it
-        context = multiprocessing.get_context("spawn")
-        return context.Pool(self.workers, initializer=_init_worker, initargs=(self.datasets,))
+        return ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_init_worker, initargs=(self.datasets,))
 
     def _ensure_pool(self):
         if self._pool is None and self.workers > 0:
@@ -139,7 +146,11 @@ class BatchLoader:
             if not ranges:
                 return np.zeros(0, np.int64)
             with self._new_pool() as pool:
-                return np.concatenate(pool.map(_count_in_worker, ranges))
+                try:
+                    return np.concatenate(list(pool.map(_count_in_worker, ranges)))
+                except BrokenProcessPool:
+                    raise DataWorkerError(f"a data worker died while counting the neighbours of {dataset.path} "
+                                          f"({WORKER_DEATH})") from None
 
         return dataset.edge_capacities(count, ranks)
 
@@ -156,25 +167,44 @@ class BatchLoader:
         pending: deque = deque()
         todo = iter(steps)
 
-        def submit(step: Step) -> None:
-            pending.append((step, pool.apply_async(_prepare_in_worker, ((name, step, seed, with_stress),))))
+        def submit(step: Step):
+            return self._pool.submit(_prepare_in_worker, (name, step, seed, with_stress))
 
         for step in todo:
-            submit(step)
+            pending.append((step, submit(step)))
             if len(pending) >= self.depth:
                 break
+        replaced = None  # the step at which the workers were last replaced
         while pending:
-            step, result = pending.popleft()
+            step, result = pending[0]
             start = time.perf_counter()
-            arrays = result.get()
+            try:
+                arrays = result.result()
+            except BrokenProcessPool:  # a worker died (e.g. the out-of-memory killer): new workers, same steps
+                if replaced == step:
+                    raise DataWorkerError(f"data workers died twice while preparing epoch {step.epoch + 1}'s steps "
+                                          f"({WORKER_DEATH})") from None
+                replaced = step
+                log.warning("a data worker died while preparing epoch %d's steps (%s); starting new workers and "
+                            "preparing those steps again", step.epoch + 1, WORKER_DEATH)
+                self.close()
+                self._pool = self._new_pool()
+                pending = deque((s, submit(s)) for s, _ in pending)
+                continue
+            pending.popleft()
             self.wait_time += time.perf_counter() - start
             following = next(todo, None)
             if following is not None:
-                submit(following)
+                pending.append((following, submit(following)))
             yield step, arrays
 
     def close(self) -> None:
+        """Stop the workers now (they ignore stop signals, so they are killed, not asked)."""
         if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
+            processes = list((getattr(self._pool, "_processes", None) or {}).values())
+            for process in processes:
+                process.kill()
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            for process in processes:
+                process.join()
             self._pool = None

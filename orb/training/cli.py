@@ -7,10 +7,12 @@ import sys
 from typing import Callable, List, Optional, Tuple
 
 from orb.errors import ClusterError, OrbInputError
+from orb.signals import exit_on_stop_signals
 from orb.training.config import TrainConfig, load_config
 from orb.training.outputs import discard_unstarted
+from orb.training.preemption import Stopped, checkpoint_to_resume
 
-USAGE = """%(prog)s [--config PATH] [--resume DIR_OR_FILE] [--overwrite] [--accept_config_changes] [--key value ...]
+USAGE = """%(prog)s [--config PATH] [--resume DIR_OR_FILE|auto] [--overwrite] [--accept_config_changes] [--key value ...]
 
 Any config key can be overridden, nested keys with dots:
   --max_epochs 3 --device_target CPU --model.num_message_passing_steps 2 --loss_weights.stress 0"""
@@ -19,7 +21,8 @@ Any config key can be overridden, nested keys with dots:
 def parse_command_line(argv: Optional[List[str]], default_config: str) -> Tuple[argparse.Namespace, List[str]]:
     parser = argparse.ArgumentParser(usage=USAGE, description="Fine-tune orb on an ASE database.")
     parser.add_argument("--config", default=default_config, help=f"YAML config (default: {default_config})")
-    parser.add_argument("--resume", default="", help="training checkpoint, or an output_dir, to continue from")
+    parser.add_argument("--resume", default="", help="training checkpoint, or an output_dir, to continue from; "
+                        "'auto': output_dir's last.ckpt if it has one, else a fresh start (for requeued jobs)")
     parser.add_argument("--overwrite", action="store_true",
                         help="start a fresh run in an output_dir that holds an earlier run (deletes its files)")
     parser.add_argument("--accept_config_changes", action="store_true",
@@ -32,10 +35,17 @@ def run(argv: Optional[List[str]], default_config: str, fine_tune: Callable[[Tra
     """Parse arguments, load the config and call ``fine_tune``; bad input -> ``error: ...`` and exit status 2."""
     args, overrides = parse_command_line(argv, default_config)
     log = logging.getLogger("orb")
+    exit_on_stop_signals()  # the training loop replaces this with a save-then-stop once it starts
     cfg = None
     try:
         cfg = load_config(args.config, overrides)
+        if args.resume == "auto":
+            args.resume = checkpoint_to_resume(cfg.output_dir, args.resume)
+            args.overwrite = args.overwrite or not args.resume  # a requeued job that never saved starts over
         fine_tune(cfg, args)
+    except Stopped as stop:
+        print(f"{stop}", file=sys.stderr)
+        return stop.status
     except OrbInputError as exc:
         if is_main():  # into train.log too, when it is open (a resumed run keeps it)
             record = log.makeRecord("orb", logging.ERROR, __file__, 0, "%s", (exc,), None)

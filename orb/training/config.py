@@ -83,6 +83,10 @@ class TrainConfig:
     buckets: List[List[int]] = field(default_factory=list)
     num_buckets: int = 3
     save_every_x_epochs: int = 5
+    save_every_n_steps: int = 0
+    save_every_minutes: float = 30.0
+    keep_checkpoints: int = 3
+    max_nonfinite_steps: int = 5
     log_every_n_steps: int = 10
     progress_bar: str = "auto"
     record_batches: bool = False
@@ -214,6 +218,11 @@ def _validate(cfg: TrainConfig) -> TrainConfig:
     for key in ("radius", "cutoff_rmax", "rbf_radius"):
         if getattr(cfg.model, key) <= 0:
             raise ConfigError(f"config key 'model.{key}' must be positive, got {getattr(cfg.model, key)}")
+    for key in ("save_every_n_steps", "keep_checkpoints", "max_nonfinite_steps"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"config key '{key}' must be >= 0, got {getattr(cfg, key)}")
+    if cfg.save_every_minutes < 0:
+        raise ConfigError(f"config key 'save_every_minutes' must be >= 0 (0 = off), got {cfg.save_every_minutes}")
     if cfg.patience < 0:
         raise ConfigError(f"config key 'patience' must be >= 0 (0 = train every epoch), got {cfg.patience}")
     _validate_replay(cfg)

@@ -18,12 +18,18 @@ from. The launch is set by environment variables:
 On CPU each worker gets OMP_NUM_THREADS = cores / LOCAL_WORKER_NUM unless it is set. The console
 shows this node's first worker; every worker's log is in LOG_DIR. The exit status is msrun's
 (non-zero if any worker failed), and on failure the failed rank and its last error are printed.
+
+Stop signals (SIGTERM, SIGINT, SIGUSR1, SIGUSR2: a scheduler's preemption or time limit, Ctrl-C)
+are passed to this node's workers, which finish their step, save and stop together; msrun itself
+ignores them (it would otherwise die and leave the workers running). Exit status 75 then means
+"stopped with the state saved": run the same command with --resume auto to continue.
 """
 
 import glob
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -31,10 +37,19 @@ import threading
 import time
 from typing import Dict, List, Optional
 
+from orb.signals import STOP_SIGNALS
+from orb.training.preemption import STOPPED_STATUS
+
 DEFAULT_CONFIG = os.path.join("configs", "config_parallel.yaml")
 
 
 def count_devices() -> int:
+    """This node's devices: those a scheduler made visible (ASCEND_RT_VISIBLE_DEVICES, CUDA_VISIBLE_DEVICES), else
+    every Ascend NPU or GPU present, else on CPU the cores (at most 8)."""
+    for variable in ("ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"):
+        visible = [d for d in os.environ.get(variable, "").split(",") if d.strip()]
+        if visible:
+            return len(visible)
     npus = glob.glob("/dev/davinci[0-9]*")
     if npus:
         return len(npus)
@@ -70,17 +85,104 @@ def find_msrun() -> Optional[str]:
     return shutil.which("msrun") or shutil.which("msrun", path=os.path.dirname(sys.executable))
 
 
+class LaunchError(ValueError):
+    """A launch setting that cannot work, named."""
+
+
+def _count(env: Dict[str, str], name: str, default: str, least: int) -> str:
+    value = env.get(name) or default
+    if not value.isdigit() or int(value) < least:
+        raise LaunchError(f"{name} must be a whole number >= {least}, got {value!r}")
+    return str(int(value))
+
+
 def settings(env: Dict[str, str]) -> Dict[str, str]:
-    workers = env.get("WORKER_NUM") or str(count_devices())
+    workers = _count(env, "WORKER_NUM", str(count_devices()), 1)
+    local = _count(env, "LOCAL_WORKER_NUM", workers, 1)
+    if int(local) > int(workers):
+        raise LaunchError(f"LOCAL_WORKER_NUM ({local}) exceeds WORKER_NUM ({workers}), the workers of all nodes")
+    if int(local) < int(workers) and not env.get("MASTER_PORT"):
+        raise LaunchError(f"a launch over several nodes ({local} of {workers} workers here) needs the same "
+                          "MASTER_PORT on every node (e.g. MASTER_PORT=8118); each node would pick its own")
     return {
         "worker_num": workers,
-        "local_worker_num": env.get("LOCAL_WORKER_NUM") or workers,
+        "local_worker_num": local,
         "master_addr": env.get("MASTER_ADDR") or "127.0.0.1",
-        "master_port": env.get("MASTER_PORT") or str(free_port()),
-        "node_rank": env.get("NODE_RANK") or "0",
+        "master_port": _count(env, "MASTER_PORT", str(free_port()), 1),
+        "node_rank": _count(env, "NODE_RANK", "0", 0),
         "log_dir": env.get("LOG_DIR") or os.path.join("msrun_logs", time.strftime("%Y%m%d-%H%M%S")),
-        "cluster_time_out": env.get("CLUSTER_TIME_OUT") or "600",
+        "cluster_time_out": _count(env, "CLUSTER_TIME_OUT", "600", 1),
     }
+
+
+# msrun with the stop signals ignored: the launcher passes them to the workers, which save before they stop
+MSRUN = ("import signal, sys\n"
+         "for name in " + repr(STOP_SIGNALS) + ": signal.signal(getattr(signal, name), signal.SIG_IGN)\n"
+         "from mindspore.parallel.cluster.run import main\n"
+         "sys.argv[0] = 'msrun'\n"
+         "sys.exit(main())\n")
+
+
+def _parent_and_role(pid: int):
+    """(parent pid, MindSpore role) of a process, or (None, None) if it is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        return parent, environ.get(b"MS_ROLE", b"").decode()
+    except (OSError, ValueError, IndexError):
+        return None, None
+
+
+def workers_under(root: int) -> List[int]:
+    """The MindSpore worker processes (MS_ROLE=MS_WORKER) among the descendants of ``root``."""
+    table = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            table[int(name)] = _parent_and_role(int(name))
+    below, frontier = set(), {root}
+    while frontier:
+        frontier = {pid for pid, (parent, _) in table.items() if parent in frontier and pid not in below}
+        below |= frontier
+    return sorted(pid for pid in below if table[pid][1] == "MS_WORKER")
+
+
+class SignalRelay:
+    """While active, stop signals received here go to the worker processes under ``root`` (once each)."""
+
+    def __init__(self, root: int):
+        self.root, self.received, self._previous = root, [], {}
+
+    def _relay(self, number, _frame):
+        self.received.append(signal.Signals(number).name)
+        for pid in workers_under(self.root):
+            try:
+                os.kill(pid, number)
+            except OSError:
+                pass
+
+    def __enter__(self):
+        for name in STOP_SIGNALS:
+            self._previous[name] = signal.signal(getattr(signal, name), self._relay)
+        return self
+
+    def __exit__(self, *exc):
+        for name, handler in self._previous.items():
+            signal.signal(getattr(signal, name), handler)
+        return False
+
+
+def stopped_with_state_saved(log_dir: str) -> bool:
+    """Whether every worker's log ends the run with the training loop's stop line (its state saved)."""
+    logs = glob.glob(os.path.join(log_dir, "worker_*.log"))
+    if not logs:
+        return False
+    for path in logs:
+        with open(path, errors="replace") as f:
+            if "continue with --resume auto" not in f.read():
+                return False
+    return True
 
 
 def report_failures(log_dir: str) -> None:
@@ -110,7 +212,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if msrun is None:
         print("error: msrun not found; activate the environment where mindspore is installed", file=sys.stderr)
         return 2
-    s = settings(os.environ)
+    try:
+        s = settings(os.environ)
+    except LaunchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     env = dict(os.environ)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # workers run this python
     env.setdefault("GLOG_v", "3")  # MindSpore's C++ log: errors only (no connection-retry chatter)
@@ -122,11 +228,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"run_parallel: config {config} {' '.join(args)}".rstrip())
     print(f"run_parallel: worker logs in {s['log_dir']}/worker_<rank>.log; the console shows this node's first worker")
     sys.stdout.flush()
-    command = [msrun, *(f"--{k}={v}" for k, v in s.items()), "--join=True", "--tail_worker_log=0",
-               worker_script(), "--config", os.path.abspath(config), *args]
-    job = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
-    errors = collect(job.stderr)
-    status = job.wait()
+    command = [sys.executable, "-c", MSRUN, *(f"--{k}={v}" for k, v in s.items()), "--join=True",
+               "--tail_worker_log=0", worker_script(), "--config", os.path.abspath(config), *args]
+    # its own session: a terminal's Ctrl-C reaches this process only, which passes it on to the workers
+    job = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    with SignalRelay(job.pid) as relay:
+        errors = collect(job.stderr)
+        status = job.wait()
+    if status != 0 and stopped_with_state_saved(s["log_dir"]):
+        print(f"run_parallel: stopped by {relay.received[0] if relay.received else 'a signal'} with the state "
+              f"saved; run the same command with --resume auto to continue (exit status {STOPPED_STATUS})",
+              file=sys.stderr)
+        return STOPPED_STATUS
     if status != 0:
         # msrun's own traceback ("Distributed job exited with exception") says no more than the report below
         print(f"run_parallel: FAILED with status {status}", file=sys.stderr)

@@ -23,6 +23,7 @@ from orb.training import state as training_state
 from orb.training.config import TrainConfig
 from orb.training.distributed import DataParallel
 from orb.training.outputs import append_jsonl
+from orb.training.preemption import STOPPED_STATUS, Stopped, StopSignals, keep_records_up_to, prune_checkpoints
 from orb.training.reference_fit import fit_reference_energies, reference_baseline
 
 log = logging.getLogger("orb")
@@ -133,6 +134,9 @@ class Trainer:
         self.start_epoch, self.global_step, self.best_val = 0, 0, math.inf
         self.epochs_done, self.best_epoch = 0, 0
         self.initial: Dict[str, Dict] = {}  # validation of the starting model (epoch 0), by set
+        self.resume_step, self.resume_totals = 0, None  # a mid-epoch resume: steps of start_epoch done, their sums
+        self.signals = StopSignals()
+        self.last_save = time.monotonic()
         if resume:
             self._resume(resume, accept_config_changes)
         self.dp.check_same_parameters(self.model)
@@ -444,27 +448,41 @@ class Trainer:
 
     # ----------------------------------------------------------------- epochs
     def train_epoch(self, epoch: int, progress) -> Dict[str, float]:
+        """Train one epoch (from step ``resume_step`` of it after a mid-epoch resume), saving ``last.ckpt`` inside it
+        when a step save is due; a stop signal ends it with the state saved (:class:`Stopped`)."""
         from orb.training.steps import read_and_reset
 
         steps = self._plan(self.sampler, self.train_set, self.train_buckets, epoch)
+        first, self.resume_step = self.resume_step, 0
+        totals = self.resume_totals if first else np.zeros(self.loss_cell.num_sums)
         seed = self.cfg.random_seed if self.cfg.augmentation else None
-        totals = np.zeros(self.loss_cell.num_sums)
         self.compile_time, wait_before = 0.0, self.loader.wait_time
         start = time.perf_counter()
-        bar = progress(total=len(steps), desc=f"epoch {epoch + 1}", leave=False)
-        for i, (step, arrays) in enumerate(self.loader.iterate("train", steps, seed, self.has_stress)):
+        bar = progress(total=len(steps), initial=first, desc=f"epoch {epoch + 1}", leave=False)
+        for i, (step, arrays) in enumerate(self.loader.iterate("train", steps[first:], seed, self.has_stress), first):
             self._record(step)
             self._run("train", self.train_step, arrays, step.bucket)
             self.global_step += 1
             bar.update(1)
-            if (i + 1) % self.cfg.log_every_n_steps == 0 or i + 1 == len(steps):
-                part = self.dp.sum(read_and_reset(self.train_step.metric_sums))  # one host sync per interval
+            boundary = (i + 1) % self.cfg.log_every_n_steps == 0 or i + 1 == len(steps)
+            flags = self._stop_and_save_flags()
+            if boundary:  # one host synchronisation per interval; the ranks' flags travel with the sums
+                part = self.dp.sum(np.concatenate([read_and_reset(self.train_step.metric_sums), flags]))
+                part, flags = part[:-len(flags)], part[-len(flags):]
                 totals += part
                 interval = self._sums_to_metrics(part)
                 bar.set_postfix(loss=f"{interval['loss']:.4f}")
                 self._write_jsonl({"type": "step", "epoch": epoch + 1, "step": self.global_step,
                                    "lr": float(self.schedule.lr[min(self.global_step, self.total_steps) - 1]),
                                    **interval})
+            elif self.dp.parallel:
+                flags = np.zeros_like(flags)  # ranks agree only at interval boundaries
+            every = self.cfg.save_every_n_steps
+            if i + 1 < len(steps) and (flags.any() or (every and self.global_step % every == 0)):
+                self._save_step(epoch, i + 1, totals)
+                if flags[0]:
+                    bar.close()
+                    self._stop(epoch, i + 1)
         bar.close()
         metrics = self._sums_to_metrics(totals, by_element=True)
         elapsed = time.perf_counter() - start - self.compile_time
@@ -473,6 +491,23 @@ class Trainer:
         if self.compile_time:
             metrics["compile_time"] = self.compile_time
         return metrics
+
+    def _stop_and_save_flags(self) -> np.ndarray:
+        """[a stop signal arrived, a timed save is due (decided by rank 0)] on this rank."""
+        minutes = self.cfg.save_every_minutes
+        due = self.dp.is_main and minutes > 0 and time.monotonic() - self.last_save >= 60.0 * minutes
+        return np.array([self.signals.received is not None, due], np.float64)
+
+    def _stop(self, epoch: int, steps_done: int) -> None:
+        """End the run after a stop signal: the state is saved at this step."""
+        where = (f"epoch {epoch + 1}, step {steps_done} of {self.steps_per_epoch}" if steps_done < self.steps_per_epoch
+                 else f"the end of epoch {epoch + 1}")
+        message = (f"stopped by {self.signals.received or 'a signal on another rank'} at {where} (global step "
+                   f"{self.global_step}); state saved in {os.path.join(self.checkpoint_dir, 'last.ckpt')}: continue "
+                   f"with --resume auto (exit status {STOPPED_STATUS})")
+        if self.dp.is_main:
+            log.info(message)
+        raise Stopped(message)
 
     def validate(self, progress, name: str = "val") -> Dict[str, float]:
         """Metrics of validation set ``name`` (with the EMA weights when ``ema_decay`` is set)."""
@@ -537,27 +572,31 @@ class Trainer:
 
         self.model.set_train(True)
         run_start = time.perf_counter()
+        self.last_save = time.monotonic()
         history = []
         try:
-            if self.start_epoch == 0 and self.val_sets:
-                self.initial = self.validate_all(progress)  # the starting checkpoint, to compare fine-tuning against
-                self._log_validation("Before fine-tuning: ", self.initial)
-                self._write_jsonl({"type": "initial", "epoch": 0, "step": 0, **self.initial})
-            epochs = progress(total=cfg.max_epochs, initial=self.start_epoch, desc="fine-tuning")
-            for epoch in range(self.start_epoch, last_epoch):
-                if self._stopped_early():
-                    break
-                train_metrics = self.train_epoch(epoch, progress)
-                results = self.validate_all(progress)
-                epochs.update(1)
-                self._log_validation(f"Epoch: {epoch + 1}/{cfg.max_epochs}, train_metrics: {_fmt(train_metrics)}, ",
-                                     results)
-                record = {"type": "epoch", "epoch": epoch + 1, "step": self.global_step, "train": train_metrics,
-                          **results, "lr": float(self.schedule.lr[max(self.global_step, 1) - 1])}
-                self._write_jsonl(record)
-                history.append(record)
-                self._save_epoch(epoch + 1, results.get("val", {}).get("loss", train_metrics["loss"]))
-            epochs.close()
+            with self.signals:
+                if self.start_epoch == 0 and self.global_step == 0 and self.val_sets:
+                    self.initial = self.validate_all(progress)  # the starting checkpoint, to compare fine-tuning
+                    self._log_validation("Before fine-tuning: ", self.initial)
+                    self._write_jsonl({"type": "initial", "epoch": 0, "step": 0, **self.initial})
+                epochs = progress(total=cfg.max_epochs, initial=self.start_epoch, desc="fine-tuning")
+                for epoch in range(self.start_epoch, last_epoch):
+                    if self._stopped_early():
+                        break
+                    train_metrics = self.train_epoch(epoch, progress)
+                    results = self.validate_all(progress)
+                    epochs.update(1)
+                    self._log_validation(f"Epoch: {epoch + 1}/{cfg.max_epochs}, train_metrics: "
+                                         f"{_fmt(train_metrics)}, ", results)
+                    record = {"type": "epoch", "epoch": epoch + 1, "step": self.global_step, "train": train_metrics,
+                              **results, "lr": float(self.schedule.lr[max(self.global_step, 1) - 1])}
+                    self._save_epoch(epoch + 1, results.get("val", {}).get("loss", train_metrics["loss"]))
+                    self._write_jsonl(record)  # after the save: no line claims an epoch the checkpoint lacks
+                    history.append(record)
+                    if epoch + 1 < last_epoch and self.dp.sum(self._stop_and_save_flags()[:1])[0]:
+                        self._stop(epoch, self.steps_per_epoch)
+                epochs.close()
         finally:
             self.loader.close()
         total = time.perf_counter() - run_start
@@ -602,6 +641,22 @@ class Trainer:
             meta["reference_energies_fit"] = self.reference_fit.to_dict()
         return meta
 
+    def _save_step(self, epoch: int, steps_done: int, totals: np.ndarray) -> None:
+        """``last.ckpt`` inside epoch ``epoch`` after ``steps_done`` of its steps: with the epoch's metric sums so
+        far and the current logging interval's, a resume continues exactly here."""
+        from orb.io.checkpoint import save_checkpoint
+
+        state = training_state.optimizer_state(self.optimizer, self.param_names, self.dp)  # collective when sharded
+        self.last_save = time.monotonic()
+        if not self.dp.is_main:
+            return
+        meta = dict(self._meta(epoch), step_in_epoch=steps_done, epoch_sums=[float(x) for x in totals],
+                    interval_sums=[float(x) for x in self.train_step.metric_sums.asnumpy()])
+        started = time.perf_counter()
+        save_checkpoint(os.path.join(self.checkpoint_dir, "last.ckpt"), self.model, meta, state)
+        log.info("saved last.ckpt at epoch %d, step %d of %d (global step %d) in %.1f s", epoch + 1, steps_done,
+                 self.steps_per_epoch, self.global_step, time.perf_counter() - started)
+
     def _save_epoch(self, epoch: int, val_loss: float) -> None:
         from orb.io.checkpoint import save_checkpoint
 
@@ -610,6 +665,7 @@ class Trainer:
             self.best_val, self.best_epoch = val_loss, epoch
         self.epochs_done = epoch
         state = training_state.optimizer_state(self.optimizer, self.param_names, self.dp)  # collective when sharded
+        self.last_save = time.monotonic()
         if not self.dp.is_main:
             return
         meta = self._meta(epoch)
@@ -625,6 +681,7 @@ class Trainer:
                                 exported=True)
         if epoch % self.cfg.save_every_x_epochs == 0 or epoch == self.cfg.max_epochs:
             save_checkpoint(os.path.join(self.checkpoint_dir, f"epoch_{epoch:04d}.ckpt"), self.model, meta, state)
+            prune_checkpoints(self.checkpoint_dir, self.cfg.keep_checkpoints)
 
     def _resume(self, path: str, accept_changes: bool) -> None:
         from orb.io.checkpoint import load_checkpoint, load_torch_state_dict
@@ -641,6 +698,20 @@ class Trainer:
         self.best_val = training_state.best_loss(meta)
         self.best_epoch = int(meta.get("best_epoch") or 0)
         self.initial = meta.get("initial") or {}
+        self.resume_step = int(meta.get("step_in_epoch") or 0)
+        if self.resume_step:  # inside an epoch: its sums so far, and the open logging interval's on the device
+            from mindspore import Tensor
+
+            self.resume_totals = np.asarray(meta["epoch_sums"], np.float64)
+            self.train_step.metric_sums.set_data(Tensor(np.asarray(meta["interval_sums"], np.float32)))
+        if self.dp.is_main:
+            dropped = keep_records_up_to(os.path.join(self.output_dir, "metrics.jsonl"), self.global_step)
+            if dropped:
+                log.info("metrics.jsonl: %d record(s) written after the checkpoint dropped (the steps run again)",
+                         dropped)
+        keep_records_up_to(os.path.join(self.output_dir, f"batches_rank{self.dp.rank}.jsonl"), self.global_step)
         if changes:
             log.warning("resuming with changed settings (accepted): %s", "; ".join(changes))
-        log.info("resumed from %s: %d epochs done, global step %d", path, self.start_epoch, self.global_step)
+        log.info("resumed from %s: %d epochs%s done, global step %d", path, self.start_epoch,
+                 f" and {self.resume_step} of {self.steps_per_epoch} steps" if self.resume_step else "",
+                 self.global_step)
