@@ -35,9 +35,21 @@ class CheckpointError(OrbInputError):
     """A checkpoint that cannot be read or does not fit the model."""
 
 
-class ClusterError(Exception):
+class RunError(Exception):
+    """A run that cannot go on because of a fault (not bad input): one line, exit status 1, nothing lost."""
+
+
+class ClusterError(RunError):
     """A data-parallel job that cannot go on because another of its processes stopped."""
 
 
-class DataWorkerError(ClusterError):
+class SaveError(RunError):
+    """A checkpoint that could not be written (e.g. a full disk); the previous one is intact."""
+
+
+class DivergedError(RunError):
+    """Training steps whose loss or gradient is not finite, too many in a row."""
+
+
+class DataWorkerError(RunError):
     """The processes preparing batches died and could not be replaced."""

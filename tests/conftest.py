@@ -62,3 +62,18 @@ def pytest_runtest_logreport(report):
         report.outcome = "failed"
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.longrepr = f"skipped while ORB_NO_SKIP=1: {reason}"
+
+
+@pytest.fixture(autouse=True)
+def _release_memory_after_each_test():
+    """One pytest process runs every test: hand back what each test's models and compiled steps held (MindSpore
+    keeps each compiled model's runtime memory until asked), so the suite's peak stays that of its largest test."""
+    yield
+    if "mindspore" in sys.modules:
+        import gc
+
+        gc.collect()
+        sys.modules["mindspore"].ms_memory_recycle()
+        from orb.device import release_host_memory
+
+        release_host_memory()

@@ -224,6 +224,42 @@ def test_replay_two_workers_equal_one_device(tmp_path, nine_rows):
             assert ep_par["replay_val"][key] == pytest.approx(value, rel=1e-4, abs=2e-3 if "cosine" in key else 1e-6)
 
 
+def test_sigterm_stops_every_worker_at_one_step_and_resume_auto_continues_exactly(tmp_path):
+    """SIGTERM to the launcher (as a scheduler sends it) in the middle of an epoch: it relays the signal to both
+    workers, which agree on a step through the interval all-reduce, save there and stop; run_parallel exits 75
+    with one line. The same command with --resume auto continues there and ends bit for bit at the
+    uninterrupted 2-worker run, without a metric line twice."""
+    extra = dict(train_data_path=DEMO_TRAIN, max_epochs=2, lr_schedule="constant", record_batches="false")
+    stopped = launch(common_args(tmp_path / "par", DEMO_TRAIN, **extra), tmp_path / "logs1", cwd=ROOT)
+    straight = launch(common_args(tmp_path / "straight", DEMO_TRAIN, **extra), tmp_path / "logs0", cwd=ROOT)
+    metrics, deadline = tmp_path / "par" / "metrics.jsonl", time.time() + 300
+    while not (metrics.exists() and '"type": "step"' in metrics.read_text()):
+        assert stopped.poll() is None and time.time() < deadline
+        time.sleep(0.2)
+    stopped.send_signal(signal.SIGTERM)  # run_parallel.sh execs the launcher: this is the launcher
+    out, _ = stopped.communicate(timeout=300)
+    assert stopped.returncode == 75, out[-3000:]
+    assert "run_parallel: stopped by SIGTERM with the state saved" in out
+    lines = [re.search(r"stopped by SIGTERM at (epoch 1, step \d+)", (tmp_path / "logs1" / f"worker_{r}.log")
+                       .read_text()) for r in (0, 1)]
+    assert lines[0] and lines[1] and lines[0].group(1) == lines[1].group(1)  # the same step on both ranks
+    from orb.io.checkpoint import load_checkpoint
+
+    assert 0 < load_checkpoint(str(tmp_path / "par" / "checkpoints" / "last.ckpt"))[2]["step_in_epoch"] < 16
+    resumed = launch(common_args(tmp_path / "par", DEMO_TRAIN, **extra) + ["--resume", "auto"], tmp_path / "logs2",
+                     cwd=ROOT)
+    out, _ = resumed.communicate(timeout=420)
+    assert resumed.returncode == 0 and "resumed from" in out, out[-3000:]
+    out, _ = straight.communicate(timeout=420)
+    assert straight.returncode == 0, out[-3000:]
+    a, b = weights(tmp_path / "par"), weights(tmp_path / "straight")
+    for key in b[0]:
+        np.testing.assert_array_equal(a[0][key], b[0][key], err_msg=key)
+    recs = [[json.loads(line) for line in open(run / "metrics.jsonl")] for run in (tmp_path / "par",
+                                                                                  tmp_path / "straight")]
+    assert [(r["type"], r["step"]) for r in recs[0]] == [(r["type"], r["step"]) for r in recs[1]]
+
+
 def test_orb_v3_two_workers_stopped_and_resumed_equal_one_device(tmp_path, nine_rows, monkeypatch):
     """orb-v3: a small conservative model (forces and stress by autodiff, so its training step is a
     gradient of a gradient) on 2 workers with plain SGD, stopped after one epoch and resumed, ends

@@ -4,7 +4,9 @@ MindSpore parameter paths equal orb-models' state_dict keys (``model.gnn_stacks.
 ``graph_head.normalizer.bn.running_mean``, ...), so the mapping is one to one, strict and shape-checked.
 """
 
+import errno
 import json
+import logging
 import os
 from collections import OrderedDict
 from typing import Dict, Iterable, Optional, Tuple
@@ -13,7 +15,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn
 
-from orb.errors import CheckpointError
+from orb.errors import CheckpointError, SaveError
 from orb.models import build, config_from_state_dict
 from orb.models.config import ModelConfig
 from orb.models.gns import REPLAY_HEADS
@@ -98,13 +100,26 @@ def read_weights(path: str) -> Tuple["OrderedDict[str, np.ndarray]", Dict]:
     return weights, meta
 
 
+_FSYNC_UNSUPPORTED_WARNED = set()
+
+
 def fsync_directory(folder: str) -> None:
-    """Make a rename in ``folder`` durable (the directory entry itself reaches the disk)."""
-    fd = os.open(folder, os.O_RDONLY)
+    """Make a rename in ``folder`` durable (the directory entry itself reaches the disk). File systems that cannot
+    (some FUSE and object-store mounts) get one warning per folder; the file itself was synced."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EACCES, errno.EPERM):
+            raise
+        if folder not in _FSYNC_UNSUPPORTED_WARNED:
+            _FSYNC_UNSUPPORTED_WARNED.add(folder)
+            logging.getLogger("orb").warning("the file system of %s cannot sync a folder (%s): a power loss right "
+                                             "after a save could lose its last rename; the run goes on", folder,
+                                             exc.strerror)
 
 
 def save_checkpoint(path: str, model: nn.Cell, meta: Optional[Dict] = None,
@@ -127,10 +142,13 @@ def save_checkpoint(path: str, model: nn.Cell, meta: Optional[Dict] = None,
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        fsync_directory(folder)
+    except (OSError, RuntimeError) as exc:  # MindSpore reports a failed write (e.g. a full disk) as RuntimeError
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip().splitlines()[0]
+        raise SaveError(f"could not write {path} ({reason}); the previous checkpoint there is unchanged") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+    fsync_directory(folder)
 
 
 def load_checkpoint(path: str) -> Tuple[Dict[str, np.ndarray], Dict[str, np.ndarray], Dict]:

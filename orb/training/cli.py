@@ -6,7 +6,7 @@ import logging
 import sys
 from typing import Callable, List, Optional, Tuple
 
-from orb.errors import ClusterError, OrbInputError
+from orb.errors import OrbInputError, RunError
 from orb.signals import exit_on_stop_signals
 from orb.training.config import TrainConfig, load_config
 from orb.training.outputs import discard_unstarted
@@ -56,7 +56,7 @@ def run(argv: Optional[List[str]], default_config: str, fine_tune: Callable[[Tra
                 discard_unstarted(cfg.output_dir)
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except ClusterError as exc:
+    except RunError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -195,10 +195,18 @@ class FlatAdam(nn.Cell):
             done = ops.depend(done, self.descend(self.ema, 1.0 - decay, self.ema - full))
         return done
 
-    def construct(self, grads):
+    def reduce(self, grads):
+        """The flat gradient, summed over data-parallel ranks (the same on every rank)."""
         flat = self._flatten(grads)
         if self.all_reduce is not None:
             flat = self._sum_over_ranks(flat)
+        return flat
+
+    def construct(self, grads):
+        return self.apply(self.reduce(grads))
+
+    def apply(self, flat):
+        """One update from the reduced flat gradient: clip, Adam (or SGD), write back, EMA."""
         grad = self._local(self._clip(flat))
         step = ops.minimum(self.step, self.num_steps - 1)
         if self.algorithm == "sgd":

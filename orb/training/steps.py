@@ -9,11 +9,15 @@ from orb.training.optimizer import FlatAdam
 
 
 class TrainStep(nn.Cell):
-    """One optimisation step: the normalisers' new statistics, loss and gradients, the statistics stored,
-    then the optimizer (which sums the gradient over data-parallel ranks, clips and updates).
+    """One optimisation step: the normalisers' new statistics, loss and gradients, the gradient summed over
+    data-parallel ranks, then -- if it is finite -- the statistics stored and the optimizer's update.
 
-    Metric sums accumulate on the device in ``metric_sums`` (read and reset once per logging
-    interval, so a step needs no host synchronisation).
+    A step whose gradient holds a NaN or inf (a diverging run, a broken structure) changes nothing
+    and is counted instead: ``nonfinite`` holds [such steps in a row now, the longest run of them
+    since the last read, the number of the latest one, how many since the last read] (every rank
+    decides alike: the gradient is the reduced one). Metric sums of the finite steps accumulate on
+    the device in ``metric_sums``. Both are read once per logging interval, so a step needs no host
+    synchronisation.
     """
 
     def __init__(self, loss_cell: NormalisedLoss, optimizer: FlatAdam):
@@ -23,14 +27,26 @@ class TrainStep(nn.Cell):
         self.grad_fn = ms.value_and_grad(self.loss_cell, None, optimizer.params, has_aux=True)
         self.metric_sums = Parameter(Tensor(np.zeros(loss_cell.num_sums, np.float32)), name="train_metric_sums",
                                      requires_grad=False)
+        self.nonfinite = Parameter(Tensor(np.zeros(4, np.int32)), name="train_nonfinite_steps", requires_grad=False)
+        self.steps_run = Parameter(Tensor(np.array(0, np.int32)), name="train_steps_run", requires_grad=False)
+        self.after_finite_step = Tensor(np.array([0, 1, 1, 1], np.int32))  # a finite step ends the run in a row
 
     def construct(self, *inputs):
         old = self.loss_cell.current_stats()
         new, counts = self.loss_cell.new_stats(*inputs)
         (loss, sums), grads = self.grad_fn(*inputs, *old, *new)
-        loss = ops.depend(loss, self.loss_cell.commit(new, counts))
-        loss = ops.depend(loss, self.optimizer(grads))
-        return ops.depend(loss, ops.assign_add(self.metric_sums, sums))
+        flat = self.optimizer.reduce(grads)
+        loss = ops.depend(loss, ops.assign_add(self.steps_run, ops.ones((), ms.int32)))
+        if ops.isfinite(flat).all():
+            loss = ops.depend(loss, self.loss_cell.commit(new, counts))
+            loss = ops.depend(loss, self.optimizer.apply(flat))
+            loss = ops.depend(loss, ops.assign_add(self.metric_sums, sums))
+            loss = ops.depend(loss, ops.assign(self.nonfinite, self.nonfinite * self.after_finite_step))
+        else:
+            row = self.nonfinite[0] + 1
+            loss = ops.depend(loss, ops.assign(self.nonfinite, ops.stack(
+                (row, ops.maximum(row, self.nonfinite[1]), self.steps_run, self.nonfinite[3] + 1))))
+        return loss
 
 
 class EvalStep(nn.Cell):
@@ -46,8 +62,22 @@ class EvalStep(nn.Cell):
         return sums
 
 
+def write_parameter(param: Parameter, value: np.ndarray) -> None:
+    """Overwrite a parameter that compiled steps use, in place: after a graph with branches has run, MindSpore
+    2.10's ``set_data`` swaps the buffer and the branches' writes go to the old one (measured)."""
+    ops.assign(param, Tensor(np.asarray(value, dtype=param.asnumpy().dtype).reshape(param.shape)))
+
+
 def read_and_reset(sums: Parameter) -> np.ndarray:
     """Host copy (float64) of accumulated metric sums (one synchronisation), then zero them."""
     values = sums.asnumpy().astype(np.float64)
-    sums.set_data(Tensor(np.zeros(sums.shape, np.float32)))
+    write_parameter(sums, np.zeros(sums.shape))
+    return values
+
+
+def read_nonfinite(step: TrainStep) -> np.ndarray:
+    """[non-finite steps in a row now, the longest such run since the last read, the latest one's number (1-based,
+    counted from this process's first step), how many since the last read]; the last two counts restart."""
+    values = step.nonfinite.asnumpy().astype(np.int64)
+    write_parameter(step.nonfinite, np.array([values[0], values[0], values[2], 0]))
     return values

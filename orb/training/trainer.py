@@ -5,6 +5,7 @@ import math
 import os
 import sys
 import time
+from collections import deque
 from contextlib import contextmanager
 from typing import Dict, List, Optional, Tuple
 
@@ -16,7 +17,7 @@ from orb.data.graphs import capacity_is_counted
 from orb.data.loader import BatchLoader, Step, plan_epoch, step_totals
 from orb.data.mixture import MixedSampler, Mixture, Source, replay_per_step
 from orb.device import compile_cell
-from orb.errors import ConfigError
+from orb.errors import ConfigError, DivergedError
 from orb.metrics import BY_ELEMENT, METRICS, describe, format_by_element
 from orb.training import replay as replay_data
 from orb.training import state as training_state
@@ -137,6 +138,8 @@ class Trainer:
         self.resume_step, self.resume_totals = 0, None  # a mid-epoch resume: steps of start_epoch done, their sums
         self.signals = StopSignals()
         self.last_save = time.monotonic()
+        self.steps_run = 0  # training steps run by this process (the device counts them alike)
+        self.recent_steps: deque = deque(maxlen=cfg.log_every_n_steps + 1)  # (number, epoch, step, global, rows)
         if resume:
             self._resume(resume, accept_config_changes)
         self.dp.check_same_parameters(self.model)
@@ -450,7 +453,7 @@ class Trainer:
     def train_epoch(self, epoch: int, progress) -> Dict[str, float]:
         """Train one epoch (from step ``resume_step`` of it after a mid-epoch resume), saving ``last.ckpt`` inside it
         when a step save is due; a stop signal ends it with the state saved (:class:`Stopped`)."""
-        from orb.training.steps import read_and_reset
+        from orb.training.steps import read_and_reset, read_nonfinite
 
         steps = self._plan(self.sampler, self.train_set, self.train_buckets, epoch)
         first, self.resume_step = self.resume_step, 0
@@ -459,16 +462,20 @@ class Trainer:
         self.compile_time, wait_before = 0.0, self.loader.wait_time
         start = time.perf_counter()
         bar = progress(total=len(steps), initial=first, desc=f"epoch {epoch + 1}", leave=False)
+        skipped = 0
         for i, (step, arrays) in enumerate(self.loader.iterate("train", steps[first:], seed, self.has_stress), first):
             self._record(step)
             self._run("train", self.train_step, arrays, step.bucket)
             self.global_step += 1
+            self.steps_run += 1
+            self.recent_steps.append((self.steps_run, epoch, i + 1, self.global_step, step.indices))
             bar.update(1)
             boundary = (i + 1) % self.cfg.log_every_n_steps == 0 or i + 1 == len(steps)
             flags = self._stop_and_save_flags()
             if boundary:  # one host synchronisation per interval; the ranks' flags travel with the sums
                 part = self.dp.sum(np.concatenate([read_and_reset(self.train_step.metric_sums), flags]))
                 part, flags = part[:-len(flags)], part[-len(flags):]
+                skipped += self._check_finite(read_nonfinite(self.train_step))
                 totals += part
                 interval = self._sums_to_metrics(part)
                 bar.set_postfix(loss=f"{interval['loss']:.4f}")
@@ -485,12 +492,32 @@ class Trainer:
                     self._stop(epoch, i + 1)
         bar.close()
         metrics = self._sums_to_metrics(totals, by_element=True)
+        if skipped:
+            metrics["nonfinite_steps"] = float(skipped)
         elapsed = time.perf_counter() - start - self.compile_time
         metrics["data_wait"] = (self.loader.wait_time - wait_before) / max(elapsed, 1e-9)
         metrics["train_time"] = elapsed
         if self.compile_time:
             metrics["compile_time"] = self.compile_time
         return metrics
+
+    def _check_finite(self, nonfinite: np.ndarray) -> int:
+        """Steps skipped for a non-finite gradient since the last check; too many in a row end the run, naming the
+        latest one's epoch, step and rows (this rank's)."""
+        in_a_row, longest, latest, count = (int(v) for v in nonfinite)
+        if count:
+            where = next((r for r in self.recent_steps if r[0] == latest), None)
+            rows = [self.train_set.row_id(j) for j in where[4]] if where else []
+            place = (f"epoch {where[1] + 1}, step {where[2]} (global step {where[3]}), rows {rows}" if where else
+                     f"step {latest} of this process")
+            limit = max(self.cfg.max_nonfinite_steps, 1)
+            if longest >= limit:
+                raise DivergedError(f"{longest} training steps in a row had a non-finite loss or gradient (the "
+                                    f"latest: {place}); the run stops (max_nonfinite_steps: "
+                                    f"{self.cfg.max_nonfinite_steps}); last.ckpt holds the last finite state: "
+                                    "lower lr, check those rows, or resume")
+            log.warning("%d training step(s) skipped for a non-finite loss or gradient (latest: %s)", count, place)
+        return count
 
     def _stop_and_save_flags(self) -> np.ndarray:
         """[a stop signal arrived, a timed save is due (decided by rank 0)] on this rank."""
@@ -535,16 +562,16 @@ class Trainer:
         if not self.cfg.ema_decay:
             yield
             return
-        from mindspore import Tensor
+        from orb.training.steps import write_parameter
 
-        current = [p.asnumpy() for p in self.params]
+        current = [p.asnumpy().copy() for p in self.params]  # a copy: on CPU asnumpy may share the buffer
         for p, value in zip(self.params, training_state.ema_weights(self.optimizer)):
-            p.set_data(Tensor(value))
+            write_parameter(p, value)
         try:
             yield
         finally:
             for p, value in zip(self.params, current):
-                p.set_data(Tensor(value))
+                write_parameter(p, value)
 
     def _log_validation(self, prefix: str, results: Dict[str, Dict]) -> None:
         if not self.dp.is_main:
@@ -594,6 +621,7 @@ class Trainer:
                     self._save_epoch(epoch + 1, results.get("val", {}).get("loss", train_metrics["loss"]))
                     self._write_jsonl(record)  # after the save: no line claims an epoch the checkpoint lacks
                     history.append(record)
+                    self.start_epoch = epoch + 1  # where a later fit() call continues
                     if epoch + 1 < last_epoch and self.dp.sum(self._stop_and_save_flags()[:1])[0]:
                         self._stop(epoch, self.steps_per_epoch)
                 epochs.close()
@@ -641,6 +669,14 @@ class Trainer:
             meta["reference_energies_fit"] = self.reference_fit.to_dict()
         return meta
 
+    def _refuse_nonfinite(self, state) -> None:
+        """No checkpoint ever holds a NaN or inf: the last good one stays."""
+        for name, value in list(self.model.parameters_and_names()) + list(state):
+            array = value.asnumpy() if hasattr(value, "asnumpy") else np.asarray(value)
+            if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
+                raise DivergedError(f"{name} holds NaN or inf after global step {self.global_step}: not saved; "
+                                    f"{os.path.join(self.checkpoint_dir, 'last.ckpt')} holds the last finite state")
+
     def _save_step(self, epoch: int, steps_done: int, totals: np.ndarray) -> None:
         """``last.ckpt`` inside epoch ``epoch`` after ``steps_done`` of its steps: with the epoch's metric sums so
         far and the current logging interval's, a resume continues exactly here."""
@@ -650,6 +686,7 @@ class Trainer:
         self.last_save = time.monotonic()
         if not self.dp.is_main:
             return
+        self._refuse_nonfinite(state)
         meta = dict(self._meta(epoch), step_in_epoch=steps_done, epoch_sums=[float(x) for x in totals],
                     interval_sums=[float(x) for x in self.train_step.metric_sums.asnumpy()])
         started = time.perf_counter()
@@ -668,6 +705,7 @@ class Trainer:
         self.last_save = time.monotonic()
         if not self.dp.is_main:
             return
+        self._refuse_nonfinite(state)
         meta = self._meta(epoch)
         save_checkpoint(os.path.join(self.checkpoint_dir, "last.ckpt"), self.model, meta, state)
         if improved:
@@ -700,10 +738,10 @@ class Trainer:
         self.initial = meta.get("initial") or {}
         self.resume_step = int(meta.get("step_in_epoch") or 0)
         if self.resume_step:  # inside an epoch: its sums so far, and the open logging interval's on the device
-            from mindspore import Tensor
+            from orb.training.steps import write_parameter
 
             self.resume_totals = np.asarray(meta["epoch_sums"], np.float64)
-            self.train_step.metric_sums.set_data(Tensor(np.asarray(meta["interval_sums"], np.float32)))
+            write_parameter(self.train_step.metric_sums, np.asarray(meta["interval_sums"]))
         if self.dp.is_main:
             dropped = keep_records_up_to(os.path.join(self.output_dir, "metrics.jsonl"), self.global_step)
             if dropped:

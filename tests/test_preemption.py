@@ -1,0 +1,317 @@
+"""Runs that survive a cluster: a stop signal saves and exits 75, a resume continues mid-epoch to the uninterrupted
+result (one device and 2 workers), step checkpoints, --resume auto, and faults that end with one line and lose
+nothing: a dead data worker, a full disk, a folder that cannot be synced, non-finite steps, bad launch settings."""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import DEMO_TRAIN, DEMO_VAL, ROOT, SMALL_MODEL
+
+TIMING = ("train_time", "val_time", "compile_time", "data_wait")
+SMALL = sum((["--model." + k, str(v)] for k, v in SMALL_MODEL.items()), [])
+
+
+def run_args(out, **extra):
+    values = dict(config="configs/demo.yaml", checkpoint_path="", output_dir=str(out), device_target="CPU",
+                  max_epochs=2, batch_size=2, log_every_n_steps=4, buckets="[[40,800]]", progress_bar="false",
+                  lr_schedule="constant")
+    values.update(extra)
+    return sum(([f"--{k}", str(v)] for k, v in values.items()), []) + SMALL
+
+
+def records(run):
+    return [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+
+
+def without_timing(record):
+    return {k: ({m: v for m, v in val.items() if m not in TIMING} if isinstance(val, dict) else val)
+            for k, val in record.items() if k not in TIMING}
+
+
+def last_weights(run):
+    from orb.io.checkpoint import load_checkpoint
+
+    weights, optimizer, meta = load_checkpoint(os.path.join(run, "checkpoints", "last.ckpt"))
+    return weights, optimizer, meta
+
+
+def assert_same_run(a, b):
+    """Bit-identical weights and optimizer state, and the same metrics records (timings aside)."""
+    wa, oa, _ = last_weights(a)
+    wb, ob, _ = last_weights(b)
+    for key in wa:
+        np.testing.assert_array_equal(wa[key], wb[key], err_msg=key)
+    for key in oa:
+        np.testing.assert_array_equal(oa[key], ob[key], err_msg=key)
+    ra, rb = records(a), records(b)
+    assert [(r["type"], r["step"]) for r in ra] == [(r["type"], r["step"]) for r in rb]  # no line twice
+    assert [without_timing(r) for r in ra] == [without_timing(r) for r in rb]
+
+
+def wait_for_step_record(path, process, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if os.path.exists(path) and '"type": "step"' in open(path).read():
+            return
+        assert process.poll() is None, process.stdout.read()[-3000:]
+        time.sleep(0.2)
+    raise AssertionError("no step record appeared")
+
+
+def test_sigterm_saves_and_a_resume_continues_to_the_uninterrupted_run(tmp_path):
+    """SIGTERM in the middle of an epoch: the step finishes, last.ckpt is saved at it, one line, exit 75;
+    `--resume auto` continues there and ends bit for bit at the uninterrupted run, with no metric line twice."""
+    run = tmp_path / "stopped"
+    proc = subprocess.Popen([sys.executable, "finetune.py", *run_args(run)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    wait_for_step_record(run / "metrics.jsonl", proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 75, out[-3000:]
+    assert "stopped by SIGTERM at epoch 1, step" in out and "continue with --resume auto" in out
+    _, _, meta = last_weights(run)
+    assert meta["epoch"] == 0 and 0 < meta["step_in_epoch"] < 32  # inside the first epoch
+    resumed = subprocess.run([sys.executable, "finetune.py", *run_args(run), "--resume", "auto"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert f"and {meta['step_in_epoch']} of 32 steps done" in resumed.stdout
+    straight = subprocess.run([sys.executable, "finetune.py", *run_args(tmp_path / "straight")], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    assert_same_run(run, tmp_path / "straight")
+
+
+def test_resume_auto_starts_fresh_when_nothing_was_saved(tmp_path):
+    """A requeued job that always passes --resume auto: with no last.ckpt (the first attempt died before its first
+    save) it starts over instead of refusing the folder."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"type": "step", "epoch": 1, "step": 4}) + "\n")
+    result = subprocess.run([sys.executable, "finetune.py", *run_args(run, max_epochs=1), "--resume", "auto"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [r["type"] for r in records(run)][0] == "initial" and records(run)[-1]["type"] == "epoch"
+
+
+def test_step_checkpoint_and_a_crash_after_it_resume_to_the_same_result(tmp_path):
+    """save_every_n_steps: a run that dies after a step checkpoint (no signal: killed) resumes from it; the
+    records written after the checkpoint are dropped and written again; the result equals the uninterrupted run."""
+    from test_training import make_cfg, trainer_for
+
+    extra = dict(max_epochs=2, batch_size=4, log_every_n_steps=2, save_every_n_steps=5, lr_schedule="constant")
+    straight = trainer_for(make_cfg(tmp_path / "a", **extra))
+    straight.fit()
+    crashing = trainer_for(make_cfg(tmp_path / "b", **extra))
+    run, calls = crashing._run, []
+
+    def die_at_step_7(kind, cell, arrays, bucket):
+        if kind == "train":
+            calls.append(1)
+            if len(calls) == 7:
+                raise KeyboardInterrupt("killed")
+        return run(kind, cell, arrays, bucket)
+
+    crashing._run = die_at_step_7
+    with pytest.raises(KeyboardInterrupt):
+        crashing.fit()
+    _, _, meta = last_weights(tmp_path / "b" / "run")
+    assert meta["global_step"] == 5 and meta["step_in_epoch"] == 5
+    assert max(r["step"] for r in records(tmp_path / "b" / "run")) == 6  # a record after the checkpoint
+    resumed = trainer_for(make_cfg(tmp_path / "b", **extra), resume=str(tmp_path / "b" / "run"))
+    resumed.fit()
+    assert_same_run(tmp_path / "a" / "run", tmp_path / "b" / "run")
+
+
+def test_keep_checkpoints_prunes_the_oldest_periodic_ones(tmp_path):
+    from orb.training.preemption import prune_checkpoints
+
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    for name in ("epoch_0001.ckpt", "epoch_0002.ckpt", "epoch_0003.ckpt", "last.ckpt", "best.ckpt"):
+        (folder / name).write_text("x")
+    assert prune_checkpoints(str(folder), 2) == ["epoch_0001.ckpt"]
+    assert sorted(os.listdir(folder)) == ["best.ckpt", "epoch_0002.ckpt", "epoch_0003.ckpt", "last.ckpt"]
+    assert prune_checkpoints(str(folder), 0) == []
+
+
+# ------------------------------------------------------------------ faults
+def test_a_full_disk_stops_with_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    import mindspore as ms
+
+    from orb.errors import SaveError
+    from test_training import make_cfg, trainer_for
+
+    trainer = trainer_for(make_cfg(tmp_path, max_epochs=2))
+    trainer.fit(until_epoch=1)
+    folder = tmp_path / "run" / "checkpoints"
+    before = (folder / "last.ckpt").read_bytes()
+    lines = len(records(tmp_path / "run"))
+    original = ms.save_checkpoint
+
+    def full_disk(entries, path, **kwargs):
+        with open(path, "wb") as f:
+            f.write(b"half a checkpoint")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ms, "save_checkpoint", full_disk)
+    with pytest.raises(SaveError, match=r"could not write .*last.ckpt \(No space left on device\); the previous"):
+        trainer.fit()
+    monkeypatch.setattr(ms, "save_checkpoint", original)
+    assert (folder / "last.ckpt").read_bytes() == before
+    assert sorted(os.listdir(folder)) == sorted(["last.ckpt", "best.ckpt", "best_weights.ckpt"])  # no temporary
+    assert len(records(tmp_path / "run")) == lines + 2  # epoch 2's step records, but no epoch line: not saved
+    assert records(tmp_path / "run")[-1]["type"] == "step"
+
+
+def test_a_folder_that_cannot_be_synced_warns_once_and_saves(tmp_path, monkeypatch, caplog):
+    from orb.io.checkpoint import load_checkpoint, save_checkpoint
+    from orb.models.orb_v2 import orb_v2
+
+    original = os.fsync
+
+    def fsync(fd):
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return original(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    model = orb_v2(**SMALL_MODEL)
+    for _ in range(2):
+        save_checkpoint(str(tmp_path / "a.ckpt"), model, {"i": 1})
+    assert load_checkpoint(str(tmp_path / "a.ckpt"))[2] == {"i": 1}
+    assert caplog.text.count("cannot sync a folder") == 1
+
+
+def test_non_finite_steps_are_skipped_counted_and_stop_the_run_naming_them(tmp_path, monkeypatch):
+    """A step with a NaN/inf gradient changes nothing (weights, normalisers, optimizer) and is counted; a finite
+    step after it trains as usual; max_nonfinite_steps in a row stop the run with its epoch, step and rows."""
+    import mindspore as ms
+
+    from orb.data import loader
+    from orb.data.dataset import AseDbDataset
+    from orb.data.graphs import batch_graphs, pad_batch
+    from orb.data.tensors import loss_inputs
+    from orb.errors import DivergedError
+    from orb.models.orb_v2 import orb_v2
+    from orb.training.loss import OrbLoss
+    from orb.training.optimizer import FlatAdam
+    from orb.training.schedule import constant
+    from orb.training.steps import TrainStep, read_nonfinite
+    from test_training import make_cfg, trainer_for
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    data = AseDbDataset(DEMO_TRAIN)
+    model = orb_v2(**SMALL_MODEL)
+    step = TrainStep(OrbLoss(model), FlatAdam(model.trainable_params(), constant(1e-3, 8)))
+    good = pad_batch(batch_graphs([data[i] for i in range(3)]), 64, 1280, 4)
+    bad = pad_batch(batch_graphs([data[i] for i in range(3)]), 64, 1280, 4)
+    bad.energy = bad.energy.copy()
+    bad.energy[1] = np.inf
+    state = {n: p.asnumpy().copy() for n, p in model.parameters_and_names()}
+    step(*loss_inputs(bad))
+    for name, param in model.parameters_and_names():
+        np.testing.assert_array_equal(param.asnumpy(), state[name], err_msg=name)  # nothing changed
+    assert int(step.optimizer.step.asnumpy()) == 0 and read_nonfinite(step).tolist() == [1, 1, 1, 1]
+    step(*loss_inputs(good))
+    assert int(step.optimizer.step.asnumpy()) == 1 and read_nonfinite(step).tolist() == [0, 1, 1, 0]
+    assert not np.array_equal(model.graph_head.mlp.layer(0).weight.asnumpy(), state["graph_head.mlp.NN-0.weight"])
+
+    original = loader.prepare
+
+    def poisoned(dataset, step, seed, with_stress):
+        arrays = list(original(dataset, step, seed, with_stress))
+        arrays[15] = np.full_like(arrays[15], np.inf)  # energy
+        return tuple(arrays)
+
+    monkeypatch.setattr(loader, "prepare", poisoned)
+    trainer = trainer_for(make_cfg(tmp_path, max_epochs=1, batch_size=4, log_every_n_steps=2, max_nonfinite_steps=3))
+    with pytest.raises(DivergedError, match=r"4 training steps in a row had a non-finite .* epoch 1, step 4 "
+                                            r"\(global step 4\), rows \[\d+, \d+, \d+, \d+\]"):
+        trainer.fit()
+
+
+class DyingDataset:
+    """A dataset whose worker dies (as the out-of-memory killer would kill it) on ``die_at`` rows."""
+
+    has_stress = True
+
+    def __init__(self, path, die_at=(), once_flag=""):
+        from orb.data.dataset import AseDbDataset
+
+        self.data, self.die_at, self.once_flag = AseDbDataset(path), set(die_at), once_flag
+
+    def get(self, index, rotation_seed=None):
+        if index in self.die_at and (not self.once_flag or not os.path.exists(self.once_flag)):
+            if self.once_flag:
+                open(self.once_flag, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.data.get(index, rotation_seed)
+
+
+def test_a_dead_data_worker_is_replaced_and_dying_again_is_one_line(tmp_path):
+    from orb.data.buckets import Bucket
+    from orb.data.loader import BatchLoader, Step, prepare
+    from orb.errors import DataWorkerError
+
+    steps = [Step(0, (2 * k, 2 * k + 1), Bucket(40, 800, 3), 2) for k in range(6)]
+    once = BatchLoader({"d": DyingDataset(DEMO_VAL, die_at={4}, once_flag=str(tmp_path / "died"))}, workers=2)
+    got = list(once.iterate("d", steps, None, True))
+    once.close()
+    assert (tmp_path / "died").exists() and [s for s, _ in got] == steps
+    inline = DyingDataset(DEMO_VAL)
+    for (_, arrays), step in zip(got, steps):  # the replacement prepared exactly what was asked
+        for a, b in zip(arrays, prepare(inline, step, None, True)):
+            np.testing.assert_array_equal(a, b)
+    always = BatchLoader({"d": DyingDataset(DEMO_VAL, die_at={4})}, workers=2)
+    with pytest.raises(DataWorkerError, match="died twice while preparing epoch 1's steps .*lack of memory"):
+        list(always.iterate("d", steps, None, True))
+    always.close()
+
+
+# ------------------------------------------------------------------ the launcher
+def test_launcher_settings_are_checked_and_scheduler_devices_counted(monkeypatch):
+    from orb.training import launch
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "4,5,6")
+    assert launch.count_devices() == 3
+    monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES")
+    for env, message in (({"WORKER_NUM": "0"}, "WORKER_NUM must be a whole number >= 1, got '0'"),
+                         ({"WORKER_NUM": "two"}, "WORKER_NUM must be"),
+                         ({"WORKER_NUM": "4", "LOCAL_WORKER_NUM": "8"}, "exceeds WORKER_NUM"),
+                         ({"WORKER_NUM": "16", "LOCAL_WORKER_NUM": "8"}, "needs the same MASTER_PORT on every node")):
+        with pytest.raises(launch.LaunchError, match=message):
+            launch.settings(env)
+    assert launch.settings({"WORKER_NUM": "16", "LOCAL_WORKER_NUM": "8", "MASTER_PORT": "8118"})["master_port"] == \
+        "8118"
+    result = subprocess.run(["bash", os.path.join(ROOT, "run_parallel.sh")], env=dict(os.environ, WORKER_NUM="0"),
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 2 and result.stderr.strip() == "error: WORKER_NUM must be a whole number >= 1, got '0'"
+
+
+def test_relay_finds_the_workers_below_msrun(tmp_path):
+    """Only MindSpore workers (MS_ROLE=MS_WORKER) below the launched process get the relayed signals."""
+    from orb.training.launch import workers_under
+
+    code = ("import os, subprocess, sys, time\n"
+            "kids = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'],"
+            " env=dict(os.environ, MS_ROLE=role)) for role in ('MS_WORKER', 'MS_SCHED', 'MS_WORKER')]\n"
+            "print(' '.join(str(k.pid) for k in kids), flush=True)\n"
+            "time.sleep(30)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        kids = [int(p) for p in parent.stdout.readline().split()]
+        time.sleep(0.5)
+        assert workers_under(parent.pid) == sorted([kids[0], kids[2]])
+    finally:
+        for pid in kids:
+            os.kill(pid, signal.SIGKILL)
+        parent.kill()
