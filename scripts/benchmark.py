@@ -10,6 +10,7 @@ ASE calculator.
     python scripts/benchmark.py gemm       [--repeats 9]
     python scripts/benchmark.py breakdown  [--model NAME] [--steps 6]
     python scripts/benchmark.py counts     [--model NAME] [--rows 20000] [--workers 2]
+    python scripts/benchmark.py rows       [--rows 20000] [--reads 5000] [--rounds 3]
 
 With ``--torch-python`` pointing at a Python that has torch and orb-models 0.4.2 installed (never
 required), the same measurement is made with PyTorch orb-models in that interpreter right after
@@ -21,6 +22,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -802,6 +804,81 @@ def bench_counts(args) -> None:
           f"{MPTRJ_FRAMES / rate / 60:.0f} |")
 
 
+def mptrj_copies(path: str, rows: int, seed: int = 0) -> None:
+    """An MPtrj-like database: the shipped MPtrj rows, each copy randomly rotated, with their labels."""
+    import ase.db
+
+    from orb.data.dataset import random_rotation
+
+    rng = np.random.default_rng(seed)
+    with ase.db.connect(MPTRJ) as src, ase.db.connect(path) as dst:
+        sources = [row.toatoms() for row in src.select()]
+        for i in range(rows):
+            atoms = sources[i % len(sources)].copy()
+            rotation = random_rotation(rng)
+            atoms.set_cell(atoms.cell.array @ rotation)
+            atoms.positions = atoms.positions @ rotation
+            dst.write(atoms)
+
+
+ROW_READERS = {  # read(ids) -> rows; a step reads its structures' rows (8 here) together
+    "ase.db (before)": "import ase.db\ndb = ase.db.connect(PATH, type='db', serial=True)\ndb.__enter__()\n"
+                       "read = lambda ids: [db._get_row(int(i)) for i in ids]\n",
+    "RowReader": "from orb.data.sqlite_rows import RowReader\nread = RowReader(PATH).read_many\n",
+}
+READ_ROWS = """
+import sys, time
+sys.path.insert(0, ROOT)
+{setup}
+import numpy as np
+ids = np.random.default_rng(0).permutation(np.arange(1, ROWS + 1))[:COUNT]
+start = time.perf_counter()
+for step in range(0, len(ids), 8):
+    for row in read(ids[step:step + 8]):
+        row.positions, row.numbers, row.cell, row.get("forces"), row.get("stress"), row.get("energy")
+print((time.perf_counter() - start) / len(ids) * 1e6)
+"""
+
+
+def bench_rows(args) -> None:
+    """Row reads in random order, 8 per step (as a shuffled epoch reads them), from an MPtrj-like database, each
+    reader in its own process: microseconds per row, alternated rounds, and the file-lock system calls one
+    process makes (strace), as data workers on a shared file system would."""
+    rate_before = gemm_rate()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "rows.db")
+        mptrj_copies(path, args.rows)
+        size = os.path.getsize(path) / 1e6
+        times = {name: [] for name in ROW_READERS}
+
+        def script(name, count):
+            return READ_ROWS.format(setup=ROW_READERS[name]).replace("PATH", repr(path)).replace(
+                "ROOT", repr(ROOT)).replace("ROWS", str(args.rows)).replace("COUNT", str(count))
+
+        for _ in range(args.rounds):
+            for name in ROW_READERS:
+                out = subprocess.run([sys.executable, "-c", script(name, args.reads)], capture_output=True, text=True,
+                                     check=True).stdout
+                times[name].append(float(out.split()[-1]))
+        locks = {}
+        for name in ROW_READERS:
+            if shutil.which("strace"):
+                subprocess.run(["strace", "-f", "-e", "trace=fcntl,flock", "-o", os.path.join(tmp, "trace"),
+                                sys.executable, "-c", script(name, 1000)], capture_output=True, text=True, check=True)
+                with open(os.path.join(tmp, "trace")) as f:
+                    locks[name] = sum(1 for line in f if "F_SETLK" in line or "F_GETLK" in line or "flock(" in line)
+    print(f"host calibration: {calibration(rate_before, gemm_rate())}")
+    print(f"{args.rows:,} MPtrj-like rows ({size:.0f} MB), {args.reads:,} reads in random order per round, "
+          f"{args.rounds} alternated rounds\n")
+    print("| reader | µs per row (median) | rounds | lock calls per 1,000 rows |")
+    print("|---|---|---|---|")
+    for name, values in times.items():
+        print(f"| {name} | {np.median(values):.1f} | {', '.join(f'{v:.1f}' for v in values)} | "
+              f"{locks.get(name, 'no strace')} |")
+    first, second = (np.median(v) for v in times.values())
+    print(f"\nRowReader: {first / second:.1f}x the rows per second of ase.db's reader")
+
+
 def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "_ours":  # one measurement in a fresh process (bench_model)
         print(json.dumps(measure_ours(sys.argv[2], int(sys.argv[3]))))
@@ -840,12 +917,16 @@ def main() -> None:
     p.add_argument("--model", default="orb_v3_conservative_inf_omat", help="an orb-v3 name")
     p.add_argument("--rows", type=int, default=20000)
     p.add_argument("--workers", type=int, default=2)
+    p = sub.add_parser("rows")
+    p.add_argument("--rows", type=int, default=20000)
+    p.add_argument("--reads", type=int, default=5000, help="rows read per round")
+    p.add_argument("--rounds", type=int, default=3)
     p = sub.add_parser("gemm")
     p.add_argument("--repeats", type=int, default=9, help="alternated timings of each product")
     args = parser.parse_args()
     {"graphs": bench_graphs, "model": bench_model, "parallel": bench_parallel, "calculator": bench_calculator,
      "allreduce": bench_allreduce, "pipeline": bench_pipeline, "gemm": bench_gemm,
-     "breakdown": bench_breakdown, "counts": bench_counts}[args.area](args)
+     "breakdown": bench_breakdown, "counts": bench_counts, "rows": bench_rows}[args.area](args)
 
 
 if __name__ == "__main__":

@@ -248,12 +248,12 @@ class DyingDataset:
 
         self.data, self.die_at, self.once_flag = AseDbDataset(path), set(die_at), once_flag
 
-    def get(self, index, rotation_seed=None):
-        if index in self.die_at and (not self.once_flag or not os.path.exists(self.once_flag)):
+    def get_many(self, indices, rotation_seeds):
+        if set(indices) & self.die_at and (not self.once_flag or not os.path.exists(self.once_flag)):
             if self.once_flag:
                 open(self.once_flag, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
-        return self.data.get(index, rotation_seed)
+        return self.data.get_many(indices, rotation_seeds)
 
 
 def test_a_dead_data_worker_is_replaced_and_dying_again_is_one_line(tmp_path):

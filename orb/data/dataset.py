@@ -13,12 +13,13 @@ import logging
 import os
 import sqlite3
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Optional, Protocol, Tuple
+from typing import Callable, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
 from orb import cache
 from orb.errors import ClusterError, DatasetError, StructureError
+from orb.data.sqlite_rows import RowReader
 from orb.data.graphs import (EDGE_CAPACITY_MARGIN, AtomGraphs, GraphSettings, capacity_is_counted, edge_capacity,
                              graph_from_arrays)
 
@@ -157,24 +158,15 @@ class AseDbDataset:
         self.charge_spin = charge_spin
         self.label_table: Optional[LabelTable] = None
         check_sqlite_file(self.path)
+        self.rows = RowReader(self.path)
         self.ids, self.natoms, self.has_stress, self.has_labels = self._scan()
         self.weights = self._weights()
-        self._db = None
         if charge_spin:
             self._check_charge_spin()
 
     def _scan(self) -> Tuple[np.ndarray, np.ndarray, bool, bool]:
-        try:
-            con = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
-            try:
-                rows = con.execute(
-                    "SELECT id, natoms, energy IS NOT NULL, forces IS NOT NULL, stress IS NOT NULL "
-                    "FROM systems ORDER BY id"
-                ).fetchall()
-            finally:
-                con.close()
-        except sqlite3.DatabaseError as exc:
-            raise DatasetError(self.path, f"cannot read as an ASE database ({exc})") from None
+        rows = self._read("SELECT id, natoms, energy IS NOT NULL, forces IS NOT NULL, stress IS NOT NULL "
+                          "FROM systems ORDER BY id")
         if not rows:
             raise DatasetError(self.path, "database has no rows")
         table = np.array(rows, dtype=np.int64)
@@ -185,7 +177,7 @@ class AseDbDataset:
                 if not column.all():
                     row = int(ids[np.argmin(column)])
                     raise DatasetError(self.path, "row has no label (store it with a SinglePointCalculator)", row, key)
-        if stress.any() and not stress.all():
+        if stress.any() and not stress.all() and self.require_labels:
             row = int(ids[np.argmin(stress)])
             raise DatasetError(
                 self.path, "row has no stress while other rows have one; store stress for every row "
@@ -193,17 +185,16 @@ class AseDbDataset:
         return ids, natoms, bool(stress.all()), has_labels
 
     def _read(self, query: str, default=None) -> list:
-        """Rows of a read-only query; ``default`` when a table the query needs does not exist (ASE creates
-        the key-value tables with the first key-value pair)."""
-        con = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
+        """Rows of a read-only query (this process's connection); ``default`` when a table the query needs does not
+        exist (ASE creates the key-value tables with the first key-value pair)."""
         try:
-            return con.execute(query).fetchall()
-        except sqlite3.OperationalError:
-            if default is None:
-                raise
-            return default
-        finally:
-            con.close()
+            return self.rows.connection().execute(query).fetchall()
+        except sqlite3.OperationalError as exc:
+            if default is not None and "no such table" in str(exc):
+                return default
+            raise DatasetError(self.path, f"cannot read as an ASE database ({exc})") from None
+        except sqlite3.DatabaseError as exc:
+            raise DatasetError(self.path, f"cannot read as an ASE database ({exc})") from None
 
     def _weights(self) -> np.ndarray:
         """Each row's ``weight`` key-value pair (1 where absent), checked: a number, finite and >= 0."""
@@ -243,17 +234,11 @@ class AseDbDataset:
 
     def _check_charge_spin(self) -> None:
         """Every row has its total charge and spin, checked up front (not hours into training)."""
-        con = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
-        try:
-            with_keys = {key: {i for (i,) in con.execute("SELECT id FROM keys WHERE key = ?", (key,))}
-                         for key in ("charge", "spin")}
-        except sqlite3.DatabaseError:  # a database without any key-value pairs has no keys table
-            with_keys = {"charge": set(), "spin": set()}
-        finally:
-            con.close()
+        with_keys = {key: {i for (i,) in self._read(f"SELECT id FROM keys WHERE key = '{key}'", [])}
+                     for key in ("charge", "spin")}
         for row_id in self.ids:
             if row_id not in with_keys["charge"] or row_id not in with_keys["spin"]:
-                self._charge_spin(self._connection()._get_row(int(row_id)))  # row.data may hold them
+                self._charge_spin(self.rows.read(int(row_id)))  # row.data may hold them
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -261,28 +246,12 @@ class AseDbDataset:
     def __repr__(self) -> str:
         return f"AseDbDataset({self.path!r}, {len(self)} rows)"
 
-    def _connection(self):
-        # Opened lazily so that each process (data-parallel worker, forked loader) has its own.
-        if self._db is None:
-            import ase.db
-
-            self._db = ase.db.connect(self.path, type="db", serial=True)
-            self._db.__enter__()  # keep one sqlite connection open (10x faster row reads)
-        return self._db
-
     def close(self) -> None:
-        if self._db is not None:
-            self._db.__exit__(None, None, None)
-            self._db = None
-
-    def __getstate__(self):
-        state = dict(self.__dict__)
-        state["_db"] = None
-        return state
+        self.rows.close()
 
     def row(self, index: int):
-        """The ``ase.db`` row at position ``index`` (0-based, in id order)."""
-        return self._connection()._get_row(int(self.ids[index]))
+        """The database row at position ``index`` (0-based, in id order): :class:`orb.data.sqlite_rows.Row`."""
+        return self.rows.read(int(self.ids[index]))
 
     def get_atoms(self, index: int):
         """The ``ase.Atoms`` (with its calculator results) at position ``index``."""
@@ -340,7 +309,14 @@ class AseDbDataset:
         random rotation that seed draws (the training loop derives it from the run seed, epoch and position, so
         a resumed run sees the same rotations). Without a seed the structure is never rotated (validation and
         the model's passes over the data before training)."""
-        row = self.row(index)
+        return self.get_many([index], [rotation_seed])[0]
+
+    def get_many(self, indices: Sequence[int], rotation_seeds: Sequence) -> List[AtomGraphs]:
+        """:meth:`get` of several positions, their rows read together (one query: a query costs more than a row)."""
+        rows = self.rows.read_many([int(self.ids[i]) for i in indices])
+        return [self._graph(row, int(i), seed) for row, i, seed in zip(rows, indices, rotation_seeds)]
+
+    def _graph(self, row, index: int, rotation_seed) -> AtomGraphs:
         energy, forces, stress = self._labels(row, index)
         positions, cell = np.asarray(row.positions, np.float64), np.asarray(row.cell, np.float64)
         if self.augmentation and rotation_seed is not None:
@@ -366,8 +342,7 @@ class AseDbDataset:
     def count_edge_capacities(self, start: int, stop: int) -> np.ndarray:
         """The edge capacities (:func:`edge_capacity`) of rows ``start:stop``."""
         capacities = np.empty(stop - start, np.int64)
-        for i in range(start, stop):
-            row = self.row(i)
+        for i, row in zip(range(start, stop), self.rows.read_many(self.ids[start:stop])):
             try:
                 capacities[i - start] = edge_capacity(row.positions, row.numbers, row.cell, row.pbc, self.settings)
             except StructureError as exc:

@@ -71,7 +71,7 @@ def prepare(dataset: AseDbDataset, step: Step, seed: Optional[int], with_stress:
     Each real structure weighs its loss weight (1 unless weighted) / (structures in the global batch):
     summed over ranks, the loss is the mean over the global batch.
     """
-    graphs = [dataset.get(i, rotation_seed=None if seed is None else [seed, step.epoch, i]) for i in step.indices]
+    graphs = dataset.get_many(step.indices, [None if seed is None else [seed, step.epoch, i] for i in step.indices])
     batch = batch_graphs(graphs) if graphs else empty_batch(with_stress=dataset.has_stress)
     padded = pad_to_bucket(batch, step.bucket)
     if not with_stress:

@@ -66,11 +66,15 @@ class Source:
         return self.dataset.edge_capacities()[self.positions]
 
     def get(self, index: int, rotation_seed=None) -> AtomGraphs:
-        graph = self.dataset.get(int(self.positions[index]), rotation_seed=rotation_seed)
-        if self.loss_weight != 1.0:
-            graph.weight = graph.weight * np.float32(self.loss_weight)
-        graph.head = np.array([self.head], np.int64)
-        return graph
+        return self.get_many([index], [rotation_seed])[0]
+
+    def get_many(self, indices: Sequence[int], rotation_seeds: Sequence) -> List[AtomGraphs]:
+        graphs = self.dataset.get_many([int(self.positions[i]) for i in indices], rotation_seeds)
+        for graph in graphs:
+            if self.loss_weight != 1.0:
+                graph.weight = graph.weight * np.float32(self.loss_weight)
+            graph.head = np.array([self.head], np.int64)
+        return graphs
 
     def row(self, index: int):
         return self.dataset.row(int(self.positions[index]))
@@ -122,8 +126,18 @@ class Mixture:
         return self.sources[s], int(index - self.starts[s])
 
     def get(self, index: int, rotation_seed=None) -> AtomGraphs:
-        source, position = self.locate(index)
-        return source.get(position, rotation_seed)
+        return self.get_many([index], [rotation_seed])[0]
+
+    def get_many(self, indices: Sequence[int], rotation_seeds: Sequence) -> List[AtomGraphs]:
+        """:meth:`get` of several positions, each source's rows read together, in the order asked."""
+        graphs: List[Optional[AtomGraphs]] = [None] * len(indices)
+        for s, source in enumerate(self.sources):
+            mine = [k for k, i in enumerate(indices) if self.source_of[i] == s]
+            if mine:
+                positions = [int(indices[k] - self.starts[s]) for k in mine]
+                for k, graph in zip(mine, source.get_many(positions, [rotation_seeds[k] for k in mine])):
+                    graphs[k] = graph
+        return graphs
 
     def row_id(self, index: int):
         """The database row id of mixture position ``index``, with its source's name when there are several."""

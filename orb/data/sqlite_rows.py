@@ -1,0 +1,166 @@
+"""Rows of an ASE SQLite database read directly: the columns training needs, through a read-only connection.
+
+``ase.db``'s own reader opens the file read-write (shared locks on every query: one network round
+trip each on NFS, refused on Lustre mounted without ``flock``), reads every column of a row and
+queries the external tables. Here each process opens one read-only connection -- ``immutable`` when
+no journal shows that something is writing the file, so SQLite takes no locks at all -- and reads
+only what a graph and its labels need, decoded as ASE encodes them (schema version 6 and later).
+"""
+
+import os
+import sqlite3
+from typing import Any, Dict, List, Optional
+from urllib.parse import quote
+
+import numpy as np
+
+from orb.errors import DatasetError
+
+COLUMNS = "id, natoms, numbers, positions, cell, pbc, energy, forces, stress, key_value_pairs, data"
+LOCK_FREE_UNLESS = ("-wal", "-journal")  # files that show a writer (then: read-only, with SQLite's locks)
+BIG_ENDIAN = not np.little_endian
+
+
+def _array(blob, dtype=np.float64, shape=None) -> Optional[np.ndarray]:
+    """ASE's blob encoding: little-endian raw values (read-only arrays over the bytes)."""
+    if blob is None:
+        return None
+    array = np.frombuffer(blob, dtype)
+    if BIG_ENDIAN:
+        array = array.byteswap()
+    return array.reshape(shape) if shape is not None else array
+
+
+def _decode(value) -> Any:
+    """ASE's encoding of key-value pairs and data: JSON text, or its binary object format."""
+    from ase.db.core import bytes_to_object
+    from ase.io.jsonio import decode
+
+    if value is None:
+        return {}
+    return decode(value) if isinstance(value, str) else bytes_to_object(value)
+
+
+def _pbc_flags(bits: int) -> np.ndarray:
+    flags = (np.array([1, 2, 4]) & bits).astype(bool)
+    flags.flags.writeable = False
+    return flags
+
+
+_PBC = [_pbc_flags(bits) for bits in range(8)]  # ASE stores pbc as bits x=1, y=2, z=4
+
+
+class Row:
+    """What training reads of one database row (names as ``ase.db``'s rows)."""
+
+    __slots__ = ("id", "natoms", "numbers", "positions", "cell", "pbc", "energy", "forces", "stress", "_kvp",
+                 "raw_data")
+
+    def __init__(self, values):
+        (self.id, self.natoms, numbers, positions, cell, pbc, self.energy, forces, stress, self._kvp,
+         self.raw_data) = values
+        self.numbers = _array(numbers, np.int32)
+        self.positions = _array(positions, shape=(-1, 3))
+        self.cell = _array(cell, shape=(3, 3))
+        self.pbc = _PBC[pbc or 0]
+        self.forces = _array(forces, shape=(-1, 3))
+        self.stress = _array(stress)
+
+    @property
+    def key_value_pairs(self) -> Dict[str, Any]:
+        if not isinstance(self._kvp, dict):
+            self._kvp = _decode(self._kvp) if self._kvp not in (None, "{}") else {}
+        return self._kvp
+
+    def get(self, key: str, default=None):
+        value = getattr(self, key, None)
+        return default if value is None else value
+
+    @property
+    def data(self) -> Dict[str, Any]:
+        if not isinstance(self.raw_data, dict):
+            self.raw_data = _decode(self.raw_data) if self.raw_data not in (None, "null") else {}
+        return self.raw_data
+
+    @property
+    def formula(self) -> str:
+        from ase.formula import Formula
+        from ase.data import chemical_symbols
+
+        return Formula("".join(chemical_symbols[z] for z in self.numbers)).format("metal")
+
+    def toatoms(self):
+        """The structure as ``ase.Atoms``, its labels as a single-point calculator."""
+        from ase import Atoms
+        from ase.calculators.singlepoint import SinglePointCalculator
+
+        atoms = Atoms(numbers=self.numbers, positions=self.positions, cell=self.cell, pbc=self.pbc,
+                      info=dict(self.key_value_pairs))
+        results = {k: v for k, v in (("energy", self.energy), ("forces", self.forces), ("stress", self.stress))
+                   if v is not None}
+        if results:
+            atoms.calc = SinglePointCalculator(atoms, **results)
+        return atoms
+
+
+
+
+class RowReader:
+    """Reads rows of one database by id, through this process's own read-only connection (opened on first use)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._connection: Optional[sqlite3.Connection] = None
+
+    def __getstate__(self):  # each process (data worker) opens its own
+        return {"path": self.path, "_connection": None}
+
+    @property
+    def immutable(self) -> bool:
+        return not any(os.path.exists(self.path + suffix) for suffix in LOCK_FREE_UNLESS)
+
+    def connection(self) -> sqlite3.Connection:
+        if self._connection is None:
+            uri = f"file:{quote(os.path.abspath(self.path))}?mode=ro" + ("&immutable=1" if self.immutable else "")
+            self._connection = sqlite3.connect(uri, uri=True, check_same_thread=False)
+            try:
+                version = self._connection.execute("SELECT value FROM information WHERE name = 'version'").fetchall()
+            except sqlite3.DatabaseError as exc:
+                self.close()
+                raise DatasetError(self.path, f"cannot read as an ASE database ({exc})") from None
+            if not version or int(version[0][0]) < 6:
+                self.close()
+                raise DatasetError(self.path, f"written by an ASE too old to read directly (schema version "
+                                   f"{version[0][0] if version else 'unknown'}); rewrite it with a current ASE")
+        return self._connection
+
+    def query(self, sql: str, args=(), row: Optional[int] = None) -> list:
+        """A read-only query; a damaged file is one line naming it (and the row, when known)."""
+        try:
+            return self.connection().execute(sql, args).fetchall()
+        except sqlite3.DatabaseError as exc:
+            raise DatasetError(self.path, f"cannot read the database ({exc}): the file may be damaged or "
+                               "incomplete; copy it again", row) from None
+
+    def read(self, row_id: int) -> Row:
+        return self.read_many([row_id])[0]
+
+    def read_many(self, row_ids) -> List[Row]:
+        """Rows by id, in the order asked, with one query per batch of at most 256 (a query costs more than
+        decoding a row)."""
+        ids = [int(i) for i in row_ids]
+        found: Dict[int, Row] = {}
+        for start in range(0, len(ids), 256):
+            part = ids[start:start + 256]
+            for values in self.query(f"SELECT {COLUMNS} FROM systems WHERE id IN ({','.join('?' * len(part))})", part,
+                                     part[0] if len(part) == 1 else None):
+                found[values[0]] = Row(values)
+        missing = [i for i in ids if i not in found]
+        if missing:
+            raise DatasetError(self.path, "row is gone (was the database changed during the run?)", missing[0])
+        return [found[i] for i in ids]
+
+    def close(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
