@@ -11,6 +11,7 @@ ASE calculator.
     python scripts/benchmark.py breakdown  [--model NAME] [--steps 6]
     python scripts/benchmark.py counts     [--model NAME] [--rows 20000] [--workers 2]
     python scripts/benchmark.py rows       [--rows 20000] [--reads 5000] [--rounds 3]
+    python scripts/benchmark.py save       [--model orb_v2] [--repeats 5] [--dir FOLDER]
 
 With ``--torch-python`` pointing at a Python that has torch and orb-models 0.4.2 installed (never
 required), the same measurement is made with PyTorch orb-models in that interpreter right after
@@ -879,6 +880,36 @@ def bench_rows(args) -> None:
     print(f"\nRowReader: {first / second:.1f}x the rows per second of ase.db's reader")
 
 
+def bench_save(args) -> None:
+    """What a training checkpoint costs at a model's full size: weights, Adam's moments and the EMA, written as
+    the trainer writes last.ckpt (temporary file, fsync, rename), median of several saves."""
+    from orb.io.checkpoint import save_checkpoint
+    from orb.models import create
+    from orb.training import state as training_state
+    from orb.training.distributed import DataParallel
+    from orb.training.optimizer import FlatAdam
+    from orb.training.schedule import constant
+
+    model = create(args.model)
+    params = model.trainable_params()
+    optimizer = FlatAdam(params, constant(1e-4, 10), ema_decay=0.99)
+    names = [name for name, _ in model.parameters_and_names() if any(name == p.name for p in params)]
+    with tempfile.TemporaryDirectory(dir=args.dir or None) as tmp:
+        path = os.path.join(tmp, "last.ckpt")
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            state = training_state.optimizer_state(optimizer, names, DataParallel())
+            save_checkpoint(path, model, {"epoch": 1}, state)
+            times.append(time.perf_counter() - start)
+        size = os.path.getsize(path) / 1e6
+    seconds = float(np.median(times))
+    print(f"| model | checkpoint (MB) | save (s, median of {args.repeats}) | every 30 min: share of training time |")
+    print("|---|---|---|---|")
+    print(f"| {args.model} | {size:.0f} | {seconds:.2f} ({', '.join(f'{t:.2f}' for t in times)}) | "
+          f"{100 * seconds / 1800:.2f} % |")
+
+
 def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "_ours":  # one measurement in a fresh process (bench_model)
         print(json.dumps(measure_ours(sys.argv[2], int(sys.argv[3]))))
@@ -921,12 +952,17 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=20000)
     p.add_argument("--reads", type=int, default=5000, help="rows read per round")
     p.add_argument("--rounds", type=int, default=3)
+    p = sub.add_parser("save")
+    p.add_argument("--model", default="orb_v2")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dir", default="", help="folder to write in (default: the system's temporary folder)")
     p = sub.add_parser("gemm")
     p.add_argument("--repeats", type=int, default=9, help="alternated timings of each product")
     args = parser.parse_args()
     {"graphs": bench_graphs, "model": bench_model, "parallel": bench_parallel, "calculator": bench_calculator,
      "allreduce": bench_allreduce, "pipeline": bench_pipeline, "gemm": bench_gemm,
-     "breakdown": bench_breakdown, "counts": bench_counts, "rows": bench_rows}[args.area](args)
+     "breakdown": bench_breakdown, "counts": bench_counts, "rows": bench_rows,
+     "save": bench_save}[args.area](args)
 
 
 if __name__ == "__main__":

@@ -315,3 +315,34 @@ def test_relay_finds_the_workers_below_msrun(tmp_path):
         for pid in kids:
             os.kill(pid, signal.SIGKILL)
         parent.kill()
+
+
+def test_a_copy_of_the_training_data_elsewhere_resumes_and_changed_data_is_refused(tmp_path):
+    """The training data is compared by content, not path: a copy (new path, new modification time, as a copy to a
+    node's scratch disk) resumes; a copy with one structure's elements changed is refused, naming it."""
+    import shutil
+
+    import ase.db
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    from orb.errors import ConfigError
+    from test_training import make_cfg, trainer_for
+
+    first = trainer_for(make_cfg(tmp_path, max_epochs=2))
+    first.fit(until_epoch=1)
+    copy = tmp_path / "scratch" / "train.db"
+    copy.parent.mkdir()
+    shutil.copy(DEMO_TRAIN, copy)  # not copy2: the modification time changes
+    resumed = trainer_for(make_cfg(tmp_path, max_epochs=2, train_data_path=str(copy)), resume=str(tmp_path / "run"))
+    assert resumed.start_epoch == 1
+    changed = tmp_path / "changed.db"
+    with ase.db.connect(DEMO_TRAIN) as src, ase.db.connect(str(changed)) as dst:
+        for row in src.select():
+            atoms = row.toatoms()  # with its labels
+            if row.id == 3:
+                results = dict(atoms.calc.results)
+                atoms.numbers[0] = 79 if atoms.numbers[0] != 79 else 29
+                atoms.calc = SinglePointCalculator(atoms, **results)
+            dst.write(atoms)
+    with pytest.raises(ConfigError, match="train_data_path: the rows' ids, atom counts or elements differ"):
+        trainer_for(make_cfg(tmp_path, max_epochs=2, train_data_path=str(changed)), resume=str(tmp_path / "run"))

@@ -132,6 +132,17 @@ def test_evaluate_without_labels_and_with_some(reference_model, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.load(open(tmp_path / "eval2" / "summary.json"))
     assert summary["structures"] == 2 and summary["labelled"] == 1 and "energy_mae" in summary
+    assert "stress_mae" not in summary and summary["forces_mae_by_element"].keys() == {"Cu"}
+    with ase.db.connect(db_path) as db:  # and a row with stress: stress is evaluated over the rows that have it
+        atoms = bulk("Cu", "fcc", a=3.65)
+        atoms.calc = SinglePointCalculator(atoms, energy=-3.6, forces=np.zeros((1, 3)), stress=np.full(6, 0.01))
+        db.write(atoms)
+    result = run_evaluate(path, db_path, tmp_path / "eval3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.load(open(tmp_path / "eval3" / "summary.json"))
+    rows = list(csv.DictReader(open(tmp_path / "eval3" / "predictions.csv")))
+    assert summary["structures"] == 3 and summary["labelled"] == 2
+    assert summary["stress_mae"] == pytest.approx(float(rows[2]["stress_mae"])) and rows[1]["stress_mae"] == ""
 
 
 def test_plot_metrics(tmp_path):

@@ -159,6 +159,7 @@ class AseDbDataset:
         self.label_table: Optional[LabelTable] = None
         check_sqlite_file(self.path)
         self.rows = RowReader(self.path)
+        self._fingerprint: Optional[str] = None
         self.ids, self.natoms, self.has_stress, self.has_labels = self._scan()
         self.weights = self._weights()
         if charge_spin:
@@ -264,7 +265,7 @@ class AseDbDataset:
         else:
             energy = row.get("energy")
             forces = row.get("forces")
-            stress = row.get("stress") if self.has_stress else None
+            stress = row.get("stress") if self.has_stress or not self.require_labels else None
         if energy is not None:
             energy = np.asarray(energy, dtype=np.float64)
             if energy.size != 1:
@@ -400,6 +401,16 @@ class AseDbDataset:
         digest.update(self.ids.tobytes())
         digest.update(self.natoms.tobytes())
         return digest.hexdigest()
+
+    def content_fingerprint(self) -> str:
+        """The rows' ids, atom counts and elements (ASE's species table), hashed: the same data wherever it lies
+        and whenever it was copied (what a resume compares), read without touching the rows themselves."""
+        if self._fingerprint is None:
+            digest = hashlib.sha256(self.ids.tobytes())
+            digest.update(self.natoms.tobytes())
+            digest.update(np.array(self._read("SELECT id, Z, n FROM species ORDER BY id, Z", []), np.int64).tobytes())
+            self._fingerprint = digest.hexdigest()
+        return self._fingerprint
 
     def _capacity_cache_name(self) -> str:
         """The database's identity and the graph settings, hashed: a change to either misses the cache."""

@@ -86,16 +86,25 @@ def config_changes(saved: Dict, current: Dict, keys: Sequence[str] = RESUME_KEYS
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
 
 
-def check_resume(meta: Dict, current_config: Dict, train_rows: int, path: str, accept_changes: bool) -> List[str]:
-    """Refuse to resume with a changed schedule or data order unless ``accept_changes``; returns the changes."""
+def check_resume(meta: Dict, current_config: Dict, train_rows: int, path: str, accept_changes: bool,
+                 train_fingerprint: str = "") -> List[str]:
+    """Refuse to resume with a changed schedule or data order unless ``accept_changes``; returns the changes.
+
+    The training data is compared by content (its rows' ids, atom counts and elements) when the checkpoint
+    recorded it, so a copy elsewhere (node-local scratch, another mount) resumes; else by its path.
+    """
     fmt = meta.get("format")
     if fmt != CHECKPOINT_FORMAT and fmt not in OLDER_FORMATS:
         raise CheckpointError(f"{path}: not a training checkpoint of this program (use checkpoint_path to start "
                               "from plain weights)")
-    changes = config_changes(meta.get("config", {}), current_config)
+    by_content = bool(meta.get("train_fingerprint")) and bool(train_fingerprint)
+    keys = [k for k in RESUME_KEYS if not (by_content and k == "train_data_path")]
+    changes = config_changes(meta.get("config", {}), current_config, keys)
     rows = meta.get("train_rows")
     if rows is not None and rows != train_rows:
         changes.append(f"rows in train_data_path: {rows} -> {train_rows}")
+    elif by_content and meta["train_fingerprint"] != train_fingerprint:
+        changes.append("train_data_path: the rows' ids, atom counts or elements differ from the checkpoint's data")
     if changes and not accept_changes:
         raise ConfigError(f"--resume {path}: these settings differ from the checkpoint's run and would change its "
                           f"schedule or data order: {'; '.join(changes)}. Restore them, or pass "

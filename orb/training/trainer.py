@@ -664,6 +664,7 @@ class Trainer:
                 "best_val_loss": None if math.isinf(self.best_val) else self.best_val, "best_epoch": self.best_epoch,
                 "initial": self.initial, "random_seed": self.cfg.random_seed, "config": self.cfg.to_dict(),
                 "model": self.cfg.model.to_dict(), "train_rows": len(self.train_source),
+                "train_fingerprint": self.databases["train"].content_fingerprint(),
                 "world_size": self.dp.world_size}
         if self.reference_fit is not None:
             meta["reference_energies_fit"] = self.reference_fit.to_dict()
@@ -728,7 +729,8 @@ class Trainer:
             folder = os.path.join(path, "checkpoints")
             path = os.path.join(folder if os.path.isdir(folder) else path, "last.ckpt")
         weights, opt_state, meta = load_checkpoint(path)
-        changes = training_state.check_resume(meta, self.cfg.to_dict(), len(self.train_source), path, accept_changes)
+        changes = training_state.check_resume(meta, self.cfg.to_dict(), len(self.train_source), path, accept_changes,
+                                              self.databases["train"].content_fingerprint())
         load_torch_state_dict(self.model, weights, source=path)
         training_state.restore_optimizer(self.optimizer, self.param_names, opt_state, path)
         self.start_epoch = self.epochs_done = int(meta["epoch"])
