@@ -250,6 +250,8 @@ def test_sigterm_stops_every_worker_at_one_step_and_resume_auto_continues_exactl
                      cwd=ROOT)
     out, _ = resumed.communicate(timeout=420)
     assert resumed.returncode == 0 and "resumed from" in out, out[-3000:]
+    assert "received " + str(tmp_path / "par" / "checkpoints" / "last.ckpt") + " from rank 0" in (
+        tmp_path / "logs2" / "worker_1.log").read_text()  # one read of the shared file system, not one per rank
     out, _ = straight.communicate(timeout=420)
     assert straight.returncode == 0, out[-3000:]
     a, b = weights(tmp_path / "par"), weights(tmp_path / "straight")

@@ -9,7 +9,7 @@ and check that all ranks start from the same weights.
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -57,6 +57,42 @@ class DataParallel:
         low = (values - high.astype(np.float64)).astype(np.float32)
         both = self.all_reduce(Tensor(np.stack([high, low]))).asnumpy().astype(np.float64)
         return both[0] + both[1]
+
+    def share_from_main(self, arrays: Optional[Dict[str, np.ndarray]], chunk: int = 1 << 24) -> Dict[str, np.ndarray]:
+        """Rank 0's named arrays on every rank (``arrays`` is read on rank 0 only): what rank 0 read from a shared
+        file system reaches the others through the collective, not N more reads of the file.
+
+        The names, shapes and types travel first (as JSON bytes), then the float32 values in float32 sums
+        of ``chunk`` elements (a value plus zeros is exact), the rest as float64 sums (exact below 2^48).
+        """
+        import json
+
+        from mindspore import Tensor
+
+        if not self.parallel:
+            return dict(arrays)
+        layout = json.dumps([[k, list(v.shape), str(v.dtype)] for k, v in arrays.items()]).encode() \
+            if self.is_main else b""
+        size = int(self.sum(np.array([len(layout)], np.float64))[0])
+        raw = np.frombuffer(layout, np.uint8).astype(np.float64) if self.is_main else np.zeros(size)
+        entries = json.loads(bytes(np.rint(self.sum(raw)).astype(np.uint8)).decode())
+        out = {}
+        floats = [e for e in entries if e[2] == "float32"]
+        flat = (np.concatenate([arrays[k].reshape(-1) for k, _, _ in floats]) if self.is_main and floats
+                else np.zeros(sum(int(np.prod(shape)) for _, shape, _ in floats), np.float32))
+        summed = np.concatenate([self.all_reduce(Tensor(np.ascontiguousarray(flat[i:i + chunk]))).asnumpy()
+                                 for i in range(0, len(flat), chunk)]) if len(flat) else flat
+        offset = 0
+        for name, shape, _ in floats:
+            n = int(np.prod(shape))
+            out[name] = summed[offset:offset + n].reshape(shape)
+            offset += n
+        for name, shape, dtype in entries:
+            if dtype != "float32":
+                values = arrays[name].astype(np.float64) if self.is_main else np.zeros(shape)
+                out[name] = np.rint(self.sum(values)).astype(dtype) if np.issubdtype(np.dtype(dtype), np.integer) \
+                    else self.sum(values).astype(dtype)
+        return out
 
     def gather(self, values: np.ndarray) -> np.ndarray:
         """Concatenation over ranks of equally sized float32 host arrays (rank order)."""

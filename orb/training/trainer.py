@@ -17,7 +17,7 @@ from orb.data.graphs import capacity_is_counted
 from orb.data.loader import BatchLoader, Step, plan_epoch, step_totals
 from orb.data.mixture import MixedSampler, Mixture, Source, replay_per_step
 from orb.device import compile_cell
-from orb.errors import ConfigError, DivergedError
+from orb.errors import ClusterError, ConfigError, DivergedError
 from orb.metrics import BY_ELEMENT, METRICS, describe, format_by_element
 from orb.training import replay as replay_data
 from orb.training import state as training_state
@@ -722,13 +722,46 @@ class Trainer:
             save_checkpoint(os.path.join(self.checkpoint_dir, f"epoch_{epoch:04d}.ckpt"), self.model, meta, state)
             prune_checkpoints(self.checkpoint_dir, self.cfg.keep_checkpoints)
 
+    def _read_checkpoint(self, path: str, load_checkpoint):
+        """(weights, optimizer state, metadata) of a training checkpoint. In a data-parallel run rank 0 reads the
+        file and the others receive it through the collective (one read of the shared file system, not one per
+        rank); if rank 0 cannot read it, every rank stops."""
+        if not self.dp.parallel:
+            return load_checkpoint(path)
+        import json
+
+        loaded, failure = None, None
+        if self.dp.is_main:
+            try:
+                loaded = load_checkpoint(path)
+            except Exception as exc:  # reported below, after every rank has heard of it
+                failure = exc
+        if self.dp.sum(np.array([failure is not None], np.float64))[0]:
+            if failure is not None:
+                raise failure
+            raise ClusterError(f"rank 0 could not read {path} (its log says why)")
+        arrays = None
+        if self.dp.is_main:
+            weights, opt_state, meta = loaded
+            arrays = {**{"w/" + k: np.asarray(v) for k, v in weights.items()},
+                      **{"o/" + k: np.asarray(v) for k, v in opt_state.items()},
+                      "meta": np.frombuffer(json.dumps(meta).encode(), np.uint8)}
+        started = time.perf_counter()
+        shared = self.dp.share_from_main(arrays)
+        log.info("%s %s %s in %.1f s", "read" if self.dp.is_main else "received", path,
+                 f"and shared it with the other {self.dp.world_size - 1} ranks" if self.dp.is_main else "from rank 0",
+                 time.perf_counter() - started)
+        weights = {k[2:]: v for k, v in shared.items() if k.startswith("w/")}
+        opt_state = {k[2:]: v for k, v in shared.items() if k.startswith("o/")}
+        return weights, opt_state, json.loads(bytes(shared["meta"]).decode())
+
     def _resume(self, path: str, accept_changes: bool) -> None:
         from orb.io.checkpoint import load_checkpoint, load_torch_state_dict
 
         if os.path.isdir(path):
             folder = os.path.join(path, "checkpoints")
             path = os.path.join(folder if os.path.isdir(folder) else path, "last.ckpt")
-        weights, opt_state, meta = load_checkpoint(path)
+        weights, opt_state, meta = self._read_checkpoint(path, load_checkpoint)
         changes = training_state.check_resume(meta, self.cfg.to_dict(), len(self.train_source), path, accept_changes,
                                               self.databases["train"].content_fingerprint())
         load_torch_state_dict(self.model, weights, source=path)
