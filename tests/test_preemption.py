@@ -346,3 +346,28 @@ def test_a_copy_of_the_training_data_elsewhere_resumes_and_changed_data_is_refus
             dst.write(atoms)
     with pytest.raises(ConfigError, match="train_data_path: the rows' ids, atom counts or elements differ"):
         trainer_for(make_cfg(tmp_path, max_epochs=2, train_data_path=str(changed)), resume=str(tmp_path / "run"))
+
+
+def test_a_damaged_database_is_one_line_naming_it(tmp_path):
+    """A database with a damaged page (a copy cut short or overwritten): one line naming the file, exit 2, no
+    output folder; rows read later name the row too."""
+    import shutil
+
+    from orb.data.sqlite_rows import RowReader
+    from orb.errors import DatasetError
+
+    damaged = tmp_path / "damaged.db"
+    shutil.copy(DEMO_TRAIN, damaged)
+    size = os.path.getsize(damaged)
+    with open(damaged, "r+b") as f:
+        f.seek(size // 2)
+        f.write(b"\xff" * 4096)
+    result = subprocess.run([sys.executable, "finetune.py", *run_args(tmp_path / "out", train_data_path=damaged)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert str(damaged) in lines[0] and "malformed" in lines[0] and not (tmp_path / "out").exists()
+    reader = RowReader(str(damaged))
+    with pytest.raises(DatasetError, match=r"damaged.db, row \d+: cannot read the database .*malformed"):
+        for row_id in range(1, 65):
+            reader.read(row_id)
