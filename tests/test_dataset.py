@@ -80,11 +80,11 @@ def test_rows_without_labels(tmp_path):
     no_forces.calc = SinglePointCalculator(no_forces, energy=-1.0)
     path = write_rows(tmp_path / "a.db", [labelled(cu()), no_forces])
     with pytest.raises(DatasetError, match=r"a\.db, row 2, key 'forces'"):
-        AseDbDataset(path)
+        AseDbDataset(path).census()  # every row's labels, checked before training (the trainer starts with it)
     nan_energy = labelled(cu(), energy=np.nan)  # ASE stores a NaN energy as missing
     path = write_rows(tmp_path / "b.db", [nan_energy])
     with pytest.raises(DatasetError, match=r"row 1, key 'energy'"):
-        AseDbDataset(path)
+        AseDbDataset(path)[0]  # the first row read asks for the census
     assert AseDbDataset(path, require_labels=False)[0].energy is None
 
 
@@ -94,11 +94,11 @@ def test_nan_forces_wrong_shape_bad_numbers_singular_cell(tmp_path):
     path = write_rows(tmp_path / "c.db", [labelled(cu()), labelled(cu(), forces=bad_forces),
                                           labelled(cu(), forces=np.zeros((2, 3)))])
     ds = AseDbDataset(path)
-    ds[0]
+    ds.check_rows(0, 1)
     with pytest.raises(DatasetError, match=r"row 2, key 'forces': label contains NaN"):
-        ds[1]
+        ds.census()  # the first bad row, found before any training step
     with pytest.raises(DatasetError, match=r"row 3, key 'forces': forces of shape \(2, 3\) for 1 atoms"):
-        ds[2]
+        ds.check_rows(2, 3)
     flat = Atoms("Cu2", positions=[[0, 0, 0], [1.8, 0, 0]], cell=[[3.6, 0, 0], [0, 3.6, 0], [0, 0, 0]])
     path = write_rows(tmp_path / "d.db", [labelled(cu()), labelled(flat, forces=np.zeros((2, 3)))])
     with pytest.raises(DatasetError, match=r"row 2, key 'cell': .*singular cell"):
@@ -117,7 +117,8 @@ def test_stress_optional_but_consistent(tmp_path):
     assert not ds.has_stress and ds[1].stress is None
     path = write_rows(tmp_path / "f.db", [labelled(cu()), labelled(cu(), stress=None)])
     with pytest.raises(DatasetError, match=r"row 2, key 'stress'"):
-        AseDbDataset(path)
+        AseDbDataset(path).census()
+    assert not AseDbDataset(path, require_labels=False).has_stress  # evaluation: stress where a row has it
 
 
 def test_rotation_matches_emt_on_rotated_cell():

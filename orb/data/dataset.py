@@ -20,8 +20,8 @@ import numpy as np
 from orb import cache
 from orb.errors import ClusterError, DatasetError, StructureError
 from orb.data.sqlite_rows import RowReader
-from orb.data.graphs import (EDGE_CAPACITY_MARGIN, AtomGraphs, GraphSettings, capacity_is_counted, edge_capacity,
-                             graph_from_arrays)
+from orb.data.graphs import (EDGE_CAPACITY_MARGIN, AtomGraphs, GraphSettings, capacity_is_counted, check_structure,
+                             edge_capacity, graph_from_arrays)
 
 log = logging.getLogger("orb")
 
@@ -50,6 +50,10 @@ SQLITE_MAGIC = b"SQLite format 3\x00"
 # Raised whenever what :func:`edge_capacity` counts changes, so no run plans from an older count.
 CAPACITY_VERSION = 1
 CAPACITY_CACHE = "neighbour_counts"  # the subfolder of the project's cache (``orb.cache``)
+# Raised whenever what :meth:`AseDbDataset.check_rows` checks changes.
+CENSUS_VERSION = 1
+CENSUS_CACHE = "row_census"
+LABELS = ("energy", "forces", "stress")
 
 
 def check_sqlite_file(path: str) -> None:
@@ -100,6 +104,84 @@ def rotate_structure(positions, cell, forces, stress, rotation):
     return positions, cell, forces, stress
 
 
+def _plausible_flags(flags: np.ndarray) -> bool:
+    return bool(np.isin(flags, (0, 1)).all())
+
+
+class RowPass:
+    """A result per row that takes reading every row of a database, computed once and kept in the project's cache.
+
+    Keyed by the database's identity (:meth:`AseDbDataset.identity`) and ``key``: any change to the rows or
+    to what is computed misses the cache; a copy that keeps the modification time hits it. In a
+    data-parallel run each rank computes its share of the rows and the shares are summed over ranks;
+    every rank takes the same path (the cache is used only if every rank has it), so their collectives
+    match, and a bad row found by one rank stops every rank at once.
+    """
+
+    def __init__(self, dataset: "AseDbDataset", folder: str, key: tuple, width: int, what: str,
+                 plausible: Callable[[np.ndarray], bool]):
+        self.dataset, self.folder, self.key, self.width, self.what, self.plausible = (dataset, folder, key, width,
+                                                                                     what, plausible)
+        self.read_from: Optional[str] = None  # the cache file the result came from
+        self.kept_in: Optional[str] = None  # the cache file it was written to when computed
+
+    def _name(self) -> str:
+        return hashlib.sha256(repr(self.key + (self.dataset.identity(),)).encode()).hexdigest()[:32] + ".npy"
+
+    def _cached(self, name: str) -> Tuple[Optional[str], Optional[np.ndarray]]:
+        """The cache file and its contents, or (None, None) when missing, unreadable (e.g. truncated by a full
+        disk) or implausible: then computed again and rewritten."""
+        path = cache.find(name, self.folder)
+        try:
+            values = np.load(path, allow_pickle=False) if path else None
+        except (OSError, ValueError):
+            return None, None
+        if values is None or values.dtype != np.int64 or values.shape[0] != len(self.dataset) or \
+                values.reshape(len(self.dataset), -1).shape[1] != self.width or not self.plausible(values):
+            return None, None
+        return path, values
+
+    def result(self, compute: Callable[[int, int], np.ndarray], ranks: Ranks) -> np.ndarray:
+        name = self._name()  # of the database as it was before any row was read
+        path, cached = self._cached(name)
+        if cache.everyone_has(cached is not None, ranks):
+            self.read_from = path
+            return cached
+        rows = len(self.dataset)
+        start, stop = (rows * r // ranks.world_size for r in (ranks.rank, ranks.rank + 1))
+        share = np.zeros((rows, self.width), np.float64)
+        failure = None
+        try:
+            share[start:stop] = (cached[start:stop] if cached is not None else compute(start, stop)).reshape(
+                stop - start, self.width)
+        except DatasetError as exc:
+            failure = exc
+        total = ranks.sum(np.concatenate([share.reshape(-1), [float(failure is not None)]]))
+        if failure is not None:
+            raise failure
+        if total[-1]:  # every rank stops now, not when the cluster notices the failed one
+            raise ClusterError(f"{self.dataset.path}: another rank found a bad row while {self.what} (its log "
+                               "names the row)")
+        values = np.rint(total[:-1]).astype(np.int64).reshape((rows,) if self.width == 1 else (rows, self.width))
+        self._keep(name, values)
+        return values
+
+    def _keep(self, name: str, values: np.ndarray) -> None:
+        folder = cache.writable_dir(self.folder)
+        if folder is None:
+            log.warning("no writable folder to keep the %s of %s (%s): read again at the next start; set "
+                        "ORB_CACHE_DIR", self.folder.replace("_", " "), self.dataset.path,
+                        " or ".join(cache.cache_dirs(self.folder)))
+            return
+        path = os.path.join(folder, name)
+        try:
+            cache.write_atomically(path, lambda tmp: np.save(tmp, values), suffix=".npy")
+            self.kept_in = path
+        except OSError as exc:
+            log.warning("could not keep the %s of %s in %s (%s): read again at the next start",
+                        self.folder.replace("_", " "), self.dataset.path, folder, exc)
+
+
 @dataclass
 class LabelTable:
     """Labels that replace a database's own for some of its rows (e.g. a model's predictions).
@@ -129,12 +211,15 @@ class LabelTable:
 class AseDbDataset:
     """Lazy, validated access to an ASE SQLite database as :class:`AtomGraphs`.
 
-    Only row ids and atom counts are read up front (one SQL query). Each item is read,
-    checked and turned into a graph when asked for. ``require_labels=False`` allows rows
-    without energy/forces (prediction only). ``settings`` chooses the model family's graph
-    (default: orb-v2's with ``radius`` and ``max_neighbors``). ``charge_spin`` (OMol models)
-    requires each row's total charge and spin: key-value pairs ``charge`` and ``spin``
-    (``db.write(atoms, charge=0, spin=1)``) or entries of ``row.data``.
+    Up front only row ids and atom counts are read, from ASE's small species table (not the rows).
+    Every row's labels are checked once by the census (:meth:`census`: each row read, a bad one
+    named before training; the result kept in the project's cache, so later starts read nothing),
+    which also tells which labels the rows carry. Each item is read and turned into a graph when asked
+    for. ``require_labels=False`` allows rows without energy/forces/stress (prediction only).
+    ``settings`` chooses the model family's graph (default: orb-v2's with ``radius`` and
+    ``max_neighbors``). ``charge_spin`` (OMol models) requires each row's total charge and spin:
+    key-value pairs ``charge`` and ``spin`` (``db.write(atoms, charge=0, spin=1)``) or entries of
+    ``row.data``.
     """
 
     def __init__(
@@ -152,38 +237,79 @@ class AseDbDataset:
         self.radius, self.max_neighbors = self.settings.radius, self.settings.max_neighbors
         self.augmentation = augmentation
         self._edge_capacities: Optional[np.ndarray] = None
-        self.capacities_read_from: Optional[str] = None  # the cache file the edge capacities came from
-        self.capacities_kept_in: Optional[str] = None  # the cache file they were written to when counted
+        self._labels_stored: Optional[np.ndarray] = None  # per row: energy, forces, stress stored (the census)
         self.require_labels = require_labels
         self.charge_spin = charge_spin
         self.label_table: Optional[LabelTable] = None
         check_sqlite_file(self.path)
         self.rows = RowReader(self.path)
         self._fingerprint: Optional[str] = None
-        self.ids, self.natoms, self.has_stress, self.has_labels = self._scan()
+        self.ids, self.natoms = self._scan()
+        self.capacity_pass = RowPass(self, CAPACITY_CACHE, (CAPACITY_VERSION, EDGE_CAPACITY_MARGIN,
+                                                            repr(self.settings)), 1, "counting neighbours",
+                                     self._plausible_capacities)
+        self.census_pass = RowPass(self, CENSUS_CACHE, (CENSUS_VERSION,), len(LABELS), "checking the labels",
+                                   _plausible_flags)
         self.weights = self._weights()
         if charge_spin:
             self._check_charge_spin()
 
-    def _scan(self) -> Tuple[np.ndarray, np.ndarray, bool, bool]:
-        rows = self._read("SELECT id, natoms, energy IS NOT NULL, forces IS NOT NULL, stress IS NOT NULL "
-                          "FROM systems ORDER BY id")
+    def _scan(self) -> Tuple[np.ndarray, np.ndarray]:
+        """Row ids and atom counts from ASE's species table (a few bytes per element of a row, not the rows)."""
+        rows = self._read("SELECT id, SUM(n) FROM species GROUP BY id ORDER BY id", [])
         if not rows:
             raise DatasetError(self.path, "database has no rows")
-        table = np.array(rows, dtype=np.int64)
-        ids, natoms, energy, forces, stress = table.T
-        has_labels = bool(energy.all() and forces.all())
-        if self.require_labels:
-            for column, key in ((energy, "energy"), (forces, "forces")):
-                if not column.all():
-                    row = int(ids[np.argmin(column)])
-                    raise DatasetError(self.path, "row has no label (store it with a SinglePointCalculator)", row, key)
-        if stress.any() and not stress.all() and self.require_labels:
-            row = int(ids[np.argmin(stress)])
-            raise DatasetError(
-                self.path, "row has no stress while other rows have one; store stress for every row "
-                "or for none (then training runs without the stress loss)", row, "stress")
-        return ids, natoms, bool(stress.all()), has_labels
+        ids, natoms = np.array(rows, dtype=np.int64).T
+        return ids, natoms
+
+    def _plausible_capacities(self, capacities: np.ndarray) -> bool:
+        return bool((capacities >= 0).all() and (capacities <= self.natoms * self.settings.max_neighbors).all())
+
+    # ----------------------------------------------------------------- the census of the labels
+    def check_rows(self, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` read, their structures and labels checked (a bad one named by row and key); per row
+        whether it stores energy, forces and stress."""
+        stored = np.zeros((stop - start, len(LABELS)), np.int64)
+        for k, row in enumerate(self.rows.read_many(self.ids[start:stop])):
+            try:
+                check_structure(np.asarray(row.positions), np.asarray(row.numbers), np.asarray(row.cell))
+            except StructureError as exc:
+                raise self._structure_error(row, exc) from None
+            stored[k] = [value is not None for value in self._stored_labels(row)]
+        return stored
+
+    def census(self, check: Optional[Callable[[int, int], np.ndarray]] = None,
+               ranks: Optional[Ranks] = None) -> np.ndarray:
+        """Per row, which labels it stores (energy, forces, stress), every row's labels checked once per database
+        (``check(start, stop)``: :meth:`check_rows` of those rows, e.g. in worker processes; default here). Rows
+        without energy or forces are refused unless ``require_labels`` is off, and so is a mixture of rows
+        with and without stress."""
+        if self._labels_stored is None:
+            stored = self.census_pass.result(check or self.check_rows, ranks or ONE_PROCESS).reshape(-1, len(LABELS))
+            if self.require_labels:
+                for column, key in ((0, "energy"), (1, "forces")):
+                    if not stored[:, column].all():
+                        row = int(self.ids[np.argmin(stored[:, column])])
+                        raise DatasetError(self.path, "row has no label (store it with a SinglePointCalculator)", row,
+                                           key)
+                if stored[:, 2].any() and not stored[:, 2].all():
+                    row = int(self.ids[np.argmin(stored[:, 2])])
+                    raise DatasetError(
+                        self.path, "row has no stress while other rows have one; store stress for every row "
+                        "or for none (then training runs without the stress loss)", row, "stress")
+            self._labels_stored = stored
+        return self._labels_stored
+
+    @property
+    def has_stress(self) -> bool:
+        """Whether every row's labels include stress (pseudo-labels: whether they do)."""
+        if self.label_table is not None:
+            return self.label_table.stress is not None
+        return bool(self.census()[:, 2].all())
+
+    @property
+    def has_labels(self) -> bool:
+        return self.label_table is not None or bool(self.census()[:, :2].all())
 
     def _read(self, query: str, default=None) -> list:
         """Rows of a read-only query (this process's connection); ``default`` when a table the query needs does not
@@ -229,9 +355,6 @@ class AseDbDataset:
     def set_labels(self, table: Optional[LabelTable]) -> None:
         """Use ``table``'s labels instead of the database's for the rows it holds (None: the database's again)."""
         self.label_table = table
-        if table is not None:
-            self.has_stress = table.stress is not None
-            self.has_labels = True
 
     def _check_charge_spin(self) -> None:
         """Every row has its total charge and spin, checked up front (not hours into training)."""
@@ -259,13 +382,19 @@ class AseDbDataset:
         return self.row(index).toatoms()
 
     def _labels(self, row, index: int) -> Tuple[Optional[float], Optional[np.ndarray], Optional[np.ndarray]]:
-        n = row.natoms
+        """The labels a graph of this row carries: the label table's, else the row's (stress only when every row
+        has stress, or when evaluating)."""
         if self.label_table is not None:
-            energy, forces, stress = self.label_table.labels(index)
-        else:
-            energy = row.get("energy")
-            forces = row.get("forces")
-            stress = row.get("stress") if self.has_stress or not self.require_labels else None
+            return self._checked_labels(row, *self.label_table.labels(index))
+        energy, forces, stress = self._stored_labels(row)
+        return energy, forces, stress if self.has_stress or not self.require_labels else None
+
+    def _stored_labels(self, row) -> Tuple[Optional[float], Optional[np.ndarray], Optional[np.ndarray]]:
+        """The labels the row stores, checked (shapes, finite values)."""
+        return self._checked_labels(row, row.get("energy"), row.get("forces"), row.get("stress"))
+
+    def _checked_labels(self, row, energy, forces, stress):
+        n = row.natoms
         if energy is not None:
             energy = np.asarray(energy, dtype=np.float64)
             if energy.size != 1:
@@ -277,8 +406,8 @@ class AseDbDataset:
                 raise DatasetError(self.path, f"forces of shape {forces.shape} for {n} atoms", row.id, "forces")
         if stress is not None:
             stress = np.asarray(stress, dtype=np.float64)
-            if stress.shape == (3, 3):
-                stress = matrix_to_voigt(stress)
+            if stress.shape in ((3, 3), (9,)):  # a full tensor (ASE reads one back flat)
+                stress = matrix_to_voigt(stress.reshape(3, 3))
             if stress.shape != (6,):
                 raise DatasetError(self.path, f"stress of shape {stress.shape}, expected (6,) or (3, 3)", row.id, "stress")
         for key, value in (("energy", energy), ("forces", forces), ("stress", stress)):
@@ -366,31 +495,19 @@ class AseDbDataset:
             if not capacity_is_counted(self.settings):
                 self._edge_capacities = self.natoms * self.settings.max_neighbors  # no row read
             else:
-                self._edge_capacities = self._shared_count(count or self.count_edge_capacities, ranks or ONE_PROCESS)
+                self._edge_capacities = self.capacity_pass.result(count or self.count_edge_capacities,
+                                                                  ranks or ONE_PROCESS)
         return self._edge_capacities
 
-    def _shared_count(self, count: Callable[[int, int], np.ndarray], ranks: Ranks) -> np.ndarray:
-        name = self._capacity_cache_name()  # of the database as it was before any row was read
-        path, cached = self._cached_capacities(name)
-        if cache.everyone_has(cached is not None, ranks):
-            self.capacities_read_from = path
-            return cached
-        start, stop = (len(self) * r // ranks.world_size for r in (ranks.rank, ranks.rank + 1))
-        share = np.zeros(len(self) + 1, np.float64)  # the last element: this rank found a bad row
-        failure = None
-        try:
-            share[start:stop] = cached[start:stop] if cached is not None else count(start, stop)
-        except DatasetError as exc:
-            failure, share[-1] = exc, 1.0
-        total = ranks.sum(share)
-        if failure is not None:
-            raise failure
-        if total[-1]:  # every rank stops now, not when the cluster notices the failed one
-            raise ClusterError(f"{self.path}: another rank found a bad row while counting neighbours (its log "
-                               "names the row)")
-        counted = np.rint(total[:-1]).astype(np.int64)
-        self._cache_capacities(name, counted)
-        return counted
+    @property
+    def capacities_read_from(self) -> Optional[str]:
+        """The cache file the edge capacities came from (None: counted, or not counted at all)."""
+        return self.capacity_pass.read_from
+
+    @property
+    def capacities_kept_in(self) -> Optional[str]:
+        """The cache file the counted edge capacities were written to."""
+        return self.capacity_pass.kept_in
 
     def identity(self) -> str:
         """The database's identity for caches (file size and modification time, row ids and atom counts),
@@ -411,39 +528,6 @@ class AseDbDataset:
             digest.update(np.array(self._read("SELECT id, Z, n FROM species ORDER BY id, Z", []), np.int64).tobytes())
             self._fingerprint = digest.hexdigest()
         return self._fingerprint
-
-    def _capacity_cache_name(self) -> str:
-        """The database's identity and the graph settings, hashed: a change to either misses the cache."""
-        key = (CAPACITY_VERSION, EDGE_CAPACITY_MARGIN, repr(self.settings), self.identity())
-        return hashlib.sha256(repr(key).encode()).hexdigest()[:32] + ".npy"
-
-    def _cached_capacities(self, name: str) -> Tuple[Optional[str], Optional[np.ndarray]]:
-        """The cache file and its valid contents, or (None, None): unreadable (e.g. truncated by a full
-        disk) or implausible contents are counted again and rewritten."""
-        path = cache.find(name, CAPACITY_CACHE)
-        try:
-            capacities = np.load(path, allow_pickle=False) if path else None
-        except (OSError, ValueError):
-            return None, None
-        bound = self.natoms * self.settings.max_neighbors
-        if capacities is None or capacities.dtype != np.int64 or capacities.shape != bound.shape or \
-                (capacities < 0).any() or (capacities > bound).any():
-            return None, None
-        return path, capacities
-
-    def _cache_capacities(self, name: str, capacities: np.ndarray) -> None:
-        folder = cache.writable_dir(CAPACITY_CACHE)
-        if folder is None:
-            log.warning("no writable folder to keep the neighbour counts of %s (%s): they are counted again at the "
-                        "next start; set ORB_CACHE_DIR", self.path, " or ".join(cache.cache_dirs(CAPACITY_CACHE)))
-            return
-        path = os.path.join(folder, name)
-        try:
-            cache.write_atomically(path, lambda tmp: np.save(tmp, capacities), suffix=".npy")
-            self.capacities_kept_in = path
-        except OSError as exc:
-            log.warning("could not keep the neighbour counts of %s in %s (%s): they are counted again at the next "
-                        "start", self.path, folder, exc)
 
     def __getitem__(self, index: int) -> AtomGraphs:
         return self.get(index)

@@ -134,7 +134,7 @@ def wrap_positions(positions: np.ndarray, cell: np.ndarray) -> np.ndarray:
     return wrap_positions64(positions.astype(np.float64), cell.astype(np.float64)).astype(np.float32)
 
 
-def _check_structure(positions: np.ndarray, numbers: np.ndarray, cell: np.ndarray) -> bool:
+def check_structure(positions: np.ndarray, numbers: np.ndarray, cell: np.ndarray) -> bool:
     """Validate a structure; return whether it is periodic."""
     if positions.ndim != 2 or positions.shape[1] != 3 or len(positions) != len(numbers):
         raise StructureError(f"positions of shape {positions.shape} do not match {len(numbers)} atoms")
@@ -201,7 +201,7 @@ def supercell_edges(positions: np.ndarray, cell: np.ndarray, periodic: bool, rad
 def _v3_frame(positions64: np.ndarray, numbers: np.ndarray, cell64: np.ndarray, pbc: Optional[np.ndarray]):
     """orb-v3's checked float32 positions (wrapped in float64 when periodic), float32 cell and periodicity."""
     cell = cell64.astype(np.float32)
-    periodic = _check_structure(positions64.astype(np.float32), numbers, cell) and _check_pbc(pbc, cell)
+    periodic = check_structure(positions64.astype(np.float32), numbers, cell) and _check_pbc(pbc, cell)
     positions = (wrap_positions64(positions64, cell64) if periodic else positions64).astype(np.float32)
     return positions, cell, periodic
 
@@ -241,7 +241,7 @@ def graph_from_arrays(
                                                               settings.max_neighbors)
     else:
         positions = positions64.astype(np.float32)
-        periodic = _check_structure(positions, numbers, cell)
+        periodic = check_structure(positions, numbers, cell)
         if periodic:
             positions = wrap_positions(positions, cell)
         senders, receivers, vectors, shifts = knn_edges(positions, cell, settings.radius, settings.max_neighbors)

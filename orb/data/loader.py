@@ -99,9 +99,10 @@ def _prepare_in_worker(args):
     return prepare(_worker_datasets[name], step, seed, with_stress)
 
 
-def _count_in_worker(args):
-    name, start, stop = args
-    return _worker_datasets[name].count_edge_capacities(start, stop)
+def _rows_in_worker(args):
+    """A per-row pass (``count_edge_capacities``, ``check_rows``) over rows ``start:stop`` of dataset ``name``."""
+    name, method, start, stop = args
+    return getattr(_worker_datasets[name], method)(start, stop)
 
 
 class BatchLoader:
@@ -131,28 +132,38 @@ class BatchLoader:
             self._pool = self._new_pool()
         return self._pool
 
-    def edge_capacities(self, name: str, ranks: Optional[Ranks] = None, chunk: int = 256) -> np.ndarray:
-        """Dataset ``name``'s edge capacities (:meth:`AseDbDataset.edge_capacities`), counted by the workers
-        when not cached (in a data-parallel run, this rank's share of the rows).
+    def _pass(self, name: str, method: str, what: str, chunk: int = 256) -> Optional[Callable[[int, int], np.ndarray]]:
+        """Dataset ``name``'s per-row ``method`` over a range of rows, by the workers (None without workers).
 
         Their own short-lived pool: set-up that fails after this (a bad checkpoint, a refused resume)
         leaves no worker processes behind; the training pool starts with the first epoch."""
-        dataset = self.datasets[name]
         if self.workers == 0:
-            return dataset.edge_capacities(ranks=ranks)
+            return None
+        dataset = self.datasets[name]
 
-        def count(start: int, stop: int) -> np.ndarray:
-            ranges = [(name, a, min(a + chunk, stop)) for a in range(start, stop, chunk)]
+        def run(start: int, stop: int) -> np.ndarray:
+            ranges = [(name, method, a, min(a + chunk, stop)) for a in range(start, stop, chunk)]
             if not ranges:
                 return np.zeros(0, np.int64)
             with self._new_pool() as pool:
                 try:
-                    return np.concatenate(list(pool.map(_count_in_worker, ranges)))
+                    return np.concatenate(list(pool.map(_rows_in_worker, ranges)))
                 except BrokenProcessPool:
-                    raise DataWorkerError(f"a data worker died while counting the neighbours of {dataset.path} "
+                    raise DataWorkerError(f"a data worker died while {what} of {dataset.path} "
                                           f"({WORKER_DEATH})") from None
 
-        return dataset.edge_capacities(count, ranks)
+        return run
+
+    def edge_capacities(self, name: str, ranks: Optional[Ranks] = None, chunk: int = 256) -> np.ndarray:
+        """Dataset ``name``'s edge capacities (:meth:`AseDbDataset.edge_capacities`), counted by the workers
+        when not cached (in a data-parallel run, this rank's share of the rows)."""
+        return self.datasets[name].edge_capacities(self._pass(name, "count_edge_capacities", "counting the "
+                                                              "neighbours", chunk), ranks)
+
+    def census(self, name: str, ranks: Optional[Ranks] = None, chunk: int = 256) -> np.ndarray:
+        """Dataset ``name``'s census of its labels (:meth:`AseDbDataset.census`), every row read and checked by
+        the workers when not cached (in a data-parallel run, this rank's share of the rows)."""
+        return self.datasets[name].census(self._pass(name, "check_rows", "checking the labels", chunk), ranks)
 
     def iterate(self, name: str, steps: Sequence[Step], seed: Optional[int],
                 with_stress: bool) -> Iterator[Tuple[Step, tuple]]:

@@ -198,15 +198,15 @@ class Trainer:
             if data is not None and len(data) < world:
                 raise ConfigError(f"config key '{key}': {data.path} has {len(data)} structure(s), fewer than the "
                                   f"{world} workers")
+        self.local_batch = math.ceil(cfg.batch_size / world)
+        self.loader = BatchLoader(self.databases, cfg.data_workers)
+        for name, data in self.databases.items():
+            self._survey(name, data)
         train = self.databases["train"]
         self.has_stress = train.has_stress and cfg.loss_weights.stress > 0 and cfg.model.has_stress
         if cfg.loss_weights.stress > 0 and cfg.model.has_stress and not train.has_stress:
             log.warning("%s has no stress labels: training without the stress loss", cfg.train_data_path)
         self._check_stress()
-        self.local_batch = math.ceil(cfg.batch_size / world)
-        self.loader = BatchLoader(self.databases, cfg.data_workers)
-        for name, data in self.databases.items():
-            self._count_neighbours(name, data)
 
     def _check_stress(self) -> None:
         """Every set a training batch or a validation mixes with the target must carry stress when it is trained."""
@@ -221,7 +221,18 @@ class Trainer:
                                   "loss_weights.stress: 0 or add stress labels" +
                                   (" (or replay.labels: model)" if name.startswith("replay") else ""))
 
-    def _count_neighbours(self, name: str, dataset: AseDbDataset) -> None:
+    def _survey(self, name: str, dataset: AseDbDataset) -> None:
+        """Every row's labels checked (once per database: a bad row stops the run now, not hours into it) and, where
+        the batch shapes need it, its neighbours counted; both kept in the cache for later starts."""
+        start = time.perf_counter()
+        self.loader.census(name, self.dp)
+        if dataset.census_pass.read_from is not None:
+            log.info("%s data: labels of %d structures checked before, read from %s", name, len(dataset),
+                     dataset.census_pass.read_from)
+        else:
+            log.info("%s data: labels of %d structures checked in %.1f s%s", name, len(dataset),
+                     time.perf_counter() - start, f" (shared by {self.dp.world_size} ranks)" if self.dp.parallel
+                     else "")
         start = time.perf_counter()
         self.loader.edge_capacities(name, self.dp)
         if dataset.capacities_read_from is not None:
