@@ -339,7 +339,7 @@ def test_bad_input_stops_every_worker_with_one_line(tmp_path, nine_rows):
     one_row = str(tmp_path / "one.db")
     with ase.db.connect(DEMO_VAL) as src, ase.db.connect(one_row) as dst:
         dst.write(next(src.select()).toatoms())
-    bad_row = str(tmp_path / "bad_row.db")  # row 9 (in rank 1's share of the neighbour count): a singular cell
+    bad_row = str(tmp_path / "bad_row.db")  # row 9 (in rank 1's share of the rows' check): a singular cell
     with ase.db.connect(nine_rows) as src, ase.db.connect(bad_row) as dst:
         for i, row in enumerate(src.select()):
             atoms = row.toatoms()
@@ -351,7 +351,7 @@ def test_bad_input_stops_every_worker_with_one_line(tmp_path, nine_rows):
              (dict(val_data_path=one_row), "one.db has 1 structure(s), fewer than the 2 workers"),
              (dict(buckets="[[16,100]]"), "the largest bucket [16, 100] cannot hold a batch of the 2 largest"),
              ({"train_data_path": bad_row, "model.name": "orb_v3_direct_20_omat"},
-              "bad_row.db: another rank found a bad row while counting neighbours"))
+              "bad_row.db: another rank found a bad row while checking the rows"))
     for i, (extra, message) in enumerate(cases):
         job = launch(common_args(tmp_path / f"bad{i}", nine_rows, **extra), tmp_path / f"logs{i}", cwd=ROOT,
                      env_extra=FAST_FAILURE)

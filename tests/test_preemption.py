@@ -371,3 +371,11 @@ def test_a_damaged_database_is_one_line_naming_it(tmp_path):
     with pytest.raises(DatasetError, match=r"damaged.db, row \d+: cannot read the database .*malformed"):
         for row_id in range(1, 65):
             reader.read(row_id)
+
+
+def test_an_output_dir_that_cannot_be_made_is_one_line(tmp_path):
+    result = subprocess.run([sys.executable, "finetune.py", *run_args("/proc/orb_run")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert lines[0].startswith("error: config key 'output_dir': cannot create /proc/orb_run")

@@ -248,7 +248,7 @@ class AseDbDataset:
         self.capacity_pass = RowPass(self, CAPACITY_CACHE, (CAPACITY_VERSION, EDGE_CAPACITY_MARGIN,
                                                             repr(self.settings)), 1, "counting neighbours",
                                      self._plausible_capacities)
-        self.census_pass = RowPass(self, CENSUS_CACHE, (CENSUS_VERSION,), len(LABELS), "checking the labels",
+        self.census_pass = RowPass(self, CENSUS_CACHE, (CENSUS_VERSION,), len(LABELS), "checking the rows",
                                    _plausible_flags)
         self.weights = self._weights()
         if charge_spin:

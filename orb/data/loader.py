@@ -163,7 +163,7 @@ class BatchLoader:
     def census(self, name: str, ranks: Optional[Ranks] = None, chunk: int = 256) -> np.ndarray:
         """Dataset ``name``'s census of its labels (:meth:`AseDbDataset.census`), every row read and checked by
         the workers when not cached (in a data-parallel run, this rank's share of the rows)."""
-        return self.datasets[name].census(self._pass(name, "check_rows", "checking the labels", chunk), ranks)
+        return self.datasets[name].census(self._pass(name, "check_rows", "checking the rows", chunk), ranks)
 
     def iterate(self, name: str, steps: Sequence[Step], seed: Optional[int],
                 with_stress: bool) -> Iterator[Tuple[Step, tuple]]:
@@ -175,23 +175,29 @@ class BatchLoader:
                 self.wait_time += time.perf_counter() - start
                 yield step, arrays
             return
-        pending: deque = deque()
+        pending: deque = deque()  # [step, its future (None: not submitted to the current workers)]
         todo = iter(steps)
-
-        def submit(step: Step):
-            return self._pool.submit(_prepare_in_worker, (name, step, seed, with_stress))
-
-        for step in todo:
-            pending.append((step, submit(step)))
-            if len(pending) >= self.depth:
-                break
         replaced = None  # the step at which the workers were last replaced
-        while pending:
-            step, result = pending[0]
+
+        def refill() -> None:
+            while len(pending) < self.depth:
+                following = next(todo, None)
+                if following is None:
+                    break
+                pending.append([following, None])
+            for item in pending:
+                if item[1] is None:
+                    item[1] = self._pool.submit(_prepare_in_worker, (name, item[0], seed, with_stress))
+
+        while True:
             start = time.perf_counter()
             try:
-                arrays = result.result()
+                refill()
+                if not pending:
+                    return
+                arrays = pending[0][1].result()
             except BrokenProcessPool:  # a worker died (e.g. the out-of-memory killer): new workers, same steps
+                step = pending[0][0]
                 if replaced == step:
                     raise DataWorkerError(f"data workers died twice while preparing epoch {step.epoch + 1}'s steps "
                                           f"({WORKER_DEATH})") from None
@@ -200,14 +206,11 @@ class BatchLoader:
                             "preparing those steps again", step.epoch + 1, WORKER_DEATH)
                 self.close()
                 self._pool = self._new_pool()
-                pending = deque((s, submit(s)) for s, _ in pending)
+                for item in pending:
+                    item[1] = None
                 continue
-            pending.popleft()
             self.wait_time += time.perf_counter() - start
-            following = next(todo, None)
-            if following is not None:
-                pending.append((following, submit(following)))
-            yield step, arrays
+            yield pending.popleft()[0], arrays
 
     def close(self) -> None:
         """Stop the workers now (they ignore stop signals, so they are killed, not asked)."""

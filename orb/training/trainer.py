@@ -227,10 +227,10 @@ class Trainer:
         start = time.perf_counter()
         self.loader.census(name, self.dp)
         if dataset.census_pass.read_from is not None:
-            log.info("%s data: labels of %d structures checked before, read from %s", name, len(dataset),
+            log.info("%s data: %d rows (structures and labels) checked before, read from %s", name, len(dataset),
                      dataset.census_pass.read_from)
         else:
-            log.info("%s data: labels of %d structures checked in %.1f s%s", name, len(dataset),
+            log.info("%s data: %d rows (structures and labels) checked in %.1f s%s", name, len(dataset),
                      time.perf_counter() - start, f" (shared by {self.dp.world_size} ranks)" if self.dp.parallel
                      else "")
         start = time.perf_counter()
