@@ -379,3 +379,38 @@ def test_an_output_dir_that_cannot_be_made_is_one_line(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert lines[0].startswith("error: config key 'output_dir': cannot create /proc/orb_run")
+
+
+@pytest.fixture
+def read_only_copy(tmp_path):
+    """The demo's validation database on a read-only file system (a read-only bind mount: needs root, as CI has)."""
+    import shutil
+
+    source, mount = tmp_path / "src", tmp_path / "ro"
+    source.mkdir()
+    mount.mkdir()
+    shutil.copy(DEMO_VAL, source / "val.db")
+    made = subprocess.run(["mount", "--bind", str(source), str(mount)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot make a read-only mount here ({made.stderr.strip()}): needs root")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(mount)], check=True, capture_output=True)
+        yield str(mount / "val.db")
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+def test_a_database_on_a_read_only_file_system_trains(tmp_path, read_only_copy):
+    """Shared read-only storage: the rows are checked, counted and read without writing anything there."""
+    from orb.data.dataset import AseDbDataset
+
+    with pytest.raises(OSError):
+        open(os.path.join(os.path.dirname(read_only_copy), "probe"), "w")
+    data = AseDbDataset(read_only_copy)
+    assert data.census().shape == (len(data), 3) and data.has_stress
+    np.testing.assert_array_equal(data.get(3).positions, AseDbDataset(DEMO_VAL).get(3).positions)
+    result = subprocess.run([sys.executable, "finetune.py", *run_args(tmp_path / "run", max_epochs=1,
+                                                                       train_data_path=read_only_copy,
+                                                                       val_data_path=read_only_copy)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
