@@ -24,11 +24,14 @@ def fine_tune(cfg, args) -> None:
     global _rank
     if os.environ.get("MS_ROLE") == "MS_SCHED":  # msrun's scheduler process: it ends when the workers end
         ignore_stop_signals()
-    configure_mindspore(cfg.device_target, num_threads=cfg.num_threads, parallel=True)  # msrun assigns the device
+    configure_mindspore(cfg.device_target, num_threads=cfg.num_threads, parallel=True,  # msrun assigns the device
+                        matmul_precision=cfg.matmul_precision)
 
     import mindspore as ms
-    from mindspore import ops
+    from mindspore import nn, ops
     from mindspore.communication import get_group_size, get_rank, init
+
+    from orb.training.optimizer import AllReduceSlice
 
     check_output_dir(cfg.output_dir, resume=bool(args.resume), overwrite=args.overwrite)  # before rank 0 writes
     # 1. Start communication between the workers msrun launched (HCCL on Ascend, NCCL on GPU, TCP on CPU);
@@ -42,15 +45,22 @@ def fine_tune(cfg, args) -> None:
     _rank = rank
     ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, device_num=world)
 
+    if ms.get_context("device_target") != "CPU":  # Ascend/GPU: MindSpore fuses the gradient all-reduces
+        ms.set_auto_parallel_context(comm_fusion={"allreduce": {"mode": "size", "config": 32}})
+
     data_parallel = DataParallel(
         rank=rank,
         world_size=world,
-        # 3. The gradient reducer handed to the shared compiled step: the flat gradient (one buffer, one
-        #    call per step) and the normalisers' batch statistics are summed over all ranks in the graph;
-        #    each structure weighs 1 / (global batch size), so the sum is the global batch's mean.
+        # 3. The gradient reducer the shared compiled step applies to the gradients value_and_grad returns:
+        #    a sum over all ranks (each structure weighs 1 / (global batch size) in the loss, so the sum is
+        #    the global batch's mean gradient). The normalisers' batch statistics are summed in the graph too.
+        grad_reducer=lambda params: nn.DistributedGradReducer(params, mean=False, degree=world),
         all_reduce=ops.AllReduce(ops.ReduceOp.SUM),
-        # With optimizer_shard, each rank keeps and updates 1/world of Adam's state and the updated
-        # parameter slices are all-gathered.
+        # With optimizer_shard, each rank keeps and updates 1/world of Adam's state: the flat gradient is
+        # reduce-scattered (each rank receives the sum of its slice) and the updated slices all-gathered.
+        # MindSpore 2.10's CPU backend has no ReduceScatter: there, an all-reduce and this rank's slice.
+        reduce_scatter=(ops.ReduceScatter(ops.ReduceOp.SUM) if ms.get_context("device_target") != "CPU"
+                        else AllReduceSlice(ops.AllReduce(ops.ReduceOp.SUM), rank, world)),
         all_gather=ops.AllGather(),
         shard_optimizer=cfg.optimizer_shard,
         # 4. Each rank's part of every global batch: contiguous, sizes differing by at most one. Every rank

@@ -28,9 +28,15 @@ def select_device(requested: str) -> str:
     return "CPU"
 
 
+MATMUL_PRECISIONS = ("highest", "high")
+
+
 def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_threads: int = 0,
-                        parallel: bool = False) -> str:
+                        parallel: bool = False, matmul_precision: str = "high") -> str:
     """Graph mode on the device (in an msrun job each worker gets its local device); returns the target.
+
+    ``matmul_precision`` (:func:`set_matmul_precision`): ``high`` lets float32 matrix products use
+    HF32 on Ascend and TF32 on GPU, ``highest`` keeps them float32. The CPU has one precision.
 
     ``num_threads`` (0: ``OMP_NUM_THREADS`` if set) also sizes MindSpore's own CPU kernel pool,
     which otherwise starts 25 threads whatever the core count.
@@ -55,28 +61,35 @@ def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_thr
     except RuntimeError:  # already running (a second run in the same process) on the same device is fine
         if ms.get_context("device_target") != target:
             raise
-    if target == "Ascend":
-        keep_float32_on_ascend()
+    set_matmul_precision(target, matmul_precision)
     return target
 
 
-def keep_float32_on_ascend() -> None:
-    """Run float32 matrix products in float32 on Ascend, as PyTorch does on CPU and (by default) GPU.
+def set_matmul_precision(target: str, precision: str) -> None:
+    """How float32 matrix products are computed on an accelerator, as PyTorch's ``set_float32_matmul_precision``.
 
-    CANN may compute float32 matrix products in float16 ("allow_fp32_to_fp16", the default of
-    earlier MindSpore releases on Atlas training products) or HF32; either moves orb's energies by
-    far more than the parity tolerances. Set explicitly so the numbers do not depend on the
-    release. (Where a chip has no float32 matrix unit, CANN still uses float16.) Call after
-    ``set_device``, before anything compiles.
+    ``high`` (orb-models' own default, "float32-high"): TF32 on GPU, HF32 on Ascend -- 10-bit
+    mantissa inputs, float32 accumulation, several times the throughput of float32. ``highest``:
+    float32 throughout, as the parity references were computed. On Ascend, CANN is also told to keep
+    float32 operators in float32 (``must_keep_origin_dtype``): it may otherwise run them in float16
+    (the default of earlier MindSpore releases on Atlas training products), which moves orb's
+    energies by far more than the parity tolerances. Chips whose matrix unit has no float32
+    (Ascend 910A) still use float16. Call after ``set_device``, before anything compiles.
     """
-    from mindspore.device_context.ascend import op_precision
-
+    if precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {precision!r}")
     try:
-        op_precision.precision_mode("must_keep_origin_dtype")
-        op_precision.matmul_allow_hf32(False)
+        if target == "Ascend":
+            from mindspore.device_context.ascend import op_precision
+
+            op_precision.precision_mode("must_keep_origin_dtype")
+            op_precision.matmul_allow_hf32(precision == "high")
+        elif target == "GPU":
+            from mindspore.device_context.gpu import op_precision
+
+            op_precision.matmul_allow_tf32(precision == "high")
     except RuntimeError as err:  # configured differently earlier in this process (by the caller)
-        log.warning("Ascend operator precision was already set elsewhere and is kept (%s); results may differ "
-                    "from PyTorch's float32", err)
+        log.warning("%s matrix-product precision was already set elsewhere and is kept (%s)", target, err)
 
 
 def release_host_memory() -> None:

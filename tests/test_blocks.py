@@ -1,5 +1,5 @@
-"""Building blocks on the code paths every device takes: LayerNorm's backward whatever the kernel's
-auxiliary outputs mean, and the kernel switch between the CPU custom kernels and MindSpore's built-ins."""
+"""Building blocks in both operator profiles (``cpu`` and ``portable``, orb.models.ops_profile): LayerNorm's
+gradient whatever the kernel's auxiliary outputs mean, the broadcasts and their gradients, the profile switch."""
 
 import numpy as np
 import pytest
@@ -30,25 +30,41 @@ def finite_difference_grads(x, w, b, dy, h=1e-6):
 
 
 class RstdLayerNorm:
-    """Stands for a backend whose LayerNorm kernel returns (y, mean, rstd), as Ascend's does."""
+    """Stands for a backend whose LayerNorm kernel returns (y, mean, rstd), as Ascend's does, with a gradient
+    kernel that reads rstd (CPU's LayerNormGrad reads the variance: the stand-in converts it back)."""
 
     def __new__(cls, eps):
         from mindspore import nn, ops
+        from mindspore.ops.operations._grad_ops import LayerNormGrad
 
         class Kernel(nn.Cell):
             def __init__(self):
                 super().__init__()
                 self.norm = ops.LayerNorm(begin_norm_axis=-1, begin_params_axis=-1, epsilon=eps)
+                self.grad = LayerNormGrad(begin_norm_axis=-1, begin_params_axis=-1)
 
             def construct(self, x, w, b):
                 y, mean, variance = self.norm(x, w, b)
                 return y, mean, ops.rsqrt(variance + eps)
 
+            def bprop(self, x, w, b, out, dout):
+                variance = 1.0 / ops.square(out[2]) - eps
+                return self.grad(x, dout[0], variance, out[1], w)
+
         return Kernel()
 
 
+@pytest.fixture(params=["cpu", "portable"])
+def profile(request):
+    from orb.models import ops_profile
+
+    ops_profile.set_ops_profile(request.param)
+    yield request.param
+    ops_profile.set_ops_profile("auto")
+
+
 @pytest.mark.parametrize("kernel", ["cpu", "rstd"])
-def test_layer_norm_gradient(kernel):
+def test_layer_norm_gradient(kernel, profile):
     import mindspore as ms
     from mindspore import Tensor, nn
 
@@ -60,6 +76,7 @@ def test_layer_norm_gradient(kernel):
     w, b = 1 + 0.1 * rng.standard_normal(32), 0.1 * rng.standard_normal(32)
     dy = rng.standard_normal((7, 32))
     ours = LayerNorm(32)
+    assert type(ours.function).__name__ == {"cpu": "_CpuLayerNorm", "portable": "_PortableLayerNorm"}[profile]
     ours.weight.set_data(Tensor(w.astype(np.float32)))
     ours.bias.set_data(Tensor(b.astype(np.float32)))
     if kernel == "rstd":
@@ -90,33 +107,81 @@ def test_layer_norm_gradient(kernel):
     np.testing.assert_allclose(y, layer_norm_np(x, w, b), atol=2e-6)
 
 
-def test_kernel_mode_switch(monkeypatch):
-    """``ORB_KERNELS=builtin`` selects MindSpore's built-in operators on CPU (the Ascend/GPU path)."""
+def test_rms_norm_and_scaled_rows_match_numpy_with_gradients(profile):
+    """RMSNorm and row scaling: values and gradients against float64 finite differences, in both profiles."""
+    import mindspore as ms
+    from mindspore import Tensor, nn
+
+    from orb.models.blocks import RMSNorm, ScaleRows
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    rng = np.random.default_rng(7)
+    x, gate, w = rng.normal(0.2, 1.5, (6, 16)), rng.standard_normal((6, 1)), 1 + 0.1 * rng.standard_normal(16)
+    dy = rng.standard_normal((6, 16))
+    eps = float(np.finfo(np.float32).eps)
+
+    def f(x_, gate_, w_):
+        normed = x_ / np.sqrt((x_ ** 2).mean(-1, keepdims=True) + eps) * w_
+        return float((normed * gate_ * dy).sum())
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.scale = RMSNorm(16), ScaleRows()
+
+        def construct(self, x, gate, dy):
+            return (self.scale(self.norm(x), gate) * dy).sum()
+
+    net = Net()
+    net.norm.weight.set_data(Tensor(w.astype(np.float32)))
+    got = ms.grad(net, grad_position=(0, 1), weights=net.trainable_params())(
+        *(Tensor(a.astype(np.float32)) for a in (x, gate, dy)))
+    (gx, ggate), (gw,) = got
+    for arg, computed in enumerate((gx, ggate, gw)):
+        values = [x.copy(), gate.copy(), w.copy()]
+        expected = np.zeros_like(values[arg])
+        for idx in np.ndindex(expected.shape):
+            plus, minus = [v.copy() for v in values], [v.copy() for v in values]
+            plus[arg][idx] += 1e-6
+            minus[arg][idx] -= 1e-6
+            expected[idx] = (f(*plus) - f(*minus)) / 2e-6
+        np.testing.assert_allclose(computed.asnumpy(), expected, atol=5e-5, rtol=1e-4)
+
+
+def test_ops_profile_switch(monkeypatch):
+    """``ORB_OPS_PROFILE`` (over the configured ``ops_profile``) chooses the cells' forms: ``portable`` builds
+    MindSpore's operators (built-in activations, framework gradients), ``cpu`` the custom kernels and
+    hand-written backward passes; ``auto`` is ``cpu`` on the CPU; anything else is one clear error."""
     import mindspore as ms
     from mindspore import Tensor, ops
 
-    from orb.models import kernels
+    from orb.errors import ConfigError
+    from orb.models import kernels, ops_profile
+    from orb.models.blocks import Linear
 
     ms.set_context(mode=ms.GRAPH_MODE)
     x = np.linspace(-30, 30, 4001).astype(np.float32)
     exact = np.logaddexp(0.0, x.astype(np.float64)) - np.log(2.0)
-    monkeypatch.setattr(kernels, "_mode", None)  # a trainer run earlier in the session may have set the mode
-    monkeypatch.setenv("ORB_KERNELS", "builtin")
-    assert not kernels.uses_custom_kernels()
+    monkeypatch.setattr(ops_profile, "_configured", "cpu")
+    monkeypatch.setenv("ORB_OPS_PROFILE", "portable")  # the environment wins
+    assert ops_profile.ops_profile() == "portable" and not kernels.uses_custom_kernels()
+    assert type(Linear(4, 3, np.random.default_rng(0)).function).__name__ == "_PortableLinear"
     builtin = kernels.shifted_softplus_op()
     assert not isinstance(builtin, ops.Custom)
     builtin_err = np.abs(builtin(Tensor(x)).asnumpy() - exact).max()
-    monkeypatch.setenv("ORB_KERNELS", "auto")
+    monkeypatch.setenv("ORB_OPS_PROFILE", "auto")
     if kernels.library_path() is None:
         pytest.fail("the custom kernels could not be built (a C++ compiler is part of the test environment)")
+    assert ops_profile.ops_profile() == "cpu"  # auto on the CPU
+    assert type(Linear(4, 3, np.random.default_rng(0)).function).__name__ == "_CpuLinear"
     custom = kernels.shifted_softplus_op()
     assert isinstance(custom, ops.Custom)
     custom_err = np.abs(custom(Tensor(x)).asnumpy() - exact).max()
     assert custom_err <= 4e-6 and builtin_err <= 1e-5  # both usable; the custom one is the accurate one
     assert custom_err <= builtin_err
-    monkeypatch.setenv("ORB_KERNELS", "fast")
-    with pytest.raises(ValueError, match="ORB_KERNELS"):
-        kernels.kernel_mode()
+    monkeypatch.setenv("ORB_OPS_PROFILE", "fast")
+    with pytest.raises(ConfigError, match="ORB_OPS_PROFILE must be one of auto, portable, cpu"):
+        ops_profile.ops_profile()
 
 
 def test_kernel_cache_falls_back(monkeypatch, tmp_path):
@@ -158,34 +223,43 @@ def test_compile_cell_compiles_the_phase_the_run_uses():
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_ascend_keeps_float32_matrix_products(monkeypatch):
-    """On Ascend the step must not run float32 matrix products in float16 or HF32 (CANN's choice on some
-    chips and releases): configure_mindspore asks for the original dtype, after selecting the device."""
+def test_matmul_precision_reaches_the_accelerator(monkeypatch):
+    """matmul_precision: ``high`` allows HF32 on Ascend (TF32 on GPU), ``highest`` forbids it; on Ascend CANN is
+    always asked to keep float32 operators float32 (not float16, its choice on some chips and releases); the
+    CPU is left alone. Set after selecting the device."""
     import mindspore as ms
-    from mindspore.device_context.ascend import op_precision
+    from mindspore.device_context.ascend import op_precision as ascend
+    from mindspore.device_context.gpu import op_precision as gpu
 
     from orb import device
 
     calls = []
     monkeypatch.setattr(ms, "set_device", lambda *a, **k: calls.append(("set_device",) + a))
     monkeypatch.setattr(ms, "set_context", lambda **k: None)
-    monkeypatch.setattr(op_precision, "precision_mode", lambda mode: calls.append(("precision_mode", mode)))
-    monkeypatch.setattr(op_precision, "matmul_allow_hf32", lambda value: calls.append(("matmul_allow_hf32", value)))
+    monkeypatch.setattr(ascend, "precision_mode", lambda mode: calls.append(("precision_mode", mode)))
+    monkeypatch.setattr(ascend, "matmul_allow_hf32", lambda value: calls.append(("matmul_allow_hf32", value)))
+    monkeypatch.setattr(gpu, "matmul_allow_tf32", lambda value: calls.append(("matmul_allow_tf32", value)))
     assert device.configure_mindspore("Ascend", device_id=3) == "Ascend"
     assert calls == [("set_device", "Ascend", 3), ("precision_mode", "must_keep_origin_dtype"),
-                     ("matmul_allow_hf32", False)]
+                     ("matmul_allow_hf32", True)]
+    calls.clear()
+    device.configure_mindspore("Ascend", matmul_precision="highest")
+    assert calls[1:] == [("precision_mode", "must_keep_origin_dtype"), ("matmul_allow_hf32", False)]
+    calls.clear()
+    device.configure_mindspore("GPU", matmul_precision="highest")
+    assert calls[1:] == [("matmul_allow_tf32", False)]
     calls.clear()
     device.configure_mindspore("CPU")
-    assert [c[0] for c in calls] == ["set_device"]  # nothing Ascend-specific elsewhere
+    assert [c[0] for c in calls] == ["set_device"]  # nothing accelerator-specific elsewhere
 
 
-def test_expand_is_exact_and_its_gradient_is_the_sum():
-    """expand_column/expand_row (matrix products with ones) repeat values exactly; their gradients, also
-    differentiated a second time as conservative models do, are row/column sums."""
+def test_broadcasts_are_exact_and_their_gradients_are_sums(profile):
+    """Broadcasts' column/row (products with ones under ``cpu``, BroadcastTo under ``portable``) repeat values
+    exactly; their gradients, also differentiated a second time as conservative models do, are row/column sums."""
     import mindspore as ms
     from mindspore import Tensor, nn, ops
 
-    from orb.models.blocks import expand_column, expand_row
+    from orb.models.primitives import Broadcasts
 
     ms.set_context(mode=ms.GRAPH_MODE)
     rng = np.random.default_rng(1)
@@ -193,8 +267,12 @@ def test_expand_is_exact_and_its_gradient_is_the_sum():
     weight = rng.standard_normal((7, 5)).astype(np.float32)
 
     class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.broadcasts = Broadcasts()
+
         def construct(self, c, r, w):
-            return (expand_column(c, 5) * expand_row(r, 7) * w).sum()
+            return (self.broadcasts.column(c, 5) * self.broadcasts.row(r, 7) * w).sum()
 
     class Grad(nn.Cell):  # sum of (df/dc)^2, whose gradient is a second derivative through the expansions
         def __init__(self):

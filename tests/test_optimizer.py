@@ -126,29 +126,57 @@ def test_sgd_steps_are_lr_times_the_clipped_gradient():
         np.testing.assert_allclose(p.asnumpy(), e, rtol=1e-6, atol=1e-7)
 
 
-def test_gradient_sum_over_ranks_in_buckets():
-    """The flat gradient goes to the all-reduce in buckets and comes back whole: with a stand-in
-    all-reduce that doubles what it gets (2 ranks with equal gradients) and buckets of 7 floats,
-    SGD moves every weight by lr x 2 g."""
+def test_the_train_step_applies_the_gradient_reducer():
+    """The compiled step sums the gradients with the reducer it is given (in a data-parallel run
+    MindSpore's nn.DistributedGradReducer): with a stand-in that doubles them (2 ranks with equal
+    gradients), SGD moves every weight by lr x 2 g; without one, by lr x g."""
     import mindspore as ms
-    from mindspore import Tensor, nn
+    from mindspore import Tensor, nn, ops
 
     from orb.training.optimizer import FlatAdam
     from orb.training.schedule import constant
+    from orb.training.steps import TrainStep
 
     class TwoEqualRanks(nn.Cell):
-        def construct(self, x):
-            return x * 2.0
+        def __init__(self):
+            super().__init__()
+            self.hyper_map = ops.HyperMap()
+
+        def construct(self, grads):
+            return self.hyper_map(lambda g: g * 2.0, grads)
+
+    class Linear(nn.Cell):  # loss = sum(w * x): its gradient is x
+        num_sums = 1
+
+        def __init__(self, params):
+            super().__init__()
+            self.params = ms.ParameterTuple(params)
+
+        def current_stats(self):
+            return ()
+
+        def new_stats(self, *inputs):
+            return (), ()
+
+        def commit(self, stats, counts):
+            return ()
+
+        def construct(self, *xs):
+            loss = 0.0
+            for p, x in zip(self.params, xs):
+                loss = loss + (p * x).sum()
+            return loss, ops.zeros(1, ms.float32)
 
     ms.set_context(mode=ms.GRAPH_MODE)
-    rng = np.random.default_rng(5)
-    values, params = make_params(rng)
-    opt = FlatAdam(params, constant(0.1, 3), clip_mode="none", algorithm="sgd", all_reduce=TwoEqualRanks(), bucket=7)
-    assert len(opt.buckets) > 3 and sum(opt.buckets) == opt.size
-    grads = [rng.standard_normal(v.shape).astype(np.float32) for v in values]
-    opt(tuple(Tensor(g) for g in grads))
-    for p, v, g in zip(params, values, grads):
-        np.testing.assert_allclose(p.asnumpy(), v - 0.2 * g, rtol=1e-6, atol=1e-7)
+    for reducer, factor in ((None, 1.0), (TwoEqualRanks(), 2.0)):
+        values, params = make_params(np.random.default_rng(5))
+        grads = [np.random.default_rng(6 + i).standard_normal(v.shape).astype(np.float32)
+                 for i, v in enumerate(values)]
+        step = TrainStep(Linear(params), FlatAdam(params, constant(0.1, 3), clip_mode="none", algorithm="sgd"),
+                         reducer)
+        step(*[Tensor(g) for g in grads])
+        for p, v, g in zip(params, values, grads):
+            np.testing.assert_allclose(p.asnumpy(), v - 0.1 * factor * g, rtol=1e-6, atol=1e-6)
 
 
 def torch_one_cycle(lr, total, pct=0.05):

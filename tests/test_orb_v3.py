@@ -43,11 +43,10 @@ RUNS = [
     ("orb_v3_conservative_inf_omat", "predict,inter"),
     ("orb_v3_direct_inf_omat", "predict,inter"),
 ]
-# The accelerator's operators (ORB_KERNELS=builtin) on CPU: a conservative model's forward pass,
-# forces, stress and the rotational gradient (SiLU's first derivative) and its training step (the
-# double backward: SiLU's second derivative). Direct and OMol models use a subset of these operators;
-# all of their checks were measured within the same tolerances in built-in mode too (README).
-BUILTIN_RUNS = [("orb_v3_conservative_20_omat", "predict,loss.train")]
+# Every run in both operator profiles (orb.models.ops_profile): "cpu" (custom kernels, products with
+# ones, hand-written backward passes) and "portable" (MindSpore's operators and their gradients: what
+# Ascend and GPU run), within the same tolerances.
+PROFILES = ("cpu", "portable")
 # Training conservative_omol on the reference batch (225 atoms, 14,940 edges at 120 neighbours)
 # peaks at 8.1 GB (PyTorch: 10.1 GB), above CI's 6 GB: it runs with ORB_LARGE_MEMORY=1 (README).
 # Its pieces are checked in CI: the double backward (conservative_20_omat) and the charge/spin
@@ -77,10 +76,10 @@ def expected_quantities(name, checks):
     return expected
 
 
-def run_parity(name, checks, kernels="auto"):
+def run_parity(name, checks, profile="cpu"):
     result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "v3_parity.py"), name, checks,
                              json.dumps(TOLERANCES)], capture_output=True, text=True, timeout=1800,
-                            env=dict(os.environ, ORB_KERNELS=kernels))
+                            env=dict(os.environ, ORB_OPS_PROFILE=profile))
     assert result.returncode == 0, result.stderr[-3000:]
     line = [l for l in result.stdout.splitlines() if l.startswith("RESULT ")]
     assert line, result.stdout[-2000:] + result.stderr[-2000:]
@@ -95,16 +94,10 @@ def run_parity(name, checks, kernels="auto"):
             assert value <= 1.0, (key, value, report)
 
 
+@pytest.mark.parametrize("profile", PROFILES)
 @pytest.mark.parametrize("name,checks", RUNS)
-def test_matches_pytorch_orb_models_055(name, checks):
-    run_parity(name, checks)
-
-
-@pytest.mark.parametrize("name,checks", BUILTIN_RUNS)
-def test_builtin_kernels_match_pytorch_orb_models_055(name, checks):
-    """The operators Ascend and GPU run (``ORB_KERNELS=builtin``: SiLU as x sigmoid(x), its first and
-    second derivatives by MindSpore's autodiff) within the same tolerances as the CPU kernels."""
-    run_parity(name, checks, kernels="builtin")
+def test_matches_pytorch_orb_models_055(name, checks, profile):
+    run_parity(name, checks, profile)
 
 
 @pytest.mark.large_memory  # runs with ORB_LARGE_MEMORY=1 (conftest.py)

@@ -34,13 +34,16 @@ class ORBCalculator(Calculator):
 
     @classmethod
     def from_checkpoint(cls, path: str, device_target: str = "auto", model_name: Optional[str] = None,
-                        **kwargs) -> "ORBCalculator":
+                        matmul_precision: str = "high", ops_profile: str = "auto", **kwargs) -> "ORBCalculator":
         """A calculator for a PyTorch or MindSpore checkpoint (its architecture is read from the file;
-        ``model_name`` tells a published orb-v3 file's 20- from its unlimited-neighbour variant)."""
+        ``model_name`` tells a published orb-v3 file's 20- from its unlimited-neighbour variant;
+        ``matmul_precision`` and ``ops_profile`` as the training config's keys of those names)."""
         from orb.device import configure_mindspore
         from orb.io.checkpoint import model_from_checkpoint
+        from orb.models.ops_profile import set_ops_profile
 
-        configure_mindspore(device_target)
+        configure_mindspore(device_target, matmul_precision=matmul_precision)
+        set_ops_profile(ops_profile)
         return cls(model_from_checkpoint(path, model_name), **kwargs)
 
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes):

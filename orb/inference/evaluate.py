@@ -19,6 +19,7 @@ from typing import Dict, List
 import numpy as np
 
 from orb.errors import OrbInputError
+from orb.models.ops_profile import PROFILES
 from orb.metrics import (BY_ELEMENT, BY_ELEMENT_MEANING, METRICS, add_sums, element_sums,
                          forces_by_element, metrics_from_sums, structure_sums)
 
@@ -87,6 +88,10 @@ def main(argv=None) -> int:
                         "orb-v3 file: orb_v3_conservative_20_omat or ..._inf_omat)")
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--device_target", default="auto", choices=("auto", "CPU", "GPU", "Ascend"))
+    parser.add_argument("--ops_profile", default="auto", choices=PROFILES,
+                        help="operators the model is built with (ORB_OPS_PROFILE overrides; see docs/ascend.md)")
+    parser.add_argument("--matmul_precision", default="high", choices=("highest", "high"),
+                        help="high: HF32/TF32 matrix products on Ascend/GPU (orb-models' default); highest: float32")
     parser.add_argument("--progress_bar", choices=("auto", "true", "false"), default="auto")
     args = parser.parse_args(argv)
     try:
@@ -105,7 +110,11 @@ def evaluate(args) -> int:
     from orb.inference.predictor import Predictor
     from orb.io.checkpoint import model_from_checkpoint
 
-    configure_mindspore(args.device_target)
+    from orb.models.ops_profile import describe_profile, ops_profile, set_ops_profile
+
+    target = configure_mindspore(args.device_target, matmul_precision=args.matmul_precision)
+    set_ops_profile(args.ops_profile)
+    print(f"device: {target}, {describe_profile()}")
     model = model_from_checkpoint(args.checkpoint, args.model)
     data = AseDbDataset(args.data, require_labels=False, settings=model.cfg.graph_settings(),
                         charge_spin=model.cfg.omol)
@@ -128,7 +137,8 @@ def evaluate(args) -> int:
                 results.append(structure_record(int(row.id), row.formula, graph, one))
             bar.update(len(graphs))
     summary = summarise(results)
-    summary.update({"checkpoint": os.path.abspath(args.checkpoint), "data": os.path.abspath(args.data)})
+    summary.update({"checkpoint": os.path.abspath(args.checkpoint), "data": os.path.abspath(args.data),
+                    "device_target": target, "ops_profile": ops_profile()})
     os.makedirs(out_dir, exist_ok=True)
     fields = [f for f in CSV_FIELDS if any(f in r["row"] for r in results)]
     with open(os.path.join(out_dir, "predictions.csv"), "w", newline="") as f:

@@ -1,7 +1,9 @@
 """Building blocks with PyTorch-compatible parameter names and numerics.
 
 Parameter names follow orb-models' state_dict (``weight``/``bias`` for Linear and LayerNorm,
-``NN-<i>`` for MLP layers), so a MindSpore parameter path equals the PyTorch key.
+``NN-<i>`` for MLP layers), so a MindSpore parameter path equals the PyTorch key. Linear,
+LayerNorm, RMSNorm and ScaleRows are built in the operator profile in force when they are made
+(``orb.models.ops_profile``): ``_Cpu*`` and ``_Portable*`` are the two forms of each.
 """
 
 import math
@@ -11,58 +13,20 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from orb.models.kernels import shifted_softplus_op, silu_op
+from orb.models.ops_profile import ops_profile
+from orb.models.primitives import MATMUL as _MATMUL
+from orb.models.primitives import cpu_column as _cpu_column
+from orb.models.primitives import cpu_column_sum as _cpu_column_sum
+from orb.models.primitives import cpu_row as _cpu_row
+from orb.models.primitives import cpu_row_mean as _cpu_row_mean
+from orb.models.primitives import cpu_row_sum as _cpu_row_sum
 
 
 def uniform(shape, bound: float, rng: np.random.Generator) -> np.ndarray:
     return rng.uniform(-bound, bound, size=shape).astype(np.float32)
 
 
-# Memory: MindSpore 2.10's CPU kernels for reductions (ReduceSum/ReduceMean) and for binary
-# operators that broadcast (x + bias, x * column) each keep host index/work buffers of 8-16 bytes
-# per element of their input for the life of the compiled graph (22 MB per kernel on a 2720 x 512
-# activation, measured with heaptrack); over orb's 15 layers, forward and backward, that was
-# ~3 GB. So large activations are reduced by matrix products with a ones vector, biases are added
-# with BiasAdd and other operands are expanded to the full shape first (see :func:`expand_column`).
-#
-# The MatMul primitive, not functional ops.matmul: the gradient of ops.matmul (MatMulExt)
-# transposes its operands with Transpose kernels where MatMul's gradient uses its transpose flags
-# (8 % of a conservative orb-v3 training step, which differentiates the backward passes below once
-# more). A primitive instance also avoids a MindSpore 2.10 failure seen with functional ops.tile
-# inside a custom bprop ("func graph is empty" on recompilation).
-_MATMUL = ops.MatMul()
-
-
-def expand_column(x: Tensor, width: int) -> Tensor:
-    """A (rows, 1) column repeated to (rows, width), as the product x @ ones(1, width).
-
-    Neither broadcasting binary operators (per-element buffers, see above) nor BroadcastTo
-    (MindSpore 2.10's CPU kernel: 1.5 ms for a 1776 x 256 float32 result, 12 % of an orb-v2
-    training step) nor Tile (its gradient is a ReduceSum: 3 % of a conservative orb-v3 step): the
-    product is as fast as Tile and its gradient is a matrix product too (a row sum).
-    """
-    return _MATMUL(x, ops.ones((1, width), x.dtype))
-
-
-def expand_row(x: Tensor, height: int) -> Tensor:
-    """A (width,) vector repeated to (height, width), as ones(height, 1) @ x (see :func:`expand_column`)."""
-    return _MATMUL(ops.ones((height, 1), x.dtype), x.reshape(1, -1))
-
-
-def row_sum(x: Tensor) -> Tensor:
-    """Sum over the last axis of a 2-D tensor, keeping it: (rows, cols) -> (rows, 1)."""
-    return _MATMUL(x, ops.ones((x.shape[-1], 1), x.dtype))
-
-
-def row_mean(x: Tensor) -> Tensor:
-    return row_sum(x) * (1.0 / x.shape[-1])
-
-
-def column_sum(x: Tensor) -> Tensor:
-    """Sum over the first axis of a 2-D tensor: (rows, cols) -> (cols,)."""
-    return _MATMUL(ops.ones((1, x.shape[0]), x.dtype), x).reshape(-1)
-
-
-class _LinearFunction(nn.Cell):
+class _CpuLinear(nn.Cell):
     """x W^T + b with the backward written as three matrix products (no reduction kernels)."""
 
     def __init__(self):
@@ -74,7 +38,19 @@ class _LinearFunction(nn.Cell):
         return ops.bias_add(self.matmul_t(x, weight), bias)
 
     def bprop(self, x, weight, bias, out, dout):
-        return _MATMUL(dout, weight), self.matmul_ta(dout, x), column_sum(dout)
+        return _MATMUL(dout, weight), self.matmul_ta(dout, x), _cpu_column_sum(dout)
+
+
+class _PortableLinear(nn.Cell):
+    """x W^T + b by MatMul and BiasAdd, differentiated by MindSpore (as ``nn.Dense``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.matmul_t = ops.MatMul(transpose_b=True)
+        self.bias_add = ops.BiasAdd()
+
+    def construct(self, x, weight, bias):
+        return self.bias_add(self.matmul_t(x, weight), bias)
 
 
 class Linear(nn.Cell):
@@ -87,7 +63,7 @@ class Linear(nn.Cell):
         self.has_bias = bias
         if bias:
             self.bias = Parameter(Tensor(uniform((out_dim,), bound, rng)), name="bias")
-            self.function = _LinearFunction()
+            self.function = _CpuLinear() if ops_profile() == "cpu" else _PortableLinear()
         else:
             self.matmul = ops.MatMul(transpose_b=True)
 
@@ -97,17 +73,35 @@ class Linear(nn.Cell):
         return self.matmul(x, self.weight)
 
 
-class ScaleRows(nn.Cell):
-    """x * gate with gate (rows, 1), the gate's gradient as a row sum (see :func:`row_sum`)."""
+class _CpuScaleRows(nn.Cell):
+    """x * gate, the gate expanded by a product and its gradient a row sum (``cpu`` profile)."""
 
     def construct(self, x, gate):
-        return x * expand_column(gate, x.shape[1])
+        return x * _cpu_column(gate, x.shape[1])
 
     def bprop(self, x, gate, out, dout):
-        return dout * expand_column(gate, x.shape[1]), row_sum(dout * x)
+        return dout * _cpu_column(gate, x.shape[1]), _cpu_row_sum(dout * x)
 
 
-class _LayerNormFunction(nn.Cell):
+class _PortableScaleRows(nn.Cell):
+    """x * gate with the gate broadcast by ``BroadcastTo`` (see :class:`~orb.models.primitives.Broadcasts`)."""
+
+    def construct(self, x, gate):
+        return x * ops.broadcast_to(gate, x.shape)
+
+
+class ScaleRows(nn.Cell):
+    """x * gate for x (rows, width) and gate (rows, 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.function = _CpuScaleRows() if ops_profile() == "cpu" else _PortableScaleRows()
+
+    def construct(self, x, gate):
+        return self.function(x, gate)
+
+
+class _CpuLayerNorm(nn.Cell):
     """Fused LayerNorm forward with an analytic backward (MindSpore's CPU LayerNormGrad is slow).
 
     The backward recomputes the mean and 1/std from ``x`` instead of reading the kernel's
@@ -125,13 +119,25 @@ class _LayerNormFunction(nn.Cell):
 
     def bprop(self, x, weight, bias, out, dout):
         rows, width = x.shape
-        centred = x - expand_column(row_mean(x), width)
-        rstd = expand_column(ops.rsqrt(row_mean(ops.square(centred)) + self.eps), width)
+        centred = x - _cpu_column(_cpu_row_mean(x), width)
+        rstd = _cpu_column(ops.rsqrt(_cpu_row_mean(ops.square(centred)) + self.eps), width)
         xhat = centred * rstd
-        g = dout * expand_row(weight, rows)
-        mean_g, mean_gx = row_mean(g), row_mean(g * xhat)
-        dx = rstd * (g - expand_column(mean_g, width) - xhat * expand_column(mean_gx, width))
-        return dx, column_sum(dout * xhat), column_sum(dout)
+        g = dout * _cpu_row(weight, rows)
+        mean_g, mean_gx = _cpu_row_mean(g), _cpu_row_mean(g * xhat)
+        dx = rstd * (g - _cpu_column(mean_g, width) - xhat * _cpu_column(mean_gx, width))
+        return dx, _cpu_column_sum(dout * xhat), _cpu_column_sum(dout)
+
+
+class _PortableLayerNorm(nn.Cell):
+    """MindSpore's LayerNorm primitive, differentiated by its own gradient kernel (fused on Ascend). Only the
+    normalised output is used: the auxiliary outputs' meaning is the backend's business."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.norm = ops.LayerNorm(begin_norm_axis=-1, begin_params_axis=-1, epsilon=eps)
+
+    def construct(self, x, weight, bias):
+        return self.norm(x, weight, bias)[0]
 
 
 class LayerNorm(nn.Cell):
@@ -141,7 +147,7 @@ class LayerNorm(nn.Cell):
         super().__init__()
         self.weight = Parameter(Tensor(np.ones(dim, np.float32)), name="weight")
         self.bias = Parameter(Tensor(np.zeros(dim, np.float32)), name="bias")
-        self.function = _LayerNormFunction(eps)
+        self.function = _CpuLayerNorm(eps) if ops_profile() == "cpu" else _PortableLayerNorm(eps)
 
     def construct(self, x: Tensor) -> Tensor:
         return self.function(x, self.weight, self.bias)
@@ -150,25 +156,38 @@ class LayerNorm(nn.Cell):
 ACTIVATIONS = {"ssp": shifted_softplus_op, "silu": silu_op}
 
 
-class _RMSNormFunction(nn.Cell):
-    """x / sqrt(mean(x^2) + eps) * w with its backward written out (matrix-product reductions, see above);
-    the backward is made of differentiable operators, so conservative models can train through it."""
+class _CpuRMSNorm(nn.Cell):
+    """x / sqrt(mean(x^2) + eps) * w with its backward written out (matrix-product reductions); the backward
+    is made of differentiable operators, so conservative models can train through it (``cpu`` profile)."""
 
     def __init__(self, eps: float):
         super().__init__()
         self.eps = eps
 
     def construct(self, x, weight):
-        rstd = ops.rsqrt(row_mean(ops.square(x)) + self.eps)
-        return x * expand_column(rstd, x.shape[1]) * expand_row(weight, x.shape[0])
+        rstd = ops.rsqrt(_cpu_row_mean(ops.square(x)) + self.eps)
+        return x * _cpu_column(rstd, x.shape[1]) * _cpu_row(weight, x.shape[0])
 
     def bprop(self, x, weight, out, dout):
         rows, width = x.shape
-        rstd = expand_column(ops.rsqrt(row_mean(ops.square(x)) + self.eps), width)
+        rstd = _cpu_column(ops.rsqrt(_cpu_row_mean(ops.square(x)) + self.eps), width)
         xhat = x * rstd
-        g = dout * expand_row(weight, rows)
-        dx = rstd * (g - xhat * expand_column(row_mean(g * xhat), width))
-        return dx, column_sum(dout * xhat)
+        g = dout * _cpu_row(weight, rows)
+        dx = rstd * (g - xhat * _cpu_column(_cpu_row_mean(g * xhat), width))
+        return dx, _cpu_column_sum(dout * xhat)
+
+
+class _PortableRMSNorm(nn.Cell):
+    """x / sqrt(mean(x^2) + eps) * w by ReduceMean, BroadcastTo (see :class:`~orb.models.primitives.Broadcasts`)
+    and element-wise operators, differentiated (twice, if need be) by MindSpore."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def construct(self, x, weight):
+        rstd = ops.rsqrt(ops.mean(ops.square(x), -1, True) + self.eps)
+        return x * ops.broadcast_to(rstd, x.shape) * ops.broadcast_to(weight.reshape(1, -1), x.shape)
 
 
 class RMSNorm(nn.Cell):
@@ -178,7 +197,7 @@ class RMSNorm(nn.Cell):
     def __init__(self, dim: int, eps: float = float(np.finfo(np.float32).eps)):
         super().__init__()
         self.weight = Parameter(Tensor(np.ones(dim, np.float32)), name="weight")
-        self.function = _RMSNormFunction(eps)
+        self.function = _CpuRMSNorm(eps) if ops_profile() == "cpu" else _PortableRMSNorm(eps)
 
     def construct(self, x: Tensor) -> Tensor:
         return self.function(x, self.weight)

@@ -157,29 +157,27 @@ class ScalarNormalizer(nn.Cell):
     def stats(self):
         return self.bn.running_mean, self.bn.running_var
 
-    def updated_stats(self, values: Tensor, mask: Tensor, allreduce=None):
-        """Statistics after one training batch (``values`` where ``mask``, a 0/1 tensor of their shape), and the
-        new count.
+    def batch_sums(self, values: Tensor, mask: Tensor) -> Tensor:
+        """(3,) [count, sum of (x - mean), sum of (x - mean)^2] of ``values`` where ``mask`` (a 0/1 tensor of their
+        shape), shifted by the running mean: sums over data-parallel ranks need one reduction, not two passes, and
+        the shift (the same on every rank) keeps the variance free of cancellation."""
+        shifted = (ops.stop_gradient(values) - self.bn.running_mean) * mask
+        return ops.stack((mask.sum(), shifted.sum(), (shifted * shifted).sum()))
+
+    def updated_stats(self, sums: Tensor):
+        """Statistics after one training batch from its :meth:`batch_sums` (summed over ranks), and the new count.
 
         With ``f = 1 / (count + 1)``: mean <- (1 - f) mean + f batch_mean and var <- (1 - f) var +
-        f batch_var_unbiased (the first batch replaces the statistics exactly). ``allreduce`` (a sum over data-parallel ranks) makes the
-        batch statistics those of the global batch. A batch with fewer than two values leaves
-        the statistics unchanged (PyTorch raises there).
+        f batch_var_unbiased (the first batch replaces the statistics exactly). A batch with fewer
+        than two values leaves the statistics unchanged (PyTorch raises there).
         """
-        values = ops.stop_gradient(values)
-        n = mask.sum()
-        total = (values * mask).sum()
-        if allreduce is not None:
-            n = allreduce(n)
-            total = allreduce(total)
-        batch_mean = total / ops.maximum(n, 1.0)
-        sq = (ops.square(values - batch_mean) * mask).sum()
-        if allreduce is not None:
-            sq = allreduce(sq)
-        batch_var = sq / ops.maximum(n - 1.0, 1.0)
-        old_count = self.bn.num_batches_tracked
-        factor = 1.0 / (old_count.astype(values.dtype) + 1.0).reshape(-1)
+        n, shifted_sum, shifted_square_sum = sums[0], sums[1], sums[2]
         mean, var = self.bn.running_mean, self.bn.running_var
+        offset = shifted_sum / ops.maximum(n, 1.0)
+        batch_mean = mean + offset
+        batch_var = (shifted_square_sum - offset * shifted_sum) / ops.maximum(n - 1.0, 1.0)
+        old_count = self.bn.num_batches_tracked
+        factor = 1.0 / (old_count.astype(mean.dtype) + 1.0).reshape(-1)
         valid = n > 1.5
         new_mean = ops.where(valid, (1.0 - factor) * mean + factor * batch_mean, mean)
         new_var = ops.where(valid, (1.0 - factor) * var + factor * batch_var, var)

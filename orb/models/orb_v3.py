@@ -23,7 +23,8 @@ from ase.data import covalent_radii
 from mindspore import Parameter, Tensor, nn, ops
 
 from orb.models import reference_energies
-from orb.models.blocks import MLP, expand_column, expand_row, segment_mean, segment_sum
+from orb.models.blocks import MLP, segment_mean, segment_sum
+from orb.models.primitives import Broadcasts
 from orb.models.config import ModelConfig
 from orb.models.gns import (AtomEmbedding, AttentionInteraction, Decoder, Encoder, LinearReferenceEnergy, OrbModel,
                             ScalarNormalizer, count_parameters, polynomial_envelope, remove_net_torque, style)
@@ -47,16 +48,17 @@ class BesselBasis(nn.Cell):
                                       "bessel_weights")
         self.r_max = _buffer(np.float32(r_max), "r_max")
         self.prefactor = _buffer(np.float32(math.sqrt(2.0 / r_max)), "prefactor")
+        self.broadcasts = Broadcasts()
 
     def construct(self, r: Tensor) -> Tensor:
-        x = expand_column(r.reshape(-1, 1), self.bessel_weights.shape[0])
-        return self.prefactor * (ops.sin(expand_row(self.bessel_weights, r.shape[0]) * x) / x)
+        x = self.broadcasts.column(r.reshape(-1, 1), self.bessel_weights.shape[0])
+        return self.prefactor * (ops.sin(self.broadcasts.row(self.bessel_weights, r.shape[0]) * x) / x)
 
 
-def spherical_harmonics(vectors: Tensor, r: Tensor) -> Tensor:
+def spherical_harmonics(vectors: Tensor, r: Tensor, broadcasts: Broadcasts) -> Tensor:
     """Real spherical harmonics l <= 3 of the edge directions (e3nn's formulas, component normalisation,
     components in the given x, y, z order): (E, 16)."""
-    u = vectors / expand_column(ops.maximum(r, 1e-12).reshape(-1, 1), 3)
+    u = vectors / broadcasts.column(ops.maximum(r, 1e-12).reshape(-1, 1), 3)
     x, y, z = ops.split(u, 1, axis=1)  # (E, 1) columns (indexing u[:, i] breaks MindSpore's second derivative)
     s3 = math.sqrt(3.0)
     y2, x2z2 = y * y, x * x + z * z
@@ -79,13 +81,14 @@ class ChargeSpinEmbedding(nn.Cell):
         super().__init__()
         self.W = Parameter(Tensor(rng.standard_normal(dim // 4).astype(np.float32)), name="W")
         self.spin = spin
+        self.broadcasts = Broadcasts()
 
     def construct(self, values: Tensor) -> Tensor:
-        proj = (expand_column(values.reshape(-1, 1), self.W.shape[0]) * expand_row(self.W, values.shape[0])
-                * 2.0 * math.pi)
+        proj = (self.broadcasts.column(values.reshape(-1, 1), self.W.shape[0])
+                * self.broadcasts.row(self.W, values.shape[0]) * 2.0 * math.pi)
         emb = ops.concat((ops.sin(proj), ops.cos(proj)), 1)
         if self.spin:
-            emb = emb * expand_column((values != 0).astype(emb.dtype).reshape(-1, 1), emb.shape[1])
+            emb = emb * self.broadcasts.column((values != 0).astype(emb.dtype).reshape(-1, 1), emb.shape[1])
         return emb
 
 
@@ -113,16 +116,20 @@ class MoleculeGNS(nn.Cell):
         self.gnn_stacks = nn.CellList([AttentionInteraction(cfg, rng, conditioned=cfg.omol)
                                        for _ in range(cfg.num_message_passing_steps)])
         self._decoder = Decoder(cfg, rng)
+        self.broadcasts = Broadcasts()
 
     def edge_features(self, vectors: Tensor):
         """(E, num_rbf * 16) features: envelope(r) * Bessel_n(r) * Y_m(direction); also the envelope."""
         r = ops.norm(vectors, dim=1)
         envelope = polynomial_envelope(r, self.cfg.cutoff_rmax, self.cfg.polynomial_order).reshape(-1, 1)
-        rbf, sh = self.rbf_transform(r), spherical_harmonics(vectors, r)
+        rbf, sh = self.rbf_transform(r), spherical_harmonics(vectors, r, self.broadcasts)
         num_rbf = rbf.shape[1]
-        outer = ops.tile(rbf.reshape(-1, num_rbf, 1), (1, 1, SH_COMPONENTS)) * ops.tile(
-            sh.reshape(-1, 1, SH_COMPONENTS), (1, num_rbf, 1))  # Tile, not broadcasting: see expand_column
-        features = outer.reshape(r.shape[0], -1) * expand_column(envelope, num_rbf * SH_COMPONENTS)
+        if self.broadcasts.cpu:  # Tile, not a broadcasting product (orb.models.ops_profile)
+            outer = ops.tile(rbf.reshape(-1, num_rbf, 1), (1, 1, SH_COMPONENTS)) * ops.tile(
+                sh.reshape(-1, 1, SH_COMPONENTS), (1, num_rbf, 1))
+        else:
+            outer = rbf.reshape(-1, num_rbf, 1) * sh.reshape(-1, 1, SH_COMPONENTS)
+        features = outer.reshape(r.shape[0], -1) * self.broadcasts.column(envelope, num_rbf * SH_COMPONENTS)
         return features, envelope
 
     def construct(self, numbers, vectors, senders, receivers, node_graph, charge, spin):

@@ -15,7 +15,7 @@ from orb.data.buckets import MAX_BUCKETS
 from orb.data.mixture import replay_per_step
 from orb.errors import ConfigError
 from orb.models.config import MODEL_NAMES, ModelConfig
-from orb.models.kernels import MODES
+from orb.models.ops_profile import PROFILES
 from orb.training.schedule import SCHEDULES
 
 ALGORITHMS = ("adam", "sgd")  # orb.training.optimizer.FlatAdam
@@ -92,7 +92,8 @@ class TrainConfig:
     record_batches: bool = False
     num_threads: int = 0
     data_workers: int = 2
-    kernels: str = "auto"
+    ops_profile: str = "auto"
+    matmul_precision: str = "high"
     optimizer_shard: bool = False
     model: ModelConfig = field(default_factory=ModelConfig)
 
@@ -103,7 +104,8 @@ class TrainConfig:
 CHOICES = {
     "device_target": ("auto", "CPU", "GPU", "Ascend"),
     "lr_schedule": SCHEDULES,
-    "kernels": MODES,
+    "ops_profile": PROFILES,
+    "matmul_precision": ("highest", "high"),
     "optimizer": ALGORITHMS,
     "model.name": MODEL_NAMES,
     "reference_energies.trainable": ("auto", "true", "false"),
@@ -114,6 +116,7 @@ CHOICES = {
     "replay.selection": ("fps", "random"),
     "replay.head": ("shared", "separate"),
 }
+RENAMED = {"kernels": "'ops_profile' (auto | portable | cpu; 'builtin' kernels are the portable profile)"}
 POSITIVE = ("batch_size", "max_epochs", "save_every_x_epochs", "log_every_n_steps", "num_buckets",
             "model.latent_dim", "model.mlp_hidden_dim", "model.num_mlp_layers", "model.num_message_passing_steps",
             "model.num_rbf", "model.max_neighbors", "model.head_mlp_hidden_dim", "model.head_num_mlp_layers")
@@ -167,6 +170,8 @@ def _build(cls, values: Dict[str, Any], prefix: str = ""):
     hints = typing.get_type_hints(cls)
     names = [f.name for f in fields(cls)]
     for key in values:
+        if prefix + key in RENAMED:
+            raise ConfigError(f"config key '{prefix}{key}' is now {RENAMED[prefix + key]}")
         if key not in names:
             close = difflib.get_close_matches(key, names, n=1)
             hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""

@@ -1,10 +1,11 @@
 """What a data-parallel run hands to the shared training loop (``finetune_parallel.py`` builds it).
 
 :class:`DataParallel` with its defaults is one device. In an ``msrun`` job it carries the rank,
-the number of ranks and the in-graph collectives: ``all_reduce`` sums the flat gradient and the
-normalisers' batch statistics over ranks inside the compiled step, ``all_gather`` joins the
-optimizer slices when the optimizer state is sharded. Host-side helpers sum metrics over ranks
-and check that all ranks start from the same weights.
+the number of ranks and what the compiled step uses to combine ranks: ``grad_reducer`` makes the
+gradient reducer (``nn.DistributedGradReducer``) for the trained parameters, ``all_reduce`` sums
+the normalisers' batch statistics, ``reduce_scatter`` and ``all_gather`` serve the sharded
+optimizer. Host-side helpers sum metrics over ranks and check that all ranks start from the same
+weights.
 """
 
 import logging
@@ -22,7 +23,9 @@ log = logging.getLogger("orb")
 class DataParallel:
     rank: int = 0
     world_size: int = 1
+    grad_reducer: Optional[Callable] = None  # trained parameters -> a cell summing their gradients over ranks
     all_reduce: Optional[Callable] = None  # in-graph sum over ranks
+    reduce_scatter: Optional[Callable] = None  # in-graph sum over ranks, rank r keeping the r-th slice (axis 0)
     all_gather: Optional[Callable] = None  # in-graph concatenation over ranks (along axis 0)
     split: Optional[Callable] = None  # global batch -> every rank's part, in rank order
     shard_optimizer: bool = False

@@ -23,7 +23,8 @@ import numpy as np
 from mindspore import nn, ops
 
 from orb.metrics import BY_ELEMENT, ELEMENT_BINS, FORCE_THRESHOLD, forces_by_element, metrics_from_sums
-from orb.models.blocks import expand_column, segment_sum
+from orb.models.blocks import segment_sum
+from orb.models.primitives import Broadcasts
 
 SUM_KEYS = ("loss", "loss_energy", "loss_forces", "loss_stress", "energy_mae", "energy_per_atom_mae", "forces_mae",
             "forces_cosine", "forces_within_0.03", "stress_mae", "energy_per_atom_reference_mae", "num_graphs",
@@ -49,6 +50,7 @@ class NormalisedLoss(nn.Cell):
         self.normalizers = nn.CellList(list(normalizers) + list(replay_normalizers))
         self.replay_offset = len(normalizers) if replay_normalizers else 0  # where the replay heads' ones start
         self.allreduce = allreduce  # sum over data-parallel ranks, so the statistics are the global batch's
+        self.broadcasts = Broadcasts()
 
     def absorbed(self, numbers, node_graph, n_node, graph_mask, energy, forces, stress, head):
         """[(values, mask, update?, replay rows)] per normaliser of the model's own heads: the targets a training
@@ -75,10 +77,15 @@ class NormalisedLoss(nn.Cell):
         if self.replay_offset:
             entries = ([(v, m * (1.0 - r), u, r) for v, m, u, r in entries]
                        + [(v, m * r, u, r) for v, m, u, r in entries])
+        # every normaliser's batch sums in one vector: one sum over data-parallel ranks per step
+        sums = ops.concat([normalizer.batch_sums(values, mask)
+                           for normalizer, (values, mask, _, _) in zip(self.normalizers, entries)])
+        if self.allreduce is not None:
+            sums = self.allreduce(sums)
         stats, counts = (), ()
-        for normalizer, (values, mask, update, _) in zip(self.normalizers, entries):
+        for k, (normalizer, (_, _, update, _)) in enumerate(zip(self.normalizers, entries)):
             if update:
-                mean, var, count = normalizer.updated_stats(values, mask, self.allreduce)
+                mean, var, count = normalizer.updated_stats(sums[3 * k:3 * k + 3])
             else:  # e.g. no stress labels: the statistics stay
                 mean, var = normalizer.stats()
                 count = normalizer.bn.num_batches_tracked + 0
@@ -180,8 +187,8 @@ class OrbLoss(NormalisedLoss):
         node_mask = ops.gather(graph_mask, node_graph, 0)
         graphs, nodes = self.replay_rows(head, node_graph)
         return [(self.residual_per_atom(numbers, node_graph, n_node, energy, head), graph_mask, True, graphs),
-                (forces, expand_column(node_mask.reshape(-1, 1), 3), True, nodes),
-                (stress, expand_column(graph_mask.reshape(-1, 1), 6), self.has_stress, graphs.reshape(-1, 1))]
+                (forces, self.broadcasts.column(node_mask.reshape(-1, 1), 3), True, nodes),
+                (stress, self.broadcasts.column(graph_mask.reshape(-1, 1), 6), self.has_stress, graphs.reshape(-1, 1))]
 
     def construct(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
                   unit_shifts, charge, spin, head, graph_mask, graph_weight, energy, forces, stress, *stats):

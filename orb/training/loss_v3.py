@@ -24,7 +24,6 @@ summed over data-parallel ranks, so the loss summed over ranks is the global bat
 import numpy as np
 from mindspore import ops
 
-from orb.models.blocks import expand_column, expand_row
 from orb.models.orb_v3 import CONFIDENCE_MAX_ERROR, six_components
 from orb.training.loss import NormalisedLoss
 
@@ -41,11 +40,11 @@ def huber(pred, target, delta):
     return ops.where(diff < delta, 0.5 * diff * diff, delta * (diff - 0.5 * delta))
 
 
-def conditional_huber_deltas(target):
+def conditional_huber_deltas(target, broadcasts):
     """MACE's per-atom delta from the norm of the normalised target force, broadcast to (N, 3)."""
     norm = ops.norm(target, dim=1)
     factor = ops.where(norm < 100.0, 1.0, ops.where(norm < 200.0, 0.7, ops.where(norm < 300.0, 0.4, 0.1)))
-    return expand_column((HUBER_DELTA * factor).reshape(-1, 1), target.shape[1])
+    return broadcasts.column((HUBER_DELTA * factor).reshape(-1, 1), target.shape[1])
 
 
 class OrbV3Loss(NormalisedLoss):
@@ -80,11 +79,11 @@ class OrbV3Loss(NormalisedLoss):
         per_graph = graph_mask.reshape(-1, 1)
         graphs, nodes = self.replay_rows(head, node_graph)
         out = [(self.residual_per_atom(numbers, node_graph, n_node, energy, head), graph_mask, True, graphs),
-               (forces, expand_column(ops.gather(graph_mask, node_graph, 0).reshape(-1, 1), 3), True, nodes)]
+               (forces, self.broadcasts.column(ops.gather(graph_mask, node_graph, 0).reshape(-1, 1), 3), True, nodes)]
         if self.conservative:
-            out.append((stress, expand_column(per_graph, 6), self.has_stress, graphs.reshape(-1, 1)))
+            out.append((stress, self.broadcasts.column(per_graph, 6), self.has_stress, graphs.reshape(-1, 1)))
         elif self.model.cfg.has_stress:
-            three = expand_column(per_graph, 3)
+            three = self.broadcasts.column(per_graph, 3)
             out += [(stress[:, :3], three, self.has_stress, graphs.reshape(-1, 1)),
                     (stress[:, 3:], three, self.has_stress, graphs.reshape(-1, 1))]
         return out
@@ -105,7 +104,7 @@ class OrbV3Loss(NormalisedLoss):
         atoms_total = ops.maximum(self._global(node_mask.sum()), 1.0)
         weight = graph_weight * graphs_total  # each structure's loss weight (0 for padding)
         node_weight = ops.gather(weight, node_graph, 0)
-        weight3 = expand_column(node_weight.reshape(-1, 1), 3)
+        weight3 = self.broadcasts.column(node_weight.reshape(-1, 1), 3)
         outputs = self.model(numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
                              unit_shifts, charge, spin, head)
         reference = self.model.reference_energy(numbers, node_graph, num_graphs, head)
@@ -134,7 +133,7 @@ class OrbV3Loss(NormalisedLoss):
 
         # forces
         forces_target = (forces - f_mean_n) / f_std_n
-        deltas = conditional_huber_deltas(forces_target)
+        deltas = conditional_huber_deltas(forces_target, self.broadcasts)
         loss_forces = (huber(forces_pred, forces_target, deltas) * weight3).sum() / (3.0 * atoms_total)
         forces_phys = ops.stop_gradient(forces_pred * f_std_n + f_mean_n)
         forces_mae, cosine, all_within, atom_error = self.force_metrics(forces_phys, forces, node_graph, n_node, atoms)
@@ -176,7 +175,7 @@ class OrbV3Loss(NormalisedLoss):
         if not self.has_stress:
             zero = ops.zeros_like(graph_weight)
             return zero.sum(), zero
-        weight6 = expand_column(graph_weight.reshape(-1, 1), 6)
+        weight6 = self.broadcasts.column(graph_weight.reshape(-1, 1), 6)
         if self.conservative:
             stress_raw = outputs[3]
             s_mean_o, s_var_o = self.row_stats(old, 2, replay, 2)
@@ -207,7 +206,8 @@ class OrbV3Loss(NormalisedLoss):
         """Bin index of each atom's force error and whether it counts (errors above 0.3 eV/Å are ignored)."""
         edges = self.model.heads.confidence.bin_edges
         clamped = ops.clamp(error, 0.0, CONFIDENCE_MAX_ERROR)
-        below = expand_row(edges, error.shape[0]) < expand_column(clamped.reshape(-1, 1), edges.shape[0])
+        below = (self.broadcasts.row(edges, error.shape[0])
+                 < self.broadcasts.column(clamped.reshape(-1, 1), edges.shape[0]))
         bins = ops.clamp(below.astype(np.int32).sum(1) - 1, 0, edges.shape[0] - 2)
         valid = (error <= CONFIDENCE_MAX_ERROR).astype(error.dtype)
         return bins, valid

@@ -1,27 +1,30 @@
 """PyTorch's Adam (or plain SGD) over all trained parameters as one flat vector, inside the compiled step.
 
-Why flat: one fused gradient all-reduce per step instead of one per tensor; gradient clipping
-as one operation (per-tensor clipping made MindSpore's compiler spend ~55 s and ~2 GB on
-orb-v2); and optimizer sharding (ZeRO-1) is a slice of that vector on each rank.
+Why flat: gradient clipping as one operation (per-tensor clipping made MindSpore's compiler
+spend ~55 s and ~2 GB on orb-v2), one fused Adam kernel, and optimizer sharding (ZeRO-1) is a
+slice of that vector on each rank.
 
-Per step, on the flat gradient ``g`` (and, sharded, on this rank's slice of it):
+A step is made of separate pieces, in this order (``orb.training.steps.TrainStep``):
 
-1. ``g`` is summed over data-parallel ranks (``all_reduce``, if given);
-2. clipped: ``value`` clamps each element to [-c, c] (orb-models 0.4.2), ``norm`` rescales to a
-   global L2 norm of at most c (PyTorch's ``clip_grad_norm_``), ``none``;
-3. Adam exactly as ``torch.optim.Adam``: m <- b1 m + (1 - b1) g, v <- b2 v + (1 - b2) g^2,
-   p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps), with the schedule's lr and b1
-   at step t (PyTorch raises the *current* b1 to the power t). MindSpore's fused ``Adam``
-   kernel is used with eps scaled by sqrt(1 - b2^t), which is the same formula;
-4. sharded: each rank updates only its slice of the parameters and moments, then the slices are
-   all-gathered; every rank ends the step with identical full parameters;
-5. optionally an exponential moving average of the weights (``ema_decay``), kept flat beside them.
+1. the gradient is summed over data-parallel ranks by the run's gradient reducer: MindSpore's
+   ``nn.DistributedGradReducer`` over the per-parameter gradients (``finetune_parallel.py``
+   builds it) or, with a sharded optimizer, :class:`ShardedGradient` (a reduce-scatter: each
+   rank receives the sum of its own slice only);
+2. :meth:`FlatAdam.flat_gradient`: flattened (this rank's slice when sharded), with the facts
+   every rank must agree on (is it finite, its global norm);
+3. clipped (:func:`clip`): ``value`` clamps each element to [-c, c] (orb-models 0.4.2), ``norm``
+   rescales to a global L2 norm of at most c (PyTorch's ``clip_grad_norm_``), ``none``;
+4. the update rule (:meth:`FlatAdam.apply`): Adam exactly as ``torch.optim.Adam``: m <- b1 m +
+   (1 - b1) g, v <- b2 v + (1 - b2) g^2, p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t)
+   + eps), with the schedule's lr and b1 at step t (PyTorch raises the *current* b1 to the power
+   t); MindSpore's fused ``Adam`` kernel with eps scaled by sqrt(1 - b2^t), the same formula.
+   ``algorithm="sgd"``: p <- p - lr g (its update is proportional to the gradient, so comparisons
+   of runs can see a wrong gradient scale that Adam would hide);
+5. sharded: the updated slices are all-gathered, so every rank ends the step with identical
+   parameters, which are written into the model;
+6. :class:`WeightAverage`: an exponential moving average of the weights (``ema_decay``).
 
-``algorithm="sgd"`` replaces step 3 by p <- p - lr g (no moments): its update is proportional to
-the gradient, so comparisons of runs can see a wrong gradient scale that Adam would hide.
-
-The optimizer keeps its own flat float32 copy of the parameters (its slice, when sharded) and
-writes the updated values into the model's parameters after every step.
+The optimizer keeps its own flat float32 copy of the parameters (its slice, when sharded).
 """
 
 from typing import Callable, Dict, List, Optional, Sequence
@@ -31,7 +34,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.ops.auto_generate.gen_ops_prim import SplitWithSize
 
-from orb.models.blocks import row_sum
+from orb.models.primitives import Broadcasts
 from orb.training.config import ALGORITHMS
 from orb.training.schedule import Schedule
 
@@ -53,10 +56,6 @@ def _assign_tensor(param, piece):
 
 
 _recursion_limit = 1000  # MindSpore's default
-# The gradient all-reduce sums the flat buffer in buckets of 2^22 floats (16 MB, as PyTorch DDP's
-# 25 MB buckets): on 2 CPU workers 25 % faster than one 100 MB all-reduce and as fast as one call
-# per tensor (scripts/benchmark.py allreduce); collective libraries pipeline buckets of this size.
-BUCKET = 1 << 22
 
 
 def _raise_recursion_limit(limit: int) -> None:
@@ -69,10 +68,14 @@ def _raise_recursion_limit(limit: int) -> None:
 
 
 class Sharding:
-    """This rank's part of the flat vector: elements [rank * size, (rank + 1) * size) of the padded vector."""
+    """This rank's part of the flat vector (elements [rank * size, (rank + 1) * size) of the padded vector) and
+    the collectives ZeRO-1 needs: a reduce-scatter of the gradient, an all-gather of the updated parameters, a
+    sum of a few scalars."""
 
-    def __init__(self, rank: int, world_size: int, all_gather: Callable):
-        self.rank, self.world_size, self.all_gather = rank, world_size, all_gather
+    def __init__(self, rank: int, world_size: int, reduce_scatter: Callable, all_gather: Callable,
+                 all_reduce: Callable):
+        self.rank, self.world_size = rank, world_size
+        self.reduce_scatter, self.all_gather, self.all_reduce = reduce_scatter, all_gather, all_reduce
 
 
 def _step_tables(schedule: Schedule, beta2: float, eps: float) -> Dict[str, np.ndarray]:
@@ -88,13 +91,70 @@ def _step_tables(schedule: Schedule, beta2: float, eps: float) -> Dict[str, np.n
     }
 
 
+def clip(flat, mode: str, value: float, norm, broadcasts: Broadcasts):
+    """The gradient clipped: ``value`` clamps each element, ``norm`` rescales ``flat`` so that the global norm
+    (``norm``, over all ranks' slices) is at most ``value``, ``none`` leaves it."""
+    if mode == "value":
+        return ops.clamp(flat, -value, value)
+    if mode == "norm":
+        scale = ops.clamp(value / (norm + 1e-6), None, 1.0).astype(flat.dtype)
+        return broadcasts.scale(flat, scale)
+    return flat
+
+
+class WeightAverage(nn.Cell):
+    """Exponential moving average of the weights, flat, with torch_ema's / MACE's warm-up:
+    decay_t = min(decay, (1 + t) / (10 + t))."""
+
+    def __init__(self, size: int, decay: float):
+        super().__init__(auto_prefix=False)
+        self.decay = float(decay)
+        self.value = Parameter(Tensor(np.zeros(size, np.float32)), name="optimizer_ema", requires_grad=False)
+        self.descend = ops.ApplyGradientDescent()
+
+    def construct(self, weights, step):
+        t = step.astype(weights.dtype)
+        decay = ops.clamp((1.0 + t) / (10.0 + t), None, self.decay)
+        # ema <- ema - (1 - decay) (ema - weights), in place: one fused kernel, no broadcast scalar
+        return self.descend(self.value, 1.0 - decay, self.value - weights)
+
+
+class ShardedGradient(nn.Cell):
+    """The gradient reducer of a sharded optimizer (ZeRO-1): the flat gradient reduce-scattered, so each rank
+    receives the sum over ranks of its own slice only (half an all-reduce's traffic)."""
+
+    def __init__(self, sharding: Sharding, padding: int):
+        super().__init__(auto_prefix=False)
+        self.reduce_scatter, self.padding = sharding.reduce_scatter, padding
+        self.hyper_map = ops.HyperMap()
+
+    def construct(self, grads):
+        flat = ops.concat(self.hyper_map(_flatten_one, grads))
+        if self.padding:
+            flat = ops.concat((flat, ops.zeros(self.padding, flat.dtype)))
+        return self.reduce_scatter(flat)
+
+
+class AllReduceSlice(nn.Cell):
+    """A reduce-scatter where the backend has none (MindSpore 2.10's CPU): the sum over ranks, then this rank's
+    slice (the traffic of an all-reduce)."""
+
+    def __init__(self, all_reduce: Callable, rank: int, world_size: int):
+        super().__init__()
+        self.all_reduce, self.rank, self.world_size = all_reduce, rank, world_size
+
+    def construct(self, flat):
+        size = flat.shape[0] // self.world_size
+        return self.all_reduce(flat)[self.rank * size:(self.rank + 1) * size]
+
+
 class FlatAdam(nn.Cell):
-    """Adam (PyTorch's formula) with the schedule's per-step lr and beta1, fused all-reduce, clipping and sharding."""
+    """Adam (PyTorch's formula) or SGD with the schedule's per-step lr and beta1 on a flat copy of the parameters:
+    the update rule, with clipping before it, the sharded write-back and the weight average after it."""
 
     def __init__(self, params: Sequence[Parameter], schedule: Schedule, beta2: float = 0.999, eps: float = 1e-8,
-                 clip_mode: str = "value", clip_value: float = 0.5, all_reduce: Optional[Callable] = None,
-                 sharding: Optional[Sharding] = None, ema_decay: float = 0.0, algorithm: str = "adam",
-                 bucket: int = BUCKET):
+                 clip_mode: str = "value", clip_value: float = 0.5, sharding: Optional[Sharding] = None,
+                 ema_decay: float = 0.0, algorithm: str = "adam"):
         super().__init__(auto_prefix=False)
         if clip_mode not in CLIP_MODES:
             raise ValueError(f"clip_mode must be one of {CLIP_MODES}, got {clip_mode!r}")
@@ -110,9 +170,6 @@ class FlatAdam(nn.Cell):
         self.padding = self.local_size * world - self.size
         self.sharding = sharding
         self.offset = sharding.rank * self.local_size if sharding is not None else 0
-        self.all_reduce = all_reduce
-        total = self.local_size * world
-        self.buckets = tuple([bucket] * (total // bucket) + ([total % bucket] if total % bucket else []))
         self.clip_mode, self.clip_value = clip_mode, float(clip_value)
         self.beta2 = float(beta2)
         self.num_steps = len(schedule.lr)
@@ -126,16 +183,24 @@ class FlatAdam(nn.Cell):
         self.moment2 = Parameter(Tensor(moments.copy()), name="optimizer_moment2", requires_grad=False)
         self.master = Parameter(Tensor(zeros), name="optimizer_master", requires_grad=False)
         self.ema_decay = float(ema_decay)
-        if self.ema_decay > 0:
-            self.ema = Parameter(Tensor(np.zeros(self.size, np.float32)), name="optimizer_ema", requires_grad=False)
+        self.average = WeightAverage(self.size, self.ema_decay) if self.ema_decay > 0 else None
         _raise_recursion_limit(4 * len(self.params) + 1000)
         self.adam = ops.Adam()
-        self.descend = ops.ApplyGradientDescent()  # var -= alpha * delta in place (SGD step, EMA update)
+        self.descend = ops.ApplyGradientDescent()  # var -= alpha * delta in place (the SGD step)
         self.hyper_map = ops.HyperMap()
         self.sizes_tuple = tuple(self.sizes)
         self.split_with_size = SplitWithSize()  # one kernel (ops.split unrolls a Python loop per piece)
         self.param_tuple = ms.ParameterTuple(self.params)
+        self.broadcasts = Broadcasts()
         self.sync_from_model()
+
+    @property
+    def ema(self) -> Parameter:
+        return self.average.value
+
+    def gradient_reducer(self) -> Optional[nn.Cell]:
+        """The reducer a sharded optimizer needs (:class:`ShardedGradient`), else None (the run's own)."""
+        return ShardedGradient(self.sharding, self.padding) if self.sharding is not None else None
 
     # ------------------------------------------------------------------ host side
     def flat_parameters(self) -> np.ndarray:
@@ -146,8 +211,8 @@ class FlatAdam(nn.Cell):
         flat = self.flat_parameters()
         padded = np.concatenate([flat, np.zeros(self.padding, np.float32)])
         self.master.set_data(Tensor(padded[self.offset:self.offset + self.local_size]))
-        if self.ema_decay > 0:
-            self.ema.set_data(Tensor(flat))
+        if self.average is not None:
+            self.average.value.set_data(Tensor(flat))
 
     def split(self, flat: np.ndarray) -> List[np.ndarray]:
         """A flat host vector (full length) as per-parameter arrays."""
@@ -158,56 +223,32 @@ class FlatAdam(nn.Cell):
         return out
 
     # ------------------------------------------------------------------ compiled step
-    def _flatten(self, grads):
-        flat = ops.concat(self.hyper_map(_flatten_one, grads))
-        if self.padding:
-            flat = ops.concat((flat, ops.zeros(self.padding, flat.dtype)))
-        return flat
-
-    def _sum_over_ranks(self, flat):
-        if len(self.buckets) == 1:
-            return self.all_reduce(flat)
-        return ops.concat(self.hyper_map(self.all_reduce, self.split_with_size(flat, self.buckets, 0)))
-
-    def _clip(self, flat):
-        if self.clip_mode == "value":
-            return ops.clamp(flat, -self.clip_value, self.clip_value)
-        if self.clip_mode == "norm":
-            norm = ops.sqrt(row_sum(flat.reshape(1, -1) * flat.reshape(1, -1))).reshape(())
-            scale = ops.clamp(self.clip_value / (norm + 1e-6), None, 1.0).astype(flat.dtype)
-            return flat * ops.tile(scale.reshape(1), flat.shape)  # Tile, not broadcasting: see expand_column
-        return flat
-
-    def _local(self, flat):
+    def flat_gradient(self, reduced):
+        """(this rank's flat gradient, is the whole gradient finite, its global L2 norm) from the reduced
+        gradient: per-parameter tensors, or this rank's slice from :class:`ShardedGradient`. Every rank
+        reaches the same verdict (the sharded one through one sum of two numbers)."""
         if self.sharding is None:
-            return flat
-        return flat[self.offset:self.offset + self.local_size]
-
-    def _write_back(self, updated_local):
-        full = updated_local if self.sharding is None else self.sharding.all_gather(updated_local)
-        if self.padding:
-            full = full[:self.size]
-        done = self.hyper_map(_assign_piece, self.param_tuple, self.split_with_size(full, self.sizes_tuple, 0))
-        if self.ema_decay > 0:
-            t = self.step.astype(full.dtype)
-            decay = ops.clamp((1.0 + t) / (10.0 + t), None, self.ema_decay)  # warm-up as torch_ema / MACE
-            # ema <- ema - (1 - decay) (ema - full), in place: one fused kernel, no broadcast scalar
-            done = ops.depend(done, self.descend(self.ema, 1.0 - decay, self.ema - full))
-        return done
-
-    def reduce(self, grads):
-        """The flat gradient, summed over data-parallel ranks (the same on every rank)."""
-        flat = self._flatten(grads)
-        if self.all_reduce is not None:
-            flat = self._sum_over_ranks(flat)
-        return flat
+            flat = ops.concat(self.hyper_map(_flatten_one, reduced))
+            finite = ops.isfinite(flat).all()
+            norm = self._norm(flat) if self.clip_mode == "norm" else ops.zeros((), flat.dtype)
+            return flat, finite, norm
+        local = reduced
+        nonfinite = (~ops.isfinite(local)).astype(local.dtype).sum()
+        square = self._norm(local) ** 2 if self.clip_mode == "norm" else ops.zeros((), local.dtype)
+        both = self.sharding.all_reduce(ops.stack((nonfinite, square)))
+        return local, both[0] < 0.5, ops.sqrt(both[1])
 
     def construct(self, grads):
-        return self.apply(self.reduce(grads))
+        """One step from unreduced per-parameter gradients (one device)."""
+        flat, _, norm = self.flat_gradient(grads)
+        return self.apply(flat, norm)
 
-    def apply(self, flat):
-        """One update from the reduced flat gradient: clip, Adam (or SGD), write back, EMA."""
-        grad = self._local(self._clip(flat))
+    def _norm(self, flat):
+        return ops.sqrt(self.broadcasts.row_sum(flat.reshape(1, -1) * flat.reshape(1, -1))).reshape(())
+
+    def apply(self, grad, norm):
+        """One update from this rank's flat gradient: clip, Adam (or SGD), write back, weight average."""
+        grad = clip(grad, self.clip_mode, self.clip_value, norm, self.broadcasts)
         step = ops.minimum(self.step, self.num_steps - 1)
         if self.algorithm == "sgd":
             done = self.descend(self.master, ops.gather(self.table_lr, step, 0), grad)
@@ -217,5 +258,10 @@ class FlatAdam(nn.Cell):
                              ops.gather(self.table_lr, step, 0), ops.gather(self.table_beta1, step, 0),
                              self.beta2_tensor, ops.gather(self.table_epsilon, step, 0), grad)
         updated = ops.depend(self.master, done)
-        done = self._write_back(updated)
+        full = updated if self.sharding is None else self.sharding.all_gather(updated)
+        if self.padding:
+            full = full[:self.size]
+        done = self.hyper_map(_assign_piece, self.param_tuple, self.split_with_size(full, self.sizes_tuple, 0))
+        if self.average is not None:
+            done = ops.depend(done, self.average(full, self.step))
         return ops.depend(ops.assign_add(self.step, ops.ones((), self.step.dtype)), done)

@@ -1,5 +1,7 @@
 """The compiled training and evaluation steps (each a whole step in one graph-mode ``nn.Cell``)."""
 
+from typing import Optional
+
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
@@ -9,8 +11,10 @@ from orb.training.optimizer import FlatAdam
 
 
 class TrainStep(nn.Cell):
-    """One optimisation step: the normalisers' new statistics, loss and gradients, the gradient summed over
-    data-parallel ranks, then -- if it is finite -- the statistics stored and the optimizer's update.
+    """One optimisation step: the normalisers' new statistics, loss and gradients, the gradients summed over
+    data-parallel ranks by ``grad_reducer`` (MindSpore's ``nn.DistributedGradReducer`` in a data-parallel run,
+    the optimizer's reduce-scatter when it is sharded, none on one device), then -- if the gradient is finite --
+    the statistics stored and the optimizer's update.
 
     A step whose gradient holds a NaN or inf (a diverging run, a broken structure) changes nothing
     and is counted instead: ``nonfinite`` holds [such steps in a row now, the longest run of them
@@ -20,11 +24,12 @@ class TrainStep(nn.Cell):
     synchronisation.
     """
 
-    def __init__(self, loss_cell: NormalisedLoss, optimizer: FlatAdam):
+    def __init__(self, loss_cell: NormalisedLoss, optimizer: FlatAdam, grad_reducer: Optional[nn.Cell] = None):
         super().__init__(auto_prefix=False)
         self.loss_cell = loss_cell
         self.optimizer = optimizer
         self.grad_fn = ms.value_and_grad(self.loss_cell, None, optimizer.params, has_aux=True)
+        self.grad_reducer = grad_reducer
         self.metric_sums = Parameter(Tensor(np.zeros(loss_cell.num_sums, np.float32)), name="train_metric_sums",
                                      requires_grad=False)
         self.nonfinite = Parameter(Tensor(np.zeros(4, np.int32)), name="train_nonfinite_steps", requires_grad=False)
@@ -35,11 +40,13 @@ class TrainStep(nn.Cell):
         old = self.loss_cell.current_stats()
         new, counts = self.loss_cell.new_stats(*inputs)
         (loss, sums), grads = self.grad_fn(*inputs, *old, *new)
-        flat = self.optimizer.reduce(grads)
+        if self.grad_reducer is not None:
+            grads = self.grad_reducer(grads)
+        grad, finite, norm = self.optimizer.flat_gradient(grads)
         loss = ops.depend(loss, ops.assign_add(self.steps_run, ops.ones((), ms.int32)))
-        if ops.isfinite(flat).all():
+        if finite:
             loss = ops.depend(loss, self.loss_cell.commit(new, counts))
-            loss = ops.depend(loss, self.optimizer.apply(flat))
+            loss = ops.depend(loss, self.optimizer.apply(grad, norm))
             loss = ops.depend(loss, ops.assign_add(self.metric_sums, sums))
             loss = ops.depend(loss, ops.assign(self.nonfinite, self.nonfinite * self.after_finite_step))
         else:

@@ -149,11 +149,10 @@ class Trainer:
     def _log_device(self) -> None:
         import mindspore as ms
 
-        from orb.models.kernels import set_kernel_mode, uses_custom_kernels
+        from orb.models.ops_profile import describe_profile, set_ops_profile
 
-        set_kernel_mode(self.cfg.kernels)
-        kernels = "accurate custom CPU kernels" if uses_custom_kernels() else "MindSpore's built-in kernels"
-        log.info("device: %s (%s)", ms.get_context("device_target"), kernels)
+        set_ops_profile(self.cfg.ops_profile)
+        log.info("device: %s, %s", ms.get_context("device_target"), describe_profile())
         if self.dp.parallel:
             log.info("data parallel: rank %d of %d (pid %d)", self.dp.rank, self.dp.world_size, os.getpid())
 
@@ -329,12 +328,16 @@ class Trainer:
 
         cfg, dp = self.cfg, self.dp
         self.schedule = make_schedule(cfg.lr_schedule, cfg.lr, self.total_steps, cfg.warmup_fraction)
-        sharding = Sharding(dp.rank, dp.world_size, dp.all_gather) if dp.shard_optimizer else None
+        sharding = (Sharding(dp.rank, dp.world_size, dp.reduce_scatter, dp.all_gather, dp.all_reduce)
+                    if dp.shard_optimizer else None)
         self.optimizer = FlatAdam(self.params, self.schedule, clip_mode=cfg.gradient_clip_mode,
-                                  clip_value=cfg.gradient_clip_val, all_reduce=dp.all_reduce, sharding=sharding,
-                                  ema_decay=cfg.ema_decay, algorithm=cfg.optimizer)
+                                  clip_value=cfg.gradient_clip_val, sharding=sharding, ema_decay=cfg.ema_decay,
+                                  algorithm=cfg.optimizer)
         self.loss_cell = make_loss(self.model, cfg, self.has_stress, dp.all_reduce)
-        self.train_step = TrainStep(self.loss_cell, self.optimizer)
+        grad_reducer = self.optimizer.gradient_reducer()  # a sharded optimizer reduce-scatters its own slices
+        if grad_reducer is None and dp.grad_reducer is not None:
+            grad_reducer = dp.grad_reducer(self.params)
+        self.train_step = TrainStep(self.loss_cell, self.optimizer, grad_reducer)
         self.eval_step = EvalStep(self.loss_cell)
 
     def _log_start(self) -> None:

@@ -7,11 +7,8 @@ with its first and second derivatives (conservative models train through a gradi
 exp(min(x, 0)) to ~1 ulp and, being auto-vectorised, faster than the built-in kernels. It is
 compiled once per machine with the system's g++ and cached (``orb.native``).
 
-Kernel mode (environment variable ``ORB_KERNELS`` or :func:`set_kernel_mode`):
-
-* ``auto`` (default): the custom kernels on CPU when they can be built, else MindSpore's built-ins;
-* ``builtin``: MindSpore's built-in operators everywhere -- exactly what Ascend and GPU run,
-  so that path can be tested on a CPU.
+They are the activations of the ``cpu`` operator profile (``orb.models.ops_profile``); the
+``portable`` profile, and every device other than the CPU, uses MindSpore's built-in operators.
 """
 
 import math
@@ -21,23 +18,6 @@ from typing import Optional
 from orb.native import build
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "activations.cc")
-MODES = ("auto", "builtin")
-_mode: Optional[str] = None
-
-
-def set_kernel_mode(mode: str) -> None:
-    """Choose ``auto`` or ``builtin`` kernels for models built from now on (overrides ``ORB_KERNELS``)."""
-    global _mode
-    if mode not in MODES:
-        raise ValueError(f"kernel mode must be one of {MODES}, got {mode!r}")
-    _mode = mode
-
-
-def kernel_mode() -> str:
-    mode = _mode or os.environ.get("ORB_KERNELS", "auto") or "auto"
-    if mode not in MODES:
-        raise ValueError(f"ORB_KERNELS must be one of {MODES}, got {mode!r}")
-    return mode
 
 
 def library_path() -> Optional[str]:
@@ -50,7 +30,9 @@ def _custom_library() -> Optional[str]:
     """The library to use for the model being built, or None for MindSpore's built-in operators."""
     import mindspore as ms
 
-    if kernel_mode() == "builtin" or ms.get_context("device_target") != "CPU":
+    from orb.models.ops_profile import ops_profile
+
+    if ops_profile() != "cpu" or ms.get_context("device_target") != "CPU":  # AOT kernels are CPU code
         return None
     return library_path()
 

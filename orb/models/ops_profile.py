@@ -1,0 +1,66 @@
+"""Operator profiles: the one place where the device chooses how a few primitives are written.
+
+One model definition; a profile swaps only these primitives, when a cell is built:
+
+* ``portable`` -- MindSpore's own operators with their framework gradients: broadcasting
+  arithmetic, ``ReduceSum``/``ReduceMean``, the ``LayerNorm`` primitive and its gradient,
+  ``MatMul``/``BiasAdd`` differentiated automatically, built-in activations. What Ascend and GPU
+  run; on CPU it is tested against PyTorch like the other profile (docs/ascend.md).
+* ``cpu`` -- MindSpore 2.10's CPU kernels, measured (docs/benchmarks.md): broadcasts and
+  reductions as matrix products with a ones vector (its CPU reductions and broadcasting binary
+  operators keep 8-16 bytes of host buffers per element), hand-written backward passes for
+  Linear, LayerNorm, RMSNorm and row scaling (no reduction kernels; CPU ``LayerNormGrad`` is
+  slow), and the accurate custom activation kernels (``orb.models.kernels``).
+
+``auto`` is ``cpu`` on CPU and ``portable`` elsewhere. The environment variable
+``ORB_OPS_PROFILE`` overrides the configured choice (config key ``ops_profile``).
+"""
+
+import os
+from typing import Optional
+
+from orb.errors import ConfigError
+
+PROFILES = ("auto", "portable", "cpu")
+ENVIRONMENT = "ORB_OPS_PROFILE"
+_configured: Optional[str] = None
+
+
+def _check(name: str, source: str) -> str:
+    if name not in PROFILES:
+        raise ConfigError(f"{source} must be one of {', '.join(PROFILES)}, got {name!r}")
+    return name
+
+
+def set_ops_profile(name: str) -> None:
+    """The configured profile for cells built from now on (``ORB_OPS_PROFILE``, if set, still wins)."""
+    global _configured
+    _configured = _check(name, "ops_profile")
+
+
+def requested_profile() -> str:
+    """``auto``, ``portable`` or ``cpu``: the environment's choice, else the configured one, else ``auto``."""
+    from_environment = os.environ.get(ENVIRONMENT, "")
+    if from_environment:
+        return _check(from_environment, ENVIRONMENT)
+    return _configured or "auto"
+
+
+def ops_profile() -> str:
+    """The profile cells are built with now: ``portable`` or ``cpu``."""
+    requested = requested_profile()
+    if requested != "auto":
+        return requested
+    import mindspore as ms
+
+    return "cpu" if ms.get_context("device_target") == "CPU" else "portable"
+
+
+def describe_profile() -> str:
+    """For start-up logs and reports: the profile and what it runs."""
+    from orb.models.kernels import uses_custom_kernels
+
+    if ops_profile() == "portable":
+        return "ops profile portable (MindSpore's operators and their gradients)"
+    kernels = "accurate custom CPU kernels" if uses_custom_kernels() else "built-in activations (no g++)"
+    return f"ops profile cpu (ones-vector products, hand-written backward passes, {kernels})"
