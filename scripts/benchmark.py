@@ -2,7 +2,7 @@
 ASE calculator.
 
     python scripts/benchmark.py graphs     [--torch-python PATH]
-    python scripts/benchmark.py model      [--model NAME] [--torch-python PATH] [--steps 8] [--rounds 2]
+    python scripts/benchmark.py model      [--model NAME] [--profiles cpu,portable] [--torch-python PATH] [--steps 8] [--rounds 2]
     python scripts/benchmark.py parallel   [--config C] [--batch 8]
     python scripts/benchmark.py allreduce  [--steps 5]
     python scripts/benchmark.py pipeline   [--config C] [--batch 16]
@@ -354,34 +354,45 @@ def print_bound(name: str, forward_gflop: float, ours: list, theirs: list, rate:
 
 
 def bench_model(args) -> None:
-    """Ours and PyTorch's, each in a fresh process (own peak memory), alternated over ``--rounds``."""
-    ours, theirs = [], []
+    """Ours (in each operator profile of ``--profiles``) and PyTorch's, each in a fresh process (own peak memory),
+    alternated over ``--rounds``."""
+    profiles = args.profiles.split(",")
+    ours, theirs = {p: [] for p in profiles}, []
     rate_before = gemm_rate()
     for _ in range(args.rounds):
-        result = subprocess.run([sys.executable, __file__, "_ours", args.model, str(args.steps)],
-                                capture_output=True, text=True, timeout=7200)
-        if result.returncode != 0:
-            raise RuntimeError(result.stderr[-3000:])
-        ours.append(json.loads(result.stdout.strip().splitlines()[-1]))
+        for profile in profiles:
+            result = subprocess.run([sys.executable, __file__, "_ours", args.model, str(args.steps)],
+                                    capture_output=True, text=True, timeout=7200,
+                                    env=dict(os.environ, ORB_OPS_PROFILE=profile))
+            if result.returncode != 0:
+                raise RuntimeError(result.stderr[-3000:])
+            ours[profile].append(json.loads(result.stdout.strip().splitlines()[-1]))
         if args.torch_python:
             theirs.append(measure_theirs(args.model, args.steps, args.torch_python))
     rate_after = gemm_rate()
-    first = ours[0]
+    first = ours[profiles[0]][0]
     peer = "orb-models 0.4.2" if args.model == "orb_v2" else "orb-models 0.5.5"
     print(f"{args.model}, batches of 8 demo structures: {first['atoms']:.0f} atoms, {first['edges']:.0f} edges on "
           f"average, padded to one bucket {tuple(first['bucket'])}; {args.rounds} rounds, ours and PyTorch "
           f"alternated, each in a fresh process; medians over {args.steps - 1} steps, median over rounds\n")
-    print(f"| step | MindSpore (s) | structures/s | compile (s) | PyTorch {peer} (s) | MindSpore / PyTorch time |")
-    print("|---|---|---|---|---|---|")
+    print(f"| step | ops profile | MindSpore (s) | structures/s | compile (s) | peak memory (GB) | PyTorch {peer} (s) | "
+          "MindSpore / PyTorch time |")
+    print("|---|---|---|---|---|---|---|---|")
+    p_peak = max(o["peak_gb"] for o in theirs) if theirs else None
     for kind in ("inference", "train"):
-        t = float(np.median([o[kind] for o in ours]))
-        c = float(np.median([o[kind + "_compile"] for o in ours])) - t
         p = float(np.median([o[kind] for o in theirs])) if theirs else None
-        print(f"| {kind} | {t:.3f} | {8 / t:.1f} | {c:.0f} | {f'{p:.3f}' if p else '-'} | "
-              f"{f'{t / p:.2f}x' if p else '-'} |")
-    print_bound(args.model, first["forward_gflop"], ours, theirs, (rate_before + rate_after) / 2)
-    print(f"\npeak memory (VmHWM, whole process): MindSpore {max(o['peak_gb'] for o in ours):.2f} GB" +
-          (f", PyTorch {max(o['peak_gb'] for o in theirs):.2f} GB" if theirs else ""))
+        for profile in profiles:
+            runs = ours[profile]
+            t = float(np.median([o[kind] for o in runs]))
+            c = float(np.median([o[kind + "_compile"] for o in runs])) - t
+            print(f"| {kind} | {profile} | {t:.3f} | {8 / t:.1f} | {c:.0f} | {max(o['peak_gb'] for o in runs):.2f} | "
+                  f"{f'{p:.3f}' if p else '-'} | {f'{t / p:.2f}x' if p else '-'} |")
+    for profile in profiles:
+        print(f"\n{profile}:")
+        print_bound(args.model, first["forward_gflop"], ours[profile], theirs, (rate_before + rate_after) / 2)
+    print("\npeak memory (VmHWM, whole process, training included): " +
+          ", ".join(f"MindSpore {p} {max(o['peak_gb'] for o in ours[p]):.2f} GB" for p in profiles) +
+          (f", PyTorch {p_peak:.2f} GB" if theirs else ""))
     print("MindSpore's resident memory by stage (what each added, GB): " +
           ", ".join(f"{k} {v:+.2f}" for k, v in first["memory_gb"].items()))
     print(f"host matrix-multiply calibration: {calibration(rate_before, rate_after)}")
@@ -926,6 +937,7 @@ def main() -> None:
     p.add_argument("--model", default="orb_v2", help="orb_v2 or an orb-v3 name (orb.models.MODEL_NAMES)")
     p.add_argument("--steps", type=int, default=8, help="batches of 8 demo structures per measurement")
     p.add_argument("--rounds", type=int, default=2, help="ours/PyTorch alternations")
+    p.add_argument("--profiles", default="cpu", help="operator profiles to measure, comma-separated (cpu,portable)")
     p.add_argument("--torch-python", default="", help="python with torch and orb-models (0.4.2 for orb_v2, "
                    "0.5.5 for orb-v3)")
     p = sub.add_parser("parallel")

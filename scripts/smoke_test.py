@@ -1,0 +1,11 @@
+"""A first-hour check of a machine (see orb/smoke_test.py); installed as the console command orb-smoke-test too."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from orb.smoke_test import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

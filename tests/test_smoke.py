@@ -1,0 +1,42 @@
+"""The first-hour check for NPU users (orb-smoke-test): it passes on a working machine and fails on a wrong model."""
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def test_smoke_test_passes_and_prints_a_report():
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "smoke_test.py")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    text = result.stdout
+    report = json.loads(text.split("--- paste from here into a bug report ---")[1].split("--- end ---")[0])
+    assert report["environment"]["device_target"] == "CPU"
+    for check in ("predictions_vs_pytorch", "training_step_vs_cpu", "two_worker_sum"):
+        assert report[check]["passed"], (check, report[check])
+    assert report["two_worker_sum"]["workers"] == 2
+    assert "portable profile" in report["training_step_vs_cpu"]["compared"]  # on a CPU: the two profiles
+    assert text.rstrip().endswith("all checks passed")
+
+
+def test_smoke_test_fails_on_a_wrong_model(monkeypatch):
+    """A model whose weights differ slightly from PyTorch's (one output bias moved by 1e-3) must fail the check."""
+    import mindspore as ms
+
+    from orb import smoke_test
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    build = smoke_test.reference_model
+
+    def wrong(reference):
+        model = build(reference)
+        bias = model.graph_head.mlp.layer(-1).bias
+        bias.set_data(ms.Tensor(bias.asnumpy() + 1e-3))
+        return model
+
+    monkeypatch.setattr(smoke_test, "reference_model", wrong)
+    result = smoke_test.check_predictions()
+    assert not result["passed"] and result["worst_error_over_tolerance"]["energy"] > 1.0
