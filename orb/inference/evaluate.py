@@ -19,7 +19,6 @@ from typing import Dict, List
 import numpy as np
 
 from orb.errors import OrbInputError
-from orb.models.ops_profile import PROFILES
 from orb.metrics import (BY_ELEMENT, BY_ELEMENT_MEANING, METRICS, add_sums, element_sums,
                          forces_by_element, metrics_from_sums, structure_sums)
 
@@ -79,6 +78,11 @@ def print_summary(summary: Dict) -> None:
 
 
 def main(argv=None) -> int:
+    from orb.device import quiet_mindspore
+
+    quiet_mindspore()  # before anything imports MindSpore
+    from orb.models.ops_profile import PROFILES
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="PyTorch or MindSpore orb checkpoint")
     parser.add_argument("--data", required=True, help="ASE SQLite database")
