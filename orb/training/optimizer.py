@@ -56,6 +56,7 @@ def _assign_tensor(param, piece):
 
 
 _recursion_limit = 1000  # MindSpore's default
+BUCKET = 1 << 22  # floats per piece of the flat gradient a ``cpu``-profile reducer sums (16 MB, as PyTorch DDP's 25 MB)
 
 
 def _raise_recursion_limit(limit: int) -> None:
@@ -192,11 +193,31 @@ class FlatAdam(nn.Cell):
         self.split_with_size = SplitWithSize()  # one kernel (ops.split unrolls a Python loop per piece)
         self.param_tuple = ms.ParameterTuple(self.params)
         self.broadcasts = Broadcasts()
+        self.buckets = tuple([BUCKET] * (self.size // BUCKET) + ([self.size % BUCKET] if self.size % BUCKET else []))
+        self.flat_buckets = False
         self.sync_from_model()
 
     @property
     def ema(self) -> Parameter:
         return self.average.value
+
+    def gradients_to_reduce(self, flat_buckets: bool) -> List[Parameter]:
+        """What the run's gradient reducer (``nn.DistributedGradReducer``) is built for: the trained parameters,
+        or with ``flat_buckets`` (the ``cpu`` operator profile) the flat gradient in 16 MB buckets, one
+        placeholder parameter per bucket. MindSpore's CPU collectives pipeline such buckets as fast as one
+        call per tensor for full models and faster for small ones (85 tensors: docs/benchmarks.md); on
+        Ascend and GPU MindSpore fuses the per-parameter calls itself."""
+        self.flat_buckets = bool(flat_buckets)
+        if not self.flat_buckets:
+            return self.params
+        return [Parameter(Tensor(np.zeros(1, np.float32)), name=f"flat_gradient_bucket_{i}", requires_grad=False)
+                for i in range(len(self.buckets))]
+
+    def prepare_for_reduction(self, grads):
+        """The gradients as the reducer expects them (see :meth:`gradients_to_reduce`)."""
+        if not self.flat_buckets:
+            return grads
+        return self.split_with_size(ops.concat(self.hyper_map(_flatten_one, grads)), self.buckets, 0)
 
     def gradient_reducer(self) -> Optional[nn.Cell]:
         """The reducer a sharded optimizer needs (:class:`ShardedGradient`), else None (the run's own)."""

@@ -41,7 +41,7 @@ class TrainStep(nn.Cell):
         new, counts = self.loss_cell.new_stats(*inputs)
         (loss, sums), grads = self.grad_fn(*inputs, *old, *new)
         if self.grad_reducer is not None:
-            grads = self.grad_reducer(grads)
+            grads = self.grad_reducer(self.optimizer.prepare_for_reduction(grads))
         grad, finite, norm = self.optimizer.flat_gradient(grads)
         loss = ops.depend(loss, ops.assign_add(self.steps_run, ops.ones((), ms.int32)))
         if finite:
