@@ -10,17 +10,18 @@ class OrbInputError(ValueError):
 class DatasetError(OrbInputError):
     """A problem with an ASE database or one of its rows."""
 
-    def __init__(self, path: str, message: str, row: Optional[int] = None, key: Optional[str] = None):
+    def __init__(self, path: str, message: str, row: Optional[int] = None, key: Optional[str] = None,
+                 unit: str = "row"):
         where = str(path)
         if row is not None:
-            where += f", row {row}"
+            where += f", {unit} {row}"
         if key is not None:
             where += f", key '{key}'"
         super().__init__(f"{where}: {message}")
-        self.path, self.message, self.row, self.key = str(path), message, row, key
+        self.path, self.message, self.row, self.key, self.unit = str(path), message, row, key, unit
 
     def __reduce__(self):  # raised in data-loading worker processes, re-raised in the trainer
-        return type(self), (self.path, self.message, self.row, self.key)
+        return type(self), (self.path, self.message, self.row, self.key, self.unit)
 
 
 class StructureError(OrbInputError):

@@ -19,6 +19,7 @@ import numpy as np
 
 from orb import cache
 from orb.errors import ClusterError, DatasetError, StructureError
+from orb.data.formats import frame_of
 from orb.data.sqlite_rows import RowReader
 from orb.data.graphs import (EDGE_CAPACITY_MARGIN, AtomGraphs, GraphSettings, capacity_is_counted, check_structure,
                              edge_capacity, graph_from_arrays)
@@ -243,6 +244,8 @@ class AseDbDataset:
         self.label_table: Optional[LabelTable] = None
         check_sqlite_file(self.path)
         self.rows = RowReader(self.path)
+        self.sources: list = []
+        self.sources = self._read_sources()
         self._fingerprint: Optional[str] = None
         self.ids, self.natoms = self._scan()
         self.capacity_pass = RowPass(self, CAPACITY_CACHE, (CAPACITY_VERSION, EDGE_CAPACITY_MARGIN,
@@ -258,7 +261,7 @@ class AseDbDataset:
         """Row ids and atom counts from ASE's species table (a few bytes per element of a row, not the rows)."""
         rows = self._read("SELECT id, SUM(n) FROM species GROUP BY id ORDER BY id", [])
         if not rows:
-            raise DatasetError(self.path, "database has no rows")
+            raise self._error("database has no rows")
         ids, natoms = np.array(rows, dtype=np.int64).T
         return ids, natoms
 
@@ -290,7 +293,7 @@ class AseDbDataset:
                 for column, key in ((0, "energy"), (1, "forces")):
                     if not stored[:, column].all():
                         row = int(self.ids[np.argmin(stored[:, column])])
-                        raise DatasetError(self.path, "row has no label (store it with a SinglePointCalculator)", row,
+                        raise self._error("row has no label (store it with a SinglePointCalculator)", row,
                                            key)
                 if stored[:, 2].any() and not stored[:, 2].all():
                     row = int(self.ids[np.argmin(stored[:, 2])])
@@ -311,6 +314,24 @@ class AseDbDataset:
     def has_labels(self) -> bool:
         return self.label_table is not None or bool(self.census()[:, :2].all())
 
+    def _error(self, message: str, row: Optional[int] = None, key: Optional[str] = None) -> DatasetError:
+        """A bad row named where the user can find it: this database's row, or for a database indexed from
+        another format (``orb.data.formats``) the original file and frame."""
+        if self.sources and row is not None:
+            path, frame = frame_of(self.sources, row)
+            return DatasetError(path, message.replace("row has", "frame has"), frame, key, unit="frame")
+        return DatasetError(self.path, message, row, key)
+
+    def _read_sources(self) -> list:
+        """The files and frame counts of a database indexed from another format, else []."""
+        import json
+
+        found = self._read("SELECT value FROM information WHERE name='metadata'", [])
+        try:
+            return json.loads(found[0][0]).get("orb_sources", []) if found else []
+        except (ValueError, AttributeError):
+            return []
+
     def _read(self, query: str, default=None) -> list:
         """Rows of a read-only query (this process's connection); ``default`` when a table the query needs does not
         exist (ASE creates the key-value tables with the first key-value pair)."""
@@ -319,9 +340,9 @@ class AseDbDataset:
         except sqlite3.OperationalError as exc:
             if default is not None and "no such table" in str(exc):
                 return default
-            raise DatasetError(self.path, f"cannot read as an ASE database ({exc})") from None
+            raise self._error(f"cannot read as an ASE database ({exc})") from None
         except sqlite3.DatabaseError as exc:
-            raise DatasetError(self.path, f"cannot read as an ASE database ({exc})") from None
+            raise self._error(f"cannot read as an ASE database ({exc})") from None
 
     def _weights(self) -> np.ndarray:
         """Each row's ``weight`` key-value pair (1 where absent), checked: a number, finite and >= 0."""
@@ -329,10 +350,10 @@ class AseDbDataset:
         position = {int(i): k for k, i in enumerate(self.ids)}
         text = self._read("SELECT id, value FROM text_key_values WHERE key = 'weight' LIMIT 1", [])
         if text:
-            raise DatasetError(self.path, f"weight must be a number, got {text[0][1]!r}", text[0][0], "weight")
+            raise self._error(f"weight must be a number, got {text[0][1]!r}", text[0][0], "weight")
         for row, value in self._read("SELECT id, value FROM number_key_values WHERE key = 'weight'", []):
             if value is None or not np.isfinite(value) or value < 0:
-                raise DatasetError(self.path, f"weight must be a finite number >= 0, got {value!r}", row, "weight")
+                raise self._error(f"weight must be a finite number >= 0, got {value!r}", row, "weight")
             weights[position[int(row)]] = float(value)
         return weights
 
@@ -341,7 +362,7 @@ class AseDbDataset:
         rows = np.array(self._read("SELECT id, energy FROM systems ORDER BY id"), dtype=np.float64).reshape(-1, 2)
         missing = np.isnan(rows[:, 1])
         if missing.any():
-            raise DatasetError(self.path, "row has no energy", int(rows[np.argmax(missing), 0]), "energy")
+            raise self._error("row has no energy", int(rows[np.argmax(missing), 0]), "energy")
         return rows[:, 1]
 
     def composition(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -398,21 +419,21 @@ class AseDbDataset:
         if energy is not None:
             energy = np.asarray(energy, dtype=np.float64)
             if energy.size != 1:
-                raise DatasetError(self.path, f"energy must be a scalar, got shape {energy.shape}", row.id, "energy")
+                raise self._error(f"energy must be a scalar, got shape {energy.shape}", row.id, "energy")
             energy = float(energy)
         if forces is not None:
             forces = np.asarray(forces, dtype=np.float64)
             if forces.shape != (n, 3):
-                raise DatasetError(self.path, f"forces of shape {forces.shape} for {n} atoms", row.id, "forces")
+                raise self._error(f"forces of shape {forces.shape} for {n} atoms", row.id, "forces")
         if stress is not None:
             stress = np.asarray(stress, dtype=np.float64)
             if stress.shape in ((3, 3), (9,)):  # a full tensor (ASE reads one back flat)
                 stress = matrix_to_voigt(stress.reshape(3, 3))
             if stress.shape != (6,):
-                raise DatasetError(self.path, f"stress of shape {stress.shape}, expected (6,) or (3, 3)", row.id, "stress")
+                raise self._error(f"stress of shape {stress.shape}, expected (6,) or (3, 3)", row.id, "stress")
         for key, value in (("energy", energy), ("forces", forces), ("stress", stress)):
             if value is not None and not np.all(np.isfinite(value)):
-                raise DatasetError(self.path, "label contains NaN or inf", row.id, key)
+                raise self._error("label contains NaN or inf", row.id, key)
         return energy, forces, stress
 
     def _charge_spin(self, row) -> Tuple[Optional[np.ndarray], Optional[np.ndarray]]:
@@ -421,15 +442,15 @@ class AseDbDataset:
         for key in ("charge", "spin"):
             value = row.key_value_pairs.get(key, (row.data or {}).get(key))
             if value is None and self.charge_spin:
-                raise DatasetError(self.path, f"row has no total {key}, which OMol models need (store it with "
+                raise self._error(f"row has no total {key}, which OMol models need (store it with "
                                    f"db.write(atoms, charge=..., spin=...))", row.id, key)
             if value is not None:
                 try:
                     value = float(value)
                 except (TypeError, ValueError):
-                    raise DatasetError(self.path, f"{key} must be a number, got {value!r}", row.id, key) from None
+                    raise self._error(f"{key} must be a number, got {value!r}", row.id, key) from None
                 if not np.isfinite(value):
-                    raise DatasetError(self.path, f"{key} must be finite", row.id, key)
+                    raise self._error(f"{key} must be finite", row.id, key)
                 value = np.array([value], np.float32)
             values.append(value)
         return values[0], values[1]
@@ -467,7 +488,7 @@ class AseDbDataset:
     def _structure_error(self, row, exc: StructureError) -> DatasetError:
         key = ("numbers" if "atomic number" in str(exc) else "pbc" if "pbc" in str(exc)
                else "cell" if "cell" in str(exc) else "positions")
-        return DatasetError(self.path, str(exc), row.id, key)
+        return self._error(str(exc), row.id, key)
 
     def count_edge_capacities(self, start: int, stop: int) -> np.ndarray:
         """The edge capacities (:func:`edge_capacity`) of rows ``start:stop``."""

@@ -85,7 +85,11 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="PyTorch or MindSpore orb checkpoint")
-    parser.add_argument("--data", required=True, help="ASE SQLite database")
+    parser.add_argument("--data", required=True, help="ASE SQLite database, extxyz or any ase.io file, .aselmdb, "
+                        "or a folder of them")
+    for name, default in (("energy", ""), ("forces", ""), ("stress", ""), ("charge", "charge"), ("spin", "spin")):
+        parser.add_argument(f"--{name}_key", default=default, help=f"where other formats keep the {name} "
+                            "(orb.data.formats; default: the stored results, then REF_/plain names)")
     parser.add_argument("--output_dir", default="", help="where to write predictions.csv and summary.json "
                         "(default: evaluation/<database name>)")
     parser.add_argument("--model", default=None, help="model name, when the checkpoint cannot tell (a published "
@@ -109,6 +113,7 @@ def evaluate(args) -> int:
     from tqdm import tqdm
 
     from orb.data.dataset import AseDbDataset
+    from orb.data.formats import LabelKeys, readable_database
     from orb.data.graphs import batch_graphs
     from orb.device import configure_mindspore
     from orb.inference.predictor import Predictor
@@ -120,7 +125,8 @@ def evaluate(args) -> int:
     set_ops_profile(args.ops_profile)
     print(f"device: {target}, {describe_profile()}")
     model = model_from_checkpoint(args.checkpoint, args.model)
-    data = AseDbDataset(args.data, require_labels=False, settings=model.cfg.graph_settings(),
+    keys = LabelKeys(args.energy_key, args.forces_key, args.stress_key, args.charge_key, args.spin_key)
+    data = AseDbDataset(readable_database(args.data, keys), require_labels=False, settings=model.cfg.graph_settings(),
                         charge_spin=model.cfg.omol)
     predictor = Predictor(model)
     out_dir = args.output_dir or os.path.join("evaluation", os.path.splitext(os.path.basename(args.data))[0])
@@ -143,7 +149,10 @@ def evaluate(args) -> int:
     summary = summarise(results)
     summary.update({"checkpoint": os.path.abspath(args.checkpoint), "data": os.path.abspath(args.data),
                     "device_target": target, "ops_profile": ops_profile()})
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as exc:
+        raise OrbInputError(f"--output_dir {out_dir}: cannot create it ({exc.strerror})") from None
     fields = [f for f in CSV_FIELDS if any(f in r["row"] for r in results)]
     with open(os.path.join(out_dir, "predictions.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, restval="")

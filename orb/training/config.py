@@ -58,7 +58,7 @@ class ReplayConfig:
 
 @dataclass
 class TrainConfig:
-    train_data_path: str = "data/demo_train.db"
+    train_data_path: str = "data/demo_train.db"  # ASE SQLite, extxyz or any ase.io file, .aselmdb, or a folder
     val_data_path: str = "data/demo_val.db"
     checkpoint_path: str = ""
     output_dir: str = "outputs/run"
@@ -76,6 +76,11 @@ class TrainConfig:
     loss_weights: LossWeights = field(default_factory=LossWeights)
     reference_energies: ReferenceEnergyConfig = field(default_factory=ReferenceEnergyConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    energy_key: str = ""  # where non-SQLite data keep their labels (orb.data.formats; "" = the defaults)
+    forces_key: str = ""
+    stress_key: str = ""
+    charge_key: str = "charge"
+    spin_key: str = "spin"
     patience: int = 0
     freeze_backbone: bool = False
     augmentation: bool = True

@@ -17,7 +17,7 @@ from orb.data.graphs import capacity_is_counted
 from orb.data.loader import BatchLoader, Step, plan_epoch, step_totals
 from orb.data.mixture import MixedSampler, Mixture, Source, replay_per_step
 from orb.device import compile_cell
-from orb.errors import ClusterError, ConfigError, DivergedError
+from orb.errors import ClusterError, ConfigError, DatasetError, DivergedError
 from orb.metrics import BY_ELEMENT, METRICS, describe, format_by_element
 from orb.training import replay as replay_data
 from orb.training import state as training_state
@@ -180,7 +180,7 @@ class Trainer:
         graphs, charge_spin = cfg.model.graph_settings(), cfg.model.omol
 
         def open_db(path, **kwargs):
-            return AseDbDataset(path, settings=graphs, charge_spin=charge_spin, **kwargs)
+            return AseDbDataset(self._readable(path), settings=graphs, charge_spin=charge_spin, **kwargs)
 
         self.databases: Dict[str, AseDbDataset] = {"train": open_db(cfg.train_data_path,
                                                                     augmentation=cfg.augmentation)}
@@ -206,6 +206,26 @@ class Trainer:
         if cfg.loss_weights.stress > 0 and cfg.model.has_stress and not train.has_stress:
             log.warning("%s has no stress labels: training without the stress loss", cfg.train_data_path)
         self._check_stress()
+
+    def _readable(self, path: str) -> str:
+        """The ASE SQLite database to read for a data path: itself, or its cached index (orb.data.formats), made by
+        rank 0 first while the others wait (each node makes its own when the cache folder is node-local)."""
+        from orb.data.formats import LabelKeys, readable_database
+
+        cfg = self.cfg
+        keys = LabelKeys(cfg.energy_key, cfg.forces_key, cfg.stress_key, cfg.charge_key, cfg.spin_key)
+        error = None
+        if self.dp.is_main:
+            try:
+                readable = readable_database(path, keys, _tqdm_enabled(cfg.progress_bar, True))
+            except DatasetError as exc:
+                error = exc
+        failed = self.dp.sum(np.array([1.0 if error is not None else 0.0]))[0] > 0  # the others wait for rank 0
+        if error is not None:
+            raise error
+        if failed:
+            raise DatasetError(path, "rank 0 could not read it (its line names the problem)")
+        return readable if self.dp.is_main else readable_database(path, keys, False)
 
     def _check_stress(self) -> None:
         """Every set a training batch or a validation mixes with the target must carry stress when it is trained."""

@@ -1,0 +1,170 @@
+"""Data in the formats people have (orb.data.formats): extxyz (calculator results or REF_ keys), a folder of
+files and ASE-LMDB read as the same rows as the SQLite database they were written from; indexed once;
+bad input is one line naming the file, the frame and the key."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import DEMO_VAL, ROOT
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ORB_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def demo_frames():
+    from ase.db import connect
+
+    return [row.toatoms() for row in connect(DEMO_VAL).select()]
+
+
+def write_ref_keys(path, frames):
+    """MACE's convention: labels in info['REF_energy'], arrays['REF_forces'], info['REF_stress']."""
+    import ase.io
+
+    out = []
+    for atoms in frames:
+        plain = atoms.copy()
+        plain.info["REF_energy"] = atoms.get_potential_energy()
+        plain.arrays["REF_forces"] = atoms.get_forces()
+        plain.info["REF_stress"] = atoms.get_stress()
+        out.append(plain)
+    ase.io.write(path, out, format="extxyz")
+
+
+def same_rows(path, reference=DEMO_VAL):
+    from orb.data.dataset import AseDbDataset
+
+    ours, theirs = AseDbDataset(path), AseDbDataset(reference)
+    assert len(ours) == len(theirs)
+    for i in range(len(theirs)):
+        a, b = ours.get(i), theirs.get(i)
+        # extxyz is text: 8 decimals of positions and labels, then float32 positions in the graph
+        np.testing.assert_allclose(a.positions, b.positions, atol=1e-6)
+        np.testing.assert_array_equal(a.numbers, b.numbers)
+        for name in ("energy", "forces", "stress"):
+            np.testing.assert_allclose(getattr(a, name), getattr(b, name), rtol=1e-7, atol=1e-7, err_msg=name)
+    assert ours.has_stress == theirs.has_stress
+
+
+def test_extxyz_a_folder_and_aselmdb_are_the_rows_of_the_database(tmp_path, cache):
+    import ase.io
+    from ase.db import connect
+
+    from orb.data.formats import readable_database
+
+    frames = demo_frames()
+    ase.io.write(tmp_path / "val.extxyz", frames, format="extxyz")  # energy=, forces, stress as results
+    same_rows(readable_database(str(tmp_path / "val.extxyz")))
+    write_ref_keys(tmp_path / "ref.xyz", frames)
+    same_rows(readable_database(str(tmp_path / "ref.xyz")))
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    ase.io.write(folder / "a.extxyz", frames[:5], format="extxyz")
+    ase.io.write(folder / "b.extxyz", frames[5:], format="extxyz")
+    same_rows(readable_database(str(folder)))
+    with connect(str(tmp_path / "val.aselmdb")) as db:
+        for atoms in frames:
+            db.write(atoms)
+    same_rows(readable_database(str(tmp_path / "val.aselmdb")))
+    assert readable_database(DEMO_VAL) == DEMO_VAL  # SQLite is read as it is
+
+
+def test_indexed_once_and_again_when_the_file_changes(tmp_path, cache):
+    import ase.io
+
+    from orb.data.formats import readable_database
+
+    frames = demo_frames()
+    path = tmp_path / "val.extxyz"
+    ase.io.write(path, frames, format="extxyz")
+    first = readable_database(str(path))
+    stamp = os.stat(first).st_mtime_ns
+    assert readable_database(str(path)) == first and os.stat(first).st_mtime_ns == stamp  # kept, not redone
+    ase.io.write(path, frames[:4], format="extxyz")
+    second = readable_database(str(path))
+    assert second != first
+    from orb.data.dataset import AseDbDataset
+
+    assert len(AseDbDataset(second)) == 4
+
+
+def test_orb_evaluate_gives_the_same_metrics_on_extxyz(tmp_path, cache):
+    import ase.io
+
+    ase.io.write(tmp_path / "val.extxyz", demo_frames(), format="extxyz")
+    summaries = []
+    for data in (DEMO_VAL, str(tmp_path / "val.extxyz")):
+        out = tmp_path / ("eval_" + os.path.basename(data))
+        result = subprocess.run([sys.executable, "scripts/evaluate.py", "--checkpoint", "data/demo_pretrained.ckpt",
+                                 "--data", data, "--output_dir", str(out), "--progress_bar", "false"],
+                                cwd=ROOT, capture_output=True, text=True, timeout=600,
+                                env=dict(os.environ, ORB_CACHE_DIR=str(cache)))
+        assert result.returncode == 0, result.stderr[-2000:]
+        summaries.append(json.load(open(out / "summary.json")))
+    for key in ("energy_mae", "forces_mae", "stress_mae", "energy_per_atom_mae"):
+        assert summaries[0][key] == pytest.approx(summaries[1][key], rel=1e-6), key
+
+
+def test_bad_input_is_one_line_naming_file_frame_and_key(tmp_path, cache):
+    import ase.io
+
+    from orb.data.formats import LabelKeys, readable_database
+    from orb.errors import DatasetError
+
+    frames = demo_frames()
+    garbage = tmp_path / "garbage.xyz"
+    garbage.write_text("this is not\na structure file\n")
+    with pytest.raises(DatasetError, match=r"garbage.xyz: ase.io cannot read it"):
+        readable_database(str(garbage))
+    write_ref_keys(tmp_path / "ref.xyz", frames)
+    with pytest.raises(DatasetError, match=r"ref.xyz, key 'energy_key': frame 0 has no energy under the configured "
+                                           r"key \(info\['DFT_energy'\]\)"):
+        readable_database(str(tmp_path / "ref.xyz"), LabelKeys(energy="DFT_energy"))
+    bad = [a.copy() for a in frames[:3]]
+    for a in bad:
+        a.info["E"] = [1.0, 2.0]
+    ase.io.write(tmp_path / "shape.xyz", bad, format="extxyz")
+    with pytest.raises(DatasetError, match=r"shape.xyz, key 'energy': frame 0: energy of shape \(2,\), expected a number"):
+        readable_database(str(tmp_path / "shape.xyz"), LabelKeys(energy="E"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DatasetError, match=r"empty: is an empty folder"):
+        readable_database(str(tmp_path / "empty"))
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    ase.io.write(mixed / "a.extxyz", frames[:3], format="extxyz")
+    unstressed = []
+    for atoms in frames[3:6]:
+        plain = atoms.copy()
+        plain.info["REF_energy"] = atoms.get_potential_energy()
+        plain.arrays["REF_forces"] = atoms.get_forces()
+        unstressed.append(plain)
+    ase.io.write(mixed / "b.extxyz", unstressed, format="extxyz")
+    with pytest.raises(DatasetError, match=r"b.extxyz, key 'stress': frame 0 has no stress while .*a.extxyz frame 0"):
+        readable_database(str(mixed))
+
+
+def test_a_frame_without_labels_is_named_by_file_and_frame_when_training(tmp_path, cache):
+    """Unlabelled frames index (orb-evaluate predicts them); training names the original file and frame, in one
+    line, and writes nothing."""
+    import ase.io
+
+    frames = demo_frames()
+    plain = [a.copy() for a in frames]  # copies carry no calculator: no labels
+    ase.io.write(tmp_path / "train.extxyz", frames[:6] + plain[6:8], format="extxyz")
+    out = tmp_path / "run"
+    result = subprocess.run([sys.executable, "finetune.py", "--config", "configs/demo.yaml", "--train_data_path",
+                             str(tmp_path / "train.extxyz"), "--output_dir", str(out), "--max_epochs", "1"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, ORB_CACHE_DIR=str(cache)))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "train.extxyz, frame 6" in lines[0] and "has no" in lines[0], lines[0]
+    assert not out.exists() or not any(out.iterdir())
