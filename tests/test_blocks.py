@@ -292,3 +292,36 @@ def test_broadcasts_are_exact_and_their_gradients_are_sums(profile):
     # g = (sum_j r_j w_ij)_i; d/dr_k sum_i g_i^2 = 2 sum_i g_i w_ik
     g = (row * weight).sum(1, keepdims=True)
     np.testing.assert_allclose(d2[1].asnumpy(), 2 * (g * weight).sum(0), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["orb_v2", "orb_v3_conservative_20_omat", "orb_v3_direct_omol"])
+def test_portable_models_hold_no_cpu_forms(name, profile):
+    """Built under ``portable``, a model (and its loss and optimizer) contains no hand-written backward pass, no
+    custom kernel and no ones-vector broadcast; under ``cpu`` it does (so the check can fail)."""
+    from mindspore import ops
+
+    from orb.models import create
+    from orb.models.primitives import Broadcasts
+    from orb.training.config import config_from_dict
+    from orb.training.optimizer import FlatAdam
+    from orb.training.schedule import constant
+    from orb.training.trainer import make_loss
+
+    small = dict(latent_dim=16, mlp_hidden_dim=16, num_message_passing_steps=1, head_mlp_hidden_dim=16)
+    model = create(name, **small)
+    cfg = config_from_dict(dict(model=dict(small, name=name)))
+    cells = [model, make_loss(model, cfg, has_stress=True), FlatAdam(model.trainable_params(), constant(1e-3, 2))]
+    custom_bprops, custom_kernels, ones_products = [], [], []
+    for top in cells:
+        for path, cell in top.cells_and_names():
+            if "bprop" in type(cell).__dict__:
+                custom_bprops.append(path or type(cell).__name__)
+            if isinstance(cell, Broadcasts) and cell.cpu:
+                ones_products.append(path)
+            for attr, value in vars(cell).items():
+                if isinstance(value, ops.Custom):
+                    custom_kernels.append(f"{path}.{attr}")
+    if profile == "portable":
+        assert not custom_bprops and not custom_kernels and not ones_products, (custom_bprops[:3], custom_kernels[:3])
+    else:
+        assert custom_bprops and ones_products
