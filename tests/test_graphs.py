@@ -549,3 +549,24 @@ def test_supercell_offsets_are_the_widened_lattice_points_in_lexicographic_order
         expected = np.unique(widened, axis=0)
         offsets = minimal_supercell_offsets(cell, 6.0)
         assert offsets.dtype == np.float32 and np.array_equal(offsets, expected)
+
+
+def test_simulated_batches_are_the_shuffled_batches_summed():
+    """The vectorised simulation gives the node and edge totals of every batch of every shuffled epoch, in order,
+    exactly as summing each batch of the same permutations (the plans of earlier runs are unchanged)."""
+    from orb.data.buckets import simulate_batches
+
+    rng = np.random.default_rng(3)
+    natoms = rng.integers(1, 200, 1003)
+    edges = natoms * rng.integers(5, 30, 1003)
+    nodes, totals = simulate_batches(natoms, edges, 8, epochs=3, seed=5)
+    expected_nodes, expected_edges = [], []
+    draw = np.random.default_rng(5)
+    for _ in range(3):
+        order = draw.permutation(len(natoms))
+        for i in range(0, len(order), 8):
+            expected_nodes.append(natoms[order[i:i + 8]].sum())
+            expected_edges.append(edges[order[i:i + 8]].sum())
+    np.testing.assert_array_equal(nodes, expected_nodes)
+    np.testing.assert_array_equal(totals, expected_edges)
+    assert len(nodes) == 3 * 126  # the last batch of each epoch holds the remaining 3 structures

@@ -46,16 +46,17 @@ def round_up(x: int, multiple: int) -> int:
 
 def simulate_batches(natoms: np.ndarray, edges: np.ndarray, batch_size: int, epochs: int = 50,
                      seed: int = 0) -> Tuple[np.ndarray, np.ndarray]:
-    """Node and edge-capacity totals of randomly shuffled batches over a number of simulated epochs."""
+    """Node and edge-capacity totals of randomly shuffled batches over a number of simulated epochs (one vectorised
+    sum per epoch: 1.58 M rows are planned in seconds, not a Python loop over every batch)."""
     rng = np.random.default_rng(seed)
+    natoms, edges = np.asarray(natoms, dtype=np.int64), np.asarray(edges, dtype=np.int64)
+    starts = np.arange(0, len(natoms), batch_size)
     nodes_out, edges_out = [], []
     for _ in range(epochs):
         order = rng.permutation(len(natoms))
-        for i in range(0, len(order), batch_size):
-            part = order[i:i + batch_size]
-            nodes_out.append(natoms[part].sum())
-            edges_out.append(edges[part].sum())
-    return np.asarray(nodes_out), np.asarray(edges_out)
+        nodes_out.append(np.add.reduceat(natoms[order], starts))
+        edges_out.append(np.add.reduceat(edges[order], starts))
+    return np.concatenate(nodes_out), np.concatenate(edges_out)
 
 
 def largest_batch(natoms: np.ndarray, edges: np.ndarray, batch_size: int) -> Tuple[int, int]:
