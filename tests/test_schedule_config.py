@@ -61,3 +61,29 @@ def test_shipped_configs_document_every_key():
         if is_dataclass(default) and f.name != "model":
             for sub in fields(default):
                 assert f"\n  {sub.name}:" in text, f"{f.name}.{sub.name}"
+
+
+def test_reference_tables_of_orb_models_070_by_name(tmp_path):
+    """reference_energies.table picks a published table (orb-models 0.7.0's names); its vasp-shifted table is the one
+    orb-v2 was trained with; a JSON file's entries go on top; an unknown name lists the valid ones."""
+    import numpy as np
+
+    from orb.models.reference_energies import reference_table, table_names, vasp_shifted
+    from orb.training.config import config_from_dict
+    from orb.training.trainer import build_model
+
+    assert {"vasp-r2scan", "matpes-pbe", "matpes-r2scan", "mpsalex-d4-pbe", "omol25-hof-lin"} <= set(table_names())
+    np.testing.assert_allclose(reference_table("vasp-shifted"), vasp_shifted(), rtol=0, atol=1e-12)
+    for name in table_names():
+        assert reference_table(name).shape == (118,) and np.isfinite(reference_table(name)).all()
+    override = tmp_path / "e0.json"
+    override.write_text('{"O": -7.5}')
+    small = dict(name="orb_v3_direct_20_omat", latent_dim=16, mlp_hidden_dim=16, num_message_passing_steps=1,
+                 head_mlp_hidden_dim=16)
+    cfg = config_from_dict(dict(model=small, reference_energies=dict(table="matpes-pbe", file=str(override))))
+    weight = build_model(cfg).reference_energy_weight().asnumpy()
+    expected = reference_table("matpes-pbe")
+    expected[8] = -7.5
+    np.testing.assert_allclose(weight, expected.astype(np.float32))
+    with pytest.raises(ConfigError, match="unknown table 'vasp-r2scn'; valid names: vasp, vasp-shifted"):
+        config_from_dict(dict(reference_energies=dict(table="vasp-r2scn")))

@@ -7,7 +7,9 @@ overrides all of these with its stored values.
 """
 
 import json
-from typing import Dict
+import os
+from functools import lru_cache
+from typing import Dict, Tuple
 
 import numpy as np
 from ase.data import atomic_numbers
@@ -45,6 +47,30 @@ def vasp_shifted() -> np.ndarray:
     coefficients[0] = 0.0
     coefficients[1:1 + len(_VASP_SINGLE_ATOM)] += _VASP_SINGLE_ATOM
     return coefficients
+
+
+TABLES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reference_tables.json")
+
+
+@lru_cache(maxsize=None)
+def _tables() -> Dict[str, dict]:
+    with open(TABLES_FILE) as f:
+        return json.load(f)["tables"]
+
+
+def table_names() -> Tuple[str, ...]:
+    """The published reference-energy tables of orb-models 0.7.0 (``reference_tables.json``, with its source)."""
+    return tuple(_tables())
+
+
+def reference_table(name: str) -> np.ndarray:
+    """The (118,) float64 coefficients of a published table, by orb-models' name (e.g. ``vasp-r2scan``,
+    ``matpes-pbe``, ``omol25-hof-lin``): the per-element energies of another DFT setup's fits."""
+    tables = _tables()
+    if name not in tables:
+        raise ConfigError(f"config key 'reference_energies.table': unknown table '{name}'; valid names: "
+                          f"{', '.join(tables)}")
+    return np.asarray(tables[name]["coefficients"], dtype=np.float64)
 
 
 def load_reference_file(path: str, base: np.ndarray) -> np.ndarray:

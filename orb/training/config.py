@@ -33,6 +33,7 @@ class LossWeights:
 @dataclass
 class ReferenceEnergyConfig:
     trainable: str = "auto"  # auto: orb-v2 trains them, orb-v3 keeps them (as orb-models) | true | false
+    table: str = ""  # a published table by orb-models 0.7.0's name (vasp-r2scan, matpes-pbe, ...)
     file: str = ""
     fit: str = "none"  # none | residual (to DFT - starting model) | least_squares (to the DFT energies)
 
@@ -193,7 +194,11 @@ def _build(cls, values: Dict[str, Any], prefix: str = ""):
 
 
 def _validate(cfg: TrainConfig) -> TrainConfig:
+    from orb.models.reference_energies import reference_table
+
     flat = flatten(cfg.to_dict())
+    if cfg.reference_energies.table:
+        reference_table(cfg.reference_energies.table)  # an unknown name is refused, listing the valid ones
     for key, choices in CHOICES.items():
         if flat[key] not in choices:
             raise ConfigError(f"config key '{key}' must be one of {list(choices)}, got {flat[key]!r}")

@@ -34,7 +34,7 @@ def build_model(cfg: TrainConfig):
     """orb model of the config's architecture with pretrained (or random) weights and reference energies."""
     from orb.io.checkpoint import load_weights_into
     from orb.models import build
-    from orb.models.reference_energies import load_reference_file
+    from orb.models.reference_energies import load_reference_file, reference_table
 
     model = build(cfg.model, seed=cfg.random_seed)
     if cfg.checkpoint_path:
@@ -43,13 +43,17 @@ def build_model(cfg: TrainConfig):
     else:
         log.warning("checkpoint_path is empty: starting from RANDOM weights (set it to an orb-v2 checkpoint "
                     "to fine-tune the pretrained model)")
-    if cfg.reference_energies.file:
+    references = cfg.reference_energies
+    if references.table or references.file:
         import mindspore as ms
 
-        weight = model.graph_head.reference.linear.weight
-        table = load_reference_file(cfg.reference_energies.file, weight.asnumpy())
+        weight = model.reference_energy_weight()
+        table = reference_table(references.table) if references.table else weight.asnumpy()
+        if references.file:  # a file's entries on top of the table (or of the checkpoint's)
+            table = load_reference_file(references.file, table)
         weight.set_data(ms.Tensor(table.astype(np.float32)))
-        log.info("reference energies from %s", cfg.reference_energies.file)
+        log.info("reference energies: %s", " with ".join(
+            x for x in (references.table and f"table {references.table}", references.file) if x))
     return model
 
 
