@@ -184,3 +184,36 @@ def test_calculator_buckets_fit_a_repeated_size_closely():
     assert grown.num_nodes == 168 and grown.num_edges == int(1.25 * 128 * 20)  # 1.25 x (129 rounded up)
     sparse = Predictor(predictor.model)._bucket(atoms_to_graph(bulk("Cu", "fcc", a=3.6, cubic=True), radius=3.0))
     assert sparse.num_edges == 56  # 4 atoms x 12 neighbours within 3 Å = 48, + 10 %, rounded up to 8
+
+
+PYNATIVE_CALCULATOR = """
+import sys
+import numpy as np
+import mindspore as ms
+sys.path.insert(0, "tests")
+from test_use import atoms_of
+from orb.inference.calculator import ORBCalculator
+from orb.io.checkpoint import load_torch_state_dict
+from orb.models.orb_v2 import orb_v2
+from orb.models.recipe import model_recipe_weights
+
+ms.set_context(mode=ms.PYNATIVE_MODE)  # a script that never set graph mode
+reference = np.load("tests/data/orb_v2_parity.npz")
+model = orb_v2()
+load_torch_state_dict(model, model_recipe_weights(model, int(reference["meta/seed"])))
+model.set_train(False)
+atoms = atoms_of(reference, 0)
+atoms.calc = ORBCalculator(model)
+energy, forces = atoms.get_potential_energy(), atoms.get_forces()
+assert ms.get_context("mode") == ms.PYNATIVE_MODE  # the caller's mode is left alone
+np.testing.assert_allclose(energy, reference["s0/energy"][0], atol=1e-4, rtol=1e-6)
+np.testing.assert_allclose(forces, reference["s0/forces"], atol=2e-5)
+print("OK")
+"""
+
+
+def test_calculator_from_a_model_object_in_pynative_mode():
+    """ORBCalculator(model) in a script left in PyNative mode runs the compiled forward (jit) and PyTorch's numbers."""
+    result = subprocess.run([sys.executable, "-c", PYNATIVE_CALCULATOR], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-3000:]
