@@ -6,7 +6,7 @@ ASE calculator.
     python scripts/benchmark.py parallel   [--config C] [--batch 8]
     python scripts/benchmark.py allreduce  [--steps 5]
     python scripts/benchmark.py pipeline   [--config C] [--batch 16]
-    python scripts/benchmark.py calculator [--torch-python PATH]
+    python scripts/benchmark.py calculator [--mode graph|pynative] [--torch-python PATH]
     python scripts/benchmark.py gemm       [--repeats 9]
     python scripts/benchmark.py breakdown  [--model NAME] [--steps 6]
     python scripts/benchmark.py counts     [--model NAME] [--rows 20000] [--workers 2]
@@ -756,7 +756,8 @@ def bench_calculator(args) -> None:
     from orb.inference.calculator import ORBCalculator
     from orb.models.orb_v2 import orb_v2
 
-    ms.set_context(mode=ms.GRAPH_MODE)
+    # --mode pynative: a script that builds a model object and never sets graph mode (the calculator compiles anyway)
+    ms.set_context(mode=ms.PYNATIVE_MODE if args.mode == "pynative" else ms.GRAPH_MODE)
     calc = ORBCalculator(orb_v2())
     sizes = [(2, 2, 4), (4, 4, 4)]  # 64 and 256 atoms
     ours = {}
@@ -771,6 +772,7 @@ def bench_calculator(args) -> None:
             times.append(time.perf_counter() - start)
         ours[str(len(atoms))] = 1.0 / float(np.median(times[1:]))
     theirs = run_torch(args.torch_python, TORCH_CALC % dict(sizes=sizes, steps=args.steps)) if args.torch_python else {}
+    print(f"MindSpore in {args.mode} mode")
     print("| atoms | MindSpore steps/s | orb-models 0.4.2 ORBCalculator steps/s | ratio |")
     print("|---|---|---|---|")
     for n, rate in ours.items():
@@ -962,6 +964,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="all-reduces of each kind (after one to compile)")
     p = sub.add_parser("calculator")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--mode", choices=("graph", "pynative"), default="graph",
+                   help="the execution mode the calling script left MindSpore in")
     p.add_argument("--torch-python", default="")
     p = sub.add_parser("breakdown")
     p.add_argument("--model", default="orb_v2", help="orb_v2 or an orb-v3 name (orb.models.MODEL_NAMES)")
