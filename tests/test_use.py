@@ -217,3 +217,33 @@ def test_calculator_from_a_model_object_in_pynative_mode():
     result = subprocess.run([sys.executable, "-c", PYNATIVE_CALCULATOR], cwd=ROOT, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-3000:]
+
+
+def test_evaluate_report_compares_two_checkpoints(reference_model, tmp_path):
+    """--compare: both checkpoints' metrics side by side (the second's equal to evaluating it alone), parity plots,
+    and errors by element whose force MAE is the summary's and whose energy MAE is that of the structures
+    containing the element."""
+    from ase.formula import Formula
+
+    _, path = reference_model
+    demo = os.path.join(ROOT, "data", "demo_val.db")
+    result = run_evaluate(path, demo, tmp_path / "both", "--compare", DEMO_PRETRAINED)
+    assert result.returncode == 0, result.stderr[-3000:]
+    alone = run_evaluate(DEMO_PRETRAINED, demo, tmp_path / "alone")
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    both, single = json.load(open(tmp_path / "both" / "summary.json")), json.load(open(tmp_path / "alone" / "summary.json"))
+    for key in ("energy_mae", "forces_mae", "stress_mae"):
+        assert both["compare"][key] == pytest.approx(single[key], rel=1e-9)
+        assert both[key] != pytest.approx(single[key], rel=1e-3)  # the first column is the other checkpoint
+    for name in ("parity_energy_per_atom.png", "parity_forces.png", "parity_stress.png"):
+        assert (tmp_path / "both" / name).stat().st_size > 10_000
+    table = list(csv.DictReader(open(tmp_path / "alone" / "errors_by_element.csv")))
+    rows = list(csv.DictReader(open(tmp_path / "alone" / "predictions.csv")))
+    column = "demo_pretrained.ckpt"
+    for line in table:
+        element = line["element"]
+        assert float(line[f"{column}_forces_mae"]) == pytest.approx(single["forces_mae_by_element"][element], rel=1e-9)
+        containing = [float(r["energy_per_atom_abs_error"]) for r in rows if element in Formula(r["formula"]).count()]
+        assert int(line[f"{column}_structures"]) == len(containing)
+        assert float(line[f"{column}_energy_per_atom_mae"]) == pytest.approx(np.mean(containing), rel=1e-9)
+    assert "errors by element" in alone.stdout

@@ -1,10 +1,13 @@
-"""Evaluate an orb checkpoint on an ASE database: per-structure CSV, summary table and JSON.
+"""Evaluate an orb checkpoint on a database (any supported format): per-structure CSV, summary, plots.
 
-    orb-evaluate --checkpoint outputs/run/checkpoints/best_weights.ckpt --data data/demo_val.db
+    orb-evaluate --checkpoint outputs/run/checkpoints/best_weights.ckpt --data data/demo_val.db [--compare START.ckpt]
 
 Writes ``<output_dir>/predictions.csv`` (one row per structure: row id, formula, atoms, predicted
-energy, and where the row has labels its errors) and ``<output_dir>/summary.json``, and prints the
-summary. The metrics are those of the training log (same names, units and averaging,
+energy, and where the row has labels its errors), ``<output_dir>/summary.json``, parity plots
+(``parity_energy_per_atom.png``, ``parity_forces.png``, ``parity_stress.png``) and
+``errors_by_element.csv``, and prints the summary and the errors by element. ``--compare`` evaluates a
+second checkpoint on the same data and shows both side by side (its metrics under ``compare`` in the
+summary, both series in the plots and the table). The metrics are those of the training log (same names, units and averaging,
 ``orb.metrics``), computed over the rows that carry each label; rows without labels are
 predicted only. The checkpoint may be PyTorch or MindSpore; its architecture is read from it.
 """
@@ -85,6 +88,8 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="PyTorch or MindSpore orb checkpoint")
+    parser.add_argument("--compare", default="", help="a second checkpoint evaluated on the same data and shown "
+                        "beside the first (e.g. the starting model and the fine-tuned one)")
     parser.add_argument("--data", required=True, help="ASE SQLite database, extxyz or any ase.io file, .aselmdb, "
                         "or a folder of them")
     for name, default in (("energy", ""), ("forces", ""), ("stress", ""), ("charge", "charge"), ("spin", "spin")):
@@ -109,30 +114,24 @@ def main(argv=None) -> int:
         return 2
 
 
-def evaluate(args) -> int:
+def predict_dataset(checkpoint: str, args, keys, show: bool):
+    """Every structure's record (``structure_record`` plus its atomic numbers) and the parity points of one
+    checkpoint on ``args.data``."""
     from tqdm import tqdm
 
     from orb.data.dataset import AseDbDataset
-    from orb.data.formats import LabelKeys, readable_database
+    from orb.data.formats import readable_database
     from orb.data.graphs import batch_graphs
-    from orb.device import configure_mindspore
     from orb.inference.predictor import Predictor
+    from orb.inference.report import ParityPoints
     from orb.io.checkpoint import model_from_checkpoint
 
-    from orb.models.ops_profile import describe_profile, ops_profile, set_ops_profile
-
-    target = configure_mindspore(args.device_target, matmul_precision=args.matmul_precision)
-    set_ops_profile(args.ops_profile)
-    print(f"device: {target}, {describe_profile()}")
-    model = model_from_checkpoint(args.checkpoint, args.model)
-    keys = LabelKeys(args.energy_key, args.forces_key, args.stress_key, args.charge_key, args.spin_key)
+    model = model_from_checkpoint(checkpoint, args.model)
     data = AseDbDataset(readable_database(args.data, keys), require_labels=False, settings=model.cfg.graph_settings(),
                         charge_spin=model.cfg.omol)
     predictor = Predictor(model)
-    out_dir = args.output_dir or os.path.join("evaluation", os.path.splitext(os.path.basename(args.data))[0])
-    results = []
-    show = sys.stderr.isatty() if args.progress_bar == "auto" else args.progress_bar == "true"
-    with tqdm(total=len(data), desc="evaluating", disable=not show) as bar:
+    results, points = [], ParityPoints()
+    with tqdm(total=len(data), desc=f"evaluating {os.path.basename(checkpoint)}", disable=not show) as bar:
         for start in range(0, len(data), args.batch_size):
             indices = range(start, min(start + args.batch_size, len(data)))
             graphs = [data[i] for i in indices]
@@ -144,11 +143,39 @@ def evaluate(args) -> int:
                        "stress": pred["stress"][i - start]}
                 offset += n
                 row = data.row(i)
-                results.append(structure_record(int(row.id), row.formula, graph, one))
+                record = structure_record(int(row.id), row.formula, graph, one)
+                record["numbers"] = np.asarray(graph.numbers)
+                results.append(record)
+                points.add(n, one, graph)
             bar.update(len(graphs))
+    return results, points
+
+
+def evaluate(args) -> int:
+    from orb.data.formats import LabelKeys
+    from orb.device import configure_mindspore
+    from orb.inference.report import errors_by_element, print_element_table, write_element_table, write_parity_plots
+    from orb.models.ops_profile import describe_profile, ops_profile, set_ops_profile
+
+    target = configure_mindspore(args.device_target, matmul_precision=args.matmul_precision)
+    set_ops_profile(args.ops_profile)
+    print(f"device: {target}, {describe_profile()}")
+    keys = LabelKeys(args.energy_key, args.forces_key, args.stress_key, args.charge_key, args.spin_key)
+    show = sys.stderr.isatty() if args.progress_bar == "auto" else args.progress_bar == "true"
+    out_dir = args.output_dir or os.path.join("evaluation", os.path.splitext(os.path.basename(args.data))[0])
+    checkpoints = [args.checkpoint] + ([args.compare] if args.compare else [])
+    names = [os.path.basename(c) for c in checkpoints]
+    if len(set(names)) < len(names):
+        names = ["checkpoint", "compare"]
+    runs = {name: predict_dataset(path, args, keys, show) for name, path in zip(names, checkpoints)}
+    results = runs[names[0]][0]
     summary = summarise(results)
     summary.update({"checkpoint": os.path.abspath(args.checkpoint), "data": os.path.abspath(args.data),
                     "device_target": target, "ops_profile": ops_profile()})
+    if args.compare:
+        other = summarise(runs[names[1]][0])
+        other["checkpoint"] = os.path.abspath(args.compare)
+        summary["compare"] = other
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as exc:
@@ -160,9 +187,28 @@ def evaluate(args) -> int:
         writer.writerows(r["row"] for r in results)
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    print_summary(summary)
-    print(f"wrote {os.path.join(out_dir, 'predictions.csv')} and {os.path.join(out_dir, 'summary.json')}")
+    tables = {name: errors_by_element(run[0]) for name, run in runs.items()}
+    written = write_parity_plots(out_dir, {name: run[1] for name, run in runs.items()})
+    if any(tables.values()):
+        write_element_table(os.path.join(out_dir, "errors_by_element.csv"), tables)
+        written.append(os.path.join(out_dir, "errors_by_element.csv"))
+    if args.compare:
+        print_comparison(summary, other, names)
+    else:
+        print_summary(summary)
+    if any(tables.values()):
+        print_element_table(tables)
+    print(f"wrote {', '.join([os.path.join(out_dir, 'predictions.csv'), os.path.join(out_dir, 'summary.json')] + written)}")
     return 0
+
+
+def print_comparison(first: Dict, second: Dict, names: List[str]) -> None:
+    """The metrics of two checkpoints side by side (the starting model and the fine-tuned one, say)."""
+    print(f"{'metric':<32}{names[0][:24]:>26}{names[1][:24]:>26}  unit")
+    for key in METRICS:
+        if key in first or key in second:
+            a, b = first.get(key, float("nan")), second.get(key, float("nan"))
+            print(f"{key:<32}{a:>26.6g}{b:>26.6g}  {METRICS[key][0]}")
 
 
 if __name__ == "__main__":
