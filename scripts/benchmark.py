@@ -12,6 +12,7 @@ ASE calculator.
     python scripts/benchmark.py counts     [--model NAME] [--rows 20000] [--workers 2]
     python scripts/benchmark.py rows       [--rows 20000] [--reads 5000] [--rounds 3]
     python scripts/benchmark.py save       [--model orb_v2] [--repeats 5] [--dir FOLDER]
+    python scripts/benchmark.py formats    [--rows 20000] [--reads 5000] [--rounds 3]
 
 With ``--torch-python`` pointing at a Python that has torch and orb-models 0.4.2 installed (never
 required), the same measurement is made with PyTorch orb-models in that interpreter right after
@@ -903,6 +904,45 @@ def bench_rows(args) -> None:
     print(f"\nRowReader: {first / second:.1f}x the rows per second of ase.db's reader")
 
 
+def bench_formats(args) -> None:
+    """Other formats (orb.data.formats): an extxyz file of MPtrj-like frames indexed once (frames per second; a
+    second start finds the index), then rows of the index read in random order against the same rows in the
+    ASE SQLite database they were written from (RowReader, each reader in its own process, alternated)."""
+    import ase.db
+    import ase.io
+
+    from orb.data.formats import readable_database
+
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["ORB_CACHE_DIR"] = os.path.join(tmp, "cache")
+        database, text = os.path.join(tmp, "rows.db"), os.path.join(tmp, "rows.extxyz")
+        mptrj_copies(database, args.rows)
+        with ase.db.connect(database) as src:
+            ase.io.write(text, [row.toatoms() for row in src.select()], format="extxyz")
+        start = time.perf_counter()
+        indexed = readable_database(text, progress=False)
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        readable_database(text, progress=False)
+        again = time.perf_counter() - start
+        times = {"ASE SQLite": [], "extxyz (its index)": []}
+        for _ in range(args.rounds):
+            for name, path in (("ASE SQLite", database), ("extxyz (its index)", indexed)):
+                code = READ_ROWS.format(setup=ROW_READERS["RowReader"]).replace("PATH", repr(path)).replace(
+                    "ROOT", repr(ROOT)).replace("ROWS", str(args.rows)).replace("COUNT", str(args.reads))
+                out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+                times[name].append(float(out.split()[-1]))
+        size = os.path.getsize(text) / 1e6
+    print(f"{args.rows:,} MPtrj-like frames in extxyz ({size:.0f} MB): indexed in {first:.1f} s "
+          f"({args.rows / first:,.0f} frames/s); second start {again * 1000:.0f} ms\n")
+    print("| rows read from | µs per row (median) | rounds |")
+    print("|---|---|---|")
+    for name, values in times.items():
+        print(f"| {name} | {np.median(values):.1f} | {', '.join(f'{v:.1f}' for v in values)} |")
+    sqlite, extxyz = (np.median(v) for v in times.values())
+    print(f"\nextxyz rows at {sqlite / extxyz:.2f}x SQLite's rate")
+
+
 def bench_save(args) -> None:
     """What a training checkpoint costs at a model's full size: weights, Adam's moments and the EMA, written as
     the trainer writes last.ckpt (temporary file, fsync, rename), median of several saves."""
@@ -962,6 +1002,10 @@ def main() -> None:
                    help="training rows (the default 512 give 32 steps per epoch)")
     p = sub.add_parser("allreduce")
     p.add_argument("--steps", type=int, default=5, help="all-reduces of each kind (after one to compile)")
+    p = sub.add_parser("formats")
+    p.add_argument("--rows", type=int, default=20000)
+    p.add_argument("--reads", type=int, default=5000)
+    p.add_argument("--rounds", type=int, default=3)
     p = sub.add_parser("calculator")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--mode", choices=("graph", "pynative"), default="graph",
@@ -988,7 +1032,7 @@ def main() -> None:
     {"graphs": bench_graphs, "model": bench_model, "parallel": bench_parallel, "calculator": bench_calculator,
      "allreduce": bench_allreduce, "pipeline": bench_pipeline, "gemm": bench_gemm,
      "breakdown": bench_breakdown, "counts": bench_counts, "rows": bench_rows,
-     "save": bench_save}[args.area](args)
+     "save": bench_save, "formats": bench_formats}[args.area](args)
 
 
 if __name__ == "__main__":
