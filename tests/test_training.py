@@ -243,7 +243,7 @@ def test_cli_end_to_end_output_dir_and_config_typo(tmp_path):
     assert bad.returncode != 0 and "max_epoch" in bad.stderr and "did you mean 'max_epochs'" in bad.stderr
     bad_row = run_cli(*args, "--output_dir", str(tmp_path / "bad"), "--train_data_path",
                       os.path.join(ROOT, "README.md"), timeout=120)
-    assert bad_row.returncode == 2 and "is not an SQLite database" in bad_row.stderr
+    assert bad_row.returncode == 2 and "holds no structures: not an ASE database" in bad_row.stderr
     assert not (tmp_path / "bad").exists()  # a run that never trained leaves nothing, so the fixed command runs
 
 

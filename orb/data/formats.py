@@ -208,7 +208,8 @@ def _convert(files: List[str], keys: LabelKeys, target: str, progress: bool) -> 
             count += frames
         db.metadata = {"orb_sources": sources, "orb_label_keys": json.dumps(keys.__dict__)}
     if count == 0:
-        raise DatasetError(files[0] if len(files) == 1 else os.path.dirname(files[0]), "holds no structures")
+        raise DatasetError(files[0] if len(files) == 1 else os.path.dirname(files[0]),
+                           "holds no structures: not an ASE database, and ase.io reads no frames from it")
     return count
 
 
