@@ -50,6 +50,11 @@ def _flatten_tensor(tensor):
     return tensor.reshape(-1)
 
 
+def _flat(hyper_map, tensors):
+    """Tensors joined into one flat vector."""
+    return ops.concat(hyper_map(_flatten_one, tensors))
+
+
 @_assign_piece.register("Tensor", "Tensor")
 def _assign_tensor(param, piece):
     return ops.assign(param, piece.reshape(param.shape))
@@ -130,7 +135,7 @@ class ShardedGradient(nn.Cell):
         self.hyper_map = ops.HyperMap()
 
     def construct(self, grads):
-        flat = ops.concat(self.hyper_map(_flatten_one, grads))
+        flat = _flat(self.hyper_map, grads)
         if self.padding:
             flat = ops.concat((flat, ops.zeros(self.padding, flat.dtype)))
         return self.reduce_scatter(flat)
@@ -194,30 +199,28 @@ class FlatAdam(nn.Cell):
         self.param_tuple = ms.ParameterTuple(self.params)
         self.broadcasts = Broadcasts()
         self.buckets = tuple([BUCKET] * (self.size // BUCKET) + ([self.size % BUCKET] if self.size % BUCKET else []))
-        self.flat_buckets = False
         self.sync_from_model()
 
     @property
     def ema(self) -> Parameter:
         return self.average.value
 
-    def gradients_to_reduce(self, flat_buckets: bool) -> List[Parameter]:
+    def gradients_to_reduce(self) -> List[Parameter]:
         """What the run's gradient reducer (``nn.DistributedGradReducer``) is built for: the trained parameters,
-        or with ``flat_buckets`` (the ``cpu`` operator profile) the flat gradient in 16 MB buckets, one
-        placeholder parameter per bucket. MindSpore's CPU collectives pipeline such buckets as fast as one
-        call per tensor for full models and faster for small ones (85 tensors: docs/benchmarks.md); on
-        Ascend and GPU MindSpore fuses the per-parameter calls itself."""
-        self.flat_buckets = bool(flat_buckets)
-        if not self.flat_buckets:
+        or in the ``cpu`` operator profile the flat gradient in 16 MB buckets, one placeholder parameter per
+        bucket. MindSpore's CPU collectives pipeline such buckets as fast as one call per tensor for full
+        models and faster for small ones (85 tensors: docs/benchmarks.md); on Ascend and GPU MindSpore fuses
+        the per-parameter calls itself."""
+        if not self.broadcasts.cpu:
             return self.params
         return [Parameter(Tensor(np.zeros(1, np.float32)), name=f"flat_gradient_bucket_{i}", requires_grad=False)
                 for i in range(len(self.buckets))]
 
     def prepare_for_reduction(self, grads):
         """The gradients as the reducer expects them (see :meth:`gradients_to_reduce`)."""
-        if not self.flat_buckets:
+        if not self.broadcasts.cpu:
             return grads
-        return self.split_with_size(ops.concat(self.hyper_map(_flatten_one, grads)), self.buckets, 0)
+        return self.split_with_size(_flat(self.hyper_map, grads), self.buckets, 0)
 
     def gradient_reducer(self) -> Optional[nn.Cell]:
         """The reducer a sharded optimizer needs (:class:`ShardedGradient`), else None (the run's own)."""
@@ -249,7 +252,7 @@ class FlatAdam(nn.Cell):
         gradient: per-parameter tensors, or this rank's slice from :class:`ShardedGradient`. Every rank
         reaches the same verdict (the sharded one through one sum of two numbers)."""
         if self.sharding is None:
-            flat = ops.concat(self.hyper_map(_flatten_one, reduced))
+            flat = _flat(self.hyper_map, reduced)
             finite = ops.isfinite(flat).all()
             norm = self._norm(flat) if self.clip_mode == "norm" else ops.zeros((), flat.dtype)
             return flat, finite, norm

@@ -360,9 +360,7 @@ class Trainer:
         self.loss_cell = make_loss(self.model, cfg, self.has_stress, dp.all_reduce)
         grad_reducer = self.optimizer.gradient_reducer()  # a sharded optimizer reduce-scatters its own slices
         if grad_reducer is None and dp.grad_reducer is not None:
-            from orb.models.ops_profile import ops_profile
-
-            grad_reducer = dp.grad_reducer(self.optimizer.gradients_to_reduce(flat_buckets=ops_profile() == "cpu"))
+            grad_reducer = dp.grad_reducer(self.optimizer.gradients_to_reduce())
         self.train_step = TrainStep(self.loss_cell, self.optimizer, grad_reducer)
         self.eval_step = EvalStep(self.loss_cell)
 
