@@ -8,8 +8,6 @@ The same run as ``finetune.py`` (one shared Trainer); what data parallelism adds
 import os
 import sys
 
-import numpy as np
-
 from orb.errors import ClusterError
 from orb.signals import ignore_stop_signals
 from orb.training.cli import run
@@ -63,10 +61,9 @@ def fine_tune(cfg, args) -> None:
                         else AllReduceSlice(ops.AllReduce(ops.ReduceOp.SUM), rank, world)),
         all_gather=ops.AllGather(),
         shard_optimizer=cfg.optimizer_shard,
-        # 4. Each rank's part of every global batch: contiguous, sizes differing by at most one. Every rank
-        #    computes every part, so all ranks pad each step to the same shape.
-        split=lambda global_batch: np.array_split(global_batch, world),
     )
+    # 4. Each rank's part of every global batch (orb.data.plan): contiguous, sizes differing by at most one.
+    #    Every rank computes every part, so all ranks pad each step to the same shape.
 
     # 5. Rank 0 alone writes train.log, metrics.jsonl and checkpoints (the others log to msrun's worker logs).
     if data_parallel.is_main:

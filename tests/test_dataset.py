@@ -155,13 +155,11 @@ def test_augmentation_is_reproducible_and_rotates_labels():
 
 
 def test_sampler_and_shards_cover_each_row_once():
-    from orb.training.distributed import DataParallel
-
     for n, batch, world in [(10, 4, 2), (9, 4, 2), (7, 3, 3), (5, 5, 1)]:
         sampler = EpochSampler(n, batch, seed=3)
-        ranks = [DataParallel(r, world, split=lambda b, w=world: np.array_split(b, w)) for r in range(world)]
         for epoch in range(3):
-            parts = [[dp.shard(b) for b in sampler.global_batches(epoch)] for dp in ranks]
+            shards = sampler.shards(epoch, world)
+            parts = [[shards.part(s, rank) for s in range(len(shards))] for rank in range(world)]
             seen = np.concatenate([np.concatenate(p) for p in parts])
             assert sorted(seen.tolist()) == list(range(n))
             assert all(len(p) == len(sampler) for p in parts)  # every rank runs every step

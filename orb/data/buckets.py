@@ -1,15 +1,16 @@
-"""Static batch shapes: a few padded bucket sizes chosen from the dataset's size distribution.
+"""Static batch shapes: a few padded bucket sizes chosen from the steps a run will take.
 
 A graph-mode step compiles once per input shape. Batches are padded up to the smallest bucket
 that fits, so a run compiles at most ``len(buckets)`` times. The bucket of a step is chosen from
 each structure's atom count and edge capacity (an upper bound on its edges under any rotation,
 computed once before training), so every data-parallel rank can compute every rank's needs and
-all ranks pick the same bucket at every step; the largest bucket fits the worst possible batch,
-checked before training.
+all ranks pick the same bucket at every step. Buckets are planned on the run's own steps (the
+samplers' plans of its first epochs, tails included); a spare bucket holding the worst possible
+batch is compiled only if a later step needs it.
 """
 
-from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import List, Sequence, Tuple
 
 import numpy as np
 
@@ -27,6 +28,7 @@ class Bucket:
     num_nodes: int
     num_edges: int
     num_graphs: int
+    spare: bool = field(default=False, compare=False)  # the worst case, compiled only if a step needs it
 
     def holds(self, nodes: int, edges: int, graphs: int) -> bool:
         return nodes < self.num_nodes and edges <= self.num_edges and graphs < self.num_graphs
@@ -44,77 +46,90 @@ def round_up(x: int, multiple: int) -> int:
     return int(-(-x // multiple) * multiple)
 
 
-def simulate_batches(natoms: np.ndarray, edges: np.ndarray, batch_size: int, epochs: int = 50,
-                     seed: int = 0) -> Tuple[np.ndarray, np.ndarray]:
-    """Node and edge-capacity totals of randomly shuffled batches over a number of simulated epochs (one vectorised
-    sum per epoch: 1.58 M rows are planned in seconds, not a Python loop over every batch)."""
-    rng = np.random.default_rng(seed)
-    natoms, edges = np.asarray(natoms, dtype=np.int64), np.asarray(edges, dtype=np.int64)
-    starts = np.arange(0, len(natoms), batch_size)
-    nodes_out, edges_out = [], []
-    for _ in range(epochs):
-        order = rng.permutation(len(natoms))
-        nodes_out.append(np.add.reduceat(natoms[order], starts))
-        edges_out.append(np.add.reduceat(edges[order], starts))
-    return np.concatenate(nodes_out), np.concatenate(edges_out)
-
-
 def largest_batch(natoms: np.ndarray, edges: np.ndarray, batch_size: int) -> Tuple[int, int]:
     """Node and edge totals no batch of ``batch_size`` structures can exceed."""
     return int(np.sort(natoms)[-batch_size:].sum()), int(np.sort(edges)[-batch_size:].sum())
 
 
-def plan_buckets(natoms: Sequence[int], edges: Sequence[int], batch_size: int, max_buckets: int = 3,
-                 multiple: int = 8, seed: int = 0,
-                 batches: Optional[Tuple[np.ndarray, np.ndarray]] = None) -> List[Bucket]:
-    """At most ``max_buckets`` bucket shapes minimising the expected padded edges (exact, by dynamic programming).
+COMPILE_COST_STEPS = 500  # one more compiled shape is worth it if it saves this many steps' padded work (auto)
+AUTO_MAX_BUCKETS = 8
 
-    ``edges``: each structure's edge capacity (:meth:`AseDbDataset.edge_capacities`); edge rows are
-    most of a step's work. The largest bucket holds the worst possible batch (the ``batch_size``
-    largest structures by atoms and by edges); smaller edge capacities are chosen among quantiles of
-    the node and edge totals of sample batches: ``batches`` if given (e.g. the steps a sampler
-    plans), else simulated random batches, each with the node capacity of the batches it holds.
-    """
-    natoms, edges = np.asarray(natoms, dtype=np.int64), np.asarray(edges, dtype=np.int64)
-    batch_size = min(batch_size, len(natoms))
-    top_nodes, top_edges = largest_batch(natoms, edges, batch_size)
-    top = (round_up(top_nodes + 1, multiple), round_up(max(top_edges, 1), multiple))
-    nodes, totals = batches if batches is not None else simulate_batches(natoms, edges, batch_size, seed=seed)
-    nodes, totals = np.asarray(nodes, np.int64), np.asarray(totals, np.int64)
-    order = np.argsort(totals, kind="stable")
-    nodes, totals = nodes[order], totals[order]
-    caps = sorted({round_up(int(q), multiple) for q in np.quantile(totals, np.linspace(0.05, 0.95, 19))})
-    caps = [c for c in caps if c < top[1]] + [top[1]]
-    # cost(i, j): padded edges of the batches whose smallest fitting cap is caps[j] when the previous
-    # chosen cap is caps[i] (i = -1: none); best[k][j]: least cost with k caps ending at j.
-    first = np.searchsorted(totals, caps, side="right")  # batches with total <= cap
 
-    def count(i: int, j: int) -> int:
-        return int(first[j] - (first[i] if i >= 0 else 0))
+def _candidate_caps(totals: np.ndarray, multiple: int) -> np.ndarray:
+    """Edge capacities a bucket may take: fine quantiles of the steps' edge totals, the tail resolved to its
+    largest step (a top bucket far above every step actually seen is padding paid on every step it takes)."""
+    levels = np.unique(np.concatenate([np.linspace(0, 1, 257), 1 - np.logspace(-7, -1, 13)]))
+    caps = np.unique([round_up(int(q), multiple) for q in np.quantile(totals, levels)])
+    return caps[caps > 0] if (caps > 0).any() else np.array([multiple])
 
+
+def _best_caps(totals: np.ndarray, caps: np.ndarray, max_buckets: int) -> List[Tuple[float, List[int]]]:
+    """For k = 1..max_buckets buckets: the least padded edges of the steps (sorted ``totals``) over subsets of
+    ``caps`` that include the largest, and that subset (exact dynamic programme, vectorised over caps)."""
     n = len(caps)
-    inf = float("inf")
-    best = [[inf] * n for _ in range(max_buckets + 1)]
-    back = [[-1] * n for _ in range(max_buckets + 1)]
-    for j in range(n):
-        best[1][j] = caps[j] * count(-1, j)
-    for k in range(2, max_buckets + 1):
-        for j in range(n):
-            for i in range(j):
-                cost = best[k - 1][i] + caps[j] * count(i, j)
-                if cost < best[k][j]:
-                    best[k][j], back[k][j] = cost, i
-    k = min(range(1, max_buckets + 1), key=lambda kk: (best[kk][n - 1], kk))
-    chosen, j = [], n - 1
-    while j >= 0 and k >= 1:
-        chosen.append(j)
-        j, k = back[k][j], k - 1
-    buckets = []
-    for j in sorted(chosen):
-        held = nodes[:first[j]]  # the simulated batches within this edge capacity
-        node_cap = top[0] if caps[j] == top[1] or not len(held) else min(top[0], round_up(int(held.max()) + 1,
-                                                                                          multiple))
-        buckets.append(Bucket(node_cap, caps[j], batch_size + 1))
+    held = np.searchsorted(totals, caps, side="right").astype(np.float64)  # steps with total <= cap
+    cost = caps * held  # one bucket per cap, holding every step below it
+    back: List[np.ndarray] = []
+    results = [(float(cost[-1]), [n - 1])]
+    lower = np.tril(np.ones((n, n), bool), -1)  # [j, i]: i < j
+    for _ in range(2, max_buckets + 1):
+        # with cap j last: min over a previous last cap i < j of cost[i] + caps[j] * (held[j] - held[i])
+        options = np.where(lower, cost[None, :] - caps[:, None] * held[None, :], np.inf)
+        previous = options.argmin(1)
+        extended = options[np.arange(n), previous] + caps * held
+        better = extended < cost
+        back.append(np.where(better, previous, -1))
+        cost = np.where(better, extended, cost)
+        chosen, j = [n - 1], n - 1
+        for links in reversed(back):
+            if links[j] < 0:
+                continue
+            j = int(links[j])
+            chosen.append(j)
+        results.append((float(cost[-1]), sorted(chosen)))
+    return results
+
+
+def plan_buckets(nodes: np.ndarray, edges: np.ndarray, graphs: int, worst: Tuple[int, int], max_buckets: int = 0,
+                 run_steps: int = 0, multiple: int = 8) -> List[Bucket]:
+    """Bucket shapes for steps like the sample (``nodes``/``edges``: per sample step, what its bucket must hold;
+    e.g. the run's first epochs, as the samplers plan them), least padded edges first.
+
+    The edge capacities are chosen among fine quantiles of the sample's edge totals, its largest step
+    included, by an exact dynamic programme; each bucket's node capacity is the largest of the steps
+    it holds. ``max_buckets`` 0 chooses the count: the fewest whose padded work over ``run_steps``
+    steps plus one compilation per bucket (as :data:`COMPILE_COST_STEPS` steps) is least. When a step
+    could exceed every planned bucket (``worst``: the atoms and edges no step exceeds), a spare
+    bucket of the worst case is added: it compiles only if a step needs it.
+    """
+    nodes, edges = np.asarray(nodes, np.int64), np.asarray(edges, np.int64)
+    order = np.argsort(edges, kind="stable")
+    nodes, edges = nodes[order], edges[order]
+    caps = _candidate_caps(edges, multiple)
+    options = _best_caps(edges, caps, max_buckets or AUTO_MAX_BUCKETS)
+    if max_buckets:
+        _, chosen = options[-1]
+    else:
+        steps = max(run_steps, len(edges))
+
+        def total_work(option):
+            padded, picked = option
+            mean = padded / len(edges)
+            return mean * steps + len(picked) * COMPILE_COST_STEPS * mean
+
+        _, chosen = min(options, key=total_work)
+    held = np.searchsorted(edges, caps[chosen], side="right")
+    buckets, low = [], 0
+    for j, high in zip(chosen, held):
+        node_cap = round_up(int(nodes[low:high].max(initial=0)) + 1, multiple)
+        buckets.append(Bucket(node_cap, int(caps[j]), graphs))
+        low = high
+    # a bucket's node capacity holds at least every smaller bucket's steps
+    buckets = [Bucket(max(b.num_nodes for b in buckets[:k + 1]), b.num_edges, graphs) for k, b in enumerate(buckets)]
+    top = buckets[-1]
+    spare_nodes, spare_edges = round_up(worst[0] + 1, multiple), round_up(max(worst[1], 1), multiple)
+    if spare_nodes > top.num_nodes or spare_edges > top.num_edges:
+        buckets.append(Bucket(max(spare_nodes, top.num_nodes), max(spare_edges, top.num_edges), graphs, spare=True))
     return buckets
 
 
@@ -123,19 +138,20 @@ def parse_buckets(spec: Sequence[Sequence[int]], batch_size: int) -> List[Bucket
     return sorted(Bucket(int(n), int(e), batch_size + 1) for n, e in spec)
 
 
-def bucket_for(shard_natoms: Sequence[np.ndarray], shard_edges: Sequence[np.ndarray],
-               buckets: Sequence[Bucket]) -> Bucket:
-    """The smallest bucket that holds every shard (each shard: the atom counts and edge capacities of its
-    structures): every rank computes the same one from every rank's structures."""
-    nodes = max(int(np.sum(s)) for s in shard_natoms)
-    edges = max(int(np.sum(s)) for s in shard_edges)
-    graphs = max(len(s) for s in shard_natoms)
+def assign_buckets(nodes: np.ndarray, edges: np.ndarray, graphs: np.ndarray, buckets: Sequence[Bucket]) -> np.ndarray:
+    """Per step (its largest rank part's atoms, edge capacity and structures), the index in ``buckets`` of the
+    smallest one that holds it: every rank computes the same from every rank's structures."""
+    nodes, edges, graphs = (np.asarray(a, np.int64) for a in (nodes, edges, graphs))
+    chosen = np.full(len(nodes), -1, np.int64)
     for bucket in smallest_first(buckets):
-        if bucket.holds(nodes, edges, graphs):
-            return bucket
-    raise ConfigError(
-        f"a batch of {graphs} structures with {nodes} atoms (up to {edges} edges) fits no bucket "
-        f"{[(b.num_nodes, b.num_edges) for b in buckets]}; enlarge 'buckets' in the config or leave it empty")
+        fits = (chosen < 0) & (nodes < bucket.num_nodes) & (edges <= bucket.num_edges) & (graphs < bucket.num_graphs)
+        chosen[fits] = buckets.index(bucket)
+    if (chosen < 0).any():
+        k = int(np.argmax(chosen < 0))
+        raise ConfigError(
+            f"a batch of {graphs[k]} structures with {nodes[k]} atoms (up to {edges[k]} edges) fits no bucket "
+            f"{[(b.num_nodes, b.num_edges) for b in buckets]}; enlarge 'buckets' in the config or leave it empty")
+    return chosen
 
 
 def check_buckets(natoms: Sequence[int], edges: Sequence[int], local_batch: int, buckets: Sequence[Bucket],
@@ -154,20 +170,3 @@ def check_buckets(natoms: Sequence[int], edges: Sequence[int], local_batch: int,
 
 def pad_to_bucket(batch: AtomGraphs, bucket: Bucket) -> AtomGraphs:
     return pad_batch(batch, bucket.num_nodes, bucket.num_edges, bucket.num_graphs)
-
-
-def padding_fraction(natoms: Sequence[int], edges: Sequence[int], batch_size: int, buckets: Sequence[Bucket],
-                     seed: int = 0, batches: Optional[Tuple[np.ndarray, np.ndarray]] = None) -> dict:
-    """Expected fractions of padded nodes and edges (``batches``' node and edge totals, else simulated shuffled
-    batches; edges counted at their capacities, so the true edge padding is a little larger)."""
-    natoms, edges = np.asarray(natoms, dtype=np.int64), np.asarray(edges, dtype=np.int64)
-    nodes, totals = batches if batches is not None else simulate_batches(natoms, edges, min(batch_size, len(natoms)),
-                                                                        epochs=20, seed=seed)
-    nodes, totals = np.asarray(nodes, np.int64), np.asarray(totals, np.int64)
-    padded_nodes, padded_edges = np.zeros(len(nodes)), np.zeros(len(nodes))
-    left = np.ones(len(nodes), bool)
-    for bucket in smallest_first(buckets):  # as bucket_for chooses
-        fits = left & (nodes < bucket.num_nodes) & (totals <= bucket.num_edges)
-        padded_nodes[fits], padded_edges[fits] = bucket.num_nodes, bucket.num_edges
-        left &= ~fits
-    return {"nodes": float(1 - nodes.sum() / padded_nodes.sum()), "edges": float(1 - totals.sum() / padded_edges.sum())}

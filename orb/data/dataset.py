@@ -21,6 +21,7 @@ from orb import cache
 from orb.errors import ClusterError, DatasetError, StructureError
 from orb.data.formats import frame_of
 from orb.data.sqlite_rows import RowReader
+from orb.data.plan import fixed_batches
 from orb.data.graphs import (EDGE_CAPACITY_MARGIN, AtomGraphs, GraphSettings, capacity_is_counted, check_structure,
                              edge_capacity, graph_from_arrays)
 
@@ -581,6 +582,10 @@ class EpochSampler:
             return np.arange(self.num_items)
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_items)
 
+    def shards(self, epoch: int, world: int):
+        """The epoch's global batches, each split among ``world`` ranks (:class:`orb.data.plan.Shards`)."""
+        return fixed_batches(self.order(epoch), self.batch_size, world)
+
     def global_batches(self, epoch: int) -> List[np.ndarray]:
-        order = self.order(epoch)
-        return [order[i:i + self.batch_size] for i in range(0, self.num_items, self.batch_size)]
+        shards = self.shards(epoch, 1)
+        return [shards.global_batch(s) for s in range(len(shards))]

@@ -15,54 +15,18 @@ import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 
-from orb.data.buckets import Bucket, bucket_for, pad_to_bucket
-from orb.data.dataset import AseDbDataset, EpochSampler, Ranks
+from orb.data.buckets import pad_to_bucket
+from orb.data.dataset import AseDbDataset, Ranks
 from orb.data.graphs import batch_graphs, empty_batch
 from orb.data.neighbours import native_search
+from orb.data.plan import Step
 from orb.data.tensors import loss_arrays
 from orb.errors import DataWorkerError
 from orb.signals import ignore_stop_signals
-
-
-@dataclass(frozen=True)
-class Step:
-    """One step of one rank: its dataset positions, the bucket all ranks pad to, the global batch size."""
-
-    epoch: int
-    indices: Tuple[int, ...]
-    bucket: Bucket
-    global_count: int
-
-
-def plan_epoch(sampler: EpochSampler, natoms: np.ndarray, edges: np.ndarray,
-               shards: Callable[[np.ndarray], List[np.ndarray]], rank: int, buckets: Sequence[Bucket],
-               epoch: int) -> List[Step]:
-    """This rank's steps of ``epoch`` (``shards`` splits a global batch among the ranks; ``edges``: each
-    structure's edge capacity)."""
-    steps = []
-    for global_batch in sampler.global_batches(epoch):
-        parts = shards(global_batch)
-        bucket = bucket_for([natoms[p] for p in parts], [edges[p] for p in parts], buckets)
-        steps.append(Step(epoch, tuple(int(i) for i in parts[rank]), bucket, len(global_batch)))
-    return steps
-
-
-def step_totals(sampler, natoms: np.ndarray, edges: np.ndarray, shards: Callable[[np.ndarray], List[np.ndarray]],
-                epochs: int) -> Tuple[np.ndarray, np.ndarray]:
-    """Per planned step of ``epochs`` epochs, the atoms and edge capacity of its largest shard (what its bucket
-    must hold): sample batches to plan buckets on when steps are not random draws (stratified replay)."""
-    nodes, totals = [], []
-    for epoch in range(epochs):
-        for global_batch in sampler.global_batches(epoch):
-            parts = shards(global_batch)
-            nodes.append(max(int(natoms[p].sum()) for p in parts))
-            totals.append(max(int(edges[p].sum()) for p in parts))
-    return np.asarray(nodes), np.asarray(totals)
 
 
 def prepare(dataset: AseDbDataset, step: Step, seed: Optional[int], with_stress: bool) -> Tuple[np.ndarray, ...]:

@@ -18,6 +18,7 @@ import numpy as np
 
 from orb.data.dataset import AseDbDataset
 from orb.data.graphs import AtomGraphs
+from orb.data.plan import even_shards
 
 
 def replay_per_step(batch_size: int, fraction: float) -> int:
@@ -200,3 +201,8 @@ class MixedSampler:
             used += count
             batches.append(np.random.default_rng([self.seed, 2, epoch, step]).permutation(batch))
         return batches
+
+    def shards(self, epoch: int, world: int):
+        """The epoch's global batches, each split among ``world`` ranks (:class:`orb.data.plan.Shards`)."""
+        batches = self.global_batches(epoch)
+        return even_shards(np.concatenate(batches), np.array([len(b) for b in batches]), world)

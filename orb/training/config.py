@@ -87,7 +87,7 @@ class TrainConfig:
     augmentation: bool = True
     random_seed: int = 1234
     buckets: List[List[int]] = field(default_factory=list)
-    num_buckets: int = 3
+    num_buckets: int = 0  # 0: chosen, weighing padded work against one compilation per bucket
     save_every_x_epochs: int = 5
     save_every_n_steps: int = 0
     save_every_minutes: float = 30.0
@@ -123,7 +123,7 @@ CHOICES = {
     "replay.head": ("shared", "separate"),
 }
 RENAMED = {"kernels": "'ops_profile' (auto | portable | cpu; 'builtin' kernels are the portable profile)"}
-POSITIVE = ("batch_size", "max_epochs", "save_every_x_epochs", "log_every_n_steps", "num_buckets",
+POSITIVE = ("batch_size", "max_epochs", "save_every_x_epochs", "log_every_n_steps",
             "model.latent_dim", "model.mlp_hidden_dim", "model.num_mlp_layers", "model.num_message_passing_steps",
             "model.num_rbf", "model.max_neighbors", "model.head_mlp_hidden_dim", "model.head_num_mlp_layers")
 
@@ -225,8 +225,8 @@ def _validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError("config key 'num_threads' must be >= 0 (0 = MindSpore's default)")
     if cfg.data_workers < 0:
         raise ConfigError("config key 'data_workers' must be >= 0 (0 = prepare batches in the training process)")
-    if cfg.num_buckets > MAX_BUCKETS:
-        raise ConfigError(f"config key 'num_buckets' must be at most {MAX_BUCKETS} (each bucket compiles once), "
+    if not 0 <= cfg.num_buckets <= MAX_BUCKETS:
+        raise ConfigError(f"config key 'num_buckets' must be 0 (chosen) to {MAX_BUCKETS} (each bucket compiles once), "
                           f"got {cfg.num_buckets}")
     if not 0 <= cfg.ema_decay < 1:
         raise ConfigError(f"config key 'ema_decay' must be in [0, 1) (0 = off), got {cfg.ema_decay}")

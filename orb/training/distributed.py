@@ -10,7 +10,7 @@ weights.
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Optional
 
 import numpy as np
 
@@ -27,7 +27,6 @@ class DataParallel:
     all_reduce: Optional[Callable] = None  # in-graph sum over ranks
     reduce_scatter: Optional[Callable] = None  # in-graph sum over ranks, rank r keeping the r-th slice (axis 0)
     all_gather: Optional[Callable] = None  # in-graph concatenation over ranks (along axis 0)
-    split: Optional[Callable] = None  # global batch -> every rank's part, in rank order
     shard_optimizer: bool = False
 
     @property
@@ -38,15 +37,6 @@ class DataParallel:
     @property
     def parallel(self) -> bool:
         return self.world_size > 1
-
-    def shards(self, global_batch: Sequence[int]) -> List[np.ndarray]:
-        """Every rank's part of a global batch (all ranks compute all parts, so they agree on each step's shape)."""
-        global_batch = np.asarray(global_batch)
-        return list(self.split(global_batch)) if self.split is not None else [global_batch]
-
-    def shard(self, global_batch: Sequence[int]) -> np.ndarray:
-        """This rank's part of a global batch."""
-        return self.shards(global_batch)[self.rank]
 
     def sum(self, values: np.ndarray) -> np.ndarray:
         """Element-wise sum of a host array over all ranks (float64 in, float64 out)."""

@@ -11,10 +11,12 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from orb.data.buckets import Bucket, check_buckets, padding_fraction, parse_buckets, plan_buckets
+from orb.data.buckets import Bucket, check_buckets, largest_batch, parse_buckets, plan_buckets
 from orb.data.dataset import AseDbDataset, EpochSampler
 from orb.data.graphs import capacity_is_counted
-from orb.data.loader import BatchLoader, Step, plan_epoch, step_totals
+from orb.data.loader import BatchLoader
+from orb.data.plan import (EpochSteps, PackedSampler, Step, StepTotals, eval_limit, padding_ratio, plan_steps,
+                           step_totals)
 from orb.data.mixture import MixedSampler, Mixture, Source, replay_per_step
 from orb.device import compile_cell
 from orb.errors import ClusterError, ConfigError, DatasetError, DivergedError
@@ -28,6 +30,14 @@ from orb.training.preemption import STOPPED_STATUS, Stopped, StopSignals, keep_r
 from orb.training.reference_fit import fit_reference_energies, reference_baseline
 
 log = logging.getLogger("orb")
+PLAN_STRUCTURES = 4_000_000  # the training buckets are planned on the first epochs' steps, up to this many rows
+
+
+def describe_buckets(buckets: List[Bucket]) -> str:
+    planned = ", ".join(f"({b.num_nodes}, {b.num_edges}, {b.num_graphs})" for b in buckets if not b.spare)
+    spare = [b for b in buckets if b.spare]
+    return planned + "".join(f" + spare ({b.num_nodes}, {b.num_edges}, {b.num_graphs}) for the worst possible batch, "
+                             "compiled only if a step needs it" for b in spare)
 
 
 def build_model(cfg: TrainConfig):
@@ -314,32 +324,55 @@ class Trainer:
             self.val_sets["val"] = Source("val", self.databases["val"])
         if self.replay_val is not None:
             self.val_sets["replay_val"] = self.replay_val
-        self.train_batches = None  # planned steps' totals, for bucket planning (stratified replay only)
         if self.replay_train is not None:
             self.sampler = MixedSampler(len(self.train_source), len(self.replay_train), cfg.batch_size,
                                         replay_per_step(cfg.batch_size, replay.fraction), cfg.random_seed)
-            epochs = max(1, min(cfg.max_epochs, -(-2000 // len(self.sampler))))  # ~2000 sample steps
-            self.train_batches = step_totals(self.sampler, self.train_set.natoms, self.train_set.edge_capacities(),
-                                             self.dp.shards, epochs)
         else:
             self.sampler = EpochSampler(len(self.train_set), cfg.batch_size, cfg.random_seed, True)
         self.loader.add("train", self.train_set)
-        self.train_buckets = self._buckets(self.train_set, "training", self.train_batches)
-        self.val_samplers: Dict[str, EpochSampler] = {}
+        self.train_buckets, self.train_padding = self._train_buckets()
+        self.val_samplers: Dict[str, PackedSampler] = {}
         self.val_buckets: Dict[str, List[Bucket]] = {}
+        self.val_padding: Dict[str, Tuple[float, float]] = {}
         for name, data in self.val_sets.items():
             self.loader.add(name, data)
-            self.val_samplers[name] = EpochSampler(len(data), cfg.batch_size, 0, False)
-            self.val_buckets[name] = self._buckets(data, name)
+            self.val_samplers[name], self.val_buckets[name], self.val_padding[name] = self._evaluation_plan(data)
 
-    def _buckets(self, dataset, what: str, batches=None) -> List[Bucket]:
-        edges = dataset.edge_capacities()
-        if self.cfg.buckets:
-            buckets = parse_buckets(self.cfg.buckets, self.local_batch)
-            check_buckets(dataset.natoms, edges, self.local_batch, buckets, what)
-            return buckets
-        return plan_buckets(dataset.natoms, edges, self.local_batch, self.cfg.num_buckets, seed=self.cfg.random_seed,
-                            batches=batches)
+    def _train_buckets(self) -> Tuple[List[Bucket], Tuple[float, float]]:
+        """The training buckets, planned on the steps of the run's first epochs (as many as ~4 M structures: every
+        epoch of a small dataset, tails included), and their padded / real atoms and edges over those steps."""
+        cfg, data = self.cfg, self.train_set
+        edges = data.edge_capacities()
+        epochs = max(1, min(cfg.max_epochs, PLAN_STRUCTURES // len(data)))
+        sample = StepTotals.concatenate([step_totals(self.sampler.shards(epoch, self.dp.world_size), data.natoms,
+                                                     edges) for epoch in range(epochs)])
+        if cfg.buckets:
+            buckets = parse_buckets(cfg.buckets, self.local_batch)
+            check_buckets(data.natoms, edges, self.local_batch, buckets, "training")
+        else:
+            buckets = plan_buckets(sample.nodes, sample.edges, self.local_batch + 1,
+                                   largest_batch(data.natoms, edges, min(self.local_batch, len(data))),
+                                   cfg.num_buckets, len(self.sampler) * cfg.max_epochs)
+        return buckets, padding_ratio(sample, buckets, self.dp.world_size)
+
+    def _evaluation_plan(self, data) -> Tuple[PackedSampler, List[Bucket], Tuple[float, float]]:
+        """Steps that evaluate every structure of ``data`` once, packed by size, their buckets (planned on exactly
+        those steps; the configured ones when given) and padded / real atoms and edges."""
+        edges = data.edge_capacities()
+        explicit = parse_buckets(self.cfg.buckets, self.local_batch) if self.cfg.buckets else []
+        limit = max(explicit, key=lambda b: b.num_edges) if explicit else eval_limit(data.natoms, edges,
+                                                                                      self.local_batch)
+        sampler = PackedSampler(data.natoms, edges, limit)
+        steps = step_totals(sampler.shards(0, self.dp.world_size), data.natoms, edges)
+        if explicit:
+            check_buckets(data.natoms, edges, 1, explicit, "evaluated")
+            buckets = explicit
+        else:
+            largest = int(np.argmax(steps.edges))
+            buckets = plan_buckets(steps.nodes, steps.edges, limit.num_graphs,
+                                   (int(steps.nodes.max()), int(steps.edges[largest])), self.cfg.num_buckets,
+                                   len(steps.nodes) * self.cfg.max_epochs)
+        return sampler, buckets, padding_ratio(steps, buckets, self.dp.world_size)
 
     def _names(self, params) -> List[str]:
         names = {id(p): name for name, p in self.model.parameters_and_names()}
@@ -392,11 +425,11 @@ class Trainer:
                  float(self.schedule.lr.max()), f", EMA of weights {cfg.ema_decay}" if cfg.ema_decay else "",
                  cfg.gradient_clip_mode, cfg.gradient_clip_val,
                  ", state sharded over ranks" if self.dp.shard_optimizer else "")
-        pad = padding_fraction(self.train_set.natoms, self.train_set.edge_capacities(), self.local_batch,
-                               self.train_buckets, batches=self.train_batches)
-        log.info("train buckets (nodes, edges, graphs): %s; expected padding %.0f%% of nodes, %.0f%% of edges",
-                 [(b.num_nodes, b.num_edges, b.num_graphs) for b in self.train_buckets], 100 * pad["nodes"],
-                 100 * pad["edges"])
+        log.info("train buckets (nodes, edges, graphs): %s; padded / real: atoms %.2fx, edges %.2fx",
+                 describe_buckets(self.train_buckets), *self.train_padding)
+        for name, buckets in self.val_buckets.items():
+            log.info("%s buckets (structures packed by size): %s; padded / real: atoms %.2fx, edges %.2fx", name,
+                     describe_buckets(buckets), *self.val_padding[name])
         keys = [k for k in self.loss_cell.sum_keys if k in METRICS and (self.has_stress or "stress" not in k)]
         log.info("metrics (per epoch, train and validation):\n%s", describe(keys + [BY_ELEMENT]))
 
@@ -428,9 +461,9 @@ class Trainer:
         log.info(fit.summary())
 
     # ----------------------------------------------------------------- steps
-    def _plan(self, sampler, dataset, buckets, epoch: int) -> List[Step]:
-        return plan_epoch(sampler, dataset.natoms, dataset.edge_capacities(), self.dp.shards, self.dp.rank, buckets,
-                          epoch)
+    def _plan(self, sampler, dataset, buckets, epoch: int) -> EpochSteps:
+        return plan_steps(sampler.shards(epoch, self.dp.world_size), dataset.natoms, dataset.edge_capacities(),
+                          buckets, self.dp.rank, epoch)
 
     def _run(self, kind: str, cell, arrays, bucket: Bucket):
         from orb.data.tensors import to_tensors
@@ -457,8 +490,7 @@ class Trainer:
         from orb.data.tensors import MODEL_INPUTS
 
         cell = DescriptorCell(self.model) if kind == "descriptors" else PredictCell(self.model)
-        sampler = EpochSampler(len(source), self.cfg.batch_size, 0, False)
-        buckets = self._buckets(source, name)
+        sampler, buckets, _ = self._evaluation_plan(source)
         self.loader.add(name, source)
         offsets = np.concatenate([[0], np.cumsum(source.natoms)]).astype(np.int64)
         if kind == "descriptors":
