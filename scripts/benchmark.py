@@ -943,6 +943,184 @@ def bench_formats(args) -> None:
     print(f"\nextxyz rows at {sqlite / extxyz:.2f}x SQLite's rate")
 
 
+MPTRJ_SIZES = (np.log(20), 0.86, 444)  # log-normal atom counts (median 20, mean ~29), MPtrj's largest cell 444
+TRAJECTORY = 11  # MPtrj: 1.58 M frames of 146 k materials, the frames of a relaxation stored together
+
+
+def mptrj_like_rows(count: int, seed: int):
+    """``count`` structures of MPtrj's size distribution in trajectories of ~11 jittered frames, each cut from a
+    supercell of a shipped MPtrj frame (energy per atom and forces kept, stress copied)."""
+    import ase.db
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    rng = np.random.default_rng(seed)
+    with ase.db.connect(MPTRJ) as src:
+        frames = [(row.toatoms(), row.energy / row.natoms, row.forces, row.stress) for row in src.select()]
+    made = 0
+    while made < count:
+        mu, sigma, largest = MPTRJ_SIZES
+        natoms = int(np.clip(np.rint(np.exp(rng.normal(mu, sigma))), 1, largest))
+        atoms, per_atom, forces, stress = frames[int(rng.integers(len(frames)))]
+        repeat = 1
+        while len(atoms) * repeat ** 3 < natoms:
+            repeat += 1
+        big = atoms.repeat(repeat)
+        base_forces = np.tile(forces, (repeat ** 3, 1))
+        keep = np.arange(natoms)
+        for _ in range(min(int(rng.geometric(1 / TRAJECTORY)), count - made)):
+            frame = big[keep]
+            frame.positions += rng.normal(0, 0.02, frame.positions.shape)
+            frame.calc = SinglePointCalculator(frame, energy=per_atom * natoms + rng.normal(0, 0.01),
+                                               forces=base_forces[keep] + rng.normal(0, 0.01, (natoms, 3)),
+                                               stress=stress)
+            made += 1
+            yield frame
+
+
+def mptrj_sized_database(rows: int, seed: int = 0, distinct: int = 20000) -> str:
+    """An MPtrj-sized ASE database, built once and kept in the project's cache (``benchmark_data``): ``distinct``
+    structures written by ase.db, then copied as whole trajectories by SQL until it holds ``rows`` rows."""
+    import sqlite3
+
+    import ase.db
+
+    from orb import cache
+
+    name = f"mptrj_like_{rows}_{seed}_v1.db"
+    found = cache.find(name, "benchmark_data")
+    if found:
+        return found
+    folder = cache.writable_dir("benchmark_data")
+    target = os.path.join(folder, name)
+    temporary = target + ".partial"
+    if os.path.exists(temporary):
+        os.remove(temporary)
+    start = time.perf_counter()
+    with ase.db.connect(temporary, type="db") as db:
+        for atoms in mptrj_like_rows(min(rows, distinct), seed):
+            db.write(atoms)
+    connection = sqlite3.connect(temporary)
+    columns = [c[1] for c in connection.execute("PRAGMA table_info(systems)") if c[1] not in ("id", "unique_id")]
+    base = min(rows, distinct)
+    while True:
+        (have,) = connection.execute("SELECT COUNT(*) FROM systems").fetchone()
+        if have >= rows:
+            break
+        take = min(base, rows - have)
+        cols = ", ".join(columns)
+        connection.execute(f"INSERT INTO systems (unique_id, {cols}) SELECT lower(hex(randomblob(16))), {cols} "
+                           f"FROM systems WHERE id <= {take} ORDER BY id")
+        connection.execute(f"INSERT INTO species (Z, n, id) SELECT Z, n, id + {have} FROM species WHERE id <= {take}")
+        connection.commit()
+        print(f"\rbuilding {target}: {have + take:,} / {rows:,} rows", end="", file=sys.stderr, flush=True)
+    connection.close()
+    os.replace(temporary, target)
+    print(f"\nbuilt {target} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return target
+
+
+SCALE_CHILD = """
+import json, os, sys, time
+sys.path.insert(0, ROOT)
+os.chdir(ROOT)
+import numpy as np
+from orb.training import trainer as T
+
+def peak_gb():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmHWM")) / 1e6
+
+run = T.Trainer._run
+
+def first_step(self, kind, cell, arrays, bucket):
+    out = run(self, kind, cell, arrays, bucket)
+    if kind != "train":
+        return out
+    at_first_step = time.time()
+    timings = []
+    for epoch in (1, 2, 3):
+        start = time.perf_counter()
+        steps = self._plan(self.sampler, self.train_set, self.train_buckets, epoch)
+        timings.append(time.perf_counter() - start)
+    from orb.data.loader import prepare
+    data = self.train_set
+    take = [s for s in steps[:REPLAY_STEPS]]
+    start = time.perf_counter()
+    rows = 0
+    for step in take:
+        ids = [data.row_id(i) for i in step.indices]
+        rows += len(data.sources[0].dataset.rows.read_many(ids))
+    read = rows / (time.perf_counter() - start)
+    start = time.perf_counter()
+    for step in take:
+        prepare(data, step, 0, self.has_stress)
+    prepared = rows / (time.perf_counter() - start)
+    print("RESULT " + json.dumps({"first_step": at_first_step, "plan_s": timings, "peak_gb": peak_gb(),
+          "rows_per_s": read, "prepared_per_s": prepared, "train_padding": self.train_padding,
+          "val_padding": self.val_padding, "buckets": [[b.num_nodes, b.num_edges, b.spare] for b in self.train_buckets],
+          "val_buckets": {k: [[b.num_nodes, b.num_edges] for b in v] for k, v in self.val_buckets.items()},
+          "compile_s": sum(self.compiled.values()), "steps_per_epoch": self.steps_per_epoch}), flush=True)
+    os._exit(0)
+
+T.Trainer._run = first_step
+T.Trainer.validate_all = lambda self, progress: {}  # the pass before fine-tuning is not start-up
+import finetune
+finetune.main(ARGS)
+"""
+
+
+def bench_scale(args) -> None:
+    """Start-up at MPtrj's size: an MPtrj-sized database (built once), then ``finetune.py`` launched twice (the first
+    start checks every row and keeps the result in the cache; the second reads it) and stopped after its first
+    training step: seconds from launch to that step, planning time per epoch, peak host memory, rows read per
+    second by one process, padded / real atoms and edges of the planned training and validation steps."""
+    train = mptrj_sized_database(args.rows, seed=0)
+    val = mptrj_sized_database(max(args.rows // 100, 100), seed=1)
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, ORB_CACHE_DIR=os.path.join(tmp, "cache"))
+        if args.cache_dir:
+            env["ORB_CACHE_DIR"] = args.cache_dir
+        results = []
+        for start in ("first", "second"):
+            argv = ["--config", "configs/config.yaml", "--train_data_path", train, "--val_data_path", val,
+                    "--model.name", args.model, "--checkpoint_path", "", "--batch_size", str(args.batch_size),
+                    "--data_workers", str(args.workers), "--output_dir", os.path.join(tmp, f"run_{start}"),
+                    "--progress_bar", "false"]
+            code = SCALE_CHILD.replace("ROOT", repr(ROOT)).replace("ARGS", repr(argv)).replace("REPLAY_STEPS", "200")
+            script = os.path.join(tmp, "child.py")
+            with open(script, "w") as f:
+                f.write(code)
+            launched = time.time()
+            out = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env)
+            line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+            if line is None:
+                raise SystemExit(f"the {start} start failed:\n{out.stderr[-3000:]}")
+            result = json.loads(line[len("RESULT "):])
+            result["startup_s"] = result["first_step"] - launched
+            results.append(result)
+            print(f"{start} start: {result['startup_s']:.1f} s to the first training step", file=sys.stderr)
+    first, second = results
+    print(f"{args.rows:,} MPtrj-like rows (log-normal sizes, median 20 atoms, mean ~29, at most 444), {args.model}, "
+          f"{args.batch_size} structures per step, {args.workers} data workers, one device; validation "
+          f"{max(args.rows // 100, 100):,} rows stored by trajectory\n")
+    print("| | first start | second start (checks cached) |")
+    print("|---|---|---|")
+    print(f"| launch to the first training step (s) | {first['startup_s']:.1f} | {second['startup_s']:.1f} |")
+    print(f"| of which compiling that step (s) | {first['compile_s']:.1f} | {second['compile_s']:.1f} |")
+    print(f"| peak host memory (GB) | {first['peak_gb']:.2f} | {second['peak_gb']:.2f} |")
+    print(f"| planning an epoch of {second['steps_per_epoch']:,} steps (s) | "
+          f"{np.median(first['plan_s']):.2f} | {np.median(second['plan_s']):.2f} |")
+    print(f"| rows read per second (one process) | {first['rows_per_s']:,.0f} | {second['rows_per_s']:,.0f} |")
+    print(f"| batches prepared: structures per second (one process) | {first['prepared_per_s']:,.0f} | "
+          f"{second['prepared_per_s']:,.0f} |")
+    atoms, edges = second["train_padding"]
+    print(f"\ntraining buckets (nodes, edges, spare): {second['buckets']}; padded / real atoms {atoms:.2f}x, "
+          f"edges {edges:.2f}x")
+    for name, (atoms, edges) in second["val_padding"].items():
+        print(f"{name} buckets (nodes, edges): {second['val_buckets'][name]}; padded / real atoms {atoms:.2f}x, "
+              f"edges {edges:.2f}x")
+
+
 def bench_save(args) -> None:
     """What a training checkpoint costs at a model's full size: weights, Adam's moments and the EMA, written as
     the trainer writes last.ckpt (temporary file, fsync, rename), median of several saves."""
@@ -1022,6 +1200,12 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=20000)
     p.add_argument("--reads", type=int, default=5000, help="rows read per round")
     p.add_argument("--rounds", type=int, default=3)
+    p = sub.add_parser("scale")
+    p.add_argument("--rows", type=int, default=1580000)
+    p.add_argument("--model", default="orb_v2")
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--cache-dir", default="", help="ORB_CACHE_DIR of the runs (default: a new temporary folder)")
     p = sub.add_parser("save")
     p.add_argument("--model", default="orb_v2")
     p.add_argument("--repeats", type=int, default=5)
@@ -1032,7 +1216,7 @@ def main() -> None:
     {"graphs": bench_graphs, "model": bench_model, "parallel": bench_parallel, "calculator": bench_calculator,
      "allreduce": bench_allreduce, "pipeline": bench_pipeline, "gemm": bench_gemm,
      "breakdown": bench_breakdown, "counts": bench_counts, "rows": bench_rows,
-     "save": bench_save, "formats": bench_formats}[args.area](args)
+     "save": bench_save, "formats": bench_formats, "scale": bench_scale}[args.area](args)
 
 
 if __name__ == "__main__":

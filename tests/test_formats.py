@@ -70,6 +70,11 @@ def test_extxyz_a_folder_and_aselmdb_are_the_rows_of_the_database(tmp_path, cach
     ase.io.write(folder / "a.extxyz", frames[:5], format="extxyz")
     ase.io.write(folder / "b.extxyz", frames[5:], format="extxyz")
     same_rows(readable_database(str(folder)))
+    with connect(str(tmp_path / "first.db")) as db:  # a list: files of any supported format, in its order
+        for atoms in frames[:3]:
+            db.write(atoms)
+    ase.io.write(tmp_path / "rest.extxyz", frames[3:], format="extxyz")
+    same_rows(readable_database([str(tmp_path / "first.db"), str(tmp_path / "rest.extxyz")]))
     with connect(str(tmp_path / "val.aselmdb")) as db:
         for atoms in frames:
             db.write(atoms)

@@ -12,6 +12,9 @@ def test_config_overrides_and_errors(tmp_path):
     assert cfg.max_epochs == 3 and cfg.lr == 1e-3 and cfg.model.num_message_passing_steps == 2
     assert cfg.loss_weights.stress == 0 and cfg.buckets == [[64, 1280]]
     assert parse_overrides(["--a.b", "true"]) == {"a": {"b": True}}
+    listed = load_config(None, ["--train_data_path", "[a.extxyz, b.db]", "--replay.data_path", "[omat]"])
+    assert listed.train_data_path == ["a.extxyz", "b.db"] and listed.replay.data_path == "omat"
+    assert load_config(None, ["--num_buckets", "0"]).num_buckets == 0  # chosen for the run
     for args, message in [
         (["--max_epoch", "3"], "unknown config key 'max_epoch' \\(did you mean 'max_epochs'\\?\\)"),
         (["--batch_size", "eight"], "'batch_size' must be an integer"),
@@ -23,6 +26,9 @@ def test_config_overrides_and_errors(tmp_path):
         (["--model.latent", "3"], "unknown config key 'model.latent'"),
         (["--loss_weights.energy", "0", "--loss_weights.forces", "0", "--loss_weights.stress", "0"], "all 0"),
         (["--max_epochs"], "has no value"),
+        (["--val_data_path", "[a.db, '']"], "'val_data_path' lists an empty path"),
+        (["--train_data_path", "[a.db, [b.db]]"], "'train_data_path\\[1\\]' must be a string"),
+        (["--num_buckets", "-1"], "'num_buckets' must be 0 \\(chosen\\) to 16"),
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(None, args)

@@ -22,7 +22,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -52,8 +52,18 @@ def is_sqlite(path: str) -> bool:
         return f.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
 
 
-def source_files(path: str) -> List[str]:
-    """The files a data path names: itself, or the files of a folder (sorted; hidden files left out)."""
+def describe_path(path: Union[str, Sequence[str]]) -> str:
+    """A data path as a log line or an error names it: the path, or the listed paths joined."""
+    return path if isinstance(path, str) else ", ".join(path)
+
+
+def source_files(path: Union[str, Sequence[str]]) -> List[str]:
+    """The files a data path names: itself, the files of a folder (sorted; hidden files left out), or those of
+    each path of a list, in its order."""
+    if not isinstance(path, str):
+        if not path:
+            raise DatasetError("<empty list>", "no database path given")
+        return [f for item in path for f in source_files(item)]
     if not path:
         raise DatasetError("<empty path>", "no database path given")
     if not os.path.exists(path):
@@ -67,7 +77,8 @@ def source_files(path: str) -> List[str]:
     return files
 
 
-def readable_database(path: str, keys: LabelKeys = LabelKeys(), progress: Optional[bool] = None) -> str:
+def readable_database(path: Union[str, Sequence[str]], keys: LabelKeys = LabelKeys(),
+                      progress: Optional[bool] = None) -> str:
     """An ASE SQLite database holding the structures of ``path``: ``path`` itself when it is one, else the
     cached copy of its frames (made now if needed)."""
     files = source_files(path)
@@ -80,7 +91,8 @@ def readable_database(path: str, keys: LabelKeys = LabelKeys(), progress: Option
         return found
     folder = cache.writable_dir(CONVERTED)
     if folder is None:
-        raise DatasetError(path, f"cannot index it: no writable cache folder ({', '.join(cache.cache_dirs(CONVERTED))})")
+        raise DatasetError(describe_path(path), "cannot index it: no writable cache folder "
+                           f"({', '.join(cache.cache_dirs(CONVERTED))})")
     target = os.path.join(folder, name)
     temporary = f"{target}.{os.getpid()}.tmp"
     try:
@@ -89,7 +101,7 @@ def readable_database(path: str, keys: LabelKeys = LabelKeys(), progress: Option
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
-    log.info("indexed %s: %d structures, kept in %s", path, count, target)
+    log.info("indexed %s: %d structures, kept in %s", describe_path(path), count, target)
     return target
 
 

@@ -90,8 +90,8 @@ def main(argv=None) -> int:
     parser.add_argument("--checkpoint", required=True, help="PyTorch or MindSpore orb checkpoint")
     parser.add_argument("--compare", default="", help="a second checkpoint evaluated on the same data and shown "
                         "beside the first (e.g. the starting model and the fine-tuned one)")
-    parser.add_argument("--data", required=True, help="ASE SQLite database, extxyz or any ase.io file, .aselmdb, "
-                        "or a folder of them")
+    parser.add_argument("--data", required=True, nargs="+", help="ASE SQLite database, extxyz or any ase.io file, "
+                        ".aselmdb, a folder of them, or several of these (read as one data set)")
     for name, default in (("energy", ""), ("forces", ""), ("stress", ""), ("charge", "charge"), ("spin", "spin")):
         parser.add_argument(f"--{name}_key", default=default, help=f"where other formats keep the {name} "
                             "(orb.data.formats; default: the stored results, then REF_/plain names)")
@@ -99,7 +99,8 @@ def main(argv=None) -> int:
                         "(default: evaluation/<database name>)")
     parser.add_argument("--model", default=None, help="model name, when the checkpoint cannot tell (a published "
                         "orb-v3 file: orb_v3_conservative_20_omat or ..._inf_omat)")
-    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--batch_size", type=int, default=8, help="structures of an average batch: each step "
+                        "packs structures of similar size up to twice such a batch's atoms and edges")
     parser.add_argument("--device_target", default="auto", choices=("auto", "CPU", "GPU", "Ascend"))
     parser.add_argument("--ops_profile", default="auto", choices=PROFILES,
                         help="operators the model is built with (ORB_OPS_PROFILE overrides; see docs/ascend.md)")
@@ -129,26 +130,41 @@ def predict_dataset(checkpoint: str, args, keys, show: bool):
     model = model_from_checkpoint(checkpoint, args.model)
     data = AseDbDataset(readable_database(args.data, keys), require_labels=False, settings=model.cfg.graph_settings(),
                         charge_spin=model.cfg.omol)
-    predictor = Predictor(model)
-    results, points = [], ParityPoints()
+    batches, buckets = packed_batches(data, args.batch_size)
+    predictor = Predictor(model, buckets)
+    results, points = [None] * len(data), ParityPoints()
     with tqdm(total=len(data), desc=f"evaluating {os.path.basename(checkpoint)}", disable=not show) as bar:
-        for start in range(0, len(data), args.batch_size):
-            indices = range(start, min(start + args.batch_size, len(data)))
-            graphs = [data[i] for i in indices]
+        for indices in batches:
+            graphs = [data[int(i)] for i in indices]
             pred = predictor(batch_graphs(graphs))
             offset = 0
-            for i, graph in zip(indices, graphs):
+            for k, (i, graph) in enumerate(zip(indices, graphs)):
                 n = graph.num_nodes
-                one = {"energy": pred["energy"][i - start], "forces": pred["forces"][offset:offset + n],
-                       "stress": pred["stress"][i - start]}
+                one = {"energy": pred["energy"][k], "forces": pred["forces"][offset:offset + n],
+                       "stress": pred["stress"][k]}
                 offset += n
-                row = data.row(i)
+                row = data.row(int(i))
                 record = structure_record(int(row.id), row.formula, graph, one)
                 record["numbers"] = np.asarray(graph.numbers)
-                results.append(record)
+                results[int(i)] = record
                 points.add(n, one, graph)
             bar.update(len(graphs))
     return results, points
+
+
+def packed_batches(data, batch_size: int):
+    """Batches of structures of similar size (:func:`orb.data.plan.pack_by_size`: little padding whatever the
+    rows' order) and the few bucket shapes planned on exactly them."""
+    from orb.data.buckets import plan_buckets
+    from orb.data.plan import PackedSampler, eval_limit, step_totals
+
+    edges = data.edge_capacities()
+    limit = eval_limit(data.natoms, edges, batch_size)
+    shards = PackedSampler(data.natoms, edges, limit).shards(0, 1)
+    steps = step_totals(shards, data.natoms, edges)
+    buckets = plan_buckets(steps.nodes, steps.edges, limit.num_graphs, (int(steps.nodes.max()),
+                                                                        int(steps.edges.max())), 0, len(steps.nodes))
+    return [shards.part(s, 0) for s in range(len(shards))], buckets
 
 
 def evaluate(args) -> int:
@@ -162,7 +178,9 @@ def evaluate(args) -> int:
     print(f"device: {target}, {describe_profile()}")
     keys = LabelKeys(args.energy_key, args.forces_key, args.stress_key, args.charge_key, args.spin_key)
     show = sys.stderr.isatty() if args.progress_bar == "auto" else args.progress_bar == "true"
-    out_dir = args.output_dir or os.path.join("evaluation", os.path.splitext(os.path.basename(args.data))[0])
+    args.data = args.data[0] if len(args.data) == 1 else args.data
+    first = args.data if isinstance(args.data, str) else args.data[0]
+    out_dir = args.output_dir or os.path.join("evaluation", os.path.splitext(os.path.basename(first.rstrip("/")))[0])
     checkpoints = [args.checkpoint] + ([args.compare] if args.compare else [])
     names = [os.path.basename(c) for c in checkpoints]
     if len(set(names)) < len(names):
@@ -170,7 +188,8 @@ def evaluate(args) -> int:
     runs = {name: predict_dataset(path, args, keys, show) for name, path in zip(names, checkpoints)}
     results = runs[names[0]][0]
     summary = summarise(results)
-    summary.update({"checkpoint": os.path.abspath(args.checkpoint), "data": os.path.abspath(args.data),
+    data = os.path.abspath(args.data) if isinstance(args.data, str) else [os.path.abspath(d) for d in args.data]
+    summary.update({"checkpoint": os.path.abspath(args.checkpoint), "data": data,
                     "device_target": target, "ops_profile": ops_profile()})
     if args.compare:
         other = summarise(runs[names[1]][0])

@@ -7,7 +7,7 @@ the key (with a suggestion for typos). ``configs/config.yaml`` documents every k
 import difflib
 import typing
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import yaml
 
@@ -38,12 +38,15 @@ class ReferenceEnergyConfig:
     fit: str = "none"  # none | residual (to DFT - starting model) | least_squares (to the DFT energies)
 
 
+DataPath = Union[str, List[str]]  # one file or folder, or a list of them (read as one data set)
+
+
 @dataclass
 class ReplayConfig:
     """Structures of the foundation's own distribution trained and validated beside the target (replay)."""
 
-    data_path: str = ""
-    val_data_path: str = ""
+    data_path: DataPath = ""
+    val_data_path: DataPath = ""
     val_samples: int = 100
     labels: str = "data"  # data | model (the starting checkpoint's predictions)
     fraction: float = 0.0
@@ -59,8 +62,8 @@ class ReplayConfig:
 
 @dataclass
 class TrainConfig:
-    train_data_path: str = "data/demo_train.db"  # ASE SQLite, extxyz or any ase.io file, .aselmdb, or a folder
-    val_data_path: str = "data/demo_val.db"
+    train_data_path: DataPath = "data/demo_train.db"  # ASE SQLite, extxyz or any ase.io file, .aselmdb, a folder,
+    val_data_path: DataPath = "data/demo_val.db"  # or a list of these
     checkpoint_path: str = ""
     output_dir: str = "outputs/run"
     device_target: str = "auto"
@@ -144,6 +147,13 @@ def _coerce(value: Any, tp, key: str) -> Any:
             raise ConfigError(f"config key '{key}' must be a list, got {value!r}")
         (item,) = typing.get_args(tp)
         return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp == DataPath:
+        if isinstance(value, (list, tuple)):
+            paths = [_coerce(v, str, f"{key}[{i}]") for i, v in enumerate(value)]
+            if not all(paths):
+                raise ConfigError(f"config key '{key}' lists an empty path: {value!r}")
+            return paths[0] if len(paths) == 1 else paths
+        return _coerce(value, str, key)
     if tp is float:
         if isinstance(value, str):  # PyYAML reads 1e-3 (no dot) as a string
             try:

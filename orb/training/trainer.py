@@ -13,6 +13,7 @@ import numpy as np
 
 from orb.data.buckets import Bucket, check_buckets, largest_batch, parse_buckets, plan_buckets
 from orb.data.dataset import AseDbDataset, EpochSampler
+from orb.data.formats import describe_path
 from orb.data.graphs import capacity_is_counted
 from orb.data.loader import BatchLoader
 from orb.data.plan import (EpochSteps, PackedSampler, Step, StepTotals, eval_limit, padding_ratio, plan_steps,
@@ -218,7 +219,8 @@ class Trainer:
         train = self.databases["train"]
         self.has_stress = train.has_stress and cfg.loss_weights.stress > 0 and cfg.model.has_stress
         if cfg.loss_weights.stress > 0 and cfg.model.has_stress and not train.has_stress:
-            log.warning("%s has no stress labels: training without the stress loss", cfg.train_data_path)
+            log.warning("%s has no stress labels: training without the stress loss",
+                        describe_path(cfg.train_data_path))
         self._check_stress()
 
     def _readable(self, path: str) -> str:
@@ -238,7 +240,7 @@ class Trainer:
         if error is not None:
             raise error
         if failed:
-            raise DatasetError(path, "rank 0 could not read it (its line names the problem)")
+            raise DatasetError(describe_path(path), "rank 0 could not read it (its line names the problem)")
         return readable if self.dp.is_main else readable_database(path, keys, False)
 
     def _check_stress(self) -> None:
@@ -405,7 +407,7 @@ class Trainer:
                  "within %g Å", cfg.model.name, f"{n_params:,}", f"{n_train:,}", cfg.model.num_message_passing_steps,
                  cfg.model.latent_dim, cfg.model.max_neighbors, cfg.model.radius)
         train = self.train_source
-        log.info("train data: %s (%d structures, %d atoms)%s%s", cfg.train_data_path, len(train),
+        log.info("train data: %s (%d structures, %d atoms)%s%s", describe_path(cfg.train_data_path), len(train),
                  int(train.natoms.sum()), "" if train.has_stress else ", no stress", self._weights_note(train))
         for name, data in self.val_sets.items():
             log.info("%s data: %s (%d structures)%s", "validation" if name == "val" else name, data.path, len(data),
