@@ -278,7 +278,7 @@ def test_pytorch_orb_models_055_loads_our_export_and_predicts_the_same(tmp_path,
             np.testing.assert_allclose(atoms.get_stress(), theirs[f"{n}/stress"], atol=5e-6, err_msg=n)
 
 
-def omol_db(path, charge_spin=True, skip_row=None):
+def omol_db(path, charge_spin=True, skip_row=None, in_data=False):
     """Small molecules labelled with EMT (which knows H, C, N, O) and their total charge and spin."""
     import ase.db
     from ase.build import molecule
@@ -292,8 +292,30 @@ def omol_db(path, charge_spin=True, skip_row=None):
             atoms.calc = EMT()
             atoms.get_potential_energy()
             extra = dict(charge=0, spin=1) if charge_spin and i != skip_row else {}
-            db.write(atoms, **extra)
+            db.write(atoms, **({"data": extra} if in_data else extra))
     return str(path)
+
+
+def test_charge_and_spin_in_row_data_are_checked_once_per_database(tmp_path, monkeypatch):
+    """OMol data keeping charge and spin in ``row.data`` (OMol25's conversions do) is read row by row only by the
+    census, which is kept in the cache: a later start reads no row; a row without them is named."""
+    from orb.data.dataset import AseDbDataset
+    from orb.data.sqlite_rows import RowReader
+    from orb.errors import DatasetError
+
+    monkeypatch.setenv("ORB_CACHE_DIR", str(tmp_path / "cache"))
+    path = omol_db(tmp_path / "mol.db", in_data=True)
+    AseDbDataset(path, charge_spin=True).census()
+    read = RowReader.read_many
+    monkeypatch.setattr(RowReader, "read_many", lambda *a: pytest.fail("a row was read at a later start"))
+    again = AseDbDataset(path, charge_spin=True)
+    again.census()
+    assert again.census_pass.read_from is not None
+    monkeypatch.setattr(RowReader, "read_many", read)
+    assert float(again.get(0).charge[0]) == 0 and float(again.get(0).spin[0]) == 1
+    bad = omol_db(tmp_path / "bad.db", skip_row=2, in_data=True)
+    with pytest.raises(DatasetError, match="bad.db, row 3, key 'charge'"):
+        AseDbDataset(bad, charge_spin=True).census()
 
 
 def test_omol_model_trains_on_charge_and_spin_and_names_a_row_without(tmp_path):

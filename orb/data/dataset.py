@@ -252,11 +252,9 @@ class AseDbDataset:
         self.capacity_pass = RowPass(self, CAPACITY_CACHE, (CAPACITY_VERSION, EDGE_CAPACITY_MARGIN,
                                                             repr(self.settings)), 1, "counting neighbours",
                                      self._plausible_capacities)
-        self.census_pass = RowPass(self, CENSUS_CACHE, (CENSUS_VERSION,), len(LABELS), "checking the rows",
-                                   _plausible_flags)
+        self.census_pass = RowPass(self, CENSUS_CACHE, (CENSUS_VERSION, charge_spin), len(LABELS),
+                                   "checking the rows", _plausible_flags)
         self.weights = self._weights()
-        if charge_spin:
-            self._check_charge_spin()
 
     def _scan(self) -> Tuple[np.ndarray, np.ndarray]:
         """Row ids and atom counts from ASE's species table (a few bytes per element of a row, not the rows)."""
@@ -271,8 +269,8 @@ class AseDbDataset:
 
     # ----------------------------------------------------------------- the census of the labels
     def check_rows(self, start: int, stop: int) -> np.ndarray:
-        """Rows ``start:stop`` read, their structures and labels checked (a bad one named by row and key); per row
-        whether it stores energy, forces and stress."""
+        """Rows ``start:stop`` read, their structures and labels (and for OMol models their charge and spin) checked,
+        a bad one named by row and key; per row whether it stores energy, forces and stress."""
         stored = np.zeros((stop - start, len(LABELS)), np.int64)
         for k, row in enumerate(self.rows.read_many(self.ids[start:stop])):
             try:
@@ -280,6 +278,8 @@ class AseDbDataset:
             except StructureError as exc:
                 raise self._structure_error(row, exc) from None
             stored[k] = [value is not None for value in self._stored_labels(row)]
+            if self.charge_spin:
+                self._charge_spin(row)  # OMol models: every row's total charge and spin (key-value pairs or data)
         return stored
 
     def census(self, check: Optional[Callable[[int, int], np.ndarray]] = None,
@@ -377,14 +377,6 @@ class AseDbDataset:
     def set_labels(self, table: Optional[LabelTable]) -> None:
         """Use ``table``'s labels instead of the database's for the rows it holds (None: the database's again)."""
         self.label_table = table
-
-    def _check_charge_spin(self) -> None:
-        """Every row has its total charge and spin, checked up front (not hours into training)."""
-        with_keys = {key: {i for (i,) in self._read(f"SELECT id FROM keys WHERE key = '{key}'", [])}
-                     for key in ("charge", "spin")}
-        for row_id in self.ids:
-            if row_id not in with_keys["charge"] or row_id not in with_keys["spin"]:
-                self._charge_spin(self.rows.read(int(row_id)))  # row.data may hold them
 
     def __len__(self) -> int:
         return len(self.ids)
