@@ -247,3 +247,57 @@ def test_evaluate_report_compares_two_checkpoints(reference_model, tmp_path):
         assert int(line[f"{column}_structures"]) == len(containing)
         assert float(line[f"{column}_energy_per_atom_mae"]) == pytest.approx(np.mean(containing), rel=1e-9)
     assert "errors by element" in alone.stdout
+
+
+def test_d3_dispersion_equals_dftd3s_own_calculator_added(reference_model, reference, monkeypatch, tmp_path):
+    """``dispersion="d3bj"`` adds exactly what dftd3's own ASE calculator gives (same parameters), to 1e-8 eV, in
+    energy, forces and (periodic) stress, at every MD-like update of the same structure; bad names and a missing
+    extra are one-line errors listing the valid values."""
+    from ase.calculators.mixing import SumCalculator
+    from ase.db import connect
+    from dftd3.ase import DFTD3
+
+    from orb.errors import OrbInputError
+    from orb.inference import dispersion
+    from orb.inference.calculator import ORBCalculator
+
+    model, path = reference_model
+    ours = ORBCalculator(model, dispersion="d3bj", xc="PBE")
+    theirs = SumCalculator([ORBCalculator(model), DFTD3(method="PBE", damping="d3bj")])
+    rng = np.random.default_rng(0)
+    for i in (0, 1, 7):  # periodic alloy, non-periodic cluster, large oxide
+        atoms = atoms_of(reference, i)
+        for _ in range(2):  # the dispersion model of a size is updated in place
+            atoms.positions += rng.normal(0, 0.01, atoms.positions.shape)
+            a, b = atoms.copy(), atoms.copy()
+            a.calc, b.calc = ours, theirs
+            assert a.get_potential_energy() == pytest.approx(b.get_potential_energy(), abs=1e-8)
+            np.testing.assert_allclose(a.get_forces(), b.get_forces(), rtol=0, atol=1e-8)
+            if atoms.pbc.any():
+                np.testing.assert_allclose(a.get_stress(), b.get_stress(), rtol=0, atol=1e-8)
+    plain = atoms_of(reference, 0)
+    plain.calc = ORBCalculator(model)
+    assert abs(plain.get_potential_energy() - a.get_potential_energy()) > 1e-3  # D3 is not nothing
+    with pytest.raises(OrbInputError, match="unknown dispersion 'd4'; valid: d3bj, d3zero"):
+        ORBCalculator.from_checkpoint(path, dispersion="d4")
+    with pytest.raises(OrbInputError, match="unknown xc 'pbe99'; valid: .*pbe0"):
+        ORBCalculator(model, dispersion="d3bj", xc="pbe99")
+    out = tmp_path / "d3"
+    result = run_evaluate(path, MPTRJ_DB, out, "--dispersion", "d3bj", "--xc", "pbe")
+    assert result.returncode == 0, result.stderr[-3000:]
+    plain = run_evaluate(path, MPTRJ_DB, tmp_path / "plain")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    with_d3, without = (list(csv.DictReader(open(d / "predictions.csv"))) for d in (out, tmp_path / "plain"))
+    for k, row in enumerate(connect(MPTRJ_DB).select()):
+        atoms = row.toatoms()
+        atoms.calc = DFTD3(method="PBE", damping="d3bj")
+        assert float(with_d3[k]["energy_pred"]) - float(without[k]["energy_pred"]) == pytest.approx(
+            atoms.get_potential_energy(), abs=2e-5)  # float32 model energies of ~100 eV
+    result = run_evaluate(path, MPTRJ_DB, tmp_path / "bad", "--dispersion", "d3bj", "--xc", "pbe99")
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("error: dispersion d3bj: "
+                                                                                        "unknown xc 'pbe99'")
+    monkeypatch.setitem(sys.modules, "dftd3.interface", None)
+    dispersion.functionals.cache_clear()
+    with pytest.raises(OrbInputError, match=r"pip install '\.\[d3\]'"):
+        ORBCalculator(model, dispersion="d3bj")
+    dispersion.functionals.cache_clear()

@@ -10,7 +10,9 @@ orb-v2 and orb-v3 direct models predict forces and stress directly; orb-v3 conse
 return the derivatives of their energy (energy-conserving MD). orb-v3 models also give
 ``confidence``: per atom, the predicted distribution of its force error over 50 bins from 0 to
 0.3 eV/Å. OMol models read the total charge and spin from ``atoms.info["charge"]`` and
-``atoms.info["spin"]``.
+``atoms.info["spin"]``. ``dispersion="d3bj"`` (with the ``xc`` functional of the training data,
+default PBE) adds DFT-D3(BJ) energy, forces and stress from the ``dftd3`` package
+(:mod:`orb.inference.dispersion`; ``pip install .[d3]``), as orb-models 0.7.0's ``D3SumModel``.
 """
 
 from typing import Dict, Optional
@@ -27,9 +29,12 @@ class ORBCalculator(Calculator):
 
     implemented_properties = ["energy", "free_energy", "forces", "stress", "confidence"]
 
-    def __init__(self, model, **kwargs):
+    def __init__(self, model, dispersion: Optional[str] = None, xc: str = "pbe", **kwargs):
+        from orb.inference.dispersion import D3Dispersion
+
         super().__init__(**kwargs)
         self.model = model
+        self.dispersion = D3Dispersion(dispersion, xc) if dispersion else None
         self.predictor = Predictor(model)
 
     @classmethod
@@ -37,11 +42,14 @@ class ORBCalculator(Calculator):
                         matmul_precision: str = "high", ops_profile: str = "auto", **kwargs) -> "ORBCalculator":
         """A calculator for a PyTorch or MindSpore checkpoint (its architecture is read from the file;
         ``model_name`` tells a published orb-v3 file's 20- from its unlimited-neighbour variant;
-        ``matmul_precision`` and ``ops_profile`` as the training config's keys of those names)."""
+        ``matmul_precision`` and ``ops_profile`` as the training config's keys of those names; ``dispersion`` and
+        ``xc`` as the constructor's)."""
         from orb.device import configure_mindspore
+        from orb.inference.dispersion import check_dispersion
         from orb.io.checkpoint import model_from_checkpoint
         from orb.models.ops_profile import set_ops_profile
 
+        check_dispersion(kwargs.get("dispersion"), kwargs.get("xc", "pbe"))  # before loading any weights
         configure_mindspore(device_target, matmul_precision=matmul_precision)
         set_ops_profile(ops_profile)
         return cls(model_from_checkpoint(path, model_name), **kwargs)
@@ -56,5 +64,11 @@ class ORBCalculator(Calculator):
         out: Dict[str, np.ndarray] = self.predictor(graph)
         energy = float(out["energy"][0])
         self.results = {"energy": energy, "free_energy": energy, "forces": out["forces"], "stress": out["stress"][0]}
+        if self.dispersion is not None:
+            d3 = self.dispersion(self.atoms)
+            for key in ("energy", "free_energy"):
+                self.results[key] += d3["energy"]
+            self.results["forces"] = self.results["forces"] + d3["forces"]
+            self.results["stress"] = self.results["stress"] + d3["stress"]
         if "confidence" in out:
             self.results["confidence"] = out["confidence"]

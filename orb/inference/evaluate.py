@@ -101,6 +101,9 @@ def main(argv=None) -> int:
                         "orb-v3 file: orb_v3_conservative_20_omat or ..._inf_omat)")
     parser.add_argument("--batch_size", type=int, default=8, help="structures of an average batch: each step "
                         "packs structures of similar size up to twice such a batch's atoms and edges")
+    parser.add_argument("--dispersion", default="", help="add DFT-D3 dispersion to the predictions: d3bj or d3zero "
+                        "(needs pip install .[d3])")
+    parser.add_argument("--xc", default="pbe", help="the functional of the training data, for --dispersion")
     parser.add_argument("--device_target", default="auto", choices=("auto", "CPU", "GPU", "Ascend"))
     parser.add_argument("--ops_profile", default="auto", choices=PROFILES,
                         help="operators the model is built with (ORB_OPS_PROFILE overrides; see docs/ascend.md)")
@@ -123,6 +126,7 @@ def predict_dataset(checkpoint: str, args, keys, show: bool):
     from orb.data.dataset import AseDbDataset
     from orb.data.formats import readable_database
     from orb.data.graphs import batch_graphs
+    from orb.inference.dispersion import D3Dispersion
     from orb.inference.predictor import Predictor
     from orb.inference.report import ParityPoints
     from orb.io.checkpoint import model_from_checkpoint
@@ -131,6 +135,7 @@ def predict_dataset(checkpoint: str, args, keys, show: bool):
     data = AseDbDataset(readable_database(args.data, keys), require_labels=False, settings=model.cfg.graph_settings(),
                         charge_spin=model.cfg.omol)
     batches, buckets = packed_batches(data, args.batch_size)
+    dispersion = D3Dispersion(args.dispersion, args.xc) if args.dispersion else None
     predictor = Predictor(model, buckets)
     results, points = [None] * len(data), ParityPoints()
     with tqdm(total=len(data), desc=f"evaluating {os.path.basename(checkpoint)}", disable=not show) as bar:
@@ -143,6 +148,9 @@ def predict_dataset(checkpoint: str, args, keys, show: bool):
                 one = {"energy": pred["energy"][k], "forces": pred["forces"][offset:offset + n],
                        "stress": pred["stress"][k]}
                 offset += n
+                if dispersion is not None:
+                    d3 = dispersion(data.get_atoms(int(i)))
+                    one = {key: one[key] + d3[key] for key in one}
                 row = data.row(int(i))
                 record = structure_record(int(row.id), row.formula, graph, one)
                 record["numbers"] = np.asarray(graph.numbers)
@@ -170,9 +178,11 @@ def packed_batches(data, batch_size: int):
 def evaluate(args) -> int:
     from orb.data.formats import LabelKeys
     from orb.device import configure_mindspore
+    from orb.inference.dispersion import check_dispersion
     from orb.inference.report import errors_by_element, print_element_table, write_element_table, write_parity_plots
     from orb.models.ops_profile import describe_profile, ops_profile, set_ops_profile
 
+    check_dispersion(args.dispersion, args.xc)
     target = configure_mindspore(args.device_target, matmul_precision=args.matmul_precision)
     set_ops_profile(args.ops_profile)
     print(f"device: {target}, {describe_profile()}")

@@ -1,0 +1,86 @@
+"""DFT-D3 dispersion added to a model's energy, forces and stress (as orb-models 0.7.0's ``D3SumModel``).
+
+Models trained on PBE data (MPtrj, OMat24) miss most of the van der Waals attraction; a D3
+correction restores it. The terms come from the ``dftd3`` package (the Python API of
+simple-dftd3, an optional extra: ``pip install .[d3]``) with its own parameters for the
+exchange-correlation functional ``xc`` the training data used, so results equal ``dftd3``'s own
+ASE calculator. One dispersion model is kept per structure size and updated in place, as an MD
+run or a relaxation calls it thousands of times.
+"""
+
+import os
+import tomllib
+from functools import lru_cache
+from typing import Dict, List, Optional
+
+import numpy as np
+from ase.units import Bohr, Hartree
+
+from orb.errors import OrbInputError
+
+DAMPING = {"d3bj": ("bj", "RationalDampingParam"), "d3zero": ("zero", "ZeroDampingParam")}
+EXTRA = "dispersion needs the dftd3 package: pip install '.[d3]' (or pip install dftd3)"
+
+
+def _dftd3():
+    try:
+        import dftd3.interface as interface
+    except ImportError:
+        raise OrbInputError(EXTRA) from None
+    return interface
+
+
+@lru_cache(maxsize=None)
+def functionals(dispersion: str) -> List[str]:
+    """The exchange-correlation functionals ``dftd3`` has parameters for with this damping (lower case)."""
+    interface = _dftd3()
+    path = os.path.join(os.path.dirname(interface.__file__), "parameters.toml")
+    with open(path, "rb") as f:
+        table = tomllib.load(f)["parameter"]
+    key = DAMPING[dispersion][0]
+    return sorted(name for name, entry in table.items() if key in entry.get("d3", {}))
+
+
+def check_dispersion(dispersion: Optional[str], xc: str) -> None:
+    """Refuse an unknown damping or functional (listing the valid ones) and a missing ``dftd3``, in one line."""
+    if not dispersion:
+        return
+    if dispersion not in DAMPING:
+        raise OrbInputError(f"unknown dispersion {dispersion!r}; valid: {', '.join(DAMPING)}")
+    names = functionals(dispersion)
+    if xc.lower() not in names:
+        raise OrbInputError(f"dispersion {dispersion}: unknown xc {xc!r}; valid: {', '.join(names)}")
+
+
+class D3Dispersion:
+    """DFT-D3 energy (eV), forces (eV/Å) and, for periodic structures, stress (eV/Å³, ASE's Voigt order and
+    sign) of a structure, with ``dftd3``'s parameters for ``xc``."""
+
+    def __init__(self, dispersion: str = "d3bj", xc: str = "pbe"):
+        check_dispersion(dispersion, xc)
+        interface = _dftd3()
+        self.dispersion, self.xc = dispersion, xc.lower()
+        self.param = getattr(interface, DAMPING[dispersion][1])(method=self.xc)
+        self._model = None
+        self._key = None
+
+    def _model_for(self, atoms):
+        key = (tuple(atoms.numbers), tuple(bool(p) for p in atoms.pbc))
+        positions, lattice = atoms.positions / Bohr, np.asarray(atoms.cell[:]) / Bohr
+        if key != self._key:
+            self._model = _dftd3().DispersionModel(atoms.numbers, positions, lattice, atoms.pbc)
+            self._key = key
+        else:
+            self._model.update(positions, lattice)
+        return self._model
+
+    def __call__(self, atoms) -> Dict[str, np.ndarray]:
+        result = self._model_for(atoms).get_dispersion(param=self.param, grad=True)
+        out = {"energy": float(result["energy"]) * Hartree,
+               "forces": -np.asarray(result["gradient"]) * (Hartree / Bohr)}
+        if atoms.pbc.any():
+            virial = np.asarray(result["virial"]) * (Hartree / atoms.get_volume())
+            out["stress"] = virial.flat[[0, 4, 8, 5, 2, 1]]
+        else:
+            out["stress"] = np.zeros(6)
+        return out
