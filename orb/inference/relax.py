@@ -1,0 +1,233 @@
+"""Batched relaxation: every structure of a data set relaxed with FIRE, many per compiled model call.
+
+    orb-relax --checkpoint best_weights.ckpt --data candidates.extxyz --output relaxed.db [--cell]
+
+Each structure keeps its own ASE ``FIRE`` optimizer (on the atoms, or with ``--cell`` on ASE's
+``FrechetCellFilter`` of them), so every step is ASE's own arithmetic; only the model is batched:
+the structures still relaxing are evaluated together in one padded, compiled call, a structure
+leaves the batch when its forces are below ``--fmax`` (or after ``--steps`` steps) and the next
+one enters. Each finished structure is written at once to the output ASE database (energy,
+forces, stress, ``source_row``, ``relax_steps``, ``converged``), so a killed run continues with
+``--resume``, which skips the rows already written; a summary (JSON) lists what did not converge.
+"""
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from orb.errors import OrbInputError
+
+log = logging.getLogger("orb")
+
+
+@dataclass
+class Relaxing:
+    """One structure being relaxed: its atoms, their optimizer and the steps taken."""
+
+    source_row: int
+    atoms: object
+    optimizer: object
+    steps: int = 0
+
+
+def _optimizer(atoms, cell: bool, fmax: float):
+    from ase.filters import FrechetCellFilter
+    from ase.optimize import FIRE
+
+    target = FrechetCellFilter(atoms) if cell and atoms.pbc.any() else atoms
+    optimizer = FIRE(target, logfile=None)
+    optimizer.fmax = fmax  # what Optimizer.run sets
+    return optimizer
+
+
+def _done_rows(output: str) -> set:
+    """The input rows an earlier run already wrote (their ``source_row`` key-value pairs)."""
+    import sqlite3
+
+    try:
+        with sqlite3.connect(f"file:{output}?mode=ro", uri=True) as connection:
+            found = connection.execute("SELECT value FROM number_key_values WHERE key = 'source_row'").fetchall()
+    except sqlite3.DatabaseError as exc:
+        if "no such table" in str(exc):
+            return set()
+        raise OrbInputError(f"--output {output}: cannot read it as an ASE database to resume ({exc})") from None
+    return {int(value) for (value,) in found}
+
+
+def check_output(output: str, resume: bool, overwrite: bool) -> None:
+    """An existing output is continued (``--resume``) or replaced (``--overwrite``), never silently mixed."""
+    if not os.path.exists(output):
+        return
+    if resume:
+        return
+    if overwrite:
+        os.remove(output)
+        return
+    raise OrbInputError(f"--output {output} exists: pass --resume to continue it or --overwrite to replace it")
+
+
+class BatchRelaxer:
+    """Relaxes structures with per-structure FIRE steps and one batched model call per step."""
+
+    def __init__(self, model, fmax: float = 0.05, steps: int = 500, cell: bool = False, batch_size: int = 32,
+                 dispersion=None):
+        from orb.inference.predictor import Predictor
+
+        self.model, self.fmax, self.max_steps, self.cell = model, fmax, steps, cell
+        self.batch_size, self.dispersion = batch_size, dispersion
+        self.predictor = Predictor(model)
+        self.calls = 0
+
+    def _evaluate(self, active: List[Relaxing]) -> None:
+        """The model (and dispersion) on every active structure at once; the results attached to each."""
+        from ase.calculators.singlepoint import SinglePointCalculator
+
+        from orb.data.graphs import atoms_to_graph, batch_graphs
+
+        settings = self.model.cfg.graph_settings()
+        graphs = [atoms_to_graph(r.atoms, settings=settings) for r in active]
+        out = self.predictor(batch_graphs(graphs))
+        self.calls += 1
+        offset = 0
+        for k, r in enumerate(active):
+            n = len(r.atoms)
+            results = {"energy": float(out["energy"][k]), "forces": out["forces"][offset:offset + n],
+                       "stress": out["stress"][k]}
+            offset += n
+            if self.dispersion is not None:
+                d3 = self.dispersion(r.atoms)
+                results = {key: results[key] + d3[key] for key in results}
+            r.atoms.calc = SinglePointCalculator(r.atoms, free_energy=results["energy"], **results)
+
+    def run(self, structures, on_done) -> None:
+        """Relax ``structures`` (an iterable of ``(source_row, atoms)``); ``on_done(relaxing, converged)`` is
+        called for each as it finishes."""
+        queue = iter(structures)
+        active: List[Relaxing] = []
+        while True:
+            while len(active) < self.batch_size:
+                item = next(queue, None)
+                if item is None:
+                    break
+                row, atoms = item
+                active.append(Relaxing(row, atoms, _optimizer(atoms, self.cell, self.fmax)))
+            if not active:
+                return
+            self._evaluate(active)
+            still = []
+            for r in active:
+                gradient = r.optimizer.optimizable.get_gradient()
+                if r.optimizer.gradient_converged(gradient):
+                    on_done(r, True)
+                elif r.steps >= self.max_steps:
+                    on_done(r, False)
+                else:
+                    r.optimizer.step()
+                    r.steps += 1
+                    still.append(r)
+            active = still
+
+
+def relax(args) -> Dict:
+    import ase.db
+    from tqdm import tqdm
+
+    from orb.data.dataset import AseDbDataset
+    from orb.data.formats import LabelKeys, readable_database
+    from orb.device import configure_mindspore
+    from orb.inference.dispersion import D3Dispersion, check_dispersion
+    from orb.io.checkpoint import model_from_checkpoint
+    from orb.models.ops_profile import set_ops_profile
+
+    if args.fmax <= 0 or args.steps < 0 or args.batch_size < 1:
+        raise OrbInputError("--fmax must be > 0, --steps >= 0 and --batch_size >= 1")
+    check_dispersion(args.dispersion, args.xc)
+    check_output(args.output, args.resume, args.overwrite)
+    configure_mindspore(args.device_target)
+    set_ops_profile(args.ops_profile)
+    model = model_from_checkpoint(args.checkpoint, args.model)
+    data = AseDbDataset(readable_database(args.data, LabelKeys()), require_labels=False,
+                        settings=model.cfg.graph_settings(), charge_spin=False)
+    done = _done_rows(args.output) if os.path.exists(args.output) else set()
+    todo = [i for i in range(len(data)) if int(data.ids[i]) not in done]
+    dispersion = D3Dispersion(args.dispersion, args.xc) if args.dispersion else None
+    relaxer = BatchRelaxer(model, args.fmax, args.steps, args.cell, args.batch_size, dispersion)
+    show = sys.stderr.isatty() if args.progress_bar == "auto" else args.progress_bar == "true"
+    not_converged: List[int] = []
+    steps: List[int] = []
+
+    def structures():
+        for i in todo:
+            atoms = data.get_atoms(i)
+            atoms.calc = None
+            if model.cfg.omol:
+                charge, spin = data._charge_spin(data.row(i))
+                atoms.info.update(charge=float(charge[0]), spin=float(spin[0]))
+            yield int(data.ids[i]), atoms
+
+    start = time.perf_counter()
+    with ase.db.connect(args.output, type="db") as db, tqdm(total=len(todo), desc="relaxing", disable=not show) as bar:
+        def finish(r: Relaxing, converged: bool) -> None:
+            db.write(r.atoms, source_row=r.source_row, relax_steps=r.steps, converged=converged)
+            steps.append(r.steps)
+            if not converged:
+                not_converged.append(r.source_row)
+            bar.update(1)
+
+        relaxer.run(structures(), finish)
+    seconds = time.perf_counter() - start
+    summary = {"input": args.data, "output": os.path.abspath(args.output), "checkpoint": args.checkpoint,
+               "fmax": args.fmax, "max_steps": args.steps, "cell": args.cell, "dispersion": args.dispersion or None,
+               "structures": len(todo), "already_done": len(done), "converged": len(todo) - len(not_converged),
+               "not_converged_rows": not_converged, "mean_steps": float(np.mean(steps)) if steps else 0.0,
+               "model_calls": relaxer.calls, "seconds": seconds,
+               "structures_per_second": len(todo) / seconds if seconds > 0 else 0.0}
+    with open(os.path.splitext(args.output)[0] + ".summary.json", "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from orb.models.ops_profile import PROFILES
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", required=True, help="PyTorch or MindSpore orb checkpoint")
+    parser.add_argument("--data", required=True, nargs="+", help="structures to relax: ASE SQLite, extxyz or any "
+                        "ase.io file, .aselmdb, a folder, or several of these")
+    parser.add_argument("--output", required=True, help="ASE SQLite database of the relaxed structures")
+    parser.add_argument("--fmax", type=float, default=0.05, help="converged when every force (and with --cell "
+                        "every cell force) is below this, eV/Å")
+    parser.add_argument("--steps", type=int, default=500, help="FIRE steps at most per structure")
+    parser.add_argument("--cell", action="store_true", help="relax the cell too (ASE's FrechetCellFilter)")
+    parser.add_argument("--batch_size", type=int, default=32, help="structures relaxing together")
+    parser.add_argument("--resume", action="store_true", help="continue an existing output (skip its rows)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    parser.add_argument("--model", default=None, help="model name, when the checkpoint cannot tell")
+    parser.add_argument("--dispersion", default="", help="add DFT-D3 dispersion: d3bj or d3zero (pip install .[d3])")
+    parser.add_argument("--xc", default="pbe", help="the functional of the training data, for --dispersion")
+    parser.add_argument("--device_target", default="auto", choices=("auto", "CPU", "GPU", "Ascend"))
+    parser.add_argument("--ops_profile", default="auto", choices=PROFILES)
+    parser.add_argument("--progress_bar", choices=("auto", "true", "false"), default="auto")
+    args = parser.parse_args(argv)
+    args.data = args.data[0] if len(args.data) == 1 else args.data
+    try:
+        summary = relax(args)
+    except OrbInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"relaxed {summary['structures']} structures ({summary['converged']} converged, "
+          f"{len(summary['not_converged_rows'])} not within {args.steps} steps) in {summary['seconds']:.1f} s "
+          f"({summary['structures_per_second']:.2f}/s), {summary['model_calls']} model calls; "
+          f"written to {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,12 @@
+"""Relax every structure of a data set with FIRE, many per compiled call (see orb/inference/relax.py); installed as
+the console command orb-relax too."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from orb.inference.relax import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
