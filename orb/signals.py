@@ -12,6 +12,21 @@ def ignore_stop_signals() -> None:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
+def die_with_parent() -> None:
+    """For helper processes: killed when the process that started them dies, even by SIGKILL (Linux; elsewhere a
+    no-op), so no worker outlives a killed training process holding its pipes and memory."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
 def exit_on_stop_signals() -> None:
     """Until training starts there is nothing to save: a stop signal ends the process at once, with one line."""
 

@@ -1060,12 +1060,14 @@ def first_step(self, kind, cell, arrays, bucket):
           "val_padding": self.val_padding, "buckets": [[b.num_nodes, b.num_edges, b.spare] for b in self.train_buckets],
           "val_buckets": {k: [[b.num_nodes, b.num_edges] for b in v] for k, v in self.val_buckets.items()},
           "compile_s": sum(self.compiled.values()), "steps_per_epoch": self.steps_per_epoch}), flush=True)
+    self.loader.close()
     os._exit(0)
 
-T.Trainer._run = first_step
-T.Trainer.validate_all = lambda self, progress: {}  # the pass before fine-tuning is not start-up
-import finetune
-finetune.main(ARGS)
+if __name__ == "__main__":  # not in the data workers, which import this file as their main module
+    T.Trainer._run = first_step
+    T.Trainer.validate_all = lambda self, progress: {}  # the pass before fine-tuning is not start-up
+    import finetune
+    finetune.main(ARGS)
 """
 
 
@@ -1119,6 +1121,67 @@ def bench_scale(args) -> None:
     for name, (atoms, edges) in second["val_padding"].items():
         print(f"{name} buckets (nodes, edges): {second['val_buckets'][name]}; padded / real atoms {atoms:.2f}x, "
               f"edges {edges:.2f}x")
+
+
+def bench_relax(args) -> None:
+    """Batched relaxation (orb-relax's BatchRelaxer) against ASE's FIRE driving ORBCalculator one structure after
+    another, on the same MPtrj-like cells (rattled) and the same model: structures per second of each (alternated,
+    wall time including compilation), model calls, and the largest difference in final energy per atom."""
+    from ase.optimize import FIRE
+
+    from orb.device import configure_mindspore
+    from orb.inference.calculator import ORBCalculator
+    from orb.inference.relax import BatchRelaxer
+    from orb.io.checkpoint import load_torch_state_dict
+    from orb.models import create
+    from orb.models.recipe import model_recipe_weights
+
+    configure_mindspore("CPU")
+    model = create(args.model)
+    load_torch_state_dict(model, model_recipe_weights(model, 0))
+    model.set_train(False)
+    rng = np.random.default_rng(1)
+    structures = []
+    for atoms in mptrj_like_rows(args.structures * TRAJECTORY, seed=2):
+        if len(structures) < args.structures and (not structures or len(atoms) != len(structures[-1])):
+            atoms.calc = None
+            atoms.positions += rng.normal(0, 0.05, atoms.positions.shape)
+            structures.append(atoms)
+    rate_before = gemm_rate()
+    times = {"ASE FIRE loop": [], "orb-relax (batched)": []}
+    energies, calls = {}, {}
+    for _ in range(args.rounds):
+        start = time.perf_counter()
+        calc = ORBCalculator(model)
+        loop = []
+        for atoms in structures:
+            a = atoms.copy()
+            a.calc = calc
+            FIRE(a, logfile=None).run(fmax=args.fmax, steps=args.steps)
+            loop.append(a.get_potential_energy() / len(a))
+        times["ASE FIRE loop"].append(time.perf_counter() - start)
+        energies["ASE FIRE loop"], calls["ASE FIRE loop"] = loop, "one per step"
+        start = time.perf_counter()
+        relaxer = BatchRelaxer(model, args.fmax, args.steps, batch_size=args.batch_size)
+        batched = {}
+        relaxer.run(((k, a.copy()) for k, a in enumerate(structures)),
+                    lambda r, ok: batched.__setitem__(r.source_row, r.atoms.get_potential_energy() / len(r.atoms)))
+        times["orb-relax (batched)"].append(time.perf_counter() - start)
+        energies["orb-relax (batched)"] = [batched[k] for k in range(len(structures))]
+        calls["orb-relax (batched)"] = relaxer.calls
+    print(f"host calibration: {calibration(rate_before, gemm_rate())}")
+    sizes = [len(a) for a in structures]
+    print(f"{len(structures)} MPtrj-like cells ({min(sizes)}-{max(sizes)} atoms, mean {np.mean(sizes):.0f}), rattled "
+          f"0.05 Å; {args.model} (recipe weights), FIRE to fmax {args.fmax} or {args.steps} steps, batches of "
+          f"{args.batch_size}; {args.rounds} alternated rounds\n")
+    print("| | wall time (s, median) | structures/s | model calls |")
+    print("|---|---|---|---|")
+    for name, values in times.items():
+        print(f"| {name} | {np.median(values):.1f} ({', '.join(f'{v:.1f}' for v in values)}) | "
+              f"{len(structures) / np.median(values):.2f} | {calls[name]} |")
+    gap = np.max(np.abs(np.array(energies["ASE FIRE loop"]) - np.array(energies["orb-relax (batched)"])))
+    ratio = np.median(times["ASE FIRE loop"]) / np.median(times["orb-relax (batched)"])
+    print(f"\nbatched: {ratio:.1f}x the structures per second; final energies differ by at most {gap:.1e} eV/atom")
 
 
 def bench_save(args) -> None:
@@ -1206,6 +1269,13 @@ def main() -> None:
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--cache-dir", default="", help="ORB_CACHE_DIR of the runs (default: a new temporary folder)")
+    p = sub.add_parser("relax")
+    p.add_argument("--model", default="orb_v2")
+    p.add_argument("--structures", type=int, default=50)
+    p.add_argument("--fmax", type=float, default=0.05)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--batch_size", type=int, default=50)
+    p.add_argument("--rounds", type=int, default=1)
     p = sub.add_parser("save")
     p.add_argument("--model", default="orb_v2")
     p.add_argument("--repeats", type=int, default=5)
@@ -1216,7 +1286,7 @@ def main() -> None:
     {"graphs": bench_graphs, "model": bench_model, "parallel": bench_parallel, "calculator": bench_calculator,
      "allreduce": bench_allreduce, "pipeline": bench_pipeline, "gemm": bench_gemm,
      "breakdown": bench_breakdown, "counts": bench_counts, "rows": bench_rows,
-     "save": bench_save, "formats": bench_formats, "scale": bench_scale}[args.area](args)
+     "save": bench_save, "formats": bench_formats, "scale": bench_scale, "relax": bench_relax}[args.area](args)
 
 
 if __name__ == "__main__":

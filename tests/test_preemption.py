@@ -277,6 +277,39 @@ def test_a_dead_data_worker_is_replaced_and_dying_again_is_one_line(tmp_path):
 
 
 # ------------------------------------------------------------------ the launcher
+KILLED_PARENT = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+from orb.data.dataset import AseDbDataset
+from orb.data.loader import BatchLoader
+
+if __name__ == "__main__":
+    loader = BatchLoader({{"val": AseDbDataset({db!r})}}, workers=2)
+    pool = loader._ensure_pool()
+    for future in [pool.submit(time.sleep, 1) for _ in range(2)]:  # both workers started and busy once
+        future.result()
+    print(" ".join(str(p) for p in pool._processes), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_data_workers_die_with_a_killed_training_process(tmp_path):
+    """SIGKILL (the out-of-memory killer, scancel -s KILL) gives the training process no chance to stop its data
+    workers: they go with it instead of lingering with its pipes and memory."""
+    script = tmp_path / "parent.py"
+    script.write_text(KILLED_PARENT.format(root=ROOT, db=DEMO_VAL))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, ORB_CACHE_DIR=str(tmp_path / "cache")))
+    workers = [int(p) for p in parent.stdout.readline().split()]
+    assert len(workers) == 2 and all(os.path.exists(f"/proc/{p}") for p in workers)
+    parent.kill()
+    parent.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and any(os.path.exists(f"/proc/{p}") for p in workers):
+        time.sleep(0.1)
+    assert not any(os.path.exists(f"/proc/{p}") for p in workers)
+
+
 def test_launcher_settings_are_checked_and_scheduler_devices_counted(monkeypatch):
     from orb.training import launch
 

@@ -26,7 +26,7 @@ from orb.data.neighbours import native_search
 from orb.data.plan import Step
 from orb.data.tensors import loss_arrays
 from orb.errors import DataWorkerError
-from orb.signals import ignore_stop_signals
+from orb.signals import die_with_parent, ignore_stop_signals
 
 
 def prepare(dataset: AseDbDataset, step: Step, seed: Optional[int], with_stress: bool) -> Tuple[np.ndarray, ...]:
@@ -54,6 +54,7 @@ _worker_datasets: Dict[str, AseDbDataset] = {}
 
 def _init_worker(datasets: Dict[str, AseDbDataset]) -> None:
     ignore_stop_signals()  # the training process decides when to stop (and saves first)
+    die_with_parent()  # ... and a killed training process leaves no worker behind
     _worker_datasets.update(datasets)
     logging.getLogger("orb").setLevel(logging.ERROR)  # e.g. "no C++ compiler": the main process said it once
 
