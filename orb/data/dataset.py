@@ -302,6 +302,8 @@ class AseDbDataset:
                         self.path, "row has no stress while other rows have one; store stress for every row "
                         "or for none (then training runs without the stress loss)", row, "stress")
             self._labels_stored = stored
+            self._all_labelled = bool(stored[:, :2].all())  # asked for every structure read: not O(rows) each time
+            self._all_stress = bool(stored[:, 2].all())
         return self._labels_stored
 
     @property
@@ -309,11 +311,15 @@ class AseDbDataset:
         """Whether every row's labels include stress (pseudo-labels: whether they do)."""
         if self.label_table is not None:
             return self.label_table.stress is not None
-        return bool(self.census()[:, 2].all())
+        self.census()
+        return self._all_stress
 
     @property
     def has_labels(self) -> bool:
-        return self.label_table is not None or bool(self.census()[:, :2].all())
+        if self.label_table is not None:
+            return True
+        self.census()
+        return self._all_labelled
 
     def _error(self, message: str, row: Optional[int] = None, key: Optional[str] = None) -> DatasetError:
         """A bad row named where the user can find it: this database's row, or for a database indexed from

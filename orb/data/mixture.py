@@ -12,6 +12,7 @@ stream across epochs, and both are pure functions of (seed, epoch), so a resumed
 data-parallel rank compute the same global batches.
 """
 
+from functools import cached_property
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -51,11 +52,11 @@ class Source:
     def has_stress(self) -> bool:
         return self.dataset.has_stress
 
-    @property
+    @cached_property
     def natoms(self) -> np.ndarray:
         return self.dataset.natoms[self.positions]
 
-    @property
+    @cached_property
     def ids(self) -> np.ndarray:
         return self.dataset.ids[self.positions]
 
@@ -110,7 +111,7 @@ class Mixture:
         """Stress is trained when the first source (the target) has it."""
         return self.sources[0].has_stress
 
-    @property
+    @cached_property
     def natoms(self) -> np.ndarray:
         return np.concatenate([s.natoms for s in self.sources])
 
