@@ -732,7 +732,7 @@ def bench_pipeline(args) -> None:
 
 
 # -------------------------------------------------------------------------------------- calculator
-TORCH_CALC = TORCH_ORB_V2 + """
+CALC_LOOP = """
 from ase.build import bulk
 from orb_models.forcefield.calculator import ORBCalculator
 model.eval()
@@ -748,6 +748,9 @@ for reps in %(sizes)r:
     out[str(len(atoms))] = 1.0 / float(np.median(ts[1:]))
 print(json.dumps(out))
 """
+TORCH_CALC = TORCH_ORB_V2 + CALC_LOOP
+# orb-v3 in orb-models 0.5.5 (random weights): TORCH_V3's model, no data
+TORCH_V3_CALC = TORCH_V3.split("graphs = []")[0] + CALC_LOOP
 
 
 def bench_calculator(args) -> None:
@@ -755,11 +758,11 @@ def bench_calculator(args) -> None:
     from ase.build import bulk
 
     from orb.inference.calculator import ORBCalculator
-    from orb.models.orb_v2 import orb_v2
+    from orb.models import create
 
     # --mode pynative: a script that builds a model object and never sets graph mode (the calculator compiles anyway)
     ms.set_context(mode=ms.PYNATIVE_MODE if args.mode == "pynative" else ms.GRAPH_MODE)
-    calc = ORBCalculator(orb_v2())
+    calc = ORBCalculator(create(args.model))
     sizes = [(2, 2, 4), (4, 4, 4)]  # 64 and 256 atoms
     ours = {}
     for reps in sizes:
@@ -772,9 +775,11 @@ def bench_calculator(args) -> None:
             atoms.get_forces()
             times.append(time.perf_counter() - start)
         ours[str(len(atoms))] = 1.0 / float(np.median(times[1:]))
-    theirs = run_torch(args.torch_python, TORCH_CALC % dict(sizes=sizes, steps=args.steps)) if args.torch_python else {}
-    print(f"MindSpore in {args.mode} mode")
-    print("| atoms | MindSpore steps/s | orb-models 0.4.2 ORBCalculator steps/s | ratio |")
+    v2 = args.model == "orb_v2"
+    code = (TORCH_CALC if v2 else TORCH_V3_CALC) % dict(sizes=sizes, steps=args.steps, name=args.model)
+    theirs = run_torch(args.torch_python, code) if args.torch_python else {}
+    print(f"{args.model}, MindSpore in {args.mode} mode")
+    print(f"| atoms | MindSpore steps/s | orb-models {'0.4.2' if v2 else '0.5.5'} ORBCalculator steps/s | ratio |")
     print("|---|---|---|---|")
     for n, rate in ours.items():
         t = theirs.get(n)
@@ -1251,6 +1256,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--mode", choices=("graph", "pynative"), default="graph",
                    help="the execution mode the calling script left MindSpore in")
+    p.add_argument("--model", default="orb_v2", help="orb_v2 or an orb-v3 name (with --torch-python: orb-models "
+                   "0.5.5's python for orb-v3)")
     p.add_argument("--torch-python", default="")
     p = sub.add_parser("breakdown")
     p.add_argument("--model", default="orb_v2", help="orb_v2 or an orb-v3 name (orb.models.MODEL_NAMES)")
