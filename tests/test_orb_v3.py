@@ -296,6 +296,29 @@ def omol_db(path, charge_spin=True, skip_row=None, in_data=False):
     return str(path)
 
 
+def test_conservative_omol_model_predicts_stress_as_the_strain_derivative_of_its_energy():
+    """orb-models 0.7.0 gives orb_v3_conservative_omol stress (has_stress true): (1/V) dE/d(strain) of a periodic
+    structure, ASE's sign, as the omat conservative models; the direct OMol model has no stress head."""
+    from ase.build import bulk
+    from ase.calculators.fd import calculate_numerical_stress
+
+    from orb.inference.calculator import ORBCalculator
+    from orb.models import build
+    from orb.models.config import ModelConfig
+
+    assert ModelConfig.from_dict({"name": "orb_v3_conservative_omol"}).has_stress
+    assert not ModelConfig.from_dict({"name": "orb_v3_direct_omol"}).has_stress
+    cfg = ModelConfig.from_dict(dict(name="orb_v3_conservative_omol", latent_dim=32, mlp_hidden_dim=64,
+                                     num_message_passing_steps=2, head_mlp_hidden_dim=32))
+    atoms = bulk("Cu", "fcc", a=3.2, cubic=True).repeat((2, 1, 1))  # compressed: stress well above the noise
+    atoms.rattle(0.05, seed=1)
+    atoms.info.update(charge=0, spin=1)
+    atoms.calc = ORBCalculator(build(cfg, seed=3))
+    stress = atoms.get_stress()
+    assert np.abs(stress).max() > 1e-3
+    np.testing.assert_allclose(stress, calculate_numerical_stress(atoms, eps=1e-3), atol=1e-4)
+
+
 def test_charge_and_spin_in_row_data_are_checked_once_per_database(tmp_path, monkeypatch):
     """OMol data keeping charge and spin in ``row.data`` (OMol25's conversions do) is read row by row only by the
     census, which is kept in the cache: a later start reads no row; a row without them is named."""

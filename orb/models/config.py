@@ -69,12 +69,15 @@ class ModelConfig:
 
     @property
     def omol(self) -> bool:
-        """Conditioned on total charge and spin; no stress."""
+        """Conditioned on total charge and spin."""
         return self.name.endswith("_omol")
 
     @property
     def has_stress(self) -> bool:
-        return not self.omol
+        """Stress predicted (and trained when the data has it): every model but the direct OMol one, whose
+        architecture has no stress head; the conservative OMol model derives it from its energy, as in
+        orb-models 0.7.0 (its has_stress became true, #150) -- no weights are added."""
+        return not (self.omol and not self.conservative)
 
     def graph_settings(self) -> GraphSettings:
         return GraphSettings(self.radius, self.max_neighbors, minimal_supercell=self.family == "orb_v3")

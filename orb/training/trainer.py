@@ -218,7 +218,7 @@ class Trainer:
             self._survey(name, data)
         train = self.databases["train"]
         self.has_stress = train.has_stress and cfg.loss_weights.stress > 0 and cfg.model.has_stress
-        if cfg.loss_weights.stress > 0 and cfg.model.has_stress and not train.has_stress:
+        if cfg.loss_weights.stress > 0 and cfg.model.has_stress and not train.has_stress and not cfg.model.omol:
             log.warning("%s has no stress labels: training without the stress loss",
                         describe_path(cfg.train_data_path))
         self._check_stress()
