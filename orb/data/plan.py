@@ -12,7 +12,7 @@ from typing import Iterator, List, Sequence, Tuple, Union
 
 import numpy as np
 
-from orb.data.buckets import Bucket, assign_buckets, round_up
+from orb.data.buckets import Bucket, assign_buckets, plan_buckets, round_up
 
 
 @dataclass(frozen=True)
@@ -181,3 +181,14 @@ def plan_steps(shards: Shards, natoms: np.ndarray, edges: np.ndarray, buckets: S
     totals = step_totals(shards, natoms, edges)
     return EpochSteps(shards, buckets, assign_buckets(totals.nodes, totals.edges, totals.graphs, buckets), rank,
                       epoch)
+
+
+def evaluation_plan(natoms: np.ndarray, edges: np.ndarray, limit: Bucket, world: int, max_buckets: int = 0,
+                    passes: int = 1) -> Tuple[Shards, List[Bucket], StepTotals]:
+    """An evaluation pass: every structure once, packed by size within ``limit``, and the buckets planned on
+    exactly those steps (``passes``: how often the run repeats them, to weigh compilations against padding)."""
+    shards = pack_by_size(natoms, edges, limit, world)
+    totals = step_totals(shards, natoms, edges)
+    buckets = plan_buckets(totals.nodes, totals.edges, limit.num_graphs,
+                           (int(totals.nodes.max()), int(totals.edges.max())), max_buckets, len(totals.nodes) * passes)
+    return shards, buckets, totals

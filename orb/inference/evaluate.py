@@ -163,15 +163,10 @@ def predict_dataset(checkpoint: str, args, keys, show: bool):
 def packed_batches(data, batch_size: int):
     """Batches of structures of similar size (:func:`orb.data.plan.pack_by_size`: little padding whatever the
     rows' order) and the few bucket shapes planned on exactly them."""
-    from orb.data.buckets import plan_buckets
-    from orb.data.plan import PackedSampler, eval_limit, step_totals
+    from orb.data.plan import eval_limit, evaluation_plan
 
     edges = data.edge_capacities()
-    limit = eval_limit(data.natoms, edges, batch_size)
-    shards = PackedSampler(data.natoms, edges, limit).shards(0, 1)
-    steps = step_totals(shards, data.natoms, edges)
-    buckets = plan_buckets(steps.nodes, steps.edges, limit.num_graphs, (int(steps.nodes.max()),
-                                                                        int(steps.edges.max())), 0, len(steps.nodes))
+    shards, buckets, _ = evaluation_plan(data.natoms, edges, eval_limit(data.natoms, edges, batch_size), 1)
     return [shards.part(s, 0) for s in range(len(shards))], buckets
 
 

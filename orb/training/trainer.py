@@ -16,8 +16,8 @@ from orb.data.dataset import AseDbDataset, EpochSampler
 from orb.data.formats import describe_path
 from orb.data.graphs import capacity_is_counted
 from orb.data.loader import BatchLoader
-from orb.data.plan import (EpochSteps, PackedSampler, Step, StepTotals, eval_limit, padding_ratio, plan_steps,
-                           step_totals)
+from orb.data.plan import (EpochSteps, PackedSampler, Step, StepTotals, eval_limit, evaluation_plan, padding_ratio,
+                           plan_steps, step_totals)
 from orb.data.mixture import MixedSampler, Mixture, Source, replay_per_step
 from orb.device import compile_cell
 from orb.errors import ClusterError, ConfigError, DatasetError, DivergedError
@@ -364,17 +364,12 @@ class Trainer:
         explicit = parse_buckets(self.cfg.buckets, self.local_batch) if self.cfg.buckets else []
         limit = max(explicit, key=lambda b: b.num_edges) if explicit else eval_limit(data.natoms, edges,
                                                                                       self.local_batch)
-        sampler = PackedSampler(data.natoms, edges, limit)
-        steps = step_totals(sampler.shards(0, self.dp.world_size), data.natoms, edges)
+        _, buckets, steps = evaluation_plan(data.natoms, edges, limit, self.dp.world_size, self.cfg.num_buckets,
+                                            self.cfg.max_epochs)
         if explicit:
             check_buckets(data.natoms, edges, 1, explicit, "evaluated")
             buckets = explicit
-        else:
-            largest = int(np.argmax(steps.edges))
-            buckets = plan_buckets(steps.nodes, steps.edges, limit.num_graphs,
-                                   (int(steps.nodes.max()), int(steps.edges[largest])), self.cfg.num_buckets,
-                                   len(steps.nodes) * self.cfg.max_epochs)
-        return sampler, buckets, padding_ratio(steps, buckets, self.dp.world_size)
+        return PackedSampler(data.natoms, edges, limit), buckets, padding_ratio(steps, buckets, self.dp.world_size)
 
     def _names(self, params) -> List[str]:
         names = {id(p): name for name, p in self.model.parameters_and_names()}
