@@ -75,7 +75,7 @@ class TrainConfig:
     warmup_fraction: float = 0.05
     ema_decay: float = 0.99
     optimizer: str = "adam"
-    gradient_clip_mode: str = "value"
+    gradient_clip_mode: str = "norm"  # orb-models 0.7.0's; "value" clamps elements as 0.4.2/0.5.5 did
     gradient_clip_val: float = 0.5
     loss_weights: LossWeights = field(default_factory=LossWeights)
     reference_energies: ReferenceEnergyConfig = field(default_factory=ReferenceEnergyConfig)

@@ -22,8 +22,8 @@ CHECKPOINT_FORMAT = "orb-mindspore-train-2"
 OLDER_FORMATS = ("orb-mindspore-train-1",)
 # Settings that fix the learning-rate schedule or the order and content of the batches.
 RESUME_KEYS = ("train_data_path", "batch_size", "max_epochs", "lr", "lr_schedule", "warmup_fraction", "random_seed",
-               "augmentation", "ema_decay", "optimizer", "replay.data_path", "replay.val_data_path",
-               "replay.val_samples", "replay.labels", "replay.fraction", "replay.num_samples", "replay.selection",
+               "augmentation", "ema_decay", "optimizer", "gradient_clip_mode", "gradient_clip_val", "replay.data_path",
+               "replay.val_data_path", "replay.val_samples", "replay.labels", "replay.fraction", "replay.num_samples", "replay.selection",
                "replay.loss_weight", "replay.head")
 
 
