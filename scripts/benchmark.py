@@ -1,18 +1,20 @@
 """Benchmarks: graph construction, model inference and training step, matrix products, data parallel,
-ASE calculator.
+ASE calculator, data at MPtrj's size, batched relaxation.
 
     python scripts/benchmark.py graphs     [--torch-python PATH]
     python scripts/benchmark.py model      [--model NAME] [--profiles cpu,portable] [--torch-python PATH] [--steps 8] [--rounds 2]
     python scripts/benchmark.py parallel   [--config C] [--batch 8]
     python scripts/benchmark.py allreduce  [--steps 5]
     python scripts/benchmark.py pipeline   [--config C] [--batch 16]
-    python scripts/benchmark.py calculator [--mode graph|pynative] [--torch-python PATH]
+    python scripts/benchmark.py calculator [--model NAME] [--mode graph|pynative] [--torch-python PATH]
     python scripts/benchmark.py gemm       [--repeats 9]
     python scripts/benchmark.py breakdown  [--model NAME] [--steps 6]
     python scripts/benchmark.py counts     [--model NAME] [--rows 20000] [--workers 2]
     python scripts/benchmark.py rows       [--rows 20000] [--reads 5000] [--rounds 3]
     python scripts/benchmark.py save       [--model orb_v2] [--repeats 5] [--dir FOLDER]
     python scripts/benchmark.py formats    [--rows 20000] [--reads 5000] [--rounds 3]
+    python scripts/benchmark.py scale      [--rows 1580000] [--model orb_v2] [--batch_size 8] [--workers 2]
+    python scripts/benchmark.py relax      [--structures 50] [--fmax 0.05] [--steps 100] [--batch_size 50]
 
 With ``--torch-python`` pointing at a Python that has torch and orb-models 0.4.2 installed (never
 required), the same measurement is made with PyTorch orb-models in that interpreter right after
