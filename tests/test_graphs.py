@@ -612,7 +612,8 @@ def test_step_totals_are_the_ranks_parts_summed():
 
 def test_evaluation_steps_pack_every_structure_once_by_size():
     """Validation and prediction passes pack structures by size: each once, every rank part within the limit
-    (a structure larger than it alone), padding near none whatever order the rows are stored in."""
+    (a structure larger than it alone), padding near none whatever order the rows are stored in; the steps
+    hold the same structures for any number of ranks (so do the validation metrics)."""
     from orb.data.plan import PackedSampler, eval_limit, padding_ratio, step_totals
 
     rng = np.random.default_rng(4)
@@ -627,8 +628,12 @@ def test_evaluation_steps_pack_every_structure_once_by_size():
             for rank in range(world):
                 part = shards.part(s, rank)
                 assert len(part) == 1 or limit.holds(natoms[part].sum(), edges[part].sum(), len(part))
+        single = PackedSampler(natoms, edges, limit).shards(0, 1)
+        assert len(shards) == len(single) and all(
+            sorted(shards.global_batch(s).tolist()) == sorted(single.global_batch(s).tolist()) for s in range(len(single)))
         totals = step_totals(shards, natoms, edges)
         buckets = plan_buckets(totals.nodes, totals.edges, limit.num_graphs,
                                (int(totals.nodes.max()), int(totals.edges.max())), 0, 10 * len(shards))
         assert not any(b.spare for b in buckets)  # planned on exactly the steps it runs
-        assert padding_ratio(totals, buckets, world)[1] <= 1.15 + 0.05 * (world - 1)  # empty parts of a last step
+        # with several ranks a structure alone in its batch (larger than half the limit) leaves the others idle
+        assert padding_ratio(totals, buckets, world)[1] <= (1.15 if world == 1 else 1.4)

@@ -50,10 +50,10 @@ def fixed_batches(order: np.ndarray, batch_size: int, world: int) -> Shards:
 
 
 def pack_by_size(natoms: np.ndarray, edges: np.ndarray, limit: Bucket, world: int) -> Shards:
-    """Every structure once, the largest first, packed into rank batches that fill ``limit`` (nodes, edges,
-    graphs; a structure larger than it alone) -- an evaluation pass pads little whatever the rows' order.
-
-    Rank batches are filled in turn: consecutive ones form a step (the last step may give some ranks none).
+    """Every structure once, the largest first, packed into global batches that fill ``limit`` (nodes, edges,
+    graphs; a structure larger than it alone) -- an evaluation pass pads little whatever the rows' order --
+    each split among the ranks as a training batch is. The batches do not depend on ``world``, so an
+    evaluation's metrics do not either.
     """
     natoms, edges = np.asarray(natoms, np.int64), np.asarray(edges, np.int64)
     order = np.lexsort((natoms, edges))[::-1]
@@ -64,9 +64,12 @@ def pack_by_size(natoms: np.ndarray, edges: np.ndarray, limit: Bucket, world: in
             starts.append(k)
             nodes, total, graphs = 0, 0, 0
         nodes, total, graphs = nodes + n, total + e, graphs + 1
-    steps = -(-len(starts) // world)
-    bounds = np.array(starts + [len(order)] * (steps * world - len(starts) + 1), np.int64)
-    return Shards(order.astype(np.int64), bounds, world)
+    bounds = starts + [len(order)]
+    order = order.astype(np.int64)
+    if world > 1:  # rank r takes every world-th structure of a batch, so that the ranks' parts weigh alike
+        order = np.concatenate([np.concatenate([order[a + r:b:world] for r in range(world)])
+                                for a, b in zip(bounds[:-1], bounds[1:])])
+    return even_shards(order, np.diff(np.array(bounds, np.int64)), world)
 
 
 EVAL_FILL = 2.0  # an evaluation step holds about this many training batches' worth of atoms and edges
@@ -74,8 +77,8 @@ EVAL_GRAPHS = 4  # ... and up to this many times the structures (small ones pack
 
 
 def eval_limit(natoms: np.ndarray, edges: np.ndarray, batch_size: int, multiple: int = 8) -> Bucket:
-    """How much one evaluation step may hold: :data:`EVAL_FILL` times an average batch of ``batch_size`` of these
-    structures (no gradients are kept: less memory than the training step of the same shape)."""
+    """How much one evaluation step may hold: :data:`EVAL_FILL` times an average (global) batch of ``batch_size``
+    of these structures (no gradients are kept: less memory than the training step of the same shape)."""
     nodes = round_up(int(np.ceil(EVAL_FILL * batch_size * float(np.mean(natoms)))) + 1, multiple)
     total = round_up(max(int(np.ceil(EVAL_FILL * batch_size * float(np.mean(edges)))), 1), multiple)
     return Bucket(nodes, total, EVAL_GRAPHS * batch_size + 1)

@@ -32,6 +32,7 @@ from orb.training.reference_fit import fit_reference_energies, reference_baselin
 
 log = logging.getLogger("orb")
 PLAN_STRUCTURES = 4_000_000  # the training buckets are planned on the first epochs' steps, up to this many rows
+PLAN_EPOCHS = 50  # ... and at most this many epochs (however many the run has: a resume that extends it plans alike)
 
 
 def describe_buckets(buckets: List[Bucket]) -> str:
@@ -341,11 +342,13 @@ class Trainer:
             self.val_samplers[name], self.val_buckets[name], self.val_padding[name] = self._evaluation_plan(data)
 
     def _train_buckets(self) -> Tuple[List[Bucket], Tuple[float, float]]:
-        """The training buckets, planned on the steps of the run's first epochs (as many as ~4 M structures: every
-        epoch of a small dataset, tails included), and their padded / real atoms and edges over those steps."""
+        """The training buckets, planned on the steps of the sampler's first epochs (as many as ~4 M structures, at
+        most 50 epochs: every epoch of a small dataset's run, tails included; not depending on ``max_epochs``, so a
+        run stopped early and extended on resume pads its steps as an uninterrupted one), and their padded / real
+        atoms and edges over those steps."""
         cfg, data = self.cfg, self.train_set
         edges = data.edge_capacities()
-        epochs = max(1, min(cfg.max_epochs, PLAN_STRUCTURES // len(data)))
+        epochs = max(1, min(PLAN_EPOCHS, PLAN_STRUCTURES // len(data)))
         sample = StepTotals.concatenate([step_totals(self.sampler.shards(epoch, self.dp.world_size), data.natoms,
                                                      edges) for epoch in range(epochs)])
         if cfg.buckets:
@@ -363,7 +366,7 @@ class Trainer:
         edges = data.edge_capacities()
         explicit = parse_buckets(self.cfg.buckets, self.local_batch) if self.cfg.buckets else []
         limit = max(explicit, key=lambda b: b.num_edges) if explicit else eval_limit(data.natoms, edges,
-                                                                                      self.local_batch)
+                                                                                      self.cfg.batch_size)
         _, buckets, steps = evaluation_plan(data.natoms, edges, limit, self.dp.world_size, self.cfg.num_buckets,
                                             self.cfg.max_epochs)
         if explicit:
