@@ -86,13 +86,16 @@ def eval_limit(natoms: np.ndarray, edges: np.ndarray, batch_size: int, multiple:
 
 class PackedSampler:
     """Evaluation steps that pad little: every structure once, packed by size (:func:`pack_by_size`), the same
-    plan at every epoch."""
+    plan at every epoch (packed once per number of ranks)."""
 
     def __init__(self, natoms: np.ndarray, edges: np.ndarray, limit: Bucket):
         self.natoms, self.edges, self.limit = natoms, edges, limit
+        self._packed: dict = {}
 
     def shards(self, epoch: int, world: int) -> Shards:
-        return pack_by_size(self.natoms, self.edges, self.limit, world)
+        if world not in self._packed:
+            self._packed[world] = pack_by_size(self.natoms, self.edges, self.limit, world)
+        return self._packed[world]
 
 
 @dataclass(frozen=True)
@@ -173,9 +176,6 @@ class EpochSteps(Sequence):
     def __iter__(self) -> Iterator[Step]:
         for i in range(len(self)):
             yield self[i]
-
-    def buckets_used(self) -> List[Bucket]:
-        return [self.buckets[i] for i in np.unique(self.chosen[self.start:])]
 
 
 def plan_steps(shards: Shards, natoms: np.ndarray, edges: np.ndarray, buckets: Sequence[Bucket], rank: int,
