@@ -1,17 +1,33 @@
 """The project's on-disk cache: what is costly to recompute and safe to keep between runs.
 
-Compiled native code (``orb.native``) and each database's neighbour counts
-(``orb.data.dataset``) live in ``ORB_CACHE_DIR`` (default ``~/.cache/orb_mindspore``), or in a
-per-user temporary folder when that is not writable (a read-only home on a cluster node). Files
-are written under a temporary name and renamed, so concurrent processes (data-parallel workers,
-data workers) never read a half-written file.
+Compiled native code (``orb.native``), each database's row census and neighbour counts
+(``orb.data.dataset``), indexes of non-SQLite data (``orb.data.formats``) and the starting model's
+replay descriptors and pseudo-labels (``orb.training.replay``) live in ``ORB_CACHE_DIR`` (default
+``~/.cache/orb_mindspore``), or in a per-user temporary folder when that is not writable (a
+read-only home on a cluster node).
+
+Every entry is a :class:`CacheEntry`: named by a hash of **everything that determines its content**
+(its kind, a version of the code that computes it, and the caller's identity parts: the data's
+identity, the model's name, graph settings and weights, the operator profile, the precision),
+written atomically and synced (``orb.io.files``), and read through a check: a damaged, empty or
+implausible file (a full disk, a power loss) is ignored with one warning and computed again, never
+fatal.
 """
 
+import hashlib
+import logging
 import os
 import tempfile
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, TypeVar
 
 import numpy as np
+
+from orb.io.files import write_atomically
+
+log = logging.getLogger("orb")
+T = TypeVar("T")
+# Raised when the way entries are named or stored changes: every entry of an older layout misses.
+LAYOUT_VERSION = 2
 
 
 def cache_dirs(subfolder: str = "") -> List[str]:
@@ -33,25 +49,79 @@ def writable_dir(subfolder: str = "") -> Optional[str]:
     return None
 
 
-def find(name: str, subfolder: str = "") -> Optional[str]:
-    """Path of a cached file ``name`` in any cache folder, or None."""
-    for folder in cache_dirs(subfolder):
-        path = os.path.join(folder, name)
-        if os.path.exists(path):
-            return path
-    return None
+def digest(*parts) -> str:
+    """A stable hash of ``parts`` (their ``repr``): how every cache entry is named."""
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
-def write_atomically(path: str, write: Callable[[str], None], suffix: str = "") -> None:
-    """Call ``write(temporary_path)`` in ``path``'s folder, then rename the result to ``path``."""
-    fd, tmp = tempfile.mkstemp(suffix=suffix, dir=os.path.dirname(path))
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+class CacheEntry:
+    """One cached artefact: ``kind`` (its subfolder and name prefix), the ``version`` of the code computing it and
+    ``identity`` (every input that determines its content) name it; ``extension`` is its file type."""
+
+    def __init__(self, kind: str, version: int, identity: tuple, extension: str):
+        self.kind, self.extension = kind, extension
+        self.name = f"{kind}-{digest(LAYOUT_VERSION, kind, version, identity)[:32]}{extension}"
+        self.read_from: Optional[str] = None  # the file read back, when it was
+        self.kept_in: Optional[str] = None  # the file written, when it was
+
+    def path(self) -> Optional[str]:
+        """The cached file in any cache folder, or None."""
+        for folder in cache_dirs(self.kind):
+            path = os.path.join(folder, self.name)
+            if os.path.isfile(path):
+                return path
+        return None
+
+    def read(self, load: Callable[[str], T], valid: Callable[[T], bool] = lambda _: True) -> Optional[T]:
+        """``load(path)`` of the cached file when there is one and ``valid`` holds for what it returns; a file that
+        cannot be read or is not valid is ignored with one warning (and removed where we may), so it is rebuilt."""
+        path = self.path()
+        if path is None:
+            return None
+        try:
+            if os.path.getsize(path) == 0:
+                raise ValueError("empty file")
+            value = load(path)
+            if not valid(value):
+                raise ValueError("implausible content")
+        except Exception as exc:  # any failure to read a cache file means: compute it again
+            log.warning("cache file %s is damaged (%s): computing it again", path, str(exc).strip()[:120] or
+                        type(exc).__name__)
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+            return None
+        self.read_from = path
+        return value
+
+    def write(self, save: Callable[[str], None], what: str) -> Optional[str]:
+        """``save(temporary)`` written atomically into the cache; the path, or None with one warning (``what`` names
+        the content) when no cache folder is writable or the write fails (a full disk): the run goes on."""
+        folder = writable_dir(self.kind)
+        if folder is None:
+            log.warning("no writable folder to keep the %s (%s): computed again at the next start; set ORB_CACHE_DIR",
+                        what, " or ".join(cache_dirs(self.kind)))
+            return None
+        path = os.path.join(folder, self.name)
+        try:
+            write_atomically(path, save, suffix=self.extension)
+        except OSError as exc:
+            log.warning("could not keep the %s in %s (%s): computed again at the next start", what, folder,
+                        exc.strerror or exc)
+            return None
+        self.kept_in = path
+        return path
+
+
+def load_arrays(path: str) -> dict:
+    """Every array of an ``.npz`` cache file (``allow_pickle`` off)."""
+    with np.load(path, allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+def load_array(path: str) -> np.ndarray:
+    return np.load(path, allow_pickle=False)
 
 
 def everyone_has(found: bool, ranks) -> bool:

@@ -29,6 +29,12 @@ def select_device(requested: str) -> str:
 
 
 MATMUL_PRECISIONS = ("highest", "high")
+_precision = {"matmul": "high"}  # what this process computes with (part of every cached model output's key)
+
+
+def numeric_precision() -> str:
+    """The precision models compute in here, as orb-models names it (``float32-high``, ``float32-highest``)."""
+    return f"float32-{_precision['matmul']}"
 
 
 def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_threads: int = 0,
@@ -78,6 +84,7 @@ def set_matmul_precision(target: str, precision: str) -> None:
     """
     if precision not in MATMUL_PRECISIONS:
         raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {precision!r}")
+    _precision["matmul"] = precision
     try:
         if target == "Ascend":
             from mindspore.device_context.ascend import op_precision

@@ -8,6 +8,7 @@ g++ (or ``$CXX``) into the project's cache (``orb.cache``: ``ORB_CACHE_DIR``, de
 the caller falls back to its portable path.
 """
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -15,7 +16,7 @@ import platform
 import shutil
 import subprocess
 from functools import lru_cache
-from typing import Optional
+from typing import Callable, Optional
 
 from orb import cache
 
@@ -35,44 +36,36 @@ def _cpu_signature() -> str:
     return f"{platform.machine()} {platform.processor()}"
 
 
-def _compile(compiler: str, source: str, target: str) -> Optional[str]:
-    """Compile ``source`` to ``target``; the compiler's message on failure, else None."""
-
+def _compile(compiler: str, source: str) -> Callable[[str], None]:
     def compile_to(tmp: str) -> None:
         subprocess.run([compiler, *FLAGS, "-o", tmp, source], check=True, capture_output=True, text=True)
         os.chmod(tmp, 0o755)
 
-    try:
-        cache.write_atomically(target, compile_to, suffix=".so")  # concurrent workers never load half a library
-        return None
-    except (subprocess.CalledProcessError, OSError) as exc:
-        return (getattr(exc, "stderr", "") or str(exc)).strip()[:200]
+    return compile_to
 
 
 @lru_cache(maxsize=None)
 def build(source: str, fallback: str) -> Optional[str]:
     """Path of ``source``'s compiled library (built on first use), or None when it cannot be built,
     with one warning saying why and what is used instead (``fallback``, e.g. "using X; install g++
-    for Y")."""
+    for Y"). A cached library that does not load (cut short by a full disk) is built again."""
     with open(source, "rb") as f:
         text = f.read()
-    tag = hashlib.sha256(text + " ".join(FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    name = f"orb_{os.path.splitext(os.path.basename(source))[0]}_{tag}.so"
-    cached = cache.find(name)
+    stem = os.path.splitext(os.path.basename(source))[0]
+    entry = cache.CacheEntry(f"native_{stem}", 1, (hashlib.sha256(text).hexdigest(), FLAGS, _cpu_signature()), ".so")
+    cached = entry.read(lambda path: ctypes.CDLL(path) and path)
     if cached is not None:
         return cached
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
         log.warning("no C++ compiler found to build %s: %s", os.path.basename(source), fallback)
         return None
-    folder = cache.writable_dir()
-    if folder is None:
-        log.warning("no writable folder to cache %s (%s): %s", os.path.basename(source),
-                    " or ".join(cache.cache_dirs()), fallback)
+    try:
+        entry.write(_compile(compiler, source), f"compiled {os.path.basename(source)}")
+    except subprocess.CalledProcessError as exc:
+        log.warning("building %s failed (%s): %s", os.path.basename(source), (exc.stderr or str(exc)).strip()[:200],
+                    fallback)
         return None
-    target = os.path.join(folder, name)
-    error = _compile(compiler, source, target)
-    if error is not None:
-        log.warning("building %s failed (%s): %s", os.path.basename(source), error, fallback)
-        return None
-    return target
+    if entry.kept_in is None:  # no writable cache folder, or the write failed (said): the portable path
+        log.warning("%s: %s", os.path.basename(source), fallback)
+    return entry.kept_in

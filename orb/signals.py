@@ -1,9 +1,91 @@
-"""The signals that ask a run to stop (schedulers, Ctrl-C), shared by the training loop and its helper processes."""
+"""The one way a stop signal ends a run: training, validation, saving, relaxation, dynamics, or start-up.
+
+Schedulers end jobs with a signal (Slurm: SIGTERM at preemption or the time limit, or the one asked
+for with ``--signal=USR1@120`` ahead of it; Ctrl-C: SIGINT). :data:`STOP` is the process's one
+listener, installed by every command line at its start (:func:`listen`):
+
+* in a phase with nothing to save (start-up: reading data, counting neighbours, building and compiling
+  the model) a signal stops the process at once with :class:`Stopped`;
+* inside :meth:`StopSignals.deferred` (training, validation, relaxing, dynamics) it is only noted
+  (:attr:`StopSignals.received`); the phase finishes the step or batch it is in, saves what it has
+  and raises :class:`Stopped` itself.
+
+Either way the command line exits with :data:`STOPPED_STATUS` (75, EX_TEMPFAIL): "run the same
+command again with ``--resume`` to continue", which a requeue script can act on. A second SIGINT
+more than a second after the first ends the process at once (Ctrl-C twice; a copy of the first,
+forwarded by the launcher, does not). Helper processes (data workers) ignore the signals: the
+process that owns the state decides when to stop.
+"""
 
 import signal
 import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Optional
 
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+STOPPED_STATUS = 75  # EX_TEMPFAIL: stopped on request, nothing lost; resuming continues the run
+RESUME_HINT = "continue with --resume auto"  # the launcher recognises a worker that stopped cleanly by this
+
+
+class Stopped(Exception):
+    """The run stopped on a signal with everything worth keeping saved."""
+
+    status = STOPPED_STATUS
+
+
+class StopSignals:
+    """The process's stop-signal listener (see the module's docstring)."""
+
+    def __init__(self):
+        self.received: Optional[str] = None
+        self._when = 0.0
+        self._depth = 0  # nesting of deferred() phases
+        self._installed = False
+
+    def _note(self, number, _frame):
+        name = signal.Signals(number).name
+        if name == "SIGINT" and self.received is not None and time.monotonic() - self._when > 1.0:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            raise KeyboardInterrupt
+        if self.received is None:
+            self.received, self._when = name, time.monotonic()
+        if self._depth == 0:
+            raise Stopped(f"stopped by {name} during start-up (nothing to save yet): run the same command again to "
+                          f"start it, or {RESUME_HINT} (exit status {STOPPED_STATUS})")
+
+    def install(self) -> None:
+        """Listen from now on (main thread only: Python delivers signals there)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for name in STOP_SIGNALS:
+            signal.signal(getattr(signal, name), self._note)
+        self._installed = True
+
+    @contextmanager
+    def deferred(self):
+        """A phase that saves before it stops: signals are only noted while it runs."""
+        if not self._installed:
+            self.install()
+        self._depth += 1
+        try:
+            yield self
+        finally:
+            self._depth -= 1
+
+    def reset(self) -> None:
+        """Forget a signal that was handled (another run in the same process starts clean)."""
+        self.received = None
+
+
+STOP = StopSignals()
+
+
+def listen() -> StopSignals:
+    """Install the process's listener (command lines call this first) and return it."""
+    STOP.install()
+    return STOP
 
 
 def ignore_stop_signals() -> None:
@@ -25,14 +107,3 @@ def die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         pass
-
-
-def exit_on_stop_signals() -> None:
-    """Until training starts there is nothing to save: a stop signal ends the process at once, with one line."""
-
-    def leave(number, _frame):
-        print(f"stopped by {signal.Signals(number).name} before training started (nothing to save)", file=sys.stderr)
-        raise SystemExit(128 + number)
-
-    for name in STOP_SIGNALS:
-        signal.signal(getattr(signal, name), leave)

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,7 +40,7 @@ STEP_TOLERANCES = {"loss": 1e-4, "grad_norm": 1e-3, "weights": 1e-6}
 def environment(target: str) -> dict:
     import mindspore as ms
 
-    from orb.models.ops_profile import describe_profile
+    from orb.models.kernels import describe_profile
 
     try:
         devices = ms.hal.device_count(target) if target != "CPU" else os.cpu_count()
@@ -197,10 +196,10 @@ def check_collectives(target: str) -> dict:
     msrun = find_msrun()
     if msrun is None:
         return {"passed": False, "error": "msrun not found (is MindSpore installed in this environment?)"}
-    with tempfile.TemporaryDirectory() as tmp, socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
+    from orb.io.files import free_port
+
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
         result = subprocess.run([msrun, "--worker_num=2", "--local_worker_num=2", f"--master_port={port}",
                                  f"--log_dir={tmp}", "--join=True", os.path.abspath(__file__), "_sum"],
                                 cwd=ROOT, capture_output=True, text=True, timeout=600,

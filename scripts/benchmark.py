@@ -553,7 +553,7 @@ def bench_breakdown(args) -> None:
 # ---------------------------------------------------------------------------------------- parallel
 def bench_parallel(args) -> None:
     """Weak scaling: 2 workers x 1 thread vs 1 worker x 1 thread, same per-worker batch."""
-    import socket
+    from orb.io.files import free_port
 
     per_worker = args.batch
     common = ["--max_epochs", "3", "--val_data_path", "", "--progress_bar", "false", "--num_buckets", "1",
@@ -574,9 +574,7 @@ def bench_parallel(args) -> None:
                        capture_output=True, timeout=3600)
         single_rate = steps_per_second(single)
         par = os.path.join(tmp, "par")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         start, launched = time.perf_counter(), time.time()
         subprocess.run(["bash", os.path.join(ROOT, "run_parallel.sh"), args.config, "--output_dir", par,
                         "--batch_size", str(2 * per_worker), *common], check=True, capture_output=True,
@@ -683,16 +681,13 @@ def allreduce_worker(name: str, repeats: int) -> None:
 
 def bench_allreduce(args) -> None:
     """Gradient all-reduce on 2 CPU workers (msrun): one call per tensor vs one flat buffer."""
-    import socket
-
+    from orb.io.files import free_port
     from orb.training.launch import find_msrun
 
     rows = []
     for name, label in (("orb_v2", "full orb-v2"), ("orb_v3_direct_20_omat", "full orb-v3 direct")):
-        with tempfile.TemporaryDirectory() as tmp, socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-            s.close()
+        port = free_port()
+        with tempfile.TemporaryDirectory() as tmp:
             subprocess.run([find_msrun(), "--worker_num=2", "--local_worker_num=2", f"--master_port={port}",
                             f"--log_dir={tmp}", "--join=True", __file__, "_allreduce", name, str(args.steps)],
                            check=True, capture_output=True, timeout=1800,
@@ -987,22 +982,23 @@ def mptrj_like_rows(count: int, seed: int):
 def mptrj_sized_database(rows: int, seed: int = 0, distinct: int = 20000) -> str:
     """An MPtrj-sized ASE database, built once and kept in the project's cache (``benchmark_data``): ``distinct``
     structures written by ase.db, then copied as whole trajectories by SQL until it holds ``rows`` rows."""
+    from orb import cache
+
+    entry = cache.CacheEntry("benchmark_data", 1, ("mptrj_like", rows, seed, distinct), ".db")
+    found = entry.read(lambda path: path)
+    if found:
+        return found
+    start = time.perf_counter()
+    entry.write(lambda temporary: _fill_mptrj_sized(temporary, rows, seed, distinct), "MPtrj-sized database")
+    print(f"\nbuilt {entry.kept_in} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return entry.kept_in
+
+
+def _fill_mptrj_sized(temporary: str, rows: int, seed: int, distinct: int) -> None:
     import sqlite3
 
     import ase.db
 
-    from orb import cache
-
-    name = f"mptrj_like_{rows}_{seed}_v1.db"
-    found = cache.find(name, "benchmark_data")
-    if found:
-        return found
-    folder = cache.writable_dir("benchmark_data")
-    target = os.path.join(folder, name)
-    temporary = target + ".partial"
-    if os.path.exists(temporary):
-        os.remove(temporary)
-    start = time.perf_counter()
     with ase.db.connect(temporary, type="db") as db:
         for atoms in mptrj_like_rows(min(rows, distinct), seed):
             db.write(atoms)
@@ -1019,11 +1015,9 @@ def mptrj_sized_database(rows: int, seed: int = 0, distinct: int = 20000) -> str
                            f"FROM systems WHERE id <= {take} ORDER BY id")
         connection.execute(f"INSERT INTO species (Z, n, id) SELECT Z, n, id + {have} FROM species WHERE id <= {take}")
         connection.commit()
-        print(f"\rbuilding {target}: {have + take:,} / {rows:,} rows", end="", file=sys.stderr, flush=True)
+        print(f"\rbuilding an MPtrj-sized database: {have + take:,} / {rows:,} rows", end="", file=sys.stderr,
+              flush=True)
     connection.close()
-    os.replace(temporary, target)
-    print(f"\nbuilt {target} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
-    return target
 
 
 SCALE_CHILD = """

@@ -162,7 +162,7 @@ def test_ops_profile_switch(monkeypatch):
     ms.set_context(mode=ms.GRAPH_MODE)
     x = np.linspace(-30, 30, 4001).astype(np.float32)
     exact = np.logaddexp(0.0, x.astype(np.float64)) - np.log(2.0)
-    monkeypatch.setattr(ops_profile, "_configured", "cpu")
+    ops_profile.set_ops_profile("cpu")
     monkeypatch.setenv("ORB_OPS_PROFILE", "portable")  # the environment wins
     assert ops_profile.ops_profile() == "portable" and not kernels.uses_custom_kernels()
     assert type(Linear(4, 3, np.random.default_rng(0)).function).__name__ == "_PortableLinear"
@@ -182,6 +182,24 @@ def test_ops_profile_switch(monkeypatch):
     monkeypatch.setenv("ORB_OPS_PROFILE", "fast")
     with pytest.raises(ConfigError, match="ORB_OPS_PROFILE must be one of auto, portable, cpu"):
         ops_profile.ops_profile()
+    ops_profile.set_ops_profile("auto")
+
+
+def test_cpu_profile_is_refused_off_the_cpu(monkeypatch):
+    """The cpu profile's forms and custom kernels must never reach an NPU or a GPU: configured or left in the
+    environment, it is one line naming where it came from; auto is portable there."""
+    from orb.errors import ConfigError
+    from orb.models.ops_profile import choose_profile
+
+    monkeypatch.delenv("ORB_OPS_PROFILE", raising=False)
+    for device in ("Ascend", "GPU"):
+        assert choose_profile("auto", device) == "portable" and choose_profile("portable", device) == "portable"
+        with pytest.raises(ConfigError, match=f"ops_profile: cpu is for the CPU only, and this run is on {device}"):
+            choose_profile("cpu", device)
+    monkeypatch.setenv("ORB_OPS_PROFILE", "cpu")
+    with pytest.raises(ConfigError, match="ORB_OPS_PROFILE=cpu .environment. is for the CPU only.*unset"):
+        choose_profile("cpu", "Ascend")
+    assert choose_profile("cpu", "CPU") == "cpu" and choose_profile("auto", "CPU") == "cpu"
 
 
 def test_kernel_cache_falls_back(monkeypatch, tmp_path):

@@ -137,7 +137,7 @@ def test_bad_input_is_one_line_naming_file_frame_and_key(tmp_path, cache):
     for a in bad:
         a.info["E"] = [1.0, 2.0]
     ase.io.write(tmp_path / "shape.xyz", bad, format="extxyz")
-    with pytest.raises(DatasetError, match=r"shape.xyz, key 'energy': frame 0: energy of shape \(2,\), expected a number"):
+    with pytest.raises(DatasetError, match=r"shape.xyz, key 'E': frame 0: E of shape \(2,\), expected a number"):
         readable_database(str(tmp_path / "shape.xyz"), LabelKeys(energy="E"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(DatasetError, match=r"empty: is an empty folder"):
@@ -173,3 +173,89 @@ def test_a_frame_without_labels_is_named_by_file_and_frame_when_training(tmp_pat
     assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "train.extxyz, frame 6" in lines[0] and "has no" in lines[0], lines[0]
     assert not out.exists() or not any(out.iterdir())
+
+
+ATTRIBUTES = [dict(weight=7.0, charge=-1.0, spin=2.0), dict(weight=1.0, charge=0.0, spin=1.0),
+              dict(weight=0.0, charge=1.0, spin=3.0), dict(weight=2.5, charge=0.0, spin=1.0)]
+
+
+def write_with_attributes(kind, folder, frames):
+    """``frames`` with ATTRIBUTES[k] as their per-structure attributes, written as a user of format ``kind`` would."""
+    import ase.io
+    from ase.db import connect
+
+    def to_db(path, items, backend="db"):
+        with connect(str(path), type=backend) as db:
+            for atoms, attributes in items:
+                db.write(atoms, **attributes)
+        return str(path)
+
+    def tagged(items):
+        out = []
+        for atoms, attributes in items:
+            copy = atoms.copy()
+            copy.calc = atoms.calc
+            copy.info.update(attributes)
+            out.append(copy)
+        return out
+
+    items = list(zip(frames, ATTRIBUTES))
+    if kind == "sqlite":
+        return to_db(folder / "all.db", items)
+    if kind == "list":
+        return [to_db(folder / "p1.db", items[:1]), to_db(folder / "p2.db", items[1:])]
+    if kind == "extxyz":
+        ase.io.write(folder / "all.extxyz", tagged(items), format="extxyz")
+        return str(folder / "all.extxyz")
+    if kind == "folder":
+        (folder / "parts").mkdir()
+        ase.io.write(folder / "parts" / "a.extxyz", tagged(items[:2]), format="extxyz")
+        ase.io.write(folder / "parts" / "b.extxyz", tagged(items[2:]), format="extxyz")
+        return str(folder / "parts")
+    return to_db(folder / "all.aselmdb", items, backend="aselmdb")
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "list", "extxyz", "folder", "aselmdb"])
+def test_per_structure_attributes_survive_every_format(tmp_path, cache, kind):
+    """A structure's loss weight, total charge and spin reach the graphs the trainer batches whatever the format
+    (a list of databases, extxyz and ASE-LMDB dropped the weight: every structure weighed 1), with its labels."""
+    from orb.data.dataset import AseDbDataset
+    from orb.data.formats import readable_database
+
+    frames = demo_frames()[:len(ATTRIBUTES)]
+    data = AseDbDataset(readable_database(write_with_attributes(kind, tmp_path, frames)), charge_spin=True)
+    data.census()
+    np.testing.assert_array_equal(data.weights, [a["weight"] for a in ATTRIBUTES])
+    for i, (atoms, attributes) in enumerate(zip(frames, ATTRIBUTES)):
+        graph = data.get(i)
+        assert (float(graph.weight[0]), float(graph.charge[0]), float(graph.spin[0])) == (
+            attributes["weight"], attributes["charge"], attributes["spin"])
+        assert data.charge_and_spin(i) == (attributes["charge"], attributes["spin"])
+        np.testing.assert_allclose(graph.energy, [atoms.get_potential_energy()], rtol=1e-7)
+        np.testing.assert_allclose(graph.forces, atoms.get_forces(), atol=1e-6)
+
+
+@pytest.mark.parametrize("value, key, message", [
+    ("abc", "REF_energy", "REF_energy must be numbers, got 'abc'"),
+    ("-2", "weight", "weight must be >= 0, got -2.0"),
+    ("heavy", "weight", "weight must be numbers, got 'heavy'"),
+])
+def test_a_bad_value_in_extxyz_is_one_line_naming_file_frame_and_key(tmp_path, cache, value, key, message):
+    """Non-numeric labels or attributes in a comment line (REF_energy=abc) were a traceback; in a data-parallel
+    run the other ranks then waited for the cluster's timeout."""
+    import re
+
+    frames = demo_frames()[:3]
+    write_ref_keys(tmp_path / "ok.extxyz", frames)
+    text = open(tmp_path / "ok.extxyz").read().splitlines()
+    comment = 1 + len(frames[0]) + 2  # the second frame's comment line
+    text[comment] = re.sub(r"\bREF_energy=\S+ ", "", text[comment])
+    text[comment] = f"{key}={value} " + text[comment]
+    (tmp_path / "bad.extxyz").write_text("\n".join(text) + "\n")
+    result = subprocess.run([sys.executable, "scripts/evaluate.py", "--checkpoint", "data/demo_pretrained.ckpt",
+                             "--data", str(tmp_path / "bad.extxyz"), "--device_target", "CPU", "--output_dir",
+                             str(tmp_path / "evaluation")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, ORB_CACHE_DIR=str(cache)))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [f"error: {tmp_path / 'bad.extxyz'}, key '{key}': frame 1: {message}"]

@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,17 +19,12 @@ import numpy as np
 from ase.calculators.singlepoint import SinglePointCalculator
 import pytest
 
+from orb.io.files import free_port
 from conftest import DEMO_TRAIN, DEMO_VAL, ROOT, SMALL_MODEL
 
 TIMING = ("train_time", "val_time", "compile_time", "data_wait")
 # MindSpore's cluster notices a vanished process after MS_NODE_TIMEOUT seconds (default 30): shorter in tests
 FAST_FAILURE = {"MS_NODE_TIMEOUT": "10"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def common_args(out, train, **extra):

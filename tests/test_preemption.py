@@ -451,3 +451,26 @@ def test_a_database_on_a_read_only_file_system_trains(tmp_path, read_only_copy):
                                                                        val_data_path=read_only_copy)],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_resume_auto_never_overwrites_a_run_without_last_ckpt(tmp_path):
+    """--resume auto in a folder whose last.ckpt is gone but which holds other checkpoints of an earlier run (best,
+    best weights, periodic) refuses with one line naming them; nothing is deleted. --overwrite starts over."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    kept = {}
+    for name in ("best.ckpt", "best_weights.ckpt", "epoch_0001.ckpt"):
+        (run / "checkpoints" / name).write_bytes(name.encode())
+        kept[name] = name.encode()
+    (run / "metrics.jsonl").write_text(json.dumps({"type": "epoch", "epoch": 1, "step": 32}) + "\n")
+    result = subprocess.run([sys.executable, "finetune.py", *run_args(run, max_epochs=1), "--resume", "auto"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stdout[-2000:]
+    assert result.stderr.strip().splitlines() == [
+        f"error: --resume auto: {run} has no checkpoints/last.ckpt but holds an earlier run ("
+        "checkpoints/best.ckpt, checkpoints/best_weights.ckpt, checkpoints/epoch_0001.ckpt); continue from one of "
+        "its checkpoints with --resume PATH, start over with --overwrite (deletes those files), or choose another "
+        "--output_dir"]
+    for name, content in kept.items():
+        assert (run / "checkpoints" / name).read_bytes() == content
+    assert records(run) == [{"type": "epoch", "epoch": 1, "step": 32}]

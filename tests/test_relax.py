@@ -111,3 +111,105 @@ def test_relaxation_resumes_and_refuses_to_mix_outputs(tmp_path):
         assert sorted(row.source_row for row in db.select()) == [1, 2, 3, 4, 5]  # each structure once
     bad = relax_cli("--data", data, "--output", str(tmp_path / "x.db"), "--dispersion", "d3bj", "--xc", "nope")
     assert bad.returncode == 2 and "unknown xc 'nope'" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def rows_in(path):
+    """(source_row, energy per atom) of an output database, read without taking its lock (it may be being
+    written)."""
+    import sqlite3
+
+    if not os.path.exists(path):
+        return []
+    connection = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return connection.execute("SELECT value FROM number_key_values WHERE key = 'source_row'").fetchall()
+    except sqlite3.OperationalError:  # the tables do not exist yet
+        return []
+    finally:
+        connection.close()
+
+
+def relax_process(*args):
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "scripts", "relax.py"), "--checkpoint", DEMO_MODEL,
+                             "--device_target", "CPU", "--progress_bar", "false", *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_rows(path, process, count, timeout=600):
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if len(rows_in(path)) >= count:
+            return
+        assert process.poll() is None, process.stdout.read()[-3000:]
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never held {count} rows")
+
+
+def energies(path):
+    import ase.db
+
+    with ase.db.connect(str(path)) as db:
+        return {row.source_row: (row.energy / row.natoms, row.relax_steps, row.converged) for row in db.select()}
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_a_killed_or_stopped_relaxation_keeps_every_finished_structure(tmp_path, how):
+    """Each finished structure is committed as it is written: kill -9 after some of 12 keeps them (no transaction
+    left open to roll back), SIGTERM stops between two steps with exit 75; --resume relaxes only the others,
+    and the output equals an uninterrupted run's (each structure once, the same energies and steps)."""
+    import signal
+
+    data = rattled(tmp_path / "in.db", count=12)
+    out = tmp_path / "relaxed.db"
+    args = ("--data", data, "--steps", "60", "--batch_size", "1")
+    process = relax_process(*args, "--output", str(out))
+    wait_for_rows(out, process, 3)
+    process.send_signal(getattr(signal, how))
+    output, _ = process.communicate(timeout=300)
+    kept = len(rows_in(out))
+    assert 3 <= kept < 12, output[-2000:]
+    if how == "SIGTERM":
+        assert process.returncode == 75, output[-3000:]
+        assert f"the {kept} finished ones are kept in {out}: continue with --resume" in output
+    else:
+        assert process.returncode == -signal.SIGKILL
+    resumed = relax_cli(*args, "--output", str(out), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.load(open(tmp_path / "relaxed.summary.json"))
+    assert summary["already_done"] == kept and summary["relaxed_now"] == 12 - kept and summary["structures"] == 12
+    straight = relax_cli(*args, "--output", str(tmp_path / "straight.db"))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    got, expected = energies(out), energies(tmp_path / "straight.db")
+    assert sorted(got) == sorted(expected) == list(range(1, 13))
+    for row, (energy, steps, converged) in expected.items():
+        assert got[row][1:] == (steps, converged), row
+        assert got[row][0] == pytest.approx(energy, abs=1e-5), row
+
+
+def test_relaxing_with_an_omol_model_names_a_row_without_charge(tmp_path):
+    """OMol models need each structure's total charge and spin: a row without them is one line naming the file,
+    row and key, before any structure is relaxed (it was a TypeError traceback)."""
+    import ase.db
+    from ase.build import molecule
+
+    from orb.io.checkpoint import save_checkpoint
+    from orb.models import create
+
+    model = create("orb_v3_direct_omol", latent_dim=16, mlp_hidden_dim=32, num_message_passing_steps=1,
+                   head_mlp_hidden_dim=16)
+    checkpoint = tmp_path / "omol.ckpt"
+    save_checkpoint(str(checkpoint), model, {"model": model.cfg.to_dict()}, exported=True)
+    data = tmp_path / "molecules.db"
+    with ase.db.connect(str(data)) as db:
+        db.write(molecule("H2O"), charge=0, spin=1)
+        db.write(molecule("CH4"))
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "relax.py"), "--checkpoint",
+                             str(checkpoint), "--device_target", "CPU", "--data", str(data), "--output",
+                             str(tmp_path / "out.db")], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [f"error: {data}, row 2, key 'charge': row has no total charge, "
+                                                  "which OMol models need (store it with db.write(atoms, charge=..., "
+                                                  "spin=...))"]
+    assert not rows_in(tmp_path / "out.db")

@@ -264,7 +264,7 @@ while True:
 def test_killed_while_saving_never_leaves_a_broken_checkpoint(tmp_path):
     from orb.io.checkpoint import load_checkpoint, save_checkpoint
     from orb.models.orb_v2 import orb_v2
-    from orb.training.outputs import remove_stale_temporaries
+    from orb.io.files import remove_stale_temporaries
 
     path = str(tmp_path / "last.ckpt")
     save_checkpoint(path, orb_v2(**SMALL_MODEL), {"i": 0})

@@ -113,41 +113,31 @@ def _plausible_flags(flags: np.ndarray) -> bool:
 class RowPass:
     """A result per row that takes reading every row of a database, computed once and kept in the project's cache.
 
-    Keyed by the database's identity (:meth:`AseDbDataset.identity`) and ``key``: any change to the rows or
-    to what is computed misses the cache; a copy that keeps the modification time hits it. In a
-    data-parallel run each rank computes its share of the rows and the shares are summed over ranks;
-    every rank takes the same path (the cache is used only if every rank has it), so their collectives
-    match, and a bad row found by one rank stops every rank at once.
+    Keyed (:class:`orb.cache.CacheEntry`) by the database's identity (:meth:`AseDbDataset.identity`) and ``key``
+    (what is computed, and how): any change to the rows or to what is computed misses the cache; a copy
+    that keeps the modification time hits it. In a data-parallel run each rank computes its share of the
+    rows and the shares are summed over ranks; every rank takes the same path (the cache is used only if
+    every rank has it), so their collectives match, and a bad row found by one rank stops every rank at
+    once.
     """
 
-    def __init__(self, dataset: "AseDbDataset", folder: str, key: tuple, width: int, what: str,
+    def __init__(self, dataset: "AseDbDataset", kind: str, key: tuple, width: int, what: str,
                  plausible: Callable[[np.ndarray], bool]):
-        self.dataset, self.folder, self.key, self.width, self.what, self.plausible = (dataset, folder, key, width,
-                                                                                     what, plausible)
+        self.dataset, self.kind, self.key, self.width, self.what, self.plausible = (dataset, kind, key, width,
+                                                                                   what, plausible)
         self.read_from: Optional[str] = None  # the cache file the result came from
         self.kept_in: Optional[str] = None  # the cache file it was written to when computed
 
-    def _name(self) -> str:
-        return hashlib.sha256(repr(self.key + (self.dataset.identity(),)).encode()).hexdigest()[:32] + ".npy"
-
-    def _cached(self, name: str) -> Tuple[Optional[str], Optional[np.ndarray]]:
-        """The cache file and its contents, or (None, None) when missing, unreadable (e.g. truncated by a full
-        disk) or implausible: then computed again and rewritten."""
-        path = cache.find(name, self.folder)
-        try:
-            values = np.load(path, allow_pickle=False) if path else None
-        except (OSError, ValueError):
-            return None, None
-        if values is None or values.dtype != np.int64 or values.shape[0] != len(self.dataset) or \
-                values.reshape(len(self.dataset), -1).shape[1] != self.width or not self.plausible(values):
-            return None, None
-        return path, values
+    def _valid(self, values: np.ndarray) -> bool:
+        rows = len(self.dataset)
+        return (values.dtype == np.int64 and values.ndim >= 1 and values.shape[0] == rows
+                and values.reshape(rows, -1).shape[1] == self.width and self.plausible(values))
 
     def result(self, compute: Callable[[int, int], np.ndarray], ranks: Ranks) -> np.ndarray:
-        name = self._name()  # of the database as it was before any row was read
-        path, cached = self._cached(name)
+        entry = cache.CacheEntry(self.kind, 1, self.key + (self.dataset.identity(),), ".npy")  # before any row is read
+        cached = entry.read(cache.load_array, self._valid)
         if cache.everyone_has(cached is not None, ranks):
-            self.read_from = path
+            self.read_from = entry.read_from
             return cached
         rows = len(self.dataset)
         start, stop = (rows * r // ranks.world_size for r in (ranks.rank, ranks.rank + 1))
@@ -165,23 +155,9 @@ class RowPass:
             raise ClusterError(f"{self.dataset.path}: another rank found a bad row while {self.what} (its log "
                                "names the row)")
         values = np.rint(total[:-1]).astype(np.int64).reshape((rows,) if self.width == 1 else (rows, self.width))
-        self._keep(name, values)
+        self.kept_in = entry.write(lambda tmp: np.save(tmp, values),
+                                   f"{self.kind.replace('_', ' ')} of {self.dataset.path}")
         return values
-
-    def _keep(self, name: str, values: np.ndarray) -> None:
-        folder = cache.writable_dir(self.folder)
-        if folder is None:
-            log.warning("no writable folder to keep the %s of %s (%s): read again at the next start; set "
-                        "ORB_CACHE_DIR", self.folder.replace("_", " "), self.dataset.path,
-                        " or ".join(cache.cache_dirs(self.folder)))
-            return
-        path = os.path.join(folder, name)
-        try:
-            cache.write_atomically(path, lambda tmp: np.save(tmp, values), suffix=".npy")
-            self.kept_in = path
-        except OSError as exc:
-            log.warning("could not keep the %s of %s in %s (%s): read again at the next start",
-                        self.folder.replace("_", " "), self.dataset.path, folder, exc)
 
 
 @dataclass
@@ -453,6 +429,11 @@ class AseDbDataset:
                 value = np.array([value], np.float32)
             values.append(value)
         return values[0], values[1]
+
+    def charge_and_spin(self, index: int) -> Tuple[Optional[float], Optional[float]]:
+        """The total charge and spin of the structure at ``index`` (None where the row has none)."""
+        charge, spin = self._charge_spin(self.row(index))
+        return (None if charge is None else float(charge[0])), (None if spin is None else float(spin[0]))
 
     def get(self, index: int, rotation_seed: Optional[int] = None) -> AtomGraphs:
         """Graph with targets of the row at ``index``; with augmentation on and a ``rotation_seed``, rotated by the

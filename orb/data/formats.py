@@ -16,7 +16,6 @@ forces likewise from ``arrays`` (``REF_forces``, ``forces``), stress from ``info
 ``arrays`` entry (forces) to read, and every frame must carry it.
 """
 
-import hashlib
 import json
 import logging
 import os
@@ -32,7 +31,7 @@ from orb.errors import DatasetError
 log = logging.getLogger("orb")
 SQLITE_MAGIC = b"SQLite format 3\x00"
 CONVERTED = "converted"
-VERSION = 1
+VERSION = 2  # 2: the frames' weight kept
 AUTO = {"energy": ("REF_energy", "energy"), "forces": ("REF_forces", "forces"), "stress": ("REF_stress", "stress")}
 
 
@@ -80,29 +79,41 @@ def source_files(path: Union[str, Sequence[str]]) -> List[str]:
 def readable_database(path: Union[str, Sequence[str]], keys: LabelKeys = LabelKeys(),
                       progress: Optional[bool] = None) -> str:
     """An ASE SQLite database holding the structures of ``path``: ``path`` itself when it is one, else the
-    cached copy of its frames (made now if needed)."""
+    cached copy of its frames (made now if needed; a damaged copy is made again)."""
     files = source_files(path)
     if len(files) == 1 and is_sqlite(files[0]):
         return files[0]
-    identity = [(os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
-    name = hashlib.sha256(repr((VERSION, identity, keys)).encode()).hexdigest()[:32] + ".db"
-    found = cache.find(name, CONVERTED)
+    identity = tuple((os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files)
+    entry = cache.CacheEntry(CONVERTED, VERSION, (identity, keys), ".db")
+    found = entry.read(lambda p: p, _complete_index)
     if found is not None:
         return found
-    folder = cache.writable_dir(CONVERTED)
-    if folder is None:
-        raise DatasetError(describe_path(path), "cannot index it: no writable cache folder "
-                           f"({', '.join(cache.cache_dirs(CONVERTED))})")
-    target = os.path.join(folder, name)
-    temporary = f"{target}.{os.getpid()}.tmp"
-    try:
-        count = _convert(files, keys, temporary, sys.stderr.isatty() if progress is None else progress)
-        os.replace(temporary, target)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-    log.info("indexed %s: %d structures, kept in %s", describe_path(path), count, target)
+    counted = []
+
+    def convert(tmp: str) -> None:
+        counted.append(_convert(files, keys, tmp, sys.stderr.isatty() if progress is None else progress))
+
+    target = entry.write(convert, f"index of {describe_path(path)}")
+    if target is None:
+        raise DatasetError(describe_path(path), "cannot index it: no writable cache folder, or writing there failed "
+                           f"({', '.join(cache.cache_dirs(CONVERTED))}; set ORB_CACHE_DIR)")
+    log.info("indexed %s: %d structures, kept in %s", describe_path(path), counted[0], target)
     return target
+
+
+def _complete_index(path: str) -> bool:
+    """Whether a cached index holds every frame its metadata lists (a copy cut short is made again)."""
+    import sqlite3
+
+    if not is_sqlite(path):
+        return False
+    connection = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        (meta,) = connection.execute("SELECT value FROM information WHERE name='metadata'").fetchone()
+        (rows,) = connection.execute("SELECT COUNT(*) FROM systems").fetchone()
+    finally:
+        connection.close()
+    return rows == sum(frames for _, frames in json.loads(meta)["orb_sources"])
 
 
 def _frames(path: str) -> Iterator:
@@ -118,8 +129,10 @@ def _frames(path: str) -> Iterator:
 
         for row in connect(path, type="aselmdb" if path.endswith(".aselmdb") else "db").select():
             atoms = row.toatoms()
-            atoms.info.update(row.key_value_pairs)
             atoms.info.update(row.data or {})
+            # the stored values: ase's row.key_value_pairs gives a key named like one of its row properties
+            # (``charge``: the sum of the initial charges) that property's value instead
+            atoms.info.update({key: vars(row).get(key) for key in row.key_value_pairs})
             yield atoms
         return
     import ase.io
@@ -137,8 +150,9 @@ def _calculator_result(atoms, name: str):
     return None if calc is None else calc.results.get(name)
 
 
-def _label(atoms, name: str, keys: LabelKeys, where: str, frame: int):
-    """The frame's ``name`` label by the configured key (required) or the defaults (optional)."""
+def _label(atoms, name: str, keys: LabelKeys, where: str, frame: int) -> Tuple[object, str]:
+    """The frame's ``name`` label by the configured key (required) or the defaults (optional), and the key it was
+    found under (for messages)."""
     key = getattr(keys, name)
     table = atoms.arrays if name == "forces" else atoms.info
     if key:
@@ -146,16 +160,21 @@ def _label(atoms, name: str, keys: LabelKeys, where: str, frame: int):
         if value is None:
             raise DatasetError(where, f"frame {frame} has no {name} under the configured key "
                                       f"({'arrays' if name == 'forces' else 'info'}['{key}'])", key=f"{name}_key")
-        return value
+        return value, key
     value = _calculator_result(atoms, name)
+    if value is not None:
+        return value, name
     for candidate in AUTO[name]:
-        if value is None:
-            value = table.get(candidate)
-    return value
+        if table.get(candidate) is not None:
+            return table[candidate], candidate
+    return None, name
 
 
 def _checked(value, shape_ok, name: str, where: str, frame: int, expected: str):
-    array = np.asarray(value, dtype=np.float64)
+    try:
+        array = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise DatasetError(where, f"frame {frame}: {name} must be numbers, got {str(value)[:40]!r}", key=name) from None
     if not shape_ok(array.shape):
         raise DatasetError(where, f"frame {frame}: {name} of shape {array.shape}, expected {expected}", key=name)
     if not np.all(np.isfinite(array)):
@@ -176,17 +195,17 @@ def _convert(files: List[str], keys: LabelKeys, target: str, progress: bool) -> 
             frames = 0
             for frame, atoms in enumerate(_frames(path)):
                 n = len(atoms)
-                energy = _label(atoms, "energy", keys, path, frame)
-                forces = _label(atoms, "forces", keys, path, frame)
-                stress = _label(atoms, "stress", keys, path, frame)
+                (energy, energy_key), (forces, forces_key), (stress, stress_key) = (
+                    _label(atoms, name, keys, path, frame) for name in ("energy", "forces", "stress"))
                 results = {}
                 if energy is not None:
-                    results["energy"] = float(_checked(energy, lambda s: int(np.prod(s)) == 1, "energy", path,
+                    results["energy"] = float(_checked(energy, lambda s: int(np.prod(s)) == 1, energy_key, path,
                                                        frame, "a number"))
                 if forces is not None:
-                    results["forces"] = _checked(forces, lambda s: s == (n, 3), "forces", path, frame, f"({n}, 3)")
+                    results["forces"] = _checked(forces, lambda s: s == (n, 3), forces_key, path, frame,
+                                                 f"({n}, 3)")
                 if stress is not None:
-                    stress = _checked(stress, lambda s: s in ((6,), (3, 3), (9,)), "stress", path, frame,
+                    stress = _checked(stress, lambda s: s in ((6,), (3, 3), (9,)), stress_key, path, frame,
                                       "(6,) or (3, 3)")
                     results["stress"] = stress.reshape(3, 3) if stress.size == 9 else stress
                 has_stress = stress is not None
@@ -199,13 +218,7 @@ def _convert(files: List[str], keys: LabelKeys, target: str, progress: bool) -> 
                     raise DatasetError(without[0], f"frame {without[1]} has no stress while {with_it[0]} frame "
                                                    f"{with_it[1]} has one: give every structure a stress or none",
                                        key="stress")
-                pairs = {}
-                for name in ("charge", "spin"):
-                    key = getattr(keys, name)
-                    if key and key in atoms.info:
-                        value = _checked(atoms.info[key], lambda s: int(np.prod(s)) == 1, name, path, frame,
-                                         "a number")
-                        pairs[name] = float(value.reshape(-1)[0])
+                pairs = _structure_attributes(atoms, keys, path, frame)
                 clean = atoms.copy()
                 clean.info = {}
                 for extra in list(clean.arrays):
@@ -223,6 +236,21 @@ def _convert(files: List[str], keys: LabelKeys, target: str, progress: bool) -> 
         raise DatasetError(files[0] if len(files) == 1 else os.path.dirname(files[0]),
                            "holds no structures: not an ASE database, and ase.io reads no frames from it")
     return count
+
+
+def _structure_attributes(atoms, keys: LabelKeys, path: str, frame: int) -> dict:
+    """The per-structure attributes a frame carries in ``info`` (its loss ``weight``, total charge and spin), checked,
+    as the key-value pairs the indexed copy stores: everything a row of an ASE database carries, whatever the
+    format it came in."""
+    pairs = {}
+    for name, key in (("weight", "weight"), ("charge", keys.charge), ("spin", keys.spin)):
+        if key and atoms.info.get(key) is not None:
+            value = float(_checked(atoms.info[key], lambda s: int(np.prod(s)) == 1, key, path, frame,
+                                   "a number").reshape(-1)[0])
+            if name == "weight" and value < 0:
+                raise DatasetError(path, f"frame {frame}: weight must be >= 0, got {value}", key=key)
+            pairs[name] = value
+    return pairs
 
 
 def frame_of(sources: List[Tuple[str, int]], row_id: int) -> Tuple[str, int]:

@@ -175,7 +175,8 @@ def evaluate(args) -> int:
     from orb.device import configure_mindspore
     from orb.inference.dispersion import check_dispersion
     from orb.inference.report import errors_by_element, print_element_table, write_element_table, write_parity_plots
-    from orb.models.ops_profile import describe_profile, ops_profile, set_ops_profile
+    from orb.models.kernels import describe_profile
+    from orb.models.ops_profile import ops_profile, set_ops_profile
 
     check_dispersion(args.dispersion, args.xc)
     target = configure_mindspore(args.device_target, matmul_precision=args.matmul_precision)

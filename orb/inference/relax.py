@@ -12,13 +12,12 @@ forces, stress, ``source_row``, ``relax_steps``, ``converged``), so a killed run
 """
 
 import argparse
-import json
 import logging
 import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -106,12 +105,13 @@ class BatchRelaxer:
                 results = {key: results[key] + d3[key] for key in results}
             r.atoms.calc = SinglePointCalculator(r.atoms, free_energy=results["energy"], **results)
 
-    def run(self, structures, on_done) -> None:
+    def run(self, structures, on_done, stop: Callable[[], bool] = lambda: False) -> None:
         """Relax ``structures`` (an iterable of ``(source_row, atoms)``); ``on_done(relaxing, converged)`` is
-        called for each as it finishes."""
+        called for each as it finishes. Returns early, between two steps, once ``stop()`` is true (a stop
+        signal): the structures still relaxing are left for a resumed run."""
         queue = iter(structures)
         active: List[Relaxing] = []
-        while True:
+        while not stop():
             while len(active) < self.batch_size:
                 item = next(queue, None)
                 if item is None:
@@ -135,6 +135,16 @@ class BatchRelaxer:
             active = still
 
 
+def _written(output: str) -> Dict[int, Tuple[int, bool]]:
+    """Every structure the output holds: input row -> (steps, converged)."""
+    import ase.db
+
+    if not os.path.exists(output):
+        return {}
+    with ase.db.connect(output, type="db", use_lock_file=False) as db:
+        return {int(row.source_row): (int(row.relax_steps), bool(row.converged)) for row in db.select()}
+
+
 def relax(args) -> Dict:
     import ase.db
     from tqdm import tqdm
@@ -144,53 +154,61 @@ def relax(args) -> Dict:
     from orb.device import configure_mindspore
     from orb.inference.dispersion import D3Dispersion, check_dispersion
     from orb.io.checkpoint import model_from_checkpoint
+    from orb.io.files import write_json
     from orb.models.ops_profile import set_ops_profile
+    from orb.signals import RESUME_HINT, STOP, STOPPED_STATUS, Stopped
 
-    if args.fmax <= 0 or args.steps < 0 or args.batch_size < 1:
-        raise OrbInputError("--fmax must be > 0, --steps >= 0 and --batch_size >= 1")
+    if args.fmax <= 0 or args.steps < 0 or args.batch_size < 1 or not np.isfinite(args.fmax):
+        raise OrbInputError("--fmax must be a finite number > 0, --steps >= 0 and --batch_size >= 1")
     check_dispersion(args.dispersion, args.xc)
     check_output(args.output, args.resume, args.overwrite)
     configure_mindspore(args.device_target)
     set_ops_profile(args.ops_profile)
     model = model_from_checkpoint(args.checkpoint, args.model)
     data = AseDbDataset(readable_database(args.data, LabelKeys()), require_labels=False,
-                        settings=model.cfg.graph_settings(), charge_spin=False)
+                        settings=model.cfg.graph_settings(), charge_spin=model.cfg.omol)
+    data.census()  # every row checked before the first step (OMol models: each row's charge and spin), named if bad
     done = _done_rows(args.output) if os.path.exists(args.output) else set()
     todo = [i for i in range(len(data)) if int(data.ids[i]) not in done]
     dispersion = D3Dispersion(args.dispersion, args.xc) if args.dispersion else None
     relaxer = BatchRelaxer(model, args.fmax, args.steps, args.cell, args.batch_size, dispersion)
     show = sys.stderr.isatty() if args.progress_bar == "auto" else args.progress_bar == "true"
-    not_converged: List[int] = []
-    steps: List[int] = []
 
     def structures():
         for i in todo:
             atoms = data.get_atoms(i)
             atoms.calc = None
             if model.cfg.omol:
-                charge, spin = data._charge_spin(data.row(i))
-                atoms.info.update(charge=float(charge[0]), spin=float(spin[0]))
+                charge, spin = data.charge_and_spin(i)
+                atoms.info.update(charge=charge, spin=spin)
             yield int(data.ids[i]), atoms
 
     start = time.perf_counter()
-    with ase.db.connect(args.output, type="db") as db, tqdm(total=len(todo), desc="relaxing", disable=not show) as bar:
+    db = ase.db.connect(args.output, type="db")  # outside a `with` block every write is its own transaction
+    written = []
+    with STOP.deferred(), tqdm(total=len(todo), desc="relaxing", disable=not show) as bar:
         def finish(r: Relaxing, converged: bool) -> None:
-            db.write(r.atoms, source_row=r.source_row, relax_steps=r.steps, converged=converged)
-            steps.append(r.steps)
-            if not converged:
-                not_converged.append(r.source_row)
+            db.write(r.atoms, source_row=r.source_row, relax_steps=r.steps, converged=converged)  # committed now
+            written.append(r.source_row)
             bar.update(1)
 
-        relaxer.run(structures(), finish)
+        relaxer.run(structures(), finish, stop=lambda: STOP.received is not None)
     seconds = time.perf_counter() - start
+    results = _written(args.output)
+    not_converged = sorted(row for row, (_, converged) in results.items() if not converged)
     summary = {"input": args.data, "output": os.path.abspath(args.output), "checkpoint": args.checkpoint,
                "fmax": args.fmax, "max_steps": args.steps, "cell": args.cell, "dispersion": args.dispersion or None,
-               "structures": len(todo), "already_done": len(done), "converged": len(todo) - len(not_converged),
-               "not_converged_rows": not_converged, "mean_steps": float(np.mean(steps)) if steps else 0.0,
+               "structures": len(results), "relaxed_now": len(written), "already_done": len(done),
+               "remaining": len(todo) - len(written), "converged": len(results) - len(not_converged),
+               "not_converged_rows": not_converged,
+               "mean_steps": float(np.mean([s for s, _ in results.values()])) if results else 0.0,
                "model_calls": relaxer.calls, "seconds": seconds,
-               "structures_per_second": len(todo) / seconds if seconds > 0 else 0.0}
-    with open(os.path.splitext(args.output)[0] + ".summary.json", "w") as f:
-        json.dump(summary, f, indent=2)
+               "structures_per_second": len(written) / seconds if seconds > 0 else 0.0}
+    write_json(os.path.splitext(args.output)[0] + ".summary.json", summary)
+    if STOP.received is not None:
+        raise Stopped(f"stopped by {STOP.received} after {len(written)} of {len(todo)} structures; the "
+                      f"{len(results)} finished ones are kept in {args.output}: {RESUME_HINT.replace(' auto', '')} "
+                      f"(exit status {STOPPED_STATUS})")
     return summary
 
 
@@ -217,15 +235,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--progress_bar", choices=("auto", "true", "false"), default="auto")
     args = parser.parse_args(argv)
     args.data = args.data[0] if len(args.data) == 1 else args.data
+    from orb.signals import Stopped, listen
+
+    listen()
     try:
         summary = relax(args)
+    except Stopped as stop:
+        print(str(stop), file=sys.stderr)
+        return stop.status
     except OrbInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"relaxed {summary['structures']} structures ({summary['converged']} converged, "
-          f"{len(summary['not_converged_rows'])} not within {args.steps} steps) in {summary['seconds']:.1f} s "
-          f"({summary['structures_per_second']:.2f}/s), {summary['model_calls']} model calls; "
-          f"written to {args.output}")
+    print(f"relaxed {summary['relaxed_now']} structures in {summary['seconds']:.1f} s "
+          f"({summary['structures_per_second']:.2f}/s, {summary['model_calls']} model calls); {args.output} holds "
+          f"{summary['structures']}: {summary['converged']} converged, {len(summary['not_converged_rows'])} not "
+          f"within {args.steps} steps")
     return 0
 
 

@@ -4,9 +4,7 @@ MindSpore parameter paths equal orb-models' state_dict keys (``model.gnn_stacks.
 ``graph_head.normalizer.bn.running_mean``, ...), so the mapping is one to one, strict and shape-checked.
 """
 
-import errno
 import json
-import logging
 import os
 from collections import OrderedDict
 from typing import Dict, Iterable, Optional, Tuple
@@ -19,6 +17,7 @@ from orb.errors import CheckpointError, SaveError
 from orb.models import build, config_from_state_dict
 from orb.models.config import ModelConfig
 from orb.models.gns import REPLAY_HEADS
+from orb.io.files import write_atomically
 from orb.io.torch_format import is_torch_zip, read_torch_checkpoint, write_torch_checkpoint
 
 __all__ = [
@@ -100,28 +99,6 @@ def read_weights(path: str) -> Tuple["OrderedDict[str, np.ndarray]", Dict]:
     return weights, meta
 
 
-_FSYNC_UNSUPPORTED_WARNED = set()
-
-
-def fsync_directory(folder: str) -> None:
-    """Make a rename in ``folder`` durable (the directory entry itself reaches the disk). File systems that cannot
-    (some FUSE and object-store mounts) get one warning per folder; the file itself was synced."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EACCES, errno.EPERM):
-            raise
-        if folder not in _FSYNC_UNSUPPORTED_WARNED:
-            _FSYNC_UNSUPPORTED_WARNED.add(folder)
-            logging.getLogger("orb").warning("the file system of %s cannot sync a folder (%s): a power loss right "
-                                             "after a save could lose its last rename; the run goes on", folder,
-                                             exc.strerror)
-
-
 def save_checkpoint(path: str, model: nn.Cell, meta: Optional[Dict] = None,
                     extra: Optional[Iterable[Tuple[str, Tensor]]] = None, exported: bool = False) -> None:
     """Write a MindSpore checkpoint atomically: a temporary file in the same folder, then rename.
@@ -130,25 +107,19 @@ def save_checkpoint(path: str, model: nn.Cell, meta: Optional[Dict] = None,
     ``exported``: the model's weights without training-only replay heads. A crash at any point leaves
     either the previous file or the complete new one.
     """
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
     entries = [{"name": name, "data": Tensor(p.asnumpy())} for name, p in named_parameters(model, exported).items()]
     entries += [{"name": name, "data": Tensor(t.asnumpy() if hasattr(t, "asnumpy") else np.asarray(t))}
                 for name, t in (extra or [])]
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}.ckpt")
-    try:
+
+    def write(tmp: str) -> None:
         ms.save_checkpoint(entries, tmp, append_dict={META_KEY: json.dumps(meta or {})})
         os.chmod(tmp, 0o644)  # MindSpore writes checkpoints read-only
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+
+    try:
+        write_atomically(path, write, suffix=".ckpt")
     except (OSError, RuntimeError) as exc:  # MindSpore reports a failed write (e.g. a full disk) as RuntimeError
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip().splitlines()[0]
         raise SaveError(f"could not write {path} ({reason}); the previous checkpoint there is unchanged") from None
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    fsync_directory(folder)
 
 
 def load_checkpoint(path: str) -> Tuple[Dict[str, np.ndarray], Dict[str, np.ndarray], Dict]:

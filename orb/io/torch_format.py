@@ -19,6 +19,7 @@ from typing import Dict
 import numpy as np
 
 from orb.errors import CheckpointError
+from orb.io.files import write_atomically
 
 _STORAGE_DTYPES = {
     "FloatStorage": np.dtype("<f4"), "DoubleStorage": np.dtype("<f8"), "HalfStorage": np.dtype("<f2"),
@@ -205,8 +206,8 @@ def write_torch_checkpoint(state_dict: Dict[str, np.ndarray], path: str) -> None
         tensors[key] = _Tensor(storages[str(i)])
     buffer = io.BytesIO()
     _Pickler(buffer, protocol=2).dump(tensors)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
+
+    def write(tmp: str) -> None:
         with open(tmp, "wb") as raw, zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED) as zf:
             records = [("data.pkl", buffer.getvalue()), (".format_version", b"1"), (".storage_alignment", b"64"),
                        ("byteorder", b"little")]
@@ -214,7 +215,5 @@ def write_torch_checkpoint(state_dict: Dict[str, np.ndarray], path: str) -> None
             records += [("version", b"3\n"), (".data/serialization_id", b"0" * 40)]
             for name, data in records:
                 zf.writestr(_aligned_info(f"{root}/{name}", raw.tell()), data)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+
+    write_atomically(path, write)

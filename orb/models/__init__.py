@@ -35,6 +35,28 @@ def create(name: str = "orb_v2", seed: int = 0, **overrides):
     return build(ModelConfig.from_dict(dict(overrides, name=name)), seed)
 
 
+def weights_digest(model) -> str:
+    """The model's weights and buffers, hashed."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, param in model.parameters_and_names():
+        digest.update(name.encode())
+        digest.update(np.ascontiguousarray(param.asnumpy()).tobytes())
+    return digest.hexdigest()
+
+
+def model_identity(model, digest: Optional[str] = None) -> tuple:
+    """Everything that determines what ``model`` computes on a structure: its architecture and graph settings, its
+    weights (``digest``, else hashed now), the operator profile and the numeric precision. The key of every
+    cached model output."""
+    from orb.device import numeric_precision
+    from orb.models.ops_profile import ops_profile
+
+    return (tuple(sorted(model.cfg.to_dict().items())), repr(model.cfg.graph_settings()),
+            digest or weights_digest(model), ops_profile(), numeric_precision())
+
+
 def _count(weights: Dict[str, np.ndarray], prefix: str) -> int:
     """Number of numbered children ``<prefix><i>.`` among the keys."""
     found = {key[len(prefix):].split(".", 1)[0] for key in weights if key.startswith(prefix)}

@@ -46,21 +46,21 @@ def requested_profile() -> str:
     return _configured or "auto"
 
 
+def choose_profile(requested: str, device_target: str) -> str:
+    """``portable`` or ``cpu`` for a requested profile on a device: ``auto`` is ``cpu`` on the CPU and ``portable``
+    elsewhere; ``cpu`` anywhere but the CPU is refused (its forms are measured on, and its custom kernels
+    compiled for, the CPU backend: they must never reach an NPU or a GPU)."""
+    if requested == "auto":
+        return "cpu" if device_target == "CPU" else "portable"
+    if requested == "cpu" and device_target != "CPU":
+        source = f"{ENVIRONMENT}=cpu (environment)" if os.environ.get(ENVIRONMENT) else "ops_profile: cpu"
+        raise ConfigError(f"{source} is for the CPU only, and this run is on {device_target}: use ops_profile auto "
+                          f"or portable{' and unset ' + ENVIRONMENT if os.environ.get(ENVIRONMENT) else ''}")
+    return requested
+
+
 def ops_profile() -> str:
     """The profile cells are built with now: ``portable`` or ``cpu``."""
-    requested = requested_profile()
-    if requested != "auto":
-        return requested
     import mindspore as ms
 
-    return "cpu" if ms.get_context("device_target") == "CPU" else "portable"
-
-
-def describe_profile() -> str:
-    """For start-up logs and reports: the profile and what it runs."""
-    from orb.models.kernels import uses_custom_kernels
-
-    if ops_profile() == "portable":
-        return "ops profile portable (MindSpore's operators and their gradients)"
-    kernels = "accurate custom CPU kernels" if uses_custom_kernels() else "built-in activations (no g++)"
-    return f"ops profile cpu (ones-vector products, hand-written backward passes, {kernels})"
+    return choose_profile(requested_profile(), ms.get_context("device_target"))

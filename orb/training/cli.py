@@ -7,10 +7,10 @@ import sys
 from typing import Callable, List, Optional, Tuple
 
 from orb.errors import OrbInputError, RunError
-from orb.signals import exit_on_stop_signals
 from orb.training.config import TrainConfig, load_config
 from orb.training.outputs import discard_unstarted
-from orb.training.preemption import Stopped, checkpoint_to_resume
+from orb.signals import Stopped, listen
+from orb.training.preemption import checkpoint_to_resume
 
 USAGE = """%(prog)s [--config PATH] [--resume DIR_OR_FILE|auto] [--overwrite] [--accept_config_changes] [--key value ...]
 
@@ -35,13 +35,13 @@ def run(argv: Optional[List[str]], default_config: str, fine_tune: Callable[[Tra
     """Parse arguments, load the config and call ``fine_tune``; bad input -> ``error: ...`` and exit status 2."""
     args, overrides = parse_command_line(argv, default_config)
     log = logging.getLogger("orb")
-    exit_on_stop_signals()  # the training loop replaces this with a save-then-stop once it starts
+    listen()  # a stop signal during start-up exits 75 at once; the training loop saves first
     cfg = None
     try:
         cfg = load_config(args.config, overrides)
         if args.resume == "auto":
-            args.resume = checkpoint_to_resume(cfg.output_dir, args.resume)
-            args.overwrite = args.overwrite or not args.resume  # a requeued job that never saved starts over
+            args.resume = checkpoint_to_resume(cfg.output_dir, args.resume, args.overwrite)
+            args.overwrite = args.overwrite or not args.resume  # no checkpoint there: records of unsaved steps
         fine_tune(cfg, args)
     except Stopped as stop:
         print(f"{stop}", file=sys.stderr)

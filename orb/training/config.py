@@ -5,6 +5,7 @@ the key (with a suggestion for typos). ``configs/config.yaml`` documents every k
 """
 
 import difflib
+import math
 import typing
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Dict, List, Optional, Sequence, Union
@@ -128,7 +129,10 @@ CHOICES = {
 RENAMED = {"kernels": "'ops_profile' (auto | portable | cpu; 'builtin' kernels are the portable profile)"}
 POSITIVE = ("batch_size", "max_epochs", "save_every_x_epochs", "log_every_n_steps",
             "model.latent_dim", "model.mlp_hidden_dim", "model.num_mlp_layers", "model.num_message_passing_steps",
-            "model.num_rbf", "model.max_neighbors", "model.head_mlp_hidden_dim", "model.head_num_mlp_layers")
+            "model.num_rbf", "model.max_neighbors", "model.head_mlp_hidden_dim", "model.head_num_mlp_layers",
+            "model.polynomial_order", "model.num_elements", "model.decoder_out_dim")
+NON_NEGATIVE = ("device_id", "random_seed")
+SEED_LIMIT = 2 ** 32  # numpy's and MindSpore's seeds are unsigned 32-bit
 
 
 def _type_name(tp) -> str:
@@ -162,6 +166,8 @@ def _coerce(value: Any, tp, key: str) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"config key '{key}' must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"config key '{key}' must be a finite number, got {value!r}")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -215,6 +221,11 @@ def _validate(cfg: TrainConfig) -> TrainConfig:
     for key in POSITIVE:
         if flat[key] < 1:
             raise ConfigError(f"config key '{key}' must be at least 1, got {flat[key]}")
+    for key in NON_NEGATIVE:
+        if flat[key] < 0:
+            raise ConfigError(f"config key '{key}' must be >= 0, got {flat[key]}")
+    if cfg.random_seed >= SEED_LIMIT:
+        raise ConfigError(f"config key 'random_seed' must be below {SEED_LIMIT}, got {cfg.random_seed}")
     if cfg.lr <= 0:
         raise ConfigError(f"config key 'lr' must be positive, got {cfg.lr}")
     if not 0 <= cfg.warmup_fraction < 1:

@@ -30,15 +30,14 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from typing import Dict, List, Optional
 
-from orb.signals import STOP_SIGNALS
-from orb.training.preemption import STOPPED_STATUS
+from orb.io.files import free_port
+from orb.signals import RESUME_HINT, STOP_SIGNALS, STOPPED_STATUS
 
 DEFAULT_CONFIG = os.path.join("configs", "config_parallel.yaml")
 
@@ -59,12 +58,6 @@ def count_devices() -> int:
         if gpus:
             return gpus
     return min(os.cpu_count() or 1, 8)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker_script() -> str:
@@ -180,7 +173,7 @@ def stopped_with_state_saved(log_dir: str) -> bool:
         return False
     for path in logs:
         with open(path, errors="replace") as f:
-            if "continue with --resume auto" not in f.read():
+            if RESUME_HINT not in f.read():
                 return False
     return True
 

@@ -1,17 +1,15 @@
 """A run's output directory: refusing to mix runs, stale temporary files, the log and metrics.jsonl."""
 
-import json
 import logging
 import os
-import re
 import sys
-from typing import Dict, List
+from typing import List
 
 from orb.errors import ConfigError
+from orb.io.files import remove_stale_temporaries
 
 log = logging.getLogger("orb")
 RUN_FILES = ("metrics.jsonl", "train.log")
-_TMP = re.compile(r"^\..+\.tmp-(\d+)\.(ckpt|tmp)$")  # ours, and MindSpore's own temporary of it
 
 
 def _completed_steps(metrics_path: str) -> bool:
@@ -87,34 +85,6 @@ def prepare_output_dir(output_dir: str, resume: bool, overwrite: bool) -> None:
     except OSError as exc:
         raise ConfigError(f"config key 'output_dir': cannot create {output_dir} ({exc.strerror})") from None
     remove_stale_temporaries(os.path.join(output_dir, "checkpoints"))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale_temporaries(folder: str) -> List[str]:
-    """Delete ``.<name>.tmp-<pid>.ckpt`` (and .tmp) files left by a save that was killed (their writer is gone)."""
-    removed = []
-    for name in os.listdir(folder):
-        match = _TMP.match(name)
-        if match and int(match.group(1)) != os.getpid() and not _alive(int(match.group(1))):
-            os.remove(os.path.join(folder, name))
-            removed.append(name)
-    if removed:
-        log.info("removed %d temporary file(s) of an interrupted checkpoint save: %s", len(removed), ", ".join(removed))
-    return removed
-
-
-def append_jsonl(path: str, record: Dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
 
 
 def setup_logging(output_dir: str, is_main: bool = True, rank: int = 0) -> None:

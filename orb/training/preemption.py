@@ -9,90 +9,32 @@ note is summed over ranks in an all-reduce the loop already makes, so every rank
 step.
 """
 
-import json
 import logging
 import os
-import signal
-import time
-from typing import List, Optional
+from typing import List
 
-from orb.signals import STOP_SIGNALS
+from orb.errors import ConfigError
+from orb.training.outputs import existing_run_files
 
 log = logging.getLogger("orb")
 
-STOPPED_STATUS = 75  # EX_TEMPFAIL: stopped on request with the state saved; resuming continues the run
 
-
-class Stopped(Exception):
-    """The run stopped on a signal after saving its state."""
-
-    status = STOPPED_STATUS
-
-
-class StopSignals:
-    """While active, the stop signals only set :attr:`received` (the first one's name). A second SIGINT more than
-    a second after the first ends the process at once (Ctrl-C twice; a copy of the first, forwarded by the
-    launcher, does not)."""
-
-    def __init__(self):
-        self.received: Optional[str] = None
-        self._when = 0.0
-        self._previous = {}
-
-    def _note(self, number, _frame):
-        name = signal.Signals(number).name
-        if name == "SIGINT" and self.received is not None and time.monotonic() - self._when > 1.0:
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            raise KeyboardInterrupt
-        if self.received is None:
-            self.received, self._when = name, time.monotonic()
-
-    def __enter__(self):
-        import threading
-
-        if threading.current_thread() is threading.main_thread():  # Python handles signals in the main thread only
-            for name in STOP_SIGNALS:
-                number = getattr(signal, name)
-                self._previous[number] = signal.signal(number, self._note)
-        return self
-
-    def __exit__(self, *exc):
-        for number, handler in self._previous.items():
-            signal.signal(number, handler)
-        self._previous = {}
-        return False
-
-
-def checkpoint_to_resume(output_dir: str, resume: str) -> str:
-    """``--resume`` as a path: ``auto`` is ``output_dir``'s last.ckpt when it exists, else "" (a fresh start)."""
+def checkpoint_to_resume(output_dir: str, resume: str, overwrite: bool = False) -> str:
+    """``--resume`` as a path: ``auto`` is ``output_dir``'s last.ckpt when it exists, else "" (a fresh start) when
+    the folder holds no checkpoint (a first attempt killed before its first save: nothing to lose) or with
+    ``overwrite``; a folder with an earlier run's checkpoints but no last.ckpt is refused, never overwritten."""
     if resume != "auto":
         return resume
     last = os.path.join(output_dir, "checkpoints", "last.ckpt")
-    return last if os.path.isfile(last) else ""
-
-
-def keep_records_up_to(path: str, step: int) -> int:
-    """Drop the records of a metrics or batches file written after global ``step`` (a resumed run writes them
-    again); the file is rewritten atomically. Returns the number dropped."""
-    if not os.path.exists(path):
-        return 0
-    with open(path) as f:
-        lines = f.readlines()
-    kept = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short by a kill
-            continue
-        if int(record.get("step", 0)) <= step:
-            kept.append(line if line.endswith("\n") else line + "\n")
-    if len(kept) == len(lines):
-        return 0
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
-    return len(lines) - len(kept)
+    if os.path.isfile(last):
+        return last
+    found = [f for f in existing_run_files(output_dir) if f.endswith(".ckpt")] if os.path.isdir(output_dir) else []
+    if found and not overwrite:
+        raise ConfigError(f"--resume auto: {output_dir} has no checkpoints/last.ckpt but holds an earlier run "
+                          f"({', '.join(found[:4])}{' ...' if len(found) > 4 else ''}); continue from one of its "
+                          "checkpoints with --resume PATH, start over with --overwrite (deletes those files), or "
+                          "choose another --output_dir")
+    return ""
 
 
 def prune_checkpoints(folder: str, keep: int) -> List[str]:

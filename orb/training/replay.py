@@ -21,9 +21,7 @@ second run reads them back. In a data-parallel run each rank computes its part o
 the parts are summed, so every rank holds the same result.
 """
 
-import hashlib
 import logging
-import os
 from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
@@ -35,48 +33,16 @@ from orb.data.selection import farthest_point_sampling, hold_out, random_sample
 from orb.errors import ClusterError, ConfigError
 
 log = logging.getLogger("orb")
-CACHE = "replay"  # subfolder of the project's cache
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: keyed by the model's identity (orb.models.model_identity), not only its weights
 
 # forward(name, source, kind) -> {"energy", "forces", "stress", "descriptors"}: the starting model over a source
 ForwardPass = Callable[[str, Source, str], Dict[str, np.ndarray]]
+# () -> the starting model's identity (architecture, graph settings, weights, profile, precision), computed once
+ModelKey = Callable[[], tuple]
 
 
-def weights_digest(model) -> str:
-    """The model's weights and buffers, hashed (which checkpoint made the descriptors and pseudo-labels)."""
-    digest = hashlib.sha256()
-    for name, param in model.parameters_and_names():
-        digest.update(name.encode())
-        digest.update(np.ascontiguousarray(param.asnumpy()).tobytes())
-    return digest.hexdigest()
-
-
-def _cache_name(kind: str, *parts) -> str:
-    return f"{kind}-" + hashlib.sha256(repr((CACHE_VERSION,) + parts).encode()).hexdigest()[:32] + ".npz"
-
-
-def _load(name: str) -> Optional[Dict[str, np.ndarray]]:
-    path = cache.find(name, CACHE)
-    if path is None:
-        return None
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            return {k: z[k] for k in z.files}
-    except (OSError, ValueError):  # e.g. truncated by a full disk: computed again
-        return None
-
-
-def _keep(name: str, arrays: Dict[str, np.ndarray], what: str) -> None:
-    folder = cache.writable_dir(CACHE)
-    if folder is None:
-        log.warning("no writable folder to keep the replay %s (%s): they are computed again at the next start; set "
-                    "ORB_CACHE_DIR", what, " or ".join(cache.cache_dirs(CACHE)))
-        return
-    try:
-        cache.write_atomically(os.path.join(folder, name), lambda tmp: np.savez(tmp, **arrays), suffix=".npz")
-    except OSError as exc:
-        log.warning("could not keep the replay %s in %s (%s): they are computed again at the next start", what, folder,
-                    exc)
+def _entry(kind: str, *parts) -> cache.CacheEntry:
+    return cache.CacheEntry(f"replay_{kind}", CACHE_VERSION, parts, ".npz")
 
 
 def split(replay: AseDbDataset, replay_val: Optional[AseDbDataset], fraction: float, val_samples: int,
@@ -95,16 +61,16 @@ def split(replay: AseDbDataset, replay_val: Optional[AseDbDataset], fraction: fl
 
 
 def select(replay: AseDbDataset, candidates: np.ndarray, count: int, method: str, seed: int, forward: ForwardPass,
-           model_digest: Callable[[], str], ranks: Ranks) -> np.ndarray:
+           model_key: ModelKey, ranks: Ranks) -> np.ndarray:
     """``count`` of the ``candidates`` positions (all when 0 or more), ascending."""
     if count == 0 or count >= len(candidates):
         return candidates
     if method == "random":
         return random_sample(candidates, count, seed)
-    name = _cache_name("selection", replay.identity(), model_digest(), candidates.tobytes(), count, seed)
-    cached = _load(name)
-    valid = cached is not None and "positions" in cached and len(cached["positions"]) == count
-    if cache.everyone_has(valid, ranks):
+    entry = _entry("selection", replay.identity(), model_key(), candidates.tobytes(), count, seed)
+    cached = entry.read(cache.load_arrays, lambda c: len(c["positions"]) == count
+                        and bool(np.isin(c["positions"], candidates).all()))
+    if cache.everyone_has(cached is not None, ranks):
         log.info("replay: %d of %d structures of %s chosen by farthest-point sampling, read from the cache", count,
                  len(candidates), replay.path)
         return cached["positions"]
@@ -112,30 +78,31 @@ def select(replay: AseDbDataset, candidates: np.ndarray, count: int, method: str
     chosen = np.sort(candidates[farthest_point_sampling(descriptors["descriptors"], count, seed)])
     if ranks.world_size > 1 and ranks.sum(np.array([chosen.sum()], np.float64))[0] != ranks.world_size * chosen.sum():
         raise ClusterError("replay: the ranks chose different structures (their descriptors differ)")
-    _keep(name, {"positions": chosen}, "selection")
+    entry.write(lambda tmp: np.savez(tmp, positions=chosen), "replay selection")
     log.info("replay: %d of %d structures of %s chosen by farthest-point sampling in the starting model's "
              "descriptors", count, len(candidates), replay.path)
     return chosen
 
 
-def pseudo_labels(dataset: AseDbDataset, positions: np.ndarray, forward: ForwardPass, model_digest: Callable[[], str],
+def pseudo_labels(dataset: AseDbDataset, positions: np.ndarray, forward: ForwardPass, model_key: ModelKey,
                   with_stress: bool, ranks: Ranks) -> LabelTable:
     """The starting model's energy, forces (and stress) for ``positions`` of ``dataset``, as labels."""
     positions = np.sort(np.asarray(positions, np.int64))
-    name = _cache_name("labels", dataset.identity(), model_digest(), positions.tobytes(), with_stress)
-    cached = _load(name)
+    entry = _entry("labels", dataset.identity(), model_key(), positions.tobytes(), with_stress)
     keys = {"energy", "forces", "offsets"} | ({"stress"} if with_stress else set())
-    valid = cached is not None and keys <= set(cached) and len(cached["energy"]) == len(positions)
-    if cache.everyone_has(valid, ranks):
+    offsets = np.concatenate([[0], np.cumsum(dataset.natoms[positions])]).astype(np.int64)
+    cached = entry.read(cache.load_arrays, lambda c: keys <= set(c) and np.array_equal(c["offsets"], offsets)
+                        and all(np.isfinite(c[k]).all() for k in keys))
+    if cache.everyone_has(cached is not None, ranks):
         log.info("replay: pseudo-labels of %d structures of %s read from the cache", len(positions), dataset.path)
         arrays = cached
     else:
         out = forward("replay_labels", Source("replay_labels", dataset, positions), "labels")
         arrays = {"energy": out["energy"], "forces": out["forces"].astype(np.float32),
-                  "offsets": np.concatenate([[0], np.cumsum(dataset.natoms[positions])]).astype(np.int64)}
+                  "offsets": offsets}
         if with_stress:
             arrays["stress"] = out["stress"].astype(np.float32)
-        _keep(name, arrays, "pseudo-labels")
+        entry.write(lambda tmp: np.savez(tmp, **arrays), "replay pseudo-labels")
         log.info("replay: pseudo-labels of %d structures of %s computed by the starting model", len(positions),
                  dataset.path)
     return LabelTable(positions, arrays["energy"], arrays["forces"], arrays["offsets"],

@@ -26,8 +26,9 @@ from orb.training import replay as replay_data
 from orb.training import state as training_state
 from orb.training.config import TrainConfig
 from orb.training.distributed import DataParallel
-from orb.training.outputs import append_jsonl
-from orb.training.preemption import STOPPED_STATUS, Stopped, StopSignals, keep_records_up_to, prune_checkpoints
+from orb.io.files import append_record as append_jsonl, keep_records_up_to
+from orb.signals import RESUME_HINT, STOP, STOPPED_STATUS, Stopped
+from orb.training.preemption import prune_checkpoints
 from orb.training.reference_fit import fit_reference_energies, reference_baseline
 
 log = logging.getLogger("orb")
@@ -152,7 +153,7 @@ class Trainer:
         self.epochs_done, self.best_epoch = 0, 0
         self.initial: Dict[str, Dict] = {}  # validation of the starting model (epoch 0), by set
         self.resume_step, self.resume_totals = 0, None  # a mid-epoch resume: steps of start_epoch done, their sums
-        self.signals = StopSignals()
+        self.signals = STOP
         self.last_save = time.monotonic()
         self.steps_run = 0  # training steps run by this process (the device counts them alike)
         self.recent_steps: deque = deque(maxlen=cfg.log_every_n_steps + 1)  # (number, epoch, step, global, rows)
@@ -165,7 +166,8 @@ class Trainer:
     def _log_device(self) -> None:
         import mindspore as ms
 
-        from orb.models.ops_profile import describe_profile, set_ops_profile
+        from orb.models.kernels import describe_profile
+        from orb.models.ops_profile import set_ops_profile
 
         set_ops_profile(self.cfg.ops_profile)
         log.info("device: %s, %s", ms.get_context("device_target"), describe_profile())
@@ -280,10 +282,12 @@ class Trainer:
                      f" (shared by {self.dp.world_size} ranks)" if self.dp.parallel else "",
                      f", kept in {dataset.capacities_kept_in}" if dataset.capacities_kept_in else "")
 
-    def starting_digest(self) -> str:
-        """The starting weights, hashed once (the key of cached descriptors and pseudo-labels)."""
+    def starting_digest(self) -> tuple:
+        """The starting model's identity, computed once (the key of cached descriptors and pseudo-labels)."""
+        from orb.models import model_identity
+
         if self._starting_digest is None:
-            self._starting_digest = replay_data.weights_digest(self.model)
+            self._starting_digest = model_identity(self.model)
         return self._starting_digest
 
     def _choose_replay(self) -> None:
@@ -600,8 +604,8 @@ class Trainer:
         where = (f"epoch {epoch + 1}, step {steps_done} of {self.steps_per_epoch}" if steps_done < self.steps_per_epoch
                  else f"the end of epoch {epoch + 1}")
         message = (f"stopped by {self.signals.received or 'a signal on another rank'} at {where} (global step "
-                   f"{self.global_step}); state saved in {os.path.join(self.checkpoint_dir, 'last.ckpt')}: continue "
-                   f"with --resume auto (exit status {STOPPED_STATUS})")
+                   f"{self.global_step}); state saved in {os.path.join(self.checkpoint_dir, 'last.ckpt')}: {RESUME_HINT} "
+                   f"(exit status {STOPPED_STATUS})")
         if self.dp.is_main:
             log.info(message)
         raise Stopped(message)
@@ -672,7 +676,7 @@ class Trainer:
         self.last_save = time.monotonic()
         history = []
         try:
-            with self.signals:
+            with self.signals.deferred():
                 if self.start_epoch == 0 and self.global_step == 0 and self.val_sets:
                     self.initial = self.validate_all(progress)  # the starting checkpoint, to compare fine-tuning
                     self._log_validation("Before fine-tuning: ", self.initial)

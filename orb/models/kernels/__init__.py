@@ -41,6 +41,16 @@ def uses_custom_kernels() -> bool:
     return _custom_library() is not None
 
 
+def describe_profile() -> str:
+    """For start-up logs and reports: the operator profile and what it runs."""
+    from orb.models.ops_profile import ops_profile
+
+    if ops_profile() == "portable":
+        return "ops profile portable (MindSpore's operators and their gradients)"
+    kernels = "accurate custom CPU kernels" if uses_custom_kernels() else "built-in activations (no g++)"
+    return f"ops profile cpu (ones-vector products, hand-written backward passes, {kernels})"
+
+
 def shifted_softplus_op():
     """ssp(x) = softplus(x) - ln 2 as an operator: the accurate custom kernel on CPU, else built-in ops."""
     from mindspore import ops

@@ -1,0 +1,176 @@
+"""Writing files that must survive a kill, a full disk or a power loss: the one way every output of the project
+(checkpoints, caches, indexes, summaries, record files) is written.
+
+* :func:`write_atomically`: the content goes to a temporary beside the target
+  (``.<name>.tmp-<pid><suffix>``), is synced to the disk, renamed over the target and the rename
+  synced: a reader sees the old file or the new one, never half of one. A write that fails removes
+  its temporary and whatever a library made of it (MindSpore writes its own ``...tmp-<pid>.tmp``
+  beside the name it is given), then raises.
+* :func:`remove_stale_temporaries`: temporaries of writers that were killed, removed at the next start.
+* :func:`append_record`: one JSON line per call, complete or absent (a line cut short by a kill is skipped
+  by :func:`read_records`).
+* :func:`free_port`: a free TCP port for a launcher's scheduler.
+"""
+
+import errno
+import json
+import logging
+import os
+import re
+import socket
+from typing import Callable, Dict, Iterator, List
+
+log = logging.getLogger("orb")
+_TEMPORARY = re.compile(r"^\..+\.tmp-(\d+)(\..*)?$")
+_UNSYNCABLE_WARNED = set()
+
+
+def temporary_prefix(path: str) -> str:
+    """The name every temporary of ``path`` written by this process starts with."""
+    return os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+
+
+def _remove_temporaries(prefix: str) -> None:
+    folder, stem = os.path.split(prefix)
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(stem):
+            try:
+                os.remove(os.path.join(folder, name))
+            except OSError:
+                pass
+
+
+def fsync_file(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_directory(folder: str) -> None:
+    """Make a rename in ``folder`` durable. File systems that cannot sync a folder (some FUSE and object-store
+    mounts) get one warning per folder; the file itself was synced."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EACCES, errno.EPERM):
+            raise
+        if folder not in _UNSYNCABLE_WARNED:
+            _UNSYNCABLE_WARNED.add(folder)
+            log.warning("the file system of %s cannot sync a folder (%s): a power loss right after a save could "
+                        "lose its last rename; the run goes on", folder, exc.strerror)
+
+
+def write_atomically(path: str, write: Callable[[str], None], suffix: str = "") -> None:
+    """Call ``write(temporary)``, then sync and rename the temporary to ``path`` (see the module's docstring).
+    ``suffix`` ends the temporary's name, for writers that insist on an extension (``np.save`` adds ``.npy``)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    prefix = temporary_prefix(path)
+    tmp = prefix + suffix
+    try:
+        write(tmp)
+        fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        _remove_temporaries(prefix)
+        raise
+    fsync_directory(folder)
+
+
+def write_text(path: str, text: str) -> None:
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            f.write(text)
+
+    write_atomically(path, write)
+
+
+def write_json(path: str, value) -> None:
+    write_text(path, json.dumps(value, indent=2) + "\n")
+
+
+def remove_stale_temporaries(folder: str) -> List[str]:
+    """Delete the temporaries in ``folder`` whose writer is gone (a save that was killed); returns their names."""
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        match = _TEMPORARY.match(name)
+        if match and int(match.group(1)) != os.getpid() and not _alive(int(match.group(1))):
+            try:
+                os.remove(os.path.join(folder, name))
+                removed.append(name)
+            except OSError:
+                pass
+    if removed:
+        log.info("removed %d temporary file(s) of an interrupted save: %s", len(removed), ", ".join(sorted(removed)))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def append_record(path: str, record: Dict) -> None:
+    """One JSON line appended in one write (a kill leaves the line whole or cut short, never interleaved)."""
+    line = (json.dumps(record) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def read_records(path: str) -> Iterator[Dict]:
+    """The records of a JSON-lines file; a line cut short by a kill is skipped."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        for line in f:
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+
+def keep_records_up_to(path: str, step: int) -> int:
+    """Drop the records of a JSON-lines file written after global ``step`` (a resumed run writes them again);
+    rewritten atomically. Returns how many were dropped (cut lines included)."""
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        lines = f.readlines()
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if int(record.get("step", 0)) <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if len(kept) == len(lines):
+        return 0
+    write_text(path, "".join(kept))
+    return len(lines) - len(kept)
+
+
+def free_port() -> int:
+    """A TCP port no process listens on now (for msrun's scheduler)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,114 @@
+"""The project's cache (orb.cache): every entry named by everything that determines it, written atomically, and a
+damaged or empty file (a power loss, a full disk) rebuilt with one warning, never fatal -- for each kind of entry."""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import DEMO_VAL, MPTRJ_DB
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("ORB_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def spoil(path, how):
+    with open(path, "wb") as f:
+        f.write(b"" if how == "empty" else b"\x93NUMPY garbage")
+
+
+def test_an_entry_is_named_by_its_whole_identity_and_a_damaged_file_is_rebuilt(cache_dir, caplog):
+    from orb.cache import CacheEntry, load_array
+
+    entry = CacheEntry("demo", 1, ("data", "model a"), ".npy")
+    assert entry.read(load_array) is None
+    path = entry.write(lambda tmp: np.save(tmp, np.arange(5)), "demo values")
+    assert path and os.listdir(os.path.dirname(path)) == [os.path.basename(path)]  # no temporary left
+    np.testing.assert_array_equal(CacheEntry("demo", 1, ("data", "model a"), ".npy").read(load_array), np.arange(5))
+    for other in (CacheEntry("demo", 2, ("data", "model a"), ".npy"), CacheEntry("demo", 1, ("data", "model b"),
+                                                                                     ".npy")):
+        assert other.name != entry.name and other.read(load_array) is None
+    for how in ("empty", "garbage"):
+        spoil(path, how)
+        with caplog.at_level("WARNING", logger="orb"):
+            assert CacheEntry("demo", 1, ("data", "model a"), ".npy").read(load_array) is None
+        assert f"cache file {path} is damaged" in caplog.text and not os.path.exists(path)
+        entry.write(lambda tmp: np.save(tmp, np.arange(5)), "demo values")
+    assert entry.read(load_array, valid=lambda values: len(values) == 6) is None  # implausible: rebuilt too
+
+
+@pytest.mark.parametrize("how", ["empty", "garbage"])
+def test_damaged_row_census_and_neighbour_counts_are_computed_again(cache_dir, tmp_path, how):
+    from orb.data.dataset import AseDbDataset
+    from orb.models.config import ModelConfig
+
+    path = str(tmp_path / "data.db")
+    shutil.copy2(MPTRJ_DB, path)
+    settings = ModelConfig.from_dict(dict(name="orb_v3_direct_20_omat")).graph_settings()
+    first = AseDbDataset(path, settings=settings)
+    census, counts = first.census(), first.edge_capacities()
+    for kept in (first.census_pass.kept_in, first.capacities_kept_in):
+        spoil(kept, how)
+    again = AseDbDataset(path, settings=settings)
+    np.testing.assert_array_equal(again.census(), census)
+    np.testing.assert_array_equal(again.edge_capacities(), counts)
+    assert again.census_pass.read_from is None and again.capacities_read_from is None
+    assert again.capacities_kept_in == first.capacities_kept_in  # and written again
+    third = AseDbDataset(path, settings=settings)
+    third.edge_capacities()
+    assert third.capacities_read_from == first.capacities_kept_in
+
+
+@pytest.mark.parametrize("how", ["empty", "garbage"])
+def test_a_damaged_index_of_another_format_is_made_again(cache_dir, tmp_path, how):
+    import ase.io
+    from ase.db import connect
+
+    from orb.data.dataset import AseDbDataset
+    from orb.data.formats import readable_database
+
+    frames = [row.toatoms() for row in connect(DEMO_VAL).select()]
+    ase.io.write(tmp_path / "val.extxyz", frames, format="extxyz")
+    index = readable_database(str(tmp_path / "val.extxyz"))
+    spoil(index, how)
+    again = readable_database(str(tmp_path / "val.extxyz"))
+    assert again == index and len(AseDbDataset(again)) == len(frames)
+
+
+def test_an_index_cut_short_is_made_again(cache_dir, tmp_path):
+    """A copy that lost rows (its metadata lists more frames than it holds) is indexed again."""
+    import sqlite3
+
+    import ase.io
+    from ase.db import connect
+
+    from orb.data.dataset import AseDbDataset
+    from orb.data.formats import readable_database
+
+    frames = [row.toatoms() for row in connect(DEMO_VAL).select()]
+    ase.io.write(tmp_path / "val.extxyz", frames, format="extxyz")
+    index = readable_database(str(tmp_path / "val.extxyz"))
+    connection = sqlite3.connect(index)
+    connection.execute("DELETE FROM systems WHERE id > 3")
+    connection.commit()
+    connection.close()
+    assert len(AseDbDataset(readable_database(str(tmp_path / "val.extxyz")))) == len(frames)
+
+
+def test_a_damaged_native_library_is_built_again(cache_dir):
+    from orb import native
+    from orb.models import kernels
+
+    native.build.cache_clear()
+    try:
+        path = kernels.library_path()
+        assert path is not None and path.startswith(str(cache_dir))
+        spoil(path, "empty")
+        native.build.cache_clear()
+        assert kernels.library_path() == path and os.path.getsize(path) > 0
+    finally:
+        native.build.cache_clear()
