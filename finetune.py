@@ -15,9 +15,9 @@ def fine_tune(cfg, args) -> None:
     prepare_output_dir(cfg.output_dir, resume=bool(args.resume), overwrite=args.overwrite)
     setup_logging(cfg.output_dir)
 
-    from orb.training.trainer import Trainer
+    from orb.training.setup import build_trainer
 
-    Trainer(cfg, resume=args.resume or None, accept_config_changes=args.accept_config_changes).fit()
+    build_trainer(cfg, resume=args.resume or None, accept_config_changes=args.accept_config_changes).fit()
 
 
 def main(argv=None) -> int:

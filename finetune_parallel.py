@@ -2,7 +2,7 @@
 
     bash run_parallel.sh configs/config_parallel.yaml [--key value ...]
 
-The same run as ``finetune.py`` (one shared Trainer); what data parallelism adds is numbered below.
+The same run as ``finetune.py`` (one shared trainer, built by ``orb.training.setup``); what data parallelism adds is numbered below.
 """
 
 import os
@@ -70,9 +70,10 @@ def fine_tune(cfg, args) -> None:
         prepare_output_dir(cfg.output_dir, resume=bool(args.resume), overwrite=args.overwrite)
     setup_logging(cfg.output_dir, data_parallel.is_main, rank)
 
-    from orb.training.trainer import Trainer
+    from orb.training.setup import build_trainer
 
-    Trainer(cfg, data_parallel, resume=args.resume or None, accept_config_changes=args.accept_config_changes).fit()
+    build_trainer(cfg, data_parallel, resume=args.resume or None,
+                  accept_config_changes=args.accept_config_changes).fit()
 
 
 def main(argv=None) -> int:

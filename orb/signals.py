@@ -55,24 +55,28 @@ class StopSignals:
             raise Stopped(f"stopped by {name} during start-up (nothing to save yet): run the same command again to "
                           f"start it, or {RESUME_HINT} (exit status {STOPPED_STATUS})")
 
-    def install(self) -> None:
-        """Listen from now on (main thread only: Python delivers signals there)."""
+    def install(self) -> dict:
+        """Listen from now on (main thread only: Python delivers signals there); returns the handlers replaced."""
         if threading.current_thread() is not threading.main_thread():
-            return
-        for name in STOP_SIGNALS:
-            signal.signal(getattr(signal, name), self._note)
+            return {}
+        previous = {name: signal.signal(getattr(signal, name), self._note) for name in STOP_SIGNALS}
         self._installed = True
+        return previous
 
     @contextmanager
     def deferred(self):
-        """A phase that saves before it stops: signals are only noted while it runs."""
-        if not self._installed:
-            self.install()
+        """A phase that saves before it stops: signals are only noted while it runs. Used without :func:`listen`
+        (a script or a notebook driving a trainer), the listener is installed for the phase only."""
+        previous = {} if self._installed else self.install()
         self._depth += 1
         try:
             yield self
         finally:
             self._depth -= 1
+            if previous:
+                for name, handler in previous.items():
+                    signal.signal(getattr(signal, name), handler)
+                self._installed = False
 
     def reset(self) -> None:
         """Forget a signal that was handled (another run in the same process starts clean)."""

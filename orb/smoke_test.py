@@ -110,7 +110,7 @@ def training_step(target: str) -> dict:
     from orb.training.optimizer import FlatAdam
     from orb.training.schedule import constant
     from orb.training.steps import TrainStep
-    from orb.training.trainer import make_loss
+    from orb.training.engine import make_loss
 
     reference = np.load(REFERENCE)
     model = reference_model(reference)

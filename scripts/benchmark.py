@@ -261,7 +261,7 @@ class Setup:
         from orb.training.optimizer import FlatAdam
         from orb.training.schedule import make_schedule
         from orb.training.steps import EvalStep, TrainStep
-        from orb.training.trainer import make_loss
+        from orb.training.engine import make_loss
 
         memory = {} if memory is None else memory
         ms.set_context(mode=ms.GRAPH_MODE)
@@ -1024,51 +1024,51 @@ SCALE_CHILD = """
 import json, os, sys, time
 sys.path.insert(0, ROOT)
 os.chdir(ROOT)
-import numpy as np
-from orb.training import trainer as T
+
 
 def peak_gb():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) for l in f if l.startswith("VmHWM")) / 1e6
 
-run = T.Trainer._run
 
-def first_step(self, kind, cell, arrays, bucket):
-    out = run(self, kind, cell, arrays, bucket)
-    if kind != "train":
-        return out
-    at_first_step = time.time()
-    timings = []
-    for epoch in (1, 2, 3):
+class FirstStep:
+    \"\"\"A callback (config key ``callbacks``): at the first training step, measure and leave.\"\"\"
+
+    def on_train_step(self, trainer, epoch, step_in_epoch, global_step):
+        from orb.data.loader import prepare
+
+        validation = sum(m.get("val_time", 0.0) for m in trainer.progress.initial.values())
+        at_first_step = time.time() - validation  # the pass before fine-tuning is not start-up
+        data = trainer.data
+        timings = []
+        for e in (1, 2, 3):
+            start = time.perf_counter()
+            steps = data.train_steps(e)
+            timings.append(time.perf_counter() - start)
+        take = [s for s in steps[:REPLAY_STEPS]]
+        source = data.train_set.sources[0].dataset
+        start, rows = time.perf_counter(), 0
+        for step in take:
+            rows += len(source.rows.read_many([data.train_set.row_id(i) for i in step.indices]))
+        read = rows / (time.perf_counter() - start)
         start = time.perf_counter()
-        steps = self._plan(self.sampler, self.train_set, self.train_buckets, epoch)
-        timings.append(time.perf_counter() - start)
-    from orb.data.loader import prepare
-    data = self.train_set
-    take = [s for s in steps[:REPLAY_STEPS]]
-    start = time.perf_counter()
-    rows = 0
-    for step in take:
-        ids = [data.row_id(i) for i in step.indices]
-        rows += len(data.sources[0].dataset.rows.read_many(ids))
-    read = rows / (time.perf_counter() - start)
-    start = time.perf_counter()
-    for step in take:
-        prepare(data, step, 0, self.has_stress)
-    prepared = rows / (time.perf_counter() - start)
-    print("RESULT " + json.dumps({"first_step": at_first_step, "plan_s": timings, "peak_gb": peak_gb(),
-          "rows_per_s": read, "prepared_per_s": prepared, "train_padding": self.train_padding,
-          "val_padding": self.val_padding, "buckets": [[b.num_nodes, b.num_edges, b.spare] for b in self.train_buckets],
-          "val_buckets": {k: [[b.num_nodes, b.num_edges] for b in v] for k, v in self.val_buckets.items()},
-          "compile_s": sum(self.compiled.values()), "steps_per_epoch": self.steps_per_epoch}), flush=True)
-    self.loader.close()
-    os._exit(0)
+        for step in take:
+            prepare(data.train_set, step, 0, data.has_stress)
+        prepared = rows / (time.perf_counter() - start)
+        print("RESULT " + json.dumps({
+            "first_step": at_first_step, "plan_s": timings, "peak_gb": peak_gb(), "rows_per_s": read,
+            "prepared_per_s": prepared, "train_padding": data.train_padding,
+            "val_padding": {k: p.padding for k, p in data.val_plans.items()},
+            "buckets": [[b.num_nodes, b.num_edges, b.spare] for b in data.train_buckets],
+            "val_buckets": {k: [[b.num_nodes, b.num_edges] for b in p.buckets] for k, p in data.val_plans.items()},
+            "compile_s": trainer.engine.compiled.total(), "steps_per_epoch": data.steps_per_epoch}), flush=True)
+        data.loader.close()
+        os._exit(0)
+
 
 if __name__ == "__main__":  # not in the data workers, which import this file as their main module
-    T.Trainer._run = first_step
-    T.Trainer.validate_all = lambda self, progress: {}  # the pass before fine-tuning is not start-up
     import finetune
-    finetune.main(ARGS)
+    finetune.main(ARGS + ["--callbacks", "[child:FirstStep]"])
 """
 
 

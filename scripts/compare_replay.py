@@ -133,7 +133,7 @@ def compare_reference_fit(args) -> None:
 
     from orb.device import configure_mindspore
     from orb.training.config import load_config
-    from orb.training.trainer import Trainer
+    from orb.training.setup import build_trainer
 
     data = narrow_target(args.out, args.seed)
     shifted = {}
@@ -147,8 +147,6 @@ def compare_reference_fit(args) -> None:
                 atoms.calc = SinglePointCalculator(atoms, **results)
                 dst.write(atoms)
     configure_mindspore("CPU")
-    from tqdm import tqdm
-
     results = {}
     for name, (sets, fit) in {"target's own energies": (data, "none"), "shifted, no fit": (shifted, "none"),
                               "shifted, fit: least_squares": (shifted, "least_squares"),
@@ -156,10 +154,10 @@ def compare_reference_fit(args) -> None:
         cfg = load_config(os.path.join(ROOT, "configs", "demo_v3.yaml"),
                           ["--train_data_path", sets["train"], "--val_data_path", sets["val"], "--device_target", "CPU",
                            "--output_dir", os.path.join(args.out, "fit"), "--reference_energies.fit", fit])
-        trainer = Trainer(cfg)
-        val = trainer.validate_all(lambda **kw: tqdm(disable=True, **kw))["val"]
-        results[name] = (val, trainer.reference_fit)
-        trainer.loader.close()
+        trainer = build_trainer(cfg)
+        val = trainer.validate_all()["val"]
+        results[name] = (val, trainer.progress.reference_fit)
+        trainer.data.loader.close()
     own = results["target's own energies"][0]
     print(f"narrow target (seed {args.seed}) with energies +{SHIFTS['Cu']} eV/atom for Cu and {SHIFTS['Ni']} for Ni; "
           "orb-v3 demo model, epoch 0 (before any step)\n")
@@ -167,7 +165,7 @@ def compare_reference_fit(args) -> None:
           "(eV/atom) |")
     print("|---|---|---|---|---|")
     for name, (val, fit) in results.items():
-        change = ", ".join(f"{s} {v:+.3f}" for s, v in fit.change.items()) if fit else ""
+        change = ", ".join(f"{s} {v:+.3f}" for s, v in fit["change"].items()) if fit else ""
         print(f"| {name} | {val['energy_mae']:.4g} | {val['energy_mae'] / own['energy_mae']:.2f}x | "
               f"{val['energy_per_atom_mae']:.4g} | {change} |")
     assert np.isfinite(own["energy_mae"])

@@ -323,7 +323,7 @@ def test_portable_models_hold_no_cpu_forms(name, profile):
     from orb.training.config import config_from_dict
     from orb.training.optimizer import FlatAdam
     from orb.training.schedule import constant
-    from orb.training.trainer import make_loss
+    from orb.training.engine import make_loss
 
     small = dict(latent_dim=16, mlp_hidden_dim=16, num_message_passing_steps=1, head_mlp_hidden_dim=16)
     model = create(name, **small)

@@ -344,14 +344,14 @@ def test_charge_and_spin_in_row_data_are_checked_once_per_database(tmp_path, mon
 def test_omol_model_trains_on_charge_and_spin_and_names_a_row_without(tmp_path):
     from orb.device import configure_mindspore
     from orb.training.outputs import prepare_output_dir
-    from orb.training.trainer import Trainer
+    from orb.training.setup import build_trainer
 
     data = omol_db(tmp_path / "mol.db")
     cfg = small_v3_cfg(tmp_path, name="orb_v3_direct_omol", train_data_path=data, val_data_path=data, batch_size=4,
                        buckets=[])
     configure_mindspore(cfg.device_target, cfg.device_id, cfg.num_threads)
     prepare_output_dir(cfg.output_dir, resume=False, overwrite=False)
-    trainer = Trainer(cfg)
+    trainer = build_trainer(cfg)
     trainer.fit()
     epochs = [json.loads(l) for l in open(os.path.join(cfg.output_dir, "metrics.jsonl"))]
     assert "stress_mae" not in epochs[-1]["val"] and np.isfinite(epochs[-1]["val"]["loss"])

@@ -256,6 +256,57 @@ def test_sigterm_stops_every_worker_at_one_step_and_resume_auto_continues_exactl
     assert [(r["type"], r["step"]) for r in recs[0]] == [(r["type"], r["step"]) for r in recs[1]]
 
 
+def records_without_timing(run_dir):
+    """Every record of metrics.jsonl with its timings left out: what must equal, value by value."""
+    def clean(value):
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items() if k not in TIMING}
+        return value
+
+    return [clean(json.loads(line)) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+def test_resumes_from_between_log_boundaries_and_from_validation_equal_the_uninterrupted_run(tmp_path):
+    """2 workers, a log record every 4 steps, a step save every 3. Both workers are killed (SIGKILL) after global
+    step 7: the run continues from the step-6 save, between two log boundaries, whose open interval held each
+    rank's own metric sums (every rank was given rank 0's: epoch-1 loss 2.611 vs 2.693). Resumed, it is stopped
+    by SIGTERM during the first epoch's validation (exit 75) and resumed again. Weights, optimizer state and
+    every record of metrics.jsonl equal the uninterrupted 2-worker run's, value by value."""
+    extra = dict(train_data_path=DEMO_TRAIN, max_epochs=2, lr_schedule="constant", record_batches="false",
+                 log_every_n_steps=4, save_every_n_steps=3)
+    callbacks = dict(FAST_FAILURE, PYTHONPATH=os.path.join(ROOT, "tests"))
+    par = tmp_path / "par"
+    straight = launch(common_args(tmp_path / "straight", DEMO_TRAIN, **extra), tmp_path / "logs0", cwd=ROOT)
+    killed = launch(common_args(par, DEMO_TRAIN, callbacks="[stop_callbacks:KillAtStep7]", **extra),
+                    tmp_path / "logs1", cwd=ROOT, env_extra=callbacks)
+    out, _ = killed.communicate(timeout=420)
+    assert killed.returncode != 0, out[-3000:]
+    from orb.io.checkpoint import load_checkpoint
+
+    meta = load_checkpoint(str(par / "checkpoints" / "last.ckpt"))[2]
+    assert (meta["global_step"], meta["step_in_epoch"]) == (6, 6) and len(meta["interval_sums"]) == 2
+    stopped = launch(common_args(par, DEMO_TRAIN, callbacks="[stop_callbacks:TermInFirstValidation]", **extra)
+                     + ["--resume", "auto"], tmp_path / "logs2", cwd=ROOT, env_extra=callbacks)
+    out, _ = stopped.communicate(timeout=420)
+    assert stopped.returncode == 75, out[-3000:]
+    for r in (0, 1):
+        assert "stopped by SIGTERM at the validation of epoch 1 (global step 16)" in (
+            tmp_path / "logs2" / f"worker_{r}.log").read_text()
+    meta = load_checkpoint(str(par / "checkpoints" / "last.ckpt"))[2]
+    assert (meta["epoch"], meta["global_step"], meta["step_in_epoch"]) == (0, 16, 16)
+    final = launch(common_args(par, DEMO_TRAIN, **extra) + ["--resume", "auto"], tmp_path / "logs3", cwd=ROOT)
+    out, _ = final.communicate(timeout=420)
+    assert final.returncode == 0 and "and 16 of 16 steps done" in out, out[-3000:]
+    out, _ = straight.communicate(timeout=420)
+    assert straight.returncode == 0, out[-3000:]
+    (wa, oa), (wb, ob) = weights(par), weights(tmp_path / "straight")
+    for got, expected in ((wa, wb), (oa, ob)):
+        assert set(got) == set(expected)
+        for key in expected:
+            np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+    assert records_without_timing(par) == records_without_timing(tmp_path / "straight")
+
+
 def test_orb_v3_two_workers_stopped_and_resumed_equal_one_device(tmp_path, nine_rows, monkeypatch):
     """orb-v3: a small conservative model (forces and stress by autodiff, so its training step is a
     gradient of a gradient) on 2 workers with plain SGD, stopped after one epoch and resumed, ends

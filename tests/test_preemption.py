@@ -109,17 +109,13 @@ def test_step_checkpoint_and_a_crash_after_it_resume_to_the_same_result(tmp_path
     extra = dict(max_epochs=2, batch_size=4, log_every_n_steps=2, save_every_n_steps=5, lr_schedule="constant")
     straight = trainer_for(make_cfg(tmp_path / "a", **extra))
     straight.fit()
-    crashing = trainer_for(make_cfg(tmp_path / "b", **extra))
-    run, calls = crashing._run, []
 
-    def die_at_step_7(kind, cell, arrays, bucket):
-        if kind == "train":
-            calls.append(1)
-            if len(calls) == 7:
+    class DieAtStep7:
+        def on_train_step(self, trainer, epoch, step_in_epoch, global_step):
+            if global_step == 7:
                 raise KeyboardInterrupt("killed")
-        return run(kind, cell, arrays, bucket)
 
-    crashing._run = die_at_step_7
+    crashing = trainer_for(make_cfg(tmp_path / "b", **extra), callbacks=[DieAtStep7()])
     with pytest.raises(KeyboardInterrupt):
         crashing.fit()
     _, _, meta = last_weights(tmp_path / "b" / "run")
@@ -131,7 +127,7 @@ def test_step_checkpoint_and_a_crash_after_it_resume_to_the_same_result(tmp_path
 
 
 def test_keep_checkpoints_prunes_the_oldest_periodic_ones(tmp_path):
-    from orb.training.preemption import prune_checkpoints
+    from orb.training.checkpointing import prune_checkpoints
 
     folder = tmp_path / "checkpoints"
     folder.mkdir()
@@ -143,32 +139,50 @@ def test_keep_checkpoints_prunes_the_oldest_periodic_ones(tmp_path):
 
 
 # ------------------------------------------------------------------ faults
-def test_a_full_disk_stops_with_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    import mindspore as ms
+@pytest.fixture
+def small_disk(tmp_path):
+    """A folder on a tmpfs of a chosen size (a real full disk): mount needs root, as CI runs."""
+    mounted = []
 
-    from orb.errors import SaveError
-    from test_training import make_cfg, trainer_for
+    def make(size_bytes):
+        folder = tmp_path / f"disk{len(mounted)}"
+        folder.mkdir()
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(folder)],
+                                capture_output=True, text=True)
+        if result.returncode:
+            pytest.skip(f"cannot mount a tmpfs to fill (needs root): {result.stderr.strip()}")
+        mounted.append(folder)
+        return folder
 
-    trainer = trainer_for(make_cfg(tmp_path, max_epochs=2))
-    trainer.fit(until_epoch=1)
-    folder = tmp_path / "run" / "checkpoints"
-    before = (folder / "last.ckpt").read_bytes()
-    lines = len(records(tmp_path / "run"))
-    original = ms.save_checkpoint
+    yield make
+    for folder in mounted:
+        subprocess.run(["umount", str(folder)], capture_output=True)
 
-    def full_disk(entries, path, **kwargs):
-        with open(path, "wb") as f:
-            f.write(b"half a checkpoint")
-        raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(ms, "save_checkpoint", full_disk)
-    with pytest.raises(SaveError, match=r"could not write .*last.ckpt \(No space left on device\); the previous"):
-        trainer.fit()
-    monkeypatch.setattr(ms, "save_checkpoint", original)
-    assert (folder / "last.ckpt").read_bytes() == before
-    assert sorted(os.listdir(folder)) == sorted(["last.ckpt", "best.ckpt", "best_weights.ckpt"])  # no temporary
-    assert len(records(tmp_path / "run")) == lines + 2  # epoch 2's step records, but no epoch line: not saved
-    assert records(tmp_path / "run")[-1]["type"] == "step"
+def test_a_full_disk_stops_with_one_line_and_keeps_the_previous_checkpoint(tmp_path, small_disk):
+    """output_dir on a disk that fills up during epoch 2's save: one line naming the file, exit 1, the epoch-1
+    checkpoints intact, and no temporary left behind -- ours nor MindSpore's own (.last.ckpt.tmp-PID.tmp)."""
+    sized = tmp_path / "sized"
+    first = subprocess.run([sys.executable, "finetune.py", *run_args(sized, max_epochs=1)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    folder = sized / "checkpoints"
+    used = sum(f.stat().st_size for f in folder.iterdir() if not f.name.startswith("epoch_")) + sum(
+        f.stat().st_size for f in sized.iterdir() if f.is_file())  # what a 2-epoch run holds after epoch 1
+    last = (folder / "last.ckpt").stat().st_size
+    disk = small_disk(used + last // 2 + 64 * 1024)  # epoch 1 fits, epoch 2's new last.ckpt does not
+    run = disk / "run"
+    result = subprocess.run([sys.executable, "finetune.py", *run_args(run, max_epochs=2)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: could not write {run / 'checkpoints'}"), \
+        result.stderr[-2000:]
+    assert "the previous checkpoint there is unchanged" in result.stderr
+    names = sorted(os.listdir(run / "checkpoints"))
+    assert all(not name.startswith(".") for name in names), names  # no temporary of any writer
+    _, _, meta = last_weights(run)
+    assert meta["epoch"] == 1
+    assert records(run)[-1]["type"] == "step"  # epoch 2's steps were recorded, no epoch line: it was not saved
 
 
 def test_a_folder_that_cannot_be_synced_warns_once_and_saves(tmp_path, monkeypatch, caplog):
@@ -367,7 +381,7 @@ def test_a_copy_of_the_training_data_elsewhere_resumes_and_changed_data_is_refus
     copy.parent.mkdir()
     shutil.copy(DEMO_TRAIN, copy)  # not copy2: the modification time changes
     resumed = trainer_for(make_cfg(tmp_path, max_epochs=2, train_data_path=str(copy)), resume=str(tmp_path / "run"))
-    assert resumed.start_epoch == 1
+    assert resumed.progress.epochs_done == 1
     changed = tmp_path / "changed.db"
     with ase.db.connect(DEMO_TRAIN) as src, ase.db.connect(str(changed)) as dst:
         for row in src.select():
@@ -474,3 +488,47 @@ def test_resume_auto_never_overwrites_a_run_without_last_ckpt(tmp_path):
     for name, content in kept.items():
         assert (run / "checkpoints" / name).read_bytes() == content
     assert records(run) == [{"type": "epoch", "epoch": 1, "step": 32}]
+
+
+CALLBACKS = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "tests"))  # stop_callbacks.py, for every process
+
+
+@pytest.mark.parametrize("where, line", [("TermInFirstValidation", "at the validation of epoch 1"),
+                                         ("TermAtLastStepOfFirstEpoch", "at epoch 1, step 32 of 32")])
+def test_a_signal_in_validation_or_the_last_interval_saves_the_epochs_training(tmp_path, where, line):
+    """SIGTERM during the validation after an epoch, or in its last logging interval, is honoured there (it waited
+    for every validation set and the epoch save; the last interval took no step save): last.ckpt holds the
+    epoch's training, exit 75; --resume auto validates it and ends equal to the uninterrupted run."""
+    run = tmp_path / "stopped"
+    stopped = subprocess.run([sys.executable, "finetune.py", *run_args(run), "--callbacks",
+                              f"[stop_callbacks:{where}]"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                             env=CALLBACKS)
+    assert stopped.returncode == 75, stopped.stdout[-3000:] + stopped.stderr[-2000:]
+    assert f"stopped by SIGTERM {line} (global step 32); state saved in" in stopped.stderr
+    _, _, meta = last_weights(run)
+    assert (meta["epoch"], meta["step_in_epoch"], meta["global_step"]) == (0, 32, 32)
+    assert "epoch" not in [r["type"] for r in records(run)]
+    resumed = subprocess.run([sys.executable, "finetune.py", *run_args(run), "--resume", "auto"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "and 32 of 32 steps done" in resumed.stdout
+    straight = subprocess.run([sys.executable, "finetune.py", *run_args(tmp_path / "straight")], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    assert_same_run(run, tmp_path / "straight")
+
+
+def test_a_signal_during_start_up_exits_75(tmp_path):
+    """Before the first step there is nothing to save: a stop signal ends the run at once with one line and exit
+    status 75 (it was 128 + n, which a requeue script reads as a failure and drops the job)."""
+    run = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "finetune.py", *run_args(run)], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    for line in process.stdout:
+        if "device:" in line:  # the first line of start-up
+            break
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 75, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("stopped by SIGTERM")
+    assert "exit status 75" in err and "Traceback" not in err

@@ -8,6 +8,7 @@ import os
 import ase.db
 import numpy as np
 import pytest
+from ase.data import chemical_symbols
 
 from conftest import DEMO_TRAIN, DEMO_VAL, ROOT, SMALL_MODEL
 
@@ -168,7 +169,7 @@ def test_a_structure_counts_in_the_loss_by_its_weight(name):
     from orb.data.tensors import loss_inputs
     from orb.models import create
     from orb.training.config import config_from_dict
-    from orb.training.trainer import make_loss
+    from orb.training.engine import make_loss
 
     ms.set_context(mode=ms.GRAPH_MODE)
     cfg = config_from_dict(dict(model=dict(SMALL_MODEL, name=name), device_target="CPU"))
@@ -228,11 +229,11 @@ def make_cfg(tmp_path, **overrides):
 def trainer_for(cfg, resume=None):
     from orb.device import configure_mindspore
     from orb.training.outputs import prepare_output_dir
-    from orb.training.trainer import Trainer
+    from orb.training.setup import build_trainer
 
     configure_mindspore(cfg.device_target, cfg.device_id, cfg.num_threads)
     prepare_output_dir(cfg.output_dir, resume=bool(resume), overwrite=False)
-    return Trainer(cfg, resume=resume)
+    return build_trainer(cfg, resume=resume)
 
 
 def records(run_dir, kind=None):
@@ -254,7 +255,7 @@ def test_replay_is_in_every_step_validated_every_epoch_and_resumes_exactly(tmp_p
     cfg = dict(train_data_path=small_sets["train"], replay=replay, record_batches=True)
     caplog.set_level("INFO", logger="orb")
     straight = trainer_for(make_cfg(tmp_path / "a", **cfg))
-    assert straight.steps_per_epoch == 5 and len(straight.replay_train) == 12 and len(straight.replay_val) == 6
+    assert straight.data.steps_per_epoch == 5 and len(straight.data.replay_train) == 12 and len(straight.data.replay_val) == 6
     straight.fit()
     run = tmp_path / "a" / "run"
     initial = records(run, "initial")[0]
@@ -266,19 +267,19 @@ def test_replay_is_in_every_step_validated_every_epoch_and_resumes_exactly(tmp_p
     assert "replay_val_metrics: {" in log and "replay_val against the starting model:" in log
     assert "each step: 2 target + 2 replay structures" in log
     steps = [json.loads(line) for line in open(run / "batches_rank0.jsonl")]
-    held_out = set(int(i) for i in straight.replay_val.ids)
+    held_out = set(int(i) for i in straight.data.replay_val.ids)
     trained_replay = set()
     for epoch in (1, 2):
         ids = [r["row_ids"] for r in steps if r["epoch"] == epoch]
         assert all(sum(isinstance(i, list) and i[0] == "replay" for i in s) == 2 for s in ids)
         target = sorted(i[1] for s in ids for i in s if i[0] == "train")
-        assert target == sorted(int(i) for i in straight.train_source.ids)  # every target row once per epoch
+        assert target == sorted(int(i) for i in straight.data.train_source.ids)  # every target row once per epoch
         trained_replay |= {i[1] for s in ids for i in s if i[0] == "replay"}
-    assert trained_replay <= set(int(i) for i in straight.replay_train.ids) and not trained_replay & held_out
+    assert trained_replay <= set(int(i) for i in straight.data.replay_train.ids) and not trained_replay & held_out
     first = trainer_for(make_cfg(tmp_path / "b", **cfg))
     first.fit(until_epoch=1)
     resumed = trainer_for(make_cfg(tmp_path / "b", **cfg), resume=str(tmp_path / "b" / "run"))
-    assert resumed.initial == first.initial  # the starting point survives the resume (forgetting line)
+    assert resumed.progress.initial == first.progress.initial  # the starting point survives the resume (forgetting line)
     resumed.fit()
     for (name, a), (_, b) in zip(straight.model.parameters_and_names(), resumed.model.parameters_and_names()):
         np.testing.assert_array_equal(a.asnumpy(), b.asnumpy(), err_msg=name)
@@ -312,9 +313,9 @@ def test_pseudo_labels_are_the_starting_models_predictions_chosen_by_fps_and_cac
                    replay=replay, buckets=[])
     caplog.set_level(logging.INFO, logger="orb")
     trainer = trainer_for(cfg)
-    data = trainer.databases["replay"]
+    data = trainer.data.databases["replay"]
     table = data.label_table
-    used = np.union1d(trainer.replay_train.positions, trainer.replay_val.positions)
+    used = np.union1d(trainer.data.replay_train.positions, trainer.data.replay_val.positions)
     np.testing.assert_array_equal(table.positions, used)
     predictor = Predictor(trainer.model)
     data.set_labels(None)
@@ -331,14 +332,14 @@ def test_pseudo_labels_are_the_starting_models_predictions_chosen_by_fps_and_cac
     from orb.data.tensors import model_inputs
 
     candidates, held = hold_out(len(data), 4, cfg.random_seed)
-    np.testing.assert_array_equal(held, trainer.replay_val.positions)
+    np.testing.assert_array_equal(held, trainer.data.replay_val.positions)
     cell = DescriptorCell(trainer.model)
     descriptors = np.stack([cell(*model_inputs(pad_batch(batch_graphs([data.get(int(p))]), 40, 800, 2))).asnumpy()[0]
                             for p in candidates])
     data.set_labels(table)
     expected = np.sort(candidates[farthest_point_sampling(descriptors, 8, cfg.random_seed)])
-    np.testing.assert_array_equal(trainer.replay_train.positions, expected)
-    initial = trainer.validate_all(lambda **kw: __import__("tqdm").tqdm(disable=True, **kw))
+    np.testing.assert_array_equal(trainer.data.replay_train.positions, expected)
+    initial = trainer.validate_all()
     assert initial["replay_val"]["energy_mae"] < 1e-4 and initial["replay_val"]["forces_mae"] < 2e-5
     assert initial["val"]["energy_mae"] > 0.01
     caplog.clear()
@@ -347,8 +348,8 @@ def test_pseudo_labels_are_the_starting_models_predictions_chosen_by_fps_and_cac
                                  replay=replay, buckets=[]))
     assert "chosen by farthest-point sampling, read from the cache" in caplog.text
     assert caplog.text.count("read from the cache") == 2 and "computed by the starting model" not in caplog.text
-    np.testing.assert_array_equal(again.replay_train.positions, trainer.replay_train.positions)
-    np.testing.assert_array_equal(again.databases["replay"].label_table.forces, table.forces)
+    np.testing.assert_array_equal(again.data.replay_train.positions, trainer.data.replay_train.positions)
+    np.testing.assert_array_equal(again.data.databases["replay"].label_table.forces, table.forces)
 
 
 def shifted_copy(source, path, shifts):
@@ -375,25 +376,26 @@ def test_residual_fit_moves_the_frozen_orb_v3_references_to_another_dft_setup(tm
                                                                                       shifts)
     v3 = dict(DEMO_ARCH, name="orb_v3_conservative_20_omat")
     caplog.set_level("INFO", logger="orb")
-    quiet = lambda **kw: __import__("tqdm").tqdm(disable=True, **kw)  # noqa: E731
     results, fits = {}, {}
     for name, (t, v, fit) in {"plain": (DEMO_TRAIN, DEMO_VAL, "none"), "plain_fit": (DEMO_TRAIN, DEMO_VAL, "residual"),
                               "shifted": (train, val, "none"), "shifted_fit": (train, val, "residual")}.items():
         cfg = make_cfg(tmp_path / name, train_data_path=t, val_data_path=v, checkpoint_path=DEMO_V3_CKPT, model=v3,
                        buckets=[], batch_size=8, reference_energies=dict(fit=fit))
         trainer = trainer_for(cfg)
-        results[name] = trainer.validate_all(quiet)["val"]
-        fits[name] = trainer.reference_fit
-        if trainer.reference_fit is not None:
-            np.testing.assert_allclose(trainer.model.reference_energy_weight().asnumpy(),
-                                       trainer.reference_fit.table.astype(np.float32))
-            assert trainer._meta(1)["reference_energies_fit"]["change"] == trainer.reference_fit.change
+        results[name] = trainer.validate_all()["val"]
+        fits[name] = trainer.progress.reference_fit
+        if fit != "none":
+            table = trainer.model.reference_energy_weight().asnumpy()
+            for symbol, value in fits[name]["table"].items():
+                assert table[chemical_symbols.index(symbol)] == np.float32(value)
+            assert trainer.checkpointer.meta(trainer.progress)["reference_energies_fit"] == fits[name]
     assert results["shifted"]["energy_mae"] > 2 * results["plain"]["energy_mae"]
     assert results["shifted_fit"]["energy_mae"] < 1.2 * results["plain"]["energy_mae"]
     assert results["shifted_fit"]["energy_mae"] == pytest.approx(results["plain_fit"]["energy_mae"], rel=1e-3)
     for symbol, value in shifts.items():
-        assert fits["shifted_fit"].change[symbol] - fits["plain_fit"].change[symbol] == pytest.approx(value, abs=1e-5)
-    assert set(fits["plain_fit"].change) == {"Al", "Ni", "Cu", "Pd", "Ag", "Pt", "Au"}
+        assert fits["shifted_fit"]["change"][symbol] - fits["plain_fit"]["change"][symbol] == pytest.approx(value,
+                                                                                                         abs=1e-5)
+    assert set(fits["plain_fit"]["change"]) == {"Al", "Ni", "Cu", "Pd", "Ag", "Pt", "Au"}
     assert "reference energies fitted (residual) to 64 structures" in caplog.text
 
 
@@ -478,7 +480,7 @@ def test_replay_heads_start_as_copies_predict_their_rows_and_are_never_exported(
     from orb.training.optimizer import FlatAdam
     from orb.training.schedule import constant
     from orb.training.steps import TrainStep
-    from orb.training.trainer import make_loss
+    from orb.training.engine import make_loss
 
     ms.set_context(mode=ms.GRAPH_MODE)
     cfg = config_from_dict(dict(model=dict(SMALL_MODEL, name=name), device_target="CPU"))
@@ -554,5 +556,69 @@ def test_separate_heads_train_on_model_labels_from_zero_and_export_the_target_he
     first.fit(until_epoch=1)
     resumed = trainer_for(make_cfg(tmp_path / "b", **cfg), resume=str(tmp_path / "b" / "run"))
     resumed.fit()
+    for (name, a), (_, b) in zip(straight.model.parameters_and_names(), resumed.model.parameters_and_names()):
+        np.testing.assert_array_equal(a.asnumpy(), b.asnumpy(), err_msg=name)
+
+
+def test_pseudo_labels_of_one_model_are_never_read_back_for_another(tmp_path, monkeypatch, small_sets, caplog):
+    """orb_v3_conservative_20_omat and _inf_omat share their weights (one checkpoint: equal digests) but not their
+    graphs. A _20_ run then an _inf_ run each train on their own model's predictions; the cache was keyed by
+    the weights alone and gave the _inf_ run the _20_ model's energies."""
+    from orb.data.graphs import batch_graphs
+    from orb.inference.predictor import Predictor
+
+    monkeypatch.setenv("ORB_CACHE_DIR", str(tmp_path / "cache"))
+    replay = dict(data_path=small_sets["replay"], fraction=0.5, val_samples=4, labels="model", num_samples=8,
+                  selection="random")
+    caplog.set_level("INFO", logger="orb")
+    labels = {}
+    for name in ("orb_v3_conservative_20_omat", "orb_v3_conservative_inf_omat", "orb_v3_conservative_20_omat"):
+        caplog.clear()
+        trainer = trainer_for(make_cfg(tmp_path / name, train_data_path=small_sets["train"], replay=replay,
+                                       checkpoint_path=DEMO_V3_CKPT, model=dict(DEMO_ARCH, name=name), buckets=[]))
+        data = trainer.data.databases["replay"]
+        table = data.label_table
+        data.set_labels(None)
+        own = Predictor(trainer.model)(batch_graphs([data.get(int(p)) for p in table.positions]))["energy"]
+        np.testing.assert_allclose(table.energy, own, atol=2e-4)  # this model's predictions, not another's
+        data.set_labels(table)
+        trainer.data.loader.close()
+        read_back = "pseudo-labels of 12 structures of" in caplog.text and "read from the cache" in caplog.text
+        assert read_back == (name in labels), name  # computed for each model, read back for the same one
+        labels.setdefault(name, table.energy)
+    twenty, inf = labels.values()
+    assert np.abs(twenty - inf).max() > 1e-2  # the two models' energies differ: a shared entry would show
+
+
+def test_pseudo_labels_follow_the_reference_fit_and_a_resume_keeps_both(tmp_path, small_sets):
+    """fit: residual with labels: model: the pseudo-labels are the starting model's after the fit (they were computed
+    before it and kept the old energy zero, pulling against the fit), so the starting model's replay_val error is
+    0; a resumed run starts from the same fit and labels, its checkpoints keep the fit's record (it vanished),
+    and it ends where the uninterrupted run does."""
+    from orb.io.checkpoint import load_checkpoint
+
+    shifts = {"Cu": 0.7, "Ni": -0.4}
+    train = shifted_copy(small_sets["train"], tmp_path / "train.db", shifts)
+    val = shifted_copy(DEMO_VAL, tmp_path / "val.db", shifts)
+    replay = dict(data_path=small_sets["replay"], fraction=0.5, val_samples=4, labels="model", num_samples=8,
+                  selection="random")
+    cfg = dict(train_data_path=train, val_data_path=val, checkpoint_path=DEMO_CKPT, model=DEMO_ARCH, replay=replay,
+               buckets=[], reference_energies=dict(fit="residual"))
+    straight = trainer_for(make_cfg(tmp_path / "a", **cfg))
+    fit = straight.progress.reference_fit
+    assert fit["change"]["Cu"] > 0.3 and fit["change"]["Ni"] < -0.2
+    straight.fit()
+    initial = records(tmp_path / "a" / "run", "initial")[0]
+    assert initial["replay_val"]["energy_mae"] < 1e-4 and initial["replay_val"]["forces_mae"] < 2e-5
+    first = trainer_for(make_cfg(tmp_path / "b", **cfg))
+    first.fit(until_epoch=1)
+    resumed = trainer_for(make_cfg(tmp_path / "b", **cfg), resume=str(tmp_path / "b" / "run"))
+    assert resumed.progress.reference_fit == fit
+    np.testing.assert_array_equal(resumed.data.databases["replay"].label_table.energy,
+                                  first.data.databases["replay"].label_table.energy)
+    resumed.fit()
+    for name in ("last.ckpt", "best_weights.ckpt", "epoch_0002.ckpt"):
+        meta = load_checkpoint(str(tmp_path / "b" / "run" / "checkpoints" / name))[2]
+        assert meta["reference_energies_fit"] == fit, name
     for (name, a), (_, b) in zip(straight.model.parameters_and_names(), resumed.model.parameters_and_names()):
         np.testing.assert_array_equal(a.asnumpy(), b.asnumpy(), err_msg=name)

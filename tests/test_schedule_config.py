@@ -29,6 +29,18 @@ def test_config_overrides_and_errors(tmp_path):
         (["--val_data_path", "[a.db, '']"], "'val_data_path' lists an empty path"),
         (["--train_data_path", "[a.db, [b.db]]"], "'train_data_path\\[1\\]' must be a string"),
         (["--num_buckets", "-1"], "'num_buckets' must be 0 \\(chosen\\) to 16"),
+        # non-finite numbers and out-of-range seeds were accepted (a NaN lr trained NaN; a negative seed crashed
+        # numpy with a traceback)
+        (["--lr", "nan"], "config key 'lr' must be a finite number, got nan"),
+        (["--gradient_clip_val", ".inf"], "config key 'gradient_clip_val' must be a finite number, got inf"),
+        (["--loss_weights.energy", "nan"], "config key 'loss_weights.energy' must be a finite number"),
+        (["--replay.loss_weight", "nan"], "config key 'replay.loss_weight' must be a finite number"),
+        (["--model.radius", "nan"], "config key 'model.radius' must be a finite number"),
+        (["--save_every_minutes", "inf"], "config key 'save_every_minutes' must be a finite number"),
+        (["--random_seed", "-1"], "config key 'random_seed' must be >= 0, got -1"),
+        (["--random_seed", str(2 ** 32)], "config key 'random_seed' must be below 4294967296"),
+        (["--device_id", "-2"], "config key 'device_id' must be >= 0"),
+        (["--callbacks", "[mymodule]"], "config key 'callbacks\\[0\\]' must be 'module:Name'"),
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(None, args)
@@ -76,7 +88,7 @@ def test_reference_tables_of_orb_models_070_by_name(tmp_path):
 
     from orb.models.reference_energies import reference_table, table_names, vasp_shifted
     from orb.training.config import config_from_dict
-    from orb.training.trainer import build_model
+    from orb.training.setup import build_model
 
     assert {"vasp-r2scan", "matpes-pbe", "matpes-r2scan", "mpsalex-d4-pbe", "omol25-hof-lin"} <= set(table_names())
     np.testing.assert_allclose(reference_table("vasp-shifted"), vasp_shifted(), rtol=0, atol=1e-12)
@@ -93,3 +105,13 @@ def test_reference_tables_of_orb_models_070_by_name(tmp_path):
     np.testing.assert_allclose(weight, expected.astype(np.float32))
     with pytest.raises(ConfigError, match="unknown table 'vasp-r2scn'; valid names: vasp, vasp-shifted"):
         config_from_dict(dict(reference_energies=dict(table="vasp-r2scn")))
+
+
+def test_callbacks_are_made_from_their_names_or_refused_in_one_line():
+    from orb.training.setup import load_callbacks
+
+    made = load_callbacks(["collections:OrderedDict"])
+    assert type(made[0]).__name__ == "OrderedDict"
+    for name, message in (("no_such_module:X", "ModuleNotFoundError"), ("collections:NoSuchName", "AttributeError")):
+        with pytest.raises(ConfigError, match=f"config key 'callbacks\\[0\\]': cannot make {name} \\({message}"):
+            load_callbacks([name])

@@ -30,14 +30,14 @@ def make_cfg(tmp_path, **overrides):
     return config_from_dict(values)
 
 
-def trainer_for(cfg, resume=None, accept=False, overwrite=False):
+def trainer_for(cfg, resume=None, accept=False, overwrite=False, callbacks=()):
     from orb.device import configure_mindspore
     from orb.training.outputs import prepare_output_dir
-    from orb.training.trainer import Trainer
+    from orb.training.setup import build_trainer
 
     configure_mindspore(cfg.device_target, cfg.device_id, cfg.num_threads)
     prepare_output_dir(cfg.output_dir, resume=bool(resume), overwrite=overwrite)
-    return Trainer(cfg, resume=resume, accept_config_changes=accept)
+    return build_trainer(cfg, resume=resume, accept_config_changes=accept, callbacks=callbacks)
 
 
 def params_of(model):
@@ -127,7 +127,7 @@ def test_resume_equals_straight_run_and_refuses_changes(tmp_path):
     with pytest.raises(ConfigError, match=r"max_epochs: 2 -> 3; lr: 0.001 -> 0.002.*--accept_config_changes"):
         trainer_for(make_cfg(tmp_path / "b", max_epochs=3, lr=2e-3), resume=run_dir)
     resumed = trainer_for(make_cfg(tmp_path / "b"), resume=run_dir)
-    assert resumed.start_epoch == 1 and resumed.global_step == straight.steps_per_epoch
+    assert resumed.progress.epochs_done == 1 and resumed.progress.global_step == straight.data.steps_per_epoch
     resumed.fit()
     a, b = params_of(straight.model), params_of(resumed.model)
     for name in a:
@@ -136,7 +136,7 @@ def test_resume_equals_straight_run_and_refuses_changes(tmp_path):
     assert [r["epoch"] for r in ep_b] == [0, 1, 2]
     assert without_timing(ep_a[-1]) == without_timing(ep_b[-1])
     more = trainer_for(make_cfg(tmp_path / "b", max_epochs=3), resume=run_dir, accept=True)
-    assert more.start_epoch == 2 and more.total_steps == 3 * more.steps_per_epoch
+    assert more.progress.epochs_done == 2 and len(more.engine.schedule.lr) == 3 * more.data.steps_per_epoch
 
 
 def test_same_seed_same_metrics(tmp_path):
@@ -173,7 +173,7 @@ def test_stressless_database_trains(tmp_path):
             atoms.calc = SinglePointCalculator(atoms, energy=row.energy, forces=row.forces)
             dst.write(atoms)
     trainer = trainer_for(make_cfg(tmp_path, train_data_path=path, val_data_path="", max_epochs=2))
-    assert not trainer.has_stress
+    assert not trainer.data.has_stress
     before = params_of(trainer.model)["stress_head.mlp.NN-1.weight"]
     history = trainer.fit()["history"]
     assert "stress_mae" not in history[-1]["train"] and np.isfinite(history[-1]["train"]["loss"])
@@ -185,13 +185,11 @@ def test_one_compilation_per_bucket(tmp_path):
     exactly one per (step kind, bucket) that the batches use."""
     trainer = trainer_for(make_cfg(tmp_path, buckets=[], num_buckets=2, max_epochs=3))
     trainer.fit()
-    used_train = {s.bucket for e in range(3) for s in trainer._plan(trainer.sampler, trainer.train_set,
-                                                                    trainer.train_buckets, e)}
-    used_val = {s.bucket for s in trainer._plan(trainer.val_samplers["val"], trainer.val_sets["val"],
-                                                trainer.val_buckets["val"], 0)}
+    used_train = {s.bucket for e in range(3) for s in trainer.data.train_steps(e)}
+    used_val = {s.bucket for s in trainer.data.eval_steps("val")}
     assert len(used_train) == 2  # both buckets are used, so a recompilation would show
-    assert len(trainer.train_step.compile_cache) == len(used_train)
-    assert len(trainer.eval_step.compile_cache) == len(used_val)
+    assert len(trainer.engine.train_step.compile_cache) == len(used_train)
+    assert len(trainer.engine.eval_step.compile_cache) == len(used_val)
 
 
 def run_cli(*args, timeout=600, cwd=ROOT):

@@ -10,7 +10,7 @@ from orb.errors import OrbInputError, RunError
 from orb.training.config import TrainConfig, load_config
 from orb.training.outputs import discard_unstarted
 from orb.signals import Stopped, listen
-from orb.training.preemption import checkpoint_to_resume
+from orb.training.checkpointing import checkpoint_to_resume
 
 USAGE = """%(prog)s [--config PATH] [--resume DIR_OR_FILE|auto] [--overwrite] [--accept_config_changes] [--key value ...]
 

@@ -105,6 +105,7 @@ class TrainConfig:
     ops_profile: str = "auto"
     matmul_precision: str = "high"
     optimizer_shard: bool = False
+    callbacks: List[str] = field(default_factory=list)  # "module:Name" of classes whose objects see the loop
     model: ModelConfig = field(default_factory=ModelConfig)
 
     def to_dict(self) -> Dict[str, Any]:
@@ -261,6 +262,14 @@ def _validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"config key 'save_every_minutes' must be >= 0 (0 = off), got {cfg.save_every_minutes}")
     if cfg.patience < 0:
         raise ConfigError(f"config key 'patience' must be >= 0 (0 = train every epoch), got {cfg.patience}")
+    if cfg.patience and not cfg.val_data_path:
+        raise ConfigError("config key 'patience' stops on the validation loss and needs val_data_path")
+    if cfg.reference_energies.fit == "residual" and not cfg.checkpoint_path:
+        raise ConfigError("config key 'reference_energies.fit': residual fits to the starting checkpoint's "
+                          "errors and needs checkpoint_path (least_squares needs none)")
+    for i, name in enumerate(cfg.callbacks):
+        if name.count(":") != 1 or not all(name.split(":")):
+            raise ConfigError(f"config key 'callbacks[{i}]' must be 'module:Name', got {name!r}")
     _validate_replay(cfg)
     return cfg
 
@@ -280,6 +289,9 @@ def _validate_replay(cfg: TrainConfig) -> None:
             key = "fraction" if replay.fraction > 0 else "val_data_path"
             raise ConfigError(f"config key 'replay.{key}' is set but 'replay.data_path' is empty")
         return
+    if replay.labels == "model" and not cfg.checkpoint_path:
+        raise ConfigError("config key 'replay.labels': model labels replay data with the starting checkpoint's "
+                          "predictions and needs checkpoint_path")
     if replay.head == "separate" and replay.fraction == 0:
         raise ConfigError("config key 'replay.head': separate replay heads are trained only on replay structures; "
                           "set replay.fraction > 0 (or head: shared to only measure forgetting)")

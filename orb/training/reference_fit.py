@@ -94,3 +94,12 @@ def reference_baseline(composition, structures: int, current: np.ndarray) -> np.
     table = np.zeros(MAX_Z + 1)
     table[:len(current)] = current
     return count_matrix(*composition, structures, MAX_Z + 1) @ table
+
+
+def table_of_record(record: Dict, current: np.ndarray) -> np.ndarray:
+    """The table a checkpoint's ``reference_energies_fit`` record (:meth:`ReferenceFit.to_dict`) holds, over
+    ``current`` (the elements the data did not have keep their values)."""
+    table = np.asarray(current, np.float64).copy()
+    for symbol, value in record["table"].items():
+        table[chemical_symbols.index(symbol)] = value
+    return table

@@ -22,7 +22,7 @@ the parts are summed, so every rank holds the same result.
 """
 
 import logging
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Protocol, Tuple
 
 import numpy as np
 
@@ -35,8 +35,17 @@ from orb.errors import ClusterError, ConfigError
 log = logging.getLogger("orb")
 CACHE_VERSION = 2  # 2: keyed by the model's identity (orb.models.model_identity), not only its weights
 
-# forward(name, source, kind) -> {"energy", "forces", "stress", "descriptors"}: the starting model over a source
-ForwardPass = Callable[[str, Source, str], Dict[str, np.ndarray]]
+
+
+class ModelOutputs(Protocol):
+    """The starting model over a source (``orb.training.engine.ModelPass``)."""
+
+    def labels(self, source: Source) -> Dict[str, np.ndarray]:
+        """{"energy", "forces", "stress"} of every structure, in the source's order."""
+
+    def descriptors(self, source: Source) -> Dict[str, np.ndarray]:
+        """{"descriptors"}: each structure's descriptor, in the source's order."""
+
 # () -> the starting model's identity (architecture, graph settings, weights, profile, precision), computed once
 ModelKey = Callable[[], tuple]
 
@@ -60,7 +69,7 @@ def split(replay: AseDbDataset, replay_val: Optional[AseDbDataset], fraction: fl
     return kept, ((replay, held) if len(held) else None)
 
 
-def select(replay: AseDbDataset, candidates: np.ndarray, count: int, method: str, seed: int, forward: ForwardPass,
+def select(replay: AseDbDataset, candidates: np.ndarray, count: int, method: str, seed: int, model: ModelOutputs,
            model_key: ModelKey, ranks: Ranks) -> np.ndarray:
     """``count`` of the ``candidates`` positions (all when 0 or more), ascending."""
     if count == 0 or count >= len(candidates):
@@ -74,7 +83,7 @@ def select(replay: AseDbDataset, candidates: np.ndarray, count: int, method: str
         log.info("replay: %d of %d structures of %s chosen by farthest-point sampling, read from the cache", count,
                  len(candidates), replay.path)
         return cached["positions"]
-    descriptors = forward("replay_candidates", Source("replay_candidates", replay, candidates), "descriptors")
+    descriptors = model.descriptors(Source("replay_candidates", replay, candidates))
     chosen = np.sort(candidates[farthest_point_sampling(descriptors["descriptors"], count, seed)])
     if ranks.world_size > 1 and ranks.sum(np.array([chosen.sum()], np.float64))[0] != ranks.world_size * chosen.sum():
         raise ClusterError("replay: the ranks chose different structures (their descriptors differ)")
@@ -84,7 +93,7 @@ def select(replay: AseDbDataset, candidates: np.ndarray, count: int, method: str
     return chosen
 
 
-def pseudo_labels(dataset: AseDbDataset, positions: np.ndarray, forward: ForwardPass, model_key: ModelKey,
+def pseudo_labels(dataset: AseDbDataset, positions: np.ndarray, model: ModelOutputs, model_key: ModelKey,
                   with_stress: bool, ranks: Ranks) -> LabelTable:
     """The starting model's energy, forces (and stress) for ``positions`` of ``dataset``, as labels."""
     positions = np.sort(np.asarray(positions, np.int64))
@@ -97,7 +106,7 @@ def pseudo_labels(dataset: AseDbDataset, positions: np.ndarray, forward: Forward
         log.info("replay: pseudo-labels of %d structures of %s read from the cache", len(positions), dataset.path)
         arrays = cached
     else:
-        out = forward("replay_labels", Source("replay_labels", dataset, positions), "labels")
+        out = model.labels(Source("replay_labels", dataset, positions))
         arrays = {"energy": out["energy"], "forces": out["forces"].astype(np.float32),
                   "offsets": offsets}
         if with_stress:
@@ -107,3 +116,30 @@ def pseudo_labels(dataset: AseDbDataset, positions: np.ndarray, forward: Forward
                  dataset.path)
     return LabelTable(positions, arrays["energy"], arrays["forces"], arrays["offsets"],
                       arrays["stress"] if with_stress else None)
+
+
+def choose(cfg, databases: Dict[str, AseDbDataset], model: ModelOutputs, model_key: ModelKey, with_stress: bool,
+           ranks: Ranks) -> Tuple[Optional[Source], Optional[Source]]:
+    """The replay rows trained on and validated (``replay_train``, ``replay_val``; None when there are none), their
+    labels set (``labels: model``: the starting model's, computed after any fit of its reference energies,
+    so that they share the fitted energy zero)."""
+    replay = cfg.replay
+    if not replay.enabled:
+        return None, None
+    data = databases["replay"]
+    candidates, val = split(data, databases.get("replay_val"), replay.fraction, replay.val_samples, cfg.random_seed)
+    chosen = select(data, candidates, replay.num_samples, replay.selection, cfg.random_seed, model, model_key,
+                    ranks) if len(candidates) else candidates
+    if replay.labels == "model":
+        needed = {}  # database -> positions that need labels
+        if len(chosen):
+            needed[id(data)] = (data, chosen)
+        if val is not None:
+            db, positions = val
+            previous = needed.get(id(db), (db, np.zeros(0, np.int64)))[1]
+            needed[id(db)] = (db, np.union1d(previous, positions))
+        for db, positions in needed.values():
+            db.set_labels(pseudo_labels(db, positions, model, model_key, with_stress, ranks))
+    head = 1 if replay.head == "separate" else 0  # replay structures are predicted by the replay heads
+    train = Source("replay", data, chosen, replay.loss_weight, head) if len(chosen) else None
+    return train, (Source("replay_val", *val, head=head) if val is not None else None)

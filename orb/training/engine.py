@@ -1,0 +1,242 @@
+"""What a run computes with: the model's trained parameters, its loss (one per model family), the optimizer, the
+compiled training and evaluation steps (one compilation per bucket shape), and the model's passes over data.
+
+:class:`Engine` owns the device state a checkpoint must hold (weights, optimizer moments, EMA, the
+open logging interval's metric sums) and gives it out and takes it back (:meth:`Engine.optimizer_entries`,
+:meth:`Engine.load`). :class:`ModelPass` runs the starting model over a data source (labels or descriptors),
+for replay and the reference fit. Neither knows about files, epochs or ranks' agreement.
+"""
+
+import logging
+import time
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
+
+from orb.data.buckets import Bucket
+from orb.device import compile_cell
+from orb.training import state as training_state
+from orb.training.config import TrainConfig
+from orb.training.distributed import DataParallel
+
+log = logging.getLogger("orb")
+
+
+def _orb_v2_loss(model, cfg: TrainConfig, has_stress: bool, allreduce):
+    from orb.training.loss import OrbLoss
+
+    w = cfg.loss_weights
+    return OrbLoss(model, w.energy, w.forces, w.stress, has_stress, allreduce)
+
+
+def _orb_v3_loss(model, cfg: TrainConfig, has_stress: bool, allreduce):
+    from orb.training.loss_v3 import OrbV3Loss
+
+    w = cfg.loss_weights
+    return OrbV3Loss(model, w.energy, w.forces, w.stress, has_stress, allreduce, w.confidence, w.equigrad)
+
+
+LOSSES = {"orb_v2": _orb_v2_loss, "orb_v3": _orb_v3_loss}  # the loss cell of each model family
+
+
+def make_loss(model, cfg: TrainConfig, has_stress: bool, allreduce=None):
+    """The loss cell of the model's family with the config's weights."""
+    return LOSSES[cfg.model.family](model, cfg, has_stress, allreduce)
+
+
+def trainable_parameters(model, cfg: TrainConfig) -> list:
+    """Parameters the optimizer updates: all but those that cannot change any output
+    (``model.never_trained()``), the backbone if frozen, and the reference energies unless trained
+    (``reference_energies.trainable``; auto: orb-v2 trains them, orb-v3 keeps them, as orb-models)."""
+    excluded = {id(p) for p in model.never_trained()}
+    if cfg.freeze_backbone:
+        excluded |= {id(p) for p in model.backbone_parameters()}
+    trainable = cfg.reference_energies.trainable
+    if trainable == "false" or (trainable == "auto" and cfg.model.family == "orb_v3"):
+        excluded |= {id(w) for w in model.reference_energy_weights()}
+    params = [p for p in model.trainable_params() if id(p) not in excluded]
+    for p in model.trainable_params():
+        p.requires_grad = id(p) not in excluded
+    return params
+
+
+class Compiled:
+    """Runs cells, compiling each (kind, bucket shape) once before its first run and logging it; remembers the
+    seconds each compilation took."""
+
+    def __init__(self):
+        self.seconds: Dict[Tuple[str, Bucket], float] = {}
+
+    def run(self, kind: str, cell, arrays, bucket: Bucket):
+        from orb.data.tensors import to_tensors
+
+        inputs = to_tensors(arrays)
+        key = (kind, bucket)
+        if key in self.seconds:
+            return cell(*inputs)
+        log.info("compiling the %s step for batch shape (nodes %d, edges %d, graphs %d), once per shape", kind,
+                 bucket.num_nodes, bucket.num_edges, bucket.num_graphs)
+        start = time.perf_counter()
+        compile_cell(cell, *inputs)
+        out = cell(*inputs)
+        (out[0] if isinstance(out, tuple) else out).asnumpy()
+        self.seconds[key] = time.perf_counter() - start
+        return out
+
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+    def describe(self) -> str:
+        return ", ".join(f"{k[0]} {k[1].num_nodes}x{k[1].num_edges} {v:.0f}s" for k, v in self.seconds.items())
+
+
+class Engine:
+    """The trained parameters, loss, optimizer and compiled steps of a run (see the module's docstring)."""
+
+    def __init__(self, model, cfg: TrainConfig, dp: DataParallel, has_stress: bool, total_steps: int,
+                 compiled: Optional[Compiled] = None):
+        from orb.training.optimizer import FlatAdam, Sharding
+        from orb.training.schedule import make_schedule
+        from orb.training.steps import EvalStep, TrainStep
+
+        self.model, self.cfg, self.dp, self.has_stress = model, cfg, dp, has_stress
+        self.compiled = compiled or Compiled()
+        self.params = trainable_parameters(model, cfg)
+        names = {id(p): name for name, p in model.parameters_and_names()}
+        self.param_names = [names[id(p)] for p in self.params]
+        self.schedule = make_schedule(cfg.lr_schedule, cfg.lr, total_steps, cfg.warmup_fraction)
+        sharding = (Sharding(dp.rank, dp.world_size, dp.reduce_scatter, dp.all_gather, dp.all_reduce)
+                    if dp.shard_optimizer else None)
+        self.optimizer = FlatAdam(self.params, self.schedule, clip_mode=cfg.gradient_clip_mode,
+                                  clip_value=cfg.gradient_clip_val, sharding=sharding, ema_decay=cfg.ema_decay,
+                                  algorithm=cfg.optimizer)
+        self.loss_cell = make_loss(model, cfg, has_stress, dp.all_reduce)
+        reducer = self.optimizer.gradient_reducer()  # a sharded optimizer reduce-scatters its own slices
+        if reducer is None and dp.grad_reducer is not None:
+            reducer = dp.grad_reducer(self.optimizer.gradients_to_reduce())
+        self.train_step = TrainStep(self.loss_cell, self.optimizer, reducer)
+        self.eval_step = EvalStep(self.loss_cell)
+
+    # ------------------------------------------------------------------ steps
+    def train(self, arrays, bucket: Bucket) -> None:
+        """One optimisation step (its metric sums accumulate on the device)."""
+        self.compiled.run("train", self.train_step, arrays, bucket)
+
+    def evaluate(self, arrays, bucket: Bucket) -> np.ndarray:
+        """This rank's metric sums of one evaluation batch (float64)."""
+        return self.compiled.run("eval", self.eval_step, arrays, bucket).asnumpy().astype(np.float64)
+
+    @property
+    def num_sums(self) -> int:
+        return self.loss_cell.num_sums
+
+    def metrics(self, sums: np.ndarray, by_element: bool = False) -> Dict:
+        return self.loss_cell.metrics(sums, by_element)
+
+    def take_interval_sums(self) -> np.ndarray:
+        """This rank's metric sums since the last call (one host synchronisation), then zero on the device."""
+        from orb.training.steps import read_and_reset
+
+        return read_and_reset(self.train_step.metric_sums)
+
+    def interval_sums(self) -> np.ndarray:
+        """This rank's metric sums of the open logging interval, left in place (for a checkpoint)."""
+        return self.train_step.metric_sums.asnumpy().astype(np.float64)
+
+    def restore_interval_sums(self, values: np.ndarray) -> None:
+        from orb.training.steps import write_parameter
+
+        write_parameter(self.train_step.metric_sums, np.asarray(values))
+
+    def take_nonfinite(self) -> np.ndarray:
+        from orb.training.steps import read_nonfinite
+
+        return read_nonfinite(self.train_step)
+
+    def lr(self, step: int) -> float:
+        """The learning rate of global step ``step`` (1-based, clamped to the schedule)."""
+        return float(self.schedule.lr[min(max(step, 1), len(self.schedule.lr)) - 1])
+
+    @contextmanager
+    def evaluation_weights(self):
+        """Inside: the model holds the EMA of the weights when ``ema_decay`` is set (what validation and the saved
+        best weights use); the training weights come back after."""
+        if not self.cfg.ema_decay:
+            yield
+            return
+        from orb.training.steps import write_parameter
+
+        current = [p.asnumpy().copy() for p in self.params]  # a copy: on CPU asnumpy may share the buffer
+        for p, value in zip(self.params, training_state.ema_weights(self.optimizer)):
+            write_parameter(p, value)
+        try:
+            yield
+        finally:
+            for p, value in zip(self.params, current):
+                write_parameter(p, value)
+
+    # ------------------------------------------------------------------ state
+    def optimizer_entries(self) -> List[Tuple[str, np.ndarray]]:
+        """The optimizer's state as checkpoint entries; every rank must call it (sharded state is gathered)."""
+        return training_state.optimizer_state(self.optimizer, self.param_names, self.dp)
+
+    def load(self, weights: Dict[str, np.ndarray], optimizer_state: Dict[str, np.ndarray], source: str) -> None:
+        """The model's weights and the optimizer's state from a training checkpoint (this rank's slice)."""
+        from orb.io.checkpoint import load_torch_state_dict
+
+        load_torch_state_dict(self.model, weights, source=source)
+        training_state.restore_optimizer(self.optimizer, self.param_names, optimizer_state, source)
+
+    def num_trained(self) -> int:
+        return int(sum(np.prod(p.shape) for p in self.params))
+
+
+Batches = Iterable[Tuple[object, tuple]]  # (step, its padded arrays), in the order of a plan
+
+
+class ModelPass:
+    """The model's outputs over every structure of a source, in its order: labels (energy eV, forces eV/Å, stress)
+    or descriptors. ``batches(source)`` yields this rank's planned steps of one pass; each rank fills its own
+    structures and the parts are summed over ranks, so every rank returns the whole."""
+
+    def __init__(self, model, batches: Callable[[object], Batches], dp: DataParallel, compiled: Compiled):
+        self.model, self.batches, self.dp, self.compiled = model, batches, dp, compiled
+
+    def labels(self, source) -> Dict[str, np.ndarray]:
+        from orb.inference.predictor import PredictCell
+
+        offsets = np.concatenate([[0], np.cumsum(source.natoms)]).astype(np.int64)
+        out = {"energy": np.zeros(len(source)), "forces": np.zeros((int(offsets[-1]), 3)),
+               "stress": np.zeros((len(source), 6))}
+
+        def fill(index, result):
+            energy, forces, stress = (t.asnumpy() for t in result[:3])
+            out["energy"][index], out["stress"][index] = energy[:len(index)], stress[:len(index)]
+            node = 0
+            for i in index:  # a step's structures' atoms are consecutive, in its order
+                n = int(offsets[i + 1] - offsets[i])
+                out["forces"][offsets[i]:offsets[i + 1]] = forces[node:node + n]
+                node += n
+
+        return self._run("labels", PredictCell(self.model), source, fill, out)
+
+    def descriptors(self, source) -> Dict[str, np.ndarray]:
+        from orb.inference.predictor import DescriptorCell
+
+        out = {"descriptors": np.zeros((len(source), self.model.cfg.latent_dim))}
+
+        def fill(index, result):
+            out["descriptors"][index] = result.asnumpy()[:len(index)]
+
+        return self._run("descriptors", DescriptorCell(self.model), source, fill, out)
+
+    def _run(self, kind: str, cell, source, fill, out: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+        from orb.data.tensors import MODEL_INPUTS
+
+        start = time.perf_counter()
+        for step, arrays in self.batches(source):
+            result = self.compiled.run(f"{kind} pass", cell, arrays[:len(MODEL_INPUTS)], step.bucket)
+            fill(np.asarray(step.indices, np.int64), result)
+        log.info("%s: %s of %d structures in %.1f s", source.name, kind, len(source), time.perf_counter() - start)
+        return {key: self.dp.sum(value) for key, value in out.items()}

@@ -1,0 +1,238 @@
+"""The one place that knows the order a run is built in, from its config to a :class:`~orb.training.trainer.Trainer`:
+
+    device and profile -> databases (opened, checked, surveyed) -> model (starting weights)
+    -> the checkpoint to resume (read first: it holds the reference fit) -> reference fit
+    -> replay choice and pseudo-labels (after the fit: they share its energy zero)
+    -> the run's steps and buckets -> engine (parameters, loss, optimizer, compiled steps)
+    -> resumed state -> trainer
+
+Each arrow is one call into the piece that owns it; nothing else in the package builds these pieces.
+"""
+
+import importlib
+import logging
+import os
+from typing import Optional, Sequence, Tuple
+
+import numpy as np
+
+from orb.data.formats import describe_path
+from orb.data.loader import BatchLoader
+from orb.errors import ConfigError
+from orb.metrics import BY_ELEMENT, METRICS, describe
+from orb.training import replay as replay_choice
+from orb.training import state as training_state
+from orb.training.checkpointing import Checkpointer, Progress, resolve, this_ranks_interval_sums
+from orb.training.config import TrainConfig
+from orb.training.distributed import DataParallel
+from orb.training.engine import Compiled, Engine, ModelPass
+from orb.training.guards import Guards
+from orb.training.reference_fit import fit_reference_energies, reference_baseline, table_of_record
+from orb.training.reporting import Reporter
+from orb.training.run_data import RunData, open_databases, survey, trains_stress
+from orb.training.trainer import Trainer
+
+log = logging.getLogger("orb")
+
+
+def build_model(cfg: TrainConfig):
+    """orb model of the config's architecture with pretrained (or random) weights and reference energies."""
+    import mindspore as ms
+
+    from orb.io.checkpoint import load_weights_into
+    from orb.models import build
+    from orb.models.reference_energies import load_reference_file, reference_table
+
+    model = build(cfg.model, seed=cfg.random_seed)
+    if cfg.checkpoint_path:
+        load_weights_into(model, cfg.checkpoint_path)
+        log.info("loaded weights from %s", cfg.checkpoint_path)
+    else:
+        log.warning("checkpoint_path is empty: starting from RANDOM weights (set it to an orb checkpoint to fine-tune "
+                    "the pretrained model)")
+    references = cfg.reference_energies
+    if references.table or references.file:
+        weight = model.reference_energy_weight()
+        table = reference_table(references.table) if references.table else weight.asnumpy()
+        if references.file:  # a file's entries on top of the table (or of the checkpoint's)
+            table = load_reference_file(references.file, table)
+        weight.set_data(ms.Tensor(table.astype(np.float32)))
+        log.info("reference energies: %s", " with ".join(
+            x for x in (references.table and f"table {references.table}", references.file) if x))
+    if cfg.replay.enabled and cfg.replay.head == "separate":
+        model.add_replay_heads()  # copies of the starting heads, before any fit of the target's
+    return model
+
+
+def load_callbacks(names: Sequence[str]) -> list:
+    """Objects of the ``module:Name`` classes the config lists (``callbacks``), each made without arguments."""
+    out = []
+    for i, name in enumerate(names):
+        module, attribute = name.split(":")
+        try:
+            out.append(getattr(importlib.import_module(module), attribute)())
+        except Exception as exc:  # an import error, a missing name or a failing constructor: one line
+            raise ConfigError(f"config key 'callbacks[{i}]': cannot make {name} ({type(exc).__name__}: {exc})") \
+                from None
+    return out
+
+
+def fit_reference_energies_to(cfg: TrainConfig, data: RunData, model, outputs: ModelPass):
+    """``reference_energies.fit``: the reference energies moved to the user's DFT before the first step."""
+    from mindspore import Tensor
+
+    method = cfg.reference_energies.fit
+    if method == "least_squares" and cfg.checkpoint_path:
+        log.warning("reference_energies.fit: least_squares makes the reference energies explain the whole DFT energy, "
+                    "and the pretrained network adds its own per-atom energy on top (measured: 68x the starting "
+                    "energy error, docs/benchmarks.md); to fine-tune, use fit: residual")
+    train = data.databases["train"]
+    weight = model.reference_energy_weight()
+    current = weight.asnumpy().astype(np.float64)
+    composition = train.composition()
+    baseline = (outputs.labels(data.train_source)["energy"] if method == "residual"
+                else reference_baseline(composition, len(train), current))
+    fit = fit_reference_energies(method, composition, train.energies(), baseline, current)
+    weight.set_data(Tensor(fit.table.astype(np.float32)))
+    log.info(fit.summary())
+    return fit.to_dict()
+
+
+def restore_reference_fit(record, model) -> None:
+    """The fitted reference energies a resumed run started from, so its starting model (and pseudo-labels) are the
+    ones the run had."""
+    from mindspore import Tensor
+
+    weight = model.reference_energy_weight()
+    weight.set_data(Tensor(table_of_record(record, weight.asnumpy()).astype(np.float32)))
+
+
+def read_resume(path: str, checkpointer: Checkpointer, cfg: TrainConfig, train_rows: int, fingerprint: str,
+                accept: bool) -> Tuple[dict, dict, dict, str]:
+    """(weights, optimizer state, metadata, path) of the checkpoint to resume, refused if its run's schedule or data
+    order would change (unless accepted)."""
+    path = resolve(path)
+    weights, optimizer_state, meta = checkpointer.read(path)
+    changes = training_state.check_resume(meta, cfg.to_dict(), train_rows, path, accept, fingerprint)
+    if changes:
+        log.warning("resuming with changed settings (accepted): %s", "; ".join(changes))
+    return weights, optimizer_state, meta, path
+
+
+def build_trainer(cfg: TrainConfig, data_parallel: Optional[DataParallel] = None, resume: Optional[str] = None,
+                  accept_config_changes: bool = False, callbacks: Sequence = ()) -> Trainer:
+    """A trainer for ``cfg`` (resumed from ``resume``: a training checkpoint or an output folder), built in the
+    order of the module's docstring. ``callbacks`` are added to those the config names."""
+    import mindspore as ms
+
+    from orb.models import model_identity
+    from orb.models.kernels import describe_profile
+    from orb.models.ops_profile import set_ops_profile
+
+    dp = data_parallel or DataParallel()
+    if cfg.optimizer_shard and dp.world_size < 2:
+        raise ConfigError("config key 'optimizer_shard': sharding the optimizer state needs a data-parallel run with "
+                          "at least 2 workers (run_parallel.sh)")
+    callbacks = load_callbacks(cfg.callbacks) + list(callbacks)
+    set_ops_profile(cfg.ops_profile)
+    log.info("device: %s, %s", ms.get_context("device_target"), describe_profile())
+    if dp.parallel:
+        log.info("data parallel: rank %d of %d (pid %d)", dp.rank, dp.world_size, os.getpid())
+    reporter = Reporter(cfg.output_dir, dp.rank, cfg.progress_bar, cfg.record_batches)
+    databases = open_databases(cfg, dp, reporter.show_bars)
+    loader = BatchLoader(databases, cfg.data_workers)
+    try:
+        for name in databases:
+            survey(loader, name, dp)
+        data = RunData(cfg, dp, databases, loader, trains_stress(cfg, databases))
+        model = build_model(cfg)
+        compiled = Compiled()
+
+        def one_pass(source):
+            name = f"{source.name} pass"
+            loader.add(name, source)
+            yield from loader.iterate(name, data.pass_steps(source, data.evaluation_plan(source)), None, False)
+            loader.close()
+
+        outputs = ModelPass(model, one_pass, dp, compiled)
+        train = databases["train"]
+        identity = {"format": training_state.CHECKPOINT_FORMAT, "random_seed": cfg.random_seed,
+                    "config": cfg.to_dict(), "model": cfg.model.to_dict(), "train_rows": len(train),
+                    "train_fingerprint": train.content_fingerprint(), "world_size": dp.world_size}
+        checkpointer = Checkpointer(os.path.join(cfg.output_dir, "checkpoints"), dp, model, identity,
+                                    cfg.save_every_x_epochs, cfg.max_epochs, cfg.keep_checkpoints)
+        resumed = read_resume(resume, checkpointer, cfg, len(train), identity["train_fingerprint"],
+                              accept_config_changes) if resume else None
+        progress = Progress.from_meta(resumed[2]) if resumed else Progress()
+        if progress.reference_fit is not None:
+            restore_reference_fit(progress.reference_fit, model)
+        elif cfg.reference_energies.fit != "none":
+            progress.reference_fit = fit_reference_energies_to(cfg, data, model, outputs)
+        starting_key = []  # the starting model's identity, computed once when a cache needs it
+
+        def model_key() -> tuple:
+            if not starting_key:
+                starting_key.append(model_identity(model))
+            return starting_key[0]
+
+        data.plan(*replay_choice.choose(cfg, databases, outputs, model_key, data.has_stress, dp))
+        engine = Engine(model, cfg, dp, data.has_stress, cfg.max_epochs * data.steps_per_epoch, compiled)
+        if resumed:
+            weights, optimizer_state, _, path = resumed
+            engine.load(weights, optimizer_state, path)
+            if progress.step_in_epoch:  # inside an epoch: this rank's sums of the open logging interval
+                engine.restore_interval_sums(this_ranks_interval_sums(progress, dp))
+            reporter.forget_after(progress.global_step)
+            log.info("resumed from %s: %d epochs%s done, global step %d", path, progress.epochs_done,
+                     f" and {progress.step_in_epoch} of {data.steps_per_epoch} steps" if progress.step_in_epoch
+                     else "", progress.global_step)
+        dp.check_same_parameters(model)
+        guards = Guards(cfg.save_every_minutes, cfg.max_nonfinite_steps, cfg.log_every_n_steps, dp.is_main)
+        trainer = Trainer(cfg, dp, data, engine, checkpointer, reporter, guards, progress, callbacks)
+    except BaseException:
+        loader.close()
+        raise
+    if dp.is_main:
+        log_start(cfg, dp, data, engine)
+    return trainer
+
+
+def describe_buckets(buckets) -> str:
+    planned = ", ".join(f"({b.num_nodes}, {b.num_edges}, {b.num_graphs})" for b in buckets if not b.spare)
+    spare = [b for b in buckets if b.spare]
+    return planned + "".join(f" + spare ({b.num_nodes}, {b.num_edges}, {b.num_graphs}) for the worst possible batch, "
+                             "compiled only if a step needs it" for b in spare)
+
+
+def log_start(cfg: TrainConfig, dp: DataParallel, data: RunData, engine: Engine) -> None:
+    """What the run is about to do, in the start-up log."""
+    model = engine.model
+    log.info("model: %s, %s parameters (%s trained), %d message-passing layers, latent %d; graphs: %d neighbours "
+             "within %g Å", cfg.model.name, f"{model.num_parameters():,}", f"{engine.num_trained():,}",
+             cfg.model.num_message_passing_steps, cfg.model.latent_dim, cfg.model.max_neighbors, cfg.model.radius)
+    train = data.train_source
+    log.info("train data: %s (%d structures, %d atoms)%s%s", describe_path(cfg.train_data_path), len(train),
+             int(train.natoms.sum()), "" if train.has_stress else ", no stress", data.weights_note(train))
+    for name, source in data.val_sets.items():
+        log.info("%s data: %s (%d structures)%s", "validation" if name == "val" else name, source.path, len(source),
+                 data.weights_note(source))
+    if data.replay_train is not None:
+        r = data.replay_train
+        log.info("replay: %d structures of %s (%s labels, loss weight %g, %s heads); each step: %d target + %d "
+                 "replay structures", len(r), r.path, cfg.replay.labels, cfg.replay.loss_weight, cfg.replay.head,
+                 data.sampler.target_step, data.sampler.replay_step)
+    elif data.replay_val is not None:
+        log.info("replay: validated only (replay.fraction 0): forgetting is measured every epoch, not prevented")
+    log.info("batch size: %d global, %d per worker x %d worker(s); %d steps per epoch, %d epochs%s",
+             cfg.batch_size, data.local_batch, dp.world_size, data.steps_per_epoch, cfg.max_epochs,
+             f"; early stopping after {cfg.patience} epochs without a lower validation loss" if cfg.patience else "")
+    log.info("optimizer: %s, %s schedule, peak lr %.3g%s, clipping %s %g%s", cfg.optimizer, cfg.lr_schedule,
+             float(engine.schedule.lr.max()), f", EMA of weights {cfg.ema_decay}" if cfg.ema_decay else "",
+             cfg.gradient_clip_mode, cfg.gradient_clip_val, ", state sharded over ranks" if dp.shard_optimizer else "")
+    log.info("train buckets (nodes, edges, graphs): %s; padded / real: atoms %.2fx, edges %.2fx",
+             describe_buckets(data.train_buckets), *data.train_padding)
+    for name, plan in data.val_plans.items():
+        log.info("%s buckets (structures packed by size): %s; padded / real: atoms %.2fx, edges %.2fx", name,
+                 describe_buckets(plan.buckets), *plan.padding)
+    keys = [k for k in engine.loss_cell.sum_keys if k in METRICS and (data.has_stress or "stress" not in k)]
+    log.info("metrics (per epoch, train and validation):\n%s", describe(keys + [BY_ELEMENT]))

@@ -1,0 +1,174 @@
+"""Each piece of a training run built and tested alone, through its public seams: the run's position
+(Progress), the Checkpointer's files and retention, the run's data plans for 1 and 4 ranks, the guards and the
+reporter."""
+
+import math
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from conftest import DEMO_TRAIN, DEMO_VAL, SMALL_MODEL
+
+
+def test_progress_round_trips_through_checkpoint_metadata():
+    """Every field a resume restores comes back as it was: values, not only keys (the reference fit record and
+    each rank's open-interval sums went missing or were shared)."""
+    import json
+
+    from orb.training.checkpointing import Progress
+
+    rng = np.random.default_rng(0)
+    mid = Progress(epochs_done=3, global_step=1234, best_val=0.123456789, best_epoch=2, step_in_epoch=17,
+                   epoch_sums=rng.normal(size=9), interval_sums=rng.normal(size=(4, 9)), skipped=2,
+                   initial={"val": {"loss": 0.5}}, reference_fit={"method": "residual", "table": {"Cu": -3.25}})
+    back = Progress.from_meta(json.loads(json.dumps(mid.to_meta())))  # as a checkpoint stores it: JSON
+    for name in ("epochs_done", "global_step", "best_val", "best_epoch", "step_in_epoch", "skipped", "initial",
+                 "reference_fit"):
+        assert getattr(back, name) == getattr(mid, name), name
+    np.testing.assert_array_equal(back.epoch_sums, mid.epoch_sums)
+    np.testing.assert_array_equal(back.interval_sums, mid.interval_sums)
+    fresh = Progress.from_meta(Progress().to_meta())
+    assert math.isinf(fresh.best_val) and fresh.step_in_epoch == 0 and fresh.epoch_sums is None
+    assert "step_in_epoch" not in Progress(epochs_done=1).to_meta()  # an epoch-end save holds no partial sums
+    assert mid.improved(0.1, 4) and (mid.best_val, mid.best_epoch) == (0.1, 4) and not mid.improved(0.2, 5)
+
+
+def test_each_rank_gets_its_own_interval_sums_back():
+    from orb.training.checkpointing import Progress, this_ranks_interval_sums
+    from orb.training.distributed import DataParallel
+
+    sums = np.arange(12, dtype=np.float64).reshape(3, 4)
+    progress = Progress(step_in_epoch=5, epoch_sums=np.zeros(4), interval_sums=sums)
+    for rank in range(3):
+        np.testing.assert_array_equal(this_ranks_interval_sums(progress, DataParallel(rank, 3)), sums[rank])
+    # resumed on another number of ranks: rank 0 takes the total, the others nothing (the sum over ranks is equal)
+    np.testing.assert_array_equal(this_ranks_interval_sums(progress, DataParallel(0, 2)), sums.sum(axis=0))
+    np.testing.assert_array_equal(this_ranks_interval_sums(progress, DataParallel(1, 2)), np.zeros(4))
+    assert this_ranks_interval_sums(Progress(), DataParallel()) is None
+
+
+def test_checkpointer_writes_keeps_and_reads_its_files(tmp_path):
+    """last.ckpt at every save, best and best_weights (evaluation weights, exported) when improved, epoch_XXXX.ckpt
+    every save_every_x_epochs with the newest `keep` kept; what it writes reads back; NaN is never saved."""
+    import mindspore as ms
+
+    from orb.errors import DivergedError
+    from orb.models import create
+    from orb.training.checkpointing import Checkpointer, Progress
+    from orb.training.distributed import DataParallel
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    model = create("orb_v2", **SMALL_MODEL)
+    folder = tmp_path / "checkpoints"
+    checkpointer = Checkpointer(str(folder), DataParallel(), model, {"format": "test", "config": {}}, 2, 7, 2)
+    state = [("optimizer.step", np.array(5))]
+    swapped = []
+
+    from contextlib import contextmanager
+
+    @contextmanager
+    def evaluation_weights():
+        swapped.append(True)
+        yield
+
+    progress = Progress()
+    for epoch, loss in zip(range(1, 8), (5.0, 4.0, 4.5, 3.0, 3.5, 3.6, 3.7)):
+        progress.epochs_done = epoch
+        progress.global_step = 10 * epoch
+        checkpointer.save_epoch(progress, state, progress.improved(loss, epoch), {"epoch": epoch}, evaluation_weights)
+    assert sorted(os.listdir(folder)) == ["best.ckpt", "best_weights.ckpt", "epoch_0006.ckpt", "epoch_0007.ckpt",
+                                          "last.ckpt"]
+    weights, optimizer, meta = checkpointer.read(str(folder / "last.ckpt"))
+    assert meta["format"] == "test" and meta["epoch"] == 7 and meta["global_step"] == 70
+    assert int(optimizer["step"]) == 5 and set(weights) == {n for n, _ in model.parameters_and_names()}
+    assert checkpointer.read(str(folder / "best.ckpt"))[2]["best_epoch"] == 4
+    assert checkpointer.read(str(folder / "best_weights.ckpt"))[2] == {"epoch": 4} and len(swapped) == 3
+    before = (folder / "last.ckpt").read_bytes()
+    with pytest.raises(DivergedError, match="optimizer.moment1.x holds NaN or inf after global step 70: not saved"):
+        checkpointer.save_last(progress, [("optimizer.moment1.x", np.array([np.nan]))])
+    assert (folder / "last.ckpt").read_bytes() == before
+
+
+@pytest.fixture(scope="module")
+def demo_databases():
+    from orb.data.dataset import AseDbDataset
+
+    return {"train": AseDbDataset(DEMO_TRAIN), "val": AseDbDataset(DEMO_VAL)}
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_run_data_plans_every_row_once_per_epoch_on_every_rank(demo_databases, world):
+    """Built alone for each rank of 1 and 4: every training row once per epoch over all ranks, the same number of
+    steps and the same bucket at every step on every rank, the same global batches whatever the ranks, and
+    every validation row once."""
+    from orb.data.loader import BatchLoader
+    from orb.training.config import config_from_dict
+    from orb.training.distributed import DataParallel
+    from orb.training.run_data import RunData
+
+    cfg = config_from_dict(dict(train_data_path=DEMO_TRAIN, val_data_path=DEMO_VAL, batch_size=8, max_epochs=3,
+                                device_target="CPU", data_workers=0, model=dict(SMALL_MODEL)))
+    plans = []
+    for rank in range(world):
+        data = RunData(cfg, DataParallel(rank, world), demo_databases, BatchLoader(demo_databases), True)
+        data.plan(None, None)
+        plans.append(data)
+    single = RunData(cfg, DataParallel(), demo_databases, BatchLoader(demo_databases), True)
+    single.plan(None, None)
+    for epoch in range(3):
+        steps = [p.train_steps(epoch) for p in plans]
+        assert len({len(s) for s in steps}) == 1 and len(steps[0]) == single.steps_per_epoch == 8
+        for k in range(len(steps[0])):
+            assert len({s[k].bucket for s in steps}) == 1  # every rank pads step k alike
+            together = sorted(i for s in steps for i in s[k].indices)
+            assert together == sorted(single.train_steps(epoch)[k].indices)  # the same global batch
+        rows = sorted(i for s in steps for step in s for i in step.indices)
+        assert rows == list(range(64))
+    val = [p.eval_steps("val") for p in plans]
+    assert sorted(i for s in val for step in s for i in step.indices) == list(range(16))
+    assert len({len(s) for s in val}) == 1
+
+
+def test_guards_flag_a_stop_and_name_the_rows_of_non_finite_steps():
+    from orb.errors import DivergedError
+    from orb.signals import StopSignals
+    from orb.training.guards import Guards
+
+    signals = StopSignals()
+    guards = Guards(save_every_minutes=0, max_nonfinite_steps=3, log_every_n_steps=4, is_main=True, signals=signals)
+    assert guards.flags().tolist() == [0.0, 0.0]
+    with signals.deferred():
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert guards.flags().tolist() == [1.0, 0.0] and signals.received == "SIGUSR1"
+    for step in range(1, 6):
+        guards.stepped(0, step, step, (2 * step, 2 * step + 1))
+    rows = lambda indices: [100 + i for i in indices]  # noqa: E731
+    assert guards.check_finite(np.array([0, 0, 0, 0]), rows) == 0
+    assert guards.check_finite(np.array([1, 2, 4, 2]), rows) == 2  # a warning, not a stop
+    with pytest.raises(DivergedError, match=r"3 training steps in a row .* epoch 1, step 5 \(global step 5\), rows "
+                                            r"\[110, 111\]"):
+        guards.check_finite(np.array([3, 3, 5, 3]), rows)
+    stop = guards.stop("epoch 1, step 5 of 8", 5, "/x/last.ckpt")
+    assert str(stop).startswith("stopped by SIGUSR1 at epoch 1, step 5 of 8 (global step 5); state saved in "
+                                "/x/last.ckpt: continue with --resume auto (exit status 75)")
+
+
+def test_reporter_writes_records_on_rank_0_and_forgets_those_after_a_checkpoint(tmp_path):
+    import json
+
+    from orb.training.reporting import Reporter
+
+    main, other = Reporter(str(tmp_path), 0, "false", record_batches=True), Reporter(str(tmp_path), 1, "false", True)
+    for step in (4, 8, 12):
+        for reporter in (main, other):
+            reporter.record({"type": "step", "step": step})
+            reporter.batch(1, step, [step])
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in records] == [4, 8, 12]  # rank 1 wrote none
+    assert os.path.exists(tmp_path / "batches_rank1.jsonl")
+    main.forget_after(8)
+    other.forget_after(8)
+    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [4, 8]
+    assert [json.loads(line)["step"] for line in open(tmp_path / "batches_rank1.jsonl")] == [4, 8]
