@@ -158,10 +158,27 @@ def test_fine_tuning_names_the_checkpoints_architecture(tmp_path):
         load_weights_into(orb_v2(**dict(SMALL_MODEL, latent_dim=64)), path)
 
 
+def add_random_adapters(model, rank=4, scale=0.02):
+    """LoRA adapters on the model's layer and head MLPs, with B drawn at random (not the zeros training starts from),
+    so that merging them changes every adapted weight."""
+    from mindspore import Tensor
+
+    from orb.models.adapters import add_adapters
+
+    adapted = add_adapters(model, rank, 2.0 * rank, ["layers", "heads"], seed=5)
+    rng = np.random.default_rng(6)
+    for path, cell in model.cells_and_names():
+        if path in adapted:
+            cell.lora_b.set_data(Tensor(rng.normal(0, scale, cell.lora_b.shape).astype(np.float32)))
+    assert adapted
+    return model
+
+
 def test_pytorch_orb_models_loads_our_export_and_predicts_the_same(tmp_path, reference):
     """Our exported file in the PyTorch peer environment (``ORB_TORCH_PYTHON``: torch 2.13 + orb-models
     0.4.2, set up by .ci/run): load_state_dict(strict=True) accepts it and orb-models predicts what we
-    predict with the same (non-recipe, randomly initialised) weights."""
+    predict with the same (non-recipe, randomly initialised) weights -- here with low-rank adapters (random,
+    non-zero) on every layer and head MLP, which the export merges into orb-models' plain weights."""
     peer = os.environ.get("ORB_TORCH_PYTHON", "")
     if not peer:
         pytest.skip("ORB_TORCH_PYTHON (a python with torch and orb-models 0.4.2) is not set; .ci/run sets it")
@@ -174,6 +191,7 @@ def test_pytorch_orb_models_loads_our_export_and_predicts_the_same(tmp_path, ref
 
     ms.set_context(mode=ms.GRAPH_MODE)
     model = orb_v2(seed=11)
+    add_random_adapters(model)
     model.set_train(False)
     path = str(tmp_path / "export.ckpt")
     write_torch_checkpoint(to_torch_state_dict(model), path)

@@ -236,7 +236,8 @@ def test_pytorch_orb_models_055_loads_our_export_and_predicts_the_same(tmp_path,
     """Our orb-v3 export in the PyTorch peer environment (``ORB_TORCH_V3_PYTHON``: torch 2.13 +
     orb-models 0.5.5, set up by .ci/run): orb-models' own loader (load_state_dict strict) accepts it
     and predicts what our calculator predicts from the same file. Randomly initialised full-size
-    weights (not the recipe), a periodic crystal and a charged open-shell cluster."""
+    weights (not the recipe), a periodic crystal and a charged open-shell cluster; the model carries random
+    low-rank adapters, which the export merges: orb-models predicts what our adapted model predicts."""
     peer = os.environ.get("ORB_TORCH_V3_PYTHON", "")
     if not peer:
         pytest.skip("ORB_TORCH_V3_PYTHON (a python with torch and orb-models 0.5.5) is not set; .ci/run sets it")
@@ -247,8 +248,11 @@ def test_pytorch_orb_models_055_loads_our_export_and_predicts_the_same(tmp_path,
     from orb.io.torch_format import write_torch_checkpoint
     from orb.models import create
 
+    from test_checkpoint import add_random_adapters
+
     path = str(tmp_path / "export.ckpt")
-    write_torch_checkpoint(to_torch_state_dict(create(name, seed=3)), path)
+    adapted = add_random_adapters(create(name, seed=3))
+    write_torch_checkpoint(to_torch_state_dict(adapted), path)
     z = np.load(V3_NPZ)
     names = ["s0", "s1", "s4"]  # alloy (32 atoms), cluster (13, charge 1, spin 2), periodic ion (charge 2)
     structures = {"names": np.array(names)}
@@ -263,8 +267,8 @@ def test_pytorch_orb_models_055_loads_our_export_and_predicts_the_same(tmp_path,
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     theirs = np.load(tmp_path / "torch.npz")
-    calculator = ORBCalculator.from_checkpoint(path, device_target="CPU", model_name=name)
-    for n in names:
+    calculators = [ORBCalculator.from_checkpoint(path, device_target="CPU", model_name=name), ORBCalculator(adapted)]
+    for n, calculator in ((n, c) for n in names for c in calculators):
         cell = structures[f"{n}/cell"]
         atoms = Atoms(numbers=structures[f"{n}/numbers"], positions=structures[f"{n}/positions"], cell=cell,
                       pbc=bool(np.any(cell != 0)))

@@ -168,6 +168,32 @@ def test_sgd_two_workers_equal_one_device(tmp_path, nine_rows):
     assert_same_weights(par, ref)
 
 
+def test_strategies_on_orb_v3_two_workers_equal_one_device(tmp_path, nine_rows):
+    """freeze, lr_multipliers, anchor and LoRA (adapters beside the other parameters) on an orb-v3 model, plain
+    SGD: 2 workers end with one device's weights (every factor and penalty applied once, after the gradient
+    sum); the frozen layer is the starting one; the exported weights are plain."""
+    extra = {"optimizer": "sgd", "gradient_clip_mode": "none", "lr": 0.05, "model.name": "orb_v3_direct_20_omat",
+             "num_buckets": 1, "freeze": "[layers:0]", "lr_multipliers": "{encoder: 0.25}", "anchor.weight": 0.5,
+             "anchor.groups": "[heads]", "lora.rank": 2, "lora.groups": "[layers:1]", "lora.train_others": "true"}
+    job = launch(common_args(tmp_path / "par", nine_rows, **extra), tmp_path / "logs", cwd=ROOT)
+    one = single(common_args(tmp_path / "one", nine_rows, **extra), timeout=600)
+    out, _ = job.communicate(timeout=600)
+    assert job.returncode == 0 and one.returncode == 0, out[-2000:] + one.stderr[-2000:]
+    par, _ = weights(tmp_path / "par")
+    ref, _ = weights(tmp_path / "one")
+    assert any(k.endswith(".lora_b") and np.abs(v).max() > 0 for k, v in ref.items())  # the adapters trained
+    assert_same_weights(par, ref)
+    from orb.io.checkpoint import load_checkpoint, to_torch_state_dict
+    from orb.models import create
+
+    start = to_torch_state_dict(create("orb_v3_direct_20_omat", seed=1234, **SMALL_MODEL))
+    for key, value in ref.items():
+        if key.startswith("model.gnn_stacks.0."):
+            np.testing.assert_array_equal(value, start[key], err_msg=key)
+    exported = load_checkpoint(str(tmp_path / "par" / "checkpoints" / "best_weights.ckpt"))[0]
+    assert set(exported) == set(start)
+
+
 def test_replay_two_workers_equal_one_device(tmp_path, nine_rows):
     """Replay on 2 workers: the starting model's passes over the data (farthest-point descriptors, pseudo-labels,
     the residual fit of the reference energies) are computed in parts by the ranks and summed; every rank then

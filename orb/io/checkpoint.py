@@ -15,6 +15,7 @@ from mindspore import Tensor, nn
 
 from orb.errors import CheckpointError, SaveError
 from orb.models import build, config_from_state_dict
+from orb.models.adapters import merge_arrays, merged_state
 from orb.models.config import ModelConfig
 from orb.models.gns import REPLAY_HEADS
 from orb.io.files import write_atomically
@@ -38,8 +39,9 @@ def named_parameters(cell: nn.Cell, exported: bool = False) -> "OrderedDict[str,
 
 
 def to_torch_state_dict(model: nn.Cell) -> "OrderedDict[str, np.ndarray]":
-    """The model's weights and buffers as a PyTorch-compatible ``{key: numpy array}`` (no replay heads)."""
-    return OrderedDict((name, p.asnumpy().copy()) for name, p in named_parameters(model, exported=True).items())
+    """The model's weights and buffers as a PyTorch-compatible ``{key: numpy array}``: no replay heads, low-rank
+    adapters merged into their layers' weights."""
+    return merged_state(model, lambda name: not name.startswith(TRAINING_ONLY))
 
 
 def _check_keys(expected: Dict[str, Tuple[int, ...]], given: Dict[str, np.ndarray], source: str) -> None:
@@ -88,7 +90,8 @@ def _ms_checkpoint_arrays(path: str) -> Tuple[Dict[str, np.ndarray], Dict]:
 def read_weights(path: str) -> Tuple["OrderedDict[str, np.ndarray]", Dict]:
     """Model weights from a PyTorch ``.ckpt`` (zip) or a MindSpore checkpoint, plus any stored metadata.
 
-    Optimizer state and replay heads in a training checkpoint are left out (see :func:`load_checkpoint`).
+    Optimizer state and replay heads in a training checkpoint are left out, and low-rank adapters merged into their
+    layers' weights (see :func:`load_checkpoint` for everything a resume needs).
     """
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: checkpoint file does not exist")
@@ -96,7 +99,8 @@ def read_weights(path: str) -> Tuple["OrderedDict[str, np.ndarray]", Dict]:
         return read_torch_checkpoint(path), {}
     arrays, meta = _ms_checkpoint_arrays(path)
     weights = OrderedDict((k, v) for k, v in arrays.items() if not k.startswith(TRAINING_ONLY))
-    return weights, meta
+    alpha = (meta.get("config") or {}).get("lora", {}).get("alpha")
+    return OrderedDict(merge_arrays(weights, alpha)), meta
 
 
 def save_checkpoint(path: str, model: nn.Cell, meta: Optional[Dict] = None,
@@ -107,7 +111,8 @@ def save_checkpoint(path: str, model: nn.Cell, meta: Optional[Dict] = None,
     ``exported``: the model's weights without training-only replay heads. A crash at any point leaves
     either the previous file or the complete new one.
     """
-    entries = [{"name": name, "data": Tensor(p.asnumpy())} for name, p in named_parameters(model, exported).items()]
+    state = to_torch_state_dict(model) if exported else {n: p.asnumpy() for n, p in named_parameters(model).items()}
+    entries = [{"name": name, "data": Tensor(value)} for name, value in state.items()]
     entries += [{"name": name, "data": Tensor(t.asnumpy() if hasattr(t, "asnumpy") else np.asarray(t))}
                 for name, t in (extra or [])]
 

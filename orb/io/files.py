@@ -2,7 +2,7 @@
 (checkpoints, caches, indexes, summaries, record files) is written.
 
 * :func:`write_atomically`: the content goes to a temporary beside the target
-  (``.<name>.tmp-<pid><suffix>``), is synced to the disk, renamed over the target and the rename
+  (``.<name>.tmp-<pid>-<random><suffix>``), is synced to the disk, renamed over the target and the rename
   synced: a reader sees the old file or the new one, never half of one. A write that fails removes
   its temporary and whatever a library made of it (MindSpore writes its own ``...tmp-<pid>.tmp``
   beside the name it is given), then raises.
@@ -17,17 +17,21 @@ import json
 import logging
 import os
 import re
+import secrets
 import socket
 from typing import Callable, Dict, Iterator, List
 
 log = logging.getLogger("orb")
-_TEMPORARY = re.compile(r"^\..+\.tmp-(\d+)(\..*)?$")
+_TEMPORARY = re.compile(r"^\..+\.tmp-(\d+)(-[0-9a-f]+)?(\..*)?$")
 _UNSYNCABLE_WARNED = set()
 
 
 def temporary_prefix(path: str) -> str:
-    """The name every temporary of ``path`` written by this process starts with."""
-    return os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    """A name for one write's temporaries of ``path``: this process's id (for stale clean-up) and a random part, so
+    that concurrent writers of one file (data-parallel ranks keeping the same cache entry, threads, processes of
+    another node with the same id on a shared file system) never share a temporary."""
+    token = secrets.token_hex(4)
+    return os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp-{os.getpid()}-{token}")
 
 
 def _remove_temporaries(prefix: str) -> None:

@@ -54,23 +54,51 @@ class _PortableLinear(nn.Cell):
 
 
 class Linear(nn.Cell):
-    """y = x W^T + b with W of shape (out, in), PyTorch's default initialisation; x is 2-D."""
+    """y = x W^T + b with W of shape (out, in), PyTorch's default initialisation; x is 2-D.
+
+    :meth:`add_adapter` gives it a low-rank adapter (LoRA): the layer then computes with
+    ``W + (alpha / rank) B A`` (``lora_b`` (out, rank) starts at zero, so the layer starts unchanged);
+    :meth:`merged_weight` is that sum, what an exported checkpoint holds in place of ``weight``."""
 
     def __init__(self, in_dim: int, out_dim: int, rng: np.random.Generator, bias: bool = True):
         super().__init__()
         bound = 1.0 / math.sqrt(in_dim)
         self.weight = Parameter(Tensor(uniform((out_dim, in_dim), bound, rng)), name="weight")
         self.has_bias = bias
+        self.adapted = False
         if bias:
             self.bias = Parameter(Tensor(uniform((out_dim,), bound, rng)), name="bias")
             self.function = _CpuLinear() if ops_profile() == "cpu" else _PortableLinear()
         else:
             self.matmul = ops.MatMul(transpose_b=True)
 
+    def add_adapter(self, rank: int, alpha: float, rng: np.random.Generator, path: str) -> None:
+        """A rank-``rank`` adapter; ``path`` (this layer's parameter path) names its parameters uniquely."""
+        out_dim, in_dim = self.weight.shape
+        self.lora_a = Parameter(Tensor(uniform((rank, in_dim), 1.0 / math.sqrt(in_dim), rng)), name=f"{path}.lora_a")
+        self.lora_b = Parameter(Tensor(np.zeros((out_dim, rank), np.float32)), name=f"{path}.lora_b")
+        self.lora_scale = float(alpha) / rank
+        self.lora_product = ops.MatMul()
+        self.adapted = True
+
+    def effective_weight(self) -> Tensor:
+        if self.adapted:
+            return self.weight + self.lora_scale * self.lora_product(self.lora_b, self.lora_a)
+        return self.weight
+
+    def merged_weight(self) -> np.ndarray:
+        """The weight this layer computes with, as a plain layer's ``weight`` (float32)."""
+        weight = self.weight.asnumpy()
+        if not self.adapted:
+            return weight
+        delta = self.lora_b.asnumpy().astype(np.float64) @ self.lora_a.asnumpy().astype(np.float64)
+        return (weight.astype(np.float64) + self.lora_scale * delta).astype(np.float32)
+
     def construct(self, x: Tensor) -> Tensor:
+        weight = self.effective_weight()
         if self.has_bias:
-            return self.function(x, self.weight, self.bias)
-        return self.matmul(x, self.weight)
+            return self.function(x, weight, self.bias)
+        return self.matmul(x, weight)
 
 
 class _CpuScaleRows(nn.Cell):

@@ -101,7 +101,7 @@ class AttentionInteraction(nn.Cell):
         send_gate = ops.sigmoid(self._send_attn(edges)) * cutoff
 
         first = self._edge_mlp.mlp.layer(0)
-        w = first.weight  # (h, 3d) acting on [edge, sender node, receiver node]
+        w = first.effective_weight()  # (h, 3d) acting on [edge, sender node, receiver node]
         node_part = self.matmul_t(nodes, ops.concat((w[:, d:2 * d], w[:, 2 * d:]), 0))  # (N, 2h)
         from_sender = ops.bias_add(node_part[:, :h], first.bias)  # the bias is added per node, not per edge
         pre = (self.matmul_t(edges, w[:, :d])

@@ -43,6 +43,25 @@ DataPath = Union[str, List[str]]  # one file or folder, or a list of them (read 
 
 
 @dataclass
+class AnchorConfig:
+    """L2-SP: a penalty ``weight * sum((theta - theta_0)^2)`` pulling the trained weights toward the starting ones."""
+
+    weight: float = 0.0  # 0 = off
+    groups: List[str] = field(default_factory=list)  # parameter groups anchored ([] = every trained parameter)
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters W + (alpha / rank) B A on the linear layers of the chosen groups' MLPs, merged into W in
+    every exported checkpoint."""
+
+    rank: int = 0  # 0 = off
+    alpha: float = 8.0
+    groups: List[str] = field(default_factory=lambda: ["layers", "heads"])
+    train_others: bool = False  # false: only the adapters train; true: every parameter but the adapted weights
+
+
+@dataclass
 class ReplayConfig:
     """Structures of the foundation's own distribution trained and validated beside the target (replay)."""
 
@@ -81,6 +100,10 @@ class TrainConfig:
     loss_weights: LossWeights = field(default_factory=LossWeights)
     reference_energies: ReferenceEnergyConfig = field(default_factory=ReferenceEnergyConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    freeze: List[str] = field(default_factory=list)  # parameter groups kept at the starting weights
+    lr_multipliers: Dict[str, float] = field(default_factory=dict)  # parameter group -> factor on lr
+    anchor: AnchorConfig = field(default_factory=AnchorConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     energy_key: str = ""  # where non-SQLite data keep their labels (orb.data.formats; "" = the defaults)
     forces_key: str = ""
     stress_key: str = ""
@@ -147,6 +170,11 @@ def _coerce(value: Any, tp, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"config key '{key}' must be a mapping of settings, got {value!r}")
         return _build(tp, value, key + ".")
+    if origin in (dict, Dict):
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}' must be a mapping, got {value!r}")
+        key_type, value_type = typing.get_args(tp)
+        return {_coerce(k, key_type, f"{key}[{k!r}]"): _coerce(v, value_type, f"{key}.{k}") for k, v in value.items()}
     if origin in (list, List):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"config key '{key}' must be a list, got {value!r}")
@@ -271,7 +299,38 @@ def _validate(cfg: TrainConfig) -> TrainConfig:
         if name.count(":") != 1 or not all(name.split(":")):
             raise ConfigError(f"config key 'callbacks[{i}]' must be 'module:Name', got {name!r}")
     _validate_replay(cfg)
+    _validate_strategies(cfg)
     return cfg
+
+
+def _validate_strategies(cfg: TrainConfig) -> None:
+    """freeze, lr_multipliers, anchor and lora: group names the model has, sane numbers."""
+    from orb.models.groups import check_group
+
+    layers = cfg.model.num_message_passing_steps
+    for i, name in enumerate(cfg.freeze):
+        check_group(name, f"freeze[{i}]", layers)
+    for name, factor in cfg.lr_multipliers.items():
+        check_group(name, f"lr_multipliers.{name}", layers)
+        if factor < 0:
+            raise ConfigError(f"config key 'lr_multipliers.{name}' must be >= 0 (0 freezes the group), got {factor}")
+    if cfg.anchor.weight < 0:
+        raise ConfigError(f"config key 'anchor.weight' must be >= 0 (0 = off), got {cfg.anchor.weight}")
+    for i, name in enumerate(cfg.anchor.groups):
+        check_group(name, f"anchor.groups[{i}]", layers)
+    lora = cfg.lora
+    if lora.rank < 0:
+        raise ConfigError(f"config key 'lora.rank' must be >= 0 (0 = off), got {lora.rank}")
+    if lora.rank > min(cfg.model.latent_dim, cfg.model.head_mlp_hidden_dim):
+        raise ConfigError(f"config key 'lora.rank' ({lora.rank}) is above the layer width "
+                          f"({min(cfg.model.latent_dim, cfg.model.head_mlp_hidden_dim)}): a low-rank adapter must be "
+                          "narrower than the layers it adapts")
+    if lora.rank and lora.alpha <= 0:
+        raise ConfigError(f"config key 'lora.alpha' must be positive, got {lora.alpha}")
+    if lora.rank and not lora.groups:
+        raise ConfigError("config key 'lora.groups' is empty: name the groups whose MLPs get adapters")
+    for i, name in enumerate(lora.groups):
+        check_group(name, f"lora.groups[{i}]", layers)
 
 
 def _validate_replay(cfg: TrainConfig) -> None:
@@ -303,11 +362,14 @@ def _validate_replay(cfg: TrainConfig) -> None:
 
 
 
+MAPPINGS = ("lr_multipliers",)  # keys whose value is a mapping, not a block of settings
+
+
 def flatten(d: Dict, prefix: str = "") -> Dict[str, Any]:
     """Nested settings as dotted keys (``model.name``): how errors and resume checks name them."""
     out = {}
     for k, v in d.items():
-        if isinstance(v, dict):
+        if isinstance(v, dict) and prefix + k not in MAPPINGS:
             out.update(flatten(v, f"{prefix}{k}."))
         else:
             out[prefix + k] = v

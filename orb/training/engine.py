@@ -16,6 +16,9 @@ import numpy as np
 
 from orb.data.buckets import Bucket
 from orb.device import compile_cell
+from orb.errors import ConfigError
+from orb.models.adapters import LORA_KEYS
+from orb.models.groups import in_group
 from orb.training import state as training_state
 from orb.training.config import TrainConfig
 from orb.training.distributed import DataParallel
@@ -45,20 +48,55 @@ def make_loss(model, cfg: TrainConfig, has_stress: bool, allreduce=None):
     return LOSSES[cfg.model.family](model, cfg, has_stress, allreduce)
 
 
+def lr_multiplier(name: str, cfg: TrainConfig) -> float:
+    """The learning-rate factor of the parameter at path ``name`` (``lr_multipliers``: later entries win)."""
+    factor = 1.0
+    for group, value in cfg.lr_multipliers.items():
+        if in_group(name, group):
+            factor = value
+    return factor
+
+
+def is_frozen(name: str, cfg: TrainConfig, adapted_layers: set) -> bool:
+    """Kept at the starting weights by ``freeze``, ``freeze_backbone``, a multiplier of 0, or LoRA (the adapted
+    layers' own weights, ``adapted_layers`` holding those layers' paths; with ``lora.train_others`` off,
+    everything but the adapters)."""
+    if any(in_group(name, g) for g in cfg.freeze) or (cfg.freeze_backbone and in_group(name, "backbone")):
+        return True
+    if lr_multiplier(name, cfg) == 0:
+        return True
+    if cfg.lora.rank:
+        adapter = name.endswith(LORA_KEYS)
+        return not adapter and (not cfg.lora.train_others or name.rsplit(".", 1)[0] in adapted_layers
+                                and name.endswith(".weight"))
+    return False
+
+
 def trainable_parameters(model, cfg: TrainConfig) -> list:
-    """Parameters the optimizer updates: all but those that cannot change any output
-    (``model.never_trained()``), the backbone if frozen, and the reference energies unless trained
-    (``reference_energies.trainable``; auto: orb-v2 trains them, orb-v3 keeps them, as orb-models)."""
+    """Parameters the optimizer updates: all but those that cannot change any output (``model.never_trained()``),
+    the reference energies unless trained (``reference_energies.trainable``; auto: orb-v2 trains them, orb-v3
+    keeps them, as orb-models) and those a fine-tuning strategy keeps (:func:`is_frozen`). Training nothing is
+    refused with one line."""
+    names = {id(p): name for name, p in model.parameters_and_names()}
+    adapted = {name[:-len(".lora_a")] for name in names.values() if name.endswith(".lora_a")}
     excluded = {id(p) for p in model.never_trained()}
-    if cfg.freeze_backbone:
-        excluded |= {id(p) for p in model.backbone_parameters()}
     trainable = cfg.reference_energies.trainable
     if trainable == "false" or (trainable == "auto" and cfg.model.family == "orb_v3"):
         excluded |= {id(w) for w in model.reference_energy_weights()}
+    excluded |= {id(p) for p in model.trainable_params() if is_frozen(names[id(p)], cfg, adapted)}
     params = [p for p in model.trainable_params() if id(p) not in excluded]
     for p in model.trainable_params():
         p.requires_grad = id(p) not in excluded
+    if not params:
+        raise ConfigError("config keys 'freeze', 'lr_multipliers', 'freeze_backbone' and 'lora' leave no parameter to "
+                          "train")
     return params
+
+
+def per_element(params, names: List[str], value) -> Optional[np.ndarray]:
+    """A flat vector (the optimizer's layout) holding ``value(name)`` for every element of each parameter."""
+    sizes = [int(np.prod(p.shape)) if p.shape else 1 for p in params]
+    return np.repeat(np.array([value(n) for n in names], np.float32), sizes)
 
 
 class Compiled:
@@ -108,9 +146,14 @@ class Engine:
         self.schedule = make_schedule(cfg.lr_schedule, cfg.lr, total_steps, cfg.warmup_fraction)
         sharding = (Sharding(dp.rank, dp.world_size, dp.reduce_scatter, dp.all_gather, dp.all_reduce)
                     if dp.shard_optimizer else None)
+        anchor = cfg.anchor
+        anchored = per_element(self.params, self.param_names, lambda n: anchor.weight if not anchor.groups or any(
+            in_group(n, g) for g in anchor.groups) else 0.0) if anchor.weight else None
         self.optimizer = FlatAdam(self.params, self.schedule, clip_mode=cfg.gradient_clip_mode,
                                   clip_value=cfg.gradient_clip_val, sharding=sharding, ema_decay=cfg.ema_decay,
-                                  algorithm=cfg.optimizer)
+                                  algorithm=cfg.optimizer, anchor=anchored,
+                                  lr_scale=per_element(self.params, self.param_names,
+                                                       lambda n: lr_multiplier(n, cfg)) if cfg.lr_multipliers else None)
         self.loss_cell = make_loss(model, cfg, has_stress, dp.all_reduce)
         reducer = self.optimizer.gradient_reducer()  # a sharded optimizer reduce-scatters its own slices
         if reducer is None and dp.grad_reducer is not None:

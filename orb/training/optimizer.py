@@ -12,7 +12,10 @@ A step is made of separate pieces, in this order (``orb.training.steps.TrainStep
    rank receives the sum of its own slice only);
 2. :meth:`FlatAdam.flat_gradient`: flattened (this rank's slice when sharded), with the facts
    every rank must agree on (is it finite, its global norm);
-3. clipped (:func:`clip`): ``value`` clamps each element to [-c, c] (orb-models 0.4.2), ``norm``
+3. with ``anchor`` (L2-SP), the penalty's gradient ``2 w (p - p_0)`` added, each element's ``w`` from its
+   parameter's group and ``p_0`` the weights the optimizer started from (a resume restarts from the same
+   starting checkpoint, so ``p_0`` is the same);
+   clipped (:func:`clip`): ``value`` clamps each element to [-c, c] (orb-models 0.4.2), ``norm``
    rescales to a global L2 norm of at most c (PyTorch's ``clip_grad_norm_``), ``none``;
 4. the update rule (:meth:`FlatAdam.apply`): Adam exactly as ``torch.optim.Adam``: m <- b1 m +
    (1 - b1) g, v <- b2 v + (1 - b2) g^2, p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t)
@@ -22,6 +25,8 @@ A step is made of separate pieces, in this order (``orb.training.steps.TrainStep
    of runs can see a wrong gradient scale that Adam would hide);
 5. sharded: the updated slices are all-gathered, so every rank ends the step with identical
    parameters, which are written into the model;
+   With ``lr_scale`` (per-group learning-rate multipliers) each element's update is scaled by its factor
+   (the update of the rule above times the factor: Adam's own arithmetic, then ``p_old + f (p_new - p_old)``);
 6. :class:`WeightAverage`: an exponential moving average of the weights (``ema_decay``).
 
 The optimizer keeps its own flat float32 copy of the parameters (its slice, when sharded).
@@ -160,7 +165,8 @@ class FlatAdam(nn.Cell):
 
     def __init__(self, params: Sequence[Parameter], schedule: Schedule, beta2: float = 0.999, eps: float = 1e-8,
                  clip_mode: str = "value", clip_value: float = 0.5, sharding: Optional[Sharding] = None,
-                 ema_decay: float = 0.0, algorithm: str = "adam"):
+                 ema_decay: float = 0.0, algorithm: str = "adam", anchor: Optional[np.ndarray] = None,
+                 lr_scale: Optional[np.ndarray] = None):
         super().__init__(auto_prefix=False)
         if clip_mode not in CLIP_MODES:
             raise ValueError(f"clip_mode must be one of {CLIP_MODES}, got {clip_mode!r}")
@@ -200,6 +206,21 @@ class FlatAdam(nn.Cell):
         self.broadcasts = Broadcasts()
         self.buckets = tuple([BUCKET] * (self.size // BUCKET) + ([self.size % BUCKET] if self.size % BUCKET else []))
         self.sync_from_model()
+        # per element, this rank's slice: 2 w of the anchor (None: off) and the starting weights; the lr factor
+        self.anchored = anchor is not None and bool(np.any(anchor))
+        if self.anchored:
+            self.anchor_scale = Parameter(Tensor(2.0 * self._local(anchor)), name="optimizer_anchor_scale",
+                                          requires_grad=False)
+            self.anchor_ref = Parameter(Tensor(self._local(self.flat_parameters())), name="optimizer_anchor_ref",
+                                        requires_grad=False)
+        self.scaled = lr_scale is not None and not np.all(np.asarray(lr_scale) == 1.0)
+        if self.scaled:
+            self.lr_factor = Parameter(Tensor(self._local(lr_scale)), name="optimizer_lr_factor", requires_grad=False)
+
+    def _local(self, values: np.ndarray) -> np.ndarray:
+        """This rank's slice of a full-length per-element vector (float32, padded)."""
+        padded = np.concatenate([np.asarray(values, np.float32).reshape(-1), np.zeros(self.padding, np.float32)])
+        return padded[self.offset:self.offset + self.local_size]
 
     @property
     def ema(self) -> Parameter:
@@ -270,10 +291,25 @@ class FlatAdam(nn.Cell):
     def _norm(self, flat):
         return ops.sqrt(self.broadcasts.row_sum(flat.reshape(1, -1) * flat.reshape(1, -1))).reshape(())
 
+    def _global_norm(self, local):
+        """The L2 norm of the whole gradient from this rank's slice (a sum over ranks when sharded)."""
+        if self.sharding is None:
+            return self._norm(local)
+        return ops.sqrt(self.sharding.all_reduce(self._norm(local).reshape(1) ** 2)).reshape(())
+
     def apply(self, grad, norm):
-        """One update from this rank's flat gradient: clip, Adam (or SGD), write back, weight average."""
+        """One update from this rank's flat gradient: anchor, clip, Adam (or SGD), write back, weight average."""
+        if self.anchored:
+            grad = grad + self.anchor_scale * (self.master - self.anchor_ref)
+            if self.clip_mode == "norm":  # the penalty is part of the gradient whose norm is clipped
+                norm = self._global_norm(grad)
         grad = clip(grad, self.clip_mode, self.clip_value, norm, self.broadcasts)
         step = ops.minimum(self.step, self.num_steps - 1)
+        if self.scaled:  # the weights before the update, read before the update writes them
+            before = self.master + 0.0
+            grad = ops.depend(grad, before)
+        else:
+            before = self.master
         if self.algorithm == "sgd":
             done = self.descend(self.master, ops.gather(self.table_lr, step, 0), grad)
         else:
@@ -282,6 +318,8 @@ class FlatAdam(nn.Cell):
                              ops.gather(self.table_lr, step, 0), ops.gather(self.table_beta1, step, 0),
                              self.beta2_tensor, ops.gather(self.table_epsilon, step, 0), grad)
         updated = ops.depend(self.master, done)
+        if self.scaled:
+            updated = ops.depend(self.master, ops.assign(self.master, before + self.lr_factor * (updated - before)))
         full = updated if self.sharding is None else self.sharding.all_gather(updated)
         if self.padding:
             full = full[:self.size]

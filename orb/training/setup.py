@@ -61,6 +61,16 @@ def build_model(cfg: TrainConfig):
             x for x in (references.table and f"table {references.table}", references.file) if x))
     if cfg.replay.enabled and cfg.replay.head == "separate":
         model.add_replay_heads()  # copies of the starting heads, before any fit of the target's
+    if cfg.lora.rank:
+        from orb.models.adapters import add_adapters
+
+        adapted = add_adapters(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.groups, cfg.random_seed)
+        if not adapted:
+            raise ConfigError(f"config key 'lora.groups' ({cfg.lora.groups}): no MLP layer of {cfg.model.name} is in "
+                              "these groups")
+        log.info("LoRA: rank-%d adapters (alpha %g) on %d linear layers of %s; %s", cfg.lora.rank, cfg.lora.alpha,
+                 len(adapted), ", ".join(cfg.lora.groups), "the other parameters train too" if cfg.lora.train_others
+                 else "only the adapters train")
     return model
 
 
@@ -197,6 +207,34 @@ def build_trainer(cfg: TrainConfig, data_parallel: Optional[DataParallel] = None
     return trainer
 
 
+def describe_groups(cfg: TrainConfig, engine: Engine) -> str:
+    """Each parameter group's size, how much of it trains, and with which lr factor and anchor."""
+    from orb.models.groups import group_of, in_group
+    from orb.training.engine import lr_multiplier
+
+    trained = set(engine.param_names)
+    sizes = {}
+    for name, p in engine.model.parameters_and_names():
+        if not p.requires_grad and name not in trained and ("normalizer" in name or "rbf_transform" in name or
+                                                            "bin_edges" in name):
+            continue  # buffers
+        group = group_of(name)
+        total, used, factors, anchors = sizes.setdefault(group, [0, 0, set(), set()])
+        size = int(np.prod(p.shape)) if p.shape else 1
+        sizes[group][0] += size
+        if name in trained:
+            sizes[group][1] += size
+            factors.add(lr_multiplier(name, cfg))
+            anchored = cfg.anchor.weight and (not cfg.anchor.groups or any(in_group(name, g) for g in cfg.anchor.groups))
+            anchors.add(cfg.anchor.weight if anchored else 0.0)
+    parts = []
+    for group, (total, used, factors, anchors) in sizes.items():
+        extra = "".join([f", lr x{'/'.join(f'{f:g}' for f in sorted(factors))}" if factors != {1.0} and factors
+                         else "", f", anchor {'/'.join(f'{a:g}' for a in sorted(anchors))}" if any(anchors) else ""])
+        parts.append(f"{group} {used:,}/{total:,}{extra}")
+    return "; ".join(parts)
+
+
 def describe_buckets(buckets) -> str:
     planned = ", ".join(f"({b.num_nodes}, {b.num_edges}, {b.num_graphs})" for b in buckets if not b.spare)
     spare = [b for b in buckets if b.spare]
@@ -234,5 +272,6 @@ def log_start(cfg: TrainConfig, dp: DataParallel, data: RunData, engine: Engine)
     for name, plan in data.val_plans.items():
         log.info("%s buckets (structures packed by size): %s; padded / real: atoms %.2fx, edges %.2fx", name,
                  describe_buckets(plan.buckets), *plan.padding)
+    log.info("parameter groups (trained / all; lr factor, anchor weight): %s", describe_groups(cfg, engine))
     keys = [k for k in engine.loss_cell.sum_keys if k in METRICS and (data.has_stress or "stress" not in k)]
     log.info("metrics (per epoch, train and validation):\n%s", describe(keys + [BY_ELEMENT]))

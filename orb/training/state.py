@@ -24,7 +24,9 @@ OLDER_FORMATS = ("orb-mindspore-train-1",)
 RESUME_KEYS = ("train_data_path", "batch_size", "max_epochs", "lr", "lr_schedule", "warmup_fraction", "random_seed",
                "augmentation", "ema_decay", "optimizer", "gradient_clip_mode", "gradient_clip_val", "replay.data_path",
                "replay.val_data_path", "replay.val_samples", "replay.labels", "replay.fraction", "replay.num_samples", "replay.selection",
-               "replay.loss_weight", "replay.head")
+               "replay.loss_weight", "replay.head", "freeze", "freeze_backbone", "lr_multipliers", "anchor.weight",
+               "anchor.groups", "lora.rank", "lora.alpha", "lora.groups", "lora.train_others",
+               "reference_energies.trainable")
 
 
 def _full(optimizer: FlatAdam, local: np.ndarray, dp: DataParallel) -> np.ndarray:
