@@ -17,12 +17,13 @@ fatal.
 import hashlib
 import logging
 import os
+import sqlite3
 import tempfile
 from typing import Callable, List, Optional, TypeVar
 
 import numpy as np
 
-from orb.io.files import write_atomically
+from orb.io.files import remove_stale_temporaries, write_atomically
 
 log = logging.getLogger("orb")
 T = TypeVar("T")
@@ -52,6 +53,36 @@ def writable_dir(subfolder: str = "") -> Optional[str]:
 def digest(*parts) -> str:
     """A stable hash of ``parts`` (their ``repr``): how every cache entry is named."""
     return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+_SOURCE_DIGESTS = {}
+SOURCE_SUFFIXES = (".py", ".cc", ".json")
+
+
+def source_digest(*modules: str) -> str:
+    """A hash of the source files of ``modules`` (a package: every source file under it): the code version of an
+    entry that this code computes (a model's outputs, the neighbour counts of its graphs), so that an edit to
+    it, an upgrade of the project included, misses every entry an older version made instead of reusing it."""
+    import importlib.util
+
+    key = tuple(sorted(modules))
+    if key not in _SOURCE_DIGESTS:
+        files = []
+        for name in key:
+            spec = importlib.util.find_spec(name)
+            if spec.submodule_search_locations:
+                for root in spec.submodule_search_locations:
+                    files += [os.path.join(folder, f) for folder, _, names in os.walk(root) for f in names
+                              if f.endswith(SOURCE_SUFFIXES)]
+            else:
+                files.append(spec.origin)
+        sha = hashlib.sha256()
+        for path in sorted(set(files)):
+            sha.update(os.path.relpath(path, os.path.dirname(os.path.dirname(__file__))).encode())
+            with open(path, "rb") as f:
+                sha.update(f.read())
+        _SOURCE_DIGESTS[key] = sha.hexdigest()
+    return _SOURCE_DIGESTS[key]
 
 
 class CacheEntry:
@@ -103,12 +134,15 @@ class CacheEntry:
             log.warning("no writable folder to keep the %s (%s): computed again at the next start; set ORB_CACHE_DIR",
                         what, " or ".join(cache_dirs(self.kind)))
             return None
+        # a killed writer's copy (an index can be as large as its data); on a shared cache folder another node's
+        # writer may have a process id that is not alive here, so only copies untouched for an hour go
+        remove_stale_temporaries(folder, min_age=3600.0)
         path = os.path.join(folder, self.name)
         try:
             write_atomically(path, save, suffix=self.extension)
-        except OSError as exc:
-            log.warning("could not keep the %s in %s (%s): computed again at the next start", what, folder,
-                        exc.strerror or exc)
+        except (OSError, sqlite3.Error) as exc:  # a full disk: OSError, or sqlite3's own error for an index
+            reason = (exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip()) or type(exc).__name__
+            log.warning("could not keep the %s in %s (%s): computed again at the next start", what, folder, reason)
             return None
         self.kept_in = path
         return path

@@ -29,8 +29,12 @@ STOPPED_STATUS = 75  # EX_TEMPFAIL: stopped on request, nothing lost; resuming c
 RESUME_HINT = "continue with --resume auto"  # the launcher recognises a worker that stopped cleanly by this
 
 
-class Stopped(Exception):
-    """The run stopped on a signal with everything worth keeping saved."""
+class Stopped(BaseException):
+    """The run stopped on a signal with everything worth keeping saved.
+
+    A ``BaseException``, as ``KeyboardInterrupt``: a signal arriving inside code that turns any ``Exception`` into
+    a message of its own (a cache read treated as damaged, a file ase.io cannot read, a checkpoint MindSpore
+    cannot load) must still end the run with status 75, not be reported as bad input or swallowed."""
 
     status = STOPPED_STATUS
 

@@ -112,3 +112,44 @@ def test_a_damaged_native_library_is_built_again(cache_dir):
         assert kernels.library_path() == path and os.path.getsize(path) > 0
     finally:
         native.build.cache_clear()
+
+
+def test_a_stop_signal_while_reading_a_cache_entry_stops_and_keeps_the_file(cache_dir):
+    """A stop signal that arrives while a cache file is read ends the run (exit 75), and the file stays: it was
+    taken for damaged and deleted, and the signal swallowed, when Stopped was an ordinary Exception."""
+    from orb.cache import CacheEntry, load_array
+    from orb.signals import Stopped
+
+    entry = CacheEntry("demo", 1, ("data",), ".npy")
+    path = entry.write(lambda tmp: np.save(tmp, np.arange(3)), "demo values")
+
+    def interrupted(_path):
+        raise Stopped("stopped by SIGTERM during start-up")
+
+    with pytest.raises(Stopped):
+        entry.read(interrupted)
+    assert os.path.exists(path)
+    np.testing.assert_array_equal(entry.read(load_array), np.arange(3))
+
+
+def test_a_cache_that_cannot_be_written_names_the_folder_and_the_run_goes_on(cache_dir, caplog):
+    """A failed write (here: the entry's name taken by a folder, as a full disk fails it) leaves no temporary and one
+    warning naming the folder; the writer's own temporaries of a killed earlier process untouched for an hour
+    are removed at the next write, recent ones (perhaps another node's live writer) are kept."""
+    import time
+
+    from orb.cache import CacheEntry, load_array
+
+    entry = CacheEntry("demo", 1, ("data",), ".npy")
+    folder = cache_dir / "demo"
+    os.makedirs(folder / entry.name)  # a folder where the file should go: the rename fails
+    dead = 2 ** 22 + 12345  # above any pid_max default: no such process
+    old, recent = folder / f".x.npy.tmp-{dead}-ab12.npy", folder / f".y.npy.tmp-{dead}-cd34.npy"
+    for stale in (old, recent):
+        stale.write_bytes(b"partial")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    with caplog.at_level("WARNING", logger="orb"):
+        assert entry.write(lambda tmp: np.save(tmp, np.arange(3)), "demo values") is None
+    assert f"could not keep the demo values in {folder}" in caplog.text
+    assert sorted(os.listdir(folder)) == sorted([entry.name, recent.name])  # no temporary of this write left
+    assert entry.read(load_array) is None

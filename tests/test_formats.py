@@ -4,6 +4,7 @@ bad input is one line naming the file, the frame and the key."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -259,3 +260,47 @@ def test_a_bad_value_in_extxyz_is_one_line_naming_file_frame_and_key(tmp_path, c
                             env=dict(os.environ, ORB_CACHE_DIR=str(cache)))
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines() == [f"error: {tmp_path / 'bad.extxyz'}, key '{key}': frame 1: {message}"]
+
+
+@pytest.mark.parametrize("name, content", [
+    ("bad.db", b"SQLite format 3\x00" + b"\x07" * 200),  # a cut-off or overwritten SQLite file
+    ("bad.aselmdb", b"not an lmdb file" * 8),
+])
+def test_a_damaged_database_in_a_list_is_one_line_naming_it(tmp_path, cache, name, content):
+    """A damaged SQLite or ASE-LMDB file among the paths of a list (or a folder) was a traceback from sqlite3 or
+    lmdb while indexing; now one line naming that file."""
+    from orb.data.formats import readable_database
+    from orb.errors import DatasetError
+
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(DatasetError, match=rf"{name}: cannot read it as an ASE database \("):
+        readable_database([DEMO_VAL, str(tmp_path / name)])
+    assert not [f for f in os.listdir(cache / "converted") if f.startswith(".")]  # no temporary left
+
+
+def test_a_stop_signal_while_indexing_exits_75_and_leaves_no_temporary(tmp_path, cache):
+    """SIGTERM while a large extxyz is indexed (start-up: nothing to save) ends the run with exit status 75 (it was
+    turned into 'ase.io cannot read it', exit 2, when the signal landed in the reader), and the half-made index
+    is removed; the next start indexes it whole."""
+    import time
+
+    import ase.io
+
+    frames = demo_frames()
+    ase.io.write(tmp_path / "big.extxyz", frames * 250, format="extxyz")  # 4,000 frames: seconds to index
+    process = subprocess.Popen(
+        [sys.executable, "finetune.py", "--config", "configs/demo.yaml", "--train_data_path",
+         str(tmp_path / "big.extxyz"), "--output_dir", str(tmp_path / "run"), "--device_target", "CPU",
+         "--progress_bar", "false"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, ORB_CACHE_DIR=str(cache)))
+    folder = cache / "converted"
+    deadline = time.time() + 300
+    while not (folder.is_dir() and any(f.startswith(".") for f in os.listdir(folder))):  # indexing has begun
+        assert process.poll() is None and time.time() < deadline, process.communicate()[1][-2000:]
+        time.sleep(0.02)
+    time.sleep(0.3)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 75, err[-2000:]
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("stopped by SIGTERM")
+    assert os.listdir(folder) == []

@@ -22,6 +22,7 @@ def test_progress_round_trips_through_checkpoint_metadata():
     rng = np.random.default_rng(0)
     mid = Progress(epochs_done=3, global_step=1234, best_val=0.123456789, best_epoch=2, step_in_epoch=17,
                    epoch_sums=rng.normal(size=9), interval_sums=rng.normal(size=(4, 9)), skipped=2,
+                   nonfinite=np.array([1, 2, 3]),
                    initial={"val": {"loss": 0.5}}, reference_fit={"method": "residual", "table": {"Cu": -3.25}})
     back = Progress.from_meta(json.loads(json.dumps(mid.to_meta())))  # as a checkpoint stores it: JSON
     for name in ("epochs_done", "global_step", "best_val", "best_epoch", "step_in_epoch", "skipped", "initial",
@@ -29,6 +30,7 @@ def test_progress_round_trips_through_checkpoint_metadata():
         assert getattr(back, name) == getattr(mid, name), name
     np.testing.assert_array_equal(back.epoch_sums, mid.epoch_sums)
     np.testing.assert_array_equal(back.interval_sums, mid.interval_sums)
+    np.testing.assert_array_equal(back.nonfinite, mid.nonfinite)  # the open interval's skipped steps
     fresh = Progress.from_meta(Progress().to_meta())
     assert math.isinf(fresh.best_val) and fresh.step_in_epoch == 0 and fresh.epoch_sums is None
     assert "step_in_epoch" not in Progress(epochs_done=1).to_meta()  # an epoch-end save holds no partial sums
@@ -54,7 +56,7 @@ def test_checkpointer_writes_keeps_and_reads_its_files(tmp_path):
     every save_every_x_epochs with the newest `keep` kept; what it writes reads back; NaN is never saved."""
     import mindspore as ms
 
-    from orb.errors import DivergedError
+    from orb.errors import DivergedError, SaveError
     from orb.models import create
     from orb.training.checkpointing import Checkpointer, Progress
     from orb.training.distributed import DataParallel
@@ -89,6 +91,15 @@ def test_checkpointer_writes_keeps_and_reads_its_files(tmp_path):
     with pytest.raises(DivergedError, match="optimizer.moment1.x holds NaN or inf after global step 70: not saved"):
         checkpointer.save_last(progress, [("optimizer.moment1.x", np.array([np.nan]))])
     assert (folder / "last.ckpt").read_bytes() == before
+    # last.ckpt is written after the best files: when one of those fails (a full disk; here a folder in the way),
+    # last.ckpt still records the previous best, so a resume redoes the epoch and writes them again
+    os.remove(folder / "best.ckpt")
+    os.mkdir(folder / "best.ckpt")
+    progress.epochs_done, progress.global_step = 8, 80
+    with pytest.raises(SaveError, match="could not write .*best.ckpt"):
+        checkpointer.save_epoch(progress, state, progress.improved(1.0, 8), {"epoch": 8}, evaluation_weights)
+    assert (folder / "last.ckpt").read_bytes() == before
+    assert checkpointer.read(str(folder / "last.ckpt"))[2]["best_epoch"] == 4
 
 
 @pytest.fixture(scope="module")

@@ -304,7 +304,8 @@ def test_pseudo_labels_are_the_starting_models_predictions_chosen_by_fps_and_cac
 
     from orb.data.graphs import batch_graphs
     from orb.data.selection import farthest_point_sampling
-    from orb.inference.predictor import DescriptorCell, Predictor
+    from orb.inference.predictor import Predictor
+    from orb.models.cells import DescriptorCell
 
     monkeypatch.setenv("ORB_CACHE_DIR", str(tmp_path / "cache"))
     replay = dict(data_path=small_sets["replay"], fraction=0.5, val_samples=4, labels="model", num_samples=8,

@@ -39,6 +39,10 @@ def test_config_overrides_and_errors(tmp_path):
         (["--save_every_minutes", "inf"], "config key 'save_every_minutes' must be a finite number"),
         (["--random_seed", "-1"], "config key 'random_seed' must be >= 0, got -1"),
         (["--random_seed", str(2 ** 32)], "config key 'random_seed' must be below 4294967296"),
+        # an integer beyond float's range was an OverflowError traceback; huge counts and sizes were accepted
+        (["--lr", "1" + "0" * 400], "config key 'lr' must be a finite number, got 1000000000"),
+        (["--batch_size", str(10 ** 30)], "config key 'batch_size' must be below 4294967296, got 10000000000"),
+        (["--data_workers", "100000"], "config key 'data_workers' must be 0 .* to 256, got 100000"),
         (["--device_id", "-2"], "config key 'device_id' must be >= 0"),
         (["--callbacks", "[mymodule]"], "config key 'callbacks\\[0\\]' must be 'module:Name'"),
     ]:

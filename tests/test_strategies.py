@@ -2,7 +2,6 @@
 parameter group, anchoring to the starting weights (L2-SP) and low-rank adapters merged into exports -- each
 checked against its definition, through a resume, and refused in one line when misconfigured."""
 
-import json
 import os
 import subprocess
 import sys
@@ -10,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import DEMO_TRAIN, DEMO_VAL, ROOT, SMALL_MODEL
+from conftest import DEMO_VAL, ROOT, SMALL_MODEL
 from test_training import make_cfg, params_of, trainer_for
 
 
@@ -119,19 +118,57 @@ def test_lora_trains_only_adapters_exports_merged_weights_and_resumes_exactly(tm
     (["--freeze", "[embedings]"], "config key 'freeze[0]': unknown parameter group 'embedings'; valid: embeddings"),
     (["--lr_multipliers", "{layers:2-9: 0.1}"], "config key 'lr_multipliers.layers:2-9': 'layers:2-9' names layers "
                                                 "the model does not have (it has 4 message-passing layers, 0 to 3)"),
-    (["--lora.rank", "-2"], "config key 'lora.rank' must be >= 0 (0 = off), got -2"),
+    (["--lora.rank", "-2"], "config key 'lora.rank' must be at least 1 (leave it null for no adapters), got -2"),
+    (["--lora.rank", "0"], "config key 'lora.rank' must be at least 1 (leave it null for no adapters), got 0"),
     (["--lora.rank", "999"], "config key 'lora.rank' (999) is above the layer width (128)"),
     (["--anchor.weight", "-0.5"], "config key 'anchor.weight' must be >= 0 (0 = off), got -0.5"),
-    (["--freeze", "[backbone, heads, reference_energies]"], "config keys 'freeze', 'lr_multipliers', "
-                                                            "'freeze_backbone' and 'lora' leave no parameter to train"),
+    (["--freeze", "[backbone, heads, reference_energies]"], "config key 'freeze' (['backbone', 'heads', "
+                                                            "'reference_energies']): no parameter of orb_v2 is left "
+                                                            "to train"),
+    (["--freeze_backbone", "true", "--lr_multipliers", "{heads: 0}", "--reference_energies.trainable", "false"],
+     "config keys 'lr_multipliers' (0 for ['heads']) and 'freeze_backbone': no parameter of orb_v2 is left to train"),
+    (["--lora.rank", "4", "--lora.groups", "[embeddings]"], "config key 'lora.groups' (['embeddings']): no MLP layer "
+                                                             "of orb_v2 is in these groups"),
 ])
 def test_a_misconfigured_strategy_is_one_line_and_writes_nothing(tmp_path, args, message):
+    """Refused before any data is read: no output, and nothing in the cache (a strategy that trains nothing was
+    found only after the databases were surveyed and the replay labels computed)."""
     out = tmp_path / "run"
     result = subprocess.run([sys.executable, "finetune.py", "--config", "configs/demo.yaml", "--output_dir", str(out),
                              "--device_target", "CPU", "--max_epochs", "1", *args], cwd=ROOT, capture_output=True,
-                            text=True, timeout=300)
+                            text=True, timeout=300, env=dict(os.environ, ORB_CACHE_DIR=str(tmp_path / "cache")))
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert result.stderr.strip().splitlines() == [f"error: {message}"] or \
         result.stderr.strip().startswith(f"error: {message}"), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert not out.exists() or not os.listdir(out)
+    assert not [kind for kind in os.listdir(tmp_path / "cache") if not kind.startswith("native")] \
+        if (tmp_path / "cache").exists() else True  # no census, counts or labels: no data was read
+
+
+def test_an_anchored_run_resumes_exactly_and_refuses_other_starting_weights(tmp_path):
+    """anchor: the resumed run pulls toward the weights the run started from (not the resumed ones) and ends bit
+    for bit where the uninterrupted run does; resuming with another checkpoint_path (other starting weights, hence
+    another anchor, other pseudo-labels) is refused naming the key, unless accepted."""
+    from orb.errors import ConfigError
+    from orb.io.checkpoint import save_checkpoint
+    from orb.models import create
+
+    start = tmp_path / "start.ckpt"
+    model = create("orb_v2", seed=7, **SMALL_MODEL)
+    save_checkpoint(str(start), model, exported=True)
+    common = dict(checkpoint_path=str(start), anchor=dict(weight=5.0, groups=["layers", "heads"]), max_epochs=2)
+    straight = trainer_for(make_cfg(tmp_path / "a", **common))
+    straight.fit()
+    first = trainer_for(make_cfg(tmp_path / "b", **common))
+    first.fit(until_epoch=1)
+    resumed = trainer_for(make_cfg(tmp_path / "b", **common), resume=str(tmp_path / "b" / "run"))
+    resumed.fit()
+    for (name, a), (_, b) in zip(straight.model.parameters_and_names(), resumed.model.parameters_and_names()):
+        np.testing.assert_array_equal(a.asnumpy(), b.asnumpy(), err_msg=name)
+    other = tmp_path / "other.ckpt"
+    model.graph_head.mlp.layer(0).weight.set_data(model.graph_head.mlp.layer(0).weight * 1.01)
+    save_checkpoint(str(other), model, exported=True)
+    changed = make_cfg(tmp_path / "b", **dict(common, checkpoint_path=str(other)))
+    with pytest.raises(ConfigError, match="checkpoint_path: its weights .* differ from those the run started from"):
+        trainer_for(changed, resume=str(tmp_path / "b" / "run"))

@@ -176,13 +176,13 @@ def test_calculator_buckets_fit_a_repeated_size_closely():
     predictor = Predictor(create("orb_v2", latent_dim=32, mlp_hidden_dim=64, num_message_passing_steps=2))
     crystal = atoms_to_graph(bulk("Cu", "fcc", a=3.6, cubic=True).repeat((2, 2, 4)))  # 64 atoms, 20 neighbours each
     assert crystal.num_edges == 64 * 20
-    first = predictor._bucket(crystal)
+    first = predictor.bucket_for(crystal)
     assert (first.num_nodes, first.num_edges, first.num_graphs) == (72, 1280, 2)
-    assert predictor._bucket(crystal) is first
+    assert predictor.bucket_for(crystal) is first
     bigger = atoms_to_graph(bulk("Cu", "fcc", a=3.6, cubic=True).repeat((2, 4, 4)))  # 128 atoms
-    grown = predictor._bucket(bigger)
+    grown = predictor.bucket_for(bigger)
     assert grown.num_nodes == 168 and grown.num_edges == int(1.25 * 128 * 20)  # 1.25 x (129 rounded up)
-    sparse = Predictor(predictor.model)._bucket(atoms_to_graph(bulk("Cu", "fcc", a=3.6, cubic=True), radius=3.0))
+    sparse = Predictor(predictor.model).bucket_for(atoms_to_graph(bulk("Cu", "fcc", a=3.6, cubic=True), radius=3.0))
     assert sparse.num_edges == 56  # 4 atoms x 12 neighbours within 3 Å = 48, + 10 %, rounded up to 8
 
 

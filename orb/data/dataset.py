@@ -51,6 +51,7 @@ ONE_PROCESS: Ranks = _OneProcess()
 SQLITE_MAGIC = b"SQLite format 3\x00"
 # Raised whenever what :func:`edge_capacity` counts changes, so no run plans from an older count.
 CAPACITY_VERSION = 1
+GRAPH_CODE = ("orb.data.graphs", "orb.data.neighbours")  # the neighbour counts' code version (orb.cache.source_digest)
 CAPACITY_CACHE = "neighbour_counts"  # the subfolder of the project's cache (``orb.cache``)
 # Raised whenever what :meth:`AseDbDataset.check_rows` checks changes.
 CENSUS_VERSION = 1
@@ -226,8 +227,8 @@ class AseDbDataset:
         self._fingerprint: Optional[str] = None
         self.ids, self.natoms = self._scan()
         self.capacity_pass = RowPass(self, CAPACITY_CACHE, (CAPACITY_VERSION, EDGE_CAPACITY_MARGIN,
-                                                            repr(self.settings)), 1, "counting neighbours",
-                                     self._plausible_capacities)
+                                                            repr(self.settings), cache.source_digest(*GRAPH_CODE)),
+                                     1, "counting neighbours", self._plausible_capacities)
         self.census_pass = RowPass(self, CENSUS_CACHE, (CENSUS_VERSION, charge_spin), len(LABELS),
                                    "checking the rows", _plausible_flags)
         self.weights = self._weights()

@@ -47,8 +47,11 @@ class LabelKeys:
 
 
 def is_sqlite(path: str) -> bool:
-    with open(path, "rb") as f:
-        return f.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
+    except OSError as exc:
+        raise DatasetError(path, f"cannot read it ({exc.strerror or exc})") from None
 
 
 def describe_path(path: Union[str, Sequence[str]]) -> str:
@@ -127,13 +130,27 @@ def _frames(path: str) -> Iterator:
     if path.endswith(".aselmdb") or is_sqlite(path):
         from ase.db import connect
 
-        for row in connect(path, type="aselmdb" if path.endswith(".aselmdb") else "db").select():
-            atoms = row.toatoms()
-            atoms.info.update(row.data or {})
-            # the stored values: ase's row.key_value_pairs gives a key named like one of its row properties
-            # (``charge``: the sum of the initial charges) that property's value instead
-            atoms.info.update({key: vars(row).get(key) for key in row.key_value_pairs})
-            yield atoms
+        row_id = None
+        try:
+            if path.endswith(".aselmdb"):
+                _check_lmdb(path)
+                database = connect(path, type="aselmdb", readonly=True, use_lock_file=False)
+            else:
+                database = connect(path, type="db", use_lock_file=False)
+            for row in database.select():
+                row_id = row.id
+                atoms = row.toatoms()
+                atoms.info.update(row.data or {})
+                # the stored values: ase's row.key_value_pairs gives a key named like one of its row properties
+                # (``charge``: the sum of the initial charges) that property's value instead
+                atoms.info.update({key: vars(row).get(key) for key in row.key_value_pairs})
+                yield atoms
+        except DatasetError:
+            raise
+        except Exception as exc:  # sqlite3's, lmdb's or ase's error on a damaged file: one line, the reason
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            where = "" if row_id is None else f" after row {row_id}"
+            raise DatasetError(path, f"cannot read it as an ASE database{where} ({reason})") from None
         return
     import ase.io
 
@@ -143,6 +160,17 @@ def _frames(path: str) -> Iterator:
     except Exception as exc:  # ase.io's errors vary by format: one line, the reason
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DatasetError(path, f"ase.io cannot read it ({reason})") from None
+
+
+def _check_lmdb(path: str) -> None:
+    """Open an ASE-LMDB file read-only before ase does: a damaged one is one line here, where through
+    ``ase_db_backends`` it also left an object whose clean-up printed a traceback at exit."""
+    import lmdb
+
+    try:
+        lmdb.open(path, subdir=False, readonly=True, lock=False).close()
+    except lmdb.Error as exc:
+        raise DatasetError(path, f"cannot read it as an ASE database ({str(exc).split(': ', 1)[-1]})") from None
 
 
 def _calculator_result(atoms, name: str):

@@ -13,8 +13,6 @@ predicted only. The checkpoint may be PyTorch or MindSpore; its architecture is 
 """
 
 import argparse
-import csv
-import json
 import os
 import sys
 from typing import Dict, List
@@ -111,8 +109,14 @@ def main(argv=None) -> int:
                         help="high: HF32/TF32 matrix products on Ascend/GPU (orb-models' default); highest: float32")
     parser.add_argument("--progress_bar", choices=("auto", "true", "false"), default="auto")
     args = parser.parse_args(argv)
+    from orb.signals import Stopped, listen
+
+    listen()  # a stop signal ends the evaluation at once with status 75: nothing is written until it is complete
     try:
         return evaluate(args)
+    except Stopped as stop:
+        print(f"{stop}", file=sys.stderr)
+        return stop.status
     except OrbInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -174,10 +178,12 @@ def evaluate(args) -> int:
     from orb.data.formats import LabelKeys
     from orb.device import configure_mindspore
     from orb.inference.dispersion import check_dispersion
-    from orb.inference.report import errors_by_element, print_element_table, write_element_table, write_parity_plots
+    from orb.inference.report import errors_by_element, print_element_table
     from orb.models.kernels import describe_profile
     from orb.models.ops_profile import ops_profile, set_ops_profile
 
+    if args.batch_size < 1:
+        raise OrbInputError(f"--batch_size must be at least 1, got {args.batch_size}")
     check_dispersion(args.dispersion, args.xc)
     target = configure_mindspore(args.device_target, matmul_precision=args.matmul_precision)
     set_ops_profile(args.ops_profile)
@@ -202,29 +208,38 @@ def evaluate(args) -> int:
         other["checkpoint"] = os.path.abspath(args.compare)
         summary["compare"] = other
     try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as exc:
-        raise OrbInputError(f"--output_dir {out_dir}: cannot create it ({exc.strerror})") from None
-    fields = [f for f in CSV_FIELDS if any(f in r["row"] for r in results)]
-    with open(os.path.join(out_dir, "predictions.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, restval="")
-        writer.writeheader()
-        writer.writerows(r["row"] for r in results)
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+        written = write_outputs(out_dir, results, summary, runs)
+    except OSError as exc:  # a full disk, a read-only folder: every file is whole or absent
+        raise OrbInputError(f"--output_dir {out_dir}: cannot write the results there "
+                            f"({exc.strerror or exc})") from None
     tables = {name: errors_by_element(run[0]) for name, run in runs.items()}
-    written = write_parity_plots(out_dir, {name: run[1] for name, run in runs.items()})
-    if any(tables.values()):
-        write_element_table(os.path.join(out_dir, "errors_by_element.csv"), tables)
-        written.append(os.path.join(out_dir, "errors_by_element.csv"))
     if args.compare:
         print_comparison(summary, other, names)
     else:
         print_summary(summary)
     if any(tables.values()):
         print_element_table(tables)
-    print(f"wrote {', '.join([os.path.join(out_dir, 'predictions.csv'), os.path.join(out_dir, 'summary.json')] + written)}")
+    print(f"wrote {', '.join(written)}")
     return 0
+
+
+def write_outputs(out_dir: str, results: List[Dict], summary: Dict, runs: Dict) -> List[str]:
+    """predictions.csv, summary.json, the parity plots and errors_by_element.csv, each written atomically (a kill
+    or a full disk leaves every file whole or absent, never a table cut short); the files written."""
+    from orb.inference.report import errors_by_element, write_element_table, write_parity_plots
+    from orb.io.files import write_csv, write_json
+
+    os.makedirs(out_dir, exist_ok=True)
+    fields = [f for f in CSV_FIELDS if any(f in r["row"] for r in results)]
+    written = [os.path.join(out_dir, "predictions.csv"), os.path.join(out_dir, "summary.json")]
+    write_csv(written[0], fields, (r["row"] for r in results))
+    write_json(written[1], summary)
+    written += write_parity_plots(out_dir, {name: run[1] for name, run in runs.items()})
+    tables = {name: errors_by_element(run[0]) for name, run in runs.items()}
+    if any(tables.values()):
+        write_element_table(os.path.join(out_dir, "errors_by_element.csv"), tables)
+        written.append(os.path.join(out_dir, "errors_by_element.csv"))
+    return written
 
 
 def print_comparison(first: Dict, second: Dict, names: List[str]) -> None:

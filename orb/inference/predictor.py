@@ -12,41 +12,14 @@ from typing import Dict, List, Optional
 
 import mindspore as ms
 import numpy as np
-from mindspore import nn
 
 from orb.data.buckets import Bucket, round_up
 from orb.data.graphs import AtomGraphs, pad_batch
 from orb.data.tensors import model_inputs
 from orb.device import compile_cell
+from orb.models.cells import PredictCell
 
 log = logging.getLogger("orb")
-
-
-class PredictCell(nn.Cell):
-    """Forward pass returning (energy eV, forces eV/Å, stress eV/Å^3[, confidence]) of the model's family.
-
-    Compiled whatever the caller's execution mode (``jit``): a calculator made from a model object in a
-    script that never set graph mode ran op by op in PyNative mode, 4x slower at 64 atoms."""
-
-    def __init__(self, model):
-        super().__init__(auto_prefix=False)
-        self.model = model
-
-    @ms.jit
-    def construct(self, *inputs):
-        return self.model.predictions(*inputs)
-
-
-class DescriptorCell(nn.Cell):
-    """Forward pass returning each structure's descriptor (mean node latent, (B, latent_dim))."""
-
-    def __init__(self, model):
-        super().__init__(auto_prefix=False)
-        self.model = model
-
-    @ms.jit
-    def construct(self, *inputs):
-        return self.model.descriptors(*inputs)
 
 
 class Predictor:
@@ -59,7 +32,7 @@ class Predictor:
         self.growth, self.multiple = growth, multiple
         self.compiled: Dict[Bucket, float] = {}
 
-    def _bucket(self, batch: AtomGraphs) -> Bucket:
+    def bucket_for(self, batch: AtomGraphs) -> Bucket:
         """The smallest known bucket that fits, else a new one.
 
         A first bucket fits the batch closely (an MD run or a relaxation repeats one structure size:
@@ -90,7 +63,7 @@ class Predictor:
         ``confidence`` (N, 50): the predicted distribution of each atom's force error over 0-0.3 eV/Å."""
         real = batch.graph_mask
         n_real_nodes = int(batch.n_node[real].sum())
-        bucket = self._bucket(batch)
+        bucket = self.bucket_for(batch)
         padded = pad_batch(batch, bucket.num_nodes, bucket.num_edges, bucket.num_graphs)
         start = time.perf_counter()
         inputs = model_inputs(padded)

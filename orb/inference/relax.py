@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from orb.errors import OrbInputError
+from orb.errors import OrbInputError, RunError
 
 log = logging.getLogger("orb")
 
@@ -146,6 +146,8 @@ def _written(output: str) -> Dict[int, Tuple[int, bool]]:
 
 
 def relax(args) -> Dict:
+    import sqlite3
+
     import ase.db
     from tqdm import tqdm
 
@@ -188,7 +190,11 @@ def relax(args) -> Dict:
     written = []
     with STOP.deferred(), tqdm(total=len(todo), desc="relaxing", disable=not show) as bar:
         def finish(r: Relaxing, converged: bool) -> None:
-            db.write(r.atoms, source_row=r.source_row, relax_steps=r.steps, converged=converged)  # committed now
+            try:
+                db.write(r.atoms, source_row=r.source_row, relax_steps=r.steps, converged=converged)  # committed now
+            except (OSError, sqlite3.Error) as exc:  # a full disk: the rows written before stay
+                raise RunError(f"could not write to {args.output} ({exc}); its {len(done) + len(written)} structures "
+                               "written before are kept: free space, then run again with --resume") from None
             written.append(r.source_row)
             bar.update(1)
 
@@ -204,7 +210,12 @@ def relax(args) -> Dict:
                "mean_steps": float(np.mean([s for s, _ in results.values()])) if results else 0.0,
                "model_calls": relaxer.calls, "seconds": seconds,
                "structures_per_second": len(written) / seconds if seconds > 0 else 0.0}
-    write_json(os.path.splitext(args.output)[0] + ".summary.json", summary)
+    summary_path = os.path.splitext(args.output)[0] + ".summary.json"
+    try:
+        write_json(summary_path, summary)
+    except OSError as exc:
+        raise RunError(f"could not write {summary_path} ({exc.strerror or exc}); the {len(results)} relaxed "
+                       f"structures are kept in {args.output}") from None
     if STOP.received is not None:
         raise Stopped(f"stopped by {STOP.received} after {len(written)} of {len(todo)} structures; the "
                       f"{len(results)} finished ones are kept in {args.output}: {RESUME_HINT.replace(' auto', '')} "
@@ -246,6 +257,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except OrbInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except RunError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(f"relaxed {summary['relaxed_now']} structures in {summary['seconds']:.1f} s "
           f"({summary['structures_per_second']:.2f}/s, {summary['model_calls']} model calls); {args.output} holds "
           f"{summary['structures']}: {summary['converged']} converged, {len(summary['not_converged_rows'])} not "

@@ -2,12 +2,13 @@
 forces, stress; one series per checkpoint) and errors by element (force MAE of each element's atoms,
 energy-per-atom MAE of the structures containing it)."""
 
-import csv
 import os
 from typing import Dict, List, Optional
 
 import numpy as np
 from ase.data import chemical_symbols
+
+from orb.io.files import write_atomically, write_csv
 
 MAX_PLOTTED_ATOMS = 200_000  # force components of the first this many labelled atoms are drawn (all are counted)
 
@@ -63,7 +64,7 @@ def write_parity_plots(out_dir: str, series: Dict[str, ParityPoints]) -> List[st
         ax.legend(loc="upper left", fontsize=8)
         fig.tight_layout()
         path = os.path.join(out_dir, f"parity_{quantity}.png")
-        fig.savefig(path, dpi=120)
+        write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
         plt.close(fig)
         written.append(path)
     return written
@@ -102,18 +103,17 @@ def write_element_table(path: str, tables: Dict[str, List[Dict]]) -> None:
     fields = ["element"]
     for name in tables:
         fields += [f"{name}_atoms", f"{name}_forces_mae", f"{name}_structures", f"{name}_energy_per_atom_mae"]
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, restval="")
-        writer.writeheader()
-        for element in elements:
-            line = {"element": element}
-            for name, rows in tables.items():
-                row = next((r for r in rows if r["element"] == element), None)
-                if row is not None:
-                    for key in ("atoms", "forces_mae", "structures", "energy_per_atom_mae"):
-                        if row[key] is not None:
-                            line[f"{name}_{key}"] = row[key]
-            writer.writerow(line)
+    lines = []
+    for element in elements:
+        line = {"element": element}
+        for name, rows in tables.items():
+            row = next((r for r in rows if r["element"] == element), None)
+            if row is not None:
+                for key in ("atoms", "forces_mae", "structures", "energy_per_atom_mae"):
+                    if row[key] is not None:
+                        line[f"{name}_{key}"] = row[key]
+        lines.append(line)
+    write_csv(path, fields, lines)
 
 
 def print_element_table(tables: Dict[str, List[Dict]]) -> None:

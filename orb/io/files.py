@@ -19,7 +19,8 @@ import os
 import re
 import secrets
 import socket
-from typing import Callable, Dict, Iterator, List
+import time
+from typing import Callable, Dict, Iterable, Iterator, List
 
 log = logging.getLogger("orb")
 _TEMPORARY = re.compile(r"^\..+\.tmp-(\d+)(-[0-9a-f]+)?(\..*)?$")
@@ -100,18 +101,38 @@ def write_json(path: str, value) -> None:
     write_text(path, json.dumps(value, indent=2) + "\n")
 
 
-def remove_stale_temporaries(folder: str) -> List[str]:
-    """Delete the temporaries in ``folder`` whose writer is gone (a save that was killed); returns their names."""
+def write_csv(path: str, fields: List[str], rows: Iterable[Dict]) -> None:
+    """A CSV file (header ``fields``; a row's missing fields empty), written atomically: a kill or a full disk
+    never leaves a table cut short that looks like a result."""
+    import csv
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fields, restval="")
+            writer.writeheader()
+            writer.writerows(rows)
+
+    write_atomically(path, write)
+
+
+def remove_stale_temporaries(folder: str, min_age: float = 0.0) -> List[str]:
+    """Delete the temporaries in ``folder`` whose writer is gone (a save that was killed); returns their names.
+    ``min_age`` (seconds since the file last changed): for folders that processes of other nodes may share, where
+    a process id that is not alive here may be alive there."""
     removed = []
     try:
         names = os.listdir(folder)
     except OSError:
         return removed
+    now = time.time()
     for name in names:
         match = _TEMPORARY.match(name)
         if match and int(match.group(1)) != os.getpid() and not _alive(int(match.group(1))):
+            path = os.path.join(folder, name)
             try:
-                os.remove(os.path.join(folder, name))
+                if min_age and now - os.path.getmtime(path) < min_age:
+                    continue
+                os.remove(path)
                 removed.append(name)
             except OSError:
                 pass

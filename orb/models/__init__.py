@@ -46,15 +46,19 @@ def weights_digest(model) -> str:
     return digest.hexdigest()
 
 
+MODEL_CODE = ("orb.models", "orb.data.graphs", "orb.data.neighbours", "orb.data.tensors")  # what a prediction runs
+
+
 def model_identity(model, digest: Optional[str] = None) -> tuple:
     """Everything that determines what ``model`` computes on a structure: its architecture and graph settings, its
-    weights (``digest``, else hashed now), the operator profile and the numeric precision. The key of every
-    cached model output."""
+    weights (``digest``, else hashed now), the operator profile, the numeric precision and the code that builds
+    its graphs and runs it. The key of every cached model output."""
+    from orb.cache import source_digest
     from orb.device import numeric_precision
     from orb.models.ops_profile import ops_profile
 
     return (tuple(sorted(model.cfg.to_dict().items())), repr(model.cfg.graph_settings()),
-            digest or weights_digest(model), ops_profile(), numeric_precision())
+            digest or weights_digest(model), ops_profile(), numeric_precision(), source_digest(*MODEL_CODE))
 
 
 def _count(weights: Dict[str, np.ndarray], prefix: str) -> int:

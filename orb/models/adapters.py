@@ -46,6 +46,11 @@ def merge_arrays(weights: Dict[str, np.ndarray], alpha: Optional[float]) -> Dict
     adapters = [k[:-len(".lora_a")] for k in weights if k.endswith(".lora_a")]
     if not adapters:
         return weights
+    if alpha is None:
+        from orb.errors import CheckpointError
+
+        raise CheckpointError("the checkpoint holds low-rank adapters but no lora.alpha in its config: it was not "
+                              "written by this program's training")
     out = {k: v for k, v in weights.items() if not k.endswith(LORA_KEYS)}
     for layer in adapters:
         a, b = np.asarray(weights[layer + ".lora_a"], np.float64), np.asarray(weights[layer + ".lora_b"], np.float64)

@@ -46,7 +46,8 @@ class Progress:
     step_in_epoch: int = 0  # steps of epoch ``epochs_done + 1`` already trained (a mid-epoch save)
     epoch_sums: Optional[np.ndarray] = None  # that epoch's metric sums so far (reduced over ranks)
     interval_sums: Optional[np.ndarray] = None  # (ranks, sums): each rank's sums of the open logging interval
-    skipped: int = 0  # that epoch's steps skipped so far for a non-finite gradient
+    skipped: int = 0  # that epoch's steps skipped so far for a non-finite gradient (closed logging intervals)
+    nonfinite: Optional[np.ndarray] = None  # the open interval's [skipped steps in a row, longest run, skipped]
     initial: Dict = field(default_factory=dict)  # validation of the starting model, by set
     reference_fit: Optional[Dict] = None  # the fit of the reference energies made before the first step
 
@@ -61,6 +62,8 @@ class Progress:
             meta["epoch_sums"] = [float(x) for x in self.epoch_sums]
             meta["interval_sums"] = [[float(x) for x in row] for row in np.atleast_2d(self.interval_sums)]
             meta["skipped_steps"] = self.skipped
+            if self.nonfinite is not None:
+                meta["open_nonfinite"] = [int(x) for x in self.nonfinite]
         return meta
 
     @classmethod
@@ -73,6 +76,8 @@ class Progress:
                    epoch_sums=np.asarray(meta["epoch_sums"], np.float64) if step else None,
                    interval_sums=np.atleast_2d(np.asarray(meta["interval_sums"], np.float64)) if step else None,
                    skipped=int(meta.get("skipped_steps") or 0),
+                   nonfinite=np.asarray(meta["open_nonfinite"], np.int64) if step and "open_nonfinite" in meta
+                   else None,
                    initial=meta.get("initial") or {}, reference_fit=meta.get("reference_energies_fit"))
 
     def improved(self, val_loss: float, epoch: int) -> bool:
@@ -161,24 +166,26 @@ class Checkpointer:
 
     def save_epoch(self, progress: Progress, state: Sequence[Tuple[str, np.ndarray]], improved: bool,
                    best_weights: Optional[Dict], evaluation_weights) -> None:
-        """After epoch ``progress.epochs_done``: last.ckpt, best.ckpt and best_weights.ckpt when ``improved``
-        (the latter written inside ``evaluation_weights()``, with ``best_weights`` as its metadata), the periodic
-        epoch file and its retention."""
+        """After epoch ``progress.epochs_done``: best.ckpt and best_weights.ckpt when ``improved`` (the latter
+        written inside ``evaluation_weights()``, with ``best_weights`` as its metadata), the periodic epoch file
+        and its retention, and ``last.ckpt`` last: until it is written a resume redoes the epoch and writes the
+        others again, so a kill or a full disk between two files never leaves a best file older than the best
+        epoch ``last.ckpt`` records."""
         from orb.io.checkpoint import save_checkpoint
 
+        if self.dp.is_main:
+            self._refuse_nonfinite(state, progress.global_step)
+            epoch = progress.epochs_done
+            if improved:
+                save_checkpoint(os.path.join(self.folder, "best.ckpt"), self.model, self.meta(progress), state)
+                with evaluation_weights():
+                    save_checkpoint(os.path.join(self.folder, "best_weights.ckpt"), self.model, best_weights,
+                                    exported=True)
+            if epoch % self.save_every_x_epochs == 0 or epoch == self.max_epochs:
+                save_checkpoint(os.path.join(self.folder, f"epoch_{epoch:04d}.ckpt"), self.model,
+                                self.meta(progress), state)
+                prune_checkpoints(self.folder, self.keep)
         self.save_last(progress, state)
-        if not self.dp.is_main:
-            return
-        epoch = progress.epochs_done
-        if improved:
-            save_checkpoint(os.path.join(self.folder, "best.ckpt"), self.model, self.meta(progress), state)
-            with evaluation_weights():
-                save_checkpoint(os.path.join(self.folder, "best_weights.ckpt"), self.model, best_weights,
-                                exported=True)
-        if epoch % self.save_every_x_epochs == 0 or epoch == self.max_epochs:
-            save_checkpoint(os.path.join(self.folder, f"epoch_{epoch:04d}.ckpt"), self.model, self.meta(progress),
-                            state)
-            prune_checkpoints(self.folder, self.keep)
 
     def read(self, path: str) -> Tuple[Dict[str, np.ndarray], Dict[str, np.ndarray], Dict]:
         """(weights, optimizer state, metadata) of a training checkpoint. In a data-parallel run rank 0 reads the

@@ -55,7 +55,7 @@ class LoraConfig:
     """Low-rank adapters W + (alpha / rank) B A on the linear layers of the chosen groups' MLPs, merged into W in
     every exported checkpoint."""
 
-    rank: int = 0  # 0 = off
+    rank: Optional[int] = None  # null = off; else at least 1
     alpha: float = 8.0
     groups: List[str] = field(default_factory=lambda: ["layers", "heads"])
     train_others: bool = False  # false: only the adapters train; true: every parameter but the adapted weights
@@ -157,6 +157,8 @@ POSITIVE = ("batch_size", "max_epochs", "save_every_x_epochs", "log_every_n_step
             "model.polynomial_order", "model.num_elements", "model.decoder_out_dim")
 NON_NEGATIVE = ("device_id", "random_seed")
 SEED_LIMIT = 2 ** 32  # numpy's and MindSpore's seeds are unsigned 32-bit
+INT_LIMIT = SEED_LIMIT  # every integer setting (a count, a size, a seed) is below it
+MAX_PROCESSES = 256  # data_workers and num_threads: beyond any node's cores
 
 
 def _type_name(tp) -> str:
@@ -180,6 +182,11 @@ def _coerce(value: Any, tp, key: str) -> Any:
             raise ConfigError(f"config key '{key}' must be a list, got {value!r}")
         (item,) = typing.get_args(tp)
         return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is Union and type(None) in typing.get_args(tp) and tp != DataPath:  # Optional[X]: null or an X
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "~")):
+            return None
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _coerce(value, inner, key)
     if tp == DataPath:
         if isinstance(value, (list, tuple)):
             paths = [_coerce(v, str, f"{key}[{i}]") for i, v in enumerate(value)]
@@ -195,12 +202,18 @@ def _coerce(value: Any, tp, key: str) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"config key '{key}' must be a number, got {value!r}")
-        if not math.isfinite(value):
-            raise ConfigError(f"config key '{key}' must be a finite number, got {value!r}")
-        return float(value)
+        try:
+            number = float(value)  # an integer beyond float's range overflows
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number):
+            raise ConfigError(f"config key '{key}' must be a finite number, got {str(value)[:40]}")
+        return number
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"config key '{key}' must be an integer, got {value!r}")
+        if abs(value) >= INT_LIMIT:
+            raise ConfigError(f"config key '{key}' must be below {INT_LIMIT}, got {str(value)[:40]}")
         return value
     if tp is bool:
         if not isinstance(value, bool):
@@ -271,10 +284,12 @@ def _validate(cfg: TrainConfig) -> TrainConfig:
             raise ConfigError(f"config key 'buckets[{i}]' must be [num_nodes, num_edges] with sizes >= 2, got {bucket}")
     if not cfg.train_data_path:
         raise ConfigError("config key 'train_data_path' is empty")
-    if cfg.num_threads < 0:
-        raise ConfigError("config key 'num_threads' must be >= 0 (0 = MindSpore's default)")
-    if cfg.data_workers < 0:
-        raise ConfigError("config key 'data_workers' must be >= 0 (0 = prepare batches in the training process)")
+    if not 0 <= cfg.num_threads <= MAX_PROCESSES:
+        raise ConfigError(f"config key 'num_threads' must be 0 (MindSpore's default) to {MAX_PROCESSES}, "
+                          f"got {cfg.num_threads}")
+    if not 0 <= cfg.data_workers <= MAX_PROCESSES:
+        raise ConfigError(f"config key 'data_workers' must be 0 (prepare batches in the training process) to "
+                          f"{MAX_PROCESSES}, got {cfg.data_workers}")
     if not 0 <= cfg.num_buckets <= MAX_BUCKETS:
         raise ConfigError(f"config key 'num_buckets' must be 0 (chosen) to {MAX_BUCKETS} (each bucket compiles once), "
                           f"got {cfg.num_buckets}")
@@ -319,15 +334,17 @@ def _validate_strategies(cfg: TrainConfig) -> None:
     for i, name in enumerate(cfg.anchor.groups):
         check_group(name, f"anchor.groups[{i}]", layers)
     lora = cfg.lora
-    if lora.rank < 0:
-        raise ConfigError(f"config key 'lora.rank' must be >= 0 (0 = off), got {lora.rank}")
+    if lora.rank is None:
+        return
+    if lora.rank < 1:
+        raise ConfigError(f"config key 'lora.rank' must be at least 1 (leave it null for no adapters), got {lora.rank}")
     if lora.rank > min(cfg.model.latent_dim, cfg.model.head_mlp_hidden_dim):
         raise ConfigError(f"config key 'lora.rank' ({lora.rank}) is above the layer width "
                           f"({min(cfg.model.latent_dim, cfg.model.head_mlp_hidden_dim)}): a low-rank adapter must be "
                           "narrower than the layers it adapts")
-    if lora.rank and lora.alpha <= 0:
+    if lora.alpha <= 0:
         raise ConfigError(f"config key 'lora.alpha' must be positive, got {lora.alpha}")
-    if lora.rank and not lora.groups:
+    if not lora.groups:
         raise ConfigError("config key 'lora.groups' is empty: name the groups whose MLPs get adapters")
     for i, name in enumerate(lora.groups):
         check_group(name, f"lora.groups[{i}]", layers)

@@ -88,9 +88,19 @@ def trainable_parameters(model, cfg: TrainConfig) -> list:
     for p in model.trainable_params():
         p.requires_grad = id(p) not in excluded
     if not params:
-        raise ConfigError("config keys 'freeze', 'lr_multipliers', 'freeze_backbone' and 'lora' leave no parameter to "
-                          "train")
+        raise ConfigError(f"{nothing_trains(cfg)}: no parameter of {cfg.model.name} is left to train")
     return params
+
+
+def nothing_trains(cfg: TrainConfig) -> str:
+    """The keys that froze every parameter, as an error names them."""
+    keys = [f"'freeze' ({cfg.freeze})"] if cfg.freeze else []
+    zeros = [g for g, f in cfg.lr_multipliers.items() if f == 0]
+    keys += [f"'lr_multipliers' (0 for {zeros})"] if zeros else []
+    keys += ["'freeze_backbone'"] if cfg.freeze_backbone else []
+    if not keys:
+        keys = [f"'reference_energies.trainable' ({cfg.reference_energies.trainable})"]
+    return ("config key " if len(keys) == 1 else "config keys ") + " and ".join(keys)
 
 
 def per_element(params, names: List[str], value) -> Optional[np.ndarray]:
@@ -197,6 +207,20 @@ class Engine:
 
         return read_nonfinite(self.train_step)
 
+    def open_nonfinite(self) -> np.ndarray:
+        """The open logging interval's [skipped steps in a row, longest run, skipped], left in place (for a
+        checkpoint: equal on every rank, the gradient being the reduced one)."""
+        values = self.train_step.nonfinite.asnumpy().astype(np.int64)
+        return values[[0, 1, 3]]
+
+    def restore_nonfinite(self, values: np.ndarray) -> None:
+        """What :meth:`open_nonfinite` gave at a mid-epoch save (the latest step's number is of the process that
+        ran it: not kept)."""
+        from orb.training.steps import write_parameter
+
+        row, longest, count = (int(v) for v in values)
+        write_parameter(self.train_step.nonfinite, np.array([row, longest, 0, count]))
+
     def lr(self, step: int) -> float:
         """The learning rate of global step ``step`` (1-based, clamped to the schedule)."""
         return float(self.schedule.lr[min(max(step, 1), len(self.schedule.lr)) - 1])
@@ -247,7 +271,7 @@ class ModelPass:
         self.model, self.batches, self.dp, self.compiled = model, batches, dp, compiled
 
     def labels(self, source) -> Dict[str, np.ndarray]:
-        from orb.inference.predictor import PredictCell
+        from orb.models.cells import PredictCell
 
         offsets = np.concatenate([[0], np.cumsum(source.natoms)]).astype(np.int64)
         out = {"energy": np.zeros(len(source)), "forces": np.zeros((int(offsets[-1]), 3)),
@@ -265,7 +289,7 @@ class ModelPass:
         return self._run("labels", PredictCell(self.model), source, fill, out)
 
     def descriptors(self, source) -> Dict[str, np.ndarray]:
-        from orb.inference.predictor import DescriptorCell
+        from orb.models.cells import DescriptorCell
 
         out = {"descriptors": np.zeros((len(source), self.model.cfg.latent_dim))}
 

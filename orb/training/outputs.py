@@ -87,6 +87,20 @@ def prepare_output_dir(output_dir: str, resume: bool, overwrite: bool) -> None:
     remove_stale_temporaries(os.path.join(output_dir, "checkpoints"))
 
 
+class RunLogFile(logging.FileHandler):
+    """``train.log``: a line that cannot be written (a full disk) is dropped with one warning on the console, not a
+    traceback per line (what ``logging`` prints by default)."""
+
+    warned = False
+
+    def handleError(self, record) -> None:
+        if not self.warned:
+            self.warned = True
+            reason = sys.exc_info()[1]
+            sys.stderr.write(f"warning: cannot write {self.baseFilename} ({getattr(reason, 'strerror', None) or reason}); "
+                             "its lines are dropped, the console has them\n")
+
+
 def setup_logging(output_dir: str, is_main: bool = True, rank: int = 0) -> None:
     """Console (and for rank 0, ``output_dir/train.log``) logging in a readable format."""
     logger = logging.getLogger("orb")
@@ -99,7 +113,7 @@ def setup_logging(output_dir: str, is_main: bool = True, rank: int = 0) -> None:
     logger.addHandler(console)
     if is_main and output_dir:
         os.makedirs(output_dir, exist_ok=True)
-        file_handler = logging.FileHandler(os.path.join(output_dir, "train.log"))
+        file_handler = RunLogFile(os.path.join(output_dir, "train.log"))
         file_handler.setFormatter(fmt)
         logger.addHandler(file_handler)
     logger.propagate = False

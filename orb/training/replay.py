@@ -94,10 +94,12 @@ def select(replay: AseDbDataset, candidates: np.ndarray, count: int, method: str
 
 
 def pseudo_labels(dataset: AseDbDataset, positions: np.ndarray, model: ModelOutputs, model_key: ModelKey,
-                  with_stress: bool, ranks: Ranks) -> LabelTable:
-    """The starting model's energy, forces (and stress) for ``positions`` of ``dataset``, as labels."""
+                  with_stress: bool, ranks: Ranks, head: int = 0) -> LabelTable:
+    """The starting model's energy, forces (and stress) for ``positions`` of ``dataset``, as labels, predicted by the
+    heads that will predict those rows in training (``head`` 1: the separate replay heads, copies of the starting
+    heads made before any reference fit), so that the replay loss starts at zero."""
     positions = np.sort(np.asarray(positions, np.int64))
-    entry = _entry("labels", dataset.identity(), model_key(), positions.tobytes(), with_stress)
+    entry = _entry("labels", dataset.identity(), model_key(), positions.tobytes(), with_stress, head)
     keys = {"energy", "forces", "offsets"} | ({"stress"} if with_stress else set())
     offsets = np.concatenate([[0], np.cumsum(dataset.natoms[positions])]).astype(np.int64)
     cached = entry.read(cache.load_arrays, lambda c: keys <= set(c) and np.array_equal(c["offsets"], offsets)
@@ -106,7 +108,7 @@ def pseudo_labels(dataset: AseDbDataset, positions: np.ndarray, model: ModelOutp
         log.info("replay: pseudo-labels of %d structures of %s read from the cache", len(positions), dataset.path)
         arrays = cached
     else:
-        out = model.labels(Source("replay_labels", dataset, positions))
+        out = model.labels(Source("replay_labels", dataset, positions, head=head))
         arrays = {"energy": out["energy"], "forces": out["forces"].astype(np.float32),
                   "offsets": offsets}
         if with_stress:
@@ -121,8 +123,9 @@ def pseudo_labels(dataset: AseDbDataset, positions: np.ndarray, model: ModelOutp
 def choose(cfg, databases: Dict[str, AseDbDataset], model: ModelOutputs, model_key: ModelKey, with_stress: bool,
            ranks: Ranks) -> Tuple[Optional[Source], Optional[Source]]:
     """The replay rows trained on and validated (``replay_train``, ``replay_val``; None when there are none), their
-    labels set (``labels: model``: the starting model's, computed after any fit of its reference energies,
-    so that they share the fitted energy zero)."""
+    labels set (``labels: model``: the starting model's, by the heads that predict them in training: shared heads
+    after any fit of the reference energies, so that they share the fitted energy zero; separate replay heads
+    as copied before the fit). The replay loss is zero at the first step either way."""
     replay = cfg.replay
     if not replay.enabled:
         return None, None
@@ -130,6 +133,7 @@ def choose(cfg, databases: Dict[str, AseDbDataset], model: ModelOutputs, model_k
     candidates, val = split(data, databases.get("replay_val"), replay.fraction, replay.val_samples, cfg.random_seed)
     chosen = select(data, candidates, replay.num_samples, replay.selection, cfg.random_seed, model, model_key,
                     ranks) if len(candidates) else candidates
+    head = 1 if replay.head == "separate" else 0  # replay structures are predicted by the replay heads
     if replay.labels == "model":
         needed = {}  # database -> positions that need labels
         if len(chosen):
@@ -139,7 +143,6 @@ def choose(cfg, databases: Dict[str, AseDbDataset], model: ModelOutputs, model_k
             previous = needed.get(id(db), (db, np.zeros(0, np.int64)))[1]
             needed[id(db)] = (db, np.union1d(previous, positions))
         for db, positions in needed.values():
-            db.set_labels(pseudo_labels(db, positions, model, model_key, with_stress, ranks))
-    head = 1 if replay.head == "separate" else 0  # replay structures are predicted by the replay heads
+            db.set_labels(pseudo_labels(db, positions, model, model_key, with_stress, ranks, head))
     train = Source("replay", data, chosen, replay.loss_weight, head) if len(chosen) else None
     return train, (Source("replay_val", *val, head=head) if val is not None else None)

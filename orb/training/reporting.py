@@ -10,6 +10,7 @@ import os
 import sys
 from typing import Dict, Optional
 
+from orb.errors import SaveError
 from orb.io.files import append_record, keep_records_up_to
 from orb.metrics import BY_ELEMENT, format_by_element
 
@@ -54,9 +55,14 @@ class Reporter:
         return tqdm(disable=not self.show_bars, dynamic_ncols=True, **kwargs)
 
     def record(self, record: Dict) -> None:
-        """One line of ``metrics.jsonl``."""
+        """One line of ``metrics.jsonl`` (written after the checkpoint it describes: a full disk here loses nothing
+        a resume cannot redo)."""
         if self.main:
-            append_record(self.metrics_path, record)
+            try:
+                append_record(self.metrics_path, record)
+            except OSError as exc:
+                raise SaveError(f"could not append to {self.metrics_path} ({exc.strerror or exc}); the checkpoints "
+                                "hold the run: free space, then continue with --resume auto") from None
 
     def batch(self, epoch: int, global_step: int, row_ids) -> None:
         """With ``record_batches``: the database rows this rank trains on at a step."""

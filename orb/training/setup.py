@@ -25,7 +25,7 @@ from orb.training import state as training_state
 from orb.training.checkpointing import Checkpointer, Progress, resolve, this_ranks_interval_sums
 from orb.training.config import TrainConfig
 from orb.training.distributed import DataParallel
-from orb.training.engine import Compiled, Engine, ModelPass
+from orb.training.engine import Compiled, Engine, ModelPass, trainable_parameters
 from orb.training.guards import Guards
 from orb.training.reference_fit import fit_reference_energies, reference_baseline, table_of_record
 from orb.training.reporting import Reporter
@@ -117,13 +117,15 @@ def restore_reference_fit(record, model) -> None:
     weight.set_data(Tensor(table_of_record(record, weight.asnumpy()).astype(np.float32)))
 
 
-def read_resume(path: str, checkpointer: Checkpointer, cfg: TrainConfig, train_rows: int, fingerprint: str,
+def read_resume(path: str, checkpointer: Checkpointer, cfg: TrainConfig, identity: dict,
                 accept: bool) -> Tuple[dict, dict, dict, str]:
-    """(weights, optimizer state, metadata, path) of the checkpoint to resume, refused if its run's schedule or data
-    order would change (unless accepted)."""
+    """(weights, optimizer state, metadata, path) of the checkpoint to resume, refused if its run's schedule, data
+    order or starting weights (``identity``: this run's, as the checkpointer stores it) would change, unless
+    accepted."""
     path = resolve(path)
     weights, optimizer_state, meta = checkpointer.read(path)
-    changes = training_state.check_resume(meta, cfg.to_dict(), train_rows, path, accept, fingerprint)
+    changes = training_state.check_resume(meta, cfg.to_dict(), identity["train_rows"], path, accept,
+                                          identity["train_fingerprint"], identity["starting_weights"])
     if changes:
         log.warning("resuming with changed settings (accepted): %s", "; ".join(changes))
     return weights, optimizer_state, meta, path
@@ -135,7 +137,7 @@ def build_trainer(cfg: TrainConfig, data_parallel: Optional[DataParallel] = None
     order of the module's docstring. ``callbacks`` are added to those the config names."""
     import mindspore as ms
 
-    from orb.models import model_identity
+    from orb.models import model_identity, weights_digest
     from orb.models.kernels import describe_profile
     from orb.models.ops_profile import set_ops_profile
 
@@ -149,13 +151,15 @@ def build_trainer(cfg: TrainConfig, data_parallel: Optional[DataParallel] = None
     if dp.parallel:
         log.info("data parallel: rank %d of %d (pid %d)", dp.rank, dp.world_size, os.getpid())
     reporter = Reporter(cfg.output_dir, dp.rank, cfg.progress_bar, cfg.record_batches)
+    model = build_model(cfg)
+    trainable_parameters(model, cfg)  # a strategy that trains nothing is refused before any data is read
+    starting_weights = weights_digest(model)
     databases = open_databases(cfg, dp, reporter.show_bars)
     loader = BatchLoader(databases, cfg.data_workers)
     try:
         for name in databases:
             survey(loader, name, dp)
         data = RunData(cfg, dp, databases, loader, trains_stress(cfg, databases))
-        model = build_model(cfg)
         compiled = Compiled()
 
         def one_pass(source):
@@ -168,11 +172,11 @@ def build_trainer(cfg: TrainConfig, data_parallel: Optional[DataParallel] = None
         train = databases["train"]
         identity = {"format": training_state.CHECKPOINT_FORMAT, "random_seed": cfg.random_seed,
                     "config": cfg.to_dict(), "model": cfg.model.to_dict(), "train_rows": len(train),
-                    "train_fingerprint": train.content_fingerprint(), "world_size": dp.world_size}
+                    "train_fingerprint": train.content_fingerprint(), "world_size": dp.world_size,
+                    "starting_weights": starting_weights}
         checkpointer = Checkpointer(os.path.join(cfg.output_dir, "checkpoints"), dp, model, identity,
                                     cfg.save_every_x_epochs, cfg.max_epochs, cfg.keep_checkpoints)
-        resumed = read_resume(resume, checkpointer, cfg, len(train), identity["train_fingerprint"],
-                              accept_config_changes) if resume else None
+        resumed = read_resume(resume, checkpointer, cfg, identity, accept_config_changes) if resume else None
         progress = Progress.from_meta(resumed[2]) if resumed else Progress()
         if progress.reference_fit is not None:
             restore_reference_fit(progress.reference_fit, model)
@@ -192,6 +196,8 @@ def build_trainer(cfg: TrainConfig, data_parallel: Optional[DataParallel] = None
             engine.load(weights, optimizer_state, path)
             if progress.step_in_epoch:  # inside an epoch: this rank's sums of the open logging interval
                 engine.restore_interval_sums(this_ranks_interval_sums(progress, dp))
+                if progress.nonfinite is not None:
+                    engine.restore_nonfinite(progress.nonfinite)
             reporter.forget_after(progress.global_step)
             log.info("resumed from %s: %d epochs%s done, global step %d", path, progress.epochs_done,
                      f" and {progress.step_in_epoch} of {data.steps_per_epoch} steps" if progress.step_in_epoch

@@ -89,11 +89,14 @@ def config_changes(saved: Dict, current: Dict, keys: Sequence[str] = RESUME_KEYS
 
 
 def check_resume(meta: Dict, current_config: Dict, train_rows: int, path: str, accept_changes: bool,
-                 train_fingerprint: str = "") -> List[str]:
-    """Refuse to resume with a changed schedule or data order unless ``accept_changes``; returns the changes.
+                 train_fingerprint: str = "", starting_weights: str = "") -> List[str]:
+    """Refuse to resume with a changed schedule, data order or starting model unless ``accept_changes``; returns
+    the changes.
 
     The training data is compared by content (its rows' ids, atom counts and elements) when the checkpoint
-    recorded it, so a copy elsewhere (node-local scratch, another mount) resumes; else by its path.
+    recorded it, so a copy elsewhere (node-local scratch, another mount) resumes; else by its path. The
+    starting weights (``checkpoint_path``, any reference table, replay heads, initial adapters) are compared by
+    their digest: the anchor pulls toward them, pseudo-labels and the reference fit come from them.
     """
     fmt = meta.get("format")
     if fmt != CHECKPOINT_FORMAT and fmt not in OLDER_FORMATS:
@@ -107,6 +110,9 @@ def check_resume(meta: Dict, current_config: Dict, train_rows: int, path: str, a
         changes.append(f"rows in train_data_path: {rows} -> {train_rows}")
     elif by_content and meta["train_fingerprint"] != train_fingerprint:
         changes.append("train_data_path: the rows' ids, atom counts or elements differ from the checkpoint's data")
+    if meta.get("starting_weights") and starting_weights and meta["starting_weights"] != starting_weights:
+        changes.append("checkpoint_path: its weights (with any reference_energies table or file) differ from those "
+                       "the run started from")
     if changes and not accept_changes:
         raise ConfigError(f"--resume {path}: these settings differ from the checkpoint's run and would change its "
                           f"schedule or data order: {'; '.join(changes)}. Restore them, or pass "

@@ -145,6 +145,7 @@ class Trainer:
         totals = progress.epoch_sums.copy() if first else np.zeros(engine.num_sums)
         skipped = progress.skipped if first else 0
         progress.step_in_epoch, progress.epoch_sums, progress.interval_sums, progress.skipped = 0, None, None, 0
+        progress.nonfinite = None
         seed = cfg.random_seed if cfg.augmentation else None
         compile_before, wait_before = engine.compiled.total(), self.data.loader.wait_time
         start = time.perf_counter()
@@ -227,7 +228,8 @@ class Trainer:
         state = self.engine.optimizer_entries()
         interval = self.dp.gather(self.engine.interval_sums().astype(np.float32)).reshape(self.dp.world_size, -1)
         snapshot = dataclasses.replace(self.progress, step_in_epoch=done, epoch_sums=totals.copy(),
-                                       interval_sums=interval.astype(np.float64), skipped=skipped)
+                                       interval_sums=interval.astype(np.float64), skipped=skipped,
+                                       nonfinite=self.engine.open_nonfinite())
         self.checkpointer.save_last(snapshot, state)
         self.guards.saved()
 
