@@ -34,7 +34,8 @@ LAYOUT_VERSION = 2
 def cache_dirs(subfolder: str = "") -> List[str]:
     """Candidate cache folders, preferred first."""
     configured = os.environ.get("ORB_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "orb_mindspore")
-    fallback = os.path.join(tempfile.gettempdir(), f"orb_mindspore-{os.getuid()}")
+    # $TMPDIR read now, not once per process as tempfile does: a job's own temporary folder (Slurm sets one per job)
+    fallback = os.path.join(os.environ.get("TMPDIR") or tempfile.gettempdir(), f"orb_mindspore-{os.getuid()}")
     return [os.path.join(folder, subfolder) if subfolder else folder for folder in (configured, fallback)]
 
 

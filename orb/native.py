@@ -24,7 +24,7 @@ log = logging.getLogger("orb")
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
 
 
-def _cpu_signature() -> str:
+def cpu_signature() -> str:
     """The CPU's instruction-set flags (what ``-march=native`` compiles for)."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -45,14 +45,15 @@ def _compile(compiler: str, source: str) -> Callable[[str], None]:
 
 
 @lru_cache(maxsize=None)
-def build(source: str, fallback: str) -> Optional[str]:
+def build(source: str, fallback: str, cpu: Optional[str] = None) -> Optional[str]:
     """Path of ``source``'s compiled library (built on first use), or None when it cannot be built,
     with one warning saying why and what is used instead (``fallback``, e.g. "using X; install g++
-    for Y"). A cached library that does not load (cut short by a full disk) is built again."""
+    for Y"). A cached library that does not load (cut short by a full disk) is built again. ``cpu``: the
+    instruction-set flags it is built for (default: this CPU's, :func:`cpu_signature`)."""
     with open(source, "rb") as f:
         text = f.read()
     stem = os.path.splitext(os.path.basename(source))[0]
-    entry = cache.CacheEntry(f"native_{stem}", 1, (hashlib.sha256(text).hexdigest(), FLAGS, _cpu_signature()), ".so")
+    entry = cache.CacheEntry(f"native_{stem}", 1, (hashlib.sha256(text).hexdigest(), FLAGS, cpu or cpu_signature()), ".so")
     cached = entry.read(lambda path: ctypes.CDLL(path) and path)
     if cached is not None:
         return cached

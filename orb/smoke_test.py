@@ -40,7 +40,7 @@ STEP_TOLERANCES = {"loss": 1e-4, "grad_norm": 1e-3, "weights": 1e-6}
 def environment(target: str) -> dict:
     import mindspore as ms
 
-    from orb.models.kernels import describe_profile
+    from orb.models.ops_profile import describe_profile
 
     try:
         devices = ms.hal.device_count(target) if target != "CPU" else os.cpu_count()
@@ -72,13 +72,14 @@ def reference_graph(reference, i):
                       n_node=np.array([len(reference[p + "numbers"])]), n_edge=np.array([len(reference[p + "senders"])]))
 
 
-def check_predictions() -> dict:
-    """orb-v2's energies, forces and stresses against PyTorch orb-models 0.4.2's (worst error / tolerance)."""
+def check_predictions(model=None) -> dict:
+    """orb-v2's energies, forces and stresses against PyTorch orb-models 0.4.2's (worst error / tolerance);
+    ``model``: the one to check (default: the reference weights built here, :func:`reference_model`)."""
     from orb.data.graphs import batch_graphs
     from orb.inference.predictor import Predictor
 
     reference = np.load(REFERENCE)
-    predictor = Predictor(reference_model(reference))
+    predictor = Predictor(model if model is not None else reference_model(reference))
     count = int(reference["meta/n_structures"])
     start = time.perf_counter()
     out = predictor(batch_graphs([reference_graph(reference, i) for i in range(count)]))

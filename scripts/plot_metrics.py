@@ -1,11 +1,11 @@
-"""Plot training curves from metrics.jsonl (see orb/training/plot.py); installed as a console command too."""
+"""Plot training curves from metrics.jsonl (see orb/reports/curves.py); installed as a console command too."""
 
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from orb.training.plot import main  # noqa: E402
+from orb.reports.curves import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -164,9 +164,9 @@ def test_ops_profile_switch(monkeypatch):
     exact = np.logaddexp(0.0, x.astype(np.float64)) - np.log(2.0)
     ops_profile.set_ops_profile("cpu")
     monkeypatch.setenv("ORB_OPS_PROFILE", "portable")  # the environment wins
-    assert ops_profile.ops_profile() == "portable" and not kernels.uses_custom_kernels()
+    assert ops_profile.ops_profile() == "portable" and not ops_profile.uses_custom_kernels()
     assert type(Linear(4, 3, np.random.default_rng(0)).function).__name__ == "_PortableLinear"
-    builtin = kernels.shifted_softplus_op()
+    builtin = ops_profile.activation("ssp")
     assert not isinstance(builtin, ops.Custom)
     builtin_err = np.abs(builtin(Tensor(x)).asnumpy() - exact).max()
     monkeypatch.setenv("ORB_OPS_PROFILE", "auto")
@@ -174,8 +174,8 @@ def test_ops_profile_switch(monkeypatch):
         pytest.fail("the custom kernels could not be built (a C++ compiler is part of the test environment)")
     assert ops_profile.ops_profile() == "cpu"  # auto on the CPU
     assert type(Linear(4, 3, np.random.default_rng(0)).function).__name__ == "_CpuLinear"
-    custom = kernels.shifted_softplus_op()
-    assert isinstance(custom, ops.Custom)
+    custom = ops_profile.activation("ssp")
+    assert isinstance(custom, ops.Custom) and ops_profile.uses_custom_kernels()
     custom_err = np.abs(custom(Tensor(x)).asnumpy() - exact).max()
     assert custom_err <= 4e-6 and builtin_err <= 1e-5  # both usable; the custom one is the accurate one
     assert custom_err <= builtin_err
@@ -204,20 +204,19 @@ def test_cpu_profile_is_refused_off_the_cpu(monkeypatch):
 
 def test_kernel_cache_falls_back(monkeypatch, tmp_path):
     """An unwritable cache folder falls back to a temporary one; the cache key includes the CPU flags."""
-    from orb import cache, native
+    from orb import native
     from orb.models import kernels
 
     blocker = tmp_path / "not_a_folder"
     blocker.write_text("")  # a cache path below a file cannot be created, even by root
     monkeypatch.setenv("ORB_CACHE_DIR", str(blocker / "cache"))
-    monkeypatch.setattr(cache.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     native.build.cache_clear()
     try:
         path = kernels.library_path()
         assert path is not None and path.startswith(str(tmp_path / "tmp"))
-        monkeypatch.setattr(native, "_cpu_signature", lambda: "another cpu")
-        native.build.cache_clear()
-        assert kernels.library_path() != path  # a different CPU never loads this build
+        assert native.build(kernels.SOURCE, "", native.cpu_signature()) == path
+        assert native.build(kernels.SOURCE, "", "another cpu") != path  # a different CPU never loads this build
     finally:
         native.build.cache_clear()
 

@@ -11,7 +11,9 @@ from ase.calculators.emt import EMT
 from ase.calculators.singlepoint import SinglePointCalculator
 
 from conftest import MPTRJ_DB, MPTRJ_THIN_DB
-from orb.data.dataset import AseDbDataset, EpochSampler, random_rotation, rotate_structure
+from orb.data.augmentation import random_rotation, rotate_structure
+from orb.data.dataset import AseDbDataset
+from orb.data.samplers import EpochSampler
 from orb.errors import DatasetError
 
 

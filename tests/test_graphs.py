@@ -9,7 +9,7 @@ from ase import Atoms
 from ase.build import bulk
 from ase.neighborlist import neighbor_list
 
-from orb.data.dataset import EpochSampler
+from orb.data.samplers import EpochSampler
 from orb.data.buckets import Bucket, assign_buckets, check_buckets, largest_batch, pad_to_bucket, plan_buckets
 from orb.errors import ConfigError, StructureError
 from orb.data.graphs import (PADDING_EDGE_LENGTH, atoms_to_graph, batch_graphs, graph_from_arrays, pad_batch,
@@ -146,9 +146,9 @@ def brute_force_best(totals, max_buckets):
     candidate edge capacities that includes the largest."""
     from itertools import combinations
 
-    from orb.data.buckets import _candidate_caps
+    from orb.data.buckets import candidate_caps
 
-    caps = list(_candidate_caps(np.sort(totals), 8))
+    caps = list(candidate_caps(np.sort(totals), 8))
     best = None
     for n in range(max_buckets):
         for chosen in combinations(caps[:-1], n):
@@ -285,7 +285,6 @@ def test_neighbour_counts_are_kept_per_database_and_settings(monkeypatch, tmp_pa
     a damaged cache file is counted again; an unwritable cache warns once and still counts."""
     import ase.db
 
-    from orb import cache
     from orb.data.dataset import AseDbDataset
     from orb.data.loader import BatchLoader
     from orb.models.config import ModelConfig
@@ -307,25 +306,18 @@ def test_neighbour_counts_are_kept_per_database_and_settings(monkeypatch, tmp_pa
     assert first.capacities_read_from is None and first.capacities_kept_in.startswith(str(tmp_path / "cache"))
     np.testing.assert_array_equal(counted, first.count_edge_capacities(0, len(first)))
 
-    def no_count(*args):
-        raise AssertionError("counted although cached")
+    again, second = capacities(inf, workers=2)
+    np.testing.assert_array_equal(again, counted)
+    assert second.capacities_read_from == first.capacities_kept_in and second.capacities_kept_in is None
+    staged = str(tmp_path / "scratch" / "data.db")  # the same data elsewhere (rsync -a, cp -p): read back
+    os.makedirs(os.path.dirname(staged))
+    shutil.copy2(path, staged)
+    loader = BatchLoader({"train": AseDbDataset(staged, settings=inf, require_labels=False)}, 0)
+    np.testing.assert_array_equal(loader.edge_capacities("train"), counted)
+    assert loader.datasets["train"].capacities_read_from == first.capacities_kept_in
 
-    with monkeypatch.context() as patched:
-        patched.setattr(AseDbDataset, "count_edge_capacities", no_count)
-        patched.setattr(BatchLoader, "_new_pool", no_count)
-        again, second = capacities(inf, workers=2)
-        np.testing.assert_array_equal(again, counted)
-        assert second.capacities_read_from == first.capacities_kept_in
-        with pytest.raises(AssertionError, match="counted although cached"):
-            capacities(twenty)  # other settings: other graphs
-        staged = str(tmp_path / "scratch" / "data.db")  # the same data elsewhere (rsync -a, cp -p): read back
-        os.makedirs(os.path.dirname(staged))
-        shutil.copy2(path, staged)
-        loader = BatchLoader({"train": AseDbDataset(staged, settings=inf, require_labels=False)}, 0)
-        np.testing.assert_array_equal(loader.edge_capacities("train"), counted)
-
-    _, changed = capacities(twenty)
-    assert changed.capacities_read_from is None  # and now kept for these settings too
+    _, changed = capacities(twenty)  # other settings: other graphs, counted
+    assert changed.capacities_read_from is None and changed.capacities_kept_in != first.capacities_kept_in
     with open(first.capacities_kept_in, "wb") as f:
         f.write(b"not an array")
     again, damaged = capacities(inf)
@@ -342,7 +334,7 @@ def test_neighbour_counts_are_kept_per_database_and_settings(monkeypatch, tmp_pa
     blocker = tmp_path / "not_a_folder"
     blocker.write_text("")
     monkeypatch.setenv("ORB_CACHE_DIR", str(blocker / "cache"))
-    monkeypatch.setattr(cache.tempfile, "gettempdir", lambda: str(blocker / "tmp"))
+    monkeypatch.setenv("TMPDIR", str(blocker / "tmp"))
     with caplog.at_level("WARNING", logger="orb"):
         unkept, dataset = capacities(inf)
     np.testing.assert_array_equal(unkept, grown)
@@ -442,22 +434,35 @@ def exhaustive_nearest(positions, translations, shifts, self_image, k, cutoff):
     return senders, images % n, candidates[images] - positions[senders], shifts[images // n]
 
 
+def search_of(graph, settings):
+    """The neighbour search a graph was built from, by its construction's definition: its positions, the
+    translations and integer shifts of the cell images searched, the home image, k and the cutoff."""
+    from orb.data.graphs import IMAGE_OFFSETS, minimal_supercell_offsets
+
+    positions, cell = graph.positions.astype(np.float32), graph.cell[0].astype(np.float32)
+    zero = np.zeros((1, 3), np.float32)
+    if not settings.minimal_supercell:
+        if not cell.any():
+            return positions, zero, zero, 0, settings.max_neighbors, settings.radius + 1e-6
+        return positions, IMAGE_OFFSETS @ cell, IMAGE_OFFSETS, 13, settings.max_neighbors, settings.radius + 1e-6
+    offsets = minimal_supercell_offsets(cell, settings.radius) if bool(graph.periodic[0]) else zero
+    home = int(np.flatnonzero(~offsets.any(axis=1))[0])
+    return positions, offsets @ cell, offsets, home, settings.max_neighbors, settings.radius + 1e-8
+
+
 @pytest.mark.parametrize("construction", ["orb_v2", "orb_v3_20", "orb_v3_120"])
-def test_native_neighbour_search_is_exact(construction, monkeypatch):
+def test_native_neighbour_search_is_exact(construction):
     """The compiled cell-list search returns exactly the exhaustive answer, equal distances ordered by
     candidate index; scipy's k-d tree (used without a compiler) returns the same edges up to such ties."""
-    from orb.data import graphs, neighbours
+    from orb.data import neighbours
     from orb.data.graphs import IMAGE_OFFSETS, GraphSettings, atoms_to_graph, minimal_supercell_offsets
 
     assert neighbours.native_search() is not None, "a C++ compiler is part of the test environment"
     settings = {"orb_v2": GraphSettings(), "orb_v3_20": GraphSettings(6.0, 20, True),
                 "orb_v3_120": GraphSettings(6.0, 120, True)}[construction]
-    searched = []
-    monkeypatch.setattr(graphs, "nearest_images", lambda *args: searched.append(args) or
-                        neighbours.nearest_images(*args))
     for atoms in search_cases():
         g = atoms_to_graph(atoms, settings=settings)
-        positions, translations, shifts, self_image, k, cutoff = searched[-1]
+        positions, translations, shifts, self_image, k, cutoff = search_of(g, settings)
         if construction == "orb_v2" and atoms.cell.any():
             assert self_image == 13 and np.array_equal(shifts, IMAGE_OFFSETS)
         elif construction != "orb_v2" and atoms.pbc.all():
@@ -480,7 +485,7 @@ def test_native_neighbour_search_is_exact(construction, monkeypatch):
 
 def test_graphs_build_without_a_compiler(monkeypatch, caplog):
     """Without the compiled search (no g++), graphs come from scipy's k-d tree, with one warning saying so."""
-    from orb import cache, native
+    from orb import native
     from orb.data import neighbours
     from orb.data.graphs import atoms_to_graph
 
@@ -488,7 +493,7 @@ def test_graphs_build_without_a_compiler(monkeypatch, caplog):
     monkeypatch.setenv("PATH", "")
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setenv("ORB_CACHE_DIR", str(os.path.join(os.sep, "nonexistent", "cache")))
-    monkeypatch.setattr(cache.tempfile, "gettempdir", lambda: os.path.join(os.sep, "nonexistent", "tmp"))
+    monkeypatch.setenv("TMPDIR", os.path.join(os.sep, "nonexistent", "tmp"))
     native.build.cache_clear()
     neighbours.native_search.cache_clear()
     try:
@@ -614,7 +619,8 @@ def test_evaluation_steps_pack_every_structure_once_by_size():
     """Validation and prediction passes pack structures by size: each once, every rank part within the limit
     (a structure larger than it alone), padding near none whatever order the rows are stored in; the steps
     hold the same structures for any number of ranks (so do the validation metrics)."""
-    from orb.data.plan import PackedSampler, eval_limit, padding_ratio, step_totals
+    from orb.data.plan import eval_limit, padding_ratio, step_totals
+    from orb.data.samplers import PackedSampler
 
     rng = np.random.default_rng(4)
     sizes = np.clip(np.rint(np.exp(rng.normal(np.log(20), 0.86, 3000))), 1, 444).astype(np.int64)

@@ -78,7 +78,7 @@ def test_intermediates_structure0(model, reference, TOL):
     np.testing.assert_allclose(edge_features.asnumpy(), z[p + "inter/edge_features"], atol=TOL["edge_features"])
     embedding = gns.atom_emb(Tensor(z[p + "numbers"].astype(np.int32)))
     np.testing.assert_array_equal(embedding.asnumpy(), z[p + "inter/atom_embedding"])
-    nodes, edges = gns._encoder(embedding, edge_features)
+    nodes, edges = gns.encoder(embedding, edge_features)
     np.testing.assert_allclose(nodes.asnumpy(), z[p + "inter/encoder_nodes"], atol=TOL["encoder"])
     np.testing.assert_allclose(edges.asnumpy(), z[p + "inter/encoder_edges"], atol=TOL["encoder"])
     cutoff = polynomial_envelope(r, 6.0, 4).reshape(-1, 1)
@@ -162,7 +162,7 @@ def test_training_loss_normalisers_and_gradients(reference, TOL):
 
     from orb.io.checkpoint import load_torch_state_dict
     from orb.data.graphs import batch_graphs
-    from orb.training.loss import OrbLoss
+    from orb.training.loss_v2 import OrbLoss
     from orb.training.steps import EvalStep
     from orb.models.orb_v2 import orb_v2
     from orb.models.recipe import model_recipe_weights

@@ -183,3 +183,140 @@ def test_reporter_writes_records_on_rank_0_and_forgets_those_after_a_checkpoint(
     other.forget_after(8)
     assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [4, 8]
     assert [json.loads(line)["step"] for line in open(tmp_path / "batches_rank1.jsonl")] == [4, 8]
+
+
+def small_batch(rows, bucket):
+    from orb.data.dataset import AseDbDataset
+    from orb.data.graphs import batch_graphs, pad_batch
+
+    data = AseDbDataset(DEMO_TRAIN)
+    return pad_batch(batch_graphs([data.get(i) for i in rows]), bucket.num_nodes, bucket.num_edges,
+                     bucket.num_graphs)
+
+
+def test_engine_alone_trains_gives_out_its_state_and_takes_it_back():
+    """An Engine built on a model (no data, no files): a step changes the weights; another Engine given that
+    state (weights, moments, EMA, step) continues bit for bit as the first one does."""
+    import mindspore as ms
+
+    from orb.data.buckets import Bucket
+    from orb.data.tensors import loss_arrays
+    from orb.models import create
+    from orb.training.config import config_from_dict
+    from orb.training.distributed import DataParallel
+    from orb.training.engine import Engine
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    cfg = config_from_dict(dict(train_data_path=DEMO_TRAIN, device_target="CPU", model=dict(SMALL_MODEL),
+                                lr_schedule="constant"))
+    bucket = Bucket(64, 1280, 5)
+    first, second = (small_batch(rows, bucket) for rows in ((0, 1, 2, 3), (4, 5, 6, 7)))
+    a = Engine(create("orb_v2", seed=1, **SMALL_MODEL), cfg, DataParallel(), True, 10)
+    before = {n: p.asnumpy().copy() for n, p in a.model.parameters_and_names()}
+    a.train(loss_arrays(first), bucket)
+    assert any(not np.array_equal(p.asnumpy(), before[n]) for n, p in a.model.parameters_and_names())
+    entries = a.optimizer_entries()
+    b = Engine(create("orb_v2", seed=2, **SMALL_MODEL), cfg, DataParallel(), True, 10)
+    b.load({n: p.asnumpy() for n, p in a.model.parameters_and_names()},
+           {k[len("optimizer."):]: v for k, v in entries}, "engine a")
+    for (key, x), (_, y) in zip(entries, b.optimizer_entries()):
+        np.testing.assert_array_equal(x, y, err_msg=key)
+    a.take_interval_sums()  # the first step's metric sums: b holds none
+    for engine in (a, b):
+        engine.train(loss_arrays(second), bucket)
+    for (name, x), (_, y) in zip(a.model.parameters_and_names(), b.model.parameters_and_names()):
+        np.testing.assert_array_equal(x.asnumpy(), y.asnumpy(), err_msg=name)
+    np.testing.assert_array_equal(a.take_interval_sums(), b.take_interval_sums())
+
+
+def test_model_pass_alone_fills_every_structure_in_the_sources_order():
+    """ModelPass over batches given in any order (here reversed, several per source) returns each structure's
+    labels where the source has it: equal to one prediction of all of them together."""
+    from types import SimpleNamespace
+
+    import mindspore as ms
+
+    from orb.data.buckets import Bucket
+    from orb.data.dataset import AseDbDataset
+    from orb.data.graphs import batch_graphs
+    from orb.data.mixture import Source
+    from orb.data.tensors import loss_arrays
+    from orb.inference.predictor import Predictor
+    from orb.models import create
+    from orb.training.distributed import DataParallel
+    from orb.training.engine import Compiled, ModelPass
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    model = create("orb_v2", seed=3, **SMALL_MODEL)
+    model.set_train(False)
+    data = AseDbDataset(DEMO_TRAIN)
+    source = Source("some rows", data, [9, 2, 30, 4, 17, 5])
+    bucket = Bucket(80, 1600, 5)
+
+    def batches(src):
+        for indices in ([4, 5], [0, 1, 2], [3]):
+            rows = [int(src.positions[i]) for i in indices]
+            yield SimpleNamespace(bucket=bucket, indices=indices), loss_arrays(small_batch(rows, bucket))
+
+    out = ModelPass(model, batches, DataParallel(), Compiled()).labels(source)
+    expected = Predictor(model)(batch_graphs([data.get(int(p)) for p in source.positions]))
+    np.testing.assert_allclose(out["energy"], expected["energy"], rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(out["forces"], expected["forces"], atol=1e-5)
+    np.testing.assert_allclose(out["stress"], expected["stress"], atol=1e-6)
+
+
+class KnownOutputs:
+    """A starting model whose outputs are known: each structure's descriptor is its row id on a line, its
+    energy 100 + row id, forces 0.5, stress 0.25; calls are counted."""
+
+    def __init__(self, dataset):
+        self.dataset, self.calls = dataset, []
+
+    def descriptors(self, source):
+        self.calls.append(("descriptors", len(source)))
+        ids = self.dataset.ids[source.positions].astype(np.float64)
+        return {"descriptors": np.stack([ids, np.zeros_like(ids)], 1)}
+
+    def labels(self, source):
+        self.calls.append(("labels", len(source), source.head))
+        atoms = int(self.dataset.natoms[source.positions].sum())
+        return {"energy": 100.0 + self.dataset.ids[source.positions], "forces": np.full((atoms, 3), 0.5),
+                "stress": np.full((len(source), 6), 0.25)}
+
+
+@pytest.mark.parametrize("head", ["shared", "separate"])
+def test_replay_choice_alone_selects_spread_rows_and_labels_them_once(tmp_path, monkeypatch, head):
+    """replay.choose with a known starting model (no network, no trainer): farthest-point sampling spreads the
+    chosen rows over the descriptor line; held-out rows are never chosen; every chosen and held-out row
+    carries the model's labels, predicted by the heads that will predict it; a second choice with the same
+    model reads both from the cache, another model's identity computes them again."""
+    from orb.data.dataset import ONE_PROCESS, AseDbDataset
+    from orb.training import replay
+    from orb.training.config import config_from_dict
+
+    monkeypatch.setenv("ORB_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = config_from_dict(dict(train_data_path=DEMO_TRAIN, checkpoint_path="x.ckpt", model=dict(SMALL_MODEL),
+                                replay=dict(data_path=DEMO_TRAIN, fraction=0.25, num_samples=8, val_samples=6,
+                                            labels="model", head=head)))
+
+    def choose(key):
+        data = AseDbDataset(DEMO_TRAIN)
+        outputs = KnownOutputs(data)
+        train, val = replay.choose(cfg, {"replay": data}, outputs, lambda: key, True, ONE_PROCESS)
+        return data, outputs, train, val
+
+    data, outputs, train, val = choose(("model", 1))
+    ids = sorted(int(data.ids[p]) for p in train.positions)
+    assert len(ids) == 8 and not set(train.positions) & set(val.positions) and len(val) == 6
+    assert min(np.diff(ids)) >= 3 and ids[0] <= 4 and ids[-1] >= 60  # spread over 64 rows, ends included
+    expected_head = 1 if head == "separate" else 0
+    assert train.head == val.head == expected_head
+    assert outputs.calls == [("descriptors", 58), ("labels", 14, expected_head)]
+    for position in list(train.positions) + list(val.positions):
+        graph = data.get(int(position))
+        assert float(graph.energy[0]) == 100.0 + data.ids[position] and np.all(graph.forces == 0.5)
+    again, outputs_again, train_again, _ = choose(("model", 1))
+    assert outputs_again.calls == [] and np.array_equal(train_again.positions, train.positions)
+    assert float(again.get(int(train.positions[0])).energy[0]) == 100.0 + data.ids[train.positions[0]]
+    _, other, _, _ = choose(("model", 2))
+    assert [c[0] for c in other.calls] == ["descriptors", "labels"]

@@ -33,7 +33,7 @@ def copy_rows(source, path, count=None, start=0, transform=None, **key_values):
 
 # ------------------------------------------------------------------ the data layer
 def test_mixed_sampler_takes_every_target_once_per_epoch_and_a_fixed_replay_share():
-    from orb.data.mixture import MixedSampler
+    from orb.data.samplers import MixedSampler
 
     targets, replays, batch, per_step = 23, 10, 8, 3
     sampler = MixedSampler(targets, replays, batch, per_step, seed=5)

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+
 from conftest import ROOT
 
 
@@ -22,21 +24,15 @@ def test_smoke_test_passes_and_prints_a_report():
     assert text.rstrip().endswith("all checks passed")
 
 
-def test_smoke_test_fails_on_a_wrong_model(monkeypatch):
+def test_smoke_test_fails_on_a_wrong_model():
     """A model whose weights differ slightly from PyTorch's (one output bias moved by 1e-3) must fail the check."""
     import mindspore as ms
 
     from orb import smoke_test
 
     ms.set_context(mode=ms.GRAPH_MODE)
-    build = smoke_test.reference_model
-
-    def wrong(reference):
-        model = build(reference)
-        bias = model.graph_head.mlp.layer(-1).bias
-        bias.set_data(ms.Tensor(bias.asnumpy() + 1e-3))
-        return model
-
-    monkeypatch.setattr(smoke_test, "reference_model", wrong)
-    result = smoke_test.check_predictions()
+    model = smoke_test.reference_model(np.load(smoke_test.REFERENCE))
+    bias = model.graph_head.mlp.layer(-1).bias
+    bias.set_data(ms.Tensor(bias.asnumpy() + 1e-3))
+    result = smoke_test.check_predictions(model)
     assert not result["passed"] and result["worst_error_over_tolerance"]["energy"] > 1.0

@@ -59,7 +59,7 @@ def test_loss_falls_on_a_fixed_batch():
     from orb.data.graphs import batch_graphs, pad_batch
     from orb.data.tensors import loss_inputs
     from orb.models.orb_v2 import orb_v2
-    from orb.training.loss import OrbLoss
+    from orb.training.loss_v2 import OrbLoss
     from orb.training.optimizer import FlatAdam
     from orb.training.schedule import constant
     from orb.training.steps import TrainStep
@@ -85,7 +85,7 @@ def test_train_step_updates_the_normalisers():
     from orb.data.graphs import batch_graphs, pad_batch
     from orb.data.tensors import loss_inputs
     from orb.models.orb_v2 import orb_v2
-    from orb.training.loss import OrbLoss
+    from orb.training.loss_v2 import OrbLoss
     from orb.training.optimizer import FlatAdam
     from orb.training.schedule import constant
     from orb.training.steps import TrainStep

@@ -146,7 +146,7 @@ def test_evaluate_without_labels_and_with_some(reference_model, tmp_path):
 
 
 def test_plot_metrics(tmp_path):
-    from orb.training.plot import plot, read_epochs
+    from orb.reports.curves import plot, read_epochs
 
     metrics = os.path.join(DATA, "demo_metrics.jsonl")
     epochs = read_epochs(metrics)

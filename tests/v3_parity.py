@@ -126,7 +126,7 @@ def check_inter(model, short, k, report):
         senders, receivers = Tensor(Z[g + "senders"].astype(np.int32)), Tensor(Z[g + "receivers"].astype(np.int32))
         node_graph = Tensor(np.zeros(len(Z[name + "/numbers"]), np.int32))
         features, cutoff = gns.edge_features(Tensor(vectors))
-        nodes, edges = gns._encoder(gns.atom_emb(numbers), features)
+        nodes, edges = gns.encoder(gns.atom_emb(numbers), features)
         report.compare("nodes_encoder", nodes.asnumpy(), Z[f"{short}/{name}/nodes_encoder"])
         cond = None
         if model.cfg.omol:

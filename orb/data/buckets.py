@@ -55,7 +55,7 @@ COMPILE_COST_STEPS = 500  # one more compiled shape is worth it if it saves this
 AUTO_MAX_BUCKETS = 8
 
 
-def _candidate_caps(totals: np.ndarray, multiple: int) -> np.ndarray:
+def candidate_caps(totals: np.ndarray, multiple: int) -> np.ndarray:
     """Edge capacities a bucket may take: fine quantiles of the steps' edge totals, the tail resolved to its
     largest step (a top bucket far above every step actually seen is padding paid on every step it takes)."""
     levels = np.unique(np.concatenate([np.linspace(0, 1, 257), 1 - np.logspace(-7, -1, 13)]))
@@ -105,7 +105,7 @@ def plan_buckets(nodes: np.ndarray, edges: np.ndarray, graphs: int, worst: Tuple
     nodes, edges = np.asarray(nodes, np.int64), np.asarray(edges, np.int64)
     order = np.argsort(edges, kind="stable")
     nodes, edges = nodes[order], edges[order]
-    caps = _candidate_caps(edges, multiple)
+    caps = candidate_caps(edges, multiple)
     options = _best_caps(edges, caps, max_buckets or AUTO_MAX_BUCKETS)
     if max_buckets:
         _, chosen = options[-1]

@@ -19,9 +19,9 @@ import numpy as np
 
 from orb import cache
 from orb.errors import ClusterError, DatasetError, StructureError
-from orb.data.formats import frame_of
+from orb.data.formats import SQLITE_MAGIC, frame_of
 from orb.data.sqlite_rows import RowReader
-from orb.data.plan import fixed_batches
+from orb.data.augmentation import matrix_to_voigt, random_rotation, rotate_structure
 from orb.data.graphs import (EDGE_CAPACITY_MARGIN, AtomGraphs, GraphSettings, capacity_is_counted, check_structure,
                              edge_capacity, graph_from_arrays)
 
@@ -48,7 +48,6 @@ class _OneProcess:
 
 ONE_PROCESS: Ranks = _OneProcess()
 
-SQLITE_MAGIC = b"SQLite format 3\x00"
 # Raised whenever what :func:`edge_capacity` counts changes, so no run plans from an older count.
 CAPACITY_VERSION = 1
 GRAPH_CODE = ("orb.data.graphs", "orb.data.neighbours")  # the neighbour counts' code version (orb.cache.source_digest)
@@ -71,40 +70,6 @@ def check_sqlite_file(path: str) -> None:
         head = f.read(len(SQLITE_MAGIC))
     if head != SQLITE_MAGIC:
         raise DatasetError(path, "is not an SQLite database (an ASE db written with ase.db.connect('x.db'))")
-
-
-def voigt_to_matrix(stress: np.ndarray) -> np.ndarray:
-    """ASE Voigt order [xx, yy, zz, yz, xz, xy] to a symmetric 3x3 matrix."""
-    xx, yy, zz, yz, xz, xy = stress
-    return np.array([[xx, xy, xz], [xy, yy, yz], [xz, yz, zz]])
-
-
-def matrix_to_voigt(m: np.ndarray) -> np.ndarray:
-    """Symmetric 3x3 matrix to ASE Voigt order [xx, yy, zz, yz, xz, xy]."""
-    return np.array([m[0, 0], m[1, 1], m[2, 2], m[1, 2], m[0, 2], m[0, 1]])
-
-
-def random_rotation(rng: np.random.Generator) -> np.ndarray:
-    """A uniformly random proper rotation matrix (Haar measure, det = +1)."""
-    q, r = np.linalg.qr(rng.standard_normal((3, 3)))
-    q = q * np.sign(np.diag(r))
-    if np.linalg.det(q) < 0:
-        q[:, 0] = -q[:, 0]
-    return q
-
-
-def rotate_structure(positions, cell, forces, stress, rotation):
-    """Rotate row-vector quantities as x @ R and the stress tensor as R^T S R.
-
-    orb-models 0.4.2 rotates stress as R S R^T, which is wrong for row-vector rotation
-    (fixed in later releases); the rule here is checked against EMT on a rotated cell.
-    """
-    positions = positions @ rotation
-    cell = cell @ rotation
-    forces = None if forces is None else forces @ rotation
-    if stress is not None:
-        stress = matrix_to_voigt(rotation.T @ voigt_to_matrix(stress) @ rotation)
-    return positions, cell, forces, stress
 
 
 def _plausible_flags(flags: np.ndarray) -> bool:
@@ -539,33 +504,3 @@ class AseDbDataset:
             yield self.get(i)
 
 
-class EpochSampler:
-    """Shuffled global batches of dataset positions, one permutation per epoch.
-
-    The permutation is derived from ``(seed, epoch)``, so a resumed run replays the same order and
-    every data-parallel rank computes the same global batches (each then takes its part).
-    """
-
-    def __init__(self, num_items: int, batch_size: int, seed: int = 0, shuffle: bool = True):
-        if num_items < 1:
-            raise ValueError("EpochSampler needs at least one item")
-        if batch_size < 1:
-            raise ValueError("batch_size must be at least 1")
-        self.num_items, self.batch_size, self.seed, self.shuffle = num_items, batch_size, seed, shuffle
-
-    def __len__(self) -> int:
-        """Steps per epoch."""
-        return -(-self.num_items // self.batch_size)
-
-    def order(self, epoch: int) -> np.ndarray:
-        if not self.shuffle:
-            return np.arange(self.num_items)
-        return np.random.default_rng([self.seed, epoch]).permutation(self.num_items)
-
-    def shards(self, epoch: int, world: int):
-        """The epoch's global batches, each split among ``world`` ranks (:class:`orb.data.plan.Shards`)."""
-        return fixed_batches(self.order(epoch), self.batch_size, world)
-
-    def global_batches(self, epoch: int) -> List[np.ndarray]:
-        shards = self.shards(epoch, 1)
-        return [shards.global_batch(s) for s in range(len(shards))]

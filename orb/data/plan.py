@@ -84,20 +84,6 @@ def eval_limit(natoms: np.ndarray, edges: np.ndarray, batch_size: int, multiple:
     return Bucket(nodes, total, EVAL_GRAPHS * batch_size + 1)
 
 
-class PackedSampler:
-    """Evaluation steps that pad little: every structure once, packed by size (:func:`pack_by_size`), the same
-    plan at every epoch (packed once per number of ranks)."""
-
-    def __init__(self, natoms: np.ndarray, edges: np.ndarray, limit: Bucket):
-        self.natoms, self.edges, self.limit = natoms, edges, limit
-        self._packed: dict = {}
-
-    def shards(self, epoch: int, world: int) -> Shards:
-        if world not in self._packed:
-            self._packed[world] = pack_by_size(self.natoms, self.edges, self.limit, world)
-        return self._packed[world]
-
-
 @dataclass(frozen=True)
 class StepTotals:
     """Per step, what its bucket must hold (the largest rank part's atoms, edge capacity and structures), and

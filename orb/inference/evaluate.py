@@ -132,7 +132,7 @@ def predict_dataset(checkpoint: str, args, keys, show: bool):
     from orb.data.graphs import batch_graphs
     from orb.inference.dispersion import D3Dispersion
     from orb.inference.predictor import Predictor
-    from orb.inference.report import ParityPoints
+    from orb.reports.evaluation import ParityPoints
     from orb.io.checkpoint import model_from_checkpoint
 
     model = model_from_checkpoint(checkpoint, args.model)
@@ -178,8 +178,8 @@ def evaluate(args) -> int:
     from orb.data.formats import LabelKeys
     from orb.device import configure_mindspore
     from orb.inference.dispersion import check_dispersion
-    from orb.inference.report import errors_by_element, print_element_table
-    from orb.models.kernels import describe_profile
+    from orb.reports.evaluation import errors_by_element, print_element_table
+    from orb.models.ops_profile import describe_profile
     from orb.models.ops_profile import ops_profile, set_ops_profile
 
     if args.batch_size < 1:
@@ -226,7 +226,7 @@ def evaluate(args) -> int:
 def write_outputs(out_dir: str, results: List[Dict], summary: Dict, runs: Dict) -> List[str]:
     """predictions.csv, summary.json, the parity plots and errors_by_element.csv, each written atomically (a kill
     or a full disk leaves every file whole or absent, never a table cut short); the files written."""
-    from orb.inference.report import errors_by_element, write_element_table, write_parity_plots
+    from orb.reports.evaluation import errors_by_element, write_element_table, write_parity_plots
     from orb.io.files import write_csv, write_json
 
     os.makedirs(out_dir, exist_ok=True)

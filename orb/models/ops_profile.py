@@ -64,3 +64,37 @@ def ops_profile() -> str:
     import mindspore as ms
 
     return choose_profile(requested_profile(), ms.get_context("device_target"))
+
+
+def custom_kernel_library() -> Optional[str]:
+    """The accurate CPU kernels' library for cells built now (the ``cpu`` profile, on the CPU, with g++), else None:
+    MindSpore's built-in operators (the AOT kernels are CPU code: never on an NPU or a GPU)."""
+    import mindspore as ms
+
+    from orb.models import kernels
+
+    if ops_profile() != "cpu" or ms.get_context("device_target") != "CPU":
+        return None
+    return kernels.library_path()
+
+
+def uses_custom_kernels() -> bool:
+    return custom_kernel_library() is not None
+
+
+def activation(name: str):
+    """The operator of activation ``name`` (``ssp``: orb-v2's shifted softplus; ``silu``: orb-v3's; ``exp_nonpositive``:
+    exp(min(x, 0))) in the current profile."""
+    from orb.models import kernels
+
+    factory = {"ssp": kernels.shifted_softplus_op, "silu": kernels.silu_op,
+               "exp_nonpositive": kernels.exp_nonpositive_op}[name]
+    return factory(custom_kernel_library())
+
+
+def describe_profile() -> str:
+    """For start-up logs and reports: the operator profile and what it runs."""
+    if ops_profile() == "portable":
+        return "ops profile portable (MindSpore's operators and their gradients)"
+    kernels = "accurate custom CPU kernels" if uses_custom_kernels() else "built-in activations (no g++)"
+    return f"ops profile cpu (ones-vector products, hand-written backward passes, {kernels})"

@@ -16,7 +16,7 @@ from orb.models.blocks import MLP, segment_mean
 from orb.models.config import ModelConfig
 from orb.models.gns import (AtomEmbedding, AttentionInteraction, Decoder, Encoder, LinearReferenceEnergy, OrbModel,
                             ScalarNormalizer, count_parameters, polynomial_envelope, remove_net_torque)
-from orb.models.kernels import exp_nonpositive_op
+from orb.models.ops_profile import activation
 
 
 class MoleculeGNS(nn.Cell):
@@ -31,7 +31,12 @@ class MoleculeGNS(nn.Cell):
         self.atom_emb = AtomEmbedding(cfg.num_elements, cfg.latent_dim, rng)
         step = cfg.rbf_radius / cfg.num_rbf
         self.rbf_centres = Tensor(np.arange(cfg.num_rbf, dtype=np.float32) * np.float32(step))
-        self.exp_nonpositive = exp_nonpositive_op()
+        self.exp_nonpositive = activation("exp_nonpositive")
+
+    @property
+    def encoder(self) -> Encoder:
+        """The encoder (``_encoder``: orb-models' parameter path, kept for its state dict)."""
+        return self._encoder
 
     def edge_features(self, vectors: Tensor):
         """Gaussian RBFs exp(-(r - c_k)^2) of the edge length, then the unit vector; also returns r."""

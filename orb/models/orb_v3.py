@@ -19,12 +19,12 @@ import math
 from typing import Optional
 
 import numpy as np
-from ase.data import covalent_radii
 from mindspore import Parameter, Tensor, nn, ops
 
 from orb.models import reference_energies
 from orb.models.blocks import MLP, segment_mean, segment_sum
 from orb.models.primitives import Broadcasts
+from orb.models.repulsion import PairRepulsion, per_volume, voigt
 from orb.models.config import ModelConfig
 from orb.models.gns import (AtomEmbedding, AttentionInteraction, Decoder, Encoder, LinearReferenceEnergy, OrbModel,
                             ScalarNormalizer, count_parameters, polynomial_envelope, remove_net_torque, style)
@@ -117,6 +117,11 @@ class MoleculeGNS(nn.Cell):
                                        for _ in range(cfg.num_message_passing_steps)])
         self._decoder = Decoder(cfg, rng)
         self.broadcasts = Broadcasts()
+
+    @property
+    def encoder(self) -> Encoder:
+        """The encoder (``_encoder``: orb-models' parameter path, kept for its state dict)."""
+        return self._encoder
 
     def edge_features(self, vectors: Tensor):
         """(E, num_rbf * 16) features: envelope(r) * Bessel_n(r) * Y_m(direction); also the envelope."""
@@ -226,62 +231,6 @@ class Heads(nn.Cell):
         self.confidence = ConfidenceHead(cfg, rng)
         if not cfg.conservative and cfg.has_stress:
             self.stress = StressHead(cfg, rng)
-
-
-# ZBL screened nuclear repulsion (orb-models' ZBLBasis, p = 6).
-ZBL_C = (0.1818, 0.5099, 0.2802, 0.02817)
-ZBL_D = (3.2, 0.9423, 0.4028, 0.2016)
-COULOMB = 14.3996  # eV Å / e^2
-
-
-class PairRepulsion(nn.Cell):
-    """ZBL energy of every edge, 0.5 * 14.3996 Zu Zv / r * phi(r / a) * envelope(r / (R_u + R_v)).
-
-    As orb-models 0.5.5, the element of an atom is taken to be Z + 1 (the argmax of a one-hot
-    that starts at hydrogen, plus one), in the screening length and the covalent radii alike.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.radii = Tensor(covalent_radii.astype(np.float32))
-
-    def construct(self, numbers, vectors, senders, receivers):
-        z_u = ops.gather(numbers, senders, 0).astype(vectors.dtype) + 1.0
-        z_v = ops.gather(numbers, receivers, 0).astype(vectors.dtype) + 1.0
-        a = 0.4543 * 0.529 / (ops.pow(z_u, 0.3) + ops.pow(z_v, 0.3))
-        r = ops.norm(vectors, dim=1)
-        phi = 0.0
-        for c, d in zip(ZBL_C, ZBL_D):
-            phi = phi + c * ops.exp(-d * r / a)
-        r_max = (ops.gather(self.radii, z_u.astype(senders.dtype), 0)
-                 + ops.gather(self.radii, z_v.astype(senders.dtype), 0))
-        x = r / r_max
-        x6 = ops.pow(x, 6)
-        envelope = (1.0 - 28.0 * x6 + 48.0 * x6 * x - 21.0 * x6 * x * x) * (x < 1.0).astype(r.dtype)
-        return 0.5 * COULOMB * z_u * z_v / r * phi * envelope
-
-
-def determinant(cell: Tensor) -> Tensor:
-    """Determinants of (B, 3, 3) matrices."""
-    a, b, c = cell[:, 0], cell[:, 1], cell[:, 2]
-    return (a * ops.stack((b[:, 1] * c[:, 2] - b[:, 2] * c[:, 1], b[:, 2] * c[:, 0] - b[:, 0] * c[:, 2],
-                           b[:, 0] * c[:, 1] - b[:, 1] * c[:, 0]), 1)).sum(1)
-
-
-def voigt(m: Tensor) -> Tensor:
-    """(B, 3, 3) -> (B, 6) [xx, yy, zz, yz, xz, xy] with symmetrised off-diagonals."""
-    return ops.stack((m[:, 0, 0], m[:, 1, 1], m[:, 2, 2], (m[:, 1, 2] + m[:, 2, 1]) / 2.0,
-                      (m[:, 0, 2] + m[:, 2, 0]) / 2.0, (m[:, 0, 1] + m[:, 1, 0]) / 2.0), 1)
-
-
-def per_volume(virial: Tensor, cell: Tensor, signed: bool) -> Tensor:
-    """virial / det(cell) (|det| if not ``signed``), 0 where det = 0 or the result is >= 1e10 (finite gradients)."""
-    det = determinant(cell)
-    det = det if signed else ops.abs(det)
-    ok = det != 0
-    safe = ops.where(ok, det, ops.ones_like(det)).reshape(-1, 1, 1)
-    stress = virial / safe * ok.astype(virial.dtype).reshape(-1, 1, 1)
-    return ops.where(ops.abs(stress) < 1e10, stress, ops.zeros_like(stress))
 
 
 class Orbv3(OrbModel):

@@ -27,7 +27,7 @@ log = logging.getLogger("orb")
 
 
 def _orb_v2_loss(model, cfg: TrainConfig, has_stress: bool, allreduce):
-    from orb.training.loss import OrbLoss
+    from orb.training.loss_v2 import OrbLoss
 
     w = cfg.loss_weights
     return OrbLoss(model, w.energy, w.forces, w.stress, has_stress, allreduce)

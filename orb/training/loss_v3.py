@@ -25,7 +25,7 @@ import numpy as np
 from mindspore import ops
 
 from orb.models.orb_v3 import CONFIDENCE_MAX_ERROR, six_components
-from orb.training.loss import NormalisedLoss
+from orb.training.loss_base import NormalisedLoss
 
 SUM_KEYS = ("loss", "loss_energy", "loss_forces", "loss_stress", "loss_confidence", "loss_equigrad", "energy_mae",
             "energy_per_atom_mae", "forces_mae", "forces_cosine", "forces_within_0.03", "stress_mae",
@@ -51,7 +51,7 @@ class OrbV3Loss(NormalisedLoss):
     """Loss and metric sums of an orb-v3 model on a (padded) batch.
 
     ``construct(*loss_inputs, *old, *new)`` takes the tensors of :func:`orb.data.tensors.loss_inputs` and the
-    normalisers' statistics before and after this batch (see :class:`~orb.training.loss.NormalisedLoss`).
+    normalisers' statistics before and after this batch (see :class:`~orb.training.loss_base.NormalisedLoss`).
     """
 
     sum_keys = SUM_KEYS

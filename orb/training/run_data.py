@@ -18,12 +18,13 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from orb.data.buckets import Bucket, check_buckets, largest_batch, parse_buckets, plan_buckets
-from orb.data.dataset import AseDbDataset, EpochSampler
+from orb.data.dataset import AseDbDataset
 from orb.data.formats import LabelKeys, describe_path, readable_database
 from orb.data.graphs import capacity_is_counted
 from orb.data.loader import BatchLoader
-from orb.data.mixture import MixedSampler, Mixture, Source, replay_per_step
-from orb.data.plan import (EpochSteps, PackedSampler, StepTotals, eval_limit, evaluation_plan, padding_ratio,
+from orb.data.mixture import Mixture, Source, replay_per_step
+from orb.data.samplers import EpochSampler, MixedSampler, PackedSampler
+from orb.data.plan import (EpochSteps, StepTotals, eval_limit, evaluation_plan, padding_ratio,
                            plan_steps, step_totals)
 from orb.errors import ConfigError, DatasetError
 from orb.training.config import TrainConfig

@@ -138,7 +138,7 @@ def build_trainer(cfg: TrainConfig, data_parallel: Optional[DataParallel] = None
     import mindspore as ms
 
     from orb.models import model_identity, weights_digest
-    from orb.models.kernels import describe_profile
+    from orb.models.ops_profile import describe_profile
     from orb.models.ops_profile import set_ops_profile
 
     dp = data_parallel or DataParallel()

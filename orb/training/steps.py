@@ -6,7 +6,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from orb.training.loss import NormalisedLoss
+from orb.training.loss_base import NormalisedLoss
 from orb.training.optimizer import FlatAdam
 
 

@@ -7,8 +7,9 @@ with its first and second derivatives (conservative models train through a gradi
 exp(min(x, 0)) to ~1 ulp and, being auto-vectorised, faster than the built-in kernels. It is
 compiled once per machine with the system's g++ and cached (``orb.native``).
 
-They are the activations of the ``cpu`` operator profile (``orb.models.ops_profile``); the
-``portable`` profile, and every device other than the CPU, uses MindSpore's built-in operators.
+Each factory takes the library to use (``None``: MindSpore's built-in operators); the operator profile
+(``orb.models.ops_profile``) decides which: the library for the ``cpu`` profile on the CPU, built-in
+operators for the ``portable`` profile and on every other device.
 """
 
 import math
@@ -26,36 +27,10 @@ def library_path() -> Optional[str]:
                          "PyTorch-level accuracy")
 
 
-def _custom_library() -> Optional[str]:
-    """The library to use for the model being built, or None for MindSpore's built-in operators."""
-    import mindspore as ms
-
-    from orb.models.ops_profile import ops_profile
-
-    if ops_profile() != "cpu" or ms.get_context("device_target") != "CPU":  # AOT kernels are CPU code
-        return None
-    return library_path()
-
-
-def uses_custom_kernels() -> bool:
-    return _custom_library() is not None
-
-
-def describe_profile() -> str:
-    """For start-up logs and reports: the operator profile and what it runs."""
-    from orb.models.ops_profile import ops_profile
-
-    if ops_profile() == "portable":
-        return "ops profile portable (MindSpore's operators and their gradients)"
-    kernels = "accurate custom CPU kernels" if uses_custom_kernels() else "built-in activations (no g++)"
-    return f"ops profile cpu (ones-vector products, hand-written backward passes, {kernels})"
-
-
-def shifted_softplus_op():
+def shifted_softplus_op(path: Optional[str] = None):
     """ssp(x) = softplus(x) - ln 2 as an operator: the accurate custom kernel on CPU, else built-in ops."""
     from mindspore import ops
 
-    path = _custom_library()
     if path is None:
         softplus = ops.Softplus()  # the primitive: ops.softplus adds a threshold select (and its gradient)
         return lambda x: softplus(x) - math.log(2.0)
@@ -68,11 +43,10 @@ def shifted_softplus_op():
     return ops.Custom(f"{path}:OrbShiftedSoftplus", out_shape=same, out_dtype=same, func_type="aot", bprop=bprop)
 
 
-def exp_nonpositive_op():
+def exp_nonpositive_op(path: Optional[str] = None):
     """exp(min(x, 0)) as a MindSpore operator (accurate custom kernel on CPU, else ``ops.exp``)."""
     from mindspore import ops
 
-    path = _custom_library()
     if path is None:
         return lambda x: ops.exp(ops.minimum(x, 0.0))
     same = lambda *shapes: shapes[0]  # noqa: E731
@@ -83,11 +57,10 @@ def exp_nonpositive_op():
     return ops.Custom(f"{path}:OrbExpNonpositive", out_shape=same, out_dtype=same, func_type="aot", bprop=bprop)
 
 
-def silu_op():
+def silu_op(path: Optional[str] = None):
     """SiLU x sigmoid(x), differentiable twice: the accurate custom kernels on CPU, else built-in ops."""
     from mindspore import ops
 
-    path = _custom_library()
     if path is None:
         return lambda x: x * ops.sigmoid(x)  # Sigmoid's gradient is itself differentiable
     same = lambda *shapes: shapes[0]  # noqa: E731

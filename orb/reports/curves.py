@@ -15,6 +15,7 @@ import sys
 from typing import Dict, List, Sequence, Tuple
 
 from orb.errors import OrbInputError
+from orb.io.files import write_atomically
 
 PANELS = (("loss", "loss (normalised)"), ("energy_mae", "energy MAE (eV)"),
           ("forces_mae", "force MAE (eV/Å)"), ("stress_mae", "stress MAE (eV/Å³)"))
@@ -61,7 +62,8 @@ def plot(runs: Sequence[Tuple[str, List[Dict]]], output: str):
         ax.set_xlabel("epoch (0: before fine-tuning)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-    fig.savefig(output, dpi=120)
+    fmt = os.path.splitext(output)[1][1:] or "png"
+    write_atomically(output, lambda tmp: fig.savefig(tmp, dpi=120, format=fmt))
     return fig
 
 

@@ -1,0 +1,71 @@
+"""What the benchmarks share: the checkout's paths (and the checkout on ``sys.path``, for ``orb``), median timing,
+the PyTorch peer's runner, memory readings and the host's matrix-multiply calibration."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
+DEMO = os.path.join(ROOT, "data", "demo_train.db")
+MPTRJ = os.path.join(ROOT, "tests", "data", "10_mptraj_systems.db")
+CHILDREN = os.path.join(HERE, "children")  # child programs run with this interpreter (they import orb)
+PEER = os.path.join(HERE, "peer")  # child programs run with the PyTorch interpreter (self-contained)
+
+
+def child(name: str) -> str:
+    """The path of child program ``name`` (``children/``), run with ``sys.executable``."""
+    return os.path.join(CHILDREN, name)
+
+
+def median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def run_torch(torch_python: str, script: str, args: list, timeout: int = 3600) -> dict:
+    """Run PyTorch peer program ``script`` (``peer/``; prints one JSON line) with the PyTorch interpreter."""
+    result = subprocess.run([torch_python, os.path.join(PEER, script), *args], capture_output=True, text=True,
+                            timeout=timeout,
+                            env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2")))
+    if result.returncode != 0:
+        raise RuntimeError(f"PyTorch benchmark failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def resident_gb() -> float:
+    """This process's resident memory now (VmRSS)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1e6 for line in f if line.startswith("VmRSS:"))
+
+
+def peak_memory_gb() -> float:
+    """This process's peak resident memory (VmHWM: unlike ru_maxrss, not inherited across fork/exec)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1e6
+    return float("nan")
+
+
+def gemm_rate() -> float:
+    """The host's float32 matrix-multiply rate (GFLOP/s, 2 threads' worth via numpy's BLAS): recorded
+    before and after a benchmark, so a run during which the shared host's speed moved shows it."""
+    a = np.random.default_rng(0).random((1024, 1024), np.float32)
+    return 2 * 1024 ** 3 / median_time(lambda: a @ a, 9) / 1e9
+
+
+def calibration(before: float, after: float) -> str:
+    """The host's GEMM rate before and after a run, flagging a run during which it moved by over 20 %."""
+    change = after / before - 1
+    steady = "; over 20 %: the host was not steady, repeat the run" if abs(change) > 0.2 else ""
+    return f"{before:.0f} GFLOP/s before, {after:.0f} after ({change:+.0%}{steady})"

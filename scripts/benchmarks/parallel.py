@@ -1,0 +1,104 @@
+"""``parallel``: weak scaling of data-parallel training (msrun, 2 workers); ``allreduce``: the gradient all-reduce
+on 2 CPU workers (each an msrun worker running ``children/allreduce_worker.py``); ``pipeline``: how long the
+training loop waits for batches, prepared in the loop or by worker processes."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from .common import ROOT, child
+
+
+def bench_parallel(args) -> None:
+    """Weak scaling: 2 workers x 1 thread vs 1 worker x 1 thread, same per-worker batch."""
+    from orb.io.files import free_port
+
+    per_worker = args.batch
+    common = ["--max_epochs", "3", "--val_data_path", "", "--progress_bar", "false", "--num_buckets", "1",
+              "--log_every_n_steps", "1000", "--augmentation", "false"]
+
+    def steps_per_second(out_dir: str) -> float:
+        """Over epochs 2.. (no compilation): steps / training time."""
+        records = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+        epochs = [r for r in records if r["type"] == "epoch"]
+        steps = epochs[-1]["step"] - epochs[0]["step"]
+        return steps / sum(r["train"]["train_time"] for r in epochs[1:])
+
+    with tempfile.TemporaryDirectory() as tmp:
+        single = os.path.join(tmp, "single")
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), "--config", args.config,
+                        "--output_dir", single, "--batch_size", str(per_worker), *common], check=True, env=env,
+                       capture_output=True, timeout=3600)
+        single_rate = steps_per_second(single)
+        par = os.path.join(tmp, "par")
+        port = free_port()
+        start, launched = time.perf_counter(), time.time()
+        subprocess.run(["bash", os.path.join(ROOT, "run_parallel.sh"), args.config, "--output_dir", par,
+                        "--batch_size", str(2 * per_worker), *common], check=True, capture_output=True,
+                       timeout=3600, env=dict(env, WORKER_NUM="2", MASTER_PORT=str(port),
+                                              LOG_DIR=os.path.join(tmp, "logs")))
+        wall = time.perf_counter() - start
+        par_rate = steps_per_second(par)
+        first = open(os.path.join(par, "train.log")).readline().split(" [")[0]
+        startup = time.mktime(time.strptime(first, "%Y-%m-%d %H:%M:%S")) - launched
+    print(f"per-worker batch {per_worker} structures, {args.config}")
+    print("| setup | steps/s | structures/s | weak-scaling efficiency |")
+    print("|---|---|---|---|")
+    print(f"| 1 worker x 1 thread | {single_rate:.3f} | {single_rate * per_worker:.2f} | - |")
+    eff = par_rate * 2 * per_worker / (2 * single_rate * per_worker)
+    print(f"| 2 workers x 1 thread (msrun) | {par_rate:.3f} | {par_rate * 2 * per_worker:.2f} | {eff:.2f} |")
+    print(f"msrun start-up (launch to rank 0's first log line, 1 s resolution): {startup:.0f} s; job wall time "
+          f"{wall:.0f} s. Steps/s are over epochs 2-3 (no compilation).")
+
+
+def bench_allreduce(args) -> None:
+    """Gradient all-reduce on 2 CPU workers (msrun): one call per tensor vs one flat buffer."""
+    from orb.io.files import free_port
+    from orb.training.launch import find_msrun
+
+    rows = []
+    for name, label in (("orb_v2", "full orb-v2"), ("orb_v3_direct_20_omat", "full orb-v3 direct")):
+        port = free_port()
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run([find_msrun(), "--worker_num=2", "--local_worker_num=2", f"--master_port={port}",
+                            f"--log_dir={tmp}", "--join=True", child("allreduce_worker.py"), name, str(args.steps)],
+                           check=True, capture_output=True, timeout=1800,
+                           env=dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep +
+                                    os.environ.get("PATH", "")))  # msrun starts `python` from PATH
+            log = open(os.path.join(tmp, "worker_0.log")).read()
+        result = json.loads(log.split("RESULT ")[1].splitlines()[0])
+        rows.append((label, result))
+    print("| model | gradient tensors | floats | nn.DistributedGradReducer (s) | one AllReduce per tensor (s) | "
+          "one flat AllReduce (s) | flat buffer in 16 MB buckets (s) |")
+    print("|---|---|---|---|---|---|---|")
+    for label, r in rows:
+        print(f"| {label} | {r['tensors']} | {r['floats'] / 1e6:.1f} M | {r['reducer']:.3f} | {r['per tensor']:.3f} | "
+              f"{r['flat']:.3f} | {r['buckets']:.3f} |")
+
+
+def bench_pipeline(args) -> None:
+    """Host pipeline: how long the training loop waits for batches, with a model so small that its
+    step is as short as a full model's on an NPU, batches prepared in the loop vs by workers."""
+    small = ["--model.latent_dim", "32", "--model.mlp_hidden_dim", "64", "--model.num_message_passing_steps", "2",
+             "--model.head_mlp_hidden_dim", "32"]
+    common = ["--config", args.config, "--train_data_path", args.data, "--max_epochs", "3", "--val_data_path", "",
+              "--progress_bar", "false",
+              "--log_every_n_steps", "1000", "--checkpoint_path", "", "--batch_size", str(args.batch), *small]
+    print("| batches prepared | step (ms) | data wait (fraction of the training time) |")
+    print("|---|---|---|")
+    for workers in (0, 2):
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), *common, "--output_dir", tmp,
+                            "--data_workers", str(workers)], check=True, capture_output=True, timeout=3600)
+            epochs = [r for r in map(json.loads, open(os.path.join(tmp, "metrics.jsonl"))) if r["type"] == "epoch"]
+        later = epochs[1:]  # the first epoch compiles
+        steps = later[-1]["step"] - epochs[0]["step"]
+        step_ms = 1e3 * sum(r["train"]["train_time"] for r in later) / steps
+        wait = sum(r["train"]["data_wait"] * r["train"]["train_time"] for r in later) / sum(
+            r["train"]["train_time"] for r in later)
+        label = "in the training loop" if workers == 0 else f"by {workers} worker processes, ahead"
+        print(f"| {label} | {step_ms:.1f} | {100 * wait:.1f} % |")
