@@ -29,28 +29,27 @@ def select_device(requested: str) -> str:
 
 
 MATMUL_PRECISIONS = ("highest", "high")
-_precision = {"matmul": "high"}  # what this process computes with (part of every cached model output's key)
-
-
-def numeric_precision() -> str:
-    """The precision models compute in here, as orb-models names it (``float32-high``, ``float32-highest``)."""
-    return f"float32-{_precision['matmul']}"
 
 
 def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_threads: int = 0,
-                        parallel: bool = False, matmul_precision: str = "high") -> str:
+                        parallel: bool = False, precision: str = "float32-high") -> str:
     """Graph mode on the device (in an msrun job each worker gets its local device); returns the target.
 
-    ``matmul_precision`` (:func:`set_matmul_precision`): ``high`` lets float32 matrix products use
-    HF32 on Ascend and TF32 on GPU, ``highest`` keeps them float32. The CPU has one precision.
+    ``precision`` (:mod:`orb.precision`): what models built from now on compute in; checked against the
+    device (float64 is refused on Ascend), and only ``float32-high`` lets float32 matrix products use HF32 on
+    Ascend and TF32 on GPU (:func:`set_matmul_precision`). The CPU has one float32 precision.
 
     ``num_threads`` (0: ``OMP_NUM_THREADS`` if set) also sizes MindSpore's own CPU kernel pool,
     which otherwise starts 25 threads whatever the core count.
     """
+    from orb import precision as numerics
+
     quiet_mindspore()
     import mindspore as ms
 
+    numerics.check_precision(precision)
     target = select_device(device_target)
+    numerics.check_device(precision, target)
     ms.set_context(mode=ms.GRAPH_MODE)
     threads = num_threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
     if target == "CPU" and threads:
@@ -67,7 +66,8 @@ def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_thr
     except RuntimeError:  # already running (a second run in the same process) on the same device is fine
         if ms.get_context("device_target") != target:
             raise
-    set_matmul_precision(target, matmul_precision)
+    set_matmul_precision(target, numerics.matmul_precision(precision))
+    numerics.set_precision(precision)
     return target
 
 
@@ -84,7 +84,6 @@ def set_matmul_precision(target: str, precision: str) -> None:
     """
     if precision not in MATMUL_PRECISIONS:
         raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {precision!r}")
-    _precision["matmul"] = precision
     try:
         if target == "Ascend":
             from mindspore.device_context.ascend import op_precision

@@ -5,7 +5,7 @@
 1. the environment: MindSpore, the device and how many, the operator profile, the precision;
 2. orb-v2's predictions for the 8 structures of the shipped PyTorch reference
    (``tests/data/orb_v2_parity.npz``: orb-models 0.4.2, recipe weights) within the tolerances of
-   the parity tests, with strict float32 matrix products (``matmul_precision: highest``);
+   the parity tests, with strict float32 matrix products (``precision: float32-highest``);
 3. one training step (full orb-v2, 8 demo structures, loss, gradient, SGD update) on this device
    against the same step on the CPU (in a separate process, ``cpu`` profile): loss, gradient norm
    and the updated weights; on a CPU-only machine, the ``portable`` profile against the ``cpu`` one;
@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     if argv is None and len(sys.argv) == 3 and sys.argv[1] == "_step":
         from orb.device import configure_mindspore
 
-        configure_mindspore(sys.argv[2], matmul_precision="highest")
+        configure_mindspore(sys.argv[2], precision="float32-highest")
         print(json.dumps(training_step(sys.argv[2])))
         return 0
     if argv is None and len(sys.argv) == 2 and sys.argv[1] == "_sum":
@@ -234,7 +234,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from orb.device import configure_mindspore
 
-    target = configure_mindspore(args.device_target, matmul_precision="highest")
+    target = configure_mindspore(args.device_target, precision="float32-highest")
     report = {"environment": environment(target)}
     print(f"orb smoke test on {target}: predictions, a training step, collectives (a few minutes)", flush=True)
     report["predictions_vs_pytorch"] = check_predictions()

@@ -72,6 +72,17 @@ def pytest_runtest_logreport(report):
 
 
 @pytest.fixture(autouse=True)
+def _default_precision_for_each_test():
+    """Each test starts in the default precision, whatever the one before it set (the precision in force when a
+    model is built is the one it computes in)."""
+    from orb import precision
+
+    precision.set_precision(precision.DEFAULT)
+    yield
+    precision.set_precision(precision.DEFAULT)
+
+
+@pytest.fixture(autouse=True)
 def _release_memory_after_each_test():
     """One pytest process runs every test: hand back what each test's models and compiled steps held (MindSpore
     keeps each compiled model's runtime memory until asked), so the suite's peak stays that of its largest test."""

@@ -260,10 +260,10 @@ def test_matmul_precision_reaches_the_accelerator(monkeypatch):
     assert calls == [("set_device", "Ascend", 3), ("precision_mode", "must_keep_origin_dtype"),
                      ("matmul_allow_hf32", True)]
     calls.clear()
-    device.configure_mindspore("Ascend", matmul_precision="highest")
+    device.configure_mindspore("Ascend", precision="float32-highest")
     assert calls[1:] == [("precision_mode", "must_keep_origin_dtype"), ("matmul_allow_hf32", False)]
     calls.clear()
-    device.configure_mindspore("GPU", matmul_precision="highest")
+    device.configure_mindspore("GPU", precision="float32-highest")
     assert calls[1:] == [("matmul_allow_tf32", False)]
     calls.clear()
     device.configure_mindspore("CPU")

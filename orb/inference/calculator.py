@@ -24,6 +24,18 @@ from orb.data.graphs import atoms_to_graph
 from orb.inference.predictor import Predictor
 
 
+ASE_KEYWORDS = ("restart", "ignore_bad_restart_file", "label", "atoms", "directory")  # ase Calculator's own
+
+
+def check_keywords(kwargs: Dict, allowed) -> None:
+    """A keyword the calculator does not know is refused, naming the valid ones (ASE's Calculator takes any keyword
+    as a parameter and ignores it: a misspelt ``dispersion`` or a ``precision`` given to an older version
+    computed without a word)."""
+    unknown = sorted(set(kwargs) - set(allowed))
+    if unknown:
+        raise TypeError(f"ORBCalculator got unknown keyword(s) {unknown}; valid: {', '.join(sorted(allowed))}")
+
+
 class ORBCalculator(Calculator):
     """ASE calculator: energy, free_energy (= energy), forces and stress from an orb model."""
 
@@ -32,6 +44,7 @@ class ORBCalculator(Calculator):
     def __init__(self, model, dispersion: Optional[str] = None, xc: str = "pbe", **kwargs):
         from orb.inference.dispersion import D3Dispersion
 
+        check_keywords(kwargs, ASE_KEYWORDS)
         super().__init__(**kwargs)
         self.model = model
         self.dispersion = D3Dispersion(dispersion, xc) if dispersion else None
@@ -39,18 +52,22 @@ class ORBCalculator(Calculator):
 
     @classmethod
     def from_checkpoint(cls, path: str, device_target: str = "auto", model_name: Optional[str] = None,
-                        matmul_precision: str = "high", ops_profile: str = "auto", **kwargs) -> "ORBCalculator":
+                        precision: str = "float32-high", ops_profile: str = "auto", **kwargs) -> "ORBCalculator":
         """A calculator for a PyTorch or MindSpore checkpoint (its architecture is read from the file;
         ``model_name`` tells a published orb-v3 file's 20- from its unlimited-neighbour variant;
-        ``matmul_precision`` and ``ops_profile`` as the training config's keys of those names; ``dispersion`` and
-        ``xc`` as the constructor's)."""
+        ``precision`` and ``ops_profile`` as the training config's keys of those names (``matmul_precision`` high |
+        highest: the old spelling of precision float32-high | float32-highest); ``dispersion`` and ``xc`` as the
+        constructor's)."""
         from orb.device import configure_mindspore
         from orb.inference.dispersion import check_dispersion
         from orb.io.checkpoint import model_from_checkpoint
         from orb.models.ops_profile import set_ops_profile
 
+        if "matmul_precision" in kwargs:
+            precision = f"float32-{kwargs.pop('matmul_precision')}"
+        check_keywords(kwargs, ASE_KEYWORDS + ("dispersion", "xc"))
         check_dispersion(kwargs.get("dispersion"), kwargs.get("xc", "pbe"))  # before loading any weights
-        configure_mindspore(device_target, matmul_precision=matmul_precision)
+        configure_mindspore(device_target, precision=precision)
         set_ops_profile(ops_profile)
         return cls(model_from_checkpoint(path, model_name), **kwargs)
 

@@ -83,6 +83,7 @@ def main(argv=None) -> int:
 
     quiet_mindspore()  # before anything imports MindSpore
     from orb.models.ops_profile import PROFILES
+    from orb.precision import PRECISIONS
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="PyTorch or MindSpore orb checkpoint")
@@ -105,8 +106,11 @@ def main(argv=None) -> int:
     parser.add_argument("--device_target", default="auto", choices=("auto", "CPU", "GPU", "Ascend"))
     parser.add_argument("--ops_profile", default="auto", choices=PROFILES,
                         help="operators the model is built with (ORB_OPS_PROFILE overrides; see docs/ascend.md)")
-    parser.add_argument("--matmul_precision", default="high", choices=("highest", "high"),
-                        help="high: HF32/TF32 matrix products on Ascend/GPU (orb-models' default); highest: float32")
+    parser.add_argument("--precision", default="float32-high", choices=PRECISIONS,
+                        help="what the model computes in (orb.precision): float32-high (HF32/TF32 products on "
+                        "Ascend/GPU, orb-models' default), float32-highest, bf16-mixed, fp16-mixed, float64 (CPU)")
+    parser.add_argument("--matmul_precision", default="", choices=("", "highest", "high"),
+                        help=argparse.SUPPRESS)  # the old spelling of --precision float32-high | float32-highest
     parser.add_argument("--progress_bar", choices=("auto", "true", "false"), default="auto")
     args = parser.parse_args(argv)
     from orb.signals import Stopped, listen
@@ -185,9 +189,13 @@ def evaluate(args) -> int:
     if args.batch_size < 1:
         raise OrbInputError(f"--batch_size must be at least 1, got {args.batch_size}")
     check_dispersion(args.dispersion, args.xc)
-    target = configure_mindspore(args.device_target, matmul_precision=args.matmul_precision)
+    if args.matmul_precision:
+        print(f"warning: --matmul_precision is deprecated: use --precision float32-{args.matmul_precision}",
+              file=sys.stderr)
+        args.precision = f"float32-{args.matmul_precision}"
+    target = configure_mindspore(args.device_target, precision=args.precision)
     set_ops_profile(args.ops_profile)
-    print(f"device: {target}, {describe_profile()}")
+    print(f"device: {target}, {describe_profile()}, precision {args.precision}")
     keys = LabelKeys(args.energy_key, args.forces_key, args.stress_key, args.charge_key, args.spin_key)
     show = sys.stderr.isatty() if args.progress_bar == "auto" else args.progress_bar == "true"
     args.data = args.data[0] if len(args.data) == 1 else args.data
@@ -202,7 +210,7 @@ def evaluate(args) -> int:
     summary = summarise(results)
     data = os.path.abspath(args.data) if isinstance(args.data, str) else [os.path.abspath(d) for d in args.data]
     summary.update({"checkpoint": os.path.abspath(args.checkpoint), "data": data,
-                    "device_target": target, "ops_profile": ops_profile()})
+                    "device_target": target, "ops_profile": ops_profile(), "precision": args.precision})
     if args.compare:
         other = summarise(runs[names[1]][0])
         other["checkpoint"] = os.path.abspath(args.compare)

@@ -164,7 +164,7 @@ def relax(args) -> Dict:
         raise OrbInputError("--fmax must be a finite number > 0, --steps >= 0 and --batch_size >= 1")
     check_dispersion(args.dispersion, args.xc)
     check_output(args.output, args.resume, args.overwrite)
-    configure_mindspore(args.device_target)
+    configure_mindspore(args.device_target, precision=args.precision)
     set_ops_profile(args.ops_profile)
     model = model_from_checkpoint(args.checkpoint, args.model)
     data = AseDbDataset(readable_database(args.data, LabelKeys()), require_labels=False,
@@ -204,6 +204,7 @@ def relax(args) -> Dict:
     not_converged = sorted(row for row, (_, converged) in results.items() if not converged)
     summary = {"input": args.data, "output": os.path.abspath(args.output), "checkpoint": args.checkpoint,
                "fmax": args.fmax, "max_steps": args.steps, "cell": args.cell, "dispersion": args.dispersion or None,
+               "precision": args.precision,
                "structures": len(results), "relaxed_now": len(written), "already_done": len(done),
                "remaining": len(todo) - len(written), "converged": len(results) - len(not_converged),
                "not_converged_rows": not_converged,
@@ -225,6 +226,7 @@ def relax(args) -> Dict:
 
 def main(argv: Optional[List[str]] = None) -> int:
     from orb.models.ops_profile import PROFILES
+    from orb.precision import PRECISIONS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, help="PyTorch or MindSpore orb checkpoint")
@@ -243,6 +245,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--xc", default="pbe", help="the functional of the training data, for --dispersion")
     parser.add_argument("--device_target", default="auto", choices=("auto", "CPU", "GPU", "Ascend"))
     parser.add_argument("--ops_profile", default="auto", choices=PROFILES)
+    parser.add_argument("--precision", default="float32-high", choices=PRECISIONS,
+                        help="what the model computes in (orb.precision; float64 for tight relaxations, CPU)")
     parser.add_argument("--progress_bar", choices=("auto", "true", "false"), default="auto")
     args = parser.parse_args(argv)
     args.data = args.data[0] if len(args.data) == 1 else args.data

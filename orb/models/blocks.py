@@ -13,6 +13,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from orb.models.ops_profile import activation as profile_activation, ops_profile
+from orb.precision import half_rounding
 from orb.models.primitives import MATMUL as _MATMUL
 from orb.models.primitives import cpu_column as _cpu_column
 from orb.models.primitives import cpu_column_sum as _cpu_column_sum
@@ -65,11 +66,11 @@ class Linear(nn.Cell):
         self.weight = Parameter(Tensor(uniform((out_dim, in_dim), bound, rng)), name="weight")
         self.has_bias = bias
         self.adapted = False
+        self.rounding = half_rounding()  # a mixed precision's casts around the product, or None
+        self.matmul = ops.MatMul(transpose_b=True)
         if bias:
             self.bias = Parameter(Tensor(uniform((out_dim,), bound, rng)), name="bias")
             self.function = _CpuLinear() if ops_profile() == "cpu" else _PortableLinear()
-        else:
-            self.matmul = ops.MatMul(transpose_b=True)
 
     def add_adapter(self, rank: int, alpha: float, rng: np.random.Generator, path: str) -> None:
         """A rank-``rank`` adapter; ``path`` (this layer's parameter path) names its parameters uniquely."""
@@ -93,8 +94,17 @@ class Linear(nn.Cell):
         delta = self.lora_b.asnumpy().astype(np.float64) @ self.lora_a.asnumpy().astype(np.float64)
         return (weight.astype(np.float64) + self.lora_scale * delta).astype(np.float32)
 
+    def product(self, x: Tensor, weight: Tensor) -> Tensor:
+        """x weight^T in this layer's precision (mixed modes: half operands and result, float32 out)."""
+        if self.rounding is None:
+            return self.matmul(x, weight)
+        return self.rounding.full(self.matmul(self.rounding.half(x), self.rounding.half(weight)))
+
     def construct(self, x: Tensor) -> Tensor:
         weight = self.effective_weight()
+        if self.rounding is not None:  # the bias is added in float32, to the product's half-precision result
+            y = self.product(x, weight)
+            return ops.bias_add(y, self.bias) if self.has_bias else y
         if self.has_bias:
             return self.function(x, weight, self.bias)
         return self.matmul(x, weight)

@@ -89,7 +89,6 @@ class AttentionInteraction(nn.Cell):
         self.conditioned = conditioned
         if conditioned:
             self._cond_node_proj = Linear(d, d, rng)
-        self.matmul_t = ops.MatMul(transpose_b=True)
         self.scale_rows = ScaleRows()
 
     def construct(self, nodes: Tensor, edges: Tensor, senders: Tensor, receivers: Tensor, cutoff: Tensor,
@@ -102,9 +101,9 @@ class AttentionInteraction(nn.Cell):
 
         first = self._edge_mlp.mlp.layer(0)
         w = first.effective_weight()  # (h, 3d) acting on [edge, sender node, receiver node]
-        node_part = self.matmul_t(nodes, ops.concat((w[:, d:2 * d], w[:, 2 * d:]), 0))  # (N, 2h)
+        node_part = first.product(nodes, ops.concat((w[:, d:2 * d], w[:, 2 * d:]), 0))  # (N, 2h)
         from_sender = ops.bias_add(node_part[:, :h], first.bias)  # the bias is added per node, not per edge
-        pre = (self.matmul_t(edges, w[:, :d])
+        pre = (first.product(edges, w[:, :d])
                + ops.gather(from_sender, senders, 0) + ops.gather(node_part[:, h:], receivers, 0))
         new_edges = self._edge_mlp.after_first_layer(pre)
 

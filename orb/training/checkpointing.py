@@ -47,7 +47,7 @@ class Progress:
     epoch_sums: Optional[np.ndarray] = None  # that epoch's metric sums so far (reduced over ranks)
     interval_sums: Optional[np.ndarray] = None  # (ranks, sums): each rank's sums of the open logging interval
     skipped: int = 0  # that epoch's steps skipped so far for a non-finite gradient (closed logging intervals)
-    nonfinite: Optional[np.ndarray] = None  # the open interval's [skipped steps in a row, longest run, skipped]
+    nonfinite: Optional[np.ndarray] = None  # open interval: [skipped in a row, longest run, skipped, fp16 overflows]
     initial: Dict = field(default_factory=dict)  # validation of the starting model, by set
     reference_fit: Optional[Dict] = None  # the fit of the reference energies made before the first step
 

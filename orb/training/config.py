@@ -5,6 +5,7 @@ the key (with a suggestion for typos). ``configs/config.yaml`` documents every k
 """
 
 import difflib
+import logging
 import math
 import typing
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
@@ -17,9 +18,11 @@ from orb.data.mixture import replay_per_step
 from orb.errors import ConfigError
 from orb.models.config import MODEL_NAMES, ModelConfig
 from orb.models.ops_profile import PROFILES
+from orb.precision import PRECISIONS
 from orb.training.schedule import SCHEDULES
 
 ALGORITHMS = ("adam", "sgd")  # orb.training.optimizer.FlatAdam
+MATMUL_PRECISIONS = ("highest", "high")  # the deprecated matmul_precision key
 
 
 @dataclass
@@ -100,6 +103,7 @@ class TrainConfig:
     loss_weights: LossWeights = field(default_factory=LossWeights)
     reference_energies: ReferenceEnergyConfig = field(default_factory=ReferenceEnergyConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    online_normalisation: bool = True  # the targets' normalisers absorb every training batch (orb-models')
     freeze: List[str] = field(default_factory=list)  # parameter groups kept at the starting weights
     lr_multipliers: Dict[str, float] = field(default_factory=dict)  # parameter group -> factor on lr
     anchor: AnchorConfig = field(default_factory=AnchorConfig)
@@ -126,7 +130,7 @@ class TrainConfig:
     num_threads: int = 0
     data_workers: int = 2
     ops_profile: str = "auto"
-    matmul_precision: str = "high"
+    precision: str = "float32-high"  # orb.precision: float32-high | float32-highest | bf16-mixed | fp16-mixed | float64
     optimizer_shard: bool = False
     callbacks: List[str] = field(default_factory=list)  # "module:Name" of classes whose objects see the loop
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -139,7 +143,7 @@ CHOICES = {
     "device_target": ("auto", "CPU", "GPU", "Ascend"),
     "lr_schedule": SCHEDULES,
     "ops_profile": PROFILES,
-    "matmul_precision": ("highest", "high"),
+    "precision": PRECISIONS,
     "optimizer": ALGORITHMS,
     "model.name": MODEL_NAMES,
     "reference_energies.trainable": ("auto", "true", "false"),
@@ -230,9 +234,30 @@ def _coerce(value: Any, tp, key: str) -> Any:
     raise ConfigError(f"config key '{key}' has unsupported type {_type_name(tp)}")
 
 
+def deprecated_matmul_precision(values: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    """The old ``matmul_precision: high | highest`` as ``precision: float32-high | float32-highest``, with one
+    deprecation line; given beside a ``precision`` that says otherwise, refused."""
+    if "matmul_precision" not in values:
+        return values
+    values = dict(values)
+    old = values.pop("matmul_precision")
+    if old not in MATMUL_PRECISIONS:
+        raise ConfigError(f"config key '{prefix}matmul_precision' must be one of {list(MATMUL_PRECISIONS)}, got "
+                          f"{old!r} (it is deprecated: use 'precision')")
+    new = f"float32-{old}"
+    if values.get("precision", new) != new:
+        raise ConfigError(f"config keys 'matmul_precision' ({old}) and 'precision' ({values['precision']}) "
+                          "disagree: keep only 'precision'")
+    values["precision"] = new
+    logging.getLogger("orb").warning("config key 'matmul_precision' is deprecated: write 'precision: %s'", new)
+    return values
+
+
 def _build(cls, values: Dict[str, Any], prefix: str = ""):
     hints = typing.get_type_hints(cls)
     names = [f.name for f in fields(cls)]
+    if cls is TrainConfig:
+        values = deprecated_matmul_precision(values)
     for key in values:
         if prefix + key in RENAMED:
             raise ConfigError(f"config key '{prefix}{key}' is now {RENAMED[prefix + key]}")

@@ -44,8 +44,10 @@ LOSSES = {"orb_v2": _orb_v2_loss, "orb_v3": _orb_v3_loss}  # the loss cell of ea
 
 
 def make_loss(model, cfg: TrainConfig, has_stress: bool, allreduce=None):
-    """The loss cell of the model's family with the config's weights."""
-    return LOSSES[cfg.model.family](model, cfg, has_stress, allreduce)
+    """The loss cell of the model's family with the config's weights and normalisation."""
+    loss = LOSSES[cfg.model.family](model, cfg, has_stress, allreduce)
+    loss.online = cfg.online_normalisation
+    return loss
 
 
 def lr_multiplier(name: str, cfg: TrainConfig) -> float:
@@ -146,7 +148,8 @@ class Engine:
                  compiled: Optional[Compiled] = None):
         from orb.training.optimizer import FlatAdam, Sharding
         from orb.training.schedule import make_schedule
-        from orb.training.steps import EvalStep, TrainStep
+        from orb.precision import precision
+        from orb.training.steps import EvalStep, LossScale, TrainStep
 
         self.model, self.cfg, self.dp, self.has_stress = model, cfg, dp, has_stress
         self.compiled = compiled or Compiled()
@@ -168,7 +171,8 @@ class Engine:
         reducer = self.optimizer.gradient_reducer()  # a sharded optimizer reduce-scatters its own slices
         if reducer is None and dp.grad_reducer is not None:
             reducer = dp.grad_reducer(self.optimizer.gradients_to_reduce())
-        self.train_step = TrainStep(self.loss_cell, self.optimizer, reducer)
+        self.loss_scale = LossScale() if precision() == "fp16-mixed" else None  # float16's narrow range
+        self.train_step = TrainStep(self.loss_cell, self.optimizer, reducer, self.loss_scale)
         self.eval_step = EvalStep(self.loss_cell)
 
     # ------------------------------------------------------------------ steps
@@ -207,19 +211,31 @@ class Engine:
 
         return read_nonfinite(self.train_step)
 
+    def take_overflows(self) -> int:
+        """Steps skipped since the last call for an fp16 loss-scale overflow (each halved the scale)."""
+        from orb.training.steps import read_overflows
+
+        return read_overflows(self.train_step)
+
     def open_nonfinite(self) -> np.ndarray:
-        """The open logging interval's [skipped steps in a row, longest run, skipped], left in place (for a
-        checkpoint: equal on every rank, the gradient being the reduced one)."""
+        """The open logging interval's [skipped steps in a row, longest run, skipped, fp16 overflows], left in place
+        (for a checkpoint: equal on every rank, the gradient being the reduced one)."""
         values = self.train_step.nonfinite.asnumpy().astype(np.int64)
-        return values[[0, 1, 3]]
+        overflows = 0 if self.loss_scale is None else int(self.loss_scale.overflows.asnumpy())
+        return np.concatenate([values[[0, 1, 3]], [overflows]])
 
     def restore_nonfinite(self, values: np.ndarray) -> None:
         """What :meth:`open_nonfinite` gave at a mid-epoch save (the latest step's number is of the process that
         ran it: not kept)."""
         from orb.training.steps import write_parameter
 
-        row, longest, count = (int(v) for v in values)
+        row, longest, count = (int(v) for v in values[:3])
         write_parameter(self.train_step.nonfinite, np.array([row, longest, 0, count]))
+        if self.loss_scale is not None and len(values) > 3:
+            write_parameter(self.loss_scale.overflows, np.array(int(values[3])))
+
+    def loss_scale_value(self) -> Optional[float]:
+        return None if self.loss_scale is None else float(self.loss_scale.scale.asnumpy())
 
     def lr(self, step: int) -> float:
         """The learning rate of global step ``step`` (1-based, clamped to the schedule)."""
@@ -245,15 +261,26 @@ class Engine:
 
     # ------------------------------------------------------------------ state
     def optimizer_entries(self) -> List[Tuple[str, np.ndarray]]:
-        """The optimizer's state as checkpoint entries; every rank must call it (sharded state is gathered)."""
-        return training_state.optimizer_state(self.optimizer, self.param_names, self.dp)
+        """The optimizer's state (and an fp16 run's loss scale) as checkpoint entries; every rank must call it
+        (sharded state is gathered)."""
+        entries = training_state.optimizer_state(self.optimizer, self.param_names, self.dp)
+        if self.loss_scale is not None:
+            entries += [("optimizer.loss_scale", self.loss_scale.scale.asnumpy()),
+                        ("optimizer.loss_scale_good_steps", self.loss_scale.good_steps.asnumpy())]
+        return entries
 
     def load(self, weights: Dict[str, np.ndarray], optimizer_state: Dict[str, np.ndarray], source: str) -> None:
-        """The model's weights and the optimizer's state from a training checkpoint (this rank's slice)."""
+        """The model's weights and the optimizer's state from a training checkpoint (this rank's slice); an fp16
+        run's loss scale where the checkpoint has one (a run resumed in fp16-mixed from another precision starts
+        from the initial scale)."""
         from orb.io.checkpoint import load_torch_state_dict
+        from orb.training.steps import write_parameter
 
         load_torch_state_dict(self.model, weights, source=source)
         training_state.restore_optimizer(self.optimizer, self.param_names, optimizer_state, source)
+        if self.loss_scale is not None and "loss_scale" in optimizer_state:
+            write_parameter(self.loss_scale.scale, optimizer_state["loss_scale"])
+            write_parameter(self.loss_scale.good_steps, optimizer_state["loss_scale_good_steps"])
 
     def num_trained(self) -> int:
         return int(sum(np.prod(p.shape) for p in self.params))

@@ -29,6 +29,7 @@ class NormalisedLoss(nn.Cell):
     """
 
     sum_keys = ()  # the metric sums construct returns, in order (then the per-element force sums)
+    online = True  # the normalisers absorb each training batch (orb-models' online_normalisation); False: fixed
 
     def __init__(self, normalizers, allreduce=None, replay_normalizers=()):
         super().__init__()
@@ -69,9 +70,9 @@ class NormalisedLoss(nn.Cell):
             sums = self.allreduce(sums)
         stats, counts = (), ()
         for k, (normalizer, (_, _, update, _)) in enumerate(zip(self.normalizers, entries)):
-            if update:
+            if update and self.online:
                 mean, var, count = normalizer.updated_stats(sums[3 * k:3 * k + 3])
-            else:  # e.g. no stress labels: the statistics stay
+            else:  # no stress labels, or online_normalisation off: the statistics stay
                 mean, var = normalizer.stats()
                 count = normalizer.bn.num_batches_tracked + 0
             stats, counts = stats + (mean, var), counts + (count,)

@@ -24,11 +24,14 @@ class TrainStep(nn.Cell):
     synchronisation.
     """
 
-    def __init__(self, loss_cell: NormalisedLoss, optimizer: FlatAdam, grad_reducer: Optional[nn.Cell] = None):
+    def __init__(self, loss_cell: NormalisedLoss, optimizer: FlatAdam, grad_reducer: Optional[nn.Cell] = None,
+                 loss_scale: Optional["LossScale"] = None):
         super().__init__(auto_prefix=False)
         self.loss_cell = loss_cell
         self.optimizer = optimizer
-        self.grad_fn = ms.value_and_grad(self.loss_cell, None, optimizer.params, has_aux=True)
+        self.loss_scale = loss_scale
+        scaled = loss_cell if loss_scale is None else ScaledLoss(loss_cell, loss_scale)
+        self.grad_fn = ms.value_and_grad(scaled, None, optimizer.params, has_aux=True)
         self.grad_reducer = grad_reducer
         self.metric_sums = Parameter(Tensor(np.zeros(loss_cell.num_sums, np.float32)), name="train_metric_sums",
                                      requires_grad=False)
@@ -44,16 +47,64 @@ class TrainStep(nn.Cell):
             grads = self.grad_reducer(self.optimizer.prepare_for_reduction(grads))
         grad, finite, norm = self.optimizer.flat_gradient(grads)
         loss = ops.depend(loss, ops.assign_add(self.steps_run, ops.ones((), ms.int32)))
+        if self.loss_scale is not None:  # the gradient of the scaled loss, unscaled
+            scale = self.loss_scale.scale + 0.0
+            grad, norm = grad / scale, norm / scale
         if finite:
             loss = ops.depend(loss, self.loss_cell.commit(new, counts))
             loss = ops.depend(loss, self.optimizer.apply(grad, norm))
             loss = ops.depend(loss, ops.assign_add(self.metric_sums, sums))
             loss = ops.depend(loss, ops.assign(self.nonfinite, self.nonfinite * self.after_finite_step))
+            if self.loss_scale is not None:
+                loss = ops.depend(loss, self.loss_scale.after_finite())
+        elif self.loss_scale is not None and self.loss_scale.can_lower():
+            loss = ops.depend(loss, self.loss_scale.lower())  # an fp16 overflow: not a divergence
         else:
             row = self.nonfinite[0] + 1
             loss = ops.depend(loss, ops.assign(self.nonfinite, ops.stack(
                 (row, ops.maximum(row, self.nonfinite[1]), self.steps_run, self.nonfinite[3] + 1))))
         return loss
+
+
+class LossScale(nn.Cell):
+    """Dynamic loss scaling for ``fp16-mixed`` training: the loss is multiplied by ``scale`` before the gradient (so
+    float16 products keep small gradients above float16's underflow), the gradient divided by it after. A step
+    whose scaled gradient overflows is skipped and halves the scale (down to ``minimum``; at the minimum an
+    overflow is an ordinary non-finite step, and those stop a diverging run); ``growth_interval`` finite steps in a
+    row double it. ``overflows`` counts the skipped steps since the last read."""
+
+    def __init__(self, initial: float = 2.0 ** 16, growth_interval: int = 2000, minimum: float = 1.0):
+        super().__init__()
+        self.scale = Parameter(Tensor(np.array(initial, np.float32)), name="loss_scale", requires_grad=False)
+        self.good_steps = Parameter(Tensor(np.array(0, np.int32)), name="loss_scale_good_steps", requires_grad=False)
+        self.overflows = Parameter(Tensor(np.array(0, np.int32)), name="loss_scale_overflows", requires_grad=False)
+        self.growth_interval, self.minimum = growth_interval, minimum
+
+    def can_lower(self):
+        return self.scale > self.minimum
+
+    def lower(self):
+        done = ops.assign(self.scale, ops.maximum(self.scale / 2.0, self.minimum))
+        done = ops.depend(done, ops.assign(self.good_steps, ops.zeros((), ms.int32)))
+        return ops.depend(done, ops.assign_add(self.overflows, ops.ones((), ms.int32)))
+
+    def after_finite(self):
+        good = self.good_steps + 1
+        grow = good >= self.growth_interval
+        done = ops.assign(self.scale, ops.select(grow, self.scale * 2.0, self.scale))
+        return ops.depend(done, ops.assign(self.good_steps, ops.select(grow, ops.zeros((), ms.int32), good)))
+
+
+class ScaledLoss(nn.Cell):
+    """A loss cell's loss times the loss scale (its metric sums unchanged), for the gradient of fp16 training."""
+
+    def __init__(self, loss_cell: NormalisedLoss, loss_scale: LossScale):
+        super().__init__(auto_prefix=False)
+        self.loss_cell, self.loss_scale = loss_cell, loss_scale
+
+    def construct(self, *inputs):
+        loss, sums = self.loss_cell(*inputs)
+        return loss * ops.stop_gradient(self.loss_scale.scale), sums
 
 
 class EvalStep(nn.Cell):
@@ -80,6 +131,15 @@ def read_and_reset(sums: Parameter) -> np.ndarray:
     values = sums.asnumpy().astype(np.float64)
     write_parameter(sums, np.zeros(sums.shape))
     return values
+
+
+def read_overflows(step: TrainStep) -> int:
+    """fp16 loss-scale overflows (skipped steps) since the last read, then zero; 0 without loss scaling."""
+    if step.loss_scale is None:
+        return 0
+    value = int(step.loss_scale.overflows.asnumpy())
+    write_parameter(step.loss_scale.overflows, np.zeros(()))
+    return value
 
 
 def read_nonfinite(step: TrainStep) -> np.ndarray:

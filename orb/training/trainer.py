@@ -164,7 +164,7 @@ class Trainer:
             if done % cfg.log_every_n_steps == 0 or last:  # one host synchronisation per interval; flags travel too
                 part = self.dp.sum(np.concatenate([engine.take_interval_sums(), flags]))
                 part, flags = part[:-len(flags)], part[-len(flags):]
-                skipped += guards.check_finite(engine.take_nonfinite(), row_ids)
+                skipped += guards.check_finite(engine.take_nonfinite(), row_ids) + engine.take_overflows()
                 totals += part
                 interval = engine.metrics(part)
                 bar.set_postfix(loss=f"{interval['loss']:.4f}")
@@ -184,6 +184,8 @@ class Trainer:
         metrics = engine.metrics(totals, by_element=True)
         if skipped:
             metrics["nonfinite_steps"] = float(skipped)
+        if engine.loss_scale is not None:
+            metrics["loss_scale"] = engine.loss_scale_value()
         compile_time = engine.compiled.total() - compile_before
         elapsed = time.perf_counter() - start - compile_time
         metrics["data_wait"] = (self.data.loader.wait_time - wait_before) / max(elapsed, 1e-9)
