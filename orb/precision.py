@@ -26,18 +26,15 @@ Like the operator profile (:mod:`orb.models.ops_profile`), the precision in forc
 the one it computes in.
 """
 
-import logging
 from typing import Optional
 
 import numpy as np
 
 from orb.errors import ConfigError
 
-log = logging.getLogger("orb")
 PRECISIONS = ("float32-high", "float32-highest", "bf16-mixed", "fp16-mixed", "float64")
 DEFAULT = "float32-high"
 _configured = {"name": DEFAULT}
-_noted = set()
 
 
 def check_precision(name: str, source: str = "precision") -> str:
@@ -47,14 +44,18 @@ def check_precision(name: str, source: str = "precision") -> str:
 
 
 def check_device(name: str, device_target: str) -> None:
-    """Refuse a precision the device cannot run; say once when it runs only emulated."""
+    """Refuse a precision the device cannot run (one line naming what to use instead)."""
     if name == "float64" and device_target == "Ascend":
         raise ConfigError("precision float64 cannot run on Ascend (no float64 matrix arithmetic): use "
                           "float32-highest there, or float64 on the CPU")
-    if name == "bf16-mixed" and device_target == "CPU" and name not in _noted:
-        _noted.add(name)
-        log.info("precision bf16-mixed on the CPU is emulated (bfloat16 rounding of products' operands and "
-                 "results, float32 arithmetic): for checking numerics, not for speed; it runs natively on Ascend")
+
+
+def describe(name: str, device_target: str) -> str:
+    """For start-up logs: the precision, and when it runs only emulated, that it is for checking numerics."""
+    if name == "bf16-mixed" and device_target == "CPU":
+        return ("precision bf16-mixed, emulated on the CPU (bfloat16 rounding, float32 arithmetic: for checking "
+                "numerics, not for speed; native on Ascend)")
+    return f"precision {name}"
 
 
 def set_precision(name: str) -> None:

@@ -136,8 +136,8 @@ def training_step(target: str) -> dict:
             "weights": after[::997].tolist(), "compile_s": round(compile_s, 2), "step_s": round(step_s, 3)}
 
 
-def _step_in_subprocess(target: str, profile: str) -> dict:
-    result = subprocess.run([sys.executable, "-m", "orb.smoke_test", "_step", target],
+def _step_in_subprocess(target: str, profile: str, precision: str = "float32-highest") -> dict:
+    result = subprocess.run([sys.executable, "-m", "orb.smoke_test", "_step", target, precision],
                             cwd=ROOT, capture_output=True, text=True, timeout=1800,
                             env=dict(os.environ, ORB_OPS_PROFILE=profile))
     if result.returncode != 0:
@@ -158,6 +158,26 @@ def compare_steps(target: str) -> dict:
             "passed": all(errors[k] <= STEP_TOLERANCES[k] for k in errors),
             "this_device": {k: here[k] for k in ("loss", "grad_norm", "compile_s", "step_s")},
             "cpu": {k: cpu[k] for k in ("loss", "grad_norm", "compile_s", "step_s")}}
+
+
+def time_precisions(target: str, modes) -> dict:
+    """One training step of full orb-v2 in each precision mode (compile and step times, and the step's speed-up over
+    float32-high), each in a fresh process: what a lower precision buys on this device."""
+    from orb.precision import describe
+
+    out = {}
+    for mode in modes:
+        try:
+            step = _step_in_subprocess(target, "auto", mode)
+            out[mode] = {"compile_s": step["compile_s"], "step_s": step["step_s"], "loss": step["loss"],
+                         "note": describe(mode, target)}
+        except RuntimeError as exc:  # a mode this device cannot run: its one line, not a traceback
+            out[mode] = {"error": str(exc)}
+    base = out.get("float32-high", {}).get("step_s")
+    for mode, result in out.items():
+        if base and "step_s" in result:
+            result["speed_up_over_float32_high"] = round(base / result["step_s"], 2)
+    return out
 
 
 def _sum_over_workers() -> None:
@@ -219,10 +239,15 @@ def check_collectives(target: str) -> dict:
 
 
 def main(argv=None) -> int:
-    if argv is None and len(sys.argv) == 3 and sys.argv[1] == "_step":
+    if argv is None and len(sys.argv) == 4 and sys.argv[1] == "_step":
         from orb.device import configure_mindspore
+        from orb.errors import OrbInputError
 
-        configure_mindspore(sys.argv[2], precision="float32-highest")
+        try:
+            configure_mindspore(sys.argv[2], precision=sys.argv[3])
+        except OrbInputError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         print(json.dumps(training_step(sys.argv[2])))
         return 0
     if argv is None and len(sys.argv) == 2 and sys.argv[1] == "_sum":
@@ -231,6 +256,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device_target", default="auto", choices=("auto", "CPU", "GPU", "Ascend"))
     parser.add_argument("--skip_parallel", action="store_true", help="leave out the 2-worker sum")
+    parser.add_argument("--precisions", default="float32-high,bf16-mixed,fp16-mixed",
+                        help="time one training step in each of these precision modes (comma-separated; '' = none)")
     args = parser.parse_args(argv)
     from orb.device import configure_mindspore
 
@@ -241,6 +268,12 @@ def main(argv=None) -> int:
     print("  predictions: " + ("ok" if report["predictions_vs_pytorch"]["passed"] else "FAILED"), flush=True)
     report["training_step_vs_cpu"] = compare_steps(target)
     print("  training step: " + ("ok" if report["training_step_vs_cpu"]["passed"] else "FAILED"), flush=True)
+    modes = [m.strip() for m in args.precisions.split(",") if m.strip()]
+    if modes:
+        report["training_step_by_precision"] = time_precisions(target, modes)
+        print("  training step by precision: " + ", ".join(
+            f"{m} {r['step_s']:.2f} s" if "step_s" in r else f"{m} not run" for m, r in
+            report["training_step_by_precision"].items()), flush=True)
     if not args.skip_parallel:
         report["two_worker_sum"] = check_collectives(target)
         print("  2-worker sum: " + ("ok" if report["two_worker_sum"]["passed"] else "FAILED"), flush=True)

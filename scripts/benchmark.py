@@ -15,6 +15,7 @@ ASE calculator, data at MPtrj's size, batched relaxation.
     python scripts/benchmark.py formats    [--rows 20000] [--reads 5000] [--rounds 3]
     python scripts/benchmark.py scale      [--rows 1580000] [--model orb_v2] [--batch_size 8] [--workers 2]
     python scripts/benchmark.py relax      [--structures 50] [--fmax 0.05] [--steps 100] [--batch_size 50]
+    python scripts/benchmark.py precision  [--torch-python PATH] [--torch-v3-python PATH] [--finetune]
 
 With ``--torch-python`` pointing at a Python that has torch and orb-models 0.4.2 installed (never
 required), the same measurement is made with PyTorch orb-models in that interpreter right after
@@ -36,6 +37,7 @@ from benchmarks.graphs import bench_graphs
 from benchmarks.matmul import bench_breakdown, bench_gemm
 from benchmarks.model import bench_model
 from benchmarks.parallel import bench_allreduce, bench_parallel, bench_pipeline
+from benchmarks.precision import bench_precision
 from benchmarks.relax import bench_relax
 from benchmarks.save import bench_save
 from benchmarks.scale import bench_scale
@@ -103,13 +105,18 @@ def main() -> None:
     p.add_argument("--model", default="orb_v2")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dir", default="", help="folder to write in (default: the system's temporary folder)")
+    p = sub.add_parser("precision")
+    p.add_argument("--torch-python", default="", help="python with torch and orb-models 0.4.2 (orb-v2's reference)")
+    p.add_argument("--torch-v3-python", default="", help="python with torch and orb-models 0.5.5 (orb-v3's)")
+    p.add_argument("--finetune", action="store_true", help="fine-tune both demos in each mode instead")
     p = sub.add_parser("gemm")
     p.add_argument("--repeats", type=int, default=9, help="alternated timings of each product")
     args = parser.parse_args()
     {"graphs": bench_graphs, "model": bench_model, "parallel": bench_parallel, "calculator": bench_calculator,
      "allreduce": bench_allreduce, "pipeline": bench_pipeline, "gemm": bench_gemm,
      "breakdown": bench_breakdown, "counts": bench_counts, "rows": bench_rows,
-     "save": bench_save, "formats": bench_formats, "scale": bench_scale, "relax": bench_relax}[args.area](args)
+     "save": bench_save, "formats": bench_formats, "scale": bench_scale, "relax": bench_relax,
+     "precision": bench_precision}[args.area](args)
 
 
 if __name__ == "__main__":  # not in the data workers (counts), which import this file as their main module

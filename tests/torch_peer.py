@@ -1,11 +1,19 @@
 """Run by a PyTorch peer environment, never by the project itself:
 
-    python tests/torch_peer.py MODEL EXPORTED.ckpt STRUCTURES.npz OUT.npz
+    python tests/torch_peer.py MODEL EXPORTED.ckpt STRUCTURES.npz OUT.npz [PRECISION]
 
-MODEL ``orb_v2`` needs torch 2.13 + orb-models 0.4.2; an orb-v3 name (``orb_v3_direct_omol``, ...)
-needs orb-models 0.5.5. Builds orb-models' model, loads our exported file with
+MODEL ``orb_v2`` (or another orb-v2 architecture: ``orb_mptraj_only_v2``, ``orb_d3_v2``, ``orb_d3_sm_v2``,
+``orb_d3_xs_v2``) needs torch 2.13 + orb-models 0.4.2; an orb-v3 name (``orb_v3_direct_omol``,
+``orb_v3_conservative_20_mpa``, ...) needs orb-models 0.5.5. Builds orb-models' model, loads our exported file with
 load_state_dict(strict=True), and writes its predictions (energy, forces, stress) for the
 structures in STRUCTURES.npz (with ``charge``/``spin`` where given, for OMol models).
+
+PRECISION (default float32-highest): ``float64`` runs orb-models in float64 -- 0.5.5's own
+``precision="float64"`` and float64 graphs; 0.4.2, which has no float64 mode, as ``model.double()``
+with its graphs' positions, cell and edge vectors rebuilt in float64 from the same edges and its
+reference energy's float32 one-hot cast to the weights' type (it fails otherwise). ``bf16-autocast``
+runs the float32 model under ``torch.autocast("cpu", dtype=torch.bfloat16)`` (PyTorch's mixed
+precision, for the fidelity comparison).
 """
 
 import sys
@@ -30,20 +38,54 @@ def orb_v2_model(ckpt: str):
     return model.eval()
 
 
-def predict_v2(model, atoms) -> dict:
-    with torch.no_grad():
-        pred = model.predict(atomic_system.ase_atoms_to_atom_graphs(atoms))
+def v2_graph_float64(graph, atoms):
+    """0.4.2's graph of ``atoms`` (positions already wrapped) with positions, cell and vectors in float64."""
+    pos32, vec32 = graph.node_features["positions"].double(), graph.edge_features["vectors"].double()
+    s, r = graph.senders, graph.receivers
+    cell = torch.tensor(atoms.cell.array, dtype=torch.float64)
+    positions = torch.tensor(atoms.positions, dtype=torch.float64)
+    vectors = positions[r] - positions[s]
+    if atoms.cell.any():
+        unit = torch.round((vec32 - (pos32[r] - pos32[s])) @ torch.linalg.inv(cell))
+        vectors = vectors + unit @ cell
+    nodes = dict(graph.node_features, positions=positions,
+                 atomic_numbers_embedding=graph.node_features["atomic_numbers_embedding"].double())
+    edges = dict(graph.edge_features, vectors=vectors, r=vectors.norm(dim=1))
+    return graph._replace(node_features=nodes, edge_features=edges,
+                          system_features=dict(graph.system_features, cell=cell[None]))
+
+
+def reference_energy_in_weight_type():
+    """0.4.2's LinearReferenceEnergy casts its one-hot to float32, which a float64 model cannot multiply."""
+    from orb_models.forcefield import graph_regressor
+
+    def forward(self, atom_types, n_node):
+        one_hot = torch.nn.functional.one_hot(atom_types, num_classes=118).type(self.linear.weight.dtype)
+        return self.linear(graph_regressor.segment_ops.aggregate_nodes(one_hot, n_node, reduction="sum"))
+
+    graph_regressor.LinearReferenceEnergy.forward = forward
+
+
+def predict_v2(model, atoms, precision="float32-highest") -> dict:
+    graph = atomic_system.ase_atoms_to_atom_graphs(atoms)
+    if precision == "float64":
+        graph = v2_graph_float64(graph, atoms)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-autocast"):
+        pred = model.predict(graph)
     return {"energy": pred["graph_pred"], "forces": pred["node_pred"], "stress": pred["stress_pred"]}
 
 
-def orb_v3_model(name: str, ckpt: str):
+def orb_v3_model(name: str, ckpt: str, precision: str = "float32-highest"):
     # orb-models' own loader: builds the named architecture and load_state_dict(strict=True)
-    return getattr(pretrained, name)(weights_path=ckpt, device="cpu", precision="float32-highest", compile=False)
+    return getattr(pretrained, name)(weights_path=ckpt, device="cpu", compile=False,
+                                     precision="float64" if precision == "float64" else "float32-highest")
 
 
-def predict_v3(model, atoms) -> dict:
-    graph = atomic_system.ase_atoms_to_atom_graphs(atoms, system_config=model.system_config)
-    out = model.predict(graph)  # conservative models differentiate inside predict: no torch.no_grad here
+def predict_v3(model, atoms, precision="float32-highest") -> dict:
+    dtype = {"output_dtype": torch.float64} if precision == "float64" else {}
+    graph = atomic_system.ase_atoms_to_atom_graphs(atoms, system_config=model.system_config, **dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-autocast"):
+        out = model.predict(graph)  # conservative models differentiate inside predict: no torch.no_grad here
     prefix = "grad_" if hasattr(model, "grad_forces_name") else ""
     result = {"energy": out["energy"], "forces": out[prefix + "forces"]}
     if prefix + "stress" in out:
@@ -51,10 +93,18 @@ def predict_v3(model, atoms) -> dict:
     return result
 
 
-def main(name: str, ckpt: str, structures: str, out: str) -> None:
+def main(name: str, ckpt: str, structures: str, out: str, precision: str = "float32-highest") -> None:
     torch.set_num_threads(2)
-    model = orb_v2_model(ckpt) if name == "orb_v2" else orb_v3_model(name, ckpt)
-    predict = predict_v2 if name == "orb_v2" else predict_v3
+    v2 = not name.startswith("orb_v3")
+    if v2:  # orb_v2 built here (0.4.2's loader moves it to a device); its relatives by their 0.4.2 loaders
+        model = orb_v2_model(ckpt) if name == "orb_v2" else getattr(pretrained, name)(weights_path=ckpt,
+                                                                                        device="cpu").eval()
+        if precision == "float64":
+            reference_energy_in_weight_type()
+            model = model.double()
+    else:
+        model = orb_v3_model(name, ckpt, precision)
+    predict = predict_v2 if v2 else predict_v3
     z = np.load(structures)
     results = {}
     for structure in z["names"]:
@@ -64,8 +114,8 @@ def main(name: str, ckpt: str, structures: str, out: str) -> None:
         for key in ("charge", "spin"):
             if f"{structure}/{key}" in z:
                 atoms.info[key] = float(z[f"{structure}/{key}"])
-        for key, value in predict(model, atoms).items():
-            results[f"{structure}/{key}"] = value.detach().numpy().reshape(-1 if key != "forces" else (-1, 3))
+        for key, value in predict(model, atoms, precision).items():
+            results[f"{structure}/{key}"] = value.detach().double().numpy().reshape(-1 if key != "forces" else (-1, 3))
     np.savez(out, **results)
 
 

@@ -184,6 +184,7 @@ class AseDbDataset:
         self._labels_stored: Optional[np.ndarray] = None  # per row: energy, forces, stress stored (the census)
         self.require_labels = require_labels
         self.charge_spin = charge_spin
+        self.float64 = False  # graphs in float64 (precision float64: set by the model's user)
         self.label_table: Optional[LabelTable] = None
         check_sqlite_file(self.path)
         self.rows = RowReader(self.path)
@@ -421,7 +422,7 @@ class AseDbDataset:
             positions, cell, forces, stress = rotate_structure(positions, cell, forces, stress, random_rotation(rng))
         try:
             graph = graph_from_arrays(positions, row.numbers, cell, system_id=row.id, pbc=row.pbc,
-                                      settings=self.settings)
+                                      settings=self.settings, float64=self.float64)
         except StructureError as exc:
             raise self._structure_error(row, exc) from None
         graph.charge, graph.spin = self._charge_spin(row)

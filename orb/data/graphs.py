@@ -224,11 +224,13 @@ def graph_from_arrays(
     system_id: Optional[int] = None,
     pbc: Optional[np.ndarray] = None,
     settings: Optional[GraphSettings] = None,
+    float64: bool = False,
 ) -> AtomGraphs:
     """Build orb's graph from raw arrays (positions Å, atomic numbers, cell rows, pbc flags).
 
     ``settings`` (default: orb-v2's construction with ``radius`` and ``max_neighbors``) selects
-    the construction; ``pbc`` matters to orb-v3 only.
+    the construction; ``pbc`` matters to orb-v3 only. ``float64`` (precision float64): the same edges, with
+    positions (wrapped in float64), cell, edge vectors and unit shifts in float64.
     """
     settings = settings or GraphSettings(radius, max_neighbors)
     positions64 = np.asarray(positions, dtype=np.float64)
@@ -245,17 +247,24 @@ def graph_from_arrays(
         if periodic:
             positions = wrap_positions(positions, cell)
         senders, receivers, vectors, shifts = knn_edges(positions, cell, settings.radius, settings.max_neighbors)
+    if float64:  # the images the search chose: each atom moved by the lattice vectors its float32 wrap moved it
+        if periodic:
+            moved = np.rint((positions.astype(np.float64) - positions64) @ np.linalg.inv(cell64))
+            positions64 = positions64 + moved @ cell64
+        positions, cell = positions64, cell64
+        shifts = shifts.astype(np.float64)
+        vectors = positions[receivers] + shifts @ cell64 - positions[senders]
     return AtomGraphs(
         positions=positions,
         numbers=numbers,
         cell=cell[None],
         senders=senders,
         receivers=receivers,
-        vectors=vectors.astype(np.float32),
+        vectors=vectors.astype(positions.dtype),
         n_node=np.array([len(numbers)], np.int64),
         n_edge=np.array([len(senders)], np.int64),
         system_id=None if system_id is None else np.array([system_id], np.int64),
-        unit_shifts=shifts.astype(np.float32),
+        unit_shifts=shifts.astype(positions.dtype),
     )
 
 
@@ -293,13 +302,13 @@ def _cell64(cell) -> np.ndarray:
 
 
 def atoms_to_graph(atoms, radius: float = 10.0, max_neighbors: int = 20, system_id: Optional[int] = None,
-                   settings: Optional[GraphSettings] = None) -> AtomGraphs:
+                   settings: Optional[GraphSettings] = None, float64: bool = False) -> AtomGraphs:
     """Build orb's graph of an ``ase.Atoms`` (labels are not attached; see ``orb.data.dataset``).
 
     ``atoms.info["charge"]`` and ``atoms.info["spin"]``, when present, are kept for OMol models.
     """
     graph = graph_from_arrays(atoms.positions, atoms.numbers, atoms.cell.array, radius, max_neighbors, system_id,
-                              pbc=atoms.pbc, settings=settings)
+                              pbc=atoms.pbc, settings=settings, float64=float64)
     for key in ("charge", "spin"):
         if key in atoms.info:
             setattr(graph, key, np.array([float(atoms.info[key])], np.float32))
@@ -378,7 +387,7 @@ def pad_batch(batch: AtomGraphs, num_nodes: int, num_edges: int, num_graphs: int
         raise ValueError("padding edges need a padding node: num_nodes must exceed the batch's node count")
     if pad_g == 0:
         return batch
-    f32 = np.float32
+    f32 = batch.positions.dtype  # float32, or float64 (precision float64)
     n_node = np.zeros(pad_g, np.int64)
     n_edge = np.zeros(pad_g, np.int64)
     n_node[0], n_edge[0] = pad_n, pad_e

@@ -12,42 +12,44 @@ TARGET_INPUTS = ("graph_mask", "graph_weight", "energy", "forces", "stress")
 
 
 def model_arrays(batch: AtomGraphs) -> Tuple[np.ndarray, ...]:
-    """Numpy arrays in :data:`MODEL_INPUTS` order (int32 indices, float32 values; charge and spin 0 if absent;
-    ``head``: which heads predict each structure, 0 = the model's own)."""
-    zeros_g = np.zeros(batch.num_graphs, np.float32)
+    """Numpy arrays in :data:`MODEL_INPUTS` order (int32 indices; values in the graph's float type, float32 or
+    float64; charge and spin 0 if absent; ``head``: which heads predict each structure, 0 = the model's own)."""
+    real = batch.positions.dtype if batch.positions.dtype == np.float64 else np.float32
+    zeros_g = np.zeros(batch.num_graphs, real)
     return (
         batch.numbers.astype(np.int32),
-        batch.positions.astype(np.float32),
-        batch.vectors.astype(np.float32),
+        batch.positions.astype(real),
+        batch.vectors.astype(real),
         batch.senders.astype(np.int32),
         batch.receivers.astype(np.int32),
         batch.node_graph.astype(np.int32),
-        batch.n_node.astype(np.float32),
-        (~batch.periodic).astype(np.float32),
-        batch.cell.astype(np.float32),
-        batch.unit_shifts.astype(np.float32),
-        zeros_g if batch.charge is None else batch.charge.astype(np.float32),
-        zeros_g if batch.spin is None else batch.spin.astype(np.float32),
+        batch.n_node.astype(real),
+        (~batch.periodic).astype(real),
+        batch.cell.astype(real),
+        batch.unit_shifts.astype(real),
+        zeros_g if batch.charge is None else batch.charge.astype(real),
+        zeros_g if batch.spin is None else batch.spin.astype(real),
         np.zeros(batch.num_graphs, np.int32) if batch.head is None else batch.head.astype(np.int32),
     )
 
 
 def target_arrays(batch: AtomGraphs, graph_weight: Optional[np.ndarray] = None) -> Tuple[np.ndarray, ...]:
-    """Numpy arrays in :data:`TARGET_INPUTS` order; absent labels become zeros.
+    """Numpy arrays in :data:`TARGET_INPUTS` order (in the graph's float type); absent labels become zeros.
 
     ``graph_weight`` is each graph's weight in the loss; by default 1 / (number of real graphs)
     for real graphs and 0 for padding graphs (the mean over the batch's structures).
     """
-    mask = batch.graph_mask.astype(np.float32)
+    real = batch.positions.dtype if batch.positions.dtype == np.float64 else np.float32
+    mask = batch.graph_mask.astype(real)
     if graph_weight is None:
         graph_weight = mask / max(mask.sum(), 1.0)
-    zeros_g, zeros_n = np.zeros(batch.num_graphs, np.float32), np.zeros((batch.num_nodes, 3), np.float32)
+    zeros_g, zeros_n = np.zeros(batch.num_graphs, real), np.zeros((batch.num_nodes, 3), real)
     return (
         mask,
-        np.asarray(graph_weight, np.float32),
-        zeros_g if batch.energy is None else batch.energy.astype(np.float32),
-        zeros_n if batch.forces is None else batch.forces.astype(np.float32),
-        np.zeros((batch.num_graphs, 6), np.float32) if batch.stress is None else batch.stress.astype(np.float32),
+        np.asarray(graph_weight, real),
+        zeros_g if batch.energy is None else batch.energy.astype(real),
+        zeros_n if batch.forces is None else batch.forces.astype(real),
+        np.zeros((batch.num_graphs, 6), real) if batch.stress is None else batch.stress.astype(real),
     )
 
 

@@ -9,7 +9,9 @@ size and reused across MD steps; a structure that outgrows it gets a larger size
 orb-v2 and orb-v3 direct models predict forces and stress directly; orb-v3 conservative models
 return the derivatives of their energy (energy-conserving MD). orb-v3 models also give
 ``confidence``: per atom, the predicted distribution of its force error over 50 bins from 0 to
-0.3 eV/Å. OMol models read the total charge and spin from ``atoms.info["charge"]`` and
+0.3 eV/Å, and ``force_error``: its expectation, the atom's predicted force error in eV/Å
+(``atoms.calc.results["force_error"]``; :mod:`orb.inference.uncertainty`). OMol models read the total
+charge and spin from ``atoms.info["charge"]`` and
 ``atoms.info["spin"]``. ``dispersion="d3bj"`` (with the ``xc`` functional of the training data,
 default PBE) adds DFT-D3(BJ) energy, forces and stress from the ``dftd3`` package
 (:mod:`orb.inference.dispersion`; ``pip install .[d3]``), as orb-models 0.7.0's ``D3SumModel``.
@@ -22,6 +24,7 @@ from ase.calculators.calculator import Calculator, all_changes
 
 from orb.data.graphs import atoms_to_graph
 from orb.inference.predictor import Predictor
+from orb.inference.uncertainty import per_atom_error
 
 
 ASE_KEYWORDS = ("restart", "ignore_bad_restart_file", "label", "atoms", "directory")  # ase Calculator's own
@@ -39,12 +42,13 @@ def check_keywords(kwargs: Dict, allowed) -> None:
 class ORBCalculator(Calculator):
     """ASE calculator: energy, free_energy (= energy), forces and stress from an orb model."""
 
-    implemented_properties = ["energy", "free_energy", "forces", "stress", "confidence"]
+    implemented_properties = ["energy", "free_energy", "forces", "stress", "confidence", "force_error"]
 
     def __init__(self, model, dispersion: Optional[str] = None, xc: str = "pbe", **kwargs):
-        from orb.inference.dispersion import D3Dispersion
+        from orb.inference.dispersion import D3Dispersion, check_dispersion_for
 
         check_keywords(kwargs, ASE_KEYWORDS)
+        check_dispersion_for(model.cfg, dispersion)
         super().__init__(**kwargs)
         self.model = model
         self.dispersion = D3Dispersion(dispersion, xc) if dispersion else None
@@ -77,7 +81,7 @@ class ORBCalculator(Calculator):
         if cfg.omol and not {"charge", "spin"} <= set(self.atoms.info):
             raise ValueError(f"{cfg.name} needs the total charge and spin: set atoms.info['charge'] and "
                              "atoms.info['spin']")
-        graph = atoms_to_graph(self.atoms, settings=cfg.graph_settings())
+        graph = atoms_to_graph(self.atoms, settings=cfg.graph_settings(), float64=self.predictor.float64)
         out: Dict[str, np.ndarray] = self.predictor(graph)
         energy = float(out["energy"][0])
         self.results = {"energy": energy, "free_energy": energy, "forces": out["forces"], "stress": out["stress"][0]}
@@ -89,3 +93,4 @@ class ORBCalculator(Calculator):
             self.results["stress"] = self.results["stress"] + d3["stress"]
         if "confidence" in out:
             self.results["confidence"] = out["confidence"]
+            self.results["force_error"] = per_atom_error(out["confidence"])  # eV/Å, orb.inference.uncertainty

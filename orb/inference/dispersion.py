@@ -52,6 +52,14 @@ def check_dispersion(dispersion: Optional[str], xc: str) -> None:
         raise OrbInputError(f"dispersion {dispersion}: unknown xc {xc!r}; valid: {', '.join(names)}")
 
 
+def check_dispersion_for(model_cfg, dispersion: Optional[str]) -> None:
+    """A model trained on D3-corrected labels (orb_d3_v2, orb_d3_sm_v2, orb_d3_xs_v2) already predicts the
+    dispersion: adding D3 would count it twice."""
+    if dispersion and model_cfg.d3_trained:
+        raise OrbInputError(f"{model_cfg.name} was trained on D3-corrected energies and predicts dispersion itself: "
+                            "use it without --dispersion (or a model trained without D3, such as orb_v2)")
+
+
 class D3Dispersion:
     """DFT-D3 energy (eV), forces (eV/Å) and, for periodic structures, stress (eV/Å³, ASE's Voigt order and
     sign) of a structure, with ``dftd3``'s parameters for ``xc``."""

@@ -20,11 +20,13 @@ from typing import Dict, List
 import numpy as np
 
 from orb.errors import OrbInputError
+from orb.inference.uncertainty import spearman
 from orb.metrics import (BY_ELEMENT, BY_ELEMENT_MEANING, METRICS, add_sums, element_sums,
                          forces_by_element, metrics_from_sums, structure_sums)
 
 CSV_FIELDS = ("row_id", "formula", "natoms", "energy_pred", "energy_true", "energy_abs_error",
-              "energy_per_atom_abs_error", "forces_mae", "forces_cosine", "forces_within_0.03", "stress_mae")
+              "energy_per_atom_abs_error", "forces_mae", "forces_cosine", "forces_within_0.03", "stress_mae",
+              "predicted_force_error_max", "predicted_force_error_mean")
 
 
 def structure_record(row_id: int, formula: str, graph, pred: Dict[str, np.ndarray]) -> Dict:
@@ -60,6 +62,15 @@ def summarise(results: List[Dict]) -> Dict:
     if elements:
         total = np.sum(elements, axis=0)
         out[BY_ELEMENT] = forces_by_element(total[0], total[1])
+    judged = [r["row"] for r in results if "predicted_force_error_mean" in r["row"] and "forces_mae" in r["row"]]
+    if len(judged) >= 2:  # the confidence head against the true force errors, structure by structure
+        true = np.array([r["forces_mae"] for r in judged])
+        out["confidence"] = {
+            "structures": len(judged),
+            "spearman_mean": spearman(np.array([r["predicted_force_error_mean"] for r in judged]), true),
+            "spearman_max": spearman(np.array([r["predicted_force_error_max"] for r in judged]), true),
+            "predicted_force_error_mean": float(np.mean([r["predicted_force_error_mean"] for r in judged])),
+            "forces_mae": float(true.mean())}
     return out
 
 
@@ -76,6 +87,12 @@ def print_summary(summary: Dict) -> None:
         print(f"{'element':<10}{'forces_mae':>14}")
         for symbol, value in summary[BY_ELEMENT].items():
             print(f"{symbol:<10}{value:>14.6g}")
+    confidence = summary.get("confidence")
+    if confidence:
+        print(f"\nconfidence head: predicted force error (mean over atoms) {confidence['predicted_force_error_mean']:.4g}"
+              f" eV/Å against a true force MAE of {confidence['forces_mae']:.4g}; rank correlation with the true "
+              f"error over {confidence['structures']} structures: {confidence['spearman_mean']:.3f} (mean), "
+              f"{confidence['spearman_max']:.3f} (max over atoms)")
 
 
 def main(argv=None) -> int:
@@ -111,6 +128,9 @@ def main(argv=None) -> int:
                         "Ascend/GPU, orb-models' default), float32-highest, bf16-mixed, fp16-mixed, float64 (CPU)")
     parser.add_argument("--matmul_precision", default="", choices=("", "highest", "high"),
                         help=argparse.SUPPRESS)  # the old spelling of --precision float32-high | float32-highest
+    parser.add_argument("--uncertain_above", type=float, default=None,
+                        help="orb-v3: write the structures whose predicted force error (the confidence head's, "
+                        "largest over the atoms) passes this many eV/Å to OUTPUT_DIR/uncertain.extxyz")
     parser.add_argument("--progress_bar", choices=("auto", "true", "false"), default="auto")
     args = parser.parse_args(argv)
     from orb.signals import Stopped, listen
@@ -126,25 +146,32 @@ def main(argv=None) -> int:
         return 2
 
 
-def predict_dataset(checkpoint: str, args, keys, show: bool):
-    """Every structure's record (``structure_record`` plus its atomic numbers) and the parity points of one
-    checkpoint on ``args.data``."""
+def predict_dataset(checkpoint: str, args, keys, show: bool, out_dir: str = ""):
+    """Every structure's record (``structure_record`` plus its atomic numbers; with an orb-v3 model its predicted
+    force error) and the parity points of one checkpoint on ``args.data``; with ``--uncertain_above``, the frames
+    whose predicted error passes it go to ``out_dir/uncertain.extxyz``."""
     from tqdm import tqdm
 
     from orb.data.dataset import AseDbDataset
     from orb.data.formats import readable_database
     from orb.data.graphs import batch_graphs
-    from orb.inference.dispersion import D3Dispersion
+    from orb.inference.dispersion import D3Dispersion, check_dispersion_for
     from orb.inference.predictor import Predictor
+    from orb.inference.uncertainty import UncertainFrames, check_threshold, frame_error, per_atom_error
     from orb.reports.evaluation import ParityPoints
     from orb.io.checkpoint import model_from_checkpoint
+    from orb.models import is_float64_model
 
     model = model_from_checkpoint(checkpoint, args.model)
     data = AseDbDataset(readable_database(args.data, keys), require_labels=False, settings=model.cfg.graph_settings(),
                         charge_spin=model.cfg.omol)
+    data.float64 = is_float64_model(model)
     batches, buckets = packed_batches(data, args.batch_size)
+    check_dispersion_for(model.cfg, args.dispersion)
     dispersion = D3Dispersion(args.dispersion, args.xc) if args.dispersion else None
     predictor = Predictor(model, buckets)
+    check_threshold(model.cfg, args.uncertain_above)
+    uncertain = UncertainFrames(out_dir) if args.uncertain_above is not None and out_dir else None
     results, points = [None] * len(data), ParityPoints()
     with tqdm(total=len(data), desc=f"evaluating {os.path.basename(checkpoint)}", disable=not show) as bar:
         for indices in batches:
@@ -155,6 +182,7 @@ def predict_dataset(checkpoint: str, args, keys, show: bool):
                 n = graph.num_nodes
                 one = {"energy": pred["energy"][k], "forces": pred["forces"][offset:offset + n],
                        "stress": pred["stress"][k]}
+                per_atom = per_atom_error(pred["confidence"][offset:offset + n]) if "confidence" in pred else None
                 offset += n
                 if dispersion is not None:
                     d3 = dispersion(data.get_atoms(int(i)))
@@ -162,6 +190,14 @@ def predict_dataset(checkpoint: str, args, keys, show: bool):
                 row = data.row(int(i))
                 record = structure_record(int(row.id), row.formula, graph, one)
                 record["numbers"] = np.asarray(graph.numbers)
+                if per_atom is not None:  # the confidence head's (orb-v3): max over atoms and mean, eV/Å
+                    predicted = frame_error(per_atom)
+                    record["row"].update(predicted_force_error_max=predicted["max"],
+                                         predicted_force_error_mean=predicted["mean"])
+                    if uncertain is not None and predicted["max"] > args.uncertain_above:
+                        atoms = data.get_atoms(int(i))
+                        uncertain.add(atoms, per_atom, source=str(args.data), source_row=int(row.id),
+                                      predicted_energy=float(one["energy"]))
                 results[int(i)] = record
                 points.add(n, one, graph)
             bar.update(len(graphs))
@@ -185,6 +221,7 @@ def evaluate(args) -> int:
     from orb.reports.evaluation import errors_by_element, print_element_table
     from orb.models.ops_profile import describe_profile
     from orb.models.ops_profile import ops_profile, set_ops_profile
+    from orb.precision import describe as describe_precision
 
     if args.batch_size < 1:
         raise OrbInputError(f"--batch_size must be at least 1, got {args.batch_size}")
@@ -195,7 +232,7 @@ def evaluate(args) -> int:
         args.precision = f"float32-{args.matmul_precision}"
     target = configure_mindspore(args.device_target, precision=args.precision)
     set_ops_profile(args.ops_profile)
-    print(f"device: {target}, {describe_profile()}, precision {args.precision}")
+    print(f"device: {target}, {describe_profile()}, {describe_precision(args.precision, target)}")
     keys = LabelKeys(args.energy_key, args.forces_key, args.stress_key, args.charge_key, args.spin_key)
     show = sys.stderr.isatty() if args.progress_bar == "auto" else args.progress_bar == "true"
     args.data = args.data[0] if len(args.data) == 1 else args.data
@@ -205,7 +242,12 @@ def evaluate(args) -> int:
     names = [os.path.basename(c) for c in checkpoints]
     if len(set(names)) < len(names):
         names = ["checkpoint", "compare"]
-    runs = {name: predict_dataset(path, args, keys, show) for name, path in zip(names, checkpoints)}
+    if args.uncertain_above is not None:  # a fresh collection: never appended to an earlier evaluation's
+        os.makedirs(out_dir, exist_ok=True)
+        if os.path.exists(os.path.join(out_dir, "uncertain.extxyz")):
+            os.remove(os.path.join(out_dir, "uncertain.extxyz"))
+    runs = {name: predict_dataset(path, args, keys, show, out_dir if name == names[0] else "")
+            for name, path in zip(names, checkpoints)}
     results = runs[names[0]][0]
     summary = summarise(results)
     data = os.path.abspath(args.data) if isinstance(args.data, str) else [os.path.abspath(d) for d in args.data]
@@ -234,7 +276,8 @@ def evaluate(args) -> int:
 def write_outputs(out_dir: str, results: List[Dict], summary: Dict, runs: Dict) -> List[str]:
     """predictions.csv, summary.json, the parity plots and errors_by_element.csv, each written atomically (a kill
     or a full disk leaves every file whole or absent, never a table cut short); the files written."""
-    from orb.reports.evaluation import errors_by_element, write_element_table, write_parity_plots
+    from orb.reports.evaluation import (errors_by_element, write_confidence_plot, write_element_table,
+                                        write_parity_plots)
     from orb.io.files import write_csv, write_json
 
     os.makedirs(out_dir, exist_ok=True)
@@ -243,6 +286,8 @@ def write_outputs(out_dir: str, results: List[Dict], summary: Dict, runs: Dict) 
     write_csv(written[0], fields, (r["row"] for r in results))
     write_json(written[1], summary)
     written += write_parity_plots(out_dir, {name: run[1] for name, run in runs.items()})
+    if summary.get("confidence"):
+        written.append(write_confidence_plot(out_dir, results, summary["confidence"]))
     tables = {name: errors_by_element(run[0]) for name, run in runs.items()}
     if any(tables.values()):
         write_element_table(os.path.join(out_dir, "errors_by_element.csv"), tables)

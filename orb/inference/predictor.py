@@ -26,7 +26,10 @@ class Predictor:
     """Pads batches to reusable bucket shapes and runs the compiled forward pass."""
 
     def __init__(self, model, buckets: Optional[List[Bucket]] = None, growth: float = 1.25, multiple: int = 8):
+        from orb.models import is_float64_model
+
         self.model = model
+        self.float64 = is_float64_model(model)  # its graphs must be built in float64 (atoms_to_graph(float64=))
         self.cell = PredictCell(model)
         self.buckets: List[Bucket] = sorted(buckets or [])
         self.growth, self.multiple = growth, multiple

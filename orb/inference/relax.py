@@ -34,6 +34,7 @@ class Relaxing:
     atoms: object
     optimizer: object
     steps: int = 0
+    force_error: Optional[np.ndarray] = None  # orb-v3: each atom's predicted force error at the last evaluation
 
 
 def _optimizer(atoms, cell: bool, fmax: float):
@@ -89,9 +90,10 @@ class BatchRelaxer:
         from ase.calculators.singlepoint import SinglePointCalculator
 
         from orb.data.graphs import atoms_to_graph, batch_graphs
+        from orb.inference.uncertainty import per_atom_error
 
         settings = self.model.cfg.graph_settings()
-        graphs = [atoms_to_graph(r.atoms, settings=settings) for r in active]
+        graphs = [atoms_to_graph(r.atoms, settings=settings, float64=self.predictor.float64) for r in active]
         out = self.predictor(batch_graphs(graphs))
         self.calls += 1
         offset = 0
@@ -99,6 +101,8 @@ class BatchRelaxer:
             n = len(r.atoms)
             results = {"energy": float(out["energy"][k]), "forces": out["forces"][offset:offset + n],
                        "stress": out["stress"][k]}
+            if "confidence" in out:
+                r.force_error = per_atom_error(out["confidence"][offset:offset + n])
             offset += n
             if self.dispersion is not None:
                 d3 = self.dispersion(r.atoms)
@@ -154,7 +158,8 @@ def relax(args) -> Dict:
     from orb.data.dataset import AseDbDataset
     from orb.data.formats import LabelKeys, readable_database
     from orb.device import configure_mindspore
-    from orb.inference.dispersion import D3Dispersion, check_dispersion
+    from orb.inference.dispersion import D3Dispersion, check_dispersion, check_dispersion_for
+    from orb.inference.uncertainty import UncertainFrames, check_threshold
     from orb.io.checkpoint import model_from_checkpoint
     from orb.io.files import write_json
     from orb.models.ops_profile import set_ops_profile
@@ -172,6 +177,11 @@ def relax(args) -> Dict:
     data.census()  # every row checked before the first step (OMol models: each row's charge and spin), named if bad
     done = _done_rows(args.output) if os.path.exists(args.output) else set()
     todo = [i for i in range(len(data)) if int(data.ids[i]) not in done]
+    check_dispersion_for(model.cfg, args.dispersion)
+    check_threshold(model.cfg, args.uncertain_above)
+    uncertain = (UncertainFrames(os.path.dirname(os.path.abspath(args.output)),
+                                 os.path.splitext(os.path.basename(args.output))[0] + ".uncertain.extxyz")
+                 if args.uncertain_above is not None else None)
     dispersion = D3Dispersion(args.dispersion, args.xc) if args.dispersion else None
     relaxer = BatchRelaxer(model, args.fmax, args.steps, args.cell, args.batch_size, dispersion)
     show = sys.stderr.isatty() if args.progress_bar == "auto" else args.progress_bar == "true"
@@ -190,12 +200,17 @@ def relax(args) -> Dict:
     written = []
     with STOP.deferred(), tqdm(total=len(todo), desc="relaxing", disable=not show) as bar:
         def finish(r: Relaxing, converged: bool) -> None:
+            extra = {} if r.force_error is None else {"predicted_force_error_max": float(r.force_error.max())}
             try:
-                db.write(r.atoms, source_row=r.source_row, relax_steps=r.steps, converged=converged)  # committed now
+                db.write(r.atoms, source_row=r.source_row, relax_steps=r.steps, converged=converged,
+                         **extra)  # committed now
             except (OSError, sqlite3.Error) as exc:  # a full disk: the rows written before stay
                 raise RunError(f"could not write to {args.output} ({exc}); its {len(done) + len(written)} structures "
                                "written before are kept: free space, then run again with --resume") from None
             written.append(r.source_row)
+            if uncertain is not None and extra and extra["predicted_force_error_max"] > args.uncertain_above:
+                uncertain.add(r.atoms, r.force_error, source=str(args.data), source_row=r.source_row,
+                              relax_steps=r.steps)  # after its row: a resume never writes it twice
             bar.update(1)
 
         relaxer.run(structures(), finish, stop=lambda: STOP.received is not None)
@@ -204,7 +219,7 @@ def relax(args) -> Dict:
     not_converged = sorted(row for row, (_, converged) in results.items() if not converged)
     summary = {"input": args.data, "output": os.path.abspath(args.output), "checkpoint": args.checkpoint,
                "fmax": args.fmax, "max_steps": args.steps, "cell": args.cell, "dispersion": args.dispersion or None,
-               "precision": args.precision,
+               "precision": args.precision, "uncertain": 0 if uncertain is None else uncertain.count,
                "structures": len(results), "relaxed_now": len(written), "already_done": len(done),
                "remaining": len(todo) - len(written), "converged": len(results) - len(not_converged),
                "not_converged_rows": not_converged,
@@ -247,6 +262,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--ops_profile", default="auto", choices=PROFILES)
     parser.add_argument("--precision", default="float32-high", choices=PRECISIONS,
                         help="what the model computes in (orb.precision; float64 for tight relaxations, CPU)")
+    parser.add_argument("--uncertain_above", type=float, default=None,
+                        help="orb-v3: relaxed structures whose predicted force error (the confidence head's, largest "
+                        "over the atoms) passes this many eV/Å also go to OUTPUT.uncertain.extxyz")
     parser.add_argument("--progress_bar", choices=("auto", "true", "false"), default="auto")
     args = parser.parse_args(argv)
     args.data = args.data[0] if len(args.data) == 1 else args.data

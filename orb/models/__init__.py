@@ -4,8 +4,9 @@
     model = create("orb_v3_conservative_inf_omat")   # random weights, PyTorch parameter paths
     model = create("orb_v2", latent_dim=128)        # architecture overrides
 
-Names (:data:`MODEL_NAMES`) are orb-models' loaders: ``orb_v2`` and the six orb-v3 models
-(conservative/direct, 20/inf neighbours, OMat; conservative/direct OMol). MindSpore is imported
+Names (:data:`MODEL_NAMES`) are orb-models' loaders: ``orb_v2`` with ``orb_mptraj_only_v2`` and the D3 family
+(``orb_d3_v2``, ``orb_d3_sm_v2``, ``orb_d3_xs_v2``), and the ten orb-v3 models (conservative/direct, 20/inf
+neighbours, OMat or MPA; conservative/direct OMol). MindSpore is imported
 only when a model is built, so configs can be checked without it.
 """
 
@@ -14,18 +15,47 @@ from typing import Dict, Optional
 import numpy as np
 
 from orb.errors import CheckpointError, ConfigError
-from orb.models.config import MODEL_NAMES, ModelConfig
+from orb.models.config import MODEL_NAMES, V2_NAMES, ModelConfig
 
 
 def build(cfg: ModelConfig, seed: int = 0):
-    """A model of architecture ``cfg`` with random weights."""
+    """A model of architecture ``cfg`` with random weights, in the precision in force (:mod:`orb.precision`)."""
+    from orb.precision import is_float64
+
     if cfg.family == "orb_v3":
         from orb.models.orb_v3 import ConservativeRegressor, DirectRegressor
 
-        return (ConservativeRegressor if cfg.conservative else DirectRegressor)(cfg, seed)
-    from orb.models.orb_v2 import GraphRegressor
+        model = (ConservativeRegressor if cfg.conservative else DirectRegressor)(cfg, seed)
+    else:
+        from orb.models.orb_v2 import GraphRegressor
 
-    return GraphRegressor(cfg, seed=seed)
+        model = GraphRegressor(cfg, seed=seed)
+    if is_float64():
+        to_float64(model)
+    return model
+
+
+def is_float64_model(model) -> bool:
+    """Whether ``model`` was built in precision float64 (its inputs must then be float64 graphs)."""
+    import mindspore as ms
+
+    return next(p for _, p in model.parameters_and_names()).dtype == ms.float64
+
+
+def to_float64(model) -> None:
+    """Every float32 parameter and constant tensor of ``model`` in float64, as PyTorch's ``model.double()``: the
+    values are those of float32 (a buffer computed in float32 stays that number), then every operation on them
+    is float64."""
+    import mindspore as ms
+    from mindspore import Parameter, Tensor
+
+    for _, param in model.parameters_and_names():
+        if param.dtype == ms.float32:
+            param.set_dtype(ms.float64)  # (set_data keeps a parameter's type)
+    for _, cell in model.cells_and_names():
+        for name, value in list(vars(cell).items()):
+            if isinstance(value, Tensor) and not isinstance(value, Parameter) and value.dtype == ms.float32:
+                setattr(cell, name, Tensor(value.asnumpy().astype(np.float64)))
 
 
 def create(name: str = "orb_v2", seed: int = 0, **overrides):
@@ -106,16 +136,19 @@ def config_from_state_dict(weights: Dict[str, np.ndarray], base: ModelConfig = N
             found = v3_name(weights)
             if name is not None and name not in MODEL_NAMES:
                 raise ConfigError(f"unknown model '{name}'; valid names: {', '.join(MODEL_NAMES)}")
-            if name is not None and v3_name(weights, "20" if "_20_" in name else "inf") != name:
+            layout = None if name is None else name.replace("_mpa", "_omat")  # MPA models: OMat's architectures
+            if name is not None and v3_name(weights, "20" if "_20_" in name else "inf") != layout:
                 raise CheckpointError(f"the checkpoint holds an {found.replace('_inf', '_20/inf')} model, not {name}")
             cfg = dict(ModelConfig.defaults(name or found), **_common_sizes(weights, "heads.energy."))
             cfg["num_rbf"] = int(weights["model.rbf_transform.bessel_weights"].shape[0])
             return ModelConfig.from_dict(cfg)
         if "graph_head.mlp.NN-0.weight" not in weights:
             raise KeyError("graph_head.mlp.NN-0.weight or heads.energy.mlp.NN-0.weight")
+        if name is not None and name not in V2_NAMES:
+            raise CheckpointError(f"the checkpoint holds an orb-v2 model, not {name}")
         base = base or ModelConfig()
         return ModelConfig.from_dict(dict(
-            base.to_dict(), name="orb_v2", **_common_sizes(weights, "graph_head."),
+            base.to_dict(), name=name or "orb_v2", **_common_sizes(weights, "graph_head."),
             num_rbf=int(weights["model._encoder._edge_fn.mlp.NN-0.weight"].shape[1]) - 3))
     except KeyError as exc:
         raise CheckpointError(f"not an orb state dict (no {exc.args[0]})") from None

@@ -7,13 +7,13 @@ LayerNorm, RMSNorm and ScaleRows are built in the operator profile in force when
 """
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from orb.models.ops_profile import activation as profile_activation, ops_profile
-from orb.precision import half_rounding
+from orb.precision import half_rounding, numpy_dtype
 from orb.models.primitives import MATMUL as _MATMUL
 from orb.models.primitives import cpu_column as _cpu_column
 from orb.models.primitives import cpu_column_sum as _cpu_column_sum
@@ -230,8 +230,9 @@ class RMSNorm(nn.Cell):
     """RMSNorm over the last axis with torch's default eps for float32 (machine epsilon 1.1920929e-07:
     orb-v3's outputs move by 1e-2 eV with eps 1e-6) and a ``weight``, no bias."""
 
-    def __init__(self, dim: int, eps: float = float(np.finfo(np.float32).eps)):
+    def __init__(self, dim: int, eps: Optional[float] = None):
         super().__init__()
+        eps = float(np.finfo(numpy_dtype()).eps) if eps is None else eps  # torch's default: the input type's
         self.weight = Parameter(Tensor(np.ones(dim, np.float32)), name="weight")
         self.function = _CpuRMSNorm(eps) if ops_profile() == "cpu" else _PortableRMSNorm(eps)
 

@@ -12,8 +12,16 @@ from typing import Dict
 from orb.data.graphs import GraphSettings
 
 V3_NAMES = ("orb_v3_conservative_20_omat", "orb_v3_conservative_inf_omat", "orb_v3_direct_20_omat",
-            "orb_v3_direct_inf_omat", "orb_v3_conservative_omol", "orb_v3_direct_omol")
-MODEL_NAMES = ("orb_v2",) + V3_NAMES
+            "orb_v3_direct_inf_omat", "orb_v3_conservative_omol", "orb_v3_direct_omol",
+            # the same architectures trained on MPtrj + Alexandria (orb-models 0.5.5 and later)
+            "orb_v3_conservative_20_mpa", "orb_v3_conservative_inf_mpa", "orb_v3_direct_20_mpa",
+            "orb_v3_direct_inf_mpa")
+# orb-v2's architecture: orb-v2 itself, trained on MPtrj only, and the D3-corrected models (PBE+D3 labels: the
+# dispersion is in their weights; adding D3 again would count it twice) with 15, 10 and 5 message-passing layers
+V2_LAYERS = {"orb_v2": 15, "orb_mptraj_only_v2": 15, "orb_d3_v2": 15, "orb_d3_sm_v2": 10, "orb_d3_xs_v2": 5}
+V2_NAMES = tuple(V2_LAYERS)
+D3_TRAINED = ("orb_d3_v2", "orb_d3_sm_v2", "orb_d3_xs_v2")
+MODEL_NAMES = V2_NAMES + V3_NAMES
 V3_DEFAULTS = dict(latent_dim=256, mlp_hidden_dim=1024, num_mlp_layers=2, num_message_passing_steps=5, num_rbf=8,
                    rbf_radius=6.0, cutoff_rmax=6.0, polynomial_order=4, head_mlp_hidden_dim=256,
                    head_num_mlp_layers=1, num_elements=118, decoder_out_dim=3, radius=6.0)
@@ -42,8 +50,8 @@ class ModelConfig:
     @staticmethod
     def defaults(name: str) -> Dict:
         """The published architecture of ``name``."""
-        if name == "orb_v2" or name not in V3_NAMES:
-            return asdict(ModelConfig(name=name))
+        if name not in V3_NAMES:
+            return asdict(ModelConfig(name=name, num_message_passing_steps=V2_LAYERS.get(name, 15)))
         return dict(V3_DEFAULTS, name=name, max_neighbors=20 if "_20_" in name else 120)
 
     @classmethod
@@ -66,6 +74,11 @@ class ModelConfig:
     def conservative(self) -> bool:
         """Forces and stress are derivatives of the energy (computed by automatic differentiation)."""
         return "conservative" in self.name
+
+    @property
+    def d3_trained(self) -> bool:
+        """Trained on DFT-D3-corrected labels: its energies include dispersion already."""
+        return self.name in D3_TRAINED
 
     @property
     def omol(self) -> bool:

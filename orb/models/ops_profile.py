@@ -73,8 +73,10 @@ def custom_kernel_library() -> Optional[str]:
 
     from orb.models import kernels
 
-    if ops_profile() != "cpu" or ms.get_context("device_target") != "CPU":
-        return None
+    from orb.precision import is_float64
+
+    if ops_profile() != "cpu" or ms.get_context("device_target") != "CPU" or is_float64():
+        return None  # the kernels are float32 code: float64 uses MindSpore's float64 operators
     return kernels.library_path()
 
 

@@ -70,6 +70,32 @@ def write_parity_plots(out_dir: str, series: Dict[str, ParityPoints]) -> List[st
     return written
 
 
+def write_confidence_plot(out_dir: str, results: List[Dict], confidence: Dict) -> str:
+    """``confidence.png``: each structure's predicted force error (the confidence head's mean over its atoms)
+    against its true force MAE, with the diagonal and the rank correlation. Returns the file."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r["row"] for r in results if "predicted_force_error_mean" in r["row"] and "forces_mae" in r["row"]]
+    true = np.array([r["forces_mae"] for r in rows])
+    predicted = np.array([r["predicted_force_error_mean"] for r in rows])
+    fig, ax = plt.subplots(figsize=(5, 5))
+    ax.scatter(true, predicted, s=6, alpha=0.6)
+    high = max(float(true.max()), float(predicted.max()))
+    ax.plot([0, high], [0, high], color="black", linewidth=0.8)
+    ax.set_xlabel("true force MAE of the structure (eV/Å)")
+    ax.set_ylabel("predicted force error, mean over atoms (eV/Å)")
+    ax.set_title(f"confidence head: rank correlation {confidence['spearman_mean']:.2f} over {len(rows)} structures",
+                 fontsize=9)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "confidence.png")
+    write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    plt.close(fig)
+    return path
+
+
 def errors_by_element(results: List[Dict]) -> List[Dict]:
     """Per element present in the labelled structures: atoms, force MAE of its atoms (eV/Å), structures containing
     it and their energy-per-atom MAE (eV/atom)."""

@@ -140,7 +140,7 @@ def build_trainer(cfg: TrainConfig, data_parallel: Optional[DataParallel] = None
     from orb.models import model_identity, weights_digest
     from orb.models.ops_profile import describe_profile
     from orb.models.ops_profile import set_ops_profile
-    from orb.precision import check_device, set_precision
+    from orb.precision import check_device, describe as describe_precision, set_precision
 
     dp = data_parallel or DataParallel()
     if cfg.optimizer_shard and dp.world_size < 2:
@@ -150,7 +150,8 @@ def build_trainer(cfg: TrainConfig, data_parallel: Optional[DataParallel] = None
     set_ops_profile(cfg.ops_profile)
     check_device(cfg.precision, ms.get_context("device_target"))
     set_precision(cfg.precision)
-    log.info("device: %s, %s, precision %s", ms.get_context("device_target"), describe_profile(), cfg.precision)
+    log.info("device: %s, %s, %s", ms.get_context("device_target"), describe_profile(),
+             describe_precision(cfg.precision, ms.get_context("device_target")))
     if dp.parallel:
         log.info("data parallel: rank %d of %d (pid %d)", dp.rank, dp.world_size, os.getpid())
     reporter = Reporter(cfg.output_dir, dp.rank, cfg.progress_bar, cfg.record_batches)

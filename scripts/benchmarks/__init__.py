@@ -12,6 +12,7 @@ and calls one ``bench_*`` function of these modules):
 * ``scale``       -- scale: start-up at MPtrj's size
 * ``relax``       -- relax: batched relaxation against ASE's FIRE loop
 * ``save``        -- save: a training checkpoint at a model's full size
+* ``precision``   -- precision: each precision mode against float64 (and PyTorch's bf16 autocast), demos per mode
 
 Programs the benchmarks run in processes of their own are files, run by path:
 

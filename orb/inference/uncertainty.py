@@ -1,0 +1,74 @@
+"""What the orb-v3 confidence head says about a prediction, and the frames that need new DFT labels.
+
+Every orb-v3 model is trained with a confidence head: per atom, a distribution over 50 bins of its force error
+(the mean absolute error of its three force components, 0 to 0.3 eV/Å; orb-models' ``ConfidenceHead``). Its
+expectation is the atom's **predicted force error** (eV/Å). A frame's is the largest over its atoms (one badly
+described atom is what makes a frame worth labelling) beside the mean. orb-v2 has no confidence head.
+
+:func:`uncertain_frames` collects frames whose predicted error passes a threshold into an extxyz file, ready for
+DFT labelling and, labelled, for ``finetune.py`` (the active-learning loop in the README).
+"""
+
+import os
+from typing import Dict, Optional
+
+import numpy as np
+
+from orb.errors import OrbInputError
+
+BINS, MAX_ERROR = 50, 0.3  # orb-models' ConfidenceHead: linear bins of 0-0.3 eV/Å
+CENTRES = (np.arange(BINS) + 0.5) * MAX_ERROR / BINS
+NO_HEAD = "has no confidence head: predicted force errors need an orb-v3 model"
+
+
+def per_atom_error(confidence: np.ndarray) -> np.ndarray:
+    """(N,) predicted force error (eV/Å) of each atom from its (N, 50) bin probabilities."""
+    return np.asarray(confidence, np.float64) @ CENTRES
+
+
+def frame_error(per_atom: np.ndarray) -> Dict[str, float]:
+    """A frame's predicted force error: the largest over its atoms (``max``) and their mean (``mean``)."""
+    return {"max": float(per_atom.max()), "mean": float(per_atom.mean())} if len(per_atom) else \
+        {"max": 0.0, "mean": 0.0}
+
+
+def check_threshold(model_cfg, threshold: Optional[float], flag: str = "--uncertain_above") -> None:
+    """A threshold needs an orb-v3 model and a positive finite number: one line otherwise."""
+    if threshold is None:
+        return
+    if model_cfg.family != "orb_v3":
+        raise OrbInputError(f"{flag}: {model_cfg.name} {NO_HEAD}")
+    if not np.isfinite(threshold) or threshold <= 0:
+        raise OrbInputError(f"{flag} must be a positive number of eV/Å, got {threshold}")
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    """Spearman's rank correlation (average ranks for ties)."""
+    from scipy.stats import spearmanr
+
+    if len(a) < 2:
+        return float("nan")
+    return float(spearmanr(a, b).correlation)
+
+
+class UncertainFrames:
+    """``uncertain.extxyz`` in a folder: frames appended as they are found (each append is one write of whole
+    frames, flushed: a kill keeps every frame written before it), each with its predicted per-atom errors
+    (``arrays['predicted_force_error']``) and its source (``info``)."""
+
+    def __init__(self, folder: str, name: str = "uncertain.extxyz"):
+        self.path = os.path.join(folder, name)
+        self.count = 0
+
+    def add(self, atoms, per_atom: np.ndarray, **info) -> None:
+        import ase.io
+
+        frame = atoms.copy()
+        frame.calc = None
+        frame.arrays["predicted_force_error"] = np.asarray(per_atom, np.float64)
+        frame.info.update(info, predicted_force_error_max=float(np.max(per_atom)))
+        with open(self.path, "a") as f:
+            ase.io.write(f, frame, format="extxyz")
+            f.flush()
+            os.fsync(f.fileno())
+        self.count += 1

@@ -1,0 +1,164 @@
+"""precision: how far each precision mode's predictions are from float64, beside PyTorch orb-models' bfloat16 autocast
+on the same structures and weights; and the demos fine-tuned in each mode.
+
+Predictions: for orb-v2 and orb-v3 direct and conservative, the parity references' weight recipe (full size) on the
+orb-v3 reference structures (alloy, cluster, ions) and the shipped MPtrj frames; errors are the largest over the
+structures of |E - E_ref| / atoms, |F - F_ref| and |S - S_ref| against PyTorch orb-models in float64 (0.4.2 for
+orb-v2, 0.5.5 for orb-v3; tests/torch_peer.py), which needs --torch-python / --torch-v3-python; without them against
+our own float64. Fine-tuning (--finetune): configs/demo.yaml and demo_v3.yaml run in each mode with the same seed;
+the validation MAEs of the last epoch and the fp16 run's skipped steps.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from benchmarks.common import MPTRJ, ROOT
+
+V3_NPZ = os.path.join(ROOT, "tests", "data", "orb_v3_parity.npz")
+PEER = os.path.join(ROOT, "tests", "torch_peer.py")
+FAMILIES = ("orb_v2", "orb_v3_direct_20_omat", "orb_v3_conservative_20_omat")
+OURS = ("float32-high", "float32-highest", "bf16-mixed", "fp16-mixed", "float64")
+
+
+def structures() -> dict:
+    """The reference structures and MPtrj frames (positions wrapped in float64, as both sides then agree)."""
+    import ase.db
+
+    from orb.data.graphs import wrap_positions64
+
+    z = np.load(V3_NPZ)
+    out = {"names": []}
+    atoms_list = [(n, z[f"{n}/numbers"], z[f"{n}/positions"], z[f"{n}/cell"]) for n in ("s0", "s1", "s4")]
+    atoms_list += [(f"mptrj{row.id}", row.numbers, row.positions, np.asarray(row.cell))
+                   for row in ase.db.connect(MPTRJ).select(limit=6)]
+    for name, numbers, positions, cell in atoms_list:
+        cell = np.asarray(cell, np.float64)
+        positions = wrap_positions64(np.asarray(positions, np.float64), cell) if cell.any() else positions
+        out["names"].append(name)
+        out[f"{name}/numbers"], out[f"{name}/positions"], out[f"{name}/cell"] = numbers, positions, cell
+    out["names"] = np.array(out["names"])
+    return out
+
+
+def ours(model_name: str, mode: str, data: dict, seed: int) -> dict:
+    """Our predictions of ``data`` in precision ``mode`` (recipe weights), per structure."""
+    from ase import Atoms
+
+    from orb import precision
+    from orb.inference.calculator import ORBCalculator
+    from orb.io.checkpoint import load_torch_state_dict
+    from orb.models import create
+    from orb.models.recipe import model_recipe_weights
+
+    precision.set_precision(mode)
+    model = create(model_name)
+    load_torch_state_dict(model, model_recipe_weights(model, seed))
+    model.set_train(False)
+    calculator = ORBCalculator(model)
+    out = {}
+    for name in data["names"]:
+        cell = data[f"{name}/cell"]
+        atoms = Atoms(numbers=data[f"{name}/numbers"], positions=data[f"{name}/positions"], cell=cell,
+                      pbc=bool(cell.any()))
+        atoms.calc = calculator
+        out[f"{name}/energy"] = np.array([atoms.get_potential_energy()])
+        out[f"{name}/forces"] = atoms.get_forces()
+        out[f"{name}/stress"] = atoms.get_stress() if cell.any() else np.zeros(6)
+    return out
+
+
+def theirs(python: str, model_name: str, data: dict, seed: int, mode: str, folder: str) -> dict:
+    """PyTorch orb-models' predictions (``mode``: float64 or bf16-autocast) with the same weights."""
+    from orb.io.checkpoint import load_torch_state_dict, to_torch_state_dict
+    from orb.io.torch_format import write_torch_checkpoint
+    from orb.models import create
+    from orb.models.recipe import model_recipe_weights
+    from orb import precision
+
+    precision.set_precision("float32-highest")
+    model = create(model_name)
+    load_torch_state_dict(model, model_recipe_weights(model, seed))
+    weights = os.path.join(folder, f"{model_name}.ckpt")
+    write_torch_checkpoint(to_torch_state_dict(model), weights)
+    inputs, outputs = os.path.join(folder, "structures.npz"), os.path.join(folder, f"{model_name}_{mode}.npz")
+    np.savez(inputs, **data)
+    result = subprocess.run([python, PEER, model_name, weights, inputs, outputs, mode], capture_output=True, text=True,
+                            timeout=3600)
+    if result.returncode != 0:
+        raise RuntimeError(f"PyTorch peer failed:\n{result.stderr[-3000:]}")
+    found = dict(np.load(outputs))
+    for name in data["names"]:  # orb-models' direct models give a molecule a stress; ours are zero there
+        found.setdefault(f"{name}/stress", np.zeros(6))
+        if not data[f"{name}/cell"].any():
+            found[f"{name}/stress"] = np.zeros(6)
+    return found
+
+
+def errors(pred: dict, reference: dict, data: dict) -> tuple:
+    """Largest |dE|/atom (eV/atom), |dF| (eV/Å), |dS| (eV/Å³) over the structures."""
+    e = f = s = 0.0
+    for name in data["names"]:
+        atoms = len(data[f"{name}/numbers"])
+        e = max(e, abs(float(pred[f"{name}/energy"][0] - reference[f"{name}/energy"][0])) / atoms)
+        f = max(f, float(np.abs(pred[f"{name}/forces"] - reference[f"{name}/forces"]).max()))
+        s = max(s, float(np.abs(np.asarray(pred[f"{name}/stress"]).reshape(-1)
+                                - np.asarray(reference[f"{name}/stress"]).reshape(-1)).max()))
+    return e, f, s
+
+
+def bench_precision(args) -> None:
+    from orb.device import configure_mindspore
+
+    configure_mindspore("CPU")
+    if args.finetune:
+        finetune_in_each_mode(args)
+        return
+    seed = int(np.load(V3_NPZ)["meta/seed"])
+    data = structures()
+    print(f"{len(data['names'])} structures ({', '.join(data['names'])}); errors against "
+          f"{'PyTorch orb-models float64' if args.torch_python else 'our float64'}: the largest over structures")
+    print("\n| model | computed by | precision | E (eV/atom) | F (eV/Å) | S (eV/Å³) |\n|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as folder:
+        for model_name in FAMILIES:
+            python = args.torch_python if model_name == "orb_v2" else args.torch_v3_python
+            mine = {mode: ours(model_name, mode, data, seed) for mode in OURS}
+            reference = theirs(python, model_name, data, seed, "float64", folder) if python else mine["float64"]
+            rows = [("ours", mode, mine[mode]) for mode in OURS]
+            if python:
+                rows.append(("PyTorch", "bf16 autocast", theirs(python, model_name, data, seed, "bf16-autocast",
+                                                                folder)))
+            for who, mode, pred in rows:
+                e, f, s = errors(pred, reference, data)
+                print(f"| {model_name} | {who} | {mode} | {e:.2e} | {f:.2e} | {s:.2e} |", flush=True)
+
+
+def finetune_in_each_mode(args) -> None:
+    """The demos fine-tuned in each mode (same seed): the last epoch's validation MAEs, against float32's."""
+    print("\n| demo | precision | val E/atom (eV) | val F (eV/Å) | val S (eV/Å³) | vs float32-high | skipped steps | "
+          "train time (s) |\n|---|---|---|---|---|---|---|---|")
+    for config in ("demo.yaml", "demo_v3.yaml"):
+        base = None
+        for mode in ("float32-high", "bf16-mixed", "fp16-mixed"):
+            with tempfile.TemporaryDirectory() as out:
+                start = time.perf_counter()
+                subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), "--config",
+                                os.path.join(ROOT, "configs", config), "--output_dir", out, "--precision", mode,
+                                "--progress_bar", "false", "--device_target", "CPU"], check=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+                seconds = time.perf_counter() - start
+                epochs = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))
+                          if '"type": "epoch"' in line]
+            val = epochs[-1]["val"]
+            maes = [val["energy_per_atom_mae"], val["forces_mae"], val.get("stress_mae", float("nan"))]
+            base = base or maes
+            change = " / ".join(f"{100 * (m / b - 1):+.1f} %" for m, b in zip(maes, base))
+            skipped = sum(e["train"].get("nonfinite_steps", 0) for e in epochs)
+            steps = epochs[-1]["step"]
+            print(f"| {config} | {mode} | {maes[0]:.4g} | {maes[1]:.4g} | {maes[2]:.4g} | {change} | "
+                  f"{skipped:.0f} of {steps} | {seconds:.0f} |", flush=True)
