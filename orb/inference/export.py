@@ -1,0 +1,160 @@
+"""A fine-tuned model as MindIR, for MindSpore's own inference stack (MindSpore Lite, serving on Ascend).
+
+    orb-export --checkpoint best_weights.ckpt --output model.mindir [--data structures.db | --shape N,E,G ...]
+
+A MindIR graph has fixed input shapes, as the compiled steps here do: one file per padded batch shape
+(nodes, edges, graphs), named ``model_<nodes>x<edges>x<graphs>.mindir`` when there are several, planned on
+``--data`` (the few bucket shapes that hold its structures packed by size, as orb-evaluate plans them) or given
+with ``--shape``. Each is the model's whole prediction (graph in, energy, forces, stress and, for orb-v3,
+confidence out, in physical units; conservative models differentiate inside it). ``model.json`` beside them says
+how to fill the inputs (names, types, shapes, the padding convention of :func:`orb.data.graphs.pad_batch`) and
+what the outputs are; :func:`load_exported` loads a file back with MindSpore's own loader.
+"""
+
+import argparse
+import os
+import sys
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from orb.errors import OrbInputError
+
+OUTPUTS = ("energy (graphs,) eV", "forces (nodes, 3) eV/Å", "stress (graphs, 6) eV/Å³ Voigt, ASE sign",
+           "confidence (nodes, 50): orb-v3's per-atom force-error bin probabilities over 0-0.3 eV/Å")
+
+
+def example_inputs(model, nodes: int, edges: int, graphs: int):
+    """Inputs of a padded batch of this shape (one padding graph holding every node and edge): what the export
+    traces, shapes and types only."""
+    from orb.data.graphs import empty_batch, pad_batch
+    from orb.data.tensors import model_inputs
+
+    batch = empty_batch(with_energy=False, with_forces=False, with_stress=False, with_charge=model.cfg.omol)
+    return model_inputs(pad_batch(batch, nodes, edges, graphs))
+
+
+def shapes_for(data_path, model, batch_size: int) -> List[tuple]:
+    """The bucket shapes orb-evaluate would plan for ``data_path`` (structures packed by size)."""
+    from orb.data.dataset import AseDbDataset
+    from orb.data.formats import readable_database
+    from orb.inference.evaluate import packed_batches
+
+    data = AseDbDataset(readable_database(data_path), require_labels=False, settings=model.cfg.graph_settings(),
+                        charge_spin=model.cfg.omol)
+    _, buckets = packed_batches(data, batch_size)
+    return [(b.num_nodes, b.num_edges, b.num_graphs) for b in buckets]
+
+
+def export(model, output: str, shapes: Sequence[tuple]) -> List[str]:
+    """One MindIR file per shape (``output`` itself when there is one) and ``model.json``; the files written."""
+    import mindspore as ms
+
+    from orb.data.tensors import MODEL_INPUTS
+    from orb.io.files import write_atomically, write_json
+    from orb.models.cells import PredictCell
+
+    cell = PredictCell(model)
+    cell.set_train(False)
+    stem = output[:-len(".mindir")] if output.endswith(".mindir") else output
+    written, files = [], {}
+    for nodes, edges, graphs in shapes:
+        path = output if len(shapes) == 1 else f"{stem}_{nodes}x{edges}x{graphs}.mindir"
+        inputs = example_inputs(model, nodes, edges, graphs)
+        # ms.export appends .mindir to the name it is given: the temporary is named so, then renamed
+        def write(tmp: str) -> None:
+            ms.export(cell, *inputs, file_name=tmp[:-len(".mindir")], file_format="MINDIR")
+            os.chmod(tmp, 0o644)  # MindSpore writes it read-only
+
+        write_atomically(path, write, suffix=".mindir")
+        files[os.path.basename(path)] = {"nodes": nodes, "edges": edges, "graphs": graphs}
+        written.append(path)
+    inputs = example_inputs(model, *shapes[0])
+    description = {
+        "model": model.cfg.to_dict(), "files": files,
+        "inputs": [{"name": n, "dtype": str(t.dtype), "shape": ["nodes" if s == shapes[0][0] else s
+                                                                for s in t.shape]}
+                   for n, t in zip(MODEL_INPUTS, inputs)],
+        "padding": "orb.data.graphs.pad_batch: the real graphs first, then one padding graph holding every padding "
+                   "node (atomic number 0) and edge (a self-edge of length 10 Å), then empty graphs; outputs of "
+                   "padding rows are to be ignored",
+        "outputs": list(OUTPUTS[:4 if model.cfg.family == "orb_v3" else 3])}
+    json_path = os.path.join(os.path.dirname(os.path.abspath(output)), os.path.basename(stem) + ".json")
+    write_json(json_path, description)
+    return written + [json_path]
+
+
+def load_exported(path: str):
+    """An exported file as a callable cell (MindSpore's ``load`` and ``nn.GraphCell``)."""
+    import mindspore as ms
+    from mindspore import nn
+
+    return nn.GraphCell(ms.load(path))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from orb.device import quiet_mindspore
+
+    quiet_mindspore()  # before anything imports MindSpore
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", required=True, help="PyTorch or MindSpore orb checkpoint")
+    parser.add_argument("--output", required=True, help="the MindIR file (.mindir; several shapes: one per shape, "
+                        "the shape in the name)")
+    parser.add_argument("--data", nargs="+", default=None, help="plan the shapes on these structures (any format "
+                        "orb-evaluate reads)")
+    parser.add_argument("--shape", action="append", default=[], help="NODES,EDGES,GRAPHS of a padded batch "
+                        "(repeatable): a batch holds fewer nodes and graphs than these, and at most EDGES edges")
+    parser.add_argument("--batch_size", type=int, default=8, help="with --data: structures of an average batch")
+    parser.add_argument("--model", default=None, help="model name, when the checkpoint cannot tell")
+    parser.add_argument("--device_target", default="auto", choices=("auto", "CPU", "GPU", "Ascend"))
+    parser.add_argument("--precision", default="float32-high", help="what the exported graph computes in "
+                        "(orb.precision)")
+    args = parser.parse_args(argv)
+    try:
+        written = run(args)
+    except OrbInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {', '.join(written)}")
+    return 0
+
+
+def parse_shape(text: str) -> tuple:
+    try:
+        nodes, edges, graphs = (int(x) for x in text.split(","))
+    except ValueError:
+        raise OrbInputError(f"--shape {text!r}: expected NODES,EDGES,GRAPHS (three integers)") from None
+    if nodes < 2 or edges < 1 or graphs < 2:
+        raise OrbInputError(f"--shape {text}: a padded batch needs at least 2 nodes, 1 edge and 2 graphs (one "
+                            "real, one for the padding)")
+    return nodes, edges, graphs
+
+
+def run(args) -> List[str]:
+    from orb.device import configure_mindspore
+    from orb.io.checkpoint import model_from_checkpoint
+
+    shapes = [parse_shape(s) for s in args.shape]
+    if not shapes and not args.data:
+        raise OrbInputError("give the batch shapes to export: --data STRUCTURES (planned on them) or --shape "
+                            "NODES,EDGES,GRAPHS")
+    if not args.output.endswith(".mindir"):
+        raise OrbInputError(f"--output {args.output}: a MindIR file name ends with .mindir")
+    folder = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(folder):
+        raise OrbInputError(f"--output {args.output}: folder {folder} does not exist")
+    configure_mindspore(args.device_target, precision=args.precision)
+    model = model_from_checkpoint(args.checkpoint, args.model)
+    if args.data:
+        shapes += shapes_for(args.data[0] if len(args.data) == 1 else args.data, model, args.batch_size)
+    try:
+        return export(model, args.output, sorted(set(shapes)))
+    except OSError as exc:
+        raise OrbInputError(f"--output {args.output}: cannot write it ({exc.strerror or exc})") from None
+
+
+def predictions_of(cell, inputs) -> Dict[str, np.ndarray]:
+    """A loaded export's outputs as numpy arrays by name."""
+    out = cell(*inputs)
+    names = ("energy", "forces", "stress", "confidence")
+    return {name: value.asnumpy() for name, value in zip(names, out)}

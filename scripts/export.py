@@ -1,0 +1,12 @@
+"""Export an orb checkpoint as MindIR for MindSpore's inference tools (see orb/inference/export.py); installed as the
+console command orb-export too."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from orb.inference.export import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""orb-export: a checkpoint as MindIR, one graph per padded batch shape, loaded back with MindSpore's own loader,
+predicts what the checkpoint predicts (orb-v2, and an orb-v3 conservative model whose forces are derivatives
+inside the exported graph); bad input is one line."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import DEMO_VAL, ROOT
+
+
+@pytest.mark.parametrize("checkpoint", ["demo_pretrained.ckpt", "demo_v3_pretrained.ckpt"])
+def test_an_exported_model_predicts_what_the_checkpoint_predicts(tmp_path, checkpoint):
+    from orb.data.dataset import AseDbDataset
+    from orb.data.graphs import batch_graphs, pad_batch
+    from orb.data.tensors import model_inputs
+    from orb.inference.export import load_exported, predictions_of
+    from orb.inference.predictor import Predictor
+    from orb.io.checkpoint import model_from_checkpoint
+
+    path = os.path.join(ROOT, "data", checkpoint)
+    out = tmp_path / "model.mindir"
+    result = subprocess.run([sys.executable, "scripts/export.py", "--checkpoint", path, "--output", str(out),
+                             "--data", DEMO_VAL, "--device_target", "CPU"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    description = json.load(open(tmp_path / "model.json"))
+    model = model_from_checkpoint(path)
+    data = AseDbDataset(DEMO_VAL, settings=model.cfg.graph_settings())
+    batch = batch_graphs([data.get(i) for i in range(3)])
+    for name, shape in description["files"].items():
+        exported = load_exported(str(tmp_path / name))
+        padded = pad_batch(batch, shape["nodes"], shape["edges"], shape["graphs"])
+        theirs = predictions_of(exported, model_inputs(padded))
+        ours = Predictor(model)(batch)
+        n = batch.num_nodes
+        np.testing.assert_allclose(theirs["energy"][:3], ours["energy"], rtol=1e-6, atol=1e-5)
+        np.testing.assert_allclose(theirs["forces"][:n], ours["forces"], atol=1e-5)
+        np.testing.assert_allclose(theirs["stress"][:3], ours["stress"], atol=1e-6)
+        assert np.abs(ours["forces"]).max() > 1e-2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--checkpoint", "data/missing.ckpt", "--shape", "64,1280,5"], "data/missing.ckpt: checkpoint file does not exist"),
+    (["--checkpoint", "data/demo_pretrained.ckpt"], "give the batch shapes to export"),
+    (["--checkpoint", "data/demo_pretrained.ckpt", "--shape", "64,x,5"], "--shape '64,x,5': expected NODES,EDGES,GRAPHS"),
+    (["--checkpoint", "README.md", "--shape", "64,1280,5"], "README.md: cannot read MindSpore checkpoint"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message):
+    out = tmp_path / "model.mindir"
+    result = subprocess.run([sys.executable, "scripts/export.py", *args, "--output", str(out), "--device_target",
+                             "CPU"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert os.listdir(tmp_path) == []
