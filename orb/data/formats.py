@@ -31,7 +31,7 @@ from orb.errors import DatasetError
 log = logging.getLogger("orb")
 SQLITE_MAGIC = b"SQLite format 3\x00"
 CONVERTED = "converted"
-VERSION = 2  # 2: the frames' weight kept
+VERSION = 3  # 2: the frames' weight kept; 3: their momenta
 AUTO = {"energy": ("REF_energy", "energy"), "forces": ("REF_forces", "forces"), "stress": ("REF_stress", "stress")}
 
 
@@ -250,7 +250,7 @@ def _convert(files: List[str], keys: LabelKeys, target: str, progress: bool) -> 
                 clean = atoms.copy()
                 clean.info = {}
                 for extra in list(clean.arrays):
-                    if extra not in ("numbers", "positions"):
+                    if extra not in ("numbers", "positions", "momenta"):  # momenta: orb-md's initial velocities
                         del clean.arrays[extra]
                 if results:
                     clean.calc = SinglePointCalculator(clean, **results)

@@ -16,7 +16,7 @@ import numpy as np
 
 from orb.errors import DatasetError
 
-COLUMNS = "id, natoms, numbers, positions, cell, pbc, energy, forces, stress, key_value_pairs, data"
+COLUMNS = "id, natoms, numbers, positions, cell, pbc, energy, forces, stress, key_value_pairs, data, momenta"
 LOCK_FREE_UNLESS = ("-wal", "-journal")  # files that show a writer (then: read-only, with SQLite's locks)
 BIG_ENDIAN = not np.little_endian
 
@@ -54,11 +54,12 @@ class Row:
     """What training reads of one database row (names as ``ase.db``'s rows)."""
 
     __slots__ = ("id", "natoms", "numbers", "positions", "cell", "pbc", "energy", "forces", "stress", "_kvp",
-                 "raw_data")
+                 "raw_data", "momenta")
 
     def __init__(self, values):
         (self.id, self.natoms, numbers, positions, cell, pbc, self.energy, forces, stress, self._kvp,
-         self.raw_data) = values
+         self.raw_data, momenta) = values
+        self.momenta = _array(momenta, shape=(-1, 3))  # a structure's own velocities (orb-md starts from them)
         self.numbers = _array(numbers, np.int32)
         self.positions = _array(positions, shape=(-1, 3))
         self.cell = _array(cell, shape=(3, 3))
@@ -95,7 +96,7 @@ class Row:
         from ase.calculators.singlepoint import SinglePointCalculator
 
         atoms = Atoms(numbers=self.numbers, positions=self.positions, cell=self.cell, pbc=self.pbc,
-                      info=dict(self.key_value_pairs))
+                      momenta=self.momenta, info=dict(self.key_value_pairs))
         results = {k: v for k, v in (("energy", self.energy), ("forces", self.forces), ("stress", self.stress))
                    if v is not None}
         if results:

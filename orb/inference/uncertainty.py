@@ -57,8 +57,11 @@ class UncertainFrames:
     (``arrays['predicted_force_error']``) and its source (``info``)."""
 
     def __init__(self, folder: str, name: str = "uncertain.extxyz"):
+        import threading
+
         self.path = os.path.join(folder, name)
         self.count = 0
+        self.lock = threading.Lock()  # writers in several threads (orb-md) append whole frames, one at a time
 
     def add(self, atoms, per_atom: np.ndarray, **info) -> None:
         import ase.io
@@ -67,8 +70,22 @@ class UncertainFrames:
         frame.calc = None
         frame.arrays["predicted_force_error"] = np.asarray(per_atom, np.float64)
         frame.info.update(info, predicted_force_error_max=float(np.max(per_atom)))
-        with open(self.path, "a") as f:
+        with self.lock, open(self.path, "a") as f:
             ase.io.write(f, frame, format="extxyz")
             f.flush()
             os.fsync(f.fileno())
-        self.count += 1
+            self.count += 1
+
+    def keep_up_to(self, last_step: Dict[int, int]) -> None:
+        """(orb-md's resume) drop the frames of structure k after step ``last_step[k]``: they are computed again."""
+        import ase.io
+
+        from orb.io.files import write_atomically
+
+        if not os.path.exists(self.path):
+            return
+        frames = ase.io.read(self.path, index=":", format="extxyz")
+        kept = [f for f in frames if f.info.get("step", 0) <= last_step.get(f.info.get("structure"), -1)]
+        if len(kept) < len(frames):
+            write_atomically(self.path, lambda tmp: ase.io.write(tmp, kept, format="extxyz"))
+        self.count = len(kept)

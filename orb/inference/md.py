@@ -1,0 +1,553 @@
+"""Batched molecular dynamics: many structures at once, each advanced by ASE's own integrator, all their energies,
+forces and stresses from one compiled model call per step.
+
+    orb-md --checkpoint best_weights.ckpt --data start.extxyz --output md/ --ensemble nvt --timestep 1 --steps 10000
+           --temperature 300 [--seed 0] [--write_every 10] [--batch_size 32] [--uncertain_above 0.1] [--resume]
+
+Each structure k of the input (counted from 0) runs its own ASE dynamics -- ``VelocityVerlet`` (nve),
+``Langevin`` or ``NoseHooverChainNVT`` (nvt, ``--thermostat``), ``NPTBerendsen`` (npt) -- in a thread of its own;
+whenever an integrator asks for forces, its request waits until every running structure has asked, and one padded,
+compiled model call answers them all (:class:`BatchServer`). So every step is ASE's own arithmetic, and the model is
+batched. Initial velocities are the structures' own momenta when the data has them, else Maxwell-Boltzmann at
+``--temperature`` drawn with ``--seed`` (structure k: seed [seed, k]).
+
+Per structure: ``traj_k.extxyz`` (a frame every ``--write_every`` steps and the last, with energy, forces, stress
+and, for orb-v3, each atom's predicted force error), ``log_k.csv`` (time, temperature, potential, kinetic and
+total energy, pressure, volume, predicted error) and its state ``state_k.json`` (step, positions, momenta, cell,
+the thermostat's state and random generator, how long the trajectory and log were), written atomically with each
+frame: ``--resume`` continues a killed run from there, cutting the trajectory and log back to it, and ends where
+an uninterrupted run ends. ``summary.json`` lists every structure's outcome. A stop signal finishes the step in
+progress, saves every structure there and exits 75. A structure that cannot be computed (overlapping atoms) stops
+with one line naming it; the others go on.
+"""
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from orb.errors import OrbInputError, RunError
+
+log = logging.getLogger("orb")
+ENSEMBLES = ("nve", "nvt", "npt")
+THERMOSTATS = ("langevin", "nose-hoover")
+OVERLAP = 0.1  # Å: atoms closer than this are taken to be on top of each other (no model describes them)
+
+
+class StopRun(Exception):
+    """Ends a structure's dynamics: a stop signal (its state saved), or its uncertainty."""
+
+
+class StructureFailed(Exception):
+    """The model could not compute this structure (e.g. atoms on top of each other)."""
+
+
+class BatchServer:
+    """Force requests of many structures' integrators (threads) answered together: :meth:`request` waits until every
+    running structure has asked, or finished, then one call of ``evaluate`` answers all of them."""
+
+    def __init__(self, evaluate):
+        self.evaluate = evaluate  # {key: atoms} -> {key: results dict or an exception}
+        self.condition = threading.Condition()
+        self.pending: Dict[int, object] = {}
+        self.answers: Dict[int, object] = {}
+        self.running = 0
+        self.calls = 0
+
+    def join(self) -> None:
+        with self.condition:
+            self.running += 1
+
+    def leave(self) -> None:
+        with self.condition:
+            self.running -= 1
+            self.condition.notify_all()
+
+    def request(self, key: int, atoms):
+        """(From a structure's thread) this structure's results at ``atoms``, computed with the others'."""
+        with self.condition:
+            self.pending[key] = atoms
+            self.condition.notify_all()
+            while key not in self.answers:
+                self.condition.wait()
+            answer = self.answers.pop(key)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def serve(self, done) -> None:
+        """(From the main thread) answer batches until ``done()``: all threads have left."""
+        while True:
+            with self.condition:
+                while not (self.running and len(self.pending) == self.running) and not done():
+                    self.condition.wait(timeout=0.5)
+                if done() and not self.pending:
+                    return
+                batch, self.pending = self.pending, {}
+            answers = self.evaluate(batch)
+            self.calls += 1
+            with self.condition:
+                self.answers.update(answers)
+                self.condition.notify_all()
+
+
+def make_calculator_class():
+    from ase.calculators.calculator import Calculator, all_changes
+
+    class ServedCalculator(Calculator):
+        """An ASE calculator whose results come from the batch server (one structure's view of the batched model)."""
+
+        implemented_properties = ["energy", "free_energy", "forces", "stress", "force_error"]
+
+        def __init__(self, server: BatchServer, key: int):
+            super().__init__()
+            self.server, self.key = server, key
+
+        def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes):
+            super().calculate(atoms, properties, system_changes)
+            self.results = dict(self.server.request(self.key, self.atoms.copy()))
+
+    return ServedCalculator
+
+
+@dataclass
+class Run:
+    """One structure's dynamics and its files."""
+
+    index: int
+    row: int
+    atoms: object
+    dynamics: object = None
+    folder: str = ""
+    status: str = "pending"
+    error: str = ""
+    uncertain: int = 0
+    energies: List[float] = field(default_factory=list)
+
+    def path(self, kind: str) -> str:
+        ext = {"traj": "extxyz", "log": "csv", "state": "json"}[kind]
+        return os.path.join(self.folder, f"{kind}_{self.index}.{ext}")
+
+
+def integrator(atoms, args, index: int):
+    """ASE's integrator of ``args.ensemble`` for one structure (its own random generator: [seed, index])."""
+    from ase import units
+
+    dt = args.timestep * units.fs
+    rng = np.random.default_rng([args.seed, index])
+    if args.ensemble == "nve":
+        from ase.md.verlet import VelocityVerlet
+
+        return VelocityVerlet(atoms, timestep=dt)
+    if args.ensemble == "nvt" and args.thermostat == "langevin":
+        from ase.md.langevin import Langevin
+
+        return Langevin(atoms, timestep=dt, temperature_K=args.temperature, friction=args.friction / units.fs,
+                        rng=rng, fixcm=False)  # (ASE 3.28 deprecates fixcm=True: it does not sample NVT exactly)
+    if args.ensemble == "nvt":
+        from ase.md.nose_hoover_chain import NoseHooverChainNVT
+
+        return NoseHooverChainNVT(atoms, timestep=dt, temperature_K=args.temperature, tdamp=args.tdamp * units.fs)
+    from ase.md.nptberendsen import NPTBerendsen
+
+    return NPTBerendsen(atoms, timestep=dt, temperature_K=args.temperature, pressure_au=args.pressure * units.bar,
+                        taut=args.taut * units.fs, taup=args.taup * units.fs,
+                        compressibility_au=args.compressibility / units.bar)
+
+
+def integrator_state(dynamics) -> Dict:
+    """What a resume needs besides positions, momenta and cell: the random generator (Langevin) and the
+    thermostat chain (Nose-Hoover), as JSON."""
+    state = {}
+    rng = getattr(dynamics, "rng", None)
+    if rng is not None and hasattr(rng, "bit_generator"):
+        state["rng"] = rng.bit_generator.state
+    chain = getattr(dynamics, "_thermostat", None)
+    if chain is not None:
+        state["thermostat"] = {k: np.asarray(v).tolist() for k, v in vars(chain).items()
+                               if isinstance(v, (np.ndarray, float)) and k.startswith("_")}
+    return state
+
+
+def restore_integrator(dynamics, state: Dict) -> None:
+    if "rng" in state:
+        dynamics.rng.bit_generator.state = state["rng"]
+    chain = getattr(dynamics, "_thermostat", None)
+    for key, value in state.get("thermostat", {}).items():
+        current = getattr(chain, key)
+        setattr(chain, key, np.array(value) if isinstance(current, np.ndarray) else float(value))
+
+
+def cut_to(path: str, size: int) -> None:
+    """A file cut back to ``size`` bytes (what it held at the state a resume continues from)."""
+    if os.path.exists(path) and os.path.getsize(path) > size:
+        with open(path, "r+b") as f:
+            f.truncate(size)
+
+
+def check_args(args) -> None:
+    for name, value, low in (("--timestep", args.timestep, 0.0), ("--temperature", args.temperature, -1e-300),
+                             ("--friction", args.friction, 0.0), ("--tdamp", args.tdamp, 0.0)):
+        if not np.isfinite(value) or value <= low:
+            bound = ">= 0" if name == "--temperature" else "> 0"
+            raise OrbInputError(f"{name} must be a finite number {bound}, got {value}")
+    if args.steps < 0 or args.write_every < 1 or args.batch_size < 1:
+        raise OrbInputError("--steps must be >= 0, --write_every and --batch_size >= 1")
+    if args.ensemble == "npt" and not all(np.isfinite(v) and v > 0 for v in (args.taut, args.taup,
+                                                                             args.compressibility)):
+        raise OrbInputError("--taut, --taup and --compressibility must be positive numbers")
+
+
+def check_output(folder: str, resume: bool, overwrite: bool) -> None:
+    """A folder holding an earlier run is continued (--resume) or replaced (--overwrite), never mixed."""
+    found = [f for f in os.listdir(folder) if f.startswith(("traj_", "state_", "log_"))] if os.path.isdir(folder) \
+        else []
+    if found and not resume and not overwrite:
+        raise OrbInputError(f"--output {folder} holds an earlier run ({', '.join(sorted(found)[:3])} ...): pass "
+                            "--resume to continue it or --overwrite to replace it")
+    if found and overwrite and not resume:
+        for name in found + [n for n in ("summary.json", "uncertain.extxyz") if os.path.exists(os.path.join(folder,
+                                                                                                          n))]:
+            os.remove(os.path.join(folder, name))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise OrbInputError(f"--output {folder}: cannot create it ({exc.strerror})") from None
+
+
+class Dynamics:
+    """The whole run (see the module's docstring)."""
+
+    def __init__(self, model, args, dispersion=None):
+        from orb.inference.predictor import Predictor
+
+        self.model, self.args, self.dispersion = model, args, dispersion
+        self.predictor = Predictor(model)
+        self.stop_requested = False
+        self.uncertain = None
+
+    # ------------------------------------------------------------------ the model, batched
+    def evaluate(self, batch: Dict[int, object]) -> Dict[int, object]:
+        """Every requesting structure's results from one model call; a structure whose graph cannot be built gets
+        its error instead (the others are computed)."""
+        from orb.data.graphs import atoms_to_graph, batch_graphs
+        from orb.errors import StructureError
+        from orb.inference.uncertainty import per_atom_error
+
+        settings = self.model.cfg.graph_settings()
+        graphs, keys, answers = [], [], {}
+        for key, atoms in batch.items():
+            try:
+                graph = atoms_to_graph(atoms, settings=settings, float64=self.predictor.float64)
+            except StructureError as exc:
+                answers[key] = StructureFailed(str(exc))
+                continue
+            lengths = np.linalg.norm(graph.vectors, axis=1)
+            if len(lengths) and lengths.min() < OVERLAP:
+                e = int(np.argmin(lengths))
+                answers[key] = StructureFailed(f"atoms {graph.senders[e]} and {graph.receivers[e]} are "
+                                               f"{lengths[e]:.2g} Å apart (on top of each other)")
+                continue
+            graphs.append(graph)
+            keys.append(key)
+        if graphs:
+            out = self.predictor(batch_graphs(graphs))
+            offset = 0
+            for k, (key, graph) in enumerate(zip(keys, graphs)):
+                n = graph.num_nodes
+                atoms = batch[key]
+                results = {"energy": float(out["energy"][k]), "forces": out["forces"][offset:offset + n],
+                           "stress": out["stress"][k]}
+                if self.dispersion is not None:
+                    d3 = self.dispersion(atoms)
+                    results = {name: results[name] + d3[name] for name in results}
+                results["free_energy"] = results["energy"]
+                if "confidence" in out:
+                    results["force_error"] = per_atom_error(out["confidence"][offset:offset + n])
+                offset += n
+                finite = all(np.all(np.isfinite(results[name])) for name in ("energy", "forces", "stress"))
+                answers[key] = results if finite else StructureFailed("the model's energy or forces are not finite")
+        return answers
+
+    # ------------------------------------------------------------------ one structure
+    def prepare(self, run: Run) -> None:
+        """The structure's atoms, velocities and integrator, from its state file when resuming."""
+        from ase.md.velocitydistribution import MaxwellBoltzmannDistribution, Stationary
+
+        args, atoms = self.args, run.atoms
+        state = None
+        if args.resume and os.path.exists(run.path("state")):
+            with open(run.path("state")) as f:
+                state = json.load(f)
+            atoms.set_cell(np.array(state["cell"]), scale_atoms=False)
+            atoms.set_positions(np.array(state["positions"]))
+            atoms.set_momenta(np.array(state["momenta"]))
+            cut_to(run.path("traj"), state["traj_bytes"])
+            cut_to(run.path("log"), state["log_bytes"])
+            run.uncertain = int(state.get("uncertain", 0))
+            if state.get("first_total_energy") is not None:
+                run.energies.append(state["first_total_energy"])
+        elif not np.any(atoms.get_momenta()):
+            MaxwellBoltzmannDistribution(atoms, temperature_K=args.temperature,
+                                         rng=np.random.default_rng([args.seed, run.index, 1]))
+            Stationary(atoms)
+        run.dynamics = integrator(atoms, args, run.index)
+        if state is not None:
+            run.dynamics.nsteps = int(state["step"])
+            restore_integrator(run.dynamics, state["integrator"])
+        run.status = "done" if run.dynamics.nsteps >= args.steps else "running"
+
+    def run_one(self, run: Run, server: BatchServer) -> None:
+        """(In the structure's thread) its dynamics to ``--steps``, writing every ``--write_every`` steps."""
+        dynamics, args = run.dynamics, self.args
+        run.atoms.calc = self.calculator_class(server, run.index)
+
+        def observe():
+            step = dynamics.nsteps
+            last = step >= args.steps
+            frame = step % args.write_every == 0 or last
+            if frame or self.stop_requested:  # stopped between frames: the state alone, so that the files hold
+                self.write(run, step, frame)  # what an uninterrupted run's hold
+            if self.stop_requested and not last:
+                raise StopRun("stop signal")
+            error = run.atoms.calc.results.get("force_error")
+            if args.stop_uncertain and error is not None and error.max() > args.uncertain_above:
+                raise StopRun("uncertain")
+
+        dynamics.attach(observe, interval=1)
+        try:
+            dynamics.run(args.steps - dynamics.nsteps)
+            run.status = "done"
+        except StopRun as reason:
+            run.status = "stopped" if str(reason) == "stop signal" else "stopped: uncertain"
+        except StructureFailed as exc:
+            run.status, run.error = "failed", str(exc)
+        except Exception as exc:  # recorded for the summary; the other structures go on
+            run.status, run.error = "failed", f"{type(exc).__name__}: {exc}"
+        finally:
+            server.leave()
+
+    def write(self, run: Run, step: int, frame: bool = True) -> None:
+        """The frame, the log line (unless not ``frame``) and the state at ``step`` (state last: a kill before it
+        keeps the previous one, and a resume cuts the frame and line written after it)."""
+        from orb.io.files import write_json
+
+        if frame:
+            self.write_frame(run, step)
+        atoms = run.atoms
+        write_json(run.path("state"), {
+            "step": step, "positions": atoms.get_positions().tolist(), "momenta": atoms.get_momenta().tolist(),
+            "cell": atoms.cell.array.tolist(), "integrator": integrator_state(run.dynamics),
+            "traj_bytes": os.path.getsize(run.path("traj")), "log_bytes": os.path.getsize(run.path("log")),
+            "uncertain": run.uncertain, "first_total_energy": run.energies[0] if run.energies else None})
+
+    def write_frame(self, run: Run, step: int) -> None:
+        """The trajectory frame and log line at ``step``, synced to the disk (and the frame to uncertain.extxyz
+        when its predicted error passes --uncertain_above)."""
+        import ase.io
+        from ase import units
+
+        atoms, results = run.atoms, run.atoms.calc.results
+        frame = atoms.copy()
+        frame.calc = None
+        frame.info.update(step=step, time_fs=step * self.args.timestep, energy=results["energy"],
+                          source_row=run.row)
+        frame.arrays["forces"] = results["forces"]
+        if "force_error" in results:
+            frame.arrays["predicted_force_error"] = results["force_error"]
+        if atoms.pbc.all():
+            frame.info["stress"] = results["stress"]
+        with open(run.path("traj"), "a") as f:
+            ase.io.write(f, frame, format="extxyz")
+        kinetic = atoms.get_kinetic_energy()
+        periodic = bool(atoms.cell.any() and atoms.pbc.all())
+        volume = atoms.get_volume() if periodic else float("nan")
+        pressure = (-np.mean(results["stress"][:3]) / units.GPa + 2 * kinetic / (3 * volume) / units.GPa
+                    if periodic else float("nan"))
+        error = float(np.max(results["force_error"])) if "force_error" in results else float("nan")
+        new = not os.path.exists(run.path("log"))
+        with open(run.path("log"), "a") as f:
+            if new:
+                f.write("step,time_fs,temperature_K,potential_eV,kinetic_eV,total_eV,pressure_GPa,volume_A3,"
+                        "predicted_force_error_max\n")
+            f.write(f"{step},{step * self.args.timestep:.6g},{atoms.get_temperature():.6f},{results['energy']:.10g},"
+                    f"{kinetic:.10g},{results['energy'] + kinetic:.10g},{pressure:.8g},{volume:.8g},{error:.6g}\n")
+        run.energies.append(results["energy"] + kinetic)
+        if self.uncertain is not None and "force_error" in results and error > self.args.uncertain_above:
+            self.uncertain.add(atoms, results["force_error"], source_row=run.row, structure=run.index, step=step)
+            run.uncertain += 1
+        for path in (run.path("traj"), run.path("log")):  # the frame and the line on disk before the state
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+
+    # ------------------------------------------------------------------ all structures
+    def run_all(self, runs: List[Run], show: bool) -> None:
+        from tqdm import tqdm
+
+        from orb.signals import STOP
+
+        self.calculator_class = make_calculator_class()
+        todo = [r for r in runs if r.status == "running"]
+        with STOP.deferred(), tqdm(total=len(todo), desc="dynamics", unit=" structures", disable=not show) as bar:
+            for start in range(0, len(todo), self.args.batch_size):
+                if STOP.received is not None:
+                    break
+                group = todo[start:start + self.args.batch_size]
+                server = BatchServer(self.evaluate)
+                threads = []
+                for run in group:
+                    server.join()
+                    threads.append(threading.Thread(target=self.run_one, args=(run, server), daemon=True))
+                for thread in threads:
+                    thread.start()
+
+                def done():
+                    if STOP.received is not None:
+                        self.stop_requested = True
+                    return all(not t.is_alive() for t in threads)
+
+                server.serve(done)
+                for thread in threads:
+                    thread.join()
+                self.calls = getattr(self, "calls", 0) + server.calls
+                bar.update(len(group))
+
+
+def load_structures(args, model) -> List[Run]:
+    from orb.data.dataset import AseDbDataset
+    from orb.data.formats import LabelKeys, readable_database
+
+    data = AseDbDataset(readable_database(args.data, LabelKeys()), require_labels=False,
+                        settings=model.cfg.graph_settings(), charge_spin=model.cfg.omol)
+    runs = []
+    for i in range(len(data)):
+        atoms = data.get_atoms(i)
+        atoms.calc = None
+        if model.cfg.omol:
+            charge, spin = data.charge_and_spin(i)
+            atoms.info.update(charge=charge, spin=spin)
+        if args.ensemble == "npt" and not (atoms.cell.any() and atoms.pbc.all()):
+            raise OrbInputError(f"{data.path}, structure {i}: npt needs a periodic structure (a cell and pbc)")
+        runs.append(Run(i, int(data.ids[i]), atoms, folder=args.output))
+    return runs
+
+
+def md(args) -> Dict:
+    from orb.device import configure_mindspore
+    from orb.inference.dispersion import D3Dispersion, check_dispersion, check_dispersion_for
+    from orb.inference.uncertainty import UncertainFrames, check_threshold
+    from orb.io.checkpoint import model_from_checkpoint
+    from orb.io.files import write_json
+    from orb.models.ops_profile import set_ops_profile
+    from orb.signals import RESUME_HINT, STOP, STOPPED_STATUS, Stopped
+
+    check_args(args)
+    check_dispersion(args.dispersion, args.xc)
+    check_output(args.output, args.resume, args.overwrite)
+    configure_mindspore(args.device_target, precision=args.precision)
+    set_ops_profile(args.ops_profile)
+    model = model_from_checkpoint(args.checkpoint, args.model)
+    check_dispersion_for(model.cfg, args.dispersion)
+    check_threshold(model.cfg, args.uncertain_above)
+    if args.stop_uncertain and args.uncertain_above is None:
+        raise OrbInputError("--stop_uncertain needs --uncertain_above")
+    dynamics = Dynamics(model, args, D3Dispersion(args.dispersion, args.xc) if args.dispersion else None)
+    if args.uncertain_above is not None:
+        dynamics.uncertain = UncertainFrames(args.output)
+    runs = load_structures(args, model)
+    for run in runs:
+        dynamics.prepare(run)
+    if dynamics.uncertain is not None and args.resume:
+        dynamics.uncertain.keep_up_to({r.index: int(r.dynamics.nsteps) for r in runs})
+    show = sys.stderr.isatty() if args.progress_bar == "auto" else args.progress_bar == "true"
+    dynamics.run_all(runs, show)
+    summary = {"checkpoint": args.checkpoint, "data": args.data, "ensemble": args.ensemble,
+               "thermostat": args.thermostat if args.ensemble == "nvt" else None, "timestep_fs": args.timestep,
+               "steps": args.steps, "temperature_K": args.temperature, "seed": args.seed,
+               "precision": args.precision, "model_calls": getattr(dynamics, "calls", 0), "structures": [
+                   {"index": r.index, "source_row": r.row, "status": r.status, "error": r.error,
+                    "steps_done": int(r.dynamics.nsteps) if r.dynamics else 0, "uncertain_frames": r.uncertain,
+                    "total_energy_drift_eV_per_atom": (float((r.energies[-1] - r.energies[0]) / len(r.atoms))
+                                                       if len(r.energies) > 1 and args.ensemble == "nve" else None)}
+                   for r in runs]}
+    write_json(os.path.join(args.output, "summary.json"), summary)
+    failed = [r for r in runs if r.status == "failed"]
+    for r in failed:
+        print(f"structure {r.index} (row {r.row}) stopped: {r.error}", file=sys.stderr)
+    if STOP.received is not None:
+        raise Stopped(f"stopped by {STOP.received}; every structure's state is saved in {args.output}: "
+                      f"{RESUME_HINT.replace(' auto', '')} (exit status {STOPPED_STATUS})")
+    return summary
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from orb.device import quiet_mindspore
+    from orb.models.ops_profile import PROFILES
+    from orb.precision import PRECISIONS
+
+    quiet_mindspore()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", required=True, help="PyTorch or MindSpore orb checkpoint")
+    parser.add_argument("--data", required=True, nargs="+", help="starting structures (any format orb-evaluate "
+                        "reads; their momenta, when stored, are the initial velocities)")
+    parser.add_argument("--output", required=True, help="folder for traj_k.extxyz, log_k.csv, state_k.json, "
+                        "summary.json")
+    parser.add_argument("--ensemble", choices=ENSEMBLES, default="nve")
+    parser.add_argument("--thermostat", choices=THERMOSTATS, default="langevin", help="nvt's: ASE's Langevin or "
+                        "NoseHooverChainNVT")
+    parser.add_argument("--timestep", type=float, required=True, help="fs")
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--temperature", type=float, default=300.0, help="K: initial velocities (when the data has "
+                        "none) and the thermostat's")
+    parser.add_argument("--friction", type=float, default=0.01, help="Langevin friction, 1/fs")
+    parser.add_argument("--tdamp", type=float, default=100.0, help="Nose-Hoover damping time, fs")
+    parser.add_argument("--pressure", type=float, default=1.0, help="npt: bar")
+    parser.add_argument("--taut", type=float, default=100.0, help="npt: Berendsen temperature time constant, fs")
+    parser.add_argument("--taup", type=float, default=1000.0, help="npt: Berendsen pressure time constant, fs")
+    parser.add_argument("--compressibility", type=float, default=4.57e-5, help="npt: 1/bar (water's by default)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--write_every", type=int, default=10, help="steps between frames (and saved states)")
+    parser.add_argument("--batch_size", type=int, default=32, help="structures run together")
+    parser.add_argument("--uncertain_above", type=float, default=None, help="orb-v3: frames whose predicted force "
+                        "error (largest over the atoms) passes this many eV/Å go to OUTPUT/uncertain.extxyz")
+    parser.add_argument("--stop_uncertain", action="store_true", help="stop a structure at its first such frame")
+    parser.add_argument("--resume", action="store_true", help="continue a killed or stopped run in OUTPUT")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier run in OUTPUT")
+    parser.add_argument("--model", default=None, help="model name, when the checkpoint cannot tell")
+    parser.add_argument("--dispersion", default="", help="add DFT-D3: d3bj or d3zero (pip install .[d3])")
+    parser.add_argument("--xc", default="pbe")
+    parser.add_argument("--precision", default="float32-high", choices=PRECISIONS)
+    parser.add_argument("--device_target", default="auto", choices=("auto", "CPU", "GPU", "Ascend"))
+    parser.add_argument("--ops_profile", default="auto", choices=PROFILES)
+    parser.add_argument("--progress_bar", choices=("auto", "true", "false"), default="auto")
+    args = parser.parse_args(argv)
+    args.data = args.data[0] if len(args.data) == 1 else args.data
+    from orb.signals import Stopped, listen
+
+    listen()
+    try:
+        summary = md(args)
+    except Stopped as stop:
+        print(str(stop), file=sys.stderr)
+        return stop.status
+    except OrbInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except RunError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    done = sum(s["status"] == "done" for s in summary["structures"])
+    print(f"{done} of {len(summary['structures'])} structures ran {args.steps} steps ({summary['model_calls']} "
+          f"model calls); {args.output}/summary.json")
+    return 0 if done + sum(s["status"].startswith("stopped") for s in summary["structures"]) == \
+        len(summary["structures"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,12 @@
+"""Batched molecular dynamics with an orb model (see orb/inference/md.py); installed as the console command orb-md
+too."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from orb.inference.md import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""orb-md: many structures advanced by ASE's own integrators with one batched model call per step -- the same
+trajectories as ASE's integrators driving the calculator structure by structure (NVE, and Langevin NVT with the
+same seeds); a stopped or killed run resumes to the uninterrupted run's end; uncertain frames collected; bad
+input one line, a structure that cannot be computed named while the others go on."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import DEMO_VAL, ROOT
+
+V3 = os.path.join(ROOT, "data", "demo_v3_pretrained.ckpt")
+ROWS = (1, 2, 5, 9)  # periodic cells of 8-16 atoms
+
+
+def start_frames(tmp_path):
+    """Four demo structures with Maxwell-Boltzmann momenta (the data's momenta are orb-md's initial velocities)."""
+    import ase.db
+    import ase.io
+    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
+
+    frames = []
+    for k, row in enumerate(ROWS):
+        atoms = ase.db.connect(DEMO_VAL).get(row).toatoms()
+        atoms.calc = None
+        MaxwellBoltzmannDistribution(atoms, temperature_K=300, rng=np.random.default_rng(k))
+        frames.append(atoms)
+    path = str(tmp_path / "start.extxyz")
+    ase.io.write(path, frames, format="extxyz")
+    return path, frames
+
+
+def orb_md(tmp_path, name, *args, timeout=900):
+    return subprocess.run([sys.executable, "scripts/md.py", "--checkpoint", V3, "--output", str(tmp_path / name),
+                           "--device_target", "CPU", "--progress_bar", "false", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, ORB_CACHE_DIR=str(tmp_path / "cache")))
+
+
+def last_frames(folder, count):
+    import ase.io
+
+    return [ase.io.read(os.path.join(folder, f"traj_{k}.extxyz"), index=-1) for k in range(count)]
+
+
+@pytest.mark.parametrize("ensemble", ["nve", "nvt"])
+def test_batched_dynamics_follow_ases_integrators_structure_by_structure(tmp_path, ensemble):
+    """20 steps of 1 fs: every structure ends where ASE's VelocityVerlet (or Langevin with the structure's seed)
+    driving ORBCalculator alone takes it, to 1e-5 Å, and the NVE total energy is conserved."""
+    from ase import units
+    from ase.md.langevin import Langevin
+    from ase.md.verlet import VelocityVerlet
+
+    from orb.inference.calculator import ORBCalculator
+
+    path, frames = start_frames(tmp_path)
+    result = orb_md(tmp_path, "md", "--data", path, "--ensemble", ensemble, "--timestep", "1", "--steps", "20",
+                    "--write_every", "10", "--temperature", "300", "--seed", "7")
+    assert result.returncode == 0, result.stderr[-3000:]
+    ours = last_frames(tmp_path / "md", len(frames))
+    calculator = ORBCalculator.from_checkpoint(V3, device_target="CPU")
+    for k, atoms in enumerate(frames):
+        atoms.calc = calculator
+        if ensemble == "nve":
+            dynamics = VelocityVerlet(atoms, timestep=1 * units.fs)
+        else:
+            dynamics = Langevin(atoms, timestep=1 * units.fs, temperature_K=300, friction=0.01 / units.fs,
+                                rng=np.random.default_rng([7, k]), fixcm=False)
+        dynamics.run(20)
+        np.testing.assert_allclose(ours[k].positions, atoms.positions, atol=1e-5, err_msg=f"structure {k}")
+        assert ours[k].info["step"] == 20
+    summary = json.load(open(tmp_path / "md" / "summary.json"))
+    assert [s["status"] for s in summary["structures"]] == ["done"] * 4 and summary["model_calls"] == 21
+    if ensemble == "nve":
+        for s in summary["structures"]:
+            assert abs(s["total_energy_drift_eV_per_atom"]) < 2e-3
+    log = np.genfromtxt(tmp_path / "md" / "log_0.csv", delimiter=",", names=True)
+    assert list(log["step"]) == [0, 10, 20] and np.all(log["temperature_K"] > 0)
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_a_stopped_or_killed_run_resumes_to_the_uninterrupted_end(tmp_path, how):
+    """SIGTERM saves every structure at the step in progress and exits 75; SIGKILL leaves the states of the last
+    written frames. --resume cuts trajectories and logs back to the states and ends where the uninterrupted run
+    ends (Langevin: its random generators' states saved too)."""
+    path, frames = start_frames(tmp_path)
+    common = ["--data", path, "--ensemble", "nvt", "--timestep", "1", "--steps", "30", "--write_every", "5",
+              "--seed", "3", "--uncertain_above", "0.12"]
+    assert orb_md(tmp_path, "straight", *common).returncode == 0
+    process = subprocess.Popen([sys.executable, "scripts/md.py", "--checkpoint", V3, "--output",
+                                str(tmp_path / "broken"), "--device_target", "CPU", "--progress_bar", "false",
+                                *common], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=dict(os.environ, ORB_CACHE_DIR=str(tmp_path / "cache")))
+    log = tmp_path / "broken" / "log_3.csv"
+    deadline = time.time() + 600
+    while not (log.exists() and len(open(log).read().splitlines()) >= 4):  # header + steps 0, 5, 10
+        assert process.poll() is None and time.time() < deadline, process.communicate()[1][-2000:]
+        time.sleep(0.05)
+    process.send_signal(getattr(signal, how))
+    _, err = process.communicate(timeout=300)
+    if how == "SIGTERM":
+        assert process.returncode == 75 and "Traceback" not in err, err[-2000:]
+        assert err.strip().splitlines()[-1].startswith("stopped by SIGTERM")
+    steps = [json.load(open(tmp_path / "broken" / f"state_{k}.json"))["step"] for k in range(4)]
+    assert max(steps) < 30
+    resumed = orb_md(tmp_path, "broken", *common, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for a, b in zip(last_frames(tmp_path / "straight", 4), last_frames(tmp_path / "broken", 4)):
+        np.testing.assert_allclose(a.positions, b.positions, atol=1e-6)
+        np.testing.assert_allclose(a.get_momenta() if "momenta" in a.arrays else 0,
+                                   b.get_momenta() if "momenta" in b.arrays else 0, atol=1e-6)
+    for k in range(4):
+        straight = open(tmp_path / "straight" / f"log_{k}.csv").read().splitlines()
+        again = open(tmp_path / "broken" / f"log_{k}.csv").read().splitlines()
+        assert [line.split(",")[0] for line in again] == [line.split(",")[0] for line in straight]  # no step twice
+    import ase.io
+
+    for folder in ("straight", "broken"):
+        uncertain = ase.io.read(tmp_path / folder / "uncertain.extxyz", index=":")
+        assert uncertain and all(f.info["predicted_force_error_max"] > 0.12 for f in uncertain)
+    keys = lambda folder: sorted((f.info["structure"], f.info["step"]) for f in  # noqa: E731
+                                 ase.io.read(tmp_path / folder / "uncertain.extxyz", index=":"))
+    assert keys("broken") == keys("straight")  # none lost, none twice
+
+
+def test_bad_input_is_one_line_and_a_broken_structure_is_named_while_the_others_run(tmp_path):
+    import ase.io
+
+    path, frames = start_frames(tmp_path)
+    for args, message in ((["--timestep", "0"], "--timestep must be a finite number > 0, got 0.0"),
+                          (["--timestep", "1", "--temperature", "-5"],
+                           "--temperature must be a finite number >= 0, got -5.0")):
+        result = orb_md(tmp_path, "bad", "--data", path, "--steps", "5", *args)
+        assert result.returncode == 2 and result.stderr.strip().splitlines() == [f"error: {message}"], result.stderr
+    overlapping = frames[1].copy()
+    overlapping.positions[1] = overlapping.positions[0]  # two atoms at one place: no graph
+    ase.io.write(tmp_path / "mixed.extxyz", [frames[0], overlapping, frames[2]], format="extxyz")
+    result = orb_md(tmp_path, "mixed", "--data", str(tmp_path / "mixed.extxyz"), "--timestep", "1", "--steps", "10",
+                    "--ensemble", "nve")
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("structure 1 (row 2) stopped:"), lines
+    summary = json.load(open(tmp_path / "mixed" / "summary.json"))
+    assert [s["status"] for s in summary["structures"]] == ["done", "failed", "done"]
