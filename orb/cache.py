@@ -75,8 +75,9 @@ def source_digest(*modules: str) -> str:
                 for root in spec.submodule_search_locations:
                     files += [os.path.join(folder, f) for folder, _, names in os.walk(root) for f in names
                               if f.endswith(SOURCE_SUFFIXES)]
-            else:
-                files.append(spec.origin)
+            else:  # a module, and the sources beside it that share its name (neighbours.py: neighbours.cc)
+                stem = os.path.splitext(spec.origin)[0]
+                files += [stem + suffix for suffix in SOURCE_SUFFIXES if os.path.exists(stem + suffix)]
         sha = hashlib.sha256()
         for path in sorted(set(files)):
             sha.update(os.path.relpath(path, os.path.dirname(os.path.dirname(__file__))).encode())

@@ -148,3 +148,34 @@ def test_bad_input_is_one_line_and_a_broken_structure_is_named_while_the_others_
     assert len(lines) == 1 and lines[0].startswith("structure 1 (row 2) stopped:"), lines
     summary = json.load(open(tmp_path / "mixed" / "summary.json"))
     assert [s["status"] for s in summary["structures"]] == ["done", "failed", "done"]
+
+
+def test_extending_a_run_and_stopping_uncertain_structures_survive_a_resume(tmp_path):
+    """A run of 0 steps (its state at step 0) extended with --resume writes frame 0 once (ASE observes step 0
+    again); a structure --stop_uncertain stopped keeps its stopping frame and stays stopped on --resume; other
+    settings on --resume are refused in one line."""
+    import ase.io
+
+    path, _ = start_frames(tmp_path)
+    common = ["--data", path, "--ensemble", "nve", "--timestep", "1", "--write_every", "3"]
+    assert orb_md(tmp_path, "md", *common, "--steps", "0").returncode == 0
+    assert orb_md(tmp_path, "md", *common, "--steps", "6", "--resume").returncode == 0
+    log = np.genfromtxt(tmp_path / "md" / "log_0.csv", delimiter=",", names=True)
+    assert list(log["step"]) == [0, 3, 6]
+    assert [f.info["step"] for f in ase.io.read(tmp_path / "md" / "traj_0.extxyz", index=":")] == [0, 3, 6]
+    refused = orb_md(tmp_path, "md", *common[:-4], "--timestep", "2", "--write_every", "3", "--steps", "9",
+                     "--resume")
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        f"error: --resume {tmp_path / 'md'}: these settings differ from the run's: timestep: 1.0 -> 2.0. Restore "
+        "them, or start a new run in another --output"]
+    stopping = common + ["--uncertain_above", "0.12", "--stop_uncertain", "--steps", "6"]
+    assert orb_md(tmp_path, "stop", *stopping).returncode == 0
+    first = json.load(open(tmp_path / "stop" / "summary.json"))["structures"]
+    stopped = [s["index"] for s in first if s["status"] == "stopped: uncertain"]
+    assert stopped
+    for k in stopped:  # its stopping frame is in its trajectory and in uncertain.extxyz
+        frames = ase.io.read(tmp_path / "stop" / f"traj_{k}.extxyz", index=":")
+        assert frames[-1].arrays["predicted_force_error"].max() > 0.12
+    assert orb_md(tmp_path, "stop", *stopping, "--resume").returncode == 0
+    again = json.load(open(tmp_path / "stop" / "summary.json"))["structures"]
+    assert [s["status"] for s in again] == [s["status"] for s in first]

@@ -50,7 +50,7 @@ ONE_PROCESS: Ranks = _OneProcess()
 
 # Raised whenever what :func:`edge_capacity` counts changes, so no run plans from an older count.
 CAPACITY_VERSION = 1
-GRAPH_CODE = ("orb.data.graphs", "orb.data.neighbours")  # the neighbour counts' code version (orb.cache.source_digest)
+GRAPH_CODE = ("orb.data.graphs", "orb.data.neighbours", "orb.native")  # the counts' code (orb.cache.source_digest)
 CAPACITY_CACHE = "neighbour_counts"  # the subfolder of the project's cache (``orb.cache``)
 # Raised whenever what :meth:`AseDbDataset.check_rows` checks changes.
 CENSUS_VERSION = 1

@@ -31,7 +31,7 @@ from orb.errors import DatasetError
 log = logging.getLogger("orb")
 SQLITE_MAGIC = b"SQLite format 3\x00"
 CONVERTED = "converted"
-VERSION = 3  # 2: the frames' weight kept; 3: their momenta
+VERSION = 4  # 2: the frames' weight kept; 3: their momenta; 4: their masses and constraints
 AUTO = {"energy": ("REF_energy", "energy"), "forces": ("REF_forces", "forces"), "stress": ("REF_stress", "stress")}
 
 
@@ -250,8 +250,8 @@ def _convert(files: List[str], keys: LabelKeys, target: str, progress: bool) -> 
                 clean = atoms.copy()
                 clean.info = {}
                 for extra in list(clean.arrays):
-                    if extra not in ("numbers", "positions", "momenta"):  # momenta: orb-md's initial velocities
-                        del clean.arrays[extra]
+                    if extra not in ("numbers", "positions", "momenta", "masses"):  # what orb-md needs: velocities,
+                        del clean.arrays[extra]  # masses (isotopes); constraints are kept by copy()
                 if results:
                     clean.calc = SinglePointCalculator(clean, **results)
                 db.write(clean, key_value_pairs=pairs)

@@ -16,7 +16,8 @@ import numpy as np
 
 from orb.errors import DatasetError
 
-COLUMNS = "id, natoms, numbers, positions, cell, pbc, energy, forces, stress, key_value_pairs, data, momenta"
+COLUMNS = ("id, natoms, numbers, positions, cell, pbc, energy, forces, stress, key_value_pairs, data, momenta, masses, "
+           "constraints")
 LOCK_FREE_UNLESS = ("-wal", "-journal")  # files that show a writer (then: read-only, with SQLite's locks)
 BIG_ENDIAN = not np.little_endian
 
@@ -54,12 +55,14 @@ class Row:
     """What training reads of one database row (names as ``ase.db``'s rows)."""
 
     __slots__ = ("id", "natoms", "numbers", "positions", "cell", "pbc", "energy", "forces", "stress", "_kvp",
-                 "raw_data", "momenta")
+                 "raw_data", "momenta", "masses", "constraints")
 
     def __init__(self, values):
         (self.id, self.natoms, numbers, positions, cell, pbc, self.energy, forces, stress, self._kvp,
-         self.raw_data, momenta) = values
-        self.momenta = _array(momenta, shape=(-1, 3))  # a structure's own velocities (orb-md starts from them)
+         self.raw_data, momenta, masses, self.constraints) = values
+        # what dynamics needs beyond training: the structure's own velocities, masses (isotopes) and constraints
+        self.momenta = _array(momenta, shape=(-1, 3))
+        self.masses = _array(masses)
         self.numbers = _array(numbers, np.int32)
         self.positions = _array(positions, shape=(-1, 3))
         self.cell = _array(cell, shape=(3, 3))
@@ -96,7 +99,12 @@ class Row:
         from ase.calculators.singlepoint import SinglePointCalculator
 
         atoms = Atoms(numbers=self.numbers, positions=self.positions, cell=self.cell, pbc=self.pbc,
-                      momenta=self.momenta, info=dict(self.key_value_pairs))
+                      momenta=self.momenta, masses=self.masses, info=dict(self.key_value_pairs))
+        if self.constraints:
+            from ase.constraints import dict2constraint
+            from ase.io.jsonio import decode
+
+            atoms.set_constraint([dict2constraint(c) for c in decode(self.constraints)])
         results = {k: v for k, v in (("energy", self.energy), ("forces", self.forces), ("stress", self.stress))
                    if v is not None}
         if results:

@@ -23,6 +23,7 @@ import numpy as np
 from ase.calculators.calculator import Calculator, all_changes
 
 from orb.data.graphs import atoms_to_graph
+from orb.errors import OrbInputError
 from orb.inference.predictor import Predictor
 from orb.inference.uncertainty import per_atom_error
 
@@ -67,8 +68,14 @@ class ORBCalculator(Calculator):
         from orb.io.checkpoint import model_from_checkpoint
         from orb.models.ops_profile import set_ops_profile
 
-        if "matmul_precision" in kwargs:
-            precision = f"float32-{kwargs.pop('matmul_precision')}"
+        if "matmul_precision" in kwargs:  # the old spelling
+            old = f"float32-{kwargs.pop('matmul_precision')}"
+            if precision not in ("float32-high", old):
+                raise OrbInputError(f"matmul_precision ({old}) and precision ({precision}) disagree: keep precision")
+            import warnings
+
+            warnings.warn(f"matmul_precision is deprecated: use precision={old!r}", DeprecationWarning, stacklevel=2)
+            precision = old
         check_keywords(kwargs, ASE_KEYWORDS + ("dispersion", "xc"))
         check_dispersion(kwargs.get("dispersion"), kwargs.get("xc", "pbe"))  # before loading any weights
         configure_mindspore(device_target, precision=precision)

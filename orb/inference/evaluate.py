@@ -170,7 +170,8 @@ def predict_dataset(checkpoint: str, args, keys, show: bool, out_dir: str = ""):
     check_dispersion_for(model.cfg, args.dispersion)
     dispersion = D3Dispersion(args.dispersion, args.xc) if args.dispersion else None
     predictor = Predictor(model, buckets)
-    check_threshold(model.cfg, args.uncertain_above)
+    if out_dir:  # the evaluated checkpoint (a --compare one collects nothing)
+        check_threshold(model.cfg, args.uncertain_above)
     uncertain = UncertainFrames(out_dir) if args.uncertain_above is not None and out_dir else None
     results, points = [None] * len(data), ParityPoints()
     with tqdm(total=len(data), desc=f"evaluating {os.path.basename(checkpoint)}", disable=not show) as bar:
@@ -243,9 +244,12 @@ def evaluate(args) -> int:
     if len(set(names)) < len(names):
         names = ["checkpoint", "compare"]
     if args.uncertain_above is not None:  # a fresh collection: never appended to an earlier evaluation's
-        os.makedirs(out_dir, exist_ok=True)
-        if os.path.exists(os.path.join(out_dir, "uncertain.extxyz")):
-            os.remove(os.path.join(out_dir, "uncertain.extxyz"))
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            if os.path.exists(os.path.join(out_dir, "uncertain.extxyz")):
+                os.remove(os.path.join(out_dir, "uncertain.extxyz"))
+        except OSError as exc:
+            raise OrbInputError(f"--output_dir {out_dir}: cannot write there ({exc.strerror or exc})") from None
     runs = {name: predict_dataset(path, args, keys, show, out_dir if name == names[0] else "")
             for name, path in zip(names, checkpoints)}
     results = runs[names[0]][0]

@@ -24,14 +24,29 @@ OUTPUTS = ("energy (graphs,) eV", "forces (nodes, 3) eV/Å", "stress (graphs, 6)
            "confidence (nodes, 50): orb-v3's per-atom force-error bin probabilities over 0-0.3 eV/Å")
 
 
+NODE_INPUTS = ("numbers", "positions", "node_graph")  # the other inputs: per edge or per graph
+EDGE_INPUTS = ("vectors", "senders", "receivers", "unit_shifts")
+
+
 def example_inputs(model, nodes: int, edges: int, graphs: int):
-    """Inputs of a padded batch of this shape (one padding graph holding every node and edge): what the export
-    traces, shapes and types only."""
+    """Inputs of a padded batch of this shape (one padding graph holding every node and edge), in the model's float
+    type: what the export traces, shapes and types only."""
     from orb.data.graphs import empty_batch, pad_batch
-    from orb.data.tensors import model_inputs
+    from orb.data.tensors import model_arrays, to_tensors
+    from orb.models import is_float64_model
 
     batch = empty_batch(with_energy=False, with_forces=False, with_stress=False, with_charge=model.cfg.omol)
-    return model_inputs(pad_batch(batch, nodes, edges, graphs))
+    arrays = model_arrays(pad_batch(batch, nodes, edges, graphs))
+    if is_float64_model(model):
+        arrays = tuple(a.astype(np.float64) if a.dtype == np.float32 else a for a in arrays)
+    return to_tensors(arrays)
+
+
+def dimension(name: str, axis: int, size: int) -> object:
+    """How ``model.json`` names an input's dimension: the first is per node, edge or graph."""
+    if axis:
+        return size
+    return "nodes" if name in NODE_INPUTS else "edges" if name in EDGE_INPUTS else "graphs"
 
 
 def shapes_for(data_path, model, batch_size: int) -> List[tuple]:
@@ -53,6 +68,7 @@ def export(model, output: str, shapes: Sequence[tuple]) -> List[str]:
     from orb.data.tensors import MODEL_INPUTS
     from orb.io.files import write_atomically, write_json
     from orb.models.cells import PredictCell
+    from orb.precision import precision
 
     cell = PredictCell(model)
     cell.set_train(False)
@@ -71,9 +87,9 @@ def export(model, output: str, shapes: Sequence[tuple]) -> List[str]:
         written.append(path)
     inputs = example_inputs(model, *shapes[0])
     description = {
-        "model": model.cfg.to_dict(), "files": files,
-        "inputs": [{"name": n, "dtype": str(t.dtype), "shape": ["nodes" if s == shapes[0][0] else s
-                                                                for s in t.shape]}
+        "model": model.cfg.to_dict(), "precision": precision(), "files": files,
+        "inputs": [{"name": n, "dtype": str(t.dtype), "shape": [dimension(n, axis, size)
+                                                                for axis, size in enumerate(t.shape)]}
                    for n, t in zip(MODEL_INPUTS, inputs)],
         "padding": "orb.data.graphs.pad_batch: the real graphs first, then one padding graph holding every padding "
                    "node (atomic number 0) and edge (a self-edge of length 10 Å), then empty graphs; outputs of "
@@ -96,6 +112,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     from orb.device import quiet_mindspore
 
     quiet_mindspore()  # before anything imports MindSpore
+    from orb.precision import PRECISIONS
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, help="PyTorch or MindSpore orb checkpoint")
     parser.add_argument("--output", required=True, help="the MindIR file (.mindir; several shapes: one per shape, "
@@ -107,8 +125,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--batch_size", type=int, default=8, help="with --data: structures of an average batch")
     parser.add_argument("--model", default=None, help="model name, when the checkpoint cannot tell")
     parser.add_argument("--device_target", default="auto", choices=("auto", "CPU", "GPU", "Ascend"))
-    parser.add_argument("--precision", default="float32-high", help="what the exported graph computes in "
-                        "(orb.precision)")
+    parser.add_argument("--precision", default="float32-high", choices=PRECISIONS,
+                        help="what the exported graph computes in (orb.precision)")
     args = parser.parse_args(argv)
     try:
         written = run(args)

@@ -129,6 +129,7 @@ class Run:
     error: str = ""
     uncertain: int = 0
     energies: List[float] = field(default_factory=list)
+    resumed_from: Optional[int] = None  # the step of the state a resume started from (written already)
 
     def path(self, kind: str) -> str:
         ext = {"traj": "extxyz", "log": "csv", "state": "json"}[kind]
@@ -197,8 +198,8 @@ def check_args(args) -> None:
         if not np.isfinite(value) or value <= low:
             bound = ">= 0" if name == "--temperature" else "> 0"
             raise OrbInputError(f"{name} must be a finite number {bound}, got {value}")
-    if args.steps < 0 or args.write_every < 1 or args.batch_size < 1:
-        raise OrbInputError("--steps must be >= 0, --write_every and --batch_size >= 1")
+    if args.steps < 0 or args.write_every < 1 or args.batch_size < 1 or not 0 <= args.seed < 2 ** 32:
+        raise OrbInputError("--steps must be >= 0, --write_every and --batch_size >= 1, --seed 0 to 2^32 - 1")
     if args.ensemble == "npt" and not all(np.isfinite(v) and v > 0 for v in (args.taut, args.taup,
                                                                              args.compressibility)):
         raise OrbInputError("--taut, --taup and --compressibility must be positive numbers")
@@ -212,8 +213,8 @@ def check_output(folder: str, resume: bool, overwrite: bool) -> None:
         raise OrbInputError(f"--output {folder} holds an earlier run ({', '.join(sorted(found)[:3])} ...): pass "
                             "--resume to continue it or --overwrite to replace it")
     if found and overwrite and not resume:
-        for name in found + [n for n in ("summary.json", "uncertain.extxyz") if os.path.exists(os.path.join(folder,
-                                                                                                          n))]:
+        for name in found + [n for n in ("summary.json", "uncertain.extxyz", "run.json")
+                             if os.path.exists(os.path.join(folder, n))]:
             os.remove(os.path.join(folder, name))
     try:
         os.makedirs(folder, exist_ok=True)
@@ -257,7 +258,11 @@ class Dynamics:
             graphs.append(graph)
             keys.append(key)
         if graphs:
-            out = self.predictor(batch_graphs(graphs))
+            try:
+                out = self.predictor(batch_graphs(graphs))
+            except Exception as exc:  # every structure of the call is told (one line each), none hangs
+                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                return dict(answers, **{key: StructureFailed(f"the model failed: {reason}") for key in keys})
             offset = 0
             for k, (key, graph) in enumerate(zip(keys, graphs)):
                 n = graph.num_nodes
@@ -265,7 +270,12 @@ class Dynamics:
                 results = {"energy": float(out["energy"][k]), "forces": out["forces"][offset:offset + n],
                            "stress": out["stress"][k]}
                 if self.dispersion is not None:
-                    d3 = self.dispersion(atoms)
+                    try:
+                        d3 = self.dispersion(atoms)
+                    except Exception as exc:  # e.g. an element dftd3 has no parameters for: this structure
+                        answers[key] = StructureFailed(f"dispersion: {str(exc).strip()[:200]}")
+                        offset += n
+                        continue
                     results = {name: results[name] + d3[name] for name in results}
                 results["free_energy"] = results["energy"]
                 if "confidence" in out:
@@ -299,8 +309,11 @@ class Dynamics:
             Stationary(atoms)
         run.dynamics = integrator(atoms, args, run.index)
         if state is not None:
-            run.dynamics.nsteps = int(state["step"])
+            run.dynamics.nsteps = run.resumed_from = int(state["step"])
             restore_integrator(run.dynamics, state["integrator"])
+            if state.get("status", "").startswith("stopped: uncertain"):
+                run.status = state["status"]  # --stop_uncertain stopped it: it stays stopped
+                return
         run.status = "done" if run.dynamics.nsteps >= args.steps else "running"
 
     def run_one(self, run: Run, server: BatchServer) -> None:
@@ -310,15 +323,20 @@ class Dynamics:
 
         def observe():
             step = dynamics.nsteps
+            if step == run.resumed_from:  # ASE observes a run resumed at step 0 again: its state is written
+                return
             last = step >= args.steps
-            frame = step % args.write_every == 0 or last
+            error = run.atoms.calc.results.get("force_error")
+            uncertain = args.stop_uncertain and error is not None and error.max() > args.uncertain_above
+            frame = step % args.write_every == 0 or last or uncertain  # the frame that stops it is kept too
+            if uncertain:
+                run.status = "stopped: uncertain"
             if frame or self.stop_requested:  # stopped between frames: the state alone, so that the files hold
                 self.write(run, step, frame)  # what an uninterrupted run's hold
+            if uncertain and not last:
+                raise StopRun("uncertain")
             if self.stop_requested and not last:
                 raise StopRun("stop signal")
-            error = run.atoms.calc.results.get("force_error")
-            if args.stop_uncertain and error is not None and error.max() > args.uncertain_above:
-                raise StopRun("uncertain")
 
         dynamics.attach(observe, interval=1)
         try:
@@ -345,7 +363,8 @@ class Dynamics:
             "step": step, "positions": atoms.get_positions().tolist(), "momenta": atoms.get_momenta().tolist(),
             "cell": atoms.cell.array.tolist(), "integrator": integrator_state(run.dynamics),
             "traj_bytes": os.path.getsize(run.path("traj")), "log_bytes": os.path.getsize(run.path("log")),
-            "uncertain": run.uncertain, "first_total_energy": run.energies[0] if run.energies else None})
+            "uncertain": run.uncertain, "first_total_energy": run.energies[0] if run.energies else None,
+            "status": run.status})
 
     def write_frame(self, run: Run, step: int) -> None:
         """The trajectory frame and log line at ``step``, synced to the disk (and the frame to uncertain.extxyz
@@ -438,6 +457,37 @@ def load_structures(args, model) -> List[Run]:
     return runs
 
 
+SETTINGS = ("ensemble", "thermostat", "timestep", "temperature", "friction", "tdamp", "pressure", "taut", "taup",
+            "compressibility", "seed", "write_every", "precision", "dispersion", "xc", "model")
+
+
+def run_settings(args, runs: List[Run]) -> Dict:
+    """What a resume must not change: the integrator's settings, the model and the structures."""
+    checkpoint = os.path.abspath(args.checkpoint)
+    return {**{key: getattr(args, key) for key in SETTINGS},
+            "checkpoint": [checkpoint, os.path.getsize(checkpoint)],
+            "structures": [[int(r.row), len(r.atoms)] for r in runs]}
+
+
+def check_settings(folder: str, settings: Dict, resume: bool) -> None:
+    """``run.json``: written by a fresh run; a resume with other settings is refused, naming them."""
+    from orb.io.files import write_json
+
+    path = os.path.join(folder, "run.json")
+    if resume and os.path.exists(path):
+        with open(path) as f:
+            saved = json.load(f)
+        changed = [f"{k}: {saved.get(k)!r} -> {settings.get(k)!r}" for k in settings
+                   if k != "checkpoint" and saved.get(k) != settings.get(k)]
+        if saved.get("checkpoint") != settings["checkpoint"]:
+            changed.append(f"checkpoint: {saved.get('checkpoint', ['?'])[0]} (another file, or changed)")
+        if changed:
+            raise OrbInputError(f"--resume {folder}: these settings differ from the run's: {'; '.join(changed)}. "
+                                "Restore them, or start a new run in another --output")
+        return
+    write_json(path, settings)
+
+
 def md(args) -> Dict:
     from orb.device import configure_mindspore
     from orb.inference.dispersion import D3Dispersion, check_dispersion, check_dispersion_for
@@ -461,6 +511,7 @@ def md(args) -> Dict:
     if args.uncertain_above is not None:
         dynamics.uncertain = UncertainFrames(args.output)
     runs = load_structures(args, model)
+    check_settings(args.output, run_settings(args, runs), args.resume)
     for run in runs:
         dynamics.prepare(run)
     if dynamics.uncertain is not None and args.resume:

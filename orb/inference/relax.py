@@ -182,6 +182,9 @@ def relax(args) -> Dict:
     uncertain = (UncertainFrames(os.path.dirname(os.path.abspath(args.output)),
                                  os.path.splitext(os.path.basename(args.output))[0] + ".uncertain.extxyz")
                  if args.uncertain_above is not None else None)
+    stale = os.path.splitext(os.path.abspath(args.output))[0] + ".uncertain.extxyz"
+    if not args.resume and os.path.exists(stale):  # an earlier run's frames (another model, threshold) never mix
+        os.remove(stale)
     dispersion = D3Dispersion(args.dispersion, args.xc) if args.dispersion else None
     relaxer = BatchRelaxer(model, args.fmax, args.steps, args.cell, args.batch_size, dispersion)
     show = sys.stderr.isatty() if args.progress_bar == "auto" else args.progress_bar == "true"

@@ -9,6 +9,7 @@ described atom is what makes a frame worth labelling) beside the mean. orb-v2 ha
 DFT labelling and, labelled, for ``finetune.py`` (the active-learning loop in the README).
 """
 
+import io
 import os
 from typing import Dict, Optional
 
@@ -51,6 +52,21 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
     return float(spearmanr(a, b).correlation)
 
 
+def whole_frames(text: str) -> str:
+    """The complete extxyz frames of ``text`` (a frame cut short by a kill at the end is left out)."""
+    lines, kept, i = text.splitlines(keepends=True), 0, 0
+    while i < len(lines):
+        try:
+            count = int(lines[i].strip())
+        except ValueError:
+            break
+        if i + 2 + count > len(lines) or not all(line.endswith("\n") for line in lines[i:i + 2 + count]):
+            break
+        i += 2 + count
+        kept = i
+    return "".join(lines[:kept])
+
+
 class UncertainFrames:
     """``uncertain.extxyz`` in a folder: frames appended as they are found (each append is one write of whole
     frames, flushed: a kill keeps every frame written before it), each with its predicted per-atom errors
@@ -70,10 +86,15 @@ class UncertainFrames:
         frame.calc = None
         frame.arrays["predicted_force_error"] = np.asarray(per_atom, np.float64)
         frame.info.update(info, predicted_force_error_max=float(np.max(per_atom)))
-        with self.lock, open(self.path, "a") as f:
-            ase.io.write(f, frame, format="extxyz")
-            f.flush()
-            os.fsync(f.fileno())
+        text = io.StringIO()
+        ase.io.write(text, frame, format="extxyz")
+        with self.lock:  # the whole frame in one write: a kill leaves it whole or absent (or cut short at worst)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, text.getvalue().encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             self.count += 1
 
     def keep_up_to(self, last_step: Dict[int, int]) -> None:
@@ -84,7 +105,7 @@ class UncertainFrames:
 
         if not os.path.exists(self.path):
             return
-        frames = ase.io.read(self.path, index=":", format="extxyz")
+        frames = ase.io.read(io.StringIO(whole_frames(open(self.path).read())), index=":", format="extxyz")
         kept = [f for f in frames if f.info.get("step", 0) <= last_step.get(f.info.get("structure"), -1)]
         if len(kept) < len(frames):
             write_atomically(self.path, lambda tmp: ase.io.write(tmp, kept, format="extxyz"))

@@ -76,7 +76,9 @@ def weights_digest(model) -> str:
     return digest.hexdigest()
 
 
-MODEL_CODE = ("orb.models", "orb.data.graphs", "orb.data.neighbours", "orb.data.tensors")  # what a prediction runs
+# what a prediction runs: the networks, their graphs (the native search and how it is compiled), the precision
+MODEL_CODE = ("orb.models", "orb.data.graphs", "orb.data.neighbours", "orb.data.tensors", "orb.precision",
+              "orb.native")
 
 
 def model_identity(model, digest: Optional[str] = None) -> tuple:

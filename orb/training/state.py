@@ -85,6 +85,8 @@ def config_changes(saved: Dict, current: Dict, keys: Sequence[str] = RESUME_KEYS
     """``key: saved -> current`` for each resume-relevant setting that differs (a key the saved run did not have
     yet counts as its default)."""
     old, new = dict(flatten(TrainConfig().to_dict()), **flatten(saved)), flatten(current)
+    if old.get("lora.rank") == 0:  # "off" was spelt 0 before it was null
+        old["lora.rank"] = None
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
 
 
