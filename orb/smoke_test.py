@@ -1,6 +1,6 @@
 """A first-hour check of a machine, for NPU users: does this device compute what PyTorch computes?
 
-    orb-smoke-test [--device_target auto] [--skip_parallel]
+    orb-smoke-test [--device_target auto] [--skip_parallel] [--precisions float32-high,bf16-mixed,fp16-mixed]
 
 1. the environment: MindSpore, the device and how many, the operator profile, the precision;
 2. orb-v2's predictions for the 8 structures of the shipped PyTorch reference
@@ -11,7 +11,8 @@
    and the updated weights; on a CPU-only machine, the ``portable`` profile against the ``cpu`` one;
 4. a sum over 2 workers (msrun; ``AllReduce`` and ``nn.DistributedGradReducer``), the collectives
    a data-parallel run uses;
-5. compile and step times.
+5. compile and step times, and one training step timed in each precision mode (``--precisions``; each in a
+   fresh process): on an NPU, what bf16-mixed and fp16-mixed buy over float32-high there.
 
 It prints a short report to paste into a bug report, and exits 1 if a check failed.
 """

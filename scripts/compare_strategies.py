@@ -31,6 +31,7 @@ KEYS = ("energy_per_atom_mae", "forces_mae")
 DEMOS = {"orb_v2": ("demo.yaml", "demo_pretrained.ckpt"), "orb_v3": ("demo_v3.yaml", "demo_v3_pretrained.ckpt")}
 PSEUDO = ["--replay.data_path", PRETRAIN_TRAIN, "--replay.labels", "model", "--replay.val_samples", "0"]
 FROZEN = ["--online_normalisation", "false"]
+FIXED_REFERENCES = ["--reference_energies.trainable", "false"]
 STRATEGIES: Dict[str, List[str]] = {  # name -> overrides of the demo config (no foundation labels in any)
     "none": [],
     "frozen normalisers": FROZEN,
@@ -48,6 +49,9 @@ STRATEGIES: Dict[str, List[str]] = {  # name -> overrides of the demo config (no
     "lora 8 + pseudo-label replay 0.25": ["--lora.rank", "8", "--lora.alpha", "16"] + PSEUDO
     + ["--replay.fraction", "0.25"],
     "anchor 10 + pseudo-label replay 0.25": ["--anchor.weight", "10"] + PSEUDO + ["--replay.fraction", "0.25"],
+    "pseudo-label replay 0.25, fixed references": PSEUDO + ["--replay.fraction", "0.25"] + FIXED_REFERENCES,
+    "pseudo-label replay 0.5, fixed references": PSEUDO + ["--replay.fraction", "0.5"] + FIXED_REFERENCES,
+    "anchor 10 + pseudo-label replay 0.5": ["--anchor.weight", "10"] + PSEUDO + ["--replay.fraction", "0.5"],
 }
 
 

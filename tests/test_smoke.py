@@ -11,8 +11,8 @@ from conftest import ROOT
 
 
 def test_smoke_test_passes_and_prints_a_report():
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "smoke_test.py")], cwd=ROOT,
-                            capture_output=True, text=True, timeout=1200)
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "smoke_test.py"), "--precisions",
+                             "float32-high,fp16-mixed"], cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     text = result.stdout
     report = json.loads(text.split("--- paste from here into a bug report ---")[1].split("--- end ---")[0])
@@ -22,6 +22,9 @@ def test_smoke_test_passes_and_prints_a_report():
     assert report["two_worker_sum"]["workers"] == 2
     assert "portable profile" in report["training_step_vs_cpu"]["compared"]  # on a CPU: the two profiles
     assert text.rstrip().endswith("all checks passed")
+    steps = report["training_step_by_precision"]  # one training step timed in each mode asked for
+    assert steps["fp16-mixed"]["step_s"] > 0 and steps["fp16-mixed"]["speed_up_over_float32_high"] > 0
+    assert abs(steps["fp16-mixed"]["loss"] - steps["float32-high"]["loss"]) < 1e-2 * abs(steps["float32-high"]["loss"])
 
 
 def test_smoke_test_fails_on_a_wrong_model():
