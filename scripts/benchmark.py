@@ -16,6 +16,7 @@ ASE calculator, data at MPtrj's size, batched relaxation.
     python scripts/benchmark.py scale      [--rows 1580000] [--model orb_v2] [--batch_size 8] [--workers 2]
     python scripts/benchmark.py relax      [--structures 50] [--fmax 0.05] [--steps 100] [--batch_size 50]
     python scripts/benchmark.py precision  [--torch-python PATH] [--torch-v3-python PATH] [--finetune]
+    python scripts/benchmark.py md         [--structures 32] [--steps 100] [--timestep 1] [--batch-sizes 32]
 
 With ``--torch-python`` pointing at a Python that has torch and orb-models 0.4.2 installed (never
 required), the same measurement is made with PyTorch orb-models in that interpreter right after
@@ -36,6 +37,7 @@ from benchmarks.formats import bench_counts, bench_formats, bench_rows
 from benchmarks.graphs import bench_graphs
 from benchmarks.matmul import bench_breakdown, bench_gemm
 from benchmarks.model import bench_model
+from benchmarks.md import bench_md
 from benchmarks.parallel import bench_allreduce, bench_parallel, bench_pipeline
 from benchmarks.precision import bench_precision
 from benchmarks.relax import bench_relax
@@ -109,6 +111,11 @@ def main() -> None:
     p.add_argument("--torch-python", default="", help="python with torch and orb-models 0.4.2 (orb-v2's reference)")
     p.add_argument("--torch-v3-python", default="", help="python with torch and orb-models 0.5.5 (orb-v3's)")
     p.add_argument("--finetune", action="store_true", help="fine-tune both demos in each mode instead")
+    p = sub.add_parser("md")
+    p.add_argument("--structures", type=int, default=32)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--timestep", type=float, default=1.0, help="fs")
+    p.add_argument("--batch-sizes", default="32", help="orb-md --batch_size values, comma-separated")
     p = sub.add_parser("gemm")
     p.add_argument("--repeats", type=int, default=9, help="alternated timings of each product")
     args = parser.parse_args()
@@ -116,7 +123,7 @@ def main() -> None:
      "allreduce": bench_allreduce, "pipeline": bench_pipeline, "gemm": bench_gemm,
      "breakdown": bench_breakdown, "counts": bench_counts, "rows": bench_rows,
      "save": bench_save, "formats": bench_formats, "scale": bench_scale, "relax": bench_relax,
-     "precision": bench_precision}[args.area](args)
+     "precision": bench_precision, "md": bench_md}[args.area](args)
 
 
 if __name__ == "__main__":  # not in the data workers (counts), which import this file as their main module

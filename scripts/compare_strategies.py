@@ -49,8 +49,8 @@ STRATEGIES: Dict[str, List[str]] = {  # name -> overrides of the demo config (no
     "lora 8 + pseudo-label replay 0.25": ["--lora.rank", "8", "--lora.alpha", "16"] + PSEUDO
     + ["--replay.fraction", "0.25"],
     "anchor 10 + pseudo-label replay 0.25": ["--anchor.weight", "10"] + PSEUDO + ["--replay.fraction", "0.25"],
-    "pseudo-label replay 0.25, fixed references": PSEUDO + ["--replay.fraction", "0.25"] + FIXED_REFERENCES,
-    "pseudo-label replay 0.5, fixed references": PSEUDO + ["--replay.fraction", "0.5"] + FIXED_REFERENCES,
+    "pseudo-label replay 0.25 + fixed references": PSEUDO + ["--replay.fraction", "0.25"] + FIXED_REFERENCES,
+    "pseudo-label replay 0.5 + fixed references": PSEUDO + ["--replay.fraction", "0.5"] + FIXED_REFERENCES,
     "anchor 10 + pseudo-label replay 0.5": ["--anchor.weight", "10"] + PSEUDO + ["--replay.fraction", "0.5"],
 }
 
@@ -198,6 +198,9 @@ def main(argv=None) -> int:
                                             os.path.join(out, "eval", "start"))
         write_json(record, results)
     names = [n.strip() for n in args.only.split(",") if n.strip()] or list(STRATEGIES)
+    unknown = [n for n in names if n not in STRATEGIES]
+    if unknown:
+        parser.error(f"--only: unknown strategies {unknown}; valid: {'; '.join(STRATEGIES)}")
     for name in names:
         if f"{name}, final" in results:
             continue  # measured by an earlier (killed) study

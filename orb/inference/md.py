@@ -537,12 +537,11 @@ def md(args) -> Dict:
     return summary
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    from orb.device import quiet_mindspore
+def command_line() -> argparse.ArgumentParser:
+    """orb-md's arguments."""
     from orb.models.ops_profile import PROFILES
     from orb.precision import PRECISIONS
 
-    quiet_mindspore()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, help="PyTorch or MindSpore orb checkpoint")
     parser.add_argument("--data", required=True, nargs="+", help="starting structures (any format orb-evaluate "
@@ -577,8 +576,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--device_target", default="auto", choices=("auto", "CPU", "GPU", "Ascend"))
     parser.add_argument("--ops_profile", default="auto", choices=PROFILES)
     parser.add_argument("--progress_bar", choices=("auto", "true", "false"), default="auto")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse_arguments(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    args = command_line().parse_args(argv)
     args.data = args.data[0] if len(args.data) == 1 else args.data
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from orb.device import quiet_mindspore
+
+    quiet_mindspore()
+    args = parse_arguments(argv)
     from orb.signals import Stopped, listen
 
     listen()

@@ -13,6 +13,7 @@ and calls one ``bench_*`` function of these modules):
 * ``relax``       -- relax: batched relaxation against ASE's FIRE loop
 * ``save``        -- save: a training checkpoint at a model's full size
 * ``precision``   -- precision: each precision mode against float64 (and PyTorch's bf16 autocast), demos per mode
+* ``md``          -- md: orb-md against ASE's VelocityVerlet driving the calculator structure by structure
 
 Programs the benchmarks run in processes of their own are files, run by path:
 
