@@ -16,7 +16,7 @@ ASE calculator, data at MPtrj's size, batched relaxation.
     python scripts/benchmark.py scale      [--rows 1580000] [--model orb_v2] [--batch_size 8] [--workers 2]
     python scripts/benchmark.py relax      [--structures 50] [--fmax 0.05] [--steps 100] [--batch_size 50]
     python scripts/benchmark.py precision  [--torch-python PATH] [--torch-v3-python PATH] [--finetune]
-    python scripts/benchmark.py md         [--structures 32] [--steps 100] [--timestep 1] [--batch-sizes 32]
+    python scripts/benchmark.py md         [--structures 32] [--steps 100] [--timestep 1] [--batch-sizes 32] [--torch-v3-python PATH]
 
 With ``--torch-python`` pointing at a Python that has torch and orb-models 0.4.2 installed (never
 required), the same measurement is made with PyTorch orb-models in that interpreter right after
@@ -116,6 +116,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--timestep", type=float, default=1.0, help="fs")
     p.add_argument("--batch-sizes", default="32", help="orb-md --batch_size values, comma-separated")
+    p.add_argument("--torch-v3-python", default="", help="python with torch and orb-models 0.5.5: its calculator's "
+                   "NVE drift on the same structures")
     p = sub.add_parser("gemm")
     p.add_argument("--repeats", type=int, default=9, help="alternated timings of each product")
     args = parser.parse_args()

@@ -1,13 +1,14 @@
 """``md``: orb-md (batched dynamics) against ASE's VelocityVerlet driving ORBCalculator one structure after another,
 on the same starting structures and model: wall time, steps per second, NVE total-energy drift, peak memory."""
 
+import json
 import os
 import tempfile
 import time
 
 import numpy as np
 
-from .common import DEMO, ROOT, calibration, gemm_rate, peak_memory_gb
+from .common import DEMO, ROOT, calibration, gemm_rate, peak_memory_gb, run_torch
 
 V3_DEMO = os.path.join(ROOT, "data", "demo_v3_pretrained.ckpt")
 
@@ -86,5 +87,26 @@ def bench_md(args) -> None:
         print(f"| orb-md | {batch} | {seconds:.1f} | {rate:.1f} ({rate / loop_rate:.1f}x) | "
               f"{summary['model_calls']} | {1e3 * np.median(np.abs(drifts)):.3f} / {1e3 * np.max(np.abs(drifts)):.3f} "
               f"|", flush=True)
+    if args.torch_v3_python:  # the same structures, model and integrator with PyTorch orb-models' calculator
+        from orb.io.checkpoint import model_from_checkpoint, to_torch_state_dict
+        from orb.io.torch_format import write_torch_checkpoint
+
+        model = model_from_checkpoint(V3_DEMO)
+        cfg = model.cfg
+        with tempfile.TemporaryDirectory() as folder:
+            weights, path = os.path.join(folder, "demo_v3.ckpt"), os.path.join(folder, "start.extxyz")
+            write_torch_checkpoint(to_torch_state_dict(model), weights)
+            ase.io.write(path, structures, format="extxyz")
+            architecture = dict(latent_dim=cfg.latent_dim, base_mlp_hidden_dim=cfg.mlp_hidden_dim,
+                                base_mlp_depth=cfg.num_mlp_layers, head_mlp_hidden_dim=cfg.head_mlp_hidden_dim,
+                                head_mlp_depth=cfg.head_num_mlp_layers,
+                                num_message_passing_steps=cfg.num_message_passing_steps)
+            theirs = run_torch(args.torch_v3_python, "torch_md.py", [
+                "--weights", weights, "--architecture", json.dumps(architecture), "--structures", path,
+                "--steps", str(args.steps), "--timestep", str(args.timestep)])
+        drifts = np.abs(theirs["drift"])
+        print(f"| PyTorch orb-models 0.5.5 ORBCalculator, one structure after another | 1 | {theirs['seconds']:.1f} | "
+              f"{len(structures) * args.steps / theirs['seconds']:.1f} | {len(structures) * (args.steps + 1)} | "
+              f"{1e3 * np.median(drifts):.3f} / {1e3 * np.max(drifts):.3f} |")
     print(f"\npeak memory of this process (both runs): {peak_memory_gb():.2f} GB; host calibration: "
           f"{calibration(rate_before, gemm_rate())}")
