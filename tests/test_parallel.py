@@ -188,7 +188,9 @@ def test_strategies_on_orb_v3_two_workers_equal_one_device(tmp_path, nine_rows):
 
     start = to_torch_state_dict(create("orb_v3_direct_20_omat", seed=1234, **SMALL_MODEL))
     for key, value in ref.items():
-        if key.startswith("model.gnn_stacks.0."):
+        if key.startswith("model.gnn_stacks.0.") and key.endswith(".lora_b"):
+            assert not value.any(), key  # a layer not asked for carries zero adapters that never train
+        elif key.startswith("model.gnn_stacks.0.") and not key.endswith(".lora_a"):
             np.testing.assert_array_equal(value, start[key], err_msg=key)
     exported = load_checkpoint(str(tmp_path / "par" / "checkpoints" / "best_weights.ckpt"))[0]
     assert set(exported) == set(start)

@@ -24,10 +24,18 @@ def add_adapters(model, rank: int, alpha: float, groups: Iterable[str], seed: in
     groups = list(groups)
     rng = np.random.default_rng([seed, 0x10A])
     adapted = []
-    for path, cell in model.cells_and_names():
-        if isinstance(cell, Linear) and ".mlp.NN-" in path and any(in_group(path + ".weight", g) for g in groups):
+    layers = [(path, cell) for path, cell in model.cells_and_names() if isinstance(cell, Linear) and ".mlp.NN-" in path]
+    for path, cell in layers:
+        if any(in_group(path + ".weight", g) for g in groups):
             cell.add_adapter(rank, alpha, rng, path)
             adapted.append(path)
+    if any(".gnn_stacks." in path for path in adapted):
+        # MindSpore 2.10's graph mode mixed up message-passing layers of different structure (some with adapters,
+        # some without: wrong shapes, or silently another layer's cells), so every layer gets adapters; those of
+        # the layers not asked for start at zero and are never trained (orb.training.engine.is_frozen)
+        for path, cell in layers:
+            if ".gnn_stacks." in path and not cell.adapted:
+                cell.add_adapter(rank, alpha, rng, path)
     return adapted
 
 

@@ -78,7 +78,7 @@ class Linear(nn.Cell):
         self.lora_a = Parameter(Tensor(uniform((rank, in_dim), 1.0 / math.sqrt(in_dim), rng)), name=f"{path}.lora_a")
         self.lora_b = Parameter(Tensor(np.zeros((out_dim, rank), np.float32)), name=f"{path}.lora_b")
         self.lora_scale = float(alpha) / rank
-        self.lora_product = ops.MatMul()
+        self.lora_product = ops.BatchMatMul()  # (a MatMul here was taken for the layers' transposed MatMul in graph mode)
         self.adapted = True
 
     def effective_weight(self) -> Tensor:

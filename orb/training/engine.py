@@ -69,8 +69,9 @@ def is_frozen(name: str, cfg: TrainConfig, adapted_layers: set) -> bool:
         return True
     if cfg.lora.rank:
         adapter = name.endswith(LORA_KEYS)
-        return not adapter and (not cfg.lora.train_others or name.rsplit(".", 1)[0] in adapted_layers
-                                and name.endswith(".weight"))
+        if adapter:  # only the groups' adapters train (other layers carry zero ones: orb.models.adapters)
+            return not any(in_group(name, g) for g in cfg.lora.groups)
+        return not cfg.lora.train_others or name.rsplit(".", 1)[0] in adapted_layers and name.endswith(".weight")
     return False
 
 
@@ -80,7 +81,8 @@ def trainable_parameters(model, cfg: TrainConfig) -> list:
     keeps them, as orb-models) and those a fine-tuning strategy keeps (:func:`is_frozen`). Training nothing is
     refused with one line."""
     names = {id(p): name for name, p in model.parameters_and_names()}
-    adapted = {name[:-len(".lora_a")] for name in names.values() if name.endswith(".lora_a")}
+    adapted = {name[:-len(".lora_a")] for name in names.values()  # the layers whose adapters train
+               if name.endswith(".lora_a") and any(in_group(name, g) for g in cfg.lora.groups)}
     excluded = {id(p) for p in model.never_trained()}
     trainable = cfg.reference_energies.trainable
     if trainable == "false" or (trainable == "auto" and cfg.model.family == "orb_v3"):
