@@ -32,6 +32,8 @@ DEMOS = {"orb_v2": ("demo.yaml", "demo_pretrained.ckpt"), "orb_v3": ("demo_v3.ya
 PSEUDO = ["--replay.data_path", PRETRAIN_TRAIN, "--replay.labels", "model", "--replay.val_samples", "0"]
 FROZEN = ["--online_normalisation", "false"]
 FIXED_REFERENCES = ["--reference_energies.trainable", "false"]
+# pseudo-label replay with 32 replay structures held out, their loss added to the one that picks the best epoch
+SELECTED = PSEUDO[:-1] + ["32", "--replay.in_selection", "true"]
 STRATEGIES: Dict[str, List[str]] = {  # name -> overrides of the demo config (no foundation labels in any)
     "none": [],
     "frozen normalisers": FROZEN,
@@ -50,6 +52,8 @@ STRATEGIES: Dict[str, List[str]] = {  # name -> overrides of the demo config (no
     + ["--replay.fraction", "0.25"],
     "anchor 10 + pseudo-label replay 0.25": ["--anchor.weight", "10"] + PSEUDO + ["--replay.fraction", "0.25"],
     "pseudo-label replay 0.25 + fixed references": PSEUDO + ["--replay.fraction", "0.25"] + FIXED_REFERENCES,
+    "pseudo-label replay 0.25 + selection": SELECTED + ["--replay.fraction", "0.25"],
+    "pseudo-label replay 0.5 + selection": SELECTED + ["--replay.fraction", "0.5"],
     "pseudo-label replay 0.5 + fixed references": PSEUDO + ["--replay.fraction", "0.5"] + FIXED_REFERENCES,
     "anchor 10 + pseudo-label replay 0.5": ["--anchor.weight", "10"] + PSEUDO + ["--replay.fraction", "0.5"],
 }

@@ -77,6 +77,7 @@ class ReplayConfig:
     selection: str = "fps"  # fps | random
     loss_weight: float = 1.0
     head: str = "shared"  # shared | separate
+    in_selection: bool = False  # the best epoch (and early stopping) by validation loss + replay_val loss
 
     @property
     def enabled(self) -> bool:
@@ -397,6 +398,9 @@ def _validate_replay(cfg: TrainConfig) -> None:
     if replay.labels == "model" and not cfg.checkpoint_path:
         raise ConfigError("config key 'replay.labels': model labels replay data with the starting checkpoint's "
                           "predictions and needs checkpoint_path")
+    if replay.in_selection and replay.val_samples == 0 and not replay.val_data_path:
+        raise ConfigError("config key 'replay.in_selection' adds the held-out replay structures' loss to the "
+                          "validation loss: hold some out (replay.val_samples > 0 or replay.val_data_path)")
     if replay.head == "separate" and replay.fraction == 0:
         raise ConfigError("config key 'replay.head': separate replay heads are trained only on replay structures; "
                           "set replay.fraction > 0 (or head: shared to only measure forgetting)")

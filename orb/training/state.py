@@ -26,7 +26,7 @@ RESUME_KEYS = ("train_data_path", "batch_size", "max_epochs", "lr", "lr_schedule
                "replay.val_data_path", "replay.val_samples", "replay.labels", "replay.fraction", "replay.num_samples", "replay.selection",
                "replay.loss_weight", "replay.head", "freeze", "freeze_backbone", "lr_multipliers", "anchor.weight",
                "anchor.groups", "lora.rank", "lora.alpha", "lora.groups", "lora.train_others",
-               "reference_energies.trainable", "online_normalisation")
+               "reference_energies.trainable", "online_normalisation", "replay.in_selection")
 
 
 def _full(optimizer: FlatAdam, local: np.ndarray, dp: DataParallel) -> np.ndarray:

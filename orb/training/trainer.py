@@ -35,6 +35,16 @@ from orb.training.run_data import RunData
 log = logging.getLogger("orb")
 
 
+def selection_loss(results: Dict[str, Dict], train_loss: float, with_replay: bool) -> float:
+    """The loss that picks the best epoch (best.ckpt, best_weights.ckpt) and early stopping: the validation set's
+    (else the training loss), plus, with ``replay.in_selection``, the held-out replay structures' -- against
+    pseudo-labels that is the drift from the foundation itself, so the best epoch is one that kept it."""
+    loss = results.get("val", {}).get("loss", train_loss)
+    if with_replay and "replay_val" in results:
+        loss += results["replay_val"]["loss"]
+    return loss
+
+
 class ValidationStopped(Exception):
     """A stop signal arrived while validating (every rank agreed after the same batch)."""
 
@@ -116,7 +126,7 @@ class Trainer:
                                  f"{format_metrics(train_metrics)}, ", results, progress.initial)
         record = {"type": "epoch", "epoch": epoch + 1, "step": progress.global_step, "train": train_metrics,
                   **results, "lr": self.engine.lr(progress.global_step)}
-        self._save_epoch(epoch + 1, results.get("val", {}).get("loss", train_metrics["loss"]))
+        self._save_epoch(epoch + 1, selection_loss(results, train_metrics["loss"], self.cfg.replay.in_selection))
         self.reporter.record(record)  # after the save: no line claims an epoch the checkpoint lacks
         self._notify("on_epoch_end", record)
         return record
