@@ -320,3 +320,18 @@ def test_replay_choice_alone_selects_spread_rows_and_labels_them_once(tmp_path, 
     assert float(again.get(int(train.positions[0])).energy[0]) == 100.0 + data.ids[train.positions[0]]
     _, other, _, _ = choose(("model", 2))
     assert [c[0] for c in other.calls] == ["descriptors", "labels"]
+
+
+def test_the_best_epoch_can_weigh_the_drift_from_the_foundation():
+    """replay.in_selection: the loss that picks the best epoch adds the held-out replay structures' (against
+    pseudo-labels: the drift from the foundation); refused without held-out replay structures."""
+    from orb.errors import ConfigError
+    from orb.training.config import config_from_dict
+    from orb.training.trainer import selection_loss
+
+    results = {"val": {"loss": 0.5}, "replay_val": {"loss": 0.25}}
+    assert selection_loss(results, 9.0, False) == 0.5 and selection_loss(results, 9.0, True) == 0.75
+    assert selection_loss({}, 9.0, True) == 9.0  # no validation set: the training loss
+    replay = dict(data_path=DEMO_TRAIN, fraction=0.25, labels="model", val_samples=0, in_selection=True)
+    with pytest.raises(ConfigError, match="'replay.in_selection' .* hold some out"):
+        config_from_dict(dict(train_data_path=DEMO_TRAIN, checkpoint_path="x.ckpt", replay=replay))
