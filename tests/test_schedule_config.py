@@ -1,6 +1,10 @@
 """Learning-rate schedule and configuration validation."""
 
+import os
+
 import pytest
+
+from conftest import ROOT
 
 from orb.training.config import load_config, parse_overrides
 from orb.errors import ConfigError
@@ -119,3 +123,18 @@ def test_callbacks_are_made_from_their_names_or_refused_in_one_line():
     for name, message in (("no_such_module:X", "ModuleNotFoundError"), ("collections:NoSuchName", "AttributeError")):
         with pytest.raises(ConfigError, match=f"config key 'callbacks\\[0\\]': cannot make {name} \\({message}"):
             load_callbacks([name])
+
+
+def test_every_shipped_config_loads_and_the_label_free_demo_protects_without_labels():
+    """Every file in configs/ is a valid config (a key renamed in the code but left there would break a user's first
+    command); the label-free demo replays the foundation with pseudo-labels and picks its best epoch with them."""
+    import glob
+
+    from orb.training.config import load_config
+
+    for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))):
+        load_config(path)
+    cfg = load_config(os.path.join(ROOT, "configs", "demo_label_free.yaml"),
+                      ["--train_data_path", "t.db", "--val_data_path", "v.db", "--max_epochs", "20"])
+    assert cfg.replay.labels == "model" and cfg.replay.fraction > 0 and cfg.replay.in_selection
+    assert cfg.replay.val_samples > 0 and os.path.exists(os.path.join(ROOT, cfg.replay.data_path))
