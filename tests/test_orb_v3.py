@@ -33,20 +33,23 @@ TOLERANCES = dict(
 # models) run on the 20-neighbour and OMol models; the "inf" models share their weights and code
 # with the 20-neighbour ones and differ only in their graphs, whose forward pass is checked. Each
 # group runs in its own process: one training graph at a time (a conservative model's is 3.6 GB).
+# Each run in the operator profile(s) (orb.models.ops_profile) it adds most in: "cpu" (custom kernels, products
+# with ones, hand-written backward passes) and "portable" (MindSpore's operators and their gradients: what Ascend
+# and GPU run), within the same tolerances. Training (both backward passes: the hand-written one and MindSpore's)
+# runs in both profiles; forward-only runs of models that share that code in one, the two profiles alternating.
 RUNS = [
-    ("orb_v3_conservative_20_omat", "predict,inter,loss.eval"),
-    ("orb_v3_conservative_20_omat", "loss.train"),
-    ("orb_v3_conservative_20_omat", "loss.train_equigrad"),
-    ("orb_v3_direct_20_omat", "predict,inter,loss"),
-    ("orb_v3_direct_omol", "predict,inter,loss"),
-    ("orb_v3_conservative_omol", "predict,inter,loss.eval"),
-    ("orb_v3_conservative_inf_omat", "predict,inter"),
-    ("orb_v3_direct_inf_omat", "predict,inter"),
+    ("orb_v3_conservative_20_omat", "predict,inter,loss.eval", "cpu"),
+    ("orb_v3_conservative_20_omat", "loss.train", "cpu"),
+    ("orb_v3_conservative_20_omat", "loss.train", "portable"),
+    ("orb_v3_conservative_20_omat", "loss.train_equigrad", "cpu"),
+    ("orb_v3_conservative_20_omat", "loss.train_equigrad", "portable"),
+    ("orb_v3_direct_20_omat", "predict,inter,loss", "cpu"),
+    ("orb_v3_direct_20_omat", "predict,inter,loss", "portable"),
+    ("orb_v3_direct_omol", "predict,inter,loss", "portable"),
+    ("orb_v3_conservative_omol", "predict,inter,loss.eval", "cpu"),
+    ("orb_v3_conservative_inf_omat", "predict,inter", "portable"),
+    ("orb_v3_direct_inf_omat", "predict,inter", "cpu"),
 ]
-# Every run in both operator profiles (orb.models.ops_profile): "cpu" (custom kernels, products with
-# ones, hand-written backward passes) and "portable" (MindSpore's operators and their gradients: what
-# Ascend and GPU run), within the same tolerances.
-PROFILES = ("cpu", "portable")
 # Training conservative_omol on the reference batch (225 atoms, 14,940 edges at 120 neighbours)
 # peaks at 8.1 GB (PyTorch: 10.1 GB), above CI's 6 GB: it runs with ORB_LARGE_MEMORY=1 (README).
 # Its pieces are checked in CI: the double backward (conservative_20_omat) and the charge/spin
@@ -94,8 +97,7 @@ def run_parity(name, checks, profile="cpu"):
             assert value <= 1.0, (key, value, report)
 
 
-@pytest.mark.parametrize("profile", PROFILES)
-@pytest.mark.parametrize("name,checks", RUNS)
+@pytest.mark.parametrize("name,checks,profile", RUNS)
 def test_matches_pytorch_orb_models_055(name, checks, profile):
     run_parity(name, checks, profile)
 

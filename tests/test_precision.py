@@ -138,7 +138,8 @@ def test_mixed_predictions_stay_within_their_bounds_of_float64(name, mode, float
 def test_mixed_training_gradient_stays_close_to_float32(name, mode):
     """The training loss's gradient in a mixed mode (half products, float32 everything else; the conservative model
     differentiates through its force derivative) against float32's, on the references' labels: within 5 % in
-    L2 norm, direction within 0.999 cosine."""
+    L2 norm, direction within 0.999 cosine. The orb-v3 confidence head is left out: its targets are the bins of
+    the force errors, which rounding moves (atoms change bin, and its gradient by ~40 %, by design)."""
     import mindspore as ms
 
     from orb import precision
@@ -164,7 +165,7 @@ def test_mixed_training_gradient_stays_close_to_float32(name, mode):
         loss = make_loss(model, config_from_dict(dict(model=dict(name=name))), has_stress=True)
         inputs = loss_inputs(batch_graphs(graphs))
         stats = loss.current_stats()
-        params = [p for p in model.trainable_params() if p.requires_grad]
+        params = [p for p in model.trainable_params() if p.requires_grad and ".confidence." not in p.name]
         grad_fn = ms.value_and_grad(lambda *x: loss(*x)[0], None, params)
         _, grads = grad_fn(*inputs, *stats, *stats)
         gradients[mode_now] = np.concatenate([g.asnumpy().reshape(-1).astype(np.float64) for g in grads])

@@ -177,6 +177,19 @@ class _PortableLayerNorm(nn.Cell):
         return self.norm(x, weight, bias)[0]
 
 
+class _Float64LayerNorm(nn.Cell):
+    """LayerNorm composed of float64 means: MindSpore 2.10's LayerNorm kernel is 2e-7 off in float64 on the CPU
+    (float32-like), which moved orb-v2's float64 energies by 7e-6 eV/atom from PyTorch's."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def construct(self, x, weight, bias):
+        centred = x - ops.mean(x, -1, True)
+        return centred * ops.rsqrt(ops.mean(ops.square(centred), -1, True) + self.eps) * weight + bias
+
+
 class LayerNorm(nn.Cell):
     """LayerNorm over the last axis with PyTorch's eps (1e-5) and names (weight, bias)."""
 
@@ -184,7 +197,10 @@ class LayerNorm(nn.Cell):
         super().__init__()
         self.weight = Parameter(Tensor(np.ones(dim, np.float32)), name="weight")
         self.bias = Parameter(Tensor(np.zeros(dim, np.float32)), name="bias")
-        self.function = _CpuLayerNorm(eps) if ops_profile() == "cpu" else _PortableLayerNorm(eps)
+        if numpy_dtype() == np.float64:
+            self.function = _Float64LayerNorm(eps)
+        else:
+            self.function = _CpuLayerNorm(eps) if ops_profile() == "cpu" else _PortableLayerNorm(eps)
 
     def construct(self, x: Tensor) -> Tensor:
         return self.function(x, self.weight, self.bias)

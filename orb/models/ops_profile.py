@@ -88,7 +88,10 @@ def activation(name: str):
     """The operator of activation ``name`` (``ssp``: orb-v2's shifted softplus; ``silu``: orb-v3's; ``exp_nonpositive``:
     exp(min(x, 0))) in the current profile."""
     from orb.models import kernels
+    from orb.precision import is_float64
 
+    if name == "ssp" and is_float64():
+        return kernels.composed_shifted_softplus_op()
     factory = {"ssp": kernels.shifted_softplus_op, "silu": kernels.silu_op,
                "exp_nonpositive": kernels.exp_nonpositive_op}[name]
     return factory(custom_kernel_library())
