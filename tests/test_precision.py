@@ -148,6 +148,9 @@ def test_mixed_training_gradient_stays_close_to_float32(name, mode):
     from orb.training.config import config_from_dict
     from orb.training.engine import make_loss
 
+    from orb.device import configure_mindspore
+
+    configure_mindspore("CPU")  # graph mode, as training compiles it (whatever mode the test before left)
     data = structures()
     gradients = {}
     for mode_now in ("float32-highest", mode):
@@ -166,7 +169,11 @@ def test_mixed_training_gradient_stays_close_to_float32(name, mode):
         inputs = loss_inputs(batch_graphs(graphs))
         stats = loss.current_stats()
         params = [p for p in model.trainable_params() if p.requires_grad and ".confidence." not in p.name]
-        grad_fn = ms.value_and_grad(lambda *x: loss(*x)[0], None, params)
+
+        def training_loss(*x):
+            return loss(*x)[0]
+
+        grad_fn = ms.value_and_grad(training_loss, None, params)
         _, grads = grad_fn(*inputs, *stats, *stats)
         gradients[mode_now] = np.concatenate([g.asnumpy().reshape(-1).astype(np.float64) for g in grads])
     reference, mixed = gradients["float32-highest"], gradients[mode]
