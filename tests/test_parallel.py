@@ -256,7 +256,7 @@ def test_killed_stopped_in_validation_and_by_the_scheduler_resumes_equal_the_uni
     Weights, optimizer state and every record of metrics.jsonl equal the uninterrupted 2-worker run's, value by
     value."""
     extra = dict(train_data_path=DEMO_TRAIN, max_epochs=2, lr_schedule="constant", record_batches="false",
-                 log_every_n_steps=4, save_every_n_steps=3)
+                 log_every_n_steps=4, save_every_n_steps=3, num_buckets=1)  # one compilation per launch
     callbacks = dict(FAST_FAILURE, PYTHONPATH=os.path.join(ROOT, "tests"))
     par = tmp_path / "par"
     straight = launch(common_args(tmp_path / "straight", DEMO_TRAIN, **extra), tmp_path / "logs0", cwd=ROOT)
@@ -311,21 +311,25 @@ def test_killed_stopped_in_validation_and_by_the_scheduler_resumes_equal_the_uni
 
 def test_orb_v3_two_workers_stopped_and_resumed_equal_one_device(tmp_path, nine_rows, monkeypatch):
     """orb-v3: a small conservative model (forces and stress by autodiff, so its training step is a
-    gradient of a gradient) on 2 workers with plain SGD, stopped after one epoch and resumed, ends
-    with the weights and normalisers of one device's uninterrupted two epochs."""
-    extra = {"optimizer": "sgd", "gradient_clip_mode": "none", "lr": 0.05, "model.name": "orb_v3_conservative_20_omat",
+    gradient of a gradient) on 2 workers with Adam's state sharded (optimizer_shard: each rank keeps half of it),
+    stopped after one epoch and resumed, ends with the weights, optimizer state and normalisers of one device's
+    uninterrupted, unsharded two epochs: the saved state is complete (gathered) and a resume continues it."""
+    extra = {"model.name": "orb_v3_conservative_20_omat",
              "num_buckets": 1}  # one compilation of the double backward per process (bucket agreement: tests above)
     cache = {"ORB_CACHE_DIR": str(tmp_path / "cache")}  # the ranks count the neighbours, then read them back
-    first = launch(common_args(tmp_path / "par", nine_rows, max_epochs=1, **extra), tmp_path / "logs1", cwd=ROOT,
-                   env_extra=cache)
+    first = launch(common_args(tmp_path / "par", nine_rows, max_epochs=1, optimizer_shard="true", **extra),
+                   tmp_path / "logs1", cwd=ROOT, env_extra=cache)
     one = single(common_args(tmp_path / "one", nine_rows, **extra), timeout=600)
     out, _ = first.communicate(timeout=600)
     assert first.returncode == 0 and one.returncode == 0, out[-2000:] + one.stderr[-2000:]
     for r in (0, 1):
         assert "neighbours of 9 structures counted for the batch shapes" in (
             tmp_path / "logs1" / f"worker_{r}.log").read_text()
-    resumed = launch(common_args(tmp_path / "par", nine_rows, **extra) + ["--resume", str(tmp_path / "par"),
-                                                                        "--accept_config_changes"],
+    _, saved = weights(tmp_path / "par")
+    trained = [k for k in saved if k.startswith("moment1.")]
+    assert trained and all(saved[k].shape == saved["moment2." + k[8:]].shape for k in trained)  # gathered, whole
+    resumed = launch(common_args(tmp_path / "par", nine_rows, optimizer_shard="true", **extra)
+                     + ["--resume", str(tmp_path / "par"), "--accept_config_changes"],
                      tmp_path / "logs2", cwd=ROOT, env_extra=cache)
     out, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0 and "resumed from" in out, out[-3000:]
@@ -344,42 +348,22 @@ def test_orb_v3_two_workers_stopped_and_resumed_equal_one_device(tmp_path, nine_
     from orb.io.checkpoint import to_torch_state_dict
     from orb.models import create
 
-    par, _ = weights(tmp_path / "par")
-    ref, _ = weights(tmp_path / "one")
+    par, par_opt = weights(tmp_path / "par")
+    ref, ref_opt = weights(tmp_path / "one")
     start = to_torch_state_dict(create("orb_v3_conservative_20_omat", seed=1234, **SMALL_MODEL))
     assert set(ref) == set(start)
     moved = [np.linalg.norm(ref[k] - start[k]) / max(np.linalg.norm(start[k]), 1e-3) for k in ref
              if "normalizer" not in k]
     assert np.median(moved) > 1e-3
     assert_same_weights(par, ref)
+    for key in ref_opt:
+        if key.startswith("moment"):
+            np.testing.assert_allclose(par_opt[key], ref_opt[key], rtol=1e-4, atol=1e-9, err_msg=key)
     last_par, last_one = epochs(tmp_path / "par")[-1], epochs(tmp_path / "one")[-1]
     assert last_par["epoch"] == last_one["epoch"] == 2
     for key, value in last_one["val"].items():
         if key not in TIMING:
             assert last_par["val"][key] == pytest.approx(value, rel=1e-4, abs=2e-3 if "cosine" in key else 1e-6), key
-
-
-def test_sharded_optimizer_resumes_and_equals_unsharded(tmp_path, runs, nine_rows):
-    """optimizer_shard: each rank keeps half of Adam's state; the saved state is complete (gathered), a
-    resume continues it, and the result equals the unsharded 2-worker run."""
-    first = launch(common_args(tmp_path / "shard", nine_rows, optimizer_shard="true", max_epochs=1),
-                   tmp_path / "logs1", cwd=ROOT)
-    out, _ = first.communicate(timeout=420)
-    assert first.returncode == 0, out[-3000:]
-    _, opt_one = weights(tmp_path / "shard")
-    trained = [k for k in opt_one if k.startswith("moment1.")]
-    assert trained and all(opt_one[k].shape == opt_one["moment2." + k[8:]].shape for k in trained)
-    resumed = launch(common_args(tmp_path / "shard", nine_rows, optimizer_shard="true") +
-                     ["--resume", str(tmp_path / "shard"), "--accept_config_changes"], tmp_path / "logs2", cwd=ROOT)
-    out, _ = resumed.communicate(timeout=420)
-    assert resumed.returncode == 0, out[-3000:]
-    assert "resumed from" in out
-    sharded, sharded_opt = weights(tmp_path / "shard")
-    unsharded, unsharded_opt = weights(runs["par"])
-    assert_same_weights(sharded, unsharded, rel=1e-6)
-    for key in unsharded_opt:
-        if key.startswith("moment"):
-            np.testing.assert_allclose(sharded_opt[key], unsharded_opt[key], rtol=1e-4, atol=1e-9, err_msg=key)
 
 
 def test_bad_input_stops_every_worker_with_one_line(tmp_path, nine_rows):

@@ -463,8 +463,7 @@ def test_bad_replay_input_stops_with_one_line_and_writes_nothing(tmp_path, small
 
 
 # ------------------------------------------------------------------ separate replay heads
-@pytest.mark.parametrize("name", ["orb_v2", "orb_v3_direct_20_omat", "orb_v3_conservative_20_omat",
-                                  "orb_v3_direct_omol"])
+@pytest.mark.parametrize("name", ["orb_v2", "orb_v3_conservative_20_omat", "orb_v3_direct_omol"])  # each head kind
 def test_replay_heads_start_as_copies_predict_their_rows_and_are_never_exported(name):
     """Replay heads: copies of the heads (same predictions for either head index); changed, they change only the
     structures whose head is 1; a training step on replay structures updates only the replay heads' normalisers;
