@@ -101,29 +101,7 @@ def test_resume_auto_starts_fresh_when_nothing_was_saved(tmp_path):
     assert [r["type"] for r in records(run)][0] == "initial" and records(run)[-1]["type"] == "epoch"
 
 
-def test_step_checkpoint_and_a_crash_after_it_resume_to_the_same_result(tmp_path):
-    """save_every_n_steps: a run that dies after a step checkpoint (no signal: killed) resumes from it; the
-    records written after the checkpoint are dropped and written again; the result equals the uninterrupted run."""
-    from test_training import make_cfg, trainer_for
-
-    extra = dict(max_epochs=2, batch_size=4, log_every_n_steps=2, save_every_n_steps=5, lr_schedule="constant")
-    straight = trainer_for(make_cfg(tmp_path / "a", **extra))
-    straight.fit()
-
-    class DieAtStep7:
-        def on_train_step(self, trainer, epoch, step_in_epoch, global_step):
-            if global_step == 7:
-                raise KeyboardInterrupt("killed")
-
-    crashing = trainer_for(make_cfg(tmp_path / "b", **extra), callbacks=[DieAtStep7()])
-    with pytest.raises(KeyboardInterrupt):
-        crashing.fit()
-    _, _, meta = last_weights(tmp_path / "b" / "run")
-    assert meta["global_step"] == 5 and meta["step_in_epoch"] == 5
-    assert max(r["step"] for r in records(tmp_path / "b" / "run")) == 6  # a record after the checkpoint
-    resumed = trainer_for(make_cfg(tmp_path / "b", **extra), resume=str(tmp_path / "b" / "run"))
-    resumed.fit()
-    assert_same_run(tmp_path / "a" / "run", tmp_path / "b" / "run")
+# (a crash after a step save, resumed equal to the uninterrupted run: tests/test_parallel.py, on 2 workers)
 
 
 def test_keep_checkpoints_prunes_the_oldest_periodic_ones(tmp_path):
