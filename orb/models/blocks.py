@@ -13,7 +13,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from orb.models.ops_profile import activation as profile_activation, ops_profile
-from orb.precision import half_rounding, numpy_dtype
+from orb.precision import half_rounding, is_float64, numpy_dtype
 from orb.models.primitives import MATMUL as _MATMUL
 from orb.models.primitives import cpu_column as _cpu_column
 from orb.models.primitives import cpu_column_sum as _cpu_column_sum
@@ -197,7 +197,7 @@ class LayerNorm(nn.Cell):
         super().__init__()
         self.weight = Parameter(Tensor(np.ones(dim, np.float32)), name="weight")
         self.bias = Parameter(Tensor(np.zeros(dim, np.float32)), name="bias")
-        if numpy_dtype() == np.float64:
+        if is_float64():
             self.function = _Float64LayerNorm(eps)
         else:
             self.function = _CpuLayerNorm(eps) if ops_profile() == "cpu" else _PortableLayerNorm(eps)
