@@ -75,8 +75,10 @@ class Linear(nn.Cell):
     def add_adapter(self, rank: int, alpha: float, rng: np.random.Generator, path: str) -> None:
         """A rank-``rank`` adapter; ``path`` (this layer's parameter path) names its parameters uniquely."""
         out_dim, in_dim = self.weight.shape
-        self.lora_a = Parameter(Tensor(uniform((rank, in_dim), 1.0 / math.sqrt(in_dim), rng)), name=f"{path}.lora_a")
-        self.lora_b = Parameter(Tensor(np.zeros((out_dim, rank), np.float32)), name=f"{path}.lora_b")
+        real = self.weight.asnumpy().dtype  # float64 in a model built in precision float64
+        self.lora_a = Parameter(Tensor(uniform((rank, in_dim), 1.0 / math.sqrt(in_dim), rng).astype(real)),
+                                name=f"{path}.lora_a")
+        self.lora_b = Parameter(Tensor(np.zeros((out_dim, rank), real)), name=f"{path}.lora_b")
         self.lora_scale = float(alpha) / rank
         self.lora_product = ops.BatchMatMul()  # (a MatMul here was taken for the layers' transposed MatMul in graph mode)
         self.adapted = True
@@ -87,12 +89,12 @@ class Linear(nn.Cell):
         return self.weight
 
     def merged_weight(self) -> np.ndarray:
-        """The weight this layer computes with, as a plain layer's ``weight`` (float32)."""
+        """The weight this layer computes with, as a plain layer's ``weight`` (in its float type)."""
         weight = self.weight.asnumpy()
         if not self.adapted:
             return weight
         delta = self.lora_b.asnumpy().astype(np.float64) @ self.lora_a.asnumpy().astype(np.float64)
-        return (weight.astype(np.float64) + self.lora_scale * delta).astype(np.float32)
+        return (weight.astype(np.float64) + self.lora_scale * delta).astype(weight.dtype)
 
     def product(self, x: Tensor, weight: Tensor) -> Tensor:
         """x weight^T in this layer's precision (mixed modes: half operands and result, float32 out)."""

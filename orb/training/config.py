@@ -339,10 +339,6 @@ def _validate(cfg: TrainConfig) -> TrainConfig:
     for i, name in enumerate(cfg.callbacks):
         if name.count(":") != 1 or not all(name.split(":")):
             raise ConfigError(f"config key 'callbacks[{i}]' must be 'module:Name', got {name!r}")
-    if cfg.precision == "float64":
-        raise ConfigError("config key 'precision': float64 is for using a model (orb-evaluate, orb-relax, the "
-                          "calculator: --precision float64); training in float64 is not supported yet: use "
-                          "float32-highest")
     _validate_replay(cfg)
     _validate_strategies(cfg)
     return cfg

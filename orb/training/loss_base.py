@@ -7,13 +7,13 @@ A family's loss (:mod:`orb.training.loss_v2`, :mod:`orb.training.loss_v3`) subcl
 
 from typing import Dict
 
-import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
 from orb.metrics import BY_ELEMENT, ELEMENT_BINS, FORCE_THRESHOLD, forces_by_element, metrics_from_sums
 from orb.models.blocks import segment_sum
 from orb.models.primitives import Broadcasts
+from orb.precision import mindspore_dtype
 
 
 class NormalisedLoss(nn.Cell):
@@ -37,16 +37,16 @@ class NormalisedLoss(nn.Cell):
         self.replay_offset = len(normalizers) if replay_normalizers else 0  # where the replay heads' ones start
         self.allreduce = allreduce  # sum over data-parallel ranks, so the statistics are the global batch's
         self.broadcasts = Broadcasts()
+        self.real = mindspore_dtype()  # float64 in precision float64, else float32
 
     def absorbed(self, numbers, node_graph, n_node, graph_mask, energy, forces, stress, head):
         """[(values, mask, update?, replay rows)] per normaliser of the model's own heads: the targets a training
         batch feeds it, and a 0/1 tensor (broadcasting against ``mask``) of the rows the replay heads predict."""
         raise NotImplementedError
 
-    @staticmethod
-    def replay_rows(head, node_graph):
+    def replay_rows(self, head, node_graph):
         """0/1 float of the structures (B,) and the atoms (N, 1) the replay heads predict."""
-        graphs = (head == 1).astype(ms.float32)
+        graphs = (head == 1).astype(self.real)
         return graphs, ops.gather(graphs, node_graph, 0).reshape(-1, 1)
 
     def current_stats(self):

@@ -117,10 +117,10 @@ class WeightAverage(nn.Cell):
     """Exponential moving average of the weights, flat, with torch_ema's / MACE's warm-up:
     decay_t = min(decay, (1 + t) / (10 + t))."""
 
-    def __init__(self, size: int, decay: float):
+    def __init__(self, size: int, decay: float, dtype=np.float32):
         super().__init__(auto_prefix=False)
         self.decay = float(decay)
-        self.value = Parameter(Tensor(np.zeros(size, np.float32)), name="optimizer_ema", requires_grad=False)
+        self.value = Parameter(Tensor(np.zeros(size, dtype)), name="optimizer_ema", requires_grad=False)
         self.descend = ops.ApplyGradientDescent()
 
     def construct(self, weights, step):
@@ -174,6 +174,8 @@ class FlatAdam(nn.Cell):
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         self.algorithm = algorithm
         self.params = list(params)
+        # float64 models (precision float64) keep float64 state and update in float64 arithmetic
+        self.real = np.float64 if self.params and self.params[0].dtype == ms.float64 else np.float32
         self.shapes = [tuple(p.shape) for p in self.params]
         self.sizes = [int(np.prod(s)) if s else 1 for s in self.shapes]
         self.size = int(sum(self.sizes))
@@ -186,16 +188,16 @@ class FlatAdam(nn.Cell):
         self.beta2 = float(beta2)
         self.num_steps = len(schedule.lr)
         for name, values in _step_tables(schedule, beta2, eps).items():
-            setattr(self, f"table_{name}", Tensor(values.astype(np.float32)))
-        self.beta2_tensor = Tensor(np.float32(beta2))
+            setattr(self, f"table_{name}", Tensor(values.astype(self.real)))
+        self.beta2_tensor = Tensor(self.real(beta2))
         self.step = Parameter(Tensor(np.array(0, np.int32)), name="optimizer_step", requires_grad=False)
-        zeros = np.zeros(self.local_size, np.float32)
-        moments = zeros if algorithm == "adam" else np.zeros(1, np.float32)  # plain SGD keeps no moments
+        zeros = np.zeros(self.local_size, self.real)
+        moments = zeros if algorithm == "adam" else np.zeros(1, self.real)  # plain SGD keeps no moments
         self.moment1 = Parameter(Tensor(moments), name="optimizer_moment1", requires_grad=False)
         self.moment2 = Parameter(Tensor(moments.copy()), name="optimizer_moment2", requires_grad=False)
         self.master = Parameter(Tensor(zeros), name="optimizer_master", requires_grad=False)
         self.ema_decay = float(ema_decay)
-        self.average = WeightAverage(self.size, self.ema_decay) if self.ema_decay > 0 else None
+        self.average = WeightAverage(self.size, self.ema_decay, self.real) if self.ema_decay > 0 else None
         _raise_recursion_limit(4 * len(self.params) + 1000)
         self.adam = ops.Adam()
         self.descend = ops.ApplyGradientDescent()  # var -= alpha * delta in place (the SGD step)
@@ -218,8 +220,8 @@ class FlatAdam(nn.Cell):
             self.lr_factor = Parameter(Tensor(self._local(lr_scale)), name="optimizer_lr_factor", requires_grad=False)
 
     def _local(self, values: np.ndarray) -> np.ndarray:
-        """This rank's slice of a full-length per-element vector (float32, padded)."""
-        padded = np.concatenate([np.asarray(values, np.float32).reshape(-1), np.zeros(self.padding, np.float32)])
+        """This rank's slice of a full-length per-element vector (the parameters' float type, padded)."""
+        padded = np.concatenate([np.asarray(values, self.real).reshape(-1), np.zeros(self.padding, self.real)])
         return padded[self.offset:self.offset + self.local_size]
 
     @property
@@ -234,7 +236,7 @@ class FlatAdam(nn.Cell):
         the per-parameter calls itself."""
         if not self.broadcasts.cpu:
             return self.params
-        return [Parameter(Tensor(np.zeros(1, np.float32)), name=f"flat_gradient_bucket_{i}", requires_grad=False)
+        return [Parameter(Tensor(np.zeros(1, self.real)), name=f"flat_gradient_bucket_{i}", requires_grad=False)
                 for i in range(len(self.buckets))]
 
     def prepare_for_reduction(self, grads):
@@ -249,12 +251,12 @@ class FlatAdam(nn.Cell):
 
     # ------------------------------------------------------------------ host side
     def flat_parameters(self) -> np.ndarray:
-        return np.concatenate([p.asnumpy().reshape(-1).astype(np.float32) for p in self.params])
+        return np.concatenate([p.asnumpy().reshape(-1).astype(self.real) for p in self.params])
 
     def sync_from_model(self) -> None:
         """Take the model's current parameters as the optimizer's copy (after loading weights)."""
         flat = self.flat_parameters()
-        padded = np.concatenate([flat, np.zeros(self.padding, np.float32)])
+        padded = np.concatenate([flat, np.zeros(self.padding, self.real)])
         self.master.set_data(Tensor(padded[self.offset:self.offset + self.local_size]))
         if self.average is not None:
             self.average.value.set_data(Tensor(flat))
@@ -297,6 +299,19 @@ class FlatAdam(nn.Cell):
             return self._norm(local)
         return ops.sqrt(self.sharding.all_reduce(self._norm(local).reshape(1) ** 2)).reshape(())
 
+    def _adam64(self, grad, step):
+        """The fused kernel's update (torch.optim.Adam's formula, eps already scaled) in float64 arithmetic: MindSpore
+        2.10's ``Adam`` kernel takes float16 and float32 only."""
+        beta1, lr = ops.gather(self.table_beta1, step, 0), ops.gather(self.table_lr, step, 0)
+        beta1_power, beta2_power = ops.gather(self.table_beta1_power, step, 0), ops.gather(self.table_beta2_power, step, 0)
+        m = self.moment1 * beta1 + grad * (1.0 - beta1)
+        v = self.moment2 * self.beta2_tensor + grad * grad * (1.0 - self.beta2_tensor)
+        rate = lr * ops.sqrt(1.0 - beta2_power) / (1.0 - beta1_power)
+        update = m * rate / (ops.sqrt(v) + ops.gather(self.table_epsilon, step, 0))
+        done = ops.assign(self.moment1, m)
+        done = ops.depend(ops.assign(self.moment2, v), done)
+        return ops.depend(ops.assign(self.master, self.master - update), done)
+
     def apply(self, grad, norm):
         """One update from this rank's flat gradient: anchor, clip, Adam (or SGD), write back, weight average."""
         if self.anchored:
@@ -312,6 +327,8 @@ class FlatAdam(nn.Cell):
             before = self.master
         if self.algorithm == "sgd":
             done = self.descend(self.master, ops.gather(self.table_lr, step, 0), grad)
+        elif self.real == np.float64:
+            done = self._adam64(grad, step)
         else:
             done = self.adam(self.master, self.moment1, self.moment2,
                              ops.gather(self.table_beta1_power, step, 0), ops.gather(self.table_beta2_power, step, 0),

@@ -27,6 +27,7 @@ from orb.data.samplers import EpochSampler, MixedSampler, PackedSampler
 from orb.data.plan import (EpochSteps, StepTotals, eval_limit, evaluation_plan, padding_ratio,
                            plan_steps, step_totals)
 from orb.errors import ConfigError, DatasetError
+from orb.precision import is_float64
 from orb.training.config import TrainConfig
 from orb.training.distributed import DataParallel
 
@@ -63,7 +64,9 @@ def open_databases(cfg: TrainConfig, dp: DataParallel, progress: bool = False) -
     graphs, charge_spin = cfg.model.graph_settings(), cfg.model.omol
 
     def open_db(path, **kwargs) -> AseDbDataset:
-        return AseDbDataset(readable(path, cfg, dp, progress), settings=graphs, charge_spin=charge_spin, **kwargs)
+        dataset = AseDbDataset(readable(path, cfg, dp, progress), settings=graphs, charge_spin=charge_spin, **kwargs)
+        dataset.float64 = is_float64()  # precision float64: graphs (positions, vectors, labels) in float64
+        return dataset
 
     databases = {"train": open_db(cfg.train_data_path, augmentation=cfg.augmentation)}
     if cfg.val_data_path:

@@ -56,7 +56,7 @@ def build_model(cfg: TrainConfig):
         table = reference_table(references.table) if references.table else weight.asnumpy()
         if references.file:  # a file's entries on top of the table (or of the checkpoint's)
             table = load_reference_file(references.file, table)
-        weight.set_data(ms.Tensor(table.astype(np.float32)))
+        weight.set_data(ms.Tensor(table.astype(weight.asnumpy().dtype)))
         log.info("reference energies: %s", " with ".join(
             x for x in (references.table and f"table {references.table}", references.file) if x))
     if cfg.replay.enabled and cfg.replay.head == "separate":
@@ -103,7 +103,7 @@ def fit_reference_energies_to(cfg: TrainConfig, data: RunData, model, outputs: M
     baseline = (outputs.labels(data.train_source)["energy"] if method == "residual"
                 else reference_baseline(composition, len(train), current))
     fit = fit_reference_energies(method, composition, train.energies(), baseline, current)
-    weight.set_data(Tensor(fit.table.astype(np.float32)))
+    weight.set_data(Tensor(fit.table.astype(weight.asnumpy().dtype)))
     log.info(fit.summary())
     return fit.to_dict()
 
@@ -114,7 +114,7 @@ def restore_reference_fit(record, model) -> None:
     from mindspore import Tensor
 
     weight = model.reference_energy_weight()
-    weight.set_data(Tensor(table_of_record(record, weight.asnumpy()).astype(np.float32)))
+    weight.set_data(Tensor(table_of_record(record, weight.asnumpy()).astype(weight.asnumpy().dtype)))
 
 
 def read_resume(path: str, checkpointer: Checkpointer, cfg: TrainConfig, identity: dict,

@@ -32,7 +32,7 @@ RESUME_KEYS = ("train_data_path", "batch_size", "max_epochs", "lr", "lr_schedule
 def _full(optimizer: FlatAdam, local: np.ndarray, dp: DataParallel) -> np.ndarray:
     """The full flat vector of a (possibly sharded) optimizer buffer, gathered over ranks."""
     full = dp.gather(local) if optimizer.sharding is not None else local
-    return np.asarray(full, np.float32)[:optimizer.size]
+    return np.asarray(full, optimizer.real)[:optimizer.size]
 
 
 def optimizer_state(optimizer: FlatAdam, names: Sequence[str], dp: DataParallel) -> List[Tuple[str, np.ndarray]]:
@@ -65,8 +65,8 @@ def restore_optimizer(optimizer: FlatAdam, names: Sequence[str], state: Dict[str
                               "reference_energies.trainable or the model changed?")
 
     def flat(kind: str) -> np.ndarray:
-        full = np.concatenate([np.asarray(state[f"{kind}.{n}"], np.float32).reshape(-1) for n in names])
-        padded = np.concatenate([full, np.zeros(optimizer.padding, np.float32)])
+        full = np.concatenate([np.asarray(state[f"{kind}.{n}"], optimizer.real).reshape(-1) for n in names])
+        padded = np.concatenate([full, np.zeros(optimizer.padding, optimizer.real)])
         return padded[optimizer.offset:optimizer.offset + optimizer.local_size]
 
     if optimizer.algorithm == "adam":
@@ -77,7 +77,7 @@ def restore_optimizer(optimizer: FlatAdam, names: Sequence[str], state: Dict[str
     optimizer.sync_from_model()
     if optimizer.ema_decay > 0:
         if f"ema.{names[0]}" in state:
-            optimizer.ema.set_data(Tensor(np.concatenate([np.asarray(state[f"ema.{n}"], np.float32).reshape(-1)
+            optimizer.ema.set_data(Tensor(np.concatenate([np.asarray(state[f"ema.{n}"], optimizer.real).reshape(-1)
                                                           for n in names])))
 
 

@@ -33,7 +33,7 @@ class TrainStep(nn.Cell):
         scaled = loss_cell if loss_scale is None else ScaledLoss(loss_cell, loss_scale)
         self.grad_fn = ms.value_and_grad(scaled, None, optimizer.params, has_aux=True)
         self.grad_reducer = grad_reducer
-        self.metric_sums = Parameter(Tensor(np.zeros(loss_cell.num_sums, np.float32)), name="train_metric_sums",
+        self.metric_sums = Parameter(Tensor(np.zeros(loss_cell.num_sums, optimizer.real)), name="train_metric_sums",
                                      requires_grad=False)
         self.nonfinite = Parameter(Tensor(np.zeros(4, np.int32)), name="train_nonfinite_steps", requires_grad=False)
         self.steps_run = Parameter(Tensor(np.array(0, np.int32)), name="train_steps_run", requires_grad=False)
