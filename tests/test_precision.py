@@ -357,6 +357,14 @@ def test_precision_settings_and_their_refusals(monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match="'precision' must be one of"):
         load_config("configs/demo.yaml", ["--precision", "float16"])
     assert load_config("configs/demo.yaml", ["--precision", "float64"]).precision == "float64"  # trains (CPU)
+    from test_training import make_cfg
+
+    from orb.training.distributed import DataParallel
+    from orb.training.setup import build_trainer
+
+    configure_mindspore("CPU")
+    with pytest.raises(ConfigError, match="float64 trains on one process"):  # float32 collectives
+        build_trainer(make_cfg(tmp_path, precision="float64"), data_parallel=DataParallel(rank=0, world_size=2))
     with pytest.raises(ConfigError, match="float64 cannot run on Ascend"):
         precision.check_device("float64", "Ascend")
     with pytest.raises(TypeError, match=r"unknown keyword\(s\) \['dispersoin'\]"):
@@ -373,6 +381,30 @@ def test_precision_settings_and_their_refusals(monkeypatch, tmp_path):
     assert 0 < abs(energies["float64"] - energies["float32-highest"]) < 1e-4  # float64, not float32 again
     logging.getLogger("orb")
     configure_mindspore("CPU")
+
+
+def test_float64_training_data_and_replay_heads_keep_float64():
+    """In float64 the training graphs carry the database's labels and loss weights unrounded (float32 labels put an
+    energy of -1e3 eV up to 6e-5 eV off), and replay heads added to a float64 model are float64 (copies of float32
+    cells would not compile beside it)."""
+    import ase.db
+
+    from orb import precision
+    from orb.data.dataset import AseDbDataset
+    from orb.models import create
+
+    dataset = AseDbDataset(DEMO_VAL)
+    dataset.float64 = True
+    rows = list(ase.db.connect(DEMO_VAL).select(limit=3))
+    for index, row in enumerate(rows):
+        graph = dataset.get_many([index], [None])[0]
+        assert graph.energy.dtype == graph.forces.dtype == graph.stress.dtype == graph.weight.dtype == np.float64
+        assert graph.energy[0] == row.energy
+        np.testing.assert_array_equal(graph.forces, row.forces)
+    precision.set_precision("float64")
+    model = create("orb_v3_direct_20_omat", latent_dim=32, mlp_hidden_dim=64, num_message_passing_steps=1)
+    model.add_replay_heads()
+    assert {str(p.dtype) for p in model.get_parameters()} == {"Float64", "Int64"}  # (Int64: batch counts)
 
 
 @pytest.mark.parametrize("construction", ["orb_v2", "orb_v3_direct_20_omat"])

@@ -426,10 +426,11 @@ class AseDbDataset:
         except StructureError as exc:
             raise self._structure_error(row, exc) from None
         graph.charge, graph.spin = self._charge_spin(row)
-        graph.weight = np.array([self.weights[index]], np.float32)
-        graph.energy = None if energy is None else np.array([energy], np.float32)
-        graph.forces = None if forces is None else forces.astype(np.float32)
-        graph.stress = None if stress is None else stress.astype(np.float32)[None]
+        real = np.float64 if self.float64 else np.float32  # labels in the graph's float type
+        graph.weight = np.array([self.weights[index]], real)
+        graph.energy = None if energy is None else np.array([energy], real)
+        graph.forces = None if forces is None else forces.astype(real)
+        graph.stress = None if stress is None else stress.astype(real)[None]
         return graph
 
     def _structure_error(self, row, exc: StructureError) -> DatasetError:

@@ -40,7 +40,7 @@ def prepare(dataset: AseDbDataset, step: Step, seed: Optional[int], with_stress:
     padded = pad_to_bucket(batch, step.bucket)
     if not with_stress:
         padded.stress = None
-    weight = padded.graph_mask.astype(np.float32)
+    weight = padded.graph_mask.astype(padded.positions.dtype)
     if padded.weight is not None:
         weight = weight * padded.weight
     weight = weight / max(step.global_count, 1)

@@ -73,7 +73,7 @@ class Source:
         graphs = self.dataset.get_many([int(self.positions[i]) for i in indices], rotation_seeds)
         for graph in graphs:
             if self.loss_weight != 1.0:
-                graph.weight = graph.weight * np.float32(self.loss_weight)
+                graph.weight = graph.weight * graph.weight.dtype.type(self.loss_weight)
             graph.head = np.array([self.head], np.int64)
         return graphs
 

@@ -63,5 +63,6 @@ def merge_arrays(weights: Dict[str, np.ndarray], alpha: Optional[float]) -> Dict
     for layer in adapters:
         a, b = np.asarray(weights[layer + ".lora_a"], np.float64), np.asarray(weights[layer + ".lora_b"], np.float64)
         scale = float(alpha) / a.shape[0]
-        out[layer + ".weight"] = (np.asarray(weights[layer + ".weight"], np.float64) + scale * (b @ a)).astype(np.float32)
+        weight = np.asarray(weights[layer + ".weight"])
+        out[layer + ".weight"] = (weight.astype(np.float64) + scale * (b @ a)).astype(weight.dtype)
     return out

@@ -305,8 +305,12 @@ class OrbModel(nn.Cell):
 
     def add_replay_heads(self) -> None:
         """Replay heads starting as exact copies of the current heads."""
+        from orb.models import is_float64_model, to_float64
+
         current, fresh = self.head_cells(), self.new_head_cells(np.random.default_rng(0))
         for name, cell in fresh.items():
+            if is_float64_model(self):
+                to_float64(cell)  # (copy_parameters keeps each parameter's type)
             copy_parameters(current[name], cell)
         self.replay_heads = ReplayHeads(fresh)
 

@@ -110,7 +110,7 @@ def nothing_trains(cfg: TrainConfig) -> str:
 def per_element(params, names: List[str], value) -> Optional[np.ndarray]:
     """A flat vector (the optimizer's layout) holding ``value(name)`` for every element of each parameter."""
     sizes = [int(np.prod(p.shape)) if p.shape else 1 for p in params]
-    return np.repeat(np.array([value(n) for n in names], np.float32), sizes)
+    return np.repeat(np.array([value(n) for n in names], np.float64), sizes)
 
 
 class Compiled:

@@ -109,10 +109,10 @@ def pseudo_labels(dataset: AseDbDataset, positions: np.ndarray, model: ModelOutp
         arrays = cached
     else:
         out = model.labels(Source("replay_labels", dataset, positions, head=head))
-        arrays = {"energy": out["energy"], "forces": out["forces"].astype(np.float32),
-                  "offsets": offsets}
+        real = np.float64 if dataset.float64 else np.float32  # the cache entry's key includes the precision
+        arrays = {"energy": out["energy"], "forces": out["forces"].astype(real), "offsets": offsets}
         if with_stress:
-            arrays["stress"] = out["stress"].astype(np.float32)
+            arrays["stress"] = out["stress"].astype(real)
         entry.write(lambda tmp: np.savez(tmp, **arrays), "replay pseudo-labels")
         log.info("replay: pseudo-labels of %d structures of %s computed by the starting model", len(positions),
                  dataset.path)

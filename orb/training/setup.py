@@ -149,6 +149,10 @@ def build_trainer(cfg: TrainConfig, data_parallel: Optional[DataParallel] = None
     callbacks = load_callbacks(cfg.callbacks) + list(callbacks)
     set_ops_profile(cfg.ops_profile)
     check_device(cfg.precision, ms.get_context("device_target"))
+    if cfg.precision == "float64" and dp.parallel:
+        raise ConfigError("config key 'precision': float64 trains on one process (finetune.py): the collectives of a "
+                          "data-parallel run (MindSpore's CPU AllReduce and AllGather) sum in float32; use "
+                          "float32-highest in parallel")
     set_precision(cfg.precision)
     log.info("device: %s, %s, %s", ms.get_context("device_target"), describe_profile(),
              describe_precision(cfg.precision, ms.get_context("device_target")))
