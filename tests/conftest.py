@@ -1,7 +1,9 @@
 """Shared fixtures: paths to the bundled test data and the PyTorch parity reference."""
 
+import fcntl
 import os
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -44,20 +46,57 @@ LARGE_MEMORY = "needs ~9 GB of memory, more than CI's 6 GB: run it with ORB_LARG
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "large_memory: " + LARGE_MEMORY)
+    config.addinivalue_line("markers", "alone: a full-size model (3-5 GB): under -n 2 the other worker waits")
+
+
+def is_full_size(item) -> bool:
+    return ((getattr(item.module, "__name__", "") == "test_orb_v3" and item.name.startswith("test_matches_pytorch"))
+            or item.name == "test_smoke_test_passes_and_prints_a_report")
+
+
+# The README's command runs two pytest-xdist workers, each taking whole files in this order (--dist loadfile
+# --no-loadscope-reorder: a file's module-scoped runs happen once, the data-parallel jobs one after another): the
+# full-size parity runs first, while both workers are small, then the longest files, so that the two workers end
+# together.
+LONGEST_FIRST = ("test_orb_v3", "test_parallel", "test_smoke", "test_preemption", "test_replay", "test_precision",
+                 "test_training", "test_strategies", "test_use", "test_relax", "test_md")
 
 
 def pytest_collection_modifyitems(config, items):
     # The full-size subprocesses (the parity runs, up to 5.3 GB in the portable profile; the smoke test's training
-    # step, 2.6 GB) go first, while this process is small: later tests leave it holding 2.4-4.4 GB, and the two
-    # together would pass CI's 6 GB.
-    first = [item for item in items if (getattr(item.module, "__name__", "") == "test_orb_v3"
-                                        and item.name.startswith("test_matches_pytorch"))
-             or item.name == "test_smoke_test_passes_and_prints_a_report"]
-    items[:] = first + [item for item in items if item not in first]
+    # step) go first in their files, while the test process is small (later tests leave it holding 2-3 GB).
+    rank = {name: k for k, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: (rank.get(getattr(item.module, "__name__", ""), len(rank)), not is_full_size(item)))
+    for item in items:
+        if is_full_size(item):
+            item.add_marker(pytest.mark.alone)
     if os.environ.get("ORB_LARGE_MEMORY") != "1":
         for item in items:
             if "large_memory" in item.keywords:
                 item.add_marker(pytest.mark.skip(reason=LARGE_MEMORY))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest-xdist a test marked ``alone`` runs while the other worker waits (from the setup of its fixtures,
+    module-scoped ones included, to their teardown), so a full-size model's memory never adds to another test's: a
+    turnstile lock orders the turns, a shared/exclusive lock on a second file lets other tests overlap each other
+    only."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    run = os.path.join(tempfile.gettempdir(), f"orb-tests-{os.environ.get('PYTEST_XDIST_TESTRUNUID', 'run')}")
+    with open(run + ".turnstile", "a") as turnstile, open(run + ".memory", "a") as memory:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        alone = "alone" in item.keywords
+        fcntl.flock(memory, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(memory, fcntl.LOCK_UN)
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
 
 
 def pytest_runtest_logreport(report):

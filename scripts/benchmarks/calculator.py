@@ -1,7 +1,11 @@
 """``calculator``: the ASE calculator (force calls on rattled fcc Cu cells of 64 and 256 atoms, steps per second)
-against orb-models' ORBCalculator (``peer/torch_calculator.py``), MindSpore in graph or PyNative mode."""
+against orb-models' ORBCalculator (``peer/torch_calculator.py``), MindSpore in graph or PyNative mode. Graph mode goes
+through the README's path, ``ORBCalculator.from_checkpoint`` (random weights saved to a checkpoint first);
+PyNative mode through ``ORBCalculator(model)`` in a script that never set graph mode."""
 
 import json
+import os
+import tempfile
 import time
 
 import numpy as np
@@ -14,11 +18,17 @@ def bench_calculator(args) -> None:
     from ase.build import bulk
 
     from orb.inference.calculator import ORBCalculator
+    from orb.io.checkpoint import save_checkpoint
     from orb.models import create
 
-    # --mode pynative: a script that builds a model object and never sets graph mode (the calculator compiles anyway)
-    ms.set_context(mode=ms.PYNATIVE_MODE if args.mode == "pynative" else ms.GRAPH_MODE)
-    calc = ORBCalculator(create(args.model))
+    if args.mode == "pynative":  # a script that builds a model object and never sets graph mode (it compiles anyway)
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+        calc = ORBCalculator(create(args.model))
+    else:
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "model.ckpt")
+            save_checkpoint(path, create(args.model))
+            calc = ORBCalculator.from_checkpoint(path, device_target="CPU", model_name=args.model)
     sizes = [(2, 2, 4), (4, 4, 4)]  # 64 and 256 atoms
     ours = {}
     for reps in sizes:
