@@ -37,8 +37,6 @@ log = logging.getLogger("orb")
 
 def build_model(cfg: TrainConfig):
     """orb model of the config's architecture with pretrained (or random) weights and reference energies."""
-    import mindspore as ms
-
     from orb.io.checkpoint import load_weights_into
     from orb.models import build
     from orb.models.reference_energies import load_reference_file, reference_table
@@ -56,7 +54,7 @@ def build_model(cfg: TrainConfig):
         table = reference_table(references.table) if references.table else weight.asnumpy()
         if references.file:  # a file's entries on top of the table (or of the checkpoint's)
             table = load_reference_file(references.file, table)
-        weight.set_data(ms.Tensor(table.astype(weight.asnumpy().dtype)))
+        set_reference_table(weight, table)
         log.info("reference energies: %s", " with ".join(
             x for x in (references.table and f"table {references.table}", references.file) if x))
     if cfg.replay.enabled and cfg.replay.head == "separate":
@@ -89,8 +87,6 @@ def load_callbacks(names: Sequence[str]) -> list:
 
 def fit_reference_energies_to(cfg: TrainConfig, data: RunData, model, outputs: ModelPass):
     """``reference_energies.fit``: the reference energies moved to the user's DFT before the first step."""
-    from mindspore import Tensor
-
     method = cfg.reference_energies.fit
     if method == "least_squares" and cfg.checkpoint_path:
         log.warning("reference_energies.fit: least_squares makes the reference energies explain the whole DFT energy, "
@@ -103,18 +99,23 @@ def fit_reference_energies_to(cfg: TrainConfig, data: RunData, model, outputs: M
     baseline = (outputs.labels(data.train_source)["energy"] if method == "residual"
                 else reference_baseline(composition, len(train), current))
     fit = fit_reference_energies(method, composition, train.energies(), baseline, current)
-    weight.set_data(Tensor(fit.table.astype(weight.asnumpy().dtype)))
+    set_reference_table(weight, fit.table)
     log.info(fit.summary())
     return fit.to_dict()
+
+
+def set_reference_table(weight, table) -> None:
+    """The model's reference-energy table set to ``table``, in the weight's own float type (float64 models)."""
+    from mindspore import Tensor
+
+    weight.set_data(Tensor(np.asarray(table).astype(weight.asnumpy().dtype)))
 
 
 def restore_reference_fit(record, model) -> None:
     """The fitted reference energies a resumed run started from, so its starting model (and pseudo-labels) are the
     ones the run had."""
-    from mindspore import Tensor
-
     weight = model.reference_energy_weight()
-    weight.set_data(Tensor(table_of_record(record, weight.asnumpy()).astype(weight.asnumpy().dtype)))
+    set_reference_table(weight, table_of_record(record, weight.asnumpy()))
 
 
 def read_resume(path: str, checkpointer: Checkpointer, cfg: TrainConfig, identity: dict,
