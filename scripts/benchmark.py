@@ -79,6 +79,7 @@ def main() -> None:
     p.add_argument("--model", default="orb_v2", help="orb_v2 or an orb-v3 name (with --torch-python: orb-models "
                    "0.5.5's python for orb-v3)")
     p.add_argument("--torch-python", default="")
+    p.add_argument("--rounds", type=int, default=1, help="rounds of both sides, alternated (medians are reported)")
     p = sub.add_parser("breakdown")
     p.add_argument("--model", default="orb_v2", help="orb_v2 or an orb-v3 name (orb.models.MODEL_NAMES)")
     p.add_argument("--steps", type=int, default=6, help="instrumented and plain steps of each kind")
@@ -111,6 +112,9 @@ def main() -> None:
     p.add_argument("--torch-python", default="", help="python with torch and orb-models 0.4.2 (orb-v2's reference)")
     p.add_argument("--torch-v3-python", default="", help="python with torch and orb-models 0.5.5 (orb-v3's)")
     p.add_argument("--finetune", action="store_true", help="fine-tune both demos in each mode instead")
+    p.add_argument("--configs", default="demo.yaml,demo_v3.yaml", help="--finetune: the demo configs to run")
+    p.add_argument("--modes", default="bf16-mixed,fp16-mixed", help="--finetune: the modes beside float32-high")
+    p.add_argument("--seeds", default="", help="--finetune: float32 again with these random seeds (comma-separated)")
     p = sub.add_parser("md")
     p.add_argument("--structures", type=int, default=32)
     p.add_argument("--steps", type=int, default=100)

@@ -77,6 +77,7 @@ def test_batched_dynamics_follow_ases_integrators_structure_by_structure(tmp_pat
         assert ours[k].info["step"] == 20
     summary = json.load(open(tmp_path / "md" / "summary.json"))
     assert [s["status"] for s in summary["structures"]] == ["done"] * len(ROWS) and summary["model_calls"] == 21
+    assert summary["compile_seconds"] > 0  # the time a user waits before the first step
     if ensemble == "nve":
         for s in summary["structures"]:
             assert abs(s["total_energy_drift_eV_per_atom"]) < 2e-3

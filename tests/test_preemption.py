@@ -66,7 +66,17 @@ def wait_for_step_record(path, process, timeout=300):
     raise AssertionError("no step record appeared")
 
 
-def test_sigterm_saves_and_a_resume_continues_to_the_uninterrupted_run(tmp_path):
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """``run_args``' run without interruption: what every stopped and resumed run of it must equal."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    straight = subprocess.run([sys.executable, "finetune.py", *run_args(out)], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    return out
+
+
+def test_sigterm_saves_and_a_resume_continues_to_the_uninterrupted_run(tmp_path, straight_run):
     """SIGTERM in the middle of an epoch: the step finishes, last.ckpt is saved at it, one line, exit 75;
     `--resume auto` continues there and ends bit for bit at the uninterrupted run, with no metric line twice."""
     run = tmp_path / "stopped"
@@ -83,10 +93,7 @@ def test_sigterm_saves_and_a_resume_continues_to_the_uninterrupted_run(tmp_path)
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert f"and {meta['step_in_epoch']} of 32 steps done" in resumed.stdout
-    straight = subprocess.run([sys.executable, "finetune.py", *run_args(tmp_path / "straight")], cwd=ROOT,
-                              capture_output=True, text=True, timeout=300)
-    assert straight.returncode == 0, straight.stderr[-2000:]
-    assert_same_run(run, tmp_path / "straight")
+    assert_same_run(run, straight_run)
 
 
 def test_resume_auto_starts_fresh_when_nothing_was_saved(tmp_path):
@@ -467,7 +474,7 @@ CALLBACKS = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "tests"))  # stop_cal
 
 # (SIGTERM in validation: tests/test_parallel.py, on 2 workers, whose ranks must also agree to stop there)
 @pytest.mark.parametrize("where, line", [("TermAtLastStepOfFirstEpoch", "at epoch 1, step 32 of 32")])
-def test_a_signal_in_validation_or_the_last_interval_saves_the_epochs_training(tmp_path, where, line):
+def test_a_signal_in_validation_or_the_last_interval_saves_the_epochs_training(tmp_path, where, line, straight_run):
     """SIGTERM during the validation after an epoch, or in its last logging interval, is honoured there (it waited
     for every validation set and the epoch save; the last interval took no step save): last.ckpt holds the
     epoch's training, exit 75; --resume auto validates it and ends equal to the uninterrupted run."""
@@ -484,10 +491,7 @@ def test_a_signal_in_validation_or_the_last_interval_saves_the_epochs_training(t
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "and 32 of 32 steps done" in resumed.stdout
-    straight = subprocess.run([sys.executable, "finetune.py", *run_args(tmp_path / "straight")], cwd=ROOT,
-                              capture_output=True, text=True, timeout=300)
-    assert straight.returncode == 0, straight.stderr[-2000:]
-    assert_same_run(run, tmp_path / "straight")
+    assert_same_run(run, straight_run)
 
 
 def test_a_signal_during_start_up_exits_75(tmp_path):

@@ -154,8 +154,20 @@ def energies(path):
         return {row.source_row: (row.energy / row.natoms, row.relax_steps, row.converged) for row in db.select()}
 
 
+TWELVE = ("--steps", "60", "--batch_size", "1")  # 12 structures one at a time: a kill finds some finished
+
+
+@pytest.fixture(scope="module")
+def twelve_relaxed(tmp_path_factory):
+    """The 12 rattled structures relaxed without interruption: what every interrupted and resumed run must equal."""
+    folder = tmp_path_factory.mktemp("straight")
+    straight = relax_cli("--data", rattled(folder / "in.db", count=12), *TWELVE, "--output", str(folder / "out.db"))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    return energies(folder / "out.db")
+
+
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
-def test_a_killed_or_stopped_relaxation_keeps_every_finished_structure(tmp_path, how):
+def test_a_killed_or_stopped_relaxation_keeps_every_finished_structure(tmp_path, how, twelve_relaxed):
     """Each finished structure is committed as it is written: kill -9 after some of 12 keeps them (no transaction
     left open to roll back), SIGTERM stops between two steps with exit 75; --resume relaxes only the others,
     and the output equals an uninterrupted run's (each structure once, the same energies and steps)."""
@@ -163,7 +175,7 @@ def test_a_killed_or_stopped_relaxation_keeps_every_finished_structure(tmp_path,
 
     data = rattled(tmp_path / "in.db", count=12)
     out = tmp_path / "relaxed.db"
-    args = ("--data", data, "--steps", "60", "--batch_size", "1")
+    args = ("--data", data, *TWELVE)
     process = relax_process(*args, "--output", str(out))
     wait_for_rows(out, process, 3)
     process.send_signal(getattr(signal, how))
@@ -179,9 +191,7 @@ def test_a_killed_or_stopped_relaxation_keeps_every_finished_structure(tmp_path,
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.load(open(tmp_path / "relaxed.summary.json"))
     assert summary["already_done"] == kept and summary["relaxed_now"] == 12 - kept and summary["structures"] == 12
-    straight = relax_cli(*args, "--output", str(tmp_path / "straight.db"))
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    got, expected = energies(out), energies(tmp_path / "straight.db")
+    got, expected = energies(out), twelve_relaxed
     assert sorted(got) == sorted(expected) == list(range(1, 13))
     for row, (energy, steps, converged) in expected.items():
         assert got[row][1:] == (steps, converged), row

@@ -521,7 +521,8 @@ def md(args) -> Dict:
     summary = {"checkpoint": args.checkpoint, "data": args.data, "ensemble": args.ensemble,
                "thermostat": args.thermostat if args.ensemble == "nvt" else None, "timestep_fs": args.timestep,
                "steps": args.steps, "temperature_K": args.temperature, "seed": args.seed,
-               "precision": args.precision, "model_calls": getattr(dynamics, "calls", 0), "structures": [
+               "precision": args.precision, "model_calls": getattr(dynamics, "calls", 0),
+               "compile_seconds": round(sum(dynamics.predictor.compiled.values()), 3), "structures": [
                    {"index": r.index, "source_row": r.row, "status": r.status, "error": r.error,
                     "steps_done": int(r.dynamics.nsteps) if r.dynamics else 0, "uncertain_frames": r.uncertain,
                     "total_energy_drift_eV_per_atom": (float((r.energies[-1] - r.energies[0]) / len(r.atoms))

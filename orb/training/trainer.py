@@ -174,9 +174,14 @@ class Trainer:
             if done % cfg.log_every_n_steps == 0 or last:  # one host synchronisation per interval; flags travel too
                 part = self.dp.sum(np.concatenate([engine.take_interval_sums(), flags]))
                 part, flags = part[:-len(flags)], part[-len(flags):]
-                skipped += guards.check_finite(engine.take_nonfinite(), row_ids) + engine.take_overflows()
+                skipped_now = guards.check_finite(engine.take_nonfinite(), row_ids) + engine.take_overflows()
+                skipped += skipped_now
                 totals += part
                 interval = engine.metrics(part)
+                if skipped_now:  # which interval skipped (an fp16 overflow halves the scale): the step records say
+                    interval["nonfinite_steps"] = float(skipped_now)
+                if engine.loss_scale is not None:
+                    interval["loss_scale"] = engine.loss_scale_value()
                 bar.set_postfix(loss=f"{interval['loss']:.4f}")
                 self.reporter.record({"type": "step", "epoch": epoch + 1, "step": progress.global_step,
                                       "lr": engine.lr(progress.global_step), **interval})

@@ -13,6 +13,36 @@ import numpy as np
 from .common import run_torch
 
 
+def forward_gflop_per_call(model, atoms) -> float:
+    """Matrix-multiply work of one calculator call on ``atoms`` (GFLOP): the forward pass, and for a conservative
+    model the input-gradient pass that gives forces and stress, as much again (no weight gradients)."""
+    from orb.data.graphs import atoms_to_graph
+
+    from .model import forward_matmul_flops
+
+    graph = atoms_to_graph(atoms, settings=model.cfg.graph_settings())
+    flops = forward_matmul_flops(model, graph.num_nodes, graph.num_edges, 1)
+    return flops * (2 if getattr(model.cfg, "conservative", False) else 1) / 1e9
+
+
+def time_calls(calc, sizes, steps: int) -> dict:
+    """Steps per second of ``calc`` on each size: the median call after the first (which compiles)."""
+    from ase.build import bulk
+
+    rates = {}
+    for reps in sizes:
+        atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(reps)
+        atoms.calc = calc
+        times = []
+        for i in range(steps):
+            atoms.rattle(0.01, seed=i)
+            start = time.perf_counter()
+            atoms.get_forces()
+            times.append(time.perf_counter() - start)
+        rates[str(len(atoms))] = 1.0 / float(np.median(times[1:]))
+    return rates
+
+
 def bench_calculator(args) -> None:
     import mindspore as ms
     from ase.build import bulk
@@ -21,34 +51,37 @@ def bench_calculator(args) -> None:
     from orb.io.checkpoint import save_checkpoint
     from orb.models import create
 
+    from .common import calibration, gemm_rate
+
+    rate_before = gemm_rate()
+    model = create(args.model)
     if args.mode == "pynative":  # a script that builds a model object and never sets graph mode (it compiles anyway)
         ms.set_context(mode=ms.PYNATIVE_MODE)
-        calc = ORBCalculator(create(args.model))
+        calc = ORBCalculator(model)
     else:
         with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, "model.ckpt")
-            save_checkpoint(path, create(args.model))
+            save_checkpoint(path, model)
             calc = ORBCalculator.from_checkpoint(path, device_target="CPU", model_name=args.model)
     sizes = [(2, 2, 4), (4, 4, 4)]  # 64 and 256 atoms
-    ours = {}
-    for reps in sizes:
-        atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(reps)
-        atoms.calc = calc
-        times = []
-        for i in range(args.steps):
-            atoms.rattle(0.01, seed=i)
-            start = time.perf_counter()
-            atoms.get_forces()
-            times.append(time.perf_counter() - start)
-        ours[str(len(atoms))] = 1.0 / float(np.median(times[1:]))
+    gflop = {str(4 * int(np.prod(r))): forward_gflop_per_call(model, bulk("Cu", "fcc", a=3.6, cubic=True).repeat(r))
+             for r in sizes}
+    ours, theirs = [], []
+    for _ in range(args.rounds):  # alternated: each side's rounds see the same host
+        ours.append(time_calls(calc, sizes, args.steps))
+        if args.torch_python:
+            theirs.append(run_torch(args.torch_python, "torch_calculator.py",
+                                    ["--model", args.model, "--sizes", json.dumps(sizes), "--steps", str(args.steps)]))
+    rate = (rate_before + gemm_rate()) / 2
     v2 = args.model == "orb_v2"
-    theirs = {}
-    if args.torch_python:
-        theirs = run_torch(args.torch_python, "torch_calculator.py",
-                           ["--model", args.model, "--sizes", json.dumps(sizes), "--steps", str(args.steps)])
-    print(f"{args.model}, MindSpore in {args.mode} mode")
-    print(f"| atoms | MindSpore steps/s | orb-models {'0.4.2' if v2 else '0.5.5'} ORBCalculator steps/s | ratio |")
-    print("|---|---|---|---|")
-    for n, rate in ours.items():
-        t = theirs.get(n)
-        print(f"| {n} | {rate:.2f} | {f'{t:.2f}' if t else '-'} | {f'{rate / t:.2f}x' if t else '-'} |")
+    print(f"{args.model}, MindSpore in {args.mode} mode, {args.rounds} alternated round(s), medians; host "
+          f"calibration {calibration(rate_before, gemm_rate())}")
+    print(f"| atoms | MindSpore steps/s | orb-models {'0.4.2' if v2 else '0.5.5'} ORBCalculator steps/s | ratio | "
+          f"matrix-multiply work per call (GFLOP) | bound at the GEMM rate (steps/s) | MindSpore / PyTorch at |")
+    print("|---|---|---|---|---|---|---|")
+    for n in gflop:
+        mine = float(np.median([r[n] for r in ours]))
+        t = float(np.median([r[n] for r in theirs])) if theirs else None
+        bound = rate / gflop[n]
+        print(f"| {n} | {mine:.2f} | {f'{t:.2f}' if t else '-'} | {f'{mine / t:.2f}x' if t else '-'} | "
+              f"{gflop[n]:.1f} | {bound:.2f} | {mine / bound:.2f} / {f'{t / bound:.2f}' if t else '-'} of it |")

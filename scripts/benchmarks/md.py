@@ -54,6 +54,12 @@ def bench_md(args) -> None:
     print("| run | batch | wall time (s) | structure-steps/s | model calls | NVE drift, median / max (meV/atom) |")
     print("|---|---|---|---|---|---|")
     calc = ORBCalculator.from_checkpoint(V3_DEMO, device_target="CPU")
+    from orb.io.checkpoint import model_from_checkpoint
+
+    from .calculator import forward_gflop_per_call
+
+    demo = model_from_checkpoint(V3_DEMO)
+    gflop = float(np.mean([forward_gflop_per_call(demo, a) for a in structures]))  # per structure-step
     start = time.perf_counter()
     loop_drift = []
     for atoms in structures:
@@ -66,6 +72,8 @@ def bench_md(args) -> None:
         loop_drift.append(drift(energies))
     loop_time = time.perf_counter() - start
     loop_rate = len(structures) * args.steps / loop_time
+    loop_compile = sum(calc.predictor.compiled.values())
+    compile_note = [f"ASE's loop compiled {len(calc.predictor.compiled)} shape(s) in {loop_compile:.0f} s"]
     print(f"| ASE VelocityVerlet, one structure after another | 1 | {loop_time:.1f} | {loop_rate:.1f} | "
           f"{len(structures) * (args.steps + 1)} | {1e3 * np.median(np.abs(loop_drift)):.3f} / "
           f"{1e3 * np.max(np.abs(loop_drift)):.3f} |", flush=True)
@@ -84,6 +92,10 @@ def bench_md(args) -> None:
             seconds = time.perf_counter() - start
         drifts = [s["total_energy_drift_eV_per_atom"] for s in summary["structures"]]
         rate = len(structures) * args.steps / seconds
+        compile_note.append(f"orb-md at {batch} compiled in {summary['compile_seconds']:.0f} s (without it "
+                            f"{len(structures) * args.steps / (seconds - summary['compile_seconds']):.1f} "
+                            f"structure-steps/s against the loop's "
+                            f"{len(structures) * args.steps / (loop_time - loop_compile):.1f})")
         print(f"| orb-md | {batch} | {seconds:.1f} | {rate:.1f} ({rate / loop_rate:.1f}x) | "
               f"{summary['model_calls']} | {1e3 * np.median(np.abs(drifts)):.3f} / {1e3 * np.max(np.abs(drifts)):.3f} "
               f"|", flush=True)
@@ -108,5 +120,11 @@ def bench_md(args) -> None:
         print(f"| PyTorch orb-models 0.5.5 ORBCalculator, one structure after another | 1 | {theirs['seconds']:.1f} | "
               f"{len(structures) * args.steps / theirs['seconds']:.1f} | {len(structures) * (args.steps + 1)} | "
               f"{1e3 * np.median(drifts):.3f} / {1e3 * np.max(drifts):.3f} |")
-    print(f"\npeak memory of this process (both runs): {peak_memory_gb():.2f} GB; host calibration: "
-          f"{calibration(rate_before, gemm_rate())}")
+    rate_after = gemm_rate()
+    print("\ncompilation: " + "; ".join(compile_note))
+    bound = (rate_before + rate_after) / 2 / gflop
+    print(f"\nmatrix-multiply work: {gflop:.2f} GFLOP per structure-step (forward and force/stress derivative, at "
+          f"the starting positions); at the host's GEMM rate no implementation exceeds {bound:.1f} structure-steps/s "
+          f"({bound / loop_rate:.1f}x ASE's loop here)")
+    print(f"peak memory of this process (both runs): {peak_memory_gb():.2f} GB; host calibration: "
+          f"{calibration(rate_before, rate_after)}")
