@@ -153,7 +153,8 @@ def test_strategies_on_orb_v3_two_workers_equal_one_device(tmp_path, nine_rows):
     sum); the frozen layer is the starting one; the exported weights are plain."""
     extra = {"optimizer": "sgd", "gradient_clip_mode": "none", "lr": 0.05, "model.name": "orb_v3_direct_20_omat",
              "num_buckets": 1, "freeze": "[layers:0]", "lr_multipliers": "{encoder: 0.25}", "anchor.weight": 0.5,
-             "anchor.groups": "[heads]", "lora.rank": 2, "lora.groups": "[layers:1]", "lora.train_others": "true"}
+             "anchor.groups": "[heads]", "lora.rank": 2, "lora.groups": "[layers:1]", "lora.train_others": "true",
+             "val_data_path": ""}  # weights and exports are compared: no validation set to compile for
     job = launch(common_args(tmp_path / "par", nine_rows, **extra), tmp_path / "logs", cwd=ROOT)
     one = single(common_args(tmp_path / "one", nine_rows, **extra), timeout=600)
     out, _ = job.communicate(timeout=600)
@@ -196,7 +197,8 @@ def test_replay_two_workers_equal_one_device(tmp_path, nine_rows):
     extra = {"optimizer": "sgd", "gradient_clip_mode": "none", "lr": 0.05, "checkpoint_path": start,
              "replay.data_path": replay, "replay.fraction": 0.5, "replay.labels": "model", "replay.num_samples": 8,
              "replay.val_samples": 5, "replay.selection": "fps", "replay.head": "separate",
-             "reference_energies.fit": "residual"}
+             "reference_energies.fit": "residual",
+             "num_buckets": 1, "val_data_path": ""}  # one compilation per step kind: buckets agree in the tests above
     cache = {"ORB_CACHE_DIR": str(tmp_path / "cache")}
     job = launch(common_args(tmp_path / "par", nine_rows, **extra), tmp_path / "logs", cwd=ROOT, env_extra=cache)
     one = single(common_args(tmp_path / "one", nine_rows, **extra), timeout=600)
@@ -393,7 +395,7 @@ def test_bad_input_stops_every_worker_with_one_line(tmp_path, nine_rows):
 
 
 def test_killed_worker_ends_the_job(tmp_path, nine_rows):
-    args = common_args(tmp_path / "kill", nine_rows) + ["--max_epochs", "50"]
+    args = common_args(tmp_path / "kill", nine_rows, num_buckets=1, val_data_path="") + ["--max_epochs", "50"]
     start = time.time()
     job = launch(args, tmp_path / "logs", cwd=ROOT, env_extra=FAST_FAILURE)
     deadline = time.time() + 300
