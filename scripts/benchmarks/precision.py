@@ -156,7 +156,8 @@ def finetune_in_each_mode(args) -> None:
     extra = [int(s) for s in args.seeds.split(",") if s.strip()]
     for config in [c.strip() for c in args.configs.split(",") if c.strip()]:
         base = None
-        runs = [("float32-high", None)] + [(m, None) for m in args.modes.split(",") if m.strip() != "float32-high"]
+        runs = [("float32-high", None)] + [(m.strip(), None) for m in args.modes.split(",")
+                                           if m.strip() and m.strip() != "float32-high"]
         runs += [("float32-high", seed) for seed in extra]
         for mode, seed in runs:
             with tempfile.TemporaryDirectory() as out:
