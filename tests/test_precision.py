@@ -387,6 +387,18 @@ def test_precision_settings_and_their_refusals(monkeypatch, tmp_path):
         atoms.calc = calculator
         energies[mode] = atoms.get_potential_energy()
     assert 0 < abs(energies["float64"] - energies["float32-highest"]) < 1e-4  # float64, not float32 again
+    from orb.io.checkpoint import model_from_checkpoint
+    from orb.models import is_float64_model
+
+    assert precision.precision() == precision.DEFAULT  # the calculators above left the process's precision alone
+    model = model_from_checkpoint("data/demo_pretrained.ckpt")  # a model object, built in float32
+    for mode in ("float64", None):  # a copy built in float64; by default the model as it is
+        atoms = ase.db.connect(DEMO_VAL).get(1).toatoms()
+        atoms.calc = ORBCalculator(model, precision=mode)
+        assert atoms.get_potential_energy() == energies[mode or "float32-highest"], mode
+    assert not is_float64_model(model)  # the model given is left in float32
+    with pytest.raises(ConfigError, match="precision must be one of"):
+        ORBCalculator(model, precision="float16")
     logging.getLogger("orb")
     configure_mindspore("CPU")
 

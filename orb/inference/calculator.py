@@ -40,16 +40,46 @@ def check_keywords(kwargs: Dict, allowed) -> None:
         raise TypeError(f"ORBCalculator got unknown keyword(s) {unknown}; valid: {', '.join(sorted(allowed))}")
 
 
+def model_in_precision(model, name: str):
+    """A copy of ``model`` (its weights and buffers) built to compute in precision ``name`` (:mod:`orb.precision`: a
+    model computes in the precision in force when it was built), checked against the device it would run on."""
+    import mindspore as ms
+
+    from orb import precision
+    from orb.device import set_matmul_precision
+    from orb.io.checkpoint import load_torch_state_dict, to_torch_state_dict
+    from orb.models import build
+
+    precision.check_precision(name)
+    target = ms.get_context("device_target")
+    precision.check_device(name, target)
+    set_matmul_precision(target, precision.matmul_precision(name))
+    weights, before = to_torch_state_dict(model), precision.precision()
+    precision.set_precision(name)
+    try:
+        copy = build(model.cfg)
+    finally:
+        precision.set_precision(before)
+    load_torch_state_dict(copy, weights, source="the model given to ORBCalculator")
+    copy.set_train(False)
+    return copy
+
+
 class ORBCalculator(Calculator):
     """ASE calculator: energy, free_energy (= energy), forces and stress from an orb model."""
 
     implemented_properties = ["energy", "free_energy", "forces", "stress", "confidence", "force_error"]
 
-    def __init__(self, model, dispersion: Optional[str] = None, xc: str = "pbe", **kwargs):
+    def __init__(self, model, dispersion: Optional[str] = None, xc: str = "pbe", precision: Optional[str] = None,
+                 **kwargs):
+        """``precision`` (as the config key): compute in that mode with a copy of ``model`` built in it (the model
+        given is left as it is); by default the model computes in the precision it was built in."""
         from orb.inference.dispersion import D3Dispersion, check_dispersion_for
 
         check_keywords(kwargs, ASE_KEYWORDS)
         check_dispersion_for(model.cfg, dispersion)
+        if precision is not None:
+            model = model_in_precision(model, precision)
         super().__init__(**kwargs)
         self.model = model
         self.dispersion = D3Dispersion(dispersion, xc) if dispersion else None
@@ -78,9 +108,16 @@ class ORBCalculator(Calculator):
             precision = old
         check_keywords(kwargs, ASE_KEYWORDS + ("dispersion", "xc"))
         check_dispersion(kwargs.get("dispersion"), kwargs.get("xc", "pbe"))  # before loading any weights
+        from orb import precision as numerics
+
+        before = numerics.precision()
         configure_mindspore(device_target, precision=precision)
         set_ops_profile(ops_profile)
-        return cls(model_from_checkpoint(path, model_name), **kwargs)
+        try:
+            model = model_from_checkpoint(path, model_name)
+        finally:  # models built later in this process keep the precision they would have had
+            numerics.set_precision(before)
+        return cls(model, **kwargs)
 
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes):
         super().calculate(atoms, properties, system_changes)
