@@ -3,6 +3,7 @@
 import ctypes
 import logging
 import os
+from typing import Optional
 
 log = logging.getLogger("orb")
 
@@ -84,6 +85,8 @@ def set_matmul_precision(target: str, precision: str) -> None:
     """
     if precision not in MATMUL_PRECISIONS:
         raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {precision!r}")
+    if target not in ("Ascend", "GPU"):
+        return
     try:
         if target == "Ascend":
             from mindspore.device_context.ascend import op_precision
@@ -94,8 +97,18 @@ def set_matmul_precision(target: str, precision: str) -> None:
             from mindspore.device_context.gpu import op_precision
 
             op_precision.matmul_allow_tf32(precision == "high")
+        _MATMUL["in_force"] = precision
     except RuntimeError as err:  # configured differently earlier in this process (by the caller)
         log.warning("%s matrix-product precision was already set elsewhere and is kept (%s)", target, err)
+
+
+_MATMUL = {"in_force": None}
+
+
+def matmul_precision_in_force() -> Optional[str]:
+    """The float32 matrix-product precision this process set on its accelerator (device-wide), None before any
+    (and on the CPU, which has one)."""
+    return _MATMUL["in_force"]
 
 
 def release_host_memory() -> None:

@@ -46,14 +46,21 @@ def model_in_precision(model, name: str):
     import mindspore as ms
 
     from orb import precision
-    from orb.device import set_matmul_precision
+    from orb.device import matmul_precision_in_force, set_matmul_precision
+    from orb.errors import ConfigError
     from orb.io.checkpoint import load_torch_state_dict, to_torch_state_dict
     from orb.models import build
 
     precision.check_precision(name)
     target = ms.get_context("device_target")
     precision.check_device(name, target)
-    set_matmul_precision(target, precision.matmul_precision(name))
+    wanted, in_force = precision.matmul_precision(name), matmul_precision_in_force()
+    if in_force is None:
+        set_matmul_precision(target, wanted)
+    elif wanted != in_force:  # device-wide: changing it would change every other model of this process
+        raise ConfigError(f"precision {name} needs '{wanted}' float32 matrix products on {target}, but this process "
+                          f"runs with '{in_force}' (a device-wide setting): use it in a process of its own, e.g. "
+                          f"ORBCalculator.from_checkpoint(path, precision={name!r}) in a new script")
     weights, before = to_torch_state_dict(model), precision.precision()
     precision.set_precision(name)
     try:
@@ -115,8 +122,8 @@ class ORBCalculator(Calculator):
         set_ops_profile(ops_profile)
         try:
             model = model_from_checkpoint(path, model_name)
-        finally:  # models built later in this process keep the precision they would have had
-            numerics.set_precision(before)
+        finally:  # models built later keep the precision they would have had (the accelerator's float32
+            numerics.set_precision(before)  # product setting and the operator profile stay: process-wide)
         return cls(model, **kwargs)
 
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes):

@@ -72,10 +72,11 @@ def bench_calculator(args) -> None:
         if args.torch_python:
             theirs.append(run_torch(args.torch_python, "torch_calculator.py",
                                     ["--model", args.model, "--sizes", json.dumps(sizes), "--steps", str(args.steps)]))
-    rate = (rate_before + gemm_rate()) / 2
+    rate_after = gemm_rate()
+    rate = (rate_before + rate_after) / 2
     v2 = args.model == "orb_v2"
     print(f"{args.model}, MindSpore in {args.mode} mode, {args.rounds} alternated round(s), medians; host "
-          f"calibration {calibration(rate_before, gemm_rate())}")
+          f"calibration {calibration(rate_before, rate_after)}")
     print(f"| atoms | MindSpore steps/s | orb-models {'0.4.2' if v2 else '0.5.5'} ORBCalculator steps/s | ratio | "
           f"matrix-multiply work per call (GFLOP) | bound at the GEMM rate (steps/s) | MindSpore / PyTorch at |")
     print("|---|---|---|---|---|---|---|")
