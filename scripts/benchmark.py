@@ -114,7 +114,7 @@ def main() -> None:
     p.add_argument("--finetune", action="store_true", help="fine-tune both demos in each mode instead")
     p.add_argument("--configs", default="demo.yaml,demo_v3.yaml", help="--finetune: the demo configs to run")
     p.add_argument("--modes", default="bf16-mixed,fp16-mixed", help="--finetune: the modes beside float32-high")
-    p.add_argument("--seeds", default="", help="--finetune: float32 again with these random seeds (comma-separated)")
+    p.add_argument("--seeds", default="", help="--finetune: every mode again with these random seeds (comma-separated)")
     p = sub.add_parser("md")
     p.add_argument("--structures", type=int, default=32)
     p.add_argument("--steps", type=int, default=100)

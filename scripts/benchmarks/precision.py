@@ -148,33 +148,40 @@ def bench_precision(args) -> None:
 
 
 def finetune_in_each_mode(args) -> None:
-    """The demos fine-tuned in each mode (same seed): the last epoch's validation MAEs, against float32's; with
-    ``--seeds``, float32 again with other seeds, so that a mode's distance can be read beside what the seed alone
-    moves."""
-    print("\n| demo | precision | seed | val E/atom (eV) | val F (eV/Å) | val S (eV/Å³) | vs float32-high | "
-          "skipped steps | train time (s) |\n|---|---|---|---|---|---|---|---|---|")
-    extra = [int(s) for s in args.seeds.split(",") if s.strip()]
+    """The demos fine-tuned in each mode: the last epoch's validation MAEs against float32's with the same seed;
+    with ``--seeds``, every mode again with each of those seeds, and float32's change from the config's seed
+    beside (what the seed alone moves, the scale for a mode's distance)."""
+    print("\n| demo | precision | seed | val E/atom (eV) | val F (eV/Å) | val S (eV/Å³) | vs float32-high, same seed "
+          "| float32-high vs the config's seed | skipped steps | train time (s) |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip() and m.strip() != "float32-high"]
+    seeds = [None] + [int(s) for s in args.seeds.split(",") if s.strip()]
+    change = lambda maes, base: " / ".join(f"{100 * (m / b - 1):+.1f} %" for m, b in zip(maes, base))  # noqa: E731
     for config in [c.strip() for c in args.configs.split(",") if c.strip()]:
-        base = None
-        runs = [("float32-high", None)] + [(m.strip(), None) for m in args.modes.split(",")
-                                           if m.strip() and m.strip() != "float32-high"]
-        runs += [("float32-high", seed) for seed in extra]
-        for mode, seed in runs:
-            with tempfile.TemporaryDirectory() as out:
-                start = time.perf_counter()
-                seed_args = ["--random_seed", str(seed)] if seed is not None else []
-                subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), "--config",
-                                os.path.join(ROOT, "configs", config), "--output_dir", out, "--precision", mode,
-                                "--progress_bar", "false", "--device_target", "CPU", *seed_args], check=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
-                seconds = time.perf_counter() - start
-                epochs = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))
-                          if '"type": "epoch"' in line]
-            val = epochs[-1]["val"]
-            maes = [val["energy_per_atom_mae"], val["forces_mae"], val.get("stress_mae", float("nan"))]
-            base = base or maes
-            change = " / ".join(f"{100 * (m / b - 1):+.1f} %" for m, b in zip(maes, base))
-            skipped = sum(e["train"].get("nonfinite_steps", 0) for e in epochs)
-            steps = epochs[-1]["step"]
-            print(f"| {config} | {mode} | {'config' if seed is None else seed} | {maes[0]:.4g} | {maes[1]:.4g} | "
-                  f"{maes[2]:.4g} | {change} | {skipped:.0f} of {steps} | {seconds:.0f} |", flush=True)
+        first = None
+        for seed in seeds:
+            base = None
+            for mode in ["float32-high"] + modes:
+                maes, skipped, steps, seconds = finetune_once(config, mode, seed)
+                base = base or maes
+                first = first or maes
+                spread = change(maes, first) if mode == "float32-high" else ""
+                print(f"| {config} | {mode} | {'config' if seed is None else seed} | {maes[0]:.4g} | {maes[1]:.4g} | "
+                      f"{maes[2]:.4g} | {change(maes, base)} | {spread} | {skipped:.0f} of {steps} | {seconds:.0f} |",
+                      flush=True)
+
+
+def finetune_once(config: str, mode: str, seed=None):
+    """(validation MAEs [E/atom, F, S] of the last epoch, skipped steps, steps, seconds) of one demo fine-tune."""
+    with tempfile.TemporaryDirectory() as out:
+        start = time.perf_counter()
+        seed_args = ["--random_seed", str(seed)] if seed is not None else []
+        subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), "--config",
+                        os.path.join(ROOT, "configs", config), "--output_dir", out, "--precision", mode,
+                        "--progress_bar", "false", "--device_target", "CPU", *seed_args], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+        seconds = time.perf_counter() - start
+        epochs = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if '"type": "epoch"' in line]
+    val = epochs[-1]["val"]
+    maes = [val["energy_per_atom_mae"], val["forces_mae"], val.get("stress_mae", float("nan"))]
+    return maes, sum(e["train"].get("nonfinite_steps", 0) for e in epochs), epochs[-1]["step"], seconds
