@@ -26,6 +26,7 @@ Like the operator profile (:mod:`orb.models.ops_profile`), the precision in forc
 the one it computes in.
 """
 
+from contextlib import contextmanager
 from typing import Optional
 
 import numpy as np
@@ -65,6 +66,17 @@ def set_precision(name: str) -> None:
 
 def precision() -> str:
     return _configured["name"]
+
+
+@contextmanager
+def in_force(name: str):
+    """Models built inside compute in precision ``name``; the precision in force before comes back after."""
+    before = precision()
+    set_precision(name)
+    try:
+        yield
+    finally:
+        set_precision(before)
 
 
 def is_mixed(name: Optional[str] = None) -> bool:

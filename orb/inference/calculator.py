@@ -48,8 +48,7 @@ def model_in_precision(model, name: str):
     from orb import precision
     from orb.device import matmul_precision_in_force, set_matmul_precision
     from orb.errors import ConfigError
-    from orb.io.checkpoint import load_torch_state_dict, to_torch_state_dict
-    from orb.models import build
+    from orb.io.checkpoint import model_from_state_dict, to_torch_state_dict
 
     precision.check_precision(name)
     target = ms.get_context("device_target")
@@ -61,15 +60,8 @@ def model_in_precision(model, name: str):
         raise ConfigError(f"precision {name} needs '{wanted}' float32 matrix products on {target}, but this process "
                           f"runs with '{in_force}' (a device-wide setting): use it in a process of its own, e.g. "
                           f"ORBCalculator.from_checkpoint(path, precision={name!r}) in a new script")
-    weights, before = to_torch_state_dict(model), precision.precision()
-    precision.set_precision(name)
-    try:
-        copy = build(model.cfg)
-    finally:
-        precision.set_precision(before)
-    load_torch_state_dict(copy, weights, source="the model given to ORBCalculator")
-    copy.set_train(False)
-    return copy
+    with precision.in_force(name):
+        return model_from_state_dict(model.cfg, to_torch_state_dict(model), "the model given to ORBCalculator")
 
 
 class ORBCalculator(Calculator):
@@ -117,13 +109,10 @@ class ORBCalculator(Calculator):
         check_dispersion(kwargs.get("dispersion"), kwargs.get("xc", "pbe"))  # before loading any weights
         from orb import precision as numerics
 
-        before = numerics.precision()
-        configure_mindspore(device_target, precision=precision)
-        set_ops_profile(ops_profile)
-        try:
+        with numerics.in_force(numerics.precision()):  # models built later keep the precision they would have had
+            configure_mindspore(device_target, precision=precision)  # (the accelerator's float32 product setting
+            set_ops_profile(ops_profile)  # and the operator profile stay: process-wide)
             model = model_from_checkpoint(path, model_name)
-        finally:  # models built later keep the precision they would have had (the accelerator's float32
-            numerics.set_precision(before)  # product setting and the operator profile stay: process-wide)
         return cls(model, **kwargs)
 
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes):

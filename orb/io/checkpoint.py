@@ -174,7 +174,12 @@ def load_weights_into(model: nn.Cell, path: str) -> Dict:
 def model_from_checkpoint(path: str, name: Optional[str] = None):
     """The model stored in a PyTorch or MindSpore checkpoint, its architecture read from the checkpoint."""
     weights, meta = read_weights(path)
-    model = build(architecture(weights, meta, name))
-    load_torch_state_dict(model, weights, source=path)
+    return model_from_state_dict(architecture(weights, meta, name), weights, source=path)
+
+
+def model_from_state_dict(cfg, weights: Dict[str, np.ndarray], source: str):
+    """A model of architecture ``cfg`` (in the precision in force) holding ``weights`` (PyTorch keys), for use."""
+    model = build(cfg)
+    load_torch_state_dict(model, weights, source=source)
     model.set_train(False)
     return model

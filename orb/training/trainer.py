@@ -178,10 +178,7 @@ class Trainer:
                 skipped += skipped_now
                 totals += part
                 interval = engine.metrics(part)
-                if skipped_now:  # which interval skipped (an fp16 overflow halves the scale): the step records say
-                    interval["nonfinite_steps"] = float(skipped_now)
-                if engine.loss_scale is not None:
-                    interval["loss_scale"] = engine.loss_scale_value()
+                interval.update(skip_metrics(skipped_now, engine))  # which interval skipped, at which fp16 scale
                 bar.set_postfix(loss=f"{interval['loss']:.4f}")
                 self.reporter.record({"type": "step", "epoch": epoch + 1, "step": progress.global_step,
                                       "lr": engine.lr(progress.global_step), **interval})
@@ -197,10 +194,7 @@ class Trainer:
                                       self.checkpointer.last)
         bar.close()
         metrics = engine.metrics(totals, by_element=True)
-        if skipped:
-            metrics["nonfinite_steps"] = float(skipped)
-        if engine.loss_scale is not None:
-            metrics["loss_scale"] = engine.loss_scale_value()
+        metrics.update(skip_metrics(skipped, engine))
         compile_time = engine.compiled.total() - compile_before
         elapsed = time.perf_counter() - start - compile_time
         metrics["data_wait"] = (self.data.loader.wait_time - wait_before) / max(elapsed, 1e-9)
@@ -261,3 +255,11 @@ class Trainer:
             best_weights["reference_energies_fit"] = progress.reference_fit
         self.checkpointer.save_epoch(progress, state, improved, best_weights, self.engine.evaluation_weights)
         self.guards.saved()
+
+
+def skip_metrics(skipped: int, engine) -> Dict[str, float]:
+    """``nonfinite_steps`` when steps were skipped, and fp16's ``loss_scale`` now: for a step or an epoch record."""
+    out = {"nonfinite_steps": float(skipped)} if skipped else {}
+    if engine.loss_scale is not None:
+        out["loss_scale"] = engine.loss_scale_value()
+    return out
