@@ -1,5 +1,6 @@
 """Shared fixtures: paths to the bundled test data and the PyTorch parity reference."""
 
+import contextlib
 import fcntl
 import os
 import sys
@@ -39,6 +40,21 @@ def reference_graph(z, i):
         n_node=np.array([len(z[p + "numbers"])]), n_edge=np.array([len(z[p + "senders"])]),
         energy=z[p + "label_energy"], forces=z[p + "label_forces"], stress=z[p + "label_stress"],
     )
+
+
+@contextlib.contextmanager
+def op_by_op():
+    """Run the cells called inside op by op (PyNative), then back in graph mode. For checks that call a model's
+    layers one at a time: in graph mode each layer's first call on each input shape is a compilation of its own
+    (a full-size model's 15 layers: 15 compilations), which is all such a check would spend its time on; the whole
+    model's compiled graph is checked by the prediction tests."""
+    import mindspore as ms
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    try:
+        yield
+    finally:
+        ms.set_context(mode=ms.GRAPH_MODE)
 
 
 LARGE_MEMORY = "needs ~9 GB of memory, more than CI's 6 GB: run it with ORB_LARGE_MEMORY=1"
