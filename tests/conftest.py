@@ -62,7 +62,10 @@ LARGE_MEMORY = "needs ~9 GB of memory, more than CI's 6 GB: run it with ORB_LARG
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "large_memory: " + LARGE_MEMORY)
-    config.addinivalue_line("markers", "alone: a full-size model (3-5 GB): under -n 2 the other worker waits")
+    config.addinivalue_line("markers", "alone: a full-size model (2.5-5 GB): under -n 2 the other worker waits, or runs "
+                                       "the light files (LIGHT) if the run peaks under 4 GB")
+    config.addinivalue_line("markers", "whole_machine: an alone run above 4 GB (or not measured): the light files "
+                                       "wait too")
 
 
 def is_full_size(item) -> bool:
@@ -70,22 +73,38 @@ def is_full_size(item) -> bool:
             or item.name == "test_smoke_test_passes_and_prints_a_report")
 
 
+# Files whose tests never hold a large model: each peaks under 0.9 GB run alone in one process (/usr/bin/time,
+# 2026-11-26: graphs 0.11, formats 0.60, optimizer 0.54, blocks 0.47, cache 0.10, dataset 0.10, schedule_config 0.43,
+# install 0.72, pieces 0.84, uncertainty 0.78, model_names 0.85, export 0.82 GB). They run beside the full-size
+# runs that peak under 4 GB (VmHWM measured: the orb-v3 parity runs 2.4-3.6 GB but orb_v3_direct_omol's portable
+# one, 5.0 GB, which is marked whole_machine), so the second core works while those compile: at most
+# 3.6 + 0.9 GB + the first worker's small process, under CI's 6 GB.
+LIGHT = ("test_graphs", "test_formats", "test_optimizer", "test_blocks", "test_install", "test_pieces",
+         "test_uncertainty", "test_model_names", "test_export", "test_cache", "test_dataset", "test_schedule_config")
+
 # The README's command runs two pytest-xdist workers, each taking whole files in this order (--dist loadfile
 # --no-loadscope-reorder: a file's module-scoped runs happen once, the data-parallel jobs one after another): the
-# full-size parity runs first, while both workers are small, then the longest files, so that the two workers end
-# together.
-LONGEST_FIRST = ("test_orb_v3", "test_parallel", "test_smoke", "test_preemption", "test_replay", "test_precision",
-                 "test_training", "test_strategies", "test_use", "test_relax", "test_md")
+# full-size parity runs first, while both workers are small, the light files beside them on the other worker, then
+# the longest files, so that the two workers end together.
+LONGEST_FIRST = ("test_orb_v3",) + LIGHT + ("test_parallel", "test_smoke", "test_preemption", "test_replay",
+                                            "test_precision", "test_training", "test_strategies", "test_use",
+                                            "test_relax", "test_md")
+
+
+def module_name(item) -> str:
+    return getattr(item.module, "__name__", "")
 
 
 def pytest_collection_modifyitems(config, items):
-    # The full-size subprocesses (the parity runs, up to 5.3 GB in the portable profile; the smoke test's training
+    # The full-size subprocesses (the parity runs, up to 5.0 GB in the portable profile; the smoke test's training
     # step) go first in their files, while the test process is small (later tests leave it holding 2-3 GB).
     rank = {name: k for k, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: (rank.get(getattr(item.module, "__name__", ""), len(rank)), not is_full_size(item)))
+    items.sort(key=lambda item: (rank.get(module_name(item), len(rank)), not is_full_size(item)))
     for item in items:
         if is_full_size(item):
             item.add_marker(pytest.mark.alone)
+            if item.name == "test_smoke_test_passes_and_prints_a_report":  # its subprocesses' peaks: not measured
+                item.add_marker(pytest.mark.whole_machine)
     if os.environ.get("ORB_LARGE_MEMORY") != "1":
         for item in items:
             if "large_memory" in item.keywords:
@@ -97,20 +116,32 @@ def pytest_runtest_protocol(item, nextitem):
     """Under pytest-xdist a test marked ``alone`` runs while the other worker waits (from the setup of its fixtures,
     module-scoped ones included, to their teardown), so a full-size model's memory never adds to another test's: a
     turnstile lock orders the turns, a shared/exclusive lock on a second file lets other tests overlap each other
-    only."""
+    only. A test of a LIGHT file takes neither: it may run beside anything but a ``whole_machine`` run, which holds
+    a third lock exclusively (the light tests share it)."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         yield
         return
     run = os.path.join(tempfile.gettempdir(), f"orb-tests-{os.environ.get('PYTEST_XDIST_TESTRUNUID', 'run')}")
-    with open(run + ".turnstile", "a") as turnstile, open(run + ".memory", "a") as memory:
+    with open(run + ".turnstile", "a") as turnstile, open(run + ".memory", "a") as memory, \
+            open(run + ".light", "a") as light:
+        if module_name(item) in LIGHT:
+            fcntl.flock(light, fcntl.LOCK_SH)
+            try:
+                yield
+            finally:
+                fcntl.flock(light, fcntl.LOCK_UN)
+            return
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         alone = "alone" in item.keywords
         fcntl.flock(memory, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if "whole_machine" in item.keywords:
+            fcntl.flock(light, fcntl.LOCK_EX)
         if not alone:
             fcntl.flock(turnstile, fcntl.LOCK_UN)
         try:
             yield
         finally:
+            fcntl.flock(light, fcntl.LOCK_UN)
             fcntl.flock(memory, fcntl.LOCK_UN)
             fcntl.flock(turnstile, fcntl.LOCK_UN)
 
