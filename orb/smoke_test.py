@@ -171,7 +171,7 @@ def time_precisions(target: str, modes, cpu_step=None) -> dict:
     out = {}
     for mode in modes:
         try:
-            if target == "CPU" and cpu_step is not None and mode.startswith("float32-"):
+            if target == "CPU" and cpu_step is not None and mode in ("float32-high", "float32-highest"):
                 step = cpu_step
             else:
                 step = _step_in_subprocess(target, "auto", mode)

@@ -44,17 +44,18 @@ def reference_graph(z, i):
 
 @contextlib.contextmanager
 def op_by_op():
-    """Run the cells called inside op by op (PyNative), then back in graph mode. For checks that call a model's
+    """Run the cells called inside op by op (PyNative), then in the mode before. For checks that call a model's
     layers one at a time: in graph mode each layer's first call on each input shape is a compilation of its own
     (a full-size model's 15 layers: 15 compilations), which is all such a check would spend its time on; the whole
     model's compiled graph is checked by the prediction tests."""
     import mindspore as ms
 
+    before = ms.get_context("mode")
     ms.set_context(mode=ms.PYNATIVE_MODE)
     try:
         yield
     finally:
-        ms.set_context(mode=ms.GRAPH_MODE)
+        ms.set_context(mode=before)
 
 
 LARGE_MEMORY = "needs ~9 GB of memory, more than CI's 6 GB: run it with ORB_LARGE_MEMORY=1"
@@ -62,25 +63,27 @@ LARGE_MEMORY = "needs ~9 GB of memory, more than CI's 6 GB: run it with ORB_LARG
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "large_memory: " + LARGE_MEMORY)
-    config.addinivalue_line("markers", "alone: a full-size model (2.5-5 GB): under -n 2 the other worker waits, or runs "
-                                       "the light files (LIGHT) if the run peaks under 4 GB")
-    config.addinivalue_line("markers", "whole_machine: an alone run above 4 GB (or not measured): the light files "
-                                       "wait too")
+    config.addinivalue_line("markers", "alone: a full-size model (2.5-8 GB): under -n 2 the other worker waits")
+    config.addinivalue_line("markers", "beside_light: an alone run measured under 4 GB: the other worker may run the "
+                                       "LIGHT files meanwhile")
+
+
+def module_name(item) -> str:
+    return getattr(item.module, "__name__", "")
 
 
 def is_full_size(item) -> bool:
-    return ((getattr(item.module, "__name__", "") == "test_orb_v3" and item.name.startswith("test_matches_pytorch"))
+    return ((module_name(item) == "test_orb_v3" and item.name.startswith(("test_matches_pytorch", "test_large_memory")))
             or item.name == "test_smoke_test_passes_and_prints_a_report")
 
 
-# Files whose tests never hold a large model: each peaks under 0.9 GB run alone in one process (/usr/bin/time,
-# 2026-11-26: graphs 0.11, formats 0.60, optimizer 0.54, blocks 0.47, cache 0.10, dataset 0.10, schedule_config 0.43,
-# install 0.72, pieces 0.84, uncertainty 0.78, model_names 0.85, export 0.82 GB). They run beside the full-size
-# runs that peak under 4 GB (VmHWM measured: the orb-v3 parity runs 2.4-3.6 GB but orb_v3_direct_omol's portable
-# one, 5.0 GB, which is marked whole_machine), so the second core works while those compile: at most
-# 3.6 + 0.9 GB + the first worker's small process, under CI's 6 GB.
-LIGHT = ("test_graphs", "test_formats", "test_optimizer", "test_blocks", "test_install", "test_pieces",
-         "test_uncertainty", "test_model_names", "test_export", "test_cache", "test_dataset", "test_schedule_config")
+# Files whose tests hold only small models (the 2-layer test model) and start no subprocess: each peaks under
+# 0.9 GB run alone in one process (/usr/bin/time, 2026-11-26: graphs 0.11, optimizer 0.54, blocks 0.47, pieces 0.84,
+# cache 0.10, dataset 0.10, schedule_config 0.43 GB). They run beside the alone runs marked beside_light (peaks
+# measured under 4 GB), so the second core works while those compile: under 3.6 + 0.9 GB + the first worker's
+# process, which is small then (its first tests). Every other alone run keeps the whole machine.
+LIGHT = ("test_graphs", "test_optimizer", "test_blocks", "test_pieces", "test_cache", "test_dataset",
+         "test_schedule_config")
 
 # The README's command runs two pytest-xdist workers, each taking whole files in this order (--dist loadfile
 # --no-loadscope-reorder: a file's module-scoped runs happen once, the data-parallel jobs one after another): the
@@ -91,10 +94,6 @@ LONGEST_FIRST = ("test_orb_v3",) + LIGHT + ("test_parallel", "test_smoke", "test
                                             "test_relax", "test_md")
 
 
-def module_name(item) -> str:
-    return getattr(item.module, "__name__", "")
-
-
 def pytest_collection_modifyitems(config, items):
     # The full-size subprocesses (the parity runs, up to 5.0 GB in the portable profile; the smoke test's training
     # step) go first in their files, while the test process is small (later tests leave it holding 2-3 GB).
@@ -103,8 +102,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if is_full_size(item):
             item.add_marker(pytest.mark.alone)
-            if item.name == "test_smoke_test_passes_and_prints_a_report":  # its subprocesses' peaks: not measured
-                item.add_marker(pytest.mark.whole_machine)
     if os.environ.get("ORB_LARGE_MEMORY") != "1":
         for item in items:
             if "large_memory" in item.keywords:
@@ -116,8 +113,8 @@ def pytest_runtest_protocol(item, nextitem):
     """Under pytest-xdist a test marked ``alone`` runs while the other worker waits (from the setup of its fixtures,
     module-scoped ones included, to their teardown), so a full-size model's memory never adds to another test's: a
     turnstile lock orders the turns, a shared/exclusive lock on a second file lets other tests overlap each other
-    only. A test of a LIGHT file takes neither: it may run beside anything but a ``whole_machine`` run, which holds
-    a third lock exclusively (the light tests share it)."""
+    only. A test of a LIGHT file takes neither, only a third lock shared with the other light tests, which an alone
+    run holds exclusively unless it is marked ``beside_light``."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         yield
         return
@@ -134,7 +131,7 @@ def pytest_runtest_protocol(item, nextitem):
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         alone = "alone" in item.keywords
         fcntl.flock(memory, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        if "whole_machine" in item.keywords:
+        if alone and "beside_light" not in item.keywords:
             fcntl.flock(light, fcntl.LOCK_EX)
         if not alone:
             fcntl.flock(turnstile, fcntl.LOCK_UN)

@@ -39,14 +39,16 @@ TOLERANCES = dict(
 # products with ones, hand-written backward passes) and "portable" (MindSpore's operators and their gradients: what
 # Ascend and GPU run), within the same tolerances. The two "inf" models differ only in their graph (120
 # neighbours), which is the same code for both: one runs.
+# Each run's peak memory (VmHWM, 2026-11-26) beside it: under 4 GB, the light test files may run beside it
+# (beside_light, tests/conftest.py).
+BESIDE_LIGHT = pytest.mark.beside_light
 RUNS = [
-    ("orb_v3_conservative_20_omat", "loss.train", "cpu"),
-    ("orb_v3_conservative_20_omat", "loss.train_equigrad", "portable"),
-    ("orb_v3_direct_20_omat", "predict,inter,loss", "cpu"),
-    pytest.param("orb_v3_direct_omol", "predict,inter,loss", "portable",  # 5.0 GB (VmHWM): see tests/conftest.py
-                 marks=pytest.mark.whole_machine),
-    ("orb_v3_conservative_omol", "predict,inter,loss.eval", "cpu"),
-    ("orb_v3_conservative_inf_omat", "predict,inter", "cpu"),
+    pytest.param("orb_v3_conservative_20_omat", "loss.train", "cpu", marks=BESIDE_LIGHT),  # 2.9 GB
+    pytest.param("orb_v3_conservative_20_omat", "loss.train_equigrad", "portable", marks=BESIDE_LIGHT),  # 3.6 GB
+    pytest.param("orb_v3_direct_20_omat", "predict,inter,loss", "cpu", marks=BESIDE_LIGHT),  # 2.5 GB
+    ("orb_v3_direct_omol", "predict,inter,loss", "portable"),  # 5.0 GB
+    pytest.param("orb_v3_conservative_omol", "predict,inter,loss.eval", "cpu", marks=BESIDE_LIGHT),  # 3.0 GB
+    pytest.param("orb_v3_conservative_inf_omat", "predict,inter", "cpu", marks=BESIDE_LIGHT),  # 2.6 GB
 ]
 # Training conservative_omol on the reference batch (225 atoms, 14,940 edges at 120 neighbours)
 # peaks at 8.1 GB (PyTorch: 10.1 GB), above CI's 6 GB: it runs with ORB_LARGE_MEMORY=1 (README).
