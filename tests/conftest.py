@@ -77,13 +77,15 @@ def is_full_size(item) -> bool:
             or item.name == "test_smoke_test_passes_and_prints_a_report")
 
 
-# Files whose tests hold only small models (the 2-layer test model) and start no subprocess: each peaks under
-# 0.9 GB run alone in one process (/usr/bin/time, 2026-11-26: graphs 0.11, optimizer 0.54, blocks 0.47, pieces 0.84,
-# cache 0.10, dataset 0.10, schedule_config 0.43 GB). They run beside the alone runs marked beside_light (peaks
-# measured under 4 GB), so the second core works while those compile: under 3.6 + 0.9 GB + the first worker's
-# process, which is small then (its first tests). Every other alone run keeps the whole machine.
-LIGHT = ("test_graphs", "test_optimizer", "test_blocks", "test_pieces", "test_cache", "test_dataset",
-         "test_schedule_config")
+# Files whose tests hold only small models (the 2-layer test model; formats' and install's subprocesses the demo's):
+# each peaks under 0.9 GB over its processes, run alone with CI's environment (2026-11-26: graphs 0.11, optimizer
+# 0.54, blocks 0.47, pieces 0.84, cache 0.10, dataset 0.10, schedule_config 0.43 GB, one process each; formats 0.70
+# and install 0.59 GB summed over the test process and its children). They run beside the alone runs marked
+# beside_light (peaks measured under 4 GB), so the second core works while those compile: under 3.6 + 0.9 GB + the
+# first worker's process, which is small then (its first tests). Every other alone run keeps the whole machine.
+# Not light: uncertainty (1.4 GB summed), export (1.2 GB), model_names and checkpoint (full-size models and peers).
+LIGHT = ("test_graphs", "test_optimizer", "test_blocks", "test_pieces", "test_formats", "test_install", "test_cache",
+         "test_dataset", "test_schedule_config")
 
 # The README's command runs two pytest-xdist workers, each taking whole files in this order (--dist loadfile
 # --no-loadscope-reorder: a file's module-scoped runs happen once, the data-parallel jobs one after another): the
