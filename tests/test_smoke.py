@@ -39,3 +39,14 @@ def test_smoke_test_fails_on_a_wrong_model():
     bias.set_data(ms.Tensor(bias.asnumpy() + 1e-3))
     result = smoke_test.check_predictions(model)
     assert not result["passed"] and result["worst_error_over_tolerance"]["energy"] > 1.0
+
+
+def test_only_the_float32_modes_reuse_the_cpu_step():
+    """On a CPU the float32 modes report the device comparison's step; any other name is still run, so a misspelt
+    one is refused in one line instead of reported with float32's timing."""
+    from orb import smoke_test
+
+    step = {"loss": 1.5, "grad_norm": 2.0, "compile_s": 3.0, "step_s": 0.5}
+    out = smoke_test.time_precisions("CPU", ["float32-high", "float32-hihg"], cpu_step=step)
+    assert out["float32-high"]["step_s"] == 0.5 and out["float32-high"]["loss"] == 1.5
+    assert "step_s" not in out["float32-hihg"] and "float32-hihg" in out["float32-hihg"]["error"]
