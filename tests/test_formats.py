@@ -176,8 +176,10 @@ def test_a_frame_without_labels_is_named_by_file_and_frame_when_training(tmp_pat
     assert not out.exists() or not any(out.iterdir())
 
 
-ATTRIBUTES = [dict(weight=7.0, charge=-1.0, spin=2.0), dict(weight=1.0, charge=0.0, spin=1.0),
-              dict(weight=0.0, charge=1.0, spin=3.0), dict(weight=2.5, charge=0.0, spin=1.0)]
+ATTRIBUTES = [dict(weight=7.0, charge=-1.0, spin=2.0, config_type="bulk", md_step=0, relaxed=True),
+              dict(weight=1.0, charge=0.0, spin=1.0, config_type="surface", md_step=40, relaxed=False),
+              dict(weight=0.0, charge=1.0, spin=3.0, config_type="bulk", md_step=80, relaxed=True),
+              dict(weight=2.5, charge=0.0, spin=1.0, config_type="defect", md_step=120, relaxed=False)]
 
 
 def write_with_attributes(kind, folder, frames):
@@ -219,11 +221,14 @@ def write_with_attributes(kind, folder, frames):
 @pytest.mark.parametrize("kind", ["sqlite", "list", "extxyz", "folder", "aselmdb"])
 def test_per_structure_attributes_survive_every_format(tmp_path, cache, kind):
     """A structure's loss weight, total charge and spin reach the graphs the trainer batches whatever the format
-    (a list of databases, extxyz and ASE-LMDB dropped the weight: every structure weighed 1), with its labels."""
+    (a list of databases, extxyz and ASE-LMDB dropped the weight: every structure weighed 1), with its labels; its
+    tags and other info reach the structures orb-md and orb-relax start from."""
     from orb.data.dataset import AseDbDataset
     from orb.data.formats import readable_database
 
     frames = demo_frames()[:len(ATTRIBUTES)]
+    for k, atoms in enumerate(frames):  # adsorbate / layer labels, as a user marks atoms
+        atoms.set_tags(np.arange(len(atoms)) % 3 + k)
     data = AseDbDataset(readable_database(write_with_attributes(kind, tmp_path, frames)), charge_spin=True)
     data.census()
     np.testing.assert_array_equal(data.weights, [a["weight"] for a in ATTRIBUTES])
@@ -234,6 +239,12 @@ def test_per_structure_attributes_survive_every_format(tmp_path, cache, kind):
         assert data.charge_and_spin(i) == (attributes["charge"], attributes["spin"])
         np.testing.assert_allclose(graph.energy, [atoms.get_potential_energy()], rtol=1e-7)
         np.testing.assert_allclose(graph.forces, atoms.get_forces(), atol=1e-6)
+        # what orb-md's trajectories and orb-relax's rows start from: the tags and the structure's other info (an
+        # extxyz frame's config_type was dropped, and every format's tags)
+        start = data.get_atoms(i)
+        np.testing.assert_array_equal(start.get_tags(), atoms.get_tags())
+        assert {k: start.info.get(k) for k in ("config_type", "md_step", "relaxed")} == {
+            k: attributes[k] for k in ("config_type", "md_step", "relaxed")}
 
 
 @pytest.mark.parametrize("value, key, message", [

@@ -31,7 +31,7 @@ from orb.errors import DatasetError
 log = logging.getLogger("orb")
 SQLITE_MAGIC = b"SQLite format 3\x00"
 CONVERTED = "converted"
-VERSION = 4  # 2: the frames' weight kept; 3: their momenta; 4: their masses and constraints
+VERSION = 5  # 2: the frames' weight kept; 3: their momenta; 4: their masses and constraints; 5: tags, other info
 AUTO = {"energy": ("REF_energy", "energy"), "forces": ("REF_forces", "forces"), "stress": ("REF_stress", "stress")}
 
 
@@ -247,11 +247,12 @@ def _convert(files: List[str], keys: LabelKeys, target: str, progress: bool) -> 
                                                    f"{with_it[1]} has one: give every structure a stress or none",
                                        key="stress")
                 pairs = _structure_attributes(atoms, keys, path, frame)
+                pairs.update(_other_attributes(atoms, keys, pairs))
                 clean = atoms.copy()
                 clean.info = {}
                 for extra in list(clean.arrays):
-                    if extra not in ("numbers", "positions", "momenta", "masses"):  # what orb-md needs: velocities,
-                        del clean.arrays[extra]  # masses (isotopes); constraints are kept by copy()
+                    if extra not in ("numbers", "positions", "momenta", "masses", "tags"):  # what orb-md needs:
+                        del clean.arrays[extra]  # velocities, masses (isotopes), tags; copy() keeps constraints
                 if results:
                     clean.calc = SinglePointCalculator(clean, **results)
                 db.write(clean, key_value_pairs=pairs)
@@ -279,6 +280,34 @@ def _structure_attributes(atoms, keys: LabelKeys, path: str, frame: int) -> dict
                 raise DatasetError(path, f"frame {frame}: weight must be >= 0, got {value}", key=key)
             pairs[name] = value
     return pairs
+
+
+def _other_attributes(atoms, keys: LabelKeys, pairs: dict) -> dict:
+    """The frame's other per-structure attributes in ``info`` (its ``config_type``, a source id, a flag) that a row
+    of an ASE database can hold as key-value pairs (a valid name, a number, bool or text; not a label), so that an
+    extxyz frame reaches orb-md's trajectories and orb-relax's rows as a database row does. Arrays and nested values
+    are not carried."""
+    from ase.db.core import check
+
+    labels = {keys.energy, keys.forces, keys.stress, *(name for names in AUTO.values() for name in names)}
+    out = {}
+    for key, value in atoms.info.items():
+        if key in pairs or key in labels or key in ("weight", "charge", "spin"):
+            continue
+        if isinstance(value, (bool, np.bool_)):
+            value = bool(value)
+        elif isinstance(value, (int, np.integer)):
+            value = int(value)
+        elif isinstance(value, (float, np.floating)) and np.isfinite(value):
+            value = float(value)
+        elif not (isinstance(value, str) and value):
+            continue
+        try:
+            check({key: value})
+        except ValueError:  # a name ASE reserves or cannot store
+            continue
+        out[key] = value
+    return out
 
 
 def frame_of(sources: List[Tuple[str, int]], row_id: int) -> Tuple[str, int]:

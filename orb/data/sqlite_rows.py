@@ -17,7 +17,7 @@ import numpy as np
 from orb.errors import DatasetError
 
 COLUMNS = ("id, natoms, numbers, positions, cell, pbc, energy, forces, stress, key_value_pairs, data, momenta, masses, "
-           "constraints")
+           "constraints, tags")
 LOCK_FREE_UNLESS = ("-wal", "-journal")  # files that show a writer (then: read-only, with SQLite's locks)
 BIG_ENDIAN = not np.little_endian
 
@@ -55,13 +55,14 @@ class Row:
     """What training reads of one database row (names as ``ase.db``'s rows)."""
 
     __slots__ = ("id", "natoms", "numbers", "positions", "cell", "pbc", "energy", "forces", "stress", "_kvp",
-                 "raw_data", "momenta", "masses", "constraints")
+                 "raw_data", "momenta", "masses", "constraints", "tags")
 
     def __init__(self, values):
         (self.id, self.natoms, numbers, positions, cell, pbc, self.energy, forces, stress, self._kvp,
-         self.raw_data, momenta, masses, self.constraints) = values
-        # what dynamics needs beyond training: the structure's own velocities, masses (isotopes) and constraints
+         self.raw_data, momenta, masses, self.constraints, tags) = values
+        # what dynamics needs beyond training: the structure's own velocities, masses (isotopes), constraints, tags
         self.momenta = _array(momenta, shape=(-1, 3))
+        self.tags = _array(tags, np.int32)
         self.masses = _array(masses)
         self.numbers = _array(numbers, np.int32)
         self.positions = _array(positions, shape=(-1, 3))
@@ -99,7 +100,7 @@ class Row:
         from ase.calculators.singlepoint import SinglePointCalculator
 
         atoms = Atoms(numbers=self.numbers, positions=self.positions, cell=self.cell, pbc=self.pbc,
-                      momenta=self.momenta, masses=self.masses, info=dict(self.key_value_pairs))
+                      momenta=self.momenta, masses=self.masses, tags=self.tags, info=dict(self.key_value_pairs))
         if self.constraints:
             from ase.constraints import dict2constraint
             from ase.io.jsonio import decode
