@@ -14,6 +14,22 @@ def quiet_mindspore() -> None:
     os.environ.setdefault("GLOG_v", "3")
 
 
+def import_mindspore() -> None:
+    """Import MindSpore (quietly) with stop signals only noted meanwhile, then honoured: a signal that interrupts the
+    import of its C++ extension leaves an interpreter that aborts when it exits (measured: SIGTERM 1 s into
+    orb-convert ended it with SIGABRT, not status 75). Every command calls this before anything imports MindSpore."""
+    import sys
+
+    quiet_mindspore()
+    if "mindspore" in sys.modules:
+        return
+    from orb.signals import STOP
+
+    with STOP.deferred():
+        import mindspore  # noqa: F401
+    STOP.stop_if_received()
+
+
 def select_device(requested: str) -> str:
     """``auto`` picks Ascend, then GPU, then CPU (whichever MindSpore can use here)."""
     if requested != "auto":
@@ -45,7 +61,7 @@ def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_thr
     """
     from orb import precision as numerics
 
-    quiet_mindspore()
+    import_mindspore()
     import mindspore as ms
 
     numerics.check_precision(precision)

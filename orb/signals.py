@@ -27,6 +27,7 @@ from typing import Optional
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 STOPPED_STATUS = 75  # EX_TEMPFAIL: stopped on request, nothing lost; resuming continues the run
 RESUME_HINT = "continue with --resume auto"  # the launcher recognises a worker that stopped cleanly by this
+RESUME_FLAG = "continue with --resume"  # orb-md's and orb-relax's --resume takes no value
 
 
 class Stopped(BaseException):
@@ -47,6 +48,7 @@ class StopSignals:
         self._when = 0.0
         self._depth = 0  # nesting of deferred() phases
         self._installed = False
+        self.resume_hint = RESUME_HINT  # how this command continues a run (orb-md, orb-relax: a bare --resume)
 
     def _note(self, number, _frame):
         name = signal.Signals(number).name
@@ -56,8 +58,17 @@ class StopSignals:
         if self.received is None:
             self.received, self._when = name, time.monotonic()
         if self._depth == 0:
-            raise Stopped(f"stopped by {name} during start-up (nothing to save yet): run the same command again to "
-                          f"start it, or {RESUME_HINT} (exit status {STOPPED_STATUS})")
+            raise Stopped(self.startup_message(name))
+
+    def startup_message(self, name: str) -> str:
+        again = f", or {self.resume_hint}" if self.resume_hint else ""
+        return (f"stopped by {name} during start-up (nothing to save yet): run the same command again to start it"
+                f"{again} (exit status {STOPPED_STATUS})")
+
+    def stop_if_received(self) -> None:
+        """After a start-up step run deferred (:func:`orb.device.import_mindspore`): stop now if a signal came."""
+        if self.received is not None:
+            raise Stopped(self.startup_message(self.received))
 
     def install(self) -> dict:
         """Listen from now on (main thread only: Python delivers signals there); returns the handlers replaced."""
@@ -90,8 +101,10 @@ class StopSignals:
 STOP = StopSignals()
 
 
-def listen() -> StopSignals:
-    """Install the process's listener (command lines call this first) and return it."""
+def listen(resume_hint: str = RESUME_HINT) -> StopSignals:
+    """Install the process's listener (command lines call this first) and return it. ``resume_hint``: what the
+    start-up message tells the user to run to continue (empty for commands with nothing to continue)."""
+    STOP.resume_hint = resume_hint
     STOP.install()
     return STOP
 

@@ -61,6 +61,25 @@ def op_by_op():
 LARGE_MEMORY = "needs ~9 GB of memory, more than CI's 6 GB: run it with ORB_LARGE_MEMORY=1"
 
 
+def wait_until_handling(process, signum, timeout=120.0) -> None:
+    """Until ``process`` has installed its own handler of ``signum`` (Linux: its SigCgt mask): a command's stop
+    listener is in place, so a signal sent now reaches it in its next start-up step (loading MindSpore)."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert process.poll() is None, "the process ended before it listened"
+        try:
+            with open(f"/proc/{process.pid}/status") as f:
+                caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+        except (OSError, StopIteration):
+            caught = 0
+        if caught >> (int(signum) - 1) & 1:
+            return
+        time.sleep(0.005)
+    raise AssertionError("the process never installed its handler")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "large_memory: " + LARGE_MEMORY)
     config.addinivalue_line("markers", "alone: a full-size model (2.5-8 GB): under -n 2 the other worker waits")

@@ -212,3 +212,29 @@ def test_pytorch_orb_models_loads_our_export_and_predicts_the_same(tmp_path, ref
         np.testing.assert_allclose(ours["energy"], theirs[f"{n}/energy"], atol=1e-4, rtol=1e-6, err_msg=n)
         np.testing.assert_allclose(ours["forces"], theirs[f"{n}/forces"], atol=2e-5, err_msg=n)
         np.testing.assert_allclose(ours["stress"][0], theirs[f"{n}/stress"], atol=1e-5, err_msg=n)
+
+
+def test_convert_names_an_unwritable_target_in_one_line_and_exits_75_on_a_stop_signal(tmp_path):
+    """A target it cannot write is one line and status 1 (it was a traceback); a stop signal ends it with status 75
+    and leaves no temporary (it was killed by the signal; arriving while MindSpore loads, it aborted the process at
+    exit)."""
+    import signal
+    import time
+
+    from conftest import wait_until_handling
+
+    target = os.path.join(ROOT, "README.md", "x.ckpt")  # a file where the folder should be
+    result = subprocess.run([sys.executable, "-m", "orb.io.convert", "data/demo_pretrained.ckpt", target, "--to",
+                             "torch"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"error: cannot write {target}: "), \
+        result.stderr[-2000:]
+    process = subprocess.Popen([sys.executable, "-m", "orb.io.convert", "data/demo_pretrained.ckpt",
+                                str(tmp_path / "out.pt"), "--to", "torch"], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    wait_until_handling(process, signal.SIGTERM)  # listening: what comes next is importing MindSpore (seconds)
+    time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 75 and err.strip().splitlines()[-1].startswith("stopped by SIGTERM"), err[-2000:]
+    assert os.listdir(tmp_path) == []

@@ -49,6 +49,8 @@ def test_an_exported_model_predicts_what_the_checkpoint_predicts(tmp_path, check
     (["--checkpoint", "data/demo_pretrained.ckpt"], "give the batch shapes to export"),
     (["--checkpoint", "data/demo_pretrained.ckpt", "--shape", "64,x,5"], "--shape '64,x,5': expected NODES,EDGES,GRAPHS"),
     (["--checkpoint", "README.md", "--shape", "64,1280,5"], "README.md: cannot read MindSpore checkpoint"),
+    (["--checkpoint", "data/demo_pretrained.ckpt", "--data", "data/demo_val.db", "--batch_size", "0"],
+     "--batch_size must be at least 1, got 0"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message):
     out = tmp_path / "model.mindir"

@@ -136,7 +136,9 @@ def test_bad_input_is_one_line_and_a_broken_structure_is_named_while_the_others_
     path, frames = start_frames(tmp_path)
     for args, message in ((["--timestep", "0"], "--timestep must be a finite number > 0, got 0.0"),
                           (["--timestep", "1", "--temperature", "-5"],
-                           "--temperature must be a finite number >= 0, got -5.0")):
+                           "--temperature must be a finite number >= 0, got -5.0"),
+                          (["--timestep", "1", "--ensemble", "npt", "--pressure", "nan"],  # a NaN cell, every
+                           "--pressure must be a finite number (bar), got nan")):         # structure "failed"
         result = orb_md(tmp_path, "bad", "--data", path, "--steps", "5", *args)
         assert result.returncode == 2 and result.stderr.strip().splitlines() == [f"error: {message}"], result.stderr
     overlapping = frames[1].copy()
@@ -153,22 +155,35 @@ def test_bad_input_is_one_line_and_a_broken_structure_is_named_while_the_others_
 
 def test_extending_a_run_and_stopping_uncertain_structures_survive_a_resume(tmp_path):
     """A run of 0 steps (its state at step 0) extended with --resume writes frame 0 once (ASE observes step 0
-    again); a structure --stop_uncertain stopped keeps its stopping frame and stays stopped on --resume; other
-    settings on --resume are refused in one line."""
+    again), and so does a structure killed between its first frame and its first state (it starts again: its
+    frame was written twice); a structure --stop_uncertain stopped keeps its stopping frame and stays stopped on
+    --resume; other settings or other structures on --resume are refused in one line, and a refused --overwrite
+    deletes nothing."""
     import ase.io
 
-    path, _ = start_frames(tmp_path)
+    path, frames = start_frames(tmp_path)
     common = ["--data", path, "--ensemble", "nve", "--timestep", "1", "--write_every", "3"]
     assert orb_md(tmp_path, "md", *common, "--steps", "0").returncode == 0
+    os.remove(tmp_path / "md" / "state_1.json")  # killed after structure 1's step-0 frame, before its state
     assert orb_md(tmp_path, "md", *common, "--steps", "6", "--resume").returncode == 0
-    log = np.genfromtxt(tmp_path / "md" / "log_0.csv", delimiter=",", names=True)
-    assert list(log["step"]) == [0, 3, 6]
-    assert [f.info["step"] for f in ase.io.read(tmp_path / "md" / "traj_0.extxyz", index=":")] == [0, 3, 6]
+    for k in (0, 1):
+        log = np.genfromtxt(tmp_path / "md" / f"log_{k}.csv", delimiter=",", names=True)
+        assert list(log["step"]) == [0, 3, 6], k
+        assert [f.info["step"] for f in ase.io.read(tmp_path / "md" / f"traj_{k}.extxyz", index=":")] == [0, 3, 6]
     refused = orb_md(tmp_path, "md", *common[:-4], "--timestep", "2", "--write_every", "3", "--steps", "9",
                      "--resume")
     assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
         f"error: --resume {tmp_path / 'md'}: these settings differ from the run's: timestep: 1.0 -> 2.0. Restore "
         "them, or start a new run in another --output"]
+    ase.io.write(tmp_path / "other.extxyz", frames[::-1], format="extxyz")  # the structures in another order
+    other = orb_md(tmp_path, "md", "--data", str(tmp_path / "other.extxyz"), *common[2:], "--steps", "9", "--resume")
+    lines = other.stderr.strip().splitlines()
+    assert other.returncode == 2 and len(lines) == 1 and "data_fingerprint:" in lines[0], other.stderr[-2000:]
+    kept = {name: os.path.getsize(tmp_path / "md" / name) for name in os.listdir(tmp_path / "md")}
+    overwrite = orb_md(tmp_path, "md", *common, "--steps", "9", "--overwrite", "--stop_uncertain")
+    assert overwrite.returncode == 2 and overwrite.stderr.strip().splitlines() == [
+        "error: --stop_uncertain needs --uncertain_above"]
+    assert {name: os.path.getsize(tmp_path / "md" / name) for name in os.listdir(tmp_path / "md")} == kept
     stopping = common + ["--uncertain_above", "0.12", "--stop_uncertain", "--steps", "6"]
     assert orb_md(tmp_path, "stop", *stopping).returncode == 0
     first = json.load(open(tmp_path / "stop" / "summary.json"))["structures"]

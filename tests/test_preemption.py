@@ -508,3 +508,20 @@ def test_a_signal_during_start_up_exits_75(tmp_path):
     assert process.returncode == 75, err[-2000:]
     assert err.strip().splitlines()[-1].startswith("stopped by SIGTERM")
     assert "exit status 75" in err and "Traceback" not in err
+
+
+def test_a_signal_while_mindspore_loads_exits_75(tmp_path):
+    """A stop signal in the seconds MindSpore takes to load (the first start-up step after the listener is in place;
+    a preemption right after a job starts): one line and status 75 (the interrupted import of its C++ extension
+    aborted the process as it exited, SIGABRT, or failed it with an ImportError)."""
+    from conftest import wait_until_handling
+
+    process = subprocess.Popen([sys.executable, "finetune.py", *run_args(tmp_path / "run")], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_until_handling(process, signal.SIGTERM)
+    time.sleep(0.5)  # into the import (0.2-2.2 s after listening, it ended with SIGABRT or an ImportError: exit 1)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 75, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("stopped by SIGTERM during start-up") and "Traceback" not in err
+    assert "device:" not in out  # stopped before the device was chosen: while MindSpore loaded

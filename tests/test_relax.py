@@ -109,8 +109,25 @@ def test_relaxation_resumes_and_refuses_to_mix_outputs(tmp_path):
     assert json.load(open(tmp_path / "relaxed.summary.json"))["already_done"] == 3
     with ase.db.connect(str(out)) as db:
         assert sorted(row.source_row for row in db.select()) == [1, 2, 3, 4, 5]  # each structure once
+    changed = relax_cli("--data", data, "--output", str(out), "--steps", "4", "--fmax", "0.1", "--resume")
+    assert changed.returncode == 2 and changed.stderr.strip().splitlines() == [  # it mixed two settings' rows
+        f"error: --resume {out}: these settings differ from the run's: fmax: 0.05 -> 0.1. Restore them, or start a "
+        "new run in another --output"]
+    refused = relax_cli("--data", data, "--output", str(out), "--overwrite", "--uncertain_above", "0.1")
+    assert refused.returncode == 2 and "orb_v2 has no confidence head" in refused.stderr
+    assert sorted(energies(out)) == [1, 2, 3, 4, 5]  # refused before --overwrite deleted anything
     bad = relax_cli("--data", data, "--output", str(tmp_path / "x.db"), "--dispersion", "d3bj", "--xc", "nope")
     assert bad.returncode == 2 and "unknown xc 'nope'" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    from ase import Atoms
+
+    heavy = tmp_path / "heavy.db"  # dftd3 returns 0 eV for Rf, raises for Mc, crashes the process for Fl
+    with ase.db.connect(str(heavy)) as db:
+        db.write(Atoms("Cu2", positions=[[0, 0, 0], [0, 0, 2.3]]))
+        db.write(Atoms("Rf2", positions=[[0, 0, 0], [0, 0, 2.9]]))
+    bad = relax_cli("--data", str(heavy), "--output", str(tmp_path / "h.db"), "--dispersion", "d3bj")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        f"error: {heavy}, row 2, key 'numbers': Rf (Z=104) has no DFT-D3 parameters (dftd3 covers H to Lr, Z <= 103): "
+        "run without --dispersion"], bad.stderr[-2000:]
 
 
 def rows_in(path):
@@ -200,7 +217,8 @@ def test_a_killed_or_stopped_relaxation_keeps_every_finished_structure(tmp_path,
 
 def test_relaxing_with_an_omol_model_names_a_row_without_charge(tmp_path):
     """OMol models need each structure's total charge and spin: a row without them is one line naming the file,
-    row and key, before any structure is relaxed (it was a TypeError traceback)."""
+    row and key, before any structure is relaxed (it was a TypeError traceback); the relaxed rows keep them (and
+    the rows' other attributes); a structure that cannot be relaxed is named, the others are relaxed."""
     import ase.db
     from ase.build import molecule
 
@@ -223,3 +241,28 @@ def test_relaxing_with_an_omol_model_names_a_row_without_charge(tmp_path):
                                                   "which OMol models need (store it with db.write(atoms, charge=..., "
                                                   "spin=...))"]
     assert not rows_in(tmp_path / "out.db")
+
+    # a structure that cannot be computed is named and the others relax; each relaxed row keeps its input's
+    # attributes, so the OMol model reads the output as it read the input (the charge and spin were dropped)
+    from orb.data.dataset import AseDbDataset
+
+    data = tmp_path / "charged.db"
+    with ase.db.connect(str(data)) as db:
+        db.write(molecule("H2O"), charge=0, spin=1, config_type="solvent")
+        crowded = molecule("CH4")
+        crowded.positions[1] = crowded.positions[0]  # two atoms at one place: no graph
+        db.write(crowded, charge=1, spin=2)
+        db.write(molecule("NH3"), charge=-1, spin=2, config_type="amine")
+    out = tmp_path / "charged_out.db"
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "relax.py"), "--checkpoint",
+                             str(checkpoint), "--device_target", "CPU", "--data", str(data), "--output", str(out),
+                             "--steps", "2", "--progress_bar", "false"], capture_output=True, text=True, timeout=600,
+                            cwd=ROOT)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert [line for line in result.stderr.splitlines() if "stopped" in line][0].startswith("row 2 stopped: step 0:")
+    assert list(json.load(open(tmp_path / "charged_out.summary.json"))["failed_rows"]) == ["2"]
+    relaxed = AseDbDataset(str(out), require_labels=False, charge_spin=True)
+    assert [int(i) for i in relaxed.ids] and [relaxed.row(i).key_value_pairs["source_row"]
+                                              for i in range(len(relaxed))] == [1, 3]
+    assert [relaxed.charge_and_spin(i) for i in range(2)] == [(0.0, 1.0), (-1.0, 2.0)]
+    assert [relaxed.get_atoms(i).info["config_type"] for i in range(2)] == ["solvent", "amine"]

@@ -68,6 +68,8 @@ def test_orb_evaluate_correlates_the_predicted_error_and_collects_uncertain_fram
 
 
 def test_an_orb_v2_model_has_no_confidence_head_and_says_so(tmp_path):
+    """One line, and nothing an earlier run wrote is deleted first (orb-evaluate removed its folder's
+    uncertain.extxyz before the check)."""
     result = subprocess.run([sys.executable, "scripts/relax.py", "--checkpoint", "data/demo_pretrained.ckpt", "--data",
                              DEMO_VAL, "--output", str(tmp_path / "out.db"), "--device_target", "CPU",
                              "--uncertain_above", "0.1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -75,3 +77,13 @@ def test_an_orb_v2_model_has_no_confidence_head_and_says_so(tmp_path):
     assert result.stderr.strip().splitlines() == ["error: --uncertain_above: orb_v2 has no confidence head: predicted "
                                                   "force errors need an orb-v3 model"]
     assert not os.path.exists(tmp_path / "out.db")
+    earlier = tmp_path / "evaluation" / "uncertain.extxyz"
+    earlier.parent.mkdir()
+    earlier.write_text("frames of an earlier evaluation\n")
+    result = subprocess.run([sys.executable, "scripts/evaluate.py", "--checkpoint", "data/demo_pretrained.ckpt",
+                             "--data", DEMO_VAL, "--output_dir", str(earlier.parent), "--device_target", "CPU",
+                             "--progress_bar", "false", "--uncertain_above", "0.1"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == (
+        "error: --uncertain_above: orb_v2 has no confidence head: predicted force errors need an orb-v3 model")
+    assert earlier.read_text() == "frames of an earlier evaluation\n"

@@ -272,6 +272,17 @@ class AseDbDataset:
             return DatasetError(path, message.replace("row has", "frame has"), frame, key, unit="frame")
         return DatasetError(self.path, message, row, key)
 
+    def check_elements_up_to(self, z_max: int, why: str) -> None:
+        """Refuse, in one line naming the first such row, a structure holding an element above ``z_max`` (read from
+        ASE's species table, without touching the rows)."""
+        from ase.data import chemical_symbols
+
+        found = self._read(f"SELECT id, Z FROM species WHERE Z > {int(z_max)} ORDER BY id LIMIT 1", [])
+        if found:
+            row, z = int(found[0][0]), int(found[0][1])
+            symbol = chemical_symbols[z] if z < len(chemical_symbols) else f"element {z}"
+            raise self._error(f"{symbol} (Z={z}) {why}", row, "numbers")
+
     def _read_sources(self) -> list:
         """The files and frame counts of a database indexed from another format, else []."""
         import json

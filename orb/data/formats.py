@@ -284,15 +284,21 @@ def _structure_attributes(atoms, keys: LabelKeys, path: str, frame: int) -> dict
 
 def _other_attributes(atoms, keys: LabelKeys, pairs: dict) -> dict:
     """The frame's other per-structure attributes in ``info`` (its ``config_type``, a source id, a flag) that a row
-    of an ASE database can hold as key-value pairs (a valid name, a number, bool or text; not a label), so that an
-    extxyz frame reaches orb-md's trajectories and orb-relax's rows as a database row does. Arrays and nested values
-    are not carried."""
+    of an ASE database can hold, so that an extxyz frame reaches orb-md's trajectories and orb-relax's rows as a
+    database row does; its labels are not among them."""
+    labels = {keys.energy, keys.forces, keys.stress, *(name for names in AUTO.values() for name in names)}
+    return storable_pairs(atoms.info, skip=set(pairs) | labels | {"weight", "charge", "spin"})
+
+
+def storable_pairs(info: dict, skip=()) -> dict:
+    """The entries of a structure's ``info`` that a row of an ASE database can hold as key-value pairs (a valid name
+    ASE does not reserve; a number, bool or text), except ``skip``: how every output row carries the attributes
+    its input structure came with. Arrays and nested values are not carried."""
     from ase.db.core import check
 
-    labels = {keys.energy, keys.forces, keys.stress, *(name for names in AUTO.values() for name in names)}
     out = {}
-    for key, value in atoms.info.items():
-        if key in pairs or key in labels or key in ("weight", "charge", "spin"):
+    for key, value in info.items():
+        if key in skip:
             continue
         if isinstance(value, (bool, np.bool_)):
             value = bool(value)

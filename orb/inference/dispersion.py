@@ -19,6 +19,10 @@ from ase.units import Bohr, Hartree
 from orb.errors import OrbInputError
 
 DAMPING = {"d3bj": ("bj", "RationalDampingParam"), "d3zero": ("zero", "ZeroDampingParam")}
+# dftd3 1.x has parameters up to Lr: above it it returns 0 eV (Rf-Nh, Ts), raises (Mc) or crashes the process
+# (Fl, Lv, Og), measured with dftd3 1.7.0
+D3_MAX_Z = 103
+NO_D3 = f"has no DFT-D3 parameters (dftd3 covers H to Lr, Z <= {D3_MAX_Z}): run without --dispersion"
 EXTRA = "dispersion needs the dftd3 package: pip install '.[d3]' (or pip install dftd3)"
 
 
@@ -60,6 +64,13 @@ def check_dispersion_for(model_cfg, dispersion: Optional[str]) -> None:
                             "use it without --dispersion (or a model trained without D3, such as orb_v2)")
 
 
+def check_dispersion_elements(data, dispersion: Optional[str]) -> None:
+    """Before a run with ``dispersion``: every structure of ``data`` (an AseDbDataset) within dftd3's elements, else
+    one line naming the first that is not."""
+    if dispersion:
+        data.check_elements_up_to(D3_MAX_Z, NO_D3)
+
+
 class D3Dispersion:
     """DFT-D3 energy (eV), forces (eV/Å) and, for periodic structures, stress (eV/Å³, ASE's Voigt order and
     sign) of a structure, with ``dftd3``'s parameters for ``xc``."""
@@ -73,6 +84,8 @@ class D3Dispersion:
         self._key = None
 
     def _model_for(self, atoms):
+        if len(atoms) and int(np.max(atoms.numbers)) > D3_MAX_Z:  # before dftd3 sees it (it may crash)
+            raise OrbInputError(f"{atoms.get_chemical_formula()}: element {int(np.max(atoms.numbers))} {NO_D3}")
         key = (tuple(atoms.numbers), tuple(bool(p) for p in atoms.pbc))
         positions, lattice = atoms.positions / Bohr, np.asarray(atoms.cell[:]) / Bohr
         if key != self._key:

@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from orb.signals import Stopped, listen
 
-    listen()  # a stop signal ends the evaluation at once with status 75: nothing is written until it is complete
+    listen("")  # a stop signal ends the evaluation at once with status 75 (nothing to continue: run it again)
     try:
         return evaluate(args)
     except Stopped as stop:
@@ -155,7 +155,7 @@ def predict_dataset(checkpoint: str, args, keys, show: bool, out_dir: str = ""):
     from orb.data.dataset import AseDbDataset
     from orb.data.formats import readable_database
     from orb.data.graphs import batch_graphs
-    from orb.inference.dispersion import D3Dispersion, check_dispersion_for
+    from orb.inference.dispersion import D3Dispersion, check_dispersion_elements, check_dispersion_for
     from orb.inference.predictor import Predictor
     from orb.inference.uncertainty import UncertainFrames, check_threshold, frame_error, per_atom_error
     from orb.reports.evaluation import ParityPoints
@@ -168,11 +168,19 @@ def predict_dataset(checkpoint: str, args, keys, show: bool, out_dir: str = ""):
     data.float64 = is_float64_model(model)
     batches, buckets = packed_batches(data, args.batch_size)
     check_dispersion_for(model.cfg, args.dispersion)
+    check_dispersion_elements(data, args.dispersion)
     dispersion = D3Dispersion(args.dispersion, args.xc) if args.dispersion else None
     predictor = Predictor(model, buckets)
     if out_dir:  # the evaluated checkpoint (a --compare one collects nothing)
         check_threshold(model.cfg, args.uncertain_above)
     uncertain = UncertainFrames(out_dir) if args.uncertain_above is not None and out_dir else None
+    if uncertain is not None:  # a fresh collection (after the checks): never appended to an earlier evaluation's
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            if os.path.exists(uncertain.path):
+                os.remove(uncertain.path)
+        except OSError as exc:
+            raise OrbInputError(f"--output_dir {out_dir}: cannot write there ({exc.strerror or exc})") from None
     results, points = [None] * len(data), ParityPoints()
     with tqdm(total=len(data), desc=f"evaluating {os.path.basename(checkpoint)}", disable=not show) as bar:
         for indices in batches:
@@ -216,6 +224,9 @@ def packed_batches(data, batch_size: int):
 
 
 def evaluate(args) -> int:
+    from orb.device import import_mindspore
+
+    import_mindspore()  # first: what the other imports need, with a stop signal honoured after it
     from orb.data.formats import LabelKeys
     from orb.device import configure_mindspore
     from orb.inference.dispersion import check_dispersion
@@ -243,13 +254,6 @@ def evaluate(args) -> int:
     names = [os.path.basename(c) for c in checkpoints]
     if len(set(names)) < len(names):
         names = ["checkpoint", "compare"]
-    if args.uncertain_above is not None:  # a fresh collection: never appended to an earlier evaluation's
-        try:
-            os.makedirs(out_dir, exist_ok=True)
-            if os.path.exists(os.path.join(out_dir, "uncertain.extxyz")):
-                os.remove(os.path.join(out_dir, "uncertain.extxyz"))
-        except OSError as exc:
-            raise OrbInputError(f"--output_dir {out_dir}: cannot write there ({exc.strerror or exc})") from None
     runs = {name: predict_dataset(path, args, keys, show, out_dir if name == names[0] else "")
             for name, path in zip(names, checkpoints)}
     results = runs[names[0]][0]
@@ -262,7 +266,7 @@ def evaluate(args) -> int:
         other["checkpoint"] = os.path.abspath(args.compare)
         summary["compare"] = other
     try:
-        written = write_outputs(out_dir, results, summary, runs)
+        written = write_outputs(out_dir, results, summary, runs, collected=args.uncertain_above is not None)
     except OSError as exc:  # a full disk, a read-only folder: every file is whole or absent
         raise OrbInputError(f"--output_dir {out_dir}: cannot write the results there "
                             f"({exc.strerror or exc})") from None
@@ -277,7 +281,8 @@ def evaluate(args) -> int:
     return 0
 
 
-def write_outputs(out_dir: str, results: List[Dict], summary: Dict, runs: Dict) -> List[str]:
+def write_outputs(out_dir: str, results: List[Dict], summary: Dict, runs: Dict,
+                  collected: bool = False) -> List[str]:
     """predictions.csv, summary.json, the parity plots and errors_by_element.csv, each written atomically (a kill
     or a full disk leaves every file whole or absent, never a table cut short); the files written."""
     from orb.reports.evaluation import (errors_by_element, write_confidence_plot, write_element_table,
@@ -296,7 +301,27 @@ def write_outputs(out_dir: str, results: List[Dict], summary: Dict, runs: Dict) 
     if any(tables.values()):
         write_element_table(os.path.join(out_dir, "errors_by_element.csv"), tables)
         written.append(os.path.join(out_dir, "errors_by_element.csv"))
+    remove_earlier_outputs(out_dir, written + [os.path.join(out_dir, "uncertain.extxyz")] * collected)
     return written
+
+
+def evaluation_files() -> List[str]:
+    """Every file an evaluation may write in its folder."""
+    from orb.reports.evaluation import UNITS
+
+    return (["predictions.csv", "summary.json"] + [f"parity_{quantity}.png" for quantity in UNITS]
+            + ["confidence.png", "errors_by_element.csv", "uncertain.extxyz"])
+
+
+def remove_earlier_outputs(out_dir: str, written: List[str]) -> None:
+    """The files of an earlier evaluation in the same folder that this one did not write (an orb-v3 model's
+    confidence plot beside a later orb-v2 evaluation; a stress plot beside molecules): removed once this one's are
+    written, so that the folder holds one evaluation."""
+    keep = {os.path.abspath(p) for p in written}
+    for name in evaluation_files():
+        path = os.path.abspath(os.path.join(out_dir, name))
+        if path not in keep and os.path.exists(path):
+            os.remove(path)
 
 
 def print_comparison(first: Dict, second: Dict, names: List[str]) -> None:

@@ -128,11 +128,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--precision", default="float32-high", choices=PRECISIONS,
                         help="what the exported graph computes in (orb.precision)")
     args = parser.parse_args(argv)
+    from orb.errors import RunError
+    from orb.signals import Stopped, listen
+
+    listen("")  # a stop signal ends it with status 75; the file being written is removed with its temporaries
     try:
         written = run(args)
+    except Stopped as stop:
+        print(str(stop), file=sys.stderr)
+        return stop.status
     except OrbInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except RunError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(f"wrote {', '.join(written)}")
     return 0
 
@@ -149,6 +159,9 @@ def parse_shape(text: str) -> tuple:
 
 
 def run(args) -> List[str]:
+    from orb.device import import_mindspore
+
+    import_mindspore()  # first: what the other imports need, with a stop signal honoured after it
     from orb.device import configure_mindspore
     from orb.io.checkpoint import model_from_checkpoint
 
@@ -156,6 +169,8 @@ def run(args) -> List[str]:
     if not shapes and not args.data:
         raise OrbInputError("give the batch shapes to export: --data STRUCTURES (planned on them) or --shape "
                             "NODES,EDGES,GRAPHS")
+    if args.batch_size < 1:
+        raise OrbInputError(f"--batch_size must be at least 1, got {args.batch_size}")
     if not args.output.endswith(".mindir"):
         raise OrbInputError(f"--output {args.output}: a MindIR file name ends with .mindir")
     folder = os.path.dirname(os.path.abspath(args.output))

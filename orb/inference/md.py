@@ -28,7 +28,7 @@ import os
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -203,6 +203,8 @@ def check_args(args) -> None:
     if args.ensemble == "npt" and not all(np.isfinite(v) and v > 0 for v in (args.taut, args.taup,
                                                                              args.compressibility)):
         raise OrbInputError("--taut, --taup and --compressibility must be positive numbers")
+    if not np.isfinite(args.pressure):
+        raise OrbInputError(f"--pressure must be a finite number (bar), got {args.pressure}")
 
 
 def check_output(folder: str, resume: bool, overwrite: bool) -> None:
@@ -292,6 +294,10 @@ class Dynamics:
 
         args, atoms = self.args, run.atoms
         state = None
+        if args.resume and not os.path.exists(run.path("state")):  # killed before its first state: it starts again,
+            for kind in ("traj", "log"):                            # so a frame or line written before goes
+                if os.path.exists(run.path(kind)):
+                    os.remove(run.path(kind))
         if args.resume and os.path.exists(run.path("state")):
             with open(run.path("state")) as f:
                 state = json.load(f)
@@ -314,7 +320,8 @@ class Dynamics:
             if state.get("status", "").startswith("stopped: uncertain"):
                 run.status = state["status"]  # --stop_uncertain stopped it: it stays stopped
                 return
-        run.status = "done" if run.dynamics.nsteps >= args.steps else "running"
+        # a fresh structure runs even for --steps 0: its step-0 frame, log line and state are written
+        run.status = "done" if state is not None and run.dynamics.nsteps >= args.steps else "running"
 
     def run_one(self, run: Run, server: BatchServer) -> None:
         """(In the structure's thread) its dynamics to ``--steps``, writing every ``--write_every`` steps."""
@@ -438,12 +445,14 @@ class Dynamics:
                 bar.update(len(group))
 
 
-def load_structures(args, model) -> List[Run]:
+def load_structures(args, model) -> Tuple[List[Run], str]:
     from orb.data.dataset import AseDbDataset
     from orb.data.formats import LabelKeys, readable_database
+    from orb.inference.dispersion import check_dispersion_elements
 
     data = AseDbDataset(readable_database(args.data, LabelKeys()), require_labels=False,
                         settings=model.cfg.graph_settings(), charge_spin=model.cfg.omol)
+    check_dispersion_elements(data, args.dispersion)
     runs = []
     for i in range(len(data)):
         atoms = data.get_atoms(i)
@@ -454,68 +463,55 @@ def load_structures(args, model) -> List[Run]:
         if args.ensemble == "npt" and not (atoms.cell.any() and atoms.pbc.all()):
             raise OrbInputError(f"{data.path}, structure {i}: npt needs a periodic structure (a cell and pbc)")
         runs.append(Run(i, int(data.ids[i]), atoms, folder=args.output))
-    return runs
+    return runs, data.content_fingerprint()
 
 
 SETTINGS = ("ensemble", "thermostat", "timestep", "temperature", "friction", "tdamp", "pressure", "taut", "taup",
             "compressibility", "seed", "write_every", "precision", "dispersion", "xc", "model")
 
 
-def run_settings(args, runs: List[Run]) -> Dict:
-    """What a resume must not change: the integrator's settings, the model and the structures."""
-    checkpoint = os.path.abspath(args.checkpoint)
-    return {**{key: getattr(args, key) for key in SETTINGS},
-            "checkpoint": [checkpoint, os.path.getsize(checkpoint)],
-            "structures": [[int(r.row), len(r.atoms)] for r in runs]}
+def run_settings(args, model, data_fingerprint: str) -> Dict:
+    """What a resume must not change: the integrator's settings, the model's weights and the structures (their
+    rows' ids, atom counts and elements, as a training resume compares them). The checkpoint's path is recorded,
+    not compared: a copy elsewhere with the same weights continues the run."""
+    from orb.models import weights_digest
 
-
-def check_settings(folder: str, settings: Dict, resume: bool) -> None:
-    """``run.json``: written by a fresh run; a resume with other settings is refused, naming them."""
-    from orb.io.files import write_json
-
-    path = os.path.join(folder, "run.json")
-    if resume and os.path.exists(path):
-        with open(path) as f:
-            saved = json.load(f)
-        changed = [f"{k}: {saved.get(k)!r} -> {settings.get(k)!r}" for k in settings
-                   if k != "checkpoint" and saved.get(k) != settings.get(k)]
-        if saved.get("checkpoint") != settings["checkpoint"]:
-            changed.append(f"checkpoint: {saved.get('checkpoint', ['?'])[0]} (another file, or changed)")
-        if changed:
-            raise OrbInputError(f"--resume {folder}: these settings differ from the run's: {'; '.join(changed)}. "
-                                "Restore them, or start a new run in another --output")
-        return
-    write_json(path, settings)
+    return {**{key: getattr(args, key) for key in SETTINGS}, "checkpoint": os.path.abspath(args.checkpoint),
+            "weights_digest": weights_digest(model), "data_fingerprint": data_fingerprint}
 
 
 def md(args) -> Dict:
+    from orb.device import import_mindspore
+
+    import_mindspore()  # first: what the other imports need, with a stop signal honoured after it
     from orb.device import configure_mindspore
     from orb.inference.dispersion import D3Dispersion, check_dispersion, check_dispersion_for
     from orb.inference.uncertainty import UncertainFrames, check_threshold
     from orb.io.checkpoint import model_from_checkpoint
-    from orb.io.files import write_json
+    from orb.io.files import check_run_settings, write_json
     from orb.models.ops_profile import set_ops_profile
-    from orb.signals import RESUME_HINT, STOP, STOPPED_STATUS, Stopped
+    from orb.signals import RESUME_FLAG, STOP, STOPPED_STATUS, Stopped
 
     check_args(args)
+    if args.stop_uncertain and args.uncertain_above is None:
+        raise OrbInputError("--stop_uncertain needs --uncertain_above")
     check_dispersion(args.dispersion, args.xc)
-    check_output(args.output, args.resume, args.overwrite)
     configure_mindspore(args.device_target, precision=args.precision)
     set_ops_profile(args.ops_profile)
     model = model_from_checkpoint(args.checkpoint, args.model)
     check_dispersion_for(model.cfg, args.dispersion)
     check_threshold(model.cfg, args.uncertain_above)
-    if args.stop_uncertain and args.uncertain_above is None:
-        raise OrbInputError("--stop_uncertain needs --uncertain_above")
+    runs, data_fingerprint = load_structures(args, model)
+    check_output(args.output, args.resume, args.overwrite)  # after every check: --overwrite deletes the old run
+    check_run_settings(os.path.join(args.output, "run.json"), run_settings(args, model, data_fingerprint),
+                       args.resume, args.output, informational=("checkpoint",))
     dynamics = Dynamics(model, args, D3Dispersion(args.dispersion, args.xc) if args.dispersion else None)
     if args.uncertain_above is not None:
         dynamics.uncertain = UncertainFrames(args.output)
-    runs = load_structures(args, model)
-    check_settings(args.output, run_settings(args, runs), args.resume)
     for run in runs:
         dynamics.prepare(run)
-    if dynamics.uncertain is not None and args.resume:
-        dynamics.uncertain.keep_up_to({r.index: int(r.dynamics.nsteps) for r in runs})
+    if dynamics.uncertain is not None and args.resume:  # a structure without a state starts again: none kept
+        dynamics.uncertain.keep_up_to({r.index: -1 if r.resumed_from is None else r.resumed_from for r in runs})
     show = sys.stderr.isatty() if args.progress_bar == "auto" else args.progress_bar == "true"
     dynamics.run_all(runs, show)
     summary = {"checkpoint": args.checkpoint, "data": args.data, "ensemble": args.ensemble,
@@ -534,7 +530,7 @@ def md(args) -> Dict:
         print(f"structure {r.index} (row {r.row}) stopped: {r.error}", file=sys.stderr)
     if STOP.received is not None:
         raise Stopped(f"stopped by {STOP.received}; every structure's state is saved in {args.output}: "
-                      f"{RESUME_HINT.replace(' auto', '')} (exit status {STOPPED_STATUS})")
+                      f"{RESUME_FLAG} (exit status {STOPPED_STATUS})")
     return summary
 
 
@@ -591,9 +587,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     quiet_mindspore()
     args = parse_arguments(argv)
-    from orb.signals import Stopped, listen
+    from orb.signals import RESUME_FLAG, Stopped, listen
 
-    listen()
+    listen(RESUME_FLAG)
     try:
         summary = md(args)
     except Stopped as stop:

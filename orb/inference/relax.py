@@ -35,6 +35,7 @@ class Relaxing:
     optimizer: object
     steps: int = 0
     force_error: Optional[np.ndarray] = None  # orb-v3: each atom's predicted force error at the last evaluation
+    error: str = ""  # why this structure cannot go on (its graph, the model's or D3's numbers); the others do
 
 
 def _optimizer(atoms, cell: bool, fmax: float):
@@ -61,16 +62,38 @@ def _done_rows(output: str) -> set:
     return {int(value) for (value,) in found}
 
 
+def companion(output: str, kind: str) -> str:
+    """The file beside the output database that holds its run's ``kind`` (``relaxed.db`` -> ``relaxed.run.json``,
+    ``relaxed.summary.json``, ``relaxed.uncertain.extxyz``)."""
+    return os.path.splitext(os.path.abspath(output))[0] + "." + kind
+
+
+COMPANIONS = ("run.json", "summary.json", "uncertain.extxyz")
+OUTPUT_KEYS = ("source_row", "relax_steps", "converged", "predicted_force_error_max")  # what orb-relax adds
+
+
 def check_output(output: str, resume: bool, overwrite: bool) -> None:
-    """An existing output is continued (``--resume``) or replaced (``--overwrite``), never silently mixed."""
-    if not os.path.exists(output):
-        return
+    """An existing output is continued (``--resume``) or replaced (``--overwrite``: with its run's settings,
+    summary and uncertain frames), never silently mixed; a fresh output never meets an earlier run's frames."""
+    if os.path.exists(output) and not resume and not overwrite:
+        raise OrbInputError(f"--output {output} exists: pass --resume to continue it or --overwrite to replace it")
     if resume:
         return
-    if overwrite:
-        os.remove(output)
-        return
-    raise OrbInputError(f"--output {output} exists: pass --resume to continue it or --overwrite to replace it")
+    for path in [output] + [companion(output, kind) for kind in COMPANIONS]:
+        if os.path.exists(path):
+            os.remove(path)
+
+
+SETTINGS = ("fmax", "steps", "cell", "precision", "dispersion", "xc", "model", "ops_profile")
+
+
+def run_settings(args, model, data_fingerprint: str) -> Dict:
+    """What a resume must not change: the optimizer's settings, the model's weights and the structures (their rows'
+    ids, atom counts and elements); the checkpoint's path is recorded, not compared."""
+    from orb.models import weights_digest
+
+    return {**{key: getattr(args, key) for key in SETTINGS}, "checkpoint": os.path.abspath(args.checkpoint),
+            "weights_digest": weights_digest(model), "data_fingerprint": data_fingerprint}
 
 
 class BatchRelaxer:
@@ -93,11 +116,19 @@ class BatchRelaxer:
         from orb.inference.uncertainty import per_atom_error
 
         settings = self.model.cfg.graph_settings()
-        graphs = [atoms_to_graph(r.atoms, settings=settings, float64=self.predictor.float64) for r in active]
+        graphs = []
+        for r in active:
+            try:
+                graphs.append(atoms_to_graph(r.atoms, settings=settings, float64=self.predictor.float64))
+            except OrbInputError as exc:  # positions or cell no longer finite, atoms on top of each other
+                r.error = f"step {r.steps}: {exc}"
+        evaluated = [r for r in active if not r.error]
+        if not evaluated:
+            return
         out = self.predictor(batch_graphs(graphs))
         self.calls += 1
         offset = 0
-        for k, r in enumerate(active):
+        for k, r in enumerate(evaluated):
             n = len(r.atoms)
             results = {"energy": float(out["energy"][k]), "forces": out["forces"][offset:offset + n],
                        "stress": out["stress"][k]}
@@ -105,14 +136,23 @@ class BatchRelaxer:
                 r.force_error = per_atom_error(out["confidence"][offset:offset + n])
             offset += n
             if self.dispersion is not None:
-                d3 = self.dispersion(r.atoms)
+                try:
+                    d3 = self.dispersion(r.atoms)
+                except OrbInputError as exc:
+                    r.error = f"step {r.steps}: {exc}"
+                    continue
                 results = {key: results[key] + d3[key] for key in results}
+            if not all(np.all(np.isfinite(results[key])) for key in results):
+                r.error = f"step {r.steps}: the model's energy, forces or stress are not finite"
+                continue
             r.atoms.calc = SinglePointCalculator(r.atoms, free_energy=results["energy"], **results)
 
-    def run(self, structures, on_done, stop: Callable[[], bool] = lambda: False) -> None:
+    def run(self, structures, on_done, stop: Callable[[], bool] = lambda: False,
+            on_failed: Optional[Callable] = None) -> None:
         """Relax ``structures`` (an iterable of ``(source_row, atoms)``); ``on_done(relaxing, converged)`` is
-        called for each as it finishes. Returns early, between two steps, once ``stop()`` is true (a stop
-        signal): the structures still relaxing are left for a resumed run."""
+        called for each as it finishes, ``on_failed(relaxing)`` for one that cannot go on (``relaxing.error``
+        says why; without ``on_failed`` that ends the run). Returns early, between two steps, once ``stop()`` is
+        true (a stop signal): the structures still relaxing are left for a resumed run."""
         queue = iter(structures)
         active: List[Relaxing] = []
         while not stop():
@@ -127,6 +167,11 @@ class BatchRelaxer:
             self._evaluate(active)
             still = []
             for r in active:
+                if r.error:
+                    if on_failed is None:
+                        raise RunError(f"structure {r.source_row}: {r.error}")
+                    on_failed(r)
+                    continue
                 gradient = r.optimizer.optimizable.get_gradient()
                 if r.optimizer.gradient_converged(gradient):
                     on_done(r, True)
@@ -137,6 +182,19 @@ class BatchRelaxer:
                     r.steps += 1
                     still.append(r)
             active = still
+
+
+def total_charge_and_spin(data, index: int, required: bool) -> Dict[str, float]:
+    """The structure's total charge and spin, when its row has them: the model's input (OMol models, which need
+    them: a bad value is refused there) and a key-value pair of its relaxed row, so that an OMol model reads the
+    relaxed structure as it read the input. A model without them ignores a value it cannot read."""
+    try:
+        charge, spin = data.charge_and_spin(index)
+    except OrbInputError:
+        if required:
+            raise
+        return {}
+    return {key: value for key, value in (("charge", charge), ("spin", spin)) if value is not None}
 
 
 def _written(output: str) -> Dict[int, Tuple[int, bool]]:
@@ -150,41 +208,45 @@ def _written(output: str) -> Dict[int, Tuple[int, bool]]:
 
 
 def relax(args) -> Dict:
+    from orb.device import import_mindspore
+
+    import_mindspore()  # first: what the other imports need, with a stop signal honoured after it
     import sqlite3
 
     import ase.db
     from tqdm import tqdm
 
     from orb.data.dataset import AseDbDataset
-    from orb.data.formats import LabelKeys, readable_database
+    from orb.data.formats import LabelKeys, readable_database, storable_pairs
     from orb.device import configure_mindspore
-    from orb.inference.dispersion import D3Dispersion, check_dispersion, check_dispersion_for
+    from orb.inference.dispersion import (D3Dispersion, check_dispersion, check_dispersion_elements,
+                                          check_dispersion_for)
     from orb.inference.uncertainty import UncertainFrames, check_threshold
     from orb.io.checkpoint import model_from_checkpoint
-    from orb.io.files import write_json
+    from orb.io.files import check_run_settings, write_json
     from orb.models.ops_profile import set_ops_profile
-    from orb.signals import RESUME_HINT, STOP, STOPPED_STATUS, Stopped
+    from orb.signals import RESUME_FLAG, STOP, STOPPED_STATUS, Stopped
 
     if args.fmax <= 0 or args.steps < 0 or args.batch_size < 1 or not np.isfinite(args.fmax):
         raise OrbInputError("--fmax must be a finite number > 0, --steps >= 0 and --batch_size >= 1")
     check_dispersion(args.dispersion, args.xc)
-    check_output(args.output, args.resume, args.overwrite)
     configure_mindspore(args.device_target, precision=args.precision)
     set_ops_profile(args.ops_profile)
     model = model_from_checkpoint(args.checkpoint, args.model)
     data = AseDbDataset(readable_database(args.data, LabelKeys()), require_labels=False,
                         settings=model.cfg.graph_settings(), charge_spin=model.cfg.omol)
     data.census()  # every row checked before the first step (OMol models: each row's charge and spin), named if bad
+    check_dispersion_for(model.cfg, args.dispersion)
+    check_dispersion_elements(data, args.dispersion)
+    check_threshold(model.cfg, args.uncertain_above)
+    check_output(args.output, args.resume, args.overwrite)  # after every check: --overwrite deletes the old output
+    check_run_settings(companion(args.output, "run.json"), run_settings(args, model, data.content_fingerprint()),
+                       args.resume, args.output, informational=("checkpoint",))
     done = _done_rows(args.output) if os.path.exists(args.output) else set()
     todo = [i for i in range(len(data)) if int(data.ids[i]) not in done]
-    check_dispersion_for(model.cfg, args.dispersion)
-    check_threshold(model.cfg, args.uncertain_above)
     uncertain = (UncertainFrames(os.path.dirname(os.path.abspath(args.output)),
-                                 os.path.splitext(os.path.basename(args.output))[0] + ".uncertain.extxyz")
+                                 os.path.basename(companion(args.output, "uncertain.extxyz")))
                  if args.uncertain_above is not None else None)
-    stale = os.path.splitext(os.path.abspath(args.output))[0] + ".uncertain.extxyz"
-    if not args.resume and os.path.exists(stale):  # an earlier run's frames (another model, threshold) never mix
-        os.remove(stale)
     dispersion = D3Dispersion(args.dispersion, args.xc) if args.dispersion else None
     relaxer = BatchRelaxer(model, args.fmax, args.steps, args.cell, args.batch_size, dispersion)
     show = sys.stderr.isatty() if args.progress_bar == "auto" else args.progress_bar == "true"
@@ -193,20 +255,20 @@ def relax(args) -> Dict:
         for i in todo:
             atoms = data.get_atoms(i)
             atoms.calc = None
-            if model.cfg.omol:
-                charge, spin = data.charge_and_spin(i)
-                atoms.info.update(charge=charge, spin=spin)
+            atoms.info.update(total_charge_and_spin(data, i, model.cfg.omol))
             yield int(data.ids[i]), atoms
 
     start = time.perf_counter()
     db = ase.db.connect(args.output, type="db")  # outside a `with` block every write is its own transaction
-    written = []
+    written, failures = [], {}
     with STOP.deferred(), tqdm(total=len(todo), desc="relaxing", disable=not show) as bar:
         def finish(r: Relaxing, converged: bool) -> None:
             extra = {} if r.force_error is None else {"predicted_force_error_max": float(r.force_error.max())}
+            mine = dict(source_row=r.source_row, relax_steps=r.steps, converged=converged, **extra)
+            # the input's own attributes (total charge and spin, which an OMol model reads next; config_type ...)
+            pairs = dict(storable_pairs(r.atoms.info, skip=OUTPUT_KEYS), **mine)
             try:
-                db.write(r.atoms, source_row=r.source_row, relax_steps=r.steps, converged=converged,
-                         **extra)  # committed now
+                db.write(r.atoms, key_value_pairs=pairs)  # committed now
             except (OSError, sqlite3.Error) as exc:  # a full disk: the rows written before stay
                 raise RunError(f"could not write to {args.output} ({exc}); its {len(done) + len(written)} structures "
                                "written before are kept: free space, then run again with --resume") from None
@@ -216,7 +278,12 @@ def relax(args) -> Dict:
                               relax_steps=r.steps)  # after its row: a resume never writes it twice
             bar.update(1)
 
-        relaxer.run(structures(), finish, stop=lambda: STOP.received is not None)
+        def failed(r: Relaxing) -> None:  # not written: a resume tries it again; the summary names it
+            failures[r.source_row] = r.error
+            print(f"row {r.source_row} stopped: {r.error}", file=sys.stderr)
+            bar.update(1)
+
+        relaxer.run(structures(), finish, stop=lambda: STOP.received is not None, on_failed=failed)
     seconds = time.perf_counter() - start
     results = _written(args.output)
     not_converged = sorted(row for row, (_, converged) in results.items() if not converged)
@@ -225,11 +292,12 @@ def relax(args) -> Dict:
                "precision": args.precision, "uncertain": 0 if uncertain is None else uncertain.count,
                "structures": len(results), "relaxed_now": len(written), "already_done": len(done),
                "remaining": len(todo) - len(written), "converged": len(results) - len(not_converged),
+               "failed_rows": {str(row): error for row, error in sorted(failures.items())},
                "not_converged_rows": not_converged,
                "mean_steps": float(np.mean([s for s, _ in results.values()])) if results else 0.0,
                "model_calls": relaxer.calls, "seconds": seconds,
                "structures_per_second": len(written) / seconds if seconds > 0 else 0.0}
-    summary_path = os.path.splitext(args.output)[0] + ".summary.json"
+    summary_path = companion(args.output, "summary.json")
     try:
         write_json(summary_path, summary)
     except OSError as exc:
@@ -237,7 +305,7 @@ def relax(args) -> Dict:
                        f"structures are kept in {args.output}") from None
     if STOP.received is not None:
         raise Stopped(f"stopped by {STOP.received} after {len(written)} of {len(todo)} structures; the "
-                      f"{len(results)} finished ones are kept in {args.output}: {RESUME_HINT.replace(' auto', '')} "
+                      f"{len(results)} finished ones are kept in {args.output}: {RESUME_FLAG} "
                       f"(exit status {STOPPED_STATUS})")
     return summary
 
@@ -271,9 +339,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--progress_bar", choices=("auto", "true", "false"), default="auto")
     args = parser.parse_args(argv)
     args.data = args.data[0] if len(args.data) == 1 else args.data
-    from orb.signals import Stopped, listen
+    from orb.signals import RESUME_FLAG, Stopped, listen
 
-    listen()
+    listen(RESUME_FLAG)
     try:
         summary = relax(args)
     except Stopped as stop:
@@ -288,8 +356,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"relaxed {summary['relaxed_now']} structures in {summary['seconds']:.1f} s "
           f"({summary['structures_per_second']:.2f}/s, {summary['model_calls']} model calls); {args.output} holds "
           f"{summary['structures']}: {summary['converged']} converged, {len(summary['not_converged_rows'])} not "
-          f"within {args.steps} steps")
-    return 0
+          f"within {args.steps} steps" + (f"; {len(summary['failed_rows'])} stopped by an error (see above; not "
+                                           "written)" if summary["failed_rows"] else ""))
+    return 1 if summary["failed_rows"] else 0
 
 
 if __name__ == "__main__":

@@ -29,17 +29,27 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default=None, help="model name, when the checkpoint cannot tell (a published "
                         "orb-v3 file: orb_v3_conservative_20_omat or ..._inf_omat)")
     args = parser.parse_args(argv)
+    from orb.errors import RunError
+    from orb.signals import Stopped, listen
+
+    listen("")  # a stop signal ends it with status 75; a half-written target's temporaries are removed
     try:
         return convert(args.source, args.target, args.to, args.model)
+    except Stopped as stop:
+        print(str(stop), file=sys.stderr)
+        return stop.status
     except OrbInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except (RunError, OSError) as exc:  # a full disk, a read-only folder: the target is whole or absent
+        print(f"error: cannot write {args.target}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
+        return 1
 
 
 def convert(source: str, target: str, to=None, name=None) -> int:
-    from orb.device import quiet_mindspore
+    from orb.device import import_mindspore
 
-    quiet_mindspore()
+    import_mindspore()  # a stop signal meanwhile is honoured after it
     from orb.io.checkpoint import (architecture, describe, load_torch_state_dict, read_weights, save_checkpoint,
                                    to_torch_state_dict)
     from orb.io.torch_format import is_torch_zip, write_torch_checkpoint

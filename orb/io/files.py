@@ -9,6 +9,8 @@
 * :func:`remove_stale_temporaries`: temporaries of writers that were killed, removed at the next start.
 * :func:`append_record`: one JSON line per call, complete or absent (a line cut short by a kill is skipped
   by :func:`read_records`).
+* :func:`check_run_settings`: the settings a resumable run (orb-md, orb-relax) started with, kept beside its
+  output, and a resume with other settings refused.
 * :func:`free_port`: a free TCP port for a launcher's scheduler.
 """
 
@@ -192,6 +194,31 @@ def keep_records_up_to(path: str, step: int) -> int:
         return 0
     write_text(path, "".join(kept))
     return len(lines) - len(kept)
+
+
+def check_run_settings(path: str, settings: Dict, resume: bool, output: str,
+                       informational: Iterable[str] = ()) -> None:
+    """``path`` (JSON): written by a fresh run of a command with ``--output`` and ``--resume`` (orb-md, orb-relax); a
+    resume whose ``settings`` differ from it is refused with one line naming each change (the keys in
+    ``informational``, such as a checkpoint's path, are recorded but not compared: the weights' digest is). A resume
+    of an output without the file (written by an older version) records it."""
+    from orb.errors import OrbInputError
+
+    if resume and os.path.exists(path):
+        try:
+            with open(path) as f:
+                saved = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise OrbInputError(f"--resume {output}: cannot read the run's settings {path} ({exc}); start a new run "
+                                "in another --output") from None
+        skip = set(informational)
+        changed = [f"{k}: {'not recorded (an older version)' if k not in saved else repr(saved[k])} -> "
+                   f"{settings[k]!r}" for k in settings if k not in skip and saved.get(k) != settings[k]]
+        if changed:
+            raise OrbInputError(f"--resume {output}: these settings differ from the run's: {'; '.join(changed)}. "
+                                "Restore them, or start a new run in another --output")
+        return
+    write_json(path, settings)
 
 
 def free_port() -> int:
