@@ -165,7 +165,11 @@ def test_extending_a_run_and_stopping_uncertain_structures_survive_a_resume(tmp_
     common = ["--data", path, "--ensemble", "nve", "--timestep", "1", "--write_every", "3"]
     assert orb_md(tmp_path, "md", *common, "--steps", "0").returncode == 0
     os.remove(tmp_path / "md" / "state_1.json")  # killed after structure 1's step-0 frame, before its state
+    stale = tmp_path / "md" / ".state_1.json.tmp-999999-0badc0de"  # that write's temporary, an hour old
+    stale.write_text("{")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
     assert orb_md(tmp_path, "md", *common, "--steps", "6", "--resume").returncode == 0
+    assert not stale.exists()
     for k in (0, 1):
         log = np.genfromtxt(tmp_path / "md" / f"log_{k}.csv", delimiter=",", names=True)
         assert list(log["step"]) == [0, 3, 6], k

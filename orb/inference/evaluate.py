@@ -287,9 +287,10 @@ def write_outputs(out_dir: str, results: List[Dict], summary: Dict, runs: Dict,
     or a full disk leaves every file whole or absent, never a table cut short); the files written."""
     from orb.reports.evaluation import (errors_by_element, write_confidence_plot, write_element_table,
                                         write_parity_plots)
-    from orb.io.files import write_csv, write_json
+    from orb.io.files import remove_stale_temporaries, write_csv, write_json
 
     os.makedirs(out_dir, exist_ok=True)
+    remove_stale_temporaries(out_dir, min_age=600.0)  # those of an evaluation killed while it wrote
     fields = [f for f in CSV_FIELDS if any(f in r["row"] for r in results)]
     written = [os.path.join(out_dir, "predictions.csv"), os.path.join(out_dir, "summary.json")]
     write_csv(written[0], fields, (r["row"] for r in results))

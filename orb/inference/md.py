@@ -488,7 +488,7 @@ def md(args) -> Dict:
     from orb.inference.dispersion import D3Dispersion, check_dispersion, check_dispersion_for
     from orb.inference.uncertainty import UncertainFrames, check_threshold
     from orb.io.checkpoint import model_from_checkpoint
-    from orb.io.files import check_run_settings, write_json
+    from orb.io.files import check_run_settings, remove_stale_temporaries, write_json
     from orb.models.ops_profile import set_ops_profile
     from orb.signals import RESUME_FLAG, STOP, STOPPED_STATUS, Stopped
 
@@ -503,6 +503,7 @@ def md(args) -> Dict:
     check_threshold(model.cfg, args.uncertain_above)
     runs, data_fingerprint = load_structures(args, model)
     check_output(args.output, args.resume, args.overwrite)  # after every check: --overwrite deletes the old run
+    remove_stale_temporaries(args.output, min_age=600.0)  # a state or summary whose write was killed
     check_run_settings(os.path.join(args.output, "run.json"), run_settings(args, model, data_fingerprint),
                        args.resume, args.output, informational=("checkpoint",))
     dynamics = Dynamics(model, args, D3Dispersion(args.dispersion, args.xc) if args.dispersion else None)

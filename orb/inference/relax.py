@@ -223,7 +223,7 @@ def relax(args) -> Dict:
                                           check_dispersion_for)
     from orb.inference.uncertainty import UncertainFrames, check_threshold
     from orb.io.checkpoint import model_from_checkpoint
-    from orb.io.files import check_run_settings, write_json
+    from orb.io.files import check_run_settings, remove_stale_temporaries, write_json
     from orb.models.ops_profile import set_ops_profile
     from orb.signals import RESUME_FLAG, STOP, STOPPED_STATUS, Stopped
 
@@ -240,6 +240,7 @@ def relax(args) -> Dict:
     check_dispersion_elements(data, args.dispersion)
     check_threshold(model.cfg, args.uncertain_above)
     check_output(args.output, args.resume, args.overwrite)  # after every check: --overwrite deletes the old output
+    remove_stale_temporaries(os.path.dirname(os.path.abspath(args.output)), min_age=600.0)  # a killed summary's
     check_run_settings(companion(args.output, "run.json"), run_settings(args, model, data.content_fingerprint()),
                        args.resume, args.output, informational=("checkpoint",))
     done = _done_rows(args.output) if os.path.exists(args.output) else set()
