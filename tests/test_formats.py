@@ -247,6 +247,29 @@ def test_per_structure_attributes_survive_every_format(tmp_path, cache, kind):
             k: attributes[k] for k in ("config_type", "md_step", "relaxed")}
 
 
+def test_only_what_a_database_row_and_an_extxyz_line_can_hold_is_carried(tmp_path):
+    """Of a structure's info, what ASE can store as a key-value pair without a warning and an extxyz comment line can
+    hold (a newline broke the trajectory file; ``external_tables`` and a 70-bit integer made ASE raise; ``id``
+    and ``free_energy`` are ASE's own names); labels are not carried onto new geometries."""
+    import warnings
+
+    from ase import Atoms
+    from ase.db import connect
+
+    from orb.data.formats import storable_pairs, without_labels
+
+    info = {"config_type": "bulk", "note": "two\nlines", "external_tables": {"a": 1}, "big": 2 ** 70, "CO": 1.0,
+            "flag": np.bool_(True), "n": np.int64(3), "x": float("nan"), "arr": np.zeros(3), "id": 5,
+            "REF_energy": -3.0, "DFT_forces_max": 0.2, "free_energy": -2.9}
+    carried = storable_pairs(info)
+    assert carried == {"config_type": "bulk", "flag": True, "n": 3, "REF_energy": -3.0, "DFT_forces_max": 0.2}
+    assert without_labels(carried) == {"config_type": "bulk", "flag": True, "n": 3}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with connect(str(tmp_path / "x.db")) as db:
+            db.write(Atoms("H"), key_value_pairs=carried)
+
+
 @pytest.mark.parametrize("value, key, message", [
     ("abc", "REF_energy", "REF_energy must be numbers, got 'abc'"),
     ("-2", "weight", "weight must be >= 0, got -2.0"),

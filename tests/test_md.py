@@ -165,11 +165,15 @@ def test_extending_a_run_and_stopping_uncertain_structures_survive_a_resume(tmp_
     common = ["--data", path, "--ensemble", "nve", "--timestep", "1", "--write_every", "3"]
     assert orb_md(tmp_path, "md", *common, "--steps", "0").returncode == 0
     os.remove(tmp_path / "md" / "state_1.json")  # killed after structure 1's step-0 frame, before its state
+    settings = json.load(open(tmp_path / "md" / "run.json"))  # as the previous version wrote it: resumed, completed
+    json.dump({k: v for k, v in settings.items() if k not in ("weights_digest", "data_fingerprint")},
+              open(tmp_path / "md" / "run.json", "w"))
     stale = tmp_path / "md" / ".state_1.json.tmp-999999-0badc0de"  # that write's temporary, an hour old
     stale.write_text("{")
     os.utime(stale, (time.time() - 3600, time.time() - 3600))
     assert orb_md(tmp_path, "md", *common, "--steps", "6", "--resume").returncode == 0
     assert not stale.exists()
+    assert json.load(open(tmp_path / "md" / "run.json")) == settings
     for k in (0, 1):
         log = np.genfromtxt(tmp_path / "md" / f"log_{k}.csv", delimiter=",", names=True)
         assert list(log["step"]) == [0, 3, 6], k
@@ -184,10 +188,11 @@ def test_extending_a_run_and_stopping_uncertain_structures_survive_a_resume(tmp_
     lines = other.stderr.strip().splitlines()
     assert other.returncode == 2 and len(lines) == 1 and "data_fingerprint:" in lines[0], other.stderr[-2000:]
     kept = {name: os.path.getsize(tmp_path / "md" / name) for name in os.listdir(tmp_path / "md")}
-    overwrite = orb_md(tmp_path, "md", *common, "--steps", "9", "--overwrite", "--stop_uncertain")
-    assert overwrite.returncode == 2 and overwrite.stderr.strip().splitlines() == [
-        "error: --stop_uncertain needs --uncertain_above"]
-    assert {name: os.path.getsize(tmp_path / "md" / name) for name in os.listdir(tmp_path / "md")} == kept
+    for bad in (["--stop_uncertain"], ["--data", str(tmp_path / "missing.extxyz")]):  # refused before, after the model
+        overwrite = orb_md(tmp_path, "md", *common, "--steps", "9", "--overwrite", *bad)
+        lines = overwrite.stderr.strip().splitlines()
+        assert overwrite.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), overwrite.stderr
+        assert {name: os.path.getsize(tmp_path / "md" / name) for name in os.listdir(tmp_path / "md")} == kept
     stopping = common + ["--uncertain_above", "0.12", "--stop_uncertain", "--steps", "6"]
     assert orb_md(tmp_path, "stop", *stopping).returncode == 0
     first = json.load(open(tmp_path / "stop" / "summary.json"))["structures"]

@@ -248,7 +248,7 @@ def test_relaxing_with_an_omol_model_names_a_row_without_charge(tmp_path):
 
     data = tmp_path / "charged.db"
     with ase.db.connect(str(data)) as db:
-        db.write(molecule("H2O"), charge=0, spin=1, config_type="solvent")
+        db.write(molecule("H2O"), charge=0, spin=1, config_type="solvent", REF_energy=-14.2)  # a label of its own
         crowded = molecule("CH4")
         crowded.positions[1] = crowded.positions[0]  # two atoms at one place: no graph
         db.write(crowded, charge=1, spin=2)
@@ -266,3 +266,4 @@ def test_relaxing_with_an_omol_model_names_a_row_without_charge(tmp_path):
                                               for i in range(len(relaxed))] == [1, 3]
     assert [relaxed.charge_and_spin(i) for i in range(2)] == [(0.0, 1.0), (-1.0, 2.0)]
     assert [relaxed.get_atoms(i).info["config_type"] for i in range(2)] == ["solvent", "amine"]
+    assert "REF_energy" not in relaxed.get_atoms(0).info  # the input's label is not the relaxed geometry's

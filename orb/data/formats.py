@@ -291,29 +291,42 @@ def _other_attributes(atoms, keys: LabelKeys, pairs: dict) -> dict:
 
 
 def storable_pairs(info: dict, skip=()) -> dict:
-    """The entries of a structure's ``info`` that a row of an ASE database can hold as key-value pairs (a valid name
-    ASE does not reserve; a number, bool or text), except ``skip``: how every output row carries the attributes
-    its input structure came with. Arrays and nested values are not carried."""
+    """The entries of a structure's ``info`` that a row of an ASE database can hold as key-value pairs and an extxyz
+    comment line can carry (a valid name ASE neither reserves nor reads as a chemical formula; a bool, a 64-bit
+    integer, a finite number or one line of printable text), except ``skip``: how every output row carries the
+    attributes its input structure came with. Arrays and nested values are not carried."""
+    import warnings
+
     from ase.db.core import check
 
     out = {}
     for key, value in info.items():
-        if key in skip:
+        if key in skip or not isinstance(key, str) or key == "external_tables":
             continue
         if isinstance(value, (bool, np.bool_)):
             value = bool(value)
-        elif isinstance(value, (int, np.integer)):
+        elif isinstance(value, (int, np.integer)) and -2 ** 63 <= int(value) < 2 ** 63:
             value = int(value)
         elif isinstance(value, (float, np.floating)) and np.isfinite(value):
             value = float(value)
-        elif not (isinstance(value, str) and value):
+        elif not (isinstance(value, str) and value and value.isprintable() and len(value) <= 1000):
             continue
-        try:
-            check({key: value})
-        except ValueError:  # a name ASE reserves or cannot store
-            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # ASE warns of a key that reads as a formula (CO, HF) at every write
+            try:
+                check({key: value})
+            except (ValueError, UserWarning):  # a name ASE reserves, cannot store or would warn of
+                continue
         out[key] = value
     return out
+
+
+def without_labels(info: dict) -> dict:
+    """A structure's ``info`` without what reads as a label (a key naming an energy, forces, stress or virial:
+    ``REF_energy``, ``DFT_energy``, ``free_energy``): carried onto the new geometries of a relaxation or dynamics,
+    a label would be another structure's."""
+    return {k: v for k, v in info.items()
+            if not any(word in str(k).lower() for word in ("energy", "force", "stress", "virial"))}
 
 
 def frame_of(sources: List[Tuple[str, int]], row_id: int) -> Tuple[str, int]:

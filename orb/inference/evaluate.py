@@ -165,6 +165,7 @@ def predict_dataset(checkpoint: str, args, keys, show: bool, out_dir: str = ""):
     model = model_from_checkpoint(checkpoint, args.model)
     data = AseDbDataset(readable_database(args.data, keys), require_labels=False, settings=model.cfg.graph_settings(),
                         charge_spin=model.cfg.omol)
+    data.census()  # every row's labels, charge and spin checked before anything is written or removed
     data.float64 = is_float64_model(model)
     batches, buckets = packed_batches(data, args.batch_size)
     check_dispersion_for(model.cfg, args.dispersion)
@@ -266,7 +267,7 @@ def evaluate(args) -> int:
         other["checkpoint"] = os.path.abspath(args.compare)
         summary["compare"] = other
     try:
-        written = write_outputs(out_dir, results, summary, runs, collected=args.uncertain_above is not None)
+        written = write_outputs(out_dir, results, summary, runs)
     except OSError as exc:  # a full disk, a read-only folder: every file is whole or absent
         raise OrbInputError(f"--output_dir {out_dir}: cannot write the results there "
                             f"({exc.strerror or exc})") from None
@@ -281,8 +282,7 @@ def evaluate(args) -> int:
     return 0
 
 
-def write_outputs(out_dir: str, results: List[Dict], summary: Dict, runs: Dict,
-                  collected: bool = False) -> List[str]:
+def write_outputs(out_dir: str, results: List[Dict], summary: Dict, runs: Dict) -> List[str]:
     """predictions.csv, summary.json, the parity plots and errors_by_element.csv, each written atomically (a kill
     or a full disk leaves every file whole or absent, never a table cut short); the files written."""
     from orb.reports.evaluation import (errors_by_element, write_confidence_plot, write_element_table,
@@ -302,7 +302,7 @@ def write_outputs(out_dir: str, results: List[Dict], summary: Dict, runs: Dict,
     if any(tables.values()):
         write_element_table(os.path.join(out_dir, "errors_by_element.csv"), tables)
         written.append(os.path.join(out_dir, "errors_by_element.csv"))
-    remove_earlier_outputs(out_dir, written + [os.path.join(out_dir, "uncertain.extxyz")] * collected)
+    remove_earlier_outputs(out_dir, written)
     return written
 
 
@@ -311,13 +311,14 @@ def evaluation_files() -> List[str]:
     from orb.reports.evaluation import UNITS
 
     return (["predictions.csv", "summary.json"] + [f"parity_{quantity}.png" for quantity in UNITS]
-            + ["confidence.png", "errors_by_element.csv", "uncertain.extxyz"])
+            + ["confidence.png", "errors_by_element.csv"])
 
 
 def remove_earlier_outputs(out_dir: str, written: List[str]) -> None:
     """The files of an earlier evaluation in the same folder that this one did not write (an orb-v3 model's
     confidence plot beside a later orb-v2 evaluation; a stress plot beside molecules): removed once this one's are
-    written, so that the folder holds one evaluation."""
+    written, so that the folder holds one evaluation. Not ``uncertain.extxyz``, data collected for labelling: only
+    a new collection (``--uncertain_above``) replaces it."""
     keep = {os.path.abspath(p) for p in written}
     for name in evaluation_files():
         path = os.path.abspath(os.path.join(out_dir, name))

@@ -447,7 +447,7 @@ class Dynamics:
 
 def load_structures(args, model) -> Tuple[List[Run], str]:
     from orb.data.dataset import AseDbDataset
-    from orb.data.formats import LabelKeys, readable_database
+    from orb.data.formats import LabelKeys, readable_database, without_labels
     from orb.inference.dispersion import check_dispersion_elements
 
     data = AseDbDataset(readable_database(args.data, LabelKeys()), require_labels=False,
@@ -457,6 +457,8 @@ def load_structures(args, model) -> Tuple[List[Run], str]:
     for i in range(len(data)):
         atoms = data.get_atoms(i)
         atoms.calc = None
+        atoms.info = without_labels(atoms.info)  # the starting structure's labels are not the frames'
+
         if model.cfg.omol:
             charge, spin = data.charge_and_spin(i)
             atoms.info.update(charge=charge, spin=spin)
@@ -502,10 +504,13 @@ def md(args) -> Dict:
     check_dispersion_for(model.cfg, args.dispersion)
     check_threshold(model.cfg, args.uncertain_above)
     runs, data_fingerprint = load_structures(args, model)
-    check_output(args.output, args.resume, args.overwrite)  # after every check: --overwrite deletes the old run
-    remove_stale_temporaries(args.output, min_age=600.0)  # a state or summary whose write was killed
-    check_run_settings(os.path.join(args.output, "run.json"), run_settings(args, model, data_fingerprint),
-                       args.resume, args.output, informational=("checkpoint",))
+    try:
+        check_output(args.output, args.resume, args.overwrite)  # after every check: --overwrite deletes the old run
+        remove_stale_temporaries(args.output, min_age=600.0)  # a state or summary whose write was killed
+        check_run_settings(os.path.join(args.output, "run.json"), run_settings(args, model, data_fingerprint),
+                           args.resume, args.output, informational=("checkpoint",))
+    except OSError as exc:  # a read-only folder
+        raise OrbInputError(f"--output {args.output}: cannot write there ({exc.strerror or exc})") from None
     dynamics = Dynamics(model, args, D3Dispersion(args.dispersion, args.xc) if args.dispersion else None)
     if args.uncertain_above is not None:
         dynamics.uncertain = UncertainFrames(args.output)

@@ -84,7 +84,7 @@ def check_output(output: str, resume: bool, overwrite: bool) -> None:
             os.remove(path)
 
 
-SETTINGS = ("fmax", "steps", "cell", "precision", "dispersion", "xc", "model", "ops_profile")
+SETTINGS = ("fmax", "cell", "precision", "dispersion", "xc", "model")  # --steps may grow, as orb-md's
 
 
 def run_settings(args, model, data_fingerprint: str) -> Dict:
@@ -217,7 +217,7 @@ def relax(args) -> Dict:
     from tqdm import tqdm
 
     from orb.data.dataset import AseDbDataset
-    from orb.data.formats import LabelKeys, readable_database, storable_pairs
+    from orb.data.formats import LabelKeys, readable_database, storable_pairs, without_labels
     from orb.device import configure_mindspore
     from orb.inference.dispersion import (D3Dispersion, check_dispersion, check_dispersion_elements,
                                           check_dispersion_for)
@@ -239,10 +239,13 @@ def relax(args) -> Dict:
     check_dispersion_for(model.cfg, args.dispersion)
     check_dispersion_elements(data, args.dispersion)
     check_threshold(model.cfg, args.uncertain_above)
-    check_output(args.output, args.resume, args.overwrite)  # after every check: --overwrite deletes the old output
-    remove_stale_temporaries(os.path.dirname(os.path.abspath(args.output)), min_age=600.0)  # a killed summary's
-    check_run_settings(companion(args.output, "run.json"), run_settings(args, model, data.content_fingerprint()),
-                       args.resume, args.output, informational=("checkpoint",))
+    try:
+        check_output(args.output, args.resume, args.overwrite)  # after every check: --overwrite deletes the old one
+        remove_stale_temporaries(os.path.dirname(os.path.abspath(args.output)), min_age=600.0)  # a killed summary's
+        check_run_settings(companion(args.output, "run.json"), run_settings(args, model, data.content_fingerprint()),
+                           args.resume, args.output, informational=("checkpoint",))
+    except OSError as exc:  # a read-only folder
+        raise OrbInputError(f"--output {args.output}: cannot write there ({exc.strerror or exc})") from None
     done = _done_rows(args.output) if os.path.exists(args.output) else set()
     todo = [i for i in range(len(data)) if int(data.ids[i]) not in done]
     uncertain = (UncertainFrames(os.path.dirname(os.path.abspath(args.output)),
@@ -256,6 +259,7 @@ def relax(args) -> Dict:
         for i in todo:
             atoms = data.get_atoms(i)
             atoms.calc = None
+            atoms.info = without_labels(atoms.info)  # the input's labels are not the relaxed structure's
             atoms.info.update(total_charge_and_spin(data, i, model.cfg.omol))
             yield int(data.ids[i]), atoms
 

@@ -41,8 +41,8 @@ def main(argv=None) -> int:
     except OrbInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except (RunError, OSError) as exc:  # a full disk, a read-only folder: the target is whole or absent
-        print(f"error: cannot write {args.target}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
+    except RunError as exc:  # a full disk, a read-only folder: the target is whole or absent
+        print(f"error: {exc}", file=sys.stderr)
         return 1
 
 
@@ -52,6 +52,7 @@ def convert(source: str, target: str, to=None, name=None) -> int:
     import_mindspore()  # a stop signal meanwhile is honoured after it
     from orb.io.checkpoint import (architecture, describe, load_torch_state_dict, read_weights, save_checkpoint,
                                    to_torch_state_dict)
+    from orb.errors import RunError
     from orb.io.torch_format import is_torch_zip, write_torch_checkpoint
     from orb.models import build
 
@@ -60,10 +61,13 @@ def convert(source: str, target: str, to=None, name=None) -> int:
     cfg = architecture(weights, meta, name)
     model = build(cfg)
     load_torch_state_dict(model, weights, source=source)  # strict: keys and shapes
-    if to == "torch":
-        write_torch_checkpoint(to_torch_state_dict(model), target)
-    else:
-        save_checkpoint(target, model, {"converted_from": os.path.abspath(source), "model": cfg.to_dict()})
+    try:
+        if to == "torch":
+            write_torch_checkpoint(to_torch_state_dict(model), target)
+        else:
+            save_checkpoint(target, model, {"converted_from": os.path.abspath(source), "model": cfg.to_dict()})
+    except OSError as exc:
+        raise RunError(f"cannot write {target}: {exc.strerror or exc}") from None
     print(f"wrote {to} checkpoint {target}: {describe(cfg)}, {len(weights)} tensors, "
           f"{model.num_parameters():,} parameters")
     return 0

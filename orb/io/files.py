@@ -200,8 +200,8 @@ def check_run_settings(path: str, settings: Dict, resume: bool, output: str,
                        informational: Iterable[str] = ()) -> None:
     """``path`` (JSON): written by a fresh run of a command with ``--output`` and ``--resume`` (orb-md, orb-relax); a
     resume whose ``settings`` differ from it is refused with one line naming each change (the keys in
-    ``informational``, such as a checkpoint's path, are recorded but not compared: the weights' digest is). A resume
-    of an output without the file (written by an older version) records it."""
+    ``informational``, such as a checkpoint's path, are recorded but not compared: the weights' digest is). A setting
+    the file lacks (an older version wrote it, or none) cannot be compared: it is recorded for the next resume."""
     from orb.errors import OrbInputError
 
     if resume and os.path.exists(path):
@@ -212,12 +212,14 @@ def check_run_settings(path: str, settings: Dict, resume: bool, output: str,
             raise OrbInputError(f"--resume {output}: cannot read the run's settings {path} ({exc}); start a new run "
                                 "in another --output") from None
         skip = set(informational)
-        changed = [f"{k}: {'not recorded (an older version)' if k not in saved else repr(saved[k])} -> "
-                   f"{settings[k]!r}" for k in settings if k not in skip and saved.get(k) != settings[k]]
+        changed = [f"{k}: {saved[k]!r} -> {settings[k]!r}" for k in settings
+                   if k not in skip and k in saved and saved[k] != settings[k]]
         if changed:
             raise OrbInputError(f"--resume {output}: these settings differ from the run's: {'; '.join(changed)}. "
                                 "Restore them, or start a new run in another --output")
-        return
+        if all(k in saved for k in settings):
+            return
+        # written by an older version, which recorded less: what it lacks is recorded now, for the next resume
     write_json(path, settings)
 
 
