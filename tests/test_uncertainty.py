@@ -87,3 +87,10 @@ def test_an_orb_v2_model_has_no_confidence_head_and_says_so(tmp_path):
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == (
         "error: --uncertain_above: orb_v2 has no confidence head: predicted force errors need an orb-v3 model")
     assert earlier.read_text() == "frames of an earlier evaluation\n"
+    result = subprocess.run([sys.executable, "scripts/evaluate.py", "--checkpoint", V3, "--compare", "data/nope.ckpt",
+                             "--data", DEMO_VAL, "--output_dir", str(earlier.parent), "--device_target", "CPU",
+                             "--progress_bar", "false", "--uncertain_above", "0.1"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == (
+        "error: --compare data/nope.ckpt: checkpoint file does not exist")  # found after the first evaluation
+    assert earlier.read_text() == "frames of an earlier evaluation\n"

@@ -252,6 +252,9 @@ def evaluate(args) -> int:
     first = args.data if isinstance(args.data, str) else args.data[0]
     out_dir = args.output_dir or os.path.join("evaluation", os.path.splitext(os.path.basename(first.rstrip("/")))[0])
     checkpoints = [args.checkpoint] + ([args.compare] if args.compare else [])
+    for flag, path in zip(("--checkpoint", "--compare"), checkpoints):  # before the first one's hour of work
+        if not os.path.isfile(path):
+            raise OrbInputError(f"{flag} {path}: checkpoint file does not exist")
     names = [os.path.basename(c) for c in checkpoints]
     if len(set(names)) < len(names):
         names = ["checkpoint", "compare"]
