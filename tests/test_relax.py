@@ -267,3 +267,31 @@ def test_relaxing_with_an_omol_model_names_a_row_without_charge(tmp_path):
     assert [relaxed.charge_and_spin(i) for i in range(2)] == [(0.0, 1.0), (-1.0, 2.0)]
     assert [relaxed.get_atoms(i).info["config_type"] for i in range(2)] == ["solvent", "amine"]
     assert "REF_energy" not in relaxed.get_atoms(0).info  # the input's label is not the relaxed geometry's
+
+
+def test_uncertain_structures_are_collected_once_across_a_kill(tmp_path):
+    """orb-v3: every relaxed structure past --uncertain_above goes to OUTPUT.uncertain.extxyz with its predicted
+    errors (untested before). A frame is written before its row: killed between the two, the frame is dropped on
+    --resume and written again with its row, once (written after the row, it was lost for good)."""
+    import ase.db
+    import ase.io
+
+    data = rattled(tmp_path / "in.db", count=4)
+    out = tmp_path / "relaxed.db"
+    args = ("--checkpoint", os.path.join(ROOT, "data", "demo_v3_pretrained.ckpt"), "--data", data, "--output",
+            str(out), "--steps", "3", "--uncertain_above", "1e-6")  # every structure: each once is what counts
+    first = relax_cli(*args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    frames = ase.io.read(tmp_path / "relaxed.uncertain.extxyz", index=":")
+    with ase.db.connect(str(out)) as db:
+        predicted = {row.source_row: row.predicted_force_error_max for row in db.select()}
+    assert sorted(f.info["source_row"] for f in frames) == sorted(predicted) == [1, 2, 3, 4]
+    for frame in frames:
+        assert frame.arrays["predicted_force_error"].max() == pytest.approx(predicted[frame.info["source_row"]])
+    with ase.db.connect(str(out)) as db:  # killed after row 4's frame, before its row
+        db.delete([row.id for row in db.select() if row.source_row == 4])
+    resumed = relax_cli(*args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    again = ase.io.read(tmp_path / "relaxed.uncertain.extxyz", index=":")
+    assert sorted(f.info["source_row"] for f in again) == [1, 2, 3, 4]
+    assert json.load(open(tmp_path / "relaxed.summary.json"))["uncertain"] == 4

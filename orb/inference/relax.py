@@ -251,6 +251,8 @@ def relax(args) -> Dict:
     uncertain = (UncertainFrames(os.path.dirname(os.path.abspath(args.output)),
                                  os.path.basename(companion(args.output, "uncertain.extxyz")))
                  if args.uncertain_above is not None else None)
+    if uncertain is not None and args.resume:
+        uncertain.keep_rows(done)
     dispersion = D3Dispersion(args.dispersion, args.xc) if args.dispersion else None
     relaxer = BatchRelaxer(model, args.fmax, args.steps, args.cell, args.batch_size, dispersion)
     show = sys.stderr.isatty() if args.progress_bar == "auto" else args.progress_bar == "true"
@@ -272,15 +274,15 @@ def relax(args) -> Dict:
             mine = dict(source_row=r.source_row, relax_steps=r.steps, converged=converged, **extra)
             # the input's own attributes (total charge and spin, which an OMol model reads next; config_type ...)
             pairs = dict(storable_pairs(r.atoms.info, skip=OUTPUT_KEYS), **mine)
+            if uncertain is not None and extra and extra["predicted_force_error_max"] > args.uncertain_above:
+                uncertain.add(r.atoms, r.force_error, source=str(args.data), source_row=r.source_row,
+                              relax_steps=r.steps)  # before its row: a resume drops it unless the row was written
             try:
                 db.write(r.atoms, key_value_pairs=pairs)  # committed now
             except (OSError, sqlite3.Error) as exc:  # a full disk: the rows written before stay
                 raise RunError(f"could not write to {args.output} ({exc}); its {len(done) + len(written)} structures "
                                "written before are kept: free space, then run again with --resume") from None
             written.append(r.source_row)
-            if uncertain is not None and extra and extra["predicted_force_error_max"] > args.uncertain_above:
-                uncertain.add(r.atoms, r.force_error, source=str(args.data), source_row=r.source_row,
-                              relax_steps=r.steps)  # after its row: a resume never writes it twice
             bar.update(1)
 
         def failed(r: Relaxing) -> None:  # not written: a resume tries it again; the summary names it

@@ -99,14 +99,26 @@ class UncertainFrames:
 
     def keep_up_to(self, last_step: Dict[int, int]) -> None:
         """(orb-md's resume) drop the frames of structure k after step ``last_step[k]``: they are computed again."""
+        self._keep(lambda info: info.get("step", 0) <= last_step.get(info.get("structure"), -1))
+
+    def keep_rows(self, rows) -> None:
+        """(orb-relax's resume) drop the frames of input rows not in ``rows`` (the rows its output holds): a frame
+        is written before its row, so a kill between the two leaves a frame whose structure is relaxed again."""
+        rows = set(rows)
+        self._keep(lambda info: info.get("source_row") in rows)
+
+    def _keep(self, wanted) -> None:
         import ase.io
 
         from orb.io.files import write_atomically
 
         if not os.path.exists(self.path):
             return
-        frames = ase.io.read(io.StringIO(whole_frames(open(self.path).read())), index=":", format="extxyz")
-        kept = [f for f in frames if f.info.get("step", 0) <= last_step.get(f.info.get("structure"), -1)]
-        if len(kept) < len(frames):
+        with open(self.path) as f:
+            text = f.read()
+        whole = whole_frames(text)  # without a frame a kill cut short, which the next append would follow
+        frames = ase.io.read(io.StringIO(whole), index=":", format="extxyz") if whole else []
+        kept = [f for f in frames if wanted(f.info)]
+        if len(kept) < len(frames) or len(whole) < len(text):
             write_atomically(self.path, lambda tmp: ase.io.write(tmp, kept, format="extxyz"))
         self.count = len(kept)
