@@ -231,6 +231,7 @@ def evaluate(args) -> int:
     from orb.data.formats import LabelKeys
     from orb.device import configure_mindspore
     from orb.inference.dispersion import check_dispersion
+    from orb.io.checkpoint import check_checkpoint_file
     from orb.reports.evaluation import errors_by_element, print_element_table
     from orb.models.ops_profile import describe_profile
     from orb.models.ops_profile import ops_profile, set_ops_profile
@@ -253,8 +254,7 @@ def evaluate(args) -> int:
     out_dir = args.output_dir or os.path.join("evaluation", os.path.splitext(os.path.basename(first.rstrip("/")))[0])
     checkpoints = [args.checkpoint] + ([args.compare] if args.compare else [])
     for flag, path in zip(("--checkpoint", "--compare"), checkpoints):  # before the first one's hour of work
-        if not os.path.isfile(path):
-            raise OrbInputError(f"{flag} {path}: checkpoint file does not exist")
+        check_checkpoint_file(path, flag)
     names = [os.path.basename(c) for c in checkpoints]
     if len(set(names)) < len(names):
         names = ["checkpoint", "compare"]

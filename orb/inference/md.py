@@ -449,6 +449,7 @@ def load_structures(args, model) -> Tuple[List[Run], str]:
     from orb.data.dataset import AseDbDataset
     from orb.data.formats import LabelKeys, readable_database, without_labels
     from orb.inference.dispersion import check_dispersion_elements
+    from orb.inference.runs import total_charge_and_spin
 
     data = AseDbDataset(readable_database(args.data, LabelKeys()), require_labels=False,
                         settings=model.cfg.graph_settings(), charge_spin=model.cfg.omol)
@@ -458,10 +459,8 @@ def load_structures(args, model) -> Tuple[List[Run], str]:
         atoms = data.get_atoms(i)
         atoms.calc = None
         atoms.info = without_labels(atoms.info)  # the starting structure's labels are not the frames'
-
         if model.cfg.omol:
-            charge, spin = data.charge_and_spin(i)
-            atoms.info.update(charge=charge, spin=spin)
+            atoms.info.update(total_charge_and_spin(data, i, required=True))
         if args.ensemble == "npt" and not (atoms.cell.any() and atoms.pbc.all()):
             raise OrbInputError(f"{data.path}, structure {i}: npt needs a periodic structure (a cell and pbc)")
         runs.append(Run(i, int(data.ids[i]), atoms, folder=args.output))
@@ -472,22 +471,13 @@ SETTINGS = ("ensemble", "thermostat", "timestep", "temperature", "friction", "td
             "compressibility", "seed", "write_every", "precision", "dispersion", "xc", "model")
 
 
-def run_settings(args, model, data_fingerprint: str) -> Dict:
-    """What a resume must not change: the integrator's settings, the model's weights and the structures (their
-    rows' ids, atom counts and elements, as a training resume compares them). The checkpoint's path is recorded,
-    not compared: a copy elsewhere with the same weights continues the run."""
-    from orb.models import weights_digest
-
-    return {**{key: getattr(args, key) for key in SETTINGS}, "checkpoint": os.path.abspath(args.checkpoint),
-            "weights_digest": weights_digest(model), "data_fingerprint": data_fingerprint}
-
-
 def md(args) -> Dict:
     from orb.device import import_mindspore
 
     import_mindspore()  # first: what the other imports need, with a stop signal honoured after it
     from orb.device import configure_mindspore
     from orb.inference.dispersion import D3Dispersion, check_dispersion, check_dispersion_for
+    from orb.inference.runs import run_settings
     from orb.inference.uncertainty import UncertainFrames, check_threshold
     from orb.io.checkpoint import model_from_checkpoint
     from orb.io.files import check_run_settings, remove_stale_temporaries, write_json
@@ -507,7 +497,7 @@ def md(args) -> Dict:
     try:
         check_output(args.output, args.resume, args.overwrite)  # after every check: --overwrite deletes the old run
         remove_stale_temporaries(args.output, min_age=600.0)  # a state or summary whose write was killed
-        check_run_settings(os.path.join(args.output, "run.json"), run_settings(args, model, data_fingerprint),
+        check_run_settings(os.path.join(args.output, "run.json"), run_settings(args, SETTINGS, model, data_fingerprint),
                            args.resume, args.output, informational=("checkpoint",))
     except OSError as exc:  # a read-only folder
         raise OrbInputError(f"--output {args.output}: cannot write there ({exc.strerror or exc})") from None

@@ -87,15 +87,6 @@ def check_output(output: str, resume: bool, overwrite: bool) -> None:
 SETTINGS = ("fmax", "cell", "precision", "dispersion", "xc", "model")  # --steps may grow, as orb-md's
 
 
-def run_settings(args, model, data_fingerprint: str) -> Dict:
-    """What a resume must not change: the optimizer's settings, the model's weights and the structures (their rows'
-    ids, atom counts and elements); the checkpoint's path is recorded, not compared."""
-    from orb.models import weights_digest
-
-    return {**{key: getattr(args, key) for key in SETTINGS}, "checkpoint": os.path.abspath(args.checkpoint),
-            "weights_digest": weights_digest(model), "data_fingerprint": data_fingerprint}
-
-
 class BatchRelaxer:
     """Relaxes structures with per-structure FIRE steps and one batched model call per step."""
 
@@ -184,19 +175,6 @@ class BatchRelaxer:
             active = still
 
 
-def total_charge_and_spin(data, index: int, required: bool) -> Dict[str, float]:
-    """The structure's total charge and spin, when its row has them: the model's input (OMol models, which need
-    them: a bad value is refused there) and a key-value pair of its relaxed row, so that an OMol model reads the
-    relaxed structure as it read the input. A model without them ignores a value it cannot read."""
-    try:
-        charge, spin = data.charge_and_spin(index)
-    except OrbInputError:
-        if required:
-            raise
-        return {}
-    return {key: value for key, value in (("charge", charge), ("spin", spin)) if value is not None}
-
-
 def _written(output: str) -> Dict[int, Tuple[int, bool]]:
     """Every structure the output holds: input row -> (steps, converged)."""
     import ase.db
@@ -219,6 +197,7 @@ def relax(args) -> Dict:
     from orb.data.dataset import AseDbDataset
     from orb.data.formats import LabelKeys, readable_database, storable_pairs, without_labels
     from orb.device import configure_mindspore
+    from orb.inference.runs import run_settings, total_charge_and_spin
     from orb.inference.dispersion import (D3Dispersion, check_dispersion, check_dispersion_elements,
                                           check_dispersion_for)
     from orb.inference.uncertainty import UncertainFrames, check_threshold
@@ -242,8 +221,9 @@ def relax(args) -> Dict:
     try:
         check_output(args.output, args.resume, args.overwrite)  # after every check: --overwrite deletes the old one
         remove_stale_temporaries(os.path.dirname(os.path.abspath(args.output)), min_age=600.0)  # a killed summary's
-        check_run_settings(companion(args.output, "run.json"), run_settings(args, model, data.content_fingerprint()),
-                           args.resume, args.output, informational=("checkpoint",))
+        check_run_settings(companion(args.output, "run.json"),
+                           run_settings(args, SETTINGS, model, data.content_fingerprint()), args.resume, args.output,
+                           informational=("checkpoint",))
     except OSError as exc:  # a read-only folder
         raise OrbInputError(f"--output {args.output}: cannot write there ({exc.strerror or exc})") from None
     done = _done_rows(args.output) if os.path.exists(args.output) else set()

@@ -87,14 +87,19 @@ def _ms_checkpoint_arrays(path: str) -> Tuple[Dict[str, np.ndarray], Dict]:
     return arrays, meta
 
 
+def check_checkpoint_file(path: str, flag: str = "") -> None:
+    """Refuse, in one line (``flag``: the option that named it), a checkpoint path that is not a file."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{flag + ' ' if flag else ''}{path}: checkpoint file does not exist")
+
+
 def read_weights(path: str) -> Tuple["OrderedDict[str, np.ndarray]", Dict]:
     """Model weights from a PyTorch ``.ckpt`` (zip) or a MindSpore checkpoint, plus any stored metadata.
 
     Optimizer state and replay heads in a training checkpoint are left out, and low-rank adapters merged into their
     layers' weights (see :func:`load_checkpoint` for everything a resume needs).
     """
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: checkpoint file does not exist")
+    check_checkpoint_file(path)
     if is_torch_zip(path):
         return read_torch_checkpoint(path), {}
     arrays, meta = _ms_checkpoint_arrays(path)
@@ -129,8 +134,7 @@ def save_checkpoint(path: str, model: nn.Cell, meta: Optional[Dict] = None,
 
 def load_checkpoint(path: str) -> Tuple[Dict[str, np.ndarray], Dict[str, np.ndarray], Dict]:
     """(model weights, optimizer state with the ``optimizer.`` prefix removed, metadata) of a checkpoint."""
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: checkpoint file does not exist")
+    check_checkpoint_file(path)
     if is_torch_zip(path):
         return read_torch_checkpoint(path), {}, {}
     arrays, meta = _ms_checkpoint_arrays(path)

@@ -1,0 +1,29 @@
+"""What orb-md and orb-relax share about the structures they start from and the runs they resume."""
+
+import os
+from typing import Dict, Sequence
+
+from orb.errors import OrbInputError
+
+
+def run_settings(args, names: Sequence[str], model, data_fingerprint: str) -> Dict:
+    """What a resume must not change: the settings ``names`` of ``args``, the model's weights (their digest) and
+    the structures (their rows' ids, atom counts and elements, as a training resume compares them). The
+    checkpoint's path is recorded, not compared: a copy elsewhere with the same weights continues the run."""
+    from orb.models import weights_digest
+
+    return {**{key: getattr(args, key) for key in names}, "checkpoint": os.path.abspath(args.checkpoint),
+            "weights_digest": weights_digest(model), "data_fingerprint": data_fingerprint}
+
+
+def total_charge_and_spin(data, index: int, required: bool) -> Dict[str, float]:
+    """The structure's total charge and spin, when its row has them: the input of OMol models (``required``: a
+    missing or bad value is refused) and what an output row keeps, so that an OMol model reads the new structure as
+    it read the input. A model without them ignores a value it cannot read."""
+    try:
+        charge, spin = data.charge_and_spin(index)
+    except OrbInputError:
+        if required:
+            raise
+        return {}
+    return {key: value for key, value in (("charge", charge), ("spin", spin)) if value is not None}
