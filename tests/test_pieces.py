@@ -335,3 +335,49 @@ def test_the_best_epoch_can_weigh_the_drift_from_the_foundation():
     replay = dict(data_path=DEMO_TRAIN, fraction=0.25, labels="model", val_samples=0, in_selection=True)
     with pytest.raises(ConfigError, match="'replay.in_selection' .* hold some out"):
         config_from_dict(dict(train_data_path=DEMO_TRAIN, checkpoint_path="x.ckpt", replay=replay))
+
+
+@pytest.mark.parametrize("precision", ["float32-high", "fp16-mixed"])  # fp16: the loss-scaled gradient's own cell
+def test_a_dropped_engine_or_calculator_gives_its_model_back(precision):
+    """A trained-and-evaluated Engine, and a calculator that computed, are freed with their models once dropped: in
+    MindSpore 2.10 a compiled ``construct(self, *inputs)`` calling a cell with ``*inputs`` kept that cell alive for
+    the rest of the process (a notebook or workflow building one calculator per structure, or a test process
+    building one trainer per test, grew by the model's weights and graphs each time: 110 MB per full-size orb-v2
+    calculator)."""
+    import gc
+    import weakref
+
+    import ase.db
+    import mindspore as ms
+
+    from orb.data.buckets import Bucket
+    from orb.data.tensors import loss_arrays
+    from orb.inference.calculator import ORBCalculator
+    from orb.models import create
+    from orb.precision import in_force
+    from orb.training.config import config_from_dict
+    from orb.training.distributed import DataParallel
+    from orb.training.engine import Engine
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    cfg = config_from_dict(dict(train_data_path=DEMO_TRAIN, device_target="CPU", model=dict(SMALL_MODEL),
+                                lr_schedule="constant", precision=precision))
+    bucket = Bucket(64, 1280, 5)
+
+    def used_and_dropped():
+        with in_force(precision):
+            engine = Engine(create("orb_v2", seed=1, **SMALL_MODEL), cfg, DataParallel(), True, 10)
+            arrays = loss_arrays(small_batch((0, 1, 2, 3), bucket))
+            engine.train(arrays, bucket)
+            if precision == "fp16-mixed":  # (evaluation and inference do not depend on the loss scale)
+                return [weakref.ref(engine.model)]
+            assert np.isfinite(engine.evaluate(arrays, bucket)).all()
+        calculator = ORBCalculator(create("orb_v2", seed=2, **SMALL_MODEL))
+        atoms = ase.db.connect(DEMO_VAL).get(1).toatoms()
+        atoms.calc = calculator
+        assert np.isfinite(atoms.get_potential_energy())
+        return [weakref.ref(engine.model), weakref.ref(calculator.model)]
+
+    models = used_and_dropped()
+    gc.collect()
+    assert all(model() is None for model in models)

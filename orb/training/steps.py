@@ -9,6 +9,11 @@ from mindspore import Parameter, Tensor, nn, ops
 from orb.training.loss_base import NormalisedLoss
 from orb.training.optimizer import FlatAdam
 
+# LEAK_FREE_CALLS: the steps take their inputs by name. In MindSpore 2.10 a compiled ``construct(self, *inputs)``
+# that calls a cell (or its gradient) with ``*inputs`` keeps that cell, and with it the model, its weights and its
+# compiled graphs, alive for the rest of the process (measured: every trainer or calculator built in one Python
+# session stayed in memory; a full-size orb-v2 calculator 110 MB each). Unpacking a tuple built inside is safe.
+
 
 class TrainStep(nn.Cell):
     """One optimisation step: the normalisers' new statistics, loss and gradients, the gradients summed over
@@ -39,10 +44,16 @@ class TrainStep(nn.Cell):
         self.steps_run = Parameter(Tensor(np.array(0, np.int32)), name="train_steps_run", requires_grad=False)
         self.after_finite_step = Tensor(np.array([0, 1, 1, 1], np.int32))  # a finite step ends the run in a row
 
-    def construct(self, *inputs):
+    def construct(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
+                  unit_shifts, charge, spin, head, graph_mask, graph_weight, energy, forces, stress):
+        inputs = (numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
+                  unit_shifts, charge, spin, head, graph_mask, graph_weight, energy, forces, stress)
         old = self.loss_cell.current_stats()
         new, counts = self.loss_cell.new_stats(*inputs)
-        (loss, sums), grads = self.grad_fn(*inputs, *old, *new)
+        if self.loss_scale is None:
+            (loss, sums), grads = self.grad_fn(*inputs, *old, *new)
+        else:
+            (loss, sums), grads = self.grad_fn(*inputs, old, new)
         if self.grad_reducer is not None:
             grads = self.grad_reducer(self.optimizer.prepare_for_reduction(grads))
         grad, finite, norm = self.optimizer.flat_gradient(grads)
@@ -96,14 +107,18 @@ class LossScale(nn.Cell):
 
 
 class ScaledLoss(nn.Cell):
-    """A loss cell's loss times the loss scale (its metric sums unchanged), for the gradient of fp16 training."""
+    """A loss cell's loss times the loss scale (its metric sums unchanged), for the gradient of fp16 training. The
+    statistics come as two tuples (``old``, ``new``): see LEAK_FREE_CALLS."""
 
     def __init__(self, loss_cell: NormalisedLoss, loss_scale: LossScale):
         super().__init__(auto_prefix=False)
         self.loss_cell, self.loss_scale = loss_cell, loss_scale
 
-    def construct(self, *inputs):
-        loss, sums = self.loss_cell(*inputs)
+    def construct(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
+                  unit_shifts, charge, spin, head, graph_mask, graph_weight, energy, forces, stress, old, new):
+        loss, sums = self.loss_cell(numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic,
+                                    cell, unit_shifts, charge, spin, head, graph_mask, graph_weight, energy, forces,
+                                    stress, *old, *new)
         return loss * ops.stop_gradient(self.loss_scale.scale), sums
 
 
@@ -114,7 +129,10 @@ class EvalStep(nn.Cell):
         super().__init__(auto_prefix=False)
         self.loss_cell = loss_cell
 
-    def construct(self, *inputs):
+    def construct(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
+                  unit_shifts, charge, spin, head, graph_mask, graph_weight, energy, forces, stress):
+        inputs = (numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
+                  unit_shifts, charge, spin, head, graph_mask, graph_weight, energy, forces, stress)
         stats = self.loss_cell.current_stats()
         _, sums = self.loss_cell(*inputs, *stats, *stats)
         return sums
