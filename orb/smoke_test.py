@@ -259,7 +259,8 @@ def main(argv=None) -> int:
     if argv is None and len(sys.argv) == 2 and sys.argv[1] == "_sum":
         _sum_over_workers()
         return 0
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device_target", default="auto", choices=("auto", "CPU", "GPU", "Ascend"))
     parser.add_argument("--skip_parallel", action="store_true", help="leave out the 2-worker sum")
     parser.add_argument("--precisions", default="float32-high,bf16-mixed,fp16-mixed",

@@ -46,7 +46,8 @@ from benchmarks.scale import bench_scale
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="area", required=True)
     p = sub.add_parser("graphs")
     p.add_argument("--structures", type=int, default=2000)

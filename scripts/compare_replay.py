@@ -172,7 +172,8 @@ def compare_reference_fit(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=("replay", "reference_fit"))
     parser.add_argument("--out", default=os.path.join("outputs", "compare_replay"))
     parser.add_argument("--seed", type=int, default=31, help="seed of the narrow target")

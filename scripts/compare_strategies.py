@@ -180,7 +180,7 @@ def write_report(results: Dict, out: str, title: str) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--demo", choices=tuple(DEMOS), default="orb_v2")
     parser.add_argument("--target", default="Al,Pt", help="the narrow target's two metals")
     parser.add_argument("--seed", type=int, default=7)

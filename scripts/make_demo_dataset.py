@@ -92,7 +92,8 @@ def write_db(path: str, structures: List[Atoms]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="data", help="output folder (default: data)")
     parser.add_argument("--train", type=int, default=64, help="training structures (default: 64)")
     parser.add_argument("--val", type=int, default=16, help="validation structures (default: 16)")

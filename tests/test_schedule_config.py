@@ -60,6 +60,55 @@ def test_config_overrides_and_errors(tmp_path):
         load_config(str(tmp_path / "missing.yaml"))
 
 
+
+def test_a_config_file_means_what_it_says_or_is_refused_in_one_line(tmp_path):
+    """PyYAML's YAML 1.1 read an output_dir of 0123 as 83 (octal) and 12:30 as 750 (base 60), trained into those
+    folders, and kept the last of two equal keys silently; an empty or 'false' file meant the built-in defaults; a
+    key that is not a name, a file that is not UTF-8 text were tracebacks; an empty output_dir wrote the run into
+    the working directory; 2**32 epochs asked for a 256 GiB table. Each is refused in one line, or kept as text."""
+    import subprocess
+    import sys
+
+    from orb.training.cli import parse_command_line
+
+    for text in ("0123", "12:30", "2024-01-01", "1_000", "on"):
+        assert load_config(None, ["--output_dir", text]).output_dir == text
+    cases = {"dup.yaml": ("lr: -1\nlr: 0.001\n", "dup.yaml, line 2: config key 'lr' is given twice"),
+             "block.yaml": ("model:\n  latent_dim: 8\nmodel:\n  latent_dim: 16\n", "line 3: config key 'model' is "
+                                                                                    "given twice"),
+             "key.yaml": ("1: 2\n", "key.yaml, line 1: config key 1 is not a name"),
+             "empty.yaml": ("", "empty.yaml is empty"),
+             "false.yaml": ("false\n", "false.yaml must hold a mapping of settings"),
+             "syntax.yaml": ("lr: [1, 2\n", "syntax.yaml is not valid YAML, line 2: expected ',' or ']'")}
+    for name, (text, message) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError) as refused:
+            load_config(str(tmp_path / name))
+        assert message in str(refused.value) and "\n" not in str(refused.value), name
+    (tmp_path / "binary.yaml").write_bytes(b"\xff\xfelr: 1\n")
+    with pytest.raises(ConfigError, match="binary.yaml is not UTF-8 text"):
+        load_config(str(tmp_path / "binary.yaml"))
+    for args, message in [
+        (["--output_dir", ""], "config key 'output_dir' is empty"),
+        (["--output_dir", "~"], "config key 'output_dir' is empty"),
+        (["--energy_key", "1.10"], "config key 'energy_key' must be a string, got 1.1 \\(quote it\\)"),
+        (["--lr", "1e308"], "config key 'lr' must be at most 1"),
+        (["--max_epochs", str(2 ** 32 - 1)], "config key 'max_epochs' must be at most 1000000"),
+        (["--model.max_neighbors", str(2 ** 32 - 1)], "config key 'model.max_neighbors' must be at most 10000"),
+        (["--loss_weights.energy", "1e308"], "config key 'loss_weights.energy' must be at most 1000000"),
+        (["--lora.rank", "16", "--model.mlp_hidden_dim", "8"], "'lora.rank' \\(16\\) is above the narrowest layer "
+                                                                 "width \\(8\\)"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, args)
+    args, overrides = parse_command_line(["--over", "--conf", "x.yaml"], "configs/config.yaml")
+    assert not args.overwrite and args.config == "configs/config.yaml" and overrides == ["--over", "--conf", "x.yaml"]
+    empty = subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), "--config", ""], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120)
+    assert empty.returncode == 2 and empty.stderr.strip() == ("error: --config is empty: name a YAML config file "
+                                                              "(configs/config.yaml documents every key)")
+
+
 def test_shipped_configs_are_valid():
     from conftest import ROOT
 

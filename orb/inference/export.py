@@ -114,7 +114,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     quiet_mindspore()  # before anything imports MindSpore
     from orb.precision import PRECISIONS
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, help="PyTorch or MindSpore orb checkpoint")
     parser.add_argument("--output", required=True, help="the MindIR file (.mindir; several shapes: one per shape, "
                         "the shape in the name)")

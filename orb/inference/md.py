@@ -535,7 +535,7 @@ def command_line() -> argparse.ArgumentParser:
     from orb.models.ops_profile import PROFILES
     from orb.precision import PRECISIONS
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, help="PyTorch or MindSpore orb checkpoint")
     parser.add_argument("--data", required=True, nargs="+", help="starting structures (any format orb-evaluate "
                         "reads; their momenta, when stored, are the initial velocities)")

@@ -301,7 +301,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from orb.models.ops_profile import PROFILES
     from orb.precision import PRECISIONS
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, help="PyTorch or MindSpore orb checkpoint")
     parser.add_argument("--data", required=True, nargs="+", help="structures to relax: ASE SQLite, extxyz or any "
                         "ase.io file, .aselmdb, a folder, or several of these")

@@ -21,7 +21,8 @@ from orb.errors import OrbInputError
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="PyTorch .ckpt (zip) or MindSpore checkpoint")
     parser.add_argument("target", help="output file")
     parser.add_argument("--to", choices=("mindspore", "torch"), default=None,

@@ -95,7 +95,8 @@ def summary_table(runs: Sequence[Tuple[str, List[Dict]]]) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("metrics", nargs="+", help="metrics.jsonl file(s) written by finetune.py")
     parser.add_argument("-o", "--output", default="", help="PNG file (default: curves.png beside the first file)")
     parser.add_argument("--labels", nargs="*", default=None, help="one label per file (default: its folder name)")

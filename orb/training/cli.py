@@ -6,7 +6,7 @@ import logging
 import sys
 from typing import Callable, List, Optional, Tuple
 
-from orb.errors import OrbInputError, RunError
+from orb.errors import ConfigError, OrbInputError, RunError
 from orb.training.config import TrainConfig, load_config
 from orb.training.outputs import discard_unstarted
 from orb.signals import Stopped, listen
@@ -19,7 +19,7 @@ Any config key can be overridden, nested keys with dots:
 
 
 def parse_command_line(argv: Optional[List[str]], default_config: str) -> Tuple[argparse.Namespace, List[str]]:
-    parser = argparse.ArgumentParser(usage=USAGE, description="Fine-tune orb on an ASE database.")
+    parser = argparse.ArgumentParser(allow_abbrev=False, usage=USAGE, description="Fine-tune orb on an ASE database.")
     parser.add_argument("--config", default=default_config, help=f"YAML config (default: {default_config})")
     parser.add_argument("--resume", default="", help="training checkpoint, or an output_dir, to continue from; "
                         "'auto': output_dir's last.ckpt if it has one, else a fresh start (for requeued jobs)")
@@ -38,6 +38,8 @@ def run(argv: Optional[List[str]], default_config: str, fine_tune: Callable[[Tra
     listen()  # a stop signal during start-up exits 75 at once; the training loop saves first
     cfg = None
     try:
+        if not args.config.strip():
+            raise ConfigError("--config is empty: name a YAML config file (configs/config.yaml documents every key)")
         cfg = load_config(args.config, overrides)
         if args.resume == "auto":
             args.resume = checkpoint_to_resume(cfg.output_dir, args.resume, args.overwrite)

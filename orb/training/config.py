@@ -7,6 +7,7 @@ the key (with a suggestion for typos). ``configs/config.yaml`` documents every k
 import difflib
 import logging
 import math
+import re
 import typing
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Dict, List, Optional, Sequence, Union
@@ -23,6 +24,48 @@ from orb.training.schedule import SCHEDULES
 
 ALGORITHMS = ("adam", "sgd")  # orb.training.optimizer.FlatAdam
 MATMUL_PRECISIONS = ("highest", "high")  # the deprecated matmul_precision key
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """YAML as a config means it: a key given twice, or a key that is not a name, is refused (PyYAML keeps the last
+    silently), and only plain forms become numbers, booleans and nulls. PyYAML's YAML 1.1 turned ``0123`` into 83
+    (octal), ``12:30`` into 750 (base 60), ``2024-01-01`` into a date and ``yes``/``on`` into true, so an
+    ``output_dir`` of ``0123`` trained into ``83/``; such text now stays text."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            where = f"line {key_node.start_mark.line + 1}"
+            if not isinstance(key, str):
+                raise ConfigError(f"{where}: config key {key!r} is not a name")
+            if key in seen:
+                raise ConfigError(f"{where}: config key '{key}' is given twice")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers
+            if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:bool", "tag:yaml.org,2002:timestamp")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?(?:0|[1-9][0-9]*)$"),
+                                   list("-+0123456789"))
+ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                   list("tTfF"))
+
+
+def read_yaml(text: str, source: str) -> Any:
+    """``text`` parsed by :class:`ConfigLoader`; a syntax error is one line naming ``source`` and the line."""
+    try:
+        return yaml.load(text, Loader=ConfigLoader)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}, {exc}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f", line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{source} is not valid YAML{where}: {problem}") from None
 
 
 @dataclass
@@ -164,6 +207,13 @@ NON_NEGATIVE = ("device_id", "random_seed")
 SEED_LIMIT = 2 ** 32  # numpy's and MindSpore's seeds are unsigned 32-bit
 INT_LIMIT = SEED_LIMIT  # every integer setting (a count, a size, a seed) is below it
 MAX_PROCESSES = 256  # data_workers and num_threads: beyond any node's cores
+# Beyond these a run would only exhaust memory before its first step (2**32 epochs: a 256 GiB schedule table):
+SIZE_LIMITS = {"max_epochs": 10 ** 6, "model.max_neighbors": 10 ** 4, "model.num_rbf": 10 ** 4,
+               "model.latent_dim": 2 ** 16, "model.mlp_hidden_dim": 2 ** 16, "model.head_mlp_hidden_dim": 2 ** 16,
+               "model.num_message_passing_steps": 10 ** 3, "model.num_mlp_layers": 10 ** 3,
+               "model.head_num_mlp_layers": 10 ** 3, "loss_weights.energy": 1e6, "loss_weights.forces": 1e6,
+               "loss_weights.stress": 1e6, "loss_weights.confidence": 1e6, "loss_weights.equigrad": 1e6,
+               "anchor.weight": 1e6}
 
 
 def _type_name(tp) -> str:
@@ -227,11 +277,13 @@ def _coerce(value: Any, tp, key: str) -> Any:
     if tp is str:
         if value is None:
             return ""
-        if isinstance(value, bool):  # YAML reads yes/no/true as booleans
+        if isinstance(value, bool):  # true / false
             return "true" if value else "false"
-        if not isinstance(value, (str, int, float)):
-            raise ConfigError(f"config key '{key}' must be a string, got {value!r}")
-        return str(value)
+        if isinstance(value, int):  # ConfigLoader's ints are plain decimals: their text is the value's
+            return str(value)
+        if not isinstance(value, str):  # a float's text may not come back (1.10 -> 1.1)
+            raise ConfigError(f"config key '{key}' must be a string, got {value!r} (quote it)")
+        return value
     raise ConfigError(f"config key '{key}' has unsupported type {_type_name(tp)}")
 
 
@@ -310,6 +362,13 @@ def _validate(cfg: TrainConfig) -> TrainConfig:
             raise ConfigError(f"config key 'buckets[{i}]' must be [num_nodes, num_edges] with sizes >= 2, got {bucket}")
     if not cfg.train_data_path:
         raise ConfigError("config key 'train_data_path' is empty")
+    if not cfg.output_dir.strip():  # it would write the run into the working directory
+        raise ConfigError("config key 'output_dir' is empty")
+    if cfg.lr > 1:
+        raise ConfigError(f"config key 'lr' must be at most 1, got {cfg.lr}")
+    for key, limit in SIZE_LIMITS.items():
+        if flat[key] > limit:
+            raise ConfigError(f"config key '{key}' must be at most {limit}, got {flat[key]}")
     if not 0 <= cfg.num_threads <= MAX_PROCESSES:
         raise ConfigError(f"config key 'num_threads' must be 0 (MindSpore's default) to {MAX_PROCESSES}, "
                           f"got {cfg.num_threads}")
@@ -364,10 +423,10 @@ def _validate_strategies(cfg: TrainConfig) -> None:
         return
     if lora.rank < 1:
         raise ConfigError(f"config key 'lora.rank' must be at least 1 (leave it null for no adapters), got {lora.rank}")
-    if lora.rank > min(cfg.model.latent_dim, cfg.model.head_mlp_hidden_dim):
-        raise ConfigError(f"config key 'lora.rank' ({lora.rank}) is above the layer width "
-                          f"({min(cfg.model.latent_dim, cfg.model.head_mlp_hidden_dim)}): a low-rank adapter must be "
-                          "narrower than the layers it adapts")
+    width = min(cfg.model.latent_dim, cfg.model.mlp_hidden_dim, cfg.model.head_mlp_hidden_dim)
+    if lora.rank > width:
+        raise ConfigError(f"config key 'lora.rank' ({lora.rank}) is above the narrowest layer width ({width}): a "
+                          "low-rank adapter must be narrower than the layers it adapts")
     if lora.alpha <= 0:
         raise ConfigError(f"config key 'lora.alpha' must be positive, got {lora.alpha}")
     if not lora.groups:
@@ -452,8 +511,8 @@ def parse_overrides(args: Sequence[str]) -> Dict[str, Any]:
             raw = args[i + 1]
             i += 2
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
+            value = read_yaml(raw, f"--{key}") if raw != "" else ""
+        except ConfigError:
             value = raw
         _set_dotted(tree, key, value)
     return tree
@@ -471,14 +530,17 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Tr
     values: Dict[str, Any] = {}
     if path:
         try:
-            with open(path) as f:
-                values = yaml.safe_load(f) or {}
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
         except OSError as exc:
             raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start})") from None
+        values = read_yaml(text, f"config file {path}")
+        if values is None:
+            raise ConfigError(f"config file {path} is empty (it must hold a mapping of settings)")
         if not isinstance(values, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of settings")
+            raise ConfigError(f"config file {path} must hold a mapping of settings, got {str(values)[:40]!r}")
     values = _merge(values, parse_overrides(overrides))
     return _validate(_build(TrainConfig, values))
 

@@ -99,7 +99,7 @@ def allreduce_worker(name: str, repeats: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     parser.add_argument("name", help="orb_v2 or an orb-v3 name (orb.models.MODEL_NAMES)")
     parser.add_argument("repeats", type=int, help="all-reduces of each kind (after one to compile)")
     args = parser.parse_args()

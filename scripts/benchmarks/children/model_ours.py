@@ -34,7 +34,7 @@ def measure_ours(name: str, steps: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     parser.add_argument("name", help="orb_v2 or an orb-v3 name (orb.models.MODEL_NAMES)")
     parser.add_argument("steps", type=int, help="batches of 8 demo structures")
     args = parser.parse_args()

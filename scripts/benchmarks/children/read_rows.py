@@ -10,7 +10,7 @@ import time
 
 # Module level, not a function: the timed loop below looks its names up as the program it replaces did.
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     parser.add_argument("reader", choices=("ase.db", "RowReader"))
     parser.add_argument("path", help="ASE SQLite database (or the index of another format)")
     parser.add_argument("rows", type=int, help="rows in the database (ids 1..rows)")

@@ -8,7 +8,7 @@ import json
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     parser.add_argument("--model", required=True, help="orb_v2 or an orb-v3 name")
     parser.add_argument("--sizes", type=json.loads, required=True,
                         help="repetitions of the cubic 4-atom cell, JSON: [[2, 2, 4], [4, 4, 4]]")

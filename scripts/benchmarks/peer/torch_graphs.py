@@ -6,7 +6,7 @@ import argparse
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     parser.add_argument("paths", nargs="+", help="ASE databases")
     parser.add_argument("--structures", type=int, required=True, help="graphs per timing (at least one pass)")
     parser.add_argument("--repeats", type=int, required=True, help="timings; the median is reported")

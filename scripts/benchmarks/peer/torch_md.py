@@ -8,7 +8,7 @@ import json
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     parser.add_argument("--weights", required=True, help="orb-models state dict of an orb-v3 conservative model")
     parser.add_argument("--architecture", type=json.loads, required=True,
                         help="orb_v3_conservative_architecture's sizes, JSON")

@@ -7,7 +7,7 @@ import argparse
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     parser.add_argument("--model", required=True, help="orb_v2 or an orb-v3 name")
     parser.add_argument("--db", required=True, help="ASE database of labelled structures")
     parser.add_argument("--steps", type=int, required=True, help="batches of 8 structures")
