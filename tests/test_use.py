@@ -301,3 +301,53 @@ def test_d3_dispersion_equals_dftd3s_own_calculator_added(reference_model, refer
     with pytest.raises(OrbInputError, match=r"pip install '\.\[d3\]'"):
         ORBCalculator(model, dispersion="d3bj")
     dispersion.functionals.cache_clear()
+
+
+def test_the_calculator_recomputes_for_a_new_charge_and_refuses_what_its_model_cannot_compute():
+    """ASE compares positions, numbers, cell and pbc, not atoms.info: an OMol model gave the previous charge's energy
+    for a new charge on the same geometry. A model without a stress head returned zero stress (an NPT run took it for
+    zero pressure); an element beyond the model's table was a C++ stack from MindSpore's Gather; a batch in which one
+    structure had no charge was computed with charge 0 for all; a pathlib.Path checkpoint was refused."""
+    import pathlib
+
+    from ase.build import molecule
+    from ase.calculators.calculator import PropertyNotImplementedError
+
+    from orb.data.graphs import atoms_to_graph, batch_graphs
+    from orb.errors import StructureError
+    from orb.inference.calculator import ORBCalculator
+    from orb.inference.predictor import Predictor
+    from orb.models import create
+
+    small = dict(latent_dim=16, mlp_hidden_dim=32, num_message_passing_steps=1, head_mlp_hidden_dim=16)
+    omol = create("orb_v3_direct_omol", seed=3, **small)
+    water = molecule("H2O")
+    water.info.update(charge=0, spin=1)
+    water.calc = ORBCalculator(omol)
+    neutral = water.get_potential_energy()
+    water.info.update(charge=1, spin=2)
+    charged = water.get_potential_energy()
+    water.calc.reset()
+    assert charged == water.get_potential_energy() and abs(charged - neutral) > 1e-3
+    for value, message in (("abc", "charge must be a number, got 'abc'"), (float("nan"), "charge must be finite")):
+        water.info["charge"] = value
+        with pytest.raises(StructureError, match=f"atoms.info\\['charge'\\]: {message}"):
+            water.get_potential_energy()
+    crystal = bulk("Cu", "fcc", a=3.6, cubic=True)
+    crystal.info.update(charge=0, spin=1)
+    crystal.calc = ORBCalculator(omol)
+    assert np.isfinite(crystal.get_potential_energy())
+    with pytest.raises(PropertyNotImplementedError):
+        crystal.get_stress()
+    methane = molecule("CH4")
+    water.info["charge"] = 1
+    graphs = [atoms_to_graph(a, settings=omol.cfg.graph_settings()) for a in (water, methane)]
+    with pytest.raises(StructureError, match="needs every structure's total charge and spin"):
+        Predictor(omol)(batch_graphs(graphs))
+    silver = bulk("Ag", "fcc", a=4.1)
+    silver.calc = ORBCalculator(create("orb_v2", num_elements=30, **small))
+    with pytest.raises(StructureError, match="atomic number 47 is beyond the elements orb_v2 was built for"):
+        silver.get_potential_energy()
+    silver.calc = ORBCalculator.from_checkpoint(pathlib.Path(ROOT) / "data" / "demo_pretrained.ckpt")
+    assert np.isfinite(silver.get_potential_energy())
+    assert "confidence" not in silver.calc.implemented_properties

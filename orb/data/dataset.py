@@ -23,7 +23,7 @@ from orb.data.formats import SQLITE_MAGIC, frame_of
 from orb.data.sqlite_rows import RowReader
 from orb.data.augmentation import matrix_to_voigt, random_rotation, rotate_structure
 from orb.data.graphs import (EDGE_CAPACITY_MARGIN, AtomGraphs, GraphSettings, capacity_is_counted, check_structure,
-                             edge_capacity, graph_from_arrays)
+                             edge_capacity, graph_from_arrays, total_charge_or_spin)
 
 log = logging.getLogger("orb")
 
@@ -399,12 +399,9 @@ class AseDbDataset:
                                    f"db.write(atoms, charge=..., spin=...))", row.id, key)
             if value is not None:
                 try:
-                    value = float(value)
-                except (TypeError, ValueError):
-                    raise self._error(f"{key} must be a number, got {value!r}", row.id, key) from None
-                if not np.isfinite(value):
-                    raise self._error(f"{key} must be finite", row.id, key)
-                value = np.array([value], np.float32)
+                    value = np.array([total_charge_or_spin(value, key)], np.float32)
+                except ValueError as exc:
+                    raise self._error(str(exc), row.id, key) from None
             values.append(value)
         return values[0], values[1]
 

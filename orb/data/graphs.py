@@ -311,8 +311,23 @@ def atoms_to_graph(atoms, radius: float = 10.0, max_neighbors: int = 20, system_
                               pbc=atoms.pbc, settings=settings, float64=float64)
     for key in ("charge", "spin"):
         if key in atoms.info:
-            setattr(graph, key, np.array([float(atoms.info[key])], np.float32))
+            try:
+                value = total_charge_or_spin(atoms.info[key], key)
+            except ValueError as exc:
+                raise StructureError(f"atoms.info['{key}']: {exc}") from None
+            setattr(graph, key, np.array([value], np.float32))
     return graph
+
+
+def total_charge_or_spin(value, key: str) -> float:
+    """A structure's total ``key`` (charge or spin) as a finite number; ValueError saying what it is instead."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key} must be a number, got {str(value)[:40]!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{key} must be finite, got {number}")
+    return number
 
 
 def _concat_optional(arrays: Sequence[Optional[np.ndarray]]) -> Optional[np.ndarray]:

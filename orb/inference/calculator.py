@@ -17,6 +17,7 @@ default PBE) adds DFT-D3(BJ) energy, forces and stress from the ``dftd3`` packag
 (:mod:`orb.inference.dispersion`; ``pip install .[d3]``), as orb-models 0.7.0's ``D3SumModel``.
 """
 
+import os
 from typing import Dict, Optional
 
 import numpy as np
@@ -38,6 +39,14 @@ def check_keywords(kwargs: Dict, allowed) -> None:
     unknown = sorted(set(kwargs) - set(allowed))
     if unknown:
         raise TypeError(f"ORBCalculator got unknown keyword(s) {unknown}; valid: {', '.join(sorted(allowed))}")
+
+
+def same_value(a, b) -> bool:
+    """Whether two ``atoms.info`` values are the same (numbers, arrays or anything else; NaN is never the same)."""
+    try:
+        return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+    except (TypeError, ValueError):
+        return a is b
 
 
 def model_in_precision(model, name: str):
@@ -83,6 +92,21 @@ class ORBCalculator(Calculator):
         self.model = model
         self.dispersion = D3Dispersion(dispersion, xc) if dispersion else None
         self.predictor = Predictor(model)
+        # what this model predicts: a model without a stress head raises ASE's PropertyNotImplementedError for stress
+        # (it returned zeros, which an NPT run or a cell relaxation took for zero pressure), orb-v2 for confidence
+        self.implemented_properties = [p for p in type(self).implemented_properties
+                                       if (p != "stress" or model.cfg.has_stress)
+                                       and (p not in ("confidence", "force_error") or model.cfg.family == "orb_v3")]
+
+    def check_state(self, atoms, tol: float = 1e-15):
+        """ASE's changes, and a changed total charge or spin (``atoms.info``, which ASE does not compare: an OMol
+        model gave the previous charge's energy for a new one on the same geometry)."""
+        changes = super().check_state(atoms, tol)
+        if self.atoms is not None and not changes:
+            for key in ("charge", "spin"):
+                if not same_value(self.atoms.info.get(key), atoms.info.get(key)):
+                    changes.append(key)
+        return changes
 
     @classmethod
     def from_checkpoint(cls, path: str, device_target: str = "auto", model_name: Optional[str] = None,
@@ -106,6 +130,7 @@ class ORBCalculator(Calculator):
             warnings.warn(f"matmul_precision is deprecated: use precision={old!r}", DeprecationWarning, stacklevel=2)
             precision = old
         check_keywords(kwargs, ASE_KEYWORDS + ("dispersion", "xc"))
+        path = os.fspath(path)  # a pathlib.Path too
         check_dispersion(kwargs.get("dispersion"), kwargs.get("xc", "pbe"))  # before loading any weights
         from orb import precision as numerics
 

@@ -64,6 +64,7 @@ class Predictor:
     def __call__(self, batch: AtomGraphs) -> Dict[str, np.ndarray]:
         """``energy`` (B,), ``forces`` (N, 3), ``stress`` (B, 6) of the real graphs of ``batch``, and for orb-v3
         ``confidence`` (N, 50): the predicted distribution of each atom's force error over 0-0.3 eV/Å."""
+        check_batch_for_model(self.model.cfg, batch)
         real = batch.graph_mask
         n_real_nodes = int(batch.n_node[real].sum())
         bucket = self.bucket_for(batch)
@@ -83,3 +84,18 @@ class Predictor:
             self.compiled[bucket] = time.perf_counter() - start
             log.debug("compiled inference for %s in %.1f s", bucket, self.compiled[bucket])
         return out
+
+
+def check_batch_for_model(cfg, batch: AtomGraphs) -> None:
+    """One line for a batch this model cannot compute: an element beyond its embedding table (MindSpore's Gather
+    kernel failed with a C++ stack), or, for an OMol model, a structure without its total charge and spin (a batch
+    with one such structure was computed with charge 0 and spin 0 for all)."""
+    from orb.errors import StructureError
+
+    top = int(np.max(batch.numbers)) if len(batch.numbers) else 0
+    if top > cfg.num_elements:
+        raise StructureError(f"atomic number {top} is beyond the elements {cfg.name} was built for "
+                             f"(1..{cfg.num_elements})")
+    if cfg.omol and (batch.charge is None or batch.spin is None):
+        raise StructureError(f"{cfg.name} needs every structure's total charge and spin (atoms.info['charge'] and "
+                             "atoms.info['spin']); a structure of this batch has none")
