@@ -30,19 +30,36 @@ def import_mindspore() -> None:
     STOP.stop_if_received()
 
 
+DEVICE_TARGETS = ("auto", "Ascend", "GPU", "CPU")
+
+
 def select_device(requested: str) -> str:
-    """``auto`` picks Ascend, then GPU, then CPU (whichever MindSpore can use here)."""
-    if requested != "auto":
+    """``auto`` picks Ascend, then GPU, then CPU (whichever MindSpore can use here); a named accelerator that
+    MindSpore cannot use here is one line (it was MindSpore's RuntimeError with a C++ stack)."""
+    from orb.errors import ConfigError
+
+    names = {name.lower(): name for name in DEVICE_TARGETS}
+    if str(requested).lower() not in names:
+        raise ConfigError(f"device_target must be one of {', '.join(DEVICE_TARGETS)}, got {requested!r}")
+    requested = names[str(requested).lower()]
+    if requested == "CPU":
         return requested
+    for target in (("Ascend", "GPU") if requested == "auto" else (requested,)):
+        if device_available(target):
+            return target
+    if requested != "auto":
+        raise ConfigError(f"device_target {requested}: MindSpore cannot use {requested} devices on this machine (none "
+                          "here, or a MindSpore build without its backend); use CPU, or auto to take what there is")
+    return "CPU"
+
+
+def device_available(target: str) -> bool:
     import mindspore as ms
 
-    for target in ("Ascend", "GPU"):
-        try:
-            if ms.hal.is_available(target):
-                return target
-        except Exception:  # a backend plug-in that fails to load counts as unavailable
-            pass
-    return "CPU"
+    try:
+        return bool(ms.hal.is_available(target))
+    except Exception:  # a backend plug-in that fails to load counts as unavailable
+        return False
 
 
 MATMUL_PRECISIONS = ("highest", "high")

@@ -251,6 +251,7 @@ def test_matmul_precision_reaches_the_accelerator(monkeypatch):
     from orb import device
 
     calls = []
+    monkeypatch.setattr(device, "device_available", lambda target: True)  # as on a machine that has both
     monkeypatch.setattr(ms, "set_device", lambda *a, **k: calls.append(("set_device",) + a))
     monkeypatch.setattr(ms, "set_context", lambda **k: None)
     monkeypatch.setattr(ascend, "precision_mode", lambda mode: calls.append(("precision_mode", mode)))
@@ -268,6 +269,21 @@ def test_matmul_precision_reaches_the_accelerator(monkeypatch):
     calls.clear()
     device.configure_mindspore("CPU")
     assert [c[0] for c in calls] == ["set_device"]  # nothing accelerator-specific elsewhere
+
+
+def test_a_device_mindspore_cannot_use_here_is_one_line():
+    """device_target GPU on a machine (or a MindSpore build) without one was MindSpore's RuntimeError with a C++
+    stack; a misspelt or lower-case name went to MindSpore too."""
+    from orb.device import device_available, select_device
+    from orb.errors import ConfigError
+
+    assert select_device("cpu") == "CPU" and select_device("auto") in ("CPU", "GPU", "Ascend")
+    for target in ("GPU", "Ascend"):
+        if not device_available(target):
+            with pytest.raises(ConfigError, match=f"device_target {target}: MindSpore cannot use {target} devices"):
+                select_device(target)
+    with pytest.raises(ConfigError, match="device_target must be one of auto, Ascend, GPU, CPU, got 'cuda'"):
+        select_device("cuda")
 
 
 def test_broadcasts_are_exact_and_their_gradients_are_sums(profile):
