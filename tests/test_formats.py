@@ -102,6 +102,19 @@ def test_indexed_once_and_again_when_the_file_changes(tmp_path, cache):
     assert len(AseDbDataset(second)) == 4
 
 
+
+def test_label_keys_given_for_an_ase_database_are_said_to_be_unused(caplog):
+    """energy_key/forces_key/stress_key name where other formats keep labels; an ASE SQLite database's are its rows'
+    calculator results, and the keys were left out in silence."""
+    from orb.data.formats import LabelKeys, readable_database
+
+    caplog.set_level("WARNING", logger="orb")
+    assert readable_database(DEMO_VAL) == DEMO_VAL and not caplog.records
+    assert readable_database(DEMO_VAL, LabelKeys(energy="REF_energy", forces="REF_forces")) == DEMO_VAL
+    assert caplog.records[0].getMessage() == (f"{DEMO_VAL}: energy_key 'REF_energy', forces_key 'REF_forces' not "
+                                              "used: an ASE database's labels are its rows' calculator results")
+
+
 def test_orb_evaluate_gives_the_same_metrics_on_extxyz(tmp_path, cache):
     import ase.io
 

@@ -187,3 +187,25 @@ def test_every_shipped_config_loads_and_the_label_free_demo_protects_without_lab
                       ["--train_data_path", "t.db", "--val_data_path", "v.db", "--max_epochs", "20"])
     assert cfg.replay.labels == "model" and cfg.replay.fraction > 0 and cfg.replay.in_selection
     assert cfg.replay.val_samples > 0 and os.path.exists(os.path.join(ROOT, cfg.replay.data_path))
+
+
+def test_settings_a_run_cannot_act_on_are_said_at_the_start():
+    """A batch larger than the data (the log said 'batch size: 100000 global'), an equigrad or confidence weight for
+    a model without that term, the training data as validation data or listed twice: each was accepted in silence."""
+    from orb.training.setup import settings_that_do_nothing
+
+    def notes(*extra):
+        return settings_that_do_nothing(load_config(None, ["--train_data_path", "a.db", "--val_data_path", "b.db",
+                                                           *extra]), 64)
+
+    assert notes() == [] and notes("--model.name", "orb_v3_conservative_20_omat", "--loss_weights.equigrad", "2") == []
+    assert notes("--batch_size", "100") == ["batch_size 100 is more than the 64 training structures: each epoch is "
+                                            "one step of all 64"]
+    assert notes("--loss_weights.equigrad", "2") == ["loss_weights.equigrad 2 is not used: orb_v2 has no equigrad term"]
+    assert notes("--model.name", "orb_v3_direct_20_omat", "--loss_weights.equigrad", "1") == [
+        "loss_weights.equigrad 1 is not used: orb_v3_direct_20_omat has no equigrad term"]
+    assert notes("--loss_weights.confidence", "3") == ["loss_weights.confidence 3 is not used: orb_v2 has no "
+                                                       "confidence term"]
+    assert "is also training data" in notes("--val_data_path", "./a.db")[0]
+    assert notes("--train_data_path", "[a.db, ./a.db]") == [
+        "train_data_path lists a file twice: its structures count twice per epoch"]

@@ -85,6 +85,10 @@ def readable_database(path: Union[str, Sequence[str]], keys: LabelKeys = LabelKe
     cached copy of its frames (made now if needed; a damaged copy is made again)."""
     files = source_files(path)
     if len(files) == 1 and is_sqlite(files[0]):
+        named = {k: getattr(keys, k) for k in ("energy", "forces", "stress") if getattr(keys, k)}
+        if named:  # (they apply to the other formats of the run; said, not silently left out)
+            log.warning("%s: %s not used: an ASE database's labels are its rows' calculator results", files[0],
+                        ", ".join(f"{k}_key '{v}'" for k, v in named.items()))
         return files[0]
     identity = tuple((os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files)
     entry = cache.CacheEntry(CONVERTED, VERSION, (identity, keys), ".db")

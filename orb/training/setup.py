@@ -12,7 +12,7 @@ Each arrow is one call into the piece that owns it; nothing else in the package 
 import importlib
 import logging
 import os
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -23,7 +23,7 @@ from orb.metrics import BY_ELEMENT, METRICS, describe
 from orb.training import replay as replay_choice
 from orb.training import state as training_state
 from orb.training.checkpointing import Checkpointer, Progress, resolve, this_ranks_interval_sums
-from orb.training.config import TrainConfig
+from orb.training.config import LossWeights, TrainConfig
 from orb.training.distributed import DataParallel
 from orb.training.engine import Compiled, Engine, ModelPass, trainable_parameters
 from orb.training.guards import Guards
@@ -279,6 +279,8 @@ def log_start(cfg: TrainConfig, dp: DataParallel, data: RunData, engine: Engine)
     log.info("batch size: %d global, %d per worker x %d worker(s); %d steps per epoch, %d epochs%s",
              cfg.batch_size, data.local_batch, dp.world_size, data.steps_per_epoch, cfg.max_epochs,
              f"; early stopping after {cfg.patience} epochs without a lower validation loss" if cfg.patience else "")
+    for note in settings_that_do_nothing(cfg, len(train)):
+        log.warning("%s", note)
     log.info("optimizer: %s, %s schedule, peak lr %.3g%s, clipping %s %g%s", cfg.optimizer, cfg.lr_schedule,
              float(engine.schedule.lr.max()), f", EMA of weights {cfg.ema_decay}" if cfg.ema_decay else "",
              cfg.gradient_clip_mode, cfg.gradient_clip_val, ", state sharded over ranks" if dp.shard_optimizer else "")
@@ -290,3 +292,30 @@ def log_start(cfg: TrainConfig, dp: DataParallel, data: RunData, engine: Engine)
     log.info("parameter groups (trained / all; lr factor, anchor weight): %s", describe_groups(cfg, engine))
     keys = [k for k in engine.loss_cell.sum_keys if k in METRICS and (data.has_stress or "stress" not in k)]
     log.info("metrics (per epoch, train and validation):\n%s", describe(keys + [BY_ELEMENT]))
+
+
+def settings_that_do_nothing(cfg: TrainConfig, train_rows: int) -> List[str]:
+    """Lines for settings this run accepts but cannot act on as written, said once at the start (each was silent:
+    a batch larger than the data, loss weights of terms the model has no head for, the training data validated)."""
+    notes = []
+    if cfg.batch_size > train_rows and not cfg.replay.enabled:
+        notes.append(f"batch_size {cfg.batch_size} is more than the {train_rows} training structures: each epoch is "
+                     f"one step of all {train_rows}")
+    model = cfg.model
+    unused = {"equigrad": model.family != "orb_v3" or not model.conservative,
+              "confidence": model.family != "orb_v3"}
+    default = LossWeights()
+    for term, absent in unused.items():
+        weight = getattr(cfg.loss_weights, term)
+        if absent and weight > 0 and weight != getattr(default, term):  # (not the default every config carries)
+            notes.append(f"loss_weights.{term} {getattr(cfg.loss_weights, term):g} is not used: {model.name} has no "
+                         f"{term} term")
+    train = cfg.train_data_path if isinstance(cfg.train_data_path, list) else [cfg.train_data_path]
+    val = cfg.val_data_path if isinstance(cfg.val_data_path, list) else [cfg.val_data_path]
+    shared = sorted({os.path.abspath(p) for p in train} & {os.path.abspath(p) for p in val if p})
+    if shared:
+        notes.append(f"validation data {', '.join(shared)} is also training data: its metrics do not measure "
+                     "generalisation")
+    if len({os.path.abspath(p) for p in train}) < len(train):
+        notes.append("train_data_path lists a file twice: its structures count twice per epoch")
+    return notes
