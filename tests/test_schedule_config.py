@@ -209,3 +209,21 @@ def test_settings_a_run_cannot_act_on_are_said_at_the_start():
     assert "is also training data" in notes("--val_data_path", "./a.db")[0]
     assert notes("--train_data_path", "[a.db, ./a.db]") == [
         "train_data_path lists a file twice: its structures count twice per epoch"]
+
+
+def test_an_element_beyond_the_models_table_is_named_before_training(tmp_path):
+    """model.num_elements below an element of the data trained until MindSpore's Gather kernel failed with a C++
+    stack; the first row holding such an element is named at start-up."""
+    import subprocess
+    import sys
+
+    from conftest import DEMO_TRAIN, DEMO_VAL
+
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), "--config", "configs/config.yaml",
+                             "--train_data_path", DEMO_TRAIN, "--val_data_path", DEMO_VAL, "--device_target", "CPU",
+                             "--output_dir", str(tmp_path / "run"), "--model.num_elements", "20"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == (f"error: {DEMO_TRAIN}, row 1, key 'numbers': Pd (Z=46) is beyond "
+                                                      "the elements of the model (model.num_elements 20)")
+    assert not (tmp_path / "run").exists()

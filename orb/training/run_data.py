@@ -76,6 +76,9 @@ def open_databases(cfg: TrainConfig, dp: DataParallel, progress: bool = False) -
         databases["replay"] = open_db(replay.data_path, augmentation=cfg.augmentation, require_labels=labelled)
         if replay.val_data_path:
             databases["replay_val"] = open_db(replay.val_data_path, require_labels=labelled)
+    for data in databases.values():  # beyond the embedding table: a C++ stack from MindSpore's Gather, steps later
+        data.check_elements_up_to(cfg.model.num_elements, f"is beyond the elements of the model "
+                                                          f"(model.num_elements {cfg.model.num_elements})")
     for key, name in (("train_data_path", "train"), ("val_data_path", "val")):
         data = databases.get(name)
         if data is not None and len(data) < dp.world_size:
