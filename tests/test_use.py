@@ -351,3 +351,21 @@ def test_the_calculator_recomputes_for_a_new_charge_and_refuses_what_its_model_c
     silver.calc = ORBCalculator.from_checkpoint(pathlib.Path(ROOT) / "data" / "demo_pretrained.ckpt")
     assert np.isfinite(silver.get_potential_energy())
     assert "confidence" not in silver.calc.implemented_properties
+
+
+def test_dispersion_sees_a_structure_as_periodic_exactly_when_the_model_does():
+    """orb-v2 takes a non-zero cell as periodic whatever pbc says (as orb-models 0.4.2); D3 followed pbc, so a boxed
+    crystal with pbc=False got a crystal's model energy and a cluster's dispersion (-0.16 eV instead of -2.36 eV),
+    and a molecule with pbc=True and no cell crashed in ASE's get_volume."""
+    from ase.build import molecule
+
+    from orb.inference.calculator import ORBCalculator
+
+    calculator = ORBCalculator.from_checkpoint(os.path.join(ROOT, "data", "demo_pretrained.ckpt"), dispersion="d3bj")
+    energies = []
+    for structure, pbc in (("Cu", True), ("Cu", False), ("CH4", False), ("CH4", True)):
+        atoms = bulk("Cu", "fcc", a=3.6, cubic=True) if structure == "Cu" else molecule("CH4")
+        atoms.pbc = pbc
+        atoms.calc = calculator
+        energies.append(atoms.get_potential_energy())
+    assert energies[0] == energies[1] and energies[2] == energies[3]

@@ -215,6 +215,16 @@ def _check_pbc(pbc: Optional[np.ndarray], cell: np.ndarray) -> bool:
     return bool(cell.any() and pbc.any())
 
 
+def model_sees_periodic(atoms, settings: "GraphSettings") -> bool:
+    """Whether orb's graph of ``atoms`` is periodic: orb-v2 whenever the cell is non-zero (as orb-models 0.4.2,
+    whatever ``pbc`` says), orb-v3 when the cell is non-zero and ``pbc`` is set (what :func:`graph_from_arrays`
+    builds); what a term added to the model's (DFT-D3) must use too."""
+    cell = _cell64(atoms.cell.array).astype(np.float32)
+    if settings.minimal_supercell:
+        return _check_pbc(atoms.pbc, cell)
+    return bool(cell.any())
+
+
 def graph_from_arrays(
     positions: np.ndarray,
     numbers: np.ndarray,

@@ -90,7 +90,7 @@ class ORBCalculator(Calculator):
             model = model_in_precision(model, precision)
         super().__init__(**kwargs)
         self.model = model
-        self.dispersion = D3Dispersion(dispersion, xc) if dispersion else None
+        self.dispersion = D3Dispersion(dispersion, xc, model.cfg.graph_settings()) if dispersion else None
         self.predictor = Predictor(model)
         # what this model predicts: a model without a stress head raises ASE's PropertyNotImplementedError for stress
         # (it returned zeros, which an NPT run or a cell relaxation took for zero pressure), orb-v2 for confidence

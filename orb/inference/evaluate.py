@@ -171,7 +171,7 @@ def predict_dataset(checkpoint: str, args, keys, show: bool, out_dir: str = ""):
     batches, buckets = packed_batches(data, args.batch_size)
     check_dispersion_for(model.cfg, args.dispersion)
     check_dispersion_elements(data, args.dispersion)
-    dispersion = D3Dispersion(args.dispersion, args.xc) if args.dispersion else None
+    dispersion = D3Dispersion(args.dispersion, args.xc, model.cfg.graph_settings()) if args.dispersion else None
     predictor = Predictor(model, buckets)
     if out_dir:  # the evaluated checkpoint (a --compare one collects nothing)
         check_threshold(model.cfg, args.uncertain_above)

@@ -501,7 +501,8 @@ def md(args) -> Dict:
                            args.resume, args.output, informational=("checkpoint",))
     except OSError as exc:  # a read-only folder
         raise OrbInputError(f"--output {args.output}: cannot write there ({exc.strerror or exc})") from None
-    dynamics = Dynamics(model, args, D3Dispersion(args.dispersion, args.xc) if args.dispersion else None)
+    d3 = D3Dispersion(args.dispersion, args.xc, model.cfg.graph_settings()) if args.dispersion else None
+    dynamics = Dynamics(model, args, d3)
     if args.uncertain_above is not None:
         dynamics.uncertain = UncertainFrames(args.output)
     for run in runs:

@@ -233,7 +233,7 @@ def relax(args) -> Dict:
                  if args.uncertain_above is not None else None)
     if uncertain is not None and args.resume:
         uncertain.keep_rows(done)
-    dispersion = D3Dispersion(args.dispersion, args.xc) if args.dispersion else None
+    dispersion = D3Dispersion(args.dispersion, args.xc, model.cfg.graph_settings()) if args.dispersion else None
     relaxer = BatchRelaxer(model, args.fmax, args.steps, args.cell, args.batch_size, dispersion)
     show = sys.stderr.isatty() if args.progress_bar == "auto" else args.progress_bar == "true"
 
