@@ -369,3 +369,30 @@ def test_dispersion_sees_a_structure_as_periodic_exactly_when_the_model_does():
         atoms.calc = calculator
         energies.append(atoms.get_potential_energy())
     assert energies[0] == energies[1] and energies[2] == energies[3]
+
+
+def test_calculator_input_mistakes_are_one_line_naming_what_is_wrong(tmp_path):
+    """Each was a raw Python, numpy or MindSpore error that named nothing the user typed, or a wrong statement (a
+    folder 'does not exist'), found by a reviewer."""
+    import mindspore as ms
+
+    from orb.errors import OrbInputError
+    from orb.inference.calculator import ORBCalculator
+
+    path = os.path.join(ROOT, "data", "demo_pretrained.ckpt")
+    (tmp_path / "empty.ckpt").write_bytes(b"")
+    ms.save_checkpoint([{"name": "w", "data": ms.Tensor(np.ones(3, np.float32))}], str(tmp_path / "other.ckpt"))
+    for call, message in [
+        (lambda: ORBCalculator(path), "ORBCalculator takes an orb model .*, got str; for a checkpoint file use "
+                                      "ORBCalculator.from_checkpoint"),
+        (lambda: ORBCalculator.from_checkpoint(str(tmp_path)), f"{tmp_path}: is a folder, not a checkpoint file"),
+        (lambda: ORBCalculator.from_checkpoint(str(tmp_path / "empty.ckpt")), "empty.ckpt: checkpoint file is empty"),
+        (lambda: ORBCalculator.from_checkpoint(str(tmp_path / "other.ckpt")), "other.ckpt: not an orb state dict"),
+        (lambda: ORBCalculator.from_checkpoint(path, matmul_precision="low"), "matmul_precision must be 'high' or "
+                                                                               "'highest', got 'low'"),
+        (lambda: ORBCalculator.from_checkpoint(path, dispersion="d3bj", xc=None), "unknown xc None"),
+        (lambda: ORBCalculator.from_checkpoint(path, dispersion=0), "dispersion must be a name .* or None, got 0"),
+        (lambda: ORBCalculator.from_checkpoint(path, model_name="orb-v2"), "unknown model 'orb-v2'; valid names: "),
+    ]:
+        with pytest.raises((OrbInputError, TypeError), match=message):
+            call()

@@ -85,6 +85,9 @@ class ORBCalculator(Calculator):
         from orb.inference.dispersion import D3Dispersion, check_dispersion_for
 
         check_keywords(kwargs, ASE_KEYWORDS)
+        if not hasattr(model, "cfg") or not hasattr(model, "predictions"):
+            raise TypeError(f"ORBCalculator takes an orb model (orb.models.create, model_from_checkpoint), got "
+                            f"{type(model).__name__}; for a checkpoint file use ORBCalculator.from_checkpoint(path)")
         check_dispersion_for(model.cfg, dispersion)
         if precision is not None:
             model = model_in_precision(model, precision)
@@ -122,7 +125,11 @@ class ORBCalculator(Calculator):
         from orb.models.ops_profile import set_ops_profile
 
         if "matmul_precision" in kwargs:  # the old spelling
-            old = f"float32-{kwargs.pop('matmul_precision')}"
+            given = kwargs.pop("matmul_precision")
+            if given not in ("high", "highest"):
+                raise OrbInputError(f"matmul_precision must be 'high' or 'highest', got {given!r} (it is deprecated: "
+                                    "use precision='float32-high' or 'float32-highest')")
+            old = f"float32-{given}"
             if precision not in ("float32-high", old):
                 raise OrbInputError(f"matmul_precision ({old}) and precision ({precision}) disagree: keep precision")
             import warnings

@@ -49,11 +49,13 @@ def functionals(dispersion: str) -> List[str]:
 def check_dispersion(dispersion: Optional[str], xc: str) -> None:
     """Refuse an unknown damping or functional (listing the valid ones) and a missing ``dftd3``, in one line."""
     if not dispersion:
+        if dispersion not in (None, ""):
+            raise OrbInputError(f"dispersion must be a name ({', '.join(DAMPING)}) or None, got {dispersion!r}")
         return
     if dispersion not in DAMPING:
         raise OrbInputError(f"unknown dispersion {dispersion!r}; valid: {', '.join(DAMPING)}")
     names = functionals(dispersion)
-    if xc.lower() not in names:
+    if not isinstance(xc, str) or xc.lower() not in names:
         raise OrbInputError(f"dispersion {dispersion}: unknown xc {xc!r}; valid: {', '.join(names)}")
 
 

@@ -89,8 +89,13 @@ def _ms_checkpoint_arrays(path: str) -> Tuple[Dict[str, np.ndarray], Dict]:
 
 def check_checkpoint_file(path: str, flag: str = "") -> None:
     """Refuse, in one line (``flag``: the option that named it), a checkpoint path that is not a file."""
+    name = f"{flag + ' ' if flag else ''}{path}"
+    if os.path.isdir(path):
+        raise CheckpointError(f"{name}: is a folder, not a checkpoint file")
     if not os.path.isfile(path):
-        raise CheckpointError(f"{flag + ' ' if flag else ''}{path}: checkpoint file does not exist")
+        raise CheckpointError(f"{name}: checkpoint file does not exist")
+    if os.path.getsize(path) == 0:
+        raise CheckpointError(f"{name}: checkpoint file is empty")
 
 
 def read_weights(path: str) -> Tuple["OrderedDict[str, np.ndarray]", Dict]:
@@ -178,7 +183,13 @@ def load_weights_into(model: nn.Cell, path: str) -> Dict:
 def model_from_checkpoint(path: str, name: Optional[str] = None):
     """The model stored in a PyTorch or MindSpore checkpoint, its architecture read from the checkpoint."""
     weights, meta = read_weights(path)
-    return model_from_state_dict(architecture(weights, meta, name), weights, source=path)
+    try:
+        cfg = architecture(weights, meta, name)
+    except CheckpointError as exc:  # which file it is about
+        if str(path) in str(exc):
+            raise
+        raise CheckpointError(f"{path}: {exc}") from None
+    return model_from_state_dict(cfg, weights, source=path)
 
 
 def model_from_state_dict(cfg, weights: Dict[str, np.ndarray], source: str):

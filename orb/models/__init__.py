@@ -147,7 +147,10 @@ def config_from_state_dict(weights: Dict[str, np.ndarray], base: ModelConfig = N
         if "graph_head.mlp.NN-0.weight" not in weights:
             raise KeyError("graph_head.mlp.NN-0.weight or heads.energy.mlp.NN-0.weight")
         if name is not None and name not in V2_NAMES:
-            raise CheckpointError(f"the checkpoint holds an orb-v2 model, not {name}")
+            if name not in MODEL_NAMES:
+                raise ConfigError(f"unknown model '{name}'; valid names: {', '.join(MODEL_NAMES)}")
+            raise CheckpointError(f"the checkpoint holds an orb-v2 model, not {name} (orb-v2 names: "
+                                  f"{', '.join(V2_NAMES)})")
         base = base or ModelConfig()
         return ModelConfig.from_dict(dict(
             base.to_dict(), name=name or "orb_v2", **_common_sizes(weights, "graph_head."),
