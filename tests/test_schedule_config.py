@@ -96,11 +96,13 @@ def test_a_config_file_means_what_it_says_or_is_refused_in_one_line(tmp_path):
         (["--max_epochs", str(2 ** 32 - 1)], "config key 'max_epochs' must be at most 1000000"),
         (["--model.max_neighbors", str(2 ** 32 - 1)], "config key 'model.max_neighbors' must be at most 10000"),
         (["--loss_weights.energy", "1e308"], "config key 'loss_weights.energy' must be at most 1000000"),
+        (["--freeze", "[layers:1-0]"], "config key 'freeze\\[0\\]': 'layers:1-0' runs backwards: write layers:0-1"),
         (["--lora.rank", "16", "--model.mlp_hidden_dim", "8"], "'lora.rank' \\(16\\) is above the narrowest layer "
                                                                  "width \\(8\\)"),
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(None, args)
+    assert load_config(None, ["--gradient_clip_mode", "none", "--gradient_clip_val", "0"]).gradient_clip_val == 0
     args, overrides = parse_command_line(["--over", "--conf", "x.yaml"], "configs/config.yaml")
     assert not args.overwrite and args.config == "configs/config.yaml" and overrides == ["--over", "--conf", "x.yaml"]
     empty = subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), "--config", ""], cwd=tmp_path,

@@ -38,6 +38,8 @@ def check_group(name: str, key: str, num_layers: int) -> None:
         first, last = int(match.group(1)), int(match.group(2) or match.group(1))
         if first <= last < num_layers:
             return
+        if first > last:
+            raise ConfigError(f"config key '{key}': {name!r} runs backwards: write layers:{last}-{first}")
         raise ConfigError(f"config key '{key}': {name!r} names layers the model does not have (it has "
                           f"{num_layers} message-passing layers, 0 to {num_layers - 1})")
     raise ConfigError(f"config key '{key}': unknown parameter group {name!r}; valid: {', '.join(GROUPS)}, heads, "

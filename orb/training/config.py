@@ -350,7 +350,7 @@ def _validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"config key 'lr' must be positive, got {cfg.lr}")
     if not 0 <= cfg.warmup_fraction < 1:
         raise ConfigError(f"config key 'warmup_fraction' must be in [0, 1), got {cfg.warmup_fraction}")
-    if cfg.gradient_clip_val <= 0:
+    if cfg.gradient_clip_val <= 0 and cfg.gradient_clip_mode != "none":  # (unused without clipping)
         raise ConfigError(f"config key 'gradient_clip_val' must be positive, got {cfg.gradient_clip_val}")
     for name in ("energy", "forces", "stress", "confidence", "equigrad"):
         if getattr(cfg.loss_weights, name) < 0:
