@@ -393,6 +393,19 @@ def test_calculator_input_mistakes_are_one_line_naming_what_is_wrong(tmp_path):
         (lambda: ORBCalculator.from_checkpoint(path, dispersion="d3bj", xc=None), "unknown xc None"),
         (lambda: ORBCalculator.from_checkpoint(path, dispersion=0), "dispersion must be a name .* or None, got 0"),
         (lambda: ORBCalculator.from_checkpoint(path, model_name="orb-v2"), "unknown model 'orb-v2'; valid names: "),
+        (lambda: ORBCalculator.from_checkpoint(path, xc="b3lyp"), "xc 'b3lyp' chooses DFT-D3's parameters and does "
+                                                                  "nothing without dispersion"),
     ]:
         with pytest.raises((OrbInputError, TypeError), match=message):
             call()
+    from ase.build import molecule
+
+    from orb.models import create
+
+    flat = molecule("CH4")  # orb-v3 without pbc: its cell (here singular) plays no part, so it is no error
+    flat.cell = [[3.6, 0, 0], [0, 3.6, 0], [0, 0, 0]]
+    flat.calc = ORBCalculator(create("orb_v3_direct_20_omat", latent_dim=16, mlp_hidden_dim=32,
+                                     num_message_passing_steps=1, head_mlp_hidden_dim=16))
+    energy = flat.get_potential_energy()
+    flat.cell = np.zeros((3, 3))
+    assert flat.get_potential_energy() == energy

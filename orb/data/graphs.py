@@ -201,7 +201,8 @@ def supercell_edges(positions: np.ndarray, cell: np.ndarray, periodic: bool, rad
 def _v3_frame(positions64: np.ndarray, numbers: np.ndarray, cell64: np.ndarray, pbc: Optional[np.ndarray]):
     """orb-v3's checked float32 positions (wrapped in float64 when periodic), float32 cell and periodicity."""
     cell = cell64.astype(np.float32)
-    periodic = check_structure(positions64.astype(np.float32), numbers, cell) and _check_pbc(pbc, cell)
+    wanted = _check_pbc(pbc, cell)  # without pbc the cell plays no part: a singular one is not an error then
+    periodic = check_structure(positions64.astype(np.float32), numbers, cell if wanted else np.zeros_like(cell))
     positions = (wrap_positions64(positions64, cell64) if periodic else positions64).astype(np.float32)
     return positions, cell, periodic
 

@@ -82,12 +82,13 @@ class ORBCalculator(Calculator):
                  **kwargs):
         """``precision`` (as the config key): compute in that mode with a copy of ``model`` built in it (the model
         given is left as it is); by default the model computes in the precision it was built in."""
-        from orb.inference.dispersion import D3Dispersion, check_dispersion_for
+        from orb.inference.dispersion import D3Dispersion, check_dispersion, check_dispersion_for
 
         check_keywords(kwargs, ASE_KEYWORDS)
         if not hasattr(model, "cfg") or not hasattr(model, "predictions"):
             raise TypeError(f"ORBCalculator takes an orb model (orb.models.create, model_from_checkpoint), got "
                             f"{type(model).__name__}; for a checkpoint file use ORBCalculator.from_checkpoint(path)")
+        check_dispersion(dispersion, xc)
         check_dispersion_for(model.cfg, dispersion)
         if precision is not None:
             model = model_in_precision(model, precision)

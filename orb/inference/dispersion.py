@@ -51,6 +51,9 @@ def check_dispersion(dispersion: Optional[str], xc: str) -> None:
     if not dispersion:
         if dispersion not in (None, ""):
             raise OrbInputError(f"dispersion must be a name ({', '.join(DAMPING)}) or None, got {dispersion!r}")
+        if xc not in (None, "") and str(xc).lower() != "pbe":  # the default; another says D3 was meant
+            raise OrbInputError(f"xc {xc!r} chooses DFT-D3's parameters and does nothing without dispersion "
+                                f"({', '.join(DAMPING)})")
         return
     if dispersion not in DAMPING:
         raise OrbInputError(f"unknown dispersion {dispersion!r}; valid: {', '.join(DAMPING)}")
