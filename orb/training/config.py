@@ -189,7 +189,6 @@ CHOICES = {
     "ops_profile": PROFILES,
     "precision": PRECISIONS,
     "optimizer": ALGORITHMS,
-    "model.name": MODEL_NAMES,
     "reference_energies.trainable": ("auto", "true", "false"),
     "gradient_clip_mode": ("value", "norm", "none"),
     "progress_bar": ("auto", "true", "false"),
@@ -344,8 +343,6 @@ def _validate(cfg: TrainConfig) -> TrainConfig:
     for key in NON_NEGATIVE:
         if flat[key] < 0:
             raise ConfigError(f"config key '{key}' must be >= 0, got {flat[key]}")
-    if cfg.random_seed >= SEED_LIMIT:
-        raise ConfigError(f"config key 'random_seed' must be below {SEED_LIMIT}, got {cfg.random_seed}")
     if cfg.lr <= 0:
         raise ConfigError(f"config key 'lr' must be positive, got {cfg.lr}")
     if not 0 <= cfg.warmup_fraction < 1:
