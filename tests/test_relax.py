@@ -241,6 +241,15 @@ def test_relaxing_with_an_omol_model_names_a_row_without_charge(tmp_path):
                                                   "which OMol models need (store it with db.write(atoms, charge=..., "
                                                   "spin=...))"]
     assert not rows_in(tmp_path / "out.db")
+    # this model has no stress head: a cell relaxation (or NPT) would see zero stress and never move the cell
+    for script, args in (("relax.py", ["--output", str(tmp_path / "cell.db"), "--cell"]),
+                         ("md.py", ["--output", str(tmp_path / "md"), "--ensemble", "npt", "--timestep", "1",
+                                    "--steps", "2"])):
+        refused = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), "--checkpoint",
+                                  str(checkpoint), "--device_target", "CPU", "--data", str(data), *args],
+                                 capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].endswith(
+            "needs stress, and orb_v3_direct_omol predicts none (no stress head)"), refused.stderr[-2000:]
 
     # a structure that cannot be computed is named and the others relax; each relaxed row keeps its input's
     # attributes, so the OMol model reads the output as it read the input (the charge and spin were dropped)

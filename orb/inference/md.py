@@ -493,6 +493,8 @@ def md(args) -> Dict:
     model = model_from_checkpoint(args.checkpoint, args.model)
     check_dispersion_for(model.cfg, args.dispersion)
     check_threshold(model.cfg, args.uncertain_above)
+    if args.ensemble == "npt" and not model.cfg.has_stress:  # its stress would be zeros: a barostat without pressure
+        raise OrbInputError(f"--ensemble npt needs stress, and {model.cfg.name} predicts none (no stress head)")
     runs, data_fingerprint = load_structures(args, model)
     try:
         check_output(args.output, args.resume, args.overwrite)  # after every check: --overwrite deletes the old run

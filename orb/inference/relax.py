@@ -212,6 +212,8 @@ def relax(args) -> Dict:
     configure_mindspore(args.device_target, precision=args.precision)
     set_ops_profile(args.ops_profile)
     model = model_from_checkpoint(args.checkpoint, args.model)
+    if args.cell and not model.cfg.has_stress:  # its stress would be zeros: the cell would never move
+        raise OrbInputError(f"--cell needs stress, and {model.cfg.name} predicts none (no stress head)")
     data = AseDbDataset(readable_database(args.data, LabelKeys()), require_labels=False,
                         settings=model.cfg.graph_settings(), charge_spin=model.cfg.omol)
     data.census()  # every row checked before the first step (OMol models: each row's charge and spin), named if bad
