@@ -1,5 +1,6 @@
 """MindSpore start-up for training and inference: device, execution mode, kernel threads, quiet logs."""
 
+import argparse
 import ctypes
 import logging
 import os
@@ -33,15 +34,35 @@ def import_mindspore() -> None:
 DEVICE_TARGETS = ("auto", "Ascend", "GPU", "CPU")
 
 
+def device_name(text: str) -> str:
+    """A device_target as typed, in any case, spelt as MindSpore spells it (``cpu`` -> ``CPU``); ValueError naming
+    the valid ones. The config, every command's ``--device_target`` and the calculator take names through it."""
+    names = {name.lower(): name for name in DEVICE_TARGETS}
+    if str(text).lower() not in names:
+        raise ValueError(f"must be one of {', '.join(DEVICE_TARGETS)}, got {text!r}")
+    return names[str(text).lower()]
+
+
+def add_device_argument(parser) -> None:
+    """``--device_target`` of a command (argparse refuses a wrong name in one line, naming the valid ones)."""
+    def parse(text: str) -> str:
+        try:
+            return device_name(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parser.add_argument("--device_target", default="auto", type=parse, metavar="{auto,Ascend,GPU,CPU}")
+
+
 def select_device(requested: str) -> str:
     """``auto`` picks Ascend, then GPU, then CPU (whichever MindSpore can use here); a named accelerator that
     MindSpore cannot use here is one line (it was MindSpore's RuntimeError with a C++ stack)."""
     from orb.errors import ConfigError
 
-    names = {name.lower(): name for name in DEVICE_TARGETS}
-    if str(requested).lower() not in names:
-        raise ConfigError(f"device_target must be one of {', '.join(DEVICE_TARGETS)}, got {requested!r}")
-    requested = names[str(requested).lower()]
+    try:
+        requested = device_name(requested)
+    except ValueError as exc:
+        raise ConfigError(f"device_target {exc}") from None
     if requested == "CPU":
         return requested
     for target in (("Ascend", "GPU") if requested == "auto" else (requested,)):

@@ -245,6 +245,8 @@ def check_collectives(target: str) -> dict:
 
 
 def main(argv=None) -> int:
+    from orb.device import add_device_argument
+
     if argv is None and len(sys.argv) == 4 and sys.argv[1] == "_step":
         from orb.device import configure_mindspore
         from orb.errors import OrbInputError
@@ -261,7 +263,7 @@ def main(argv=None) -> int:
         return 0
     parser = argparse.ArgumentParser(allow_abbrev=False,
                                      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device_target", default="auto", choices=("auto", "CPU", "GPU", "Ascend"))
+    add_device_argument(parser)
     parser.add_argument("--skip_parallel", action="store_true", help="leave out the 2-worker sum")
     parser.add_argument("--precisions", default="float32-high,bf16-mixed,fp16-mixed",
                         help="time one training step in each of these precision modes (comma-separated; '' = none)")

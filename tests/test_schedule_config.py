@@ -71,8 +71,11 @@ def test_a_config_file_means_what_it_says_or_is_refused_in_one_line(tmp_path):
 
     from orb.training.cli import parse_command_line
 
-    for text in ("0123", "12:30", "2024-01-01", "1_000", "on"):
-        assert load_config(None, ["--output_dir", text]).output_dir == text
+    for text in ("0123", "12:30", "2024-01-01", "1_000", "on", "1:30.5", "1.10", "2.0"):
+        assert load_config(None, ["--output_dir", text]).output_dir == text  # typed: as typed
+    (tmp_path / "float.yaml").write_text("energy_key: 1.10\n")  # in a file, a float's text may not come back
+    with pytest.raises(ConfigError, match="config key 'energy_key' must be a string, got 1.1 \\(quote it\\)"):
+        load_config(str(tmp_path / "float.yaml"))
     cases = {"dup.yaml": ("lr: -1\nlr: 0.001\n", "dup.yaml, line 2: config key 'lr' is given twice"),
              "block.yaml": ("model:\n  latent_dim: 8\nmodel:\n  latent_dim: 16\n", "line 3: config key 'model' is "
                                                                                     "given twice"),
@@ -85,13 +88,16 @@ def test_a_config_file_means_what_it_says_or_is_refused_in_one_line(tmp_path):
         with pytest.raises(ConfigError) as refused:
             load_config(str(tmp_path / name))
         assert message in str(refused.value) and "\n" not in str(refused.value), name
+    (tmp_path / "merge.yaml").write_text("defaults: &d\n  energy: 2.0\n  stress: 0.5\nloss_weights:\n  <<: *d\n"
+                                         "  stress: 0.0\n")  # a merge key, and a key that overrides a merged one
+    with pytest.raises(ConfigError, match="unknown config key 'defaults'"):  # (merged, not refused as YAML)
+        load_config(str(tmp_path / "merge.yaml"))
     (tmp_path / "binary.yaml").write_bytes(b"\xff\xfelr: 1\n")
     with pytest.raises(ConfigError, match="binary.yaml is not UTF-8 text"):
         load_config(str(tmp_path / "binary.yaml"))
     for args, message in [
         (["--output_dir", ""], "config key 'output_dir' is empty"),
         (["--output_dir", "~"], "config key 'output_dir' is empty"),
-        (["--energy_key", "1.10"], "config key 'energy_key' must be a string, got 1.1 \\(quote it\\)"),
         (["--lr", "1e308"], "config key 'lr' must be at most 1"),
         (["--max_epochs", str(2 ** 32 - 1)], "config key 'max_epochs' must be at most 1000000"),
         (["--model.max_neighbors", str(2 ** 32 - 1)], "config key 'model.max_neighbors' must be at most 10000"),

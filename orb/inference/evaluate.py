@@ -96,7 +96,7 @@ def print_summary(summary: Dict) -> None:
 
 
 def main(argv=None) -> int:
-    from orb.device import quiet_mindspore
+    from orb.device import add_device_argument, quiet_mindspore
 
     quiet_mindspore()  # before anything imports MindSpore
     from orb.models.ops_profile import PROFILES
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dispersion", default="", help="add DFT-D3 dispersion to the predictions: d3bj or d3zero "
                         "(needs pip install .[d3])")
     parser.add_argument("--xc", default="pbe", help="the functional of the training data, for --dispersion")
-    parser.add_argument("--device_target", default="auto", choices=("auto", "CPU", "GPU", "Ascend"))
+    add_device_argument(parser)
     parser.add_argument("--ops_profile", default="auto", choices=PROFILES,
                         help="operators the model is built with (ORB_OPS_PROFILE overrides; see docs/ascend.md)")
     parser.add_argument("--precision", default="float32-high", choices=PRECISIONS,

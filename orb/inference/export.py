@@ -109,7 +109,7 @@ def load_exported(path: str):
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from orb.device import quiet_mindspore
+    from orb.device import add_device_argument, quiet_mindspore
 
     quiet_mindspore()  # before anything imports MindSpore
     from orb.precision import PRECISIONS
@@ -124,7 +124,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "(repeatable): a batch holds fewer nodes and graphs than these, and at most EDGES edges")
     parser.add_argument("--batch_size", type=int, default=8, help="with --data: structures of an average batch")
     parser.add_argument("--model", default=None, help="model name, when the checkpoint cannot tell")
-    parser.add_argument("--device_target", default="auto", choices=("auto", "CPU", "GPU", "Ascend"))
+    add_device_argument(parser)
     parser.add_argument("--precision", default="float32-high", choices=PRECISIONS,
                         help="what the exported graph computes in (orb.precision)")
     args = parser.parse_args(argv)

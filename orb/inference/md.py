@@ -535,6 +535,7 @@ def md(args) -> Dict:
 
 def command_line() -> argparse.ArgumentParser:
     """orb-md's arguments."""
+    from orb.device import add_device_argument
     from orb.models.ops_profile import PROFILES
     from orb.precision import PRECISIONS
 
@@ -569,7 +570,7 @@ def command_line() -> argparse.ArgumentParser:
     parser.add_argument("--dispersion", default="", help="add DFT-D3: d3bj or d3zero (pip install .[d3])")
     parser.add_argument("--xc", default="pbe")
     parser.add_argument("--precision", default="float32-high", choices=PRECISIONS)
-    parser.add_argument("--device_target", default="auto", choices=("auto", "CPU", "GPU", "Ascend"))
+    add_device_argument(parser)
     parser.add_argument("--ops_profile", default="auto", choices=PROFILES)
     parser.add_argument("--progress_bar", choices=("auto", "true", "false"), default="auto")
     return parser

@@ -300,6 +300,7 @@ def relax(args) -> Dict:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from orb.device import add_device_argument
     from orb.models.ops_profile import PROFILES
     from orb.precision import PRECISIONS
 
@@ -318,7 +319,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--model", default=None, help="model name, when the checkpoint cannot tell")
     parser.add_argument("--dispersion", default="", help="add DFT-D3 dispersion: d3bj or d3zero (pip install .[d3])")
     parser.add_argument("--xc", default="pbe", help="the functional of the training data, for --dispersion")
-    parser.add_argument("--device_target", default="auto", choices=("auto", "CPU", "GPU", "Ascend"))
+    add_device_argument(parser)
     parser.add_argument("--ops_profile", default="auto", choices=PROFILES)
     parser.add_argument("--precision", default="float32-high", choices=PRECISIONS,
                         help="what the model computes in (orb.precision; float64 for tight relaxations, CPU)")

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import yaml
 
 from orb.data.buckets import MAX_BUCKETS
+from orb.device import device_name
 from orb.data.mixture import replay_per_step
 from orb.errors import ConfigError
 from orb.models.config import MODEL_NAMES, ModelConfig
@@ -35,6 +36,8 @@ class ConfigLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *defaults': PyYAML merges it below
+                continue
             key = self.construct_object(key_node, deep=deep)
             where = f"line {key_node.start_mark.line + 1}"
             if not isinstance(key, str):
@@ -47,8 +50,14 @@ class ConfigLoader(yaml.SafeLoader):
 
 ConfigLoader.yaml_implicit_resolvers = {
     first: [(tag, regexp) for tag, regexp in resolvers
-            if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:bool", "tag:yaml.org,2002:timestamp")]
+            if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:bool",
+                           "tag:yaml.org,2002:timestamp")]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+ConfigLoader.add_implicit_resolver(  # decimal notation only (1:30.5 was 90.5, 1_000.5 was 1000.5); 1e-3 is a number
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[-+]?[0-9]+[eE][-+]?[0-9]+"
+               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."))
 ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?(?:0|[1-9][0-9]*)$"),
                                    list("-+0123456789"))
 ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
@@ -184,7 +193,6 @@ class TrainConfig:
 
 
 CHOICES = {
-    "device_target": ("auto", "CPU", "GPU", "Ascend"),
     "lr_schedule": SCHEDULES,
     "ops_profile": PROFILES,
     "precision": PRECISIONS,
@@ -280,6 +288,8 @@ def _coerce(value: Any, tp, key: str) -> Any:
             return "true" if value else "false"
         if isinstance(value, int):  # ConfigLoader's ints are plain decimals: their text is the value's
             return str(value)
+        if isinstance(value, TypedNumber):  # typed on the command line: as typed
+            return value.text
         if not isinstance(value, str):  # a float's text may not come back (1.10 -> 1.1)
             raise ConfigError(f"config key '{key}' must be a string, got {value!r} (quote it)")
         return value
@@ -334,6 +344,10 @@ def _validate(cfg: TrainConfig) -> TrainConfig:
     flat = flatten(cfg.to_dict())
     if cfg.reference_energies.table:
         reference_table(cfg.reference_energies.table)  # an unknown name is refused, listing the valid ones
+    try:
+        cfg.device_target = flat["device_target"] = device_name(cfg.device_target)  # cpu -> CPU
+    except ValueError as exc:
+        raise ConfigError(f"config key 'device_target' {exc}") from None
     for key, choices in CHOICES.items():
         if flat[key] not in choices:
             raise ConfigError(f"config key '{key}' must be one of {list(choices)}, got {flat[key]!r}")
@@ -489,6 +503,15 @@ def _set_dotted(tree: Dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+class TypedNumber(float):
+    """A number given on the command line, with the text it was typed as (a key that takes text takes that)."""
+
+    def __new__(cls, value: float, text: str):
+        number = super().__new__(cls, value)
+        number.text = text
+        return number
+
+
 def parse_overrides(args: Sequence[str]) -> Dict[str, Any]:
     """``['--max_epochs', '3', '--model.latent_dim', '64']`` -> nested dict (values parsed as YAML)."""
     tree: Dict[str, Any] = {}
@@ -511,6 +534,8 @@ def parse_overrides(args: Sequence[str]) -> Dict[str, Any]:
             value = read_yaml(raw, f"--{key}") if raw != "" else ""
         except ConfigError:
             value = raw
+        if isinstance(value, float):  # a number, or text for a key that takes text (--output_dir 2.0)
+            value = TypedNumber(value, raw)
         _set_dotted(tree, key, value)
     return tree
 

@@ -33,6 +33,7 @@ from orb.training.run_data import RunData, open_databases, survey, trains_stress
 from orb.training.trainer import Trainer
 
 log = logging.getLogger("orb")
+MAX_TOTAL_STEPS = 10 ** 8  # years of training at a step a second; its schedule tables take 1.6 GB
 
 
 def build_model(cfg: TrainConfig):
@@ -199,7 +200,11 @@ def build_trainer(cfg: TrainConfig, data_parallel: Optional[DataParallel] = None
             return starting_key[0]
 
         data.plan(*replay_choice.choose(cfg, databases, outputs, model_key, data.has_stress, dp))
-        engine = Engine(model, cfg, dp, data.has_stress, cfg.max_epochs * data.steps_per_epoch, compiled)
+        total_steps = cfg.max_epochs * data.steps_per_epoch
+        if total_steps > MAX_TOTAL_STEPS:  # the schedule's per-step tables (16 bytes a step) would not fit
+            raise ConfigError(f"config key 'max_epochs' ({cfg.max_epochs}) x {data.steps_per_epoch} steps per epoch is "
+                              f"{total_steps} steps, more than {MAX_TOTAL_STEPS}")
+        engine = Engine(model, cfg, dp, data.has_stress, total_steps, compiled)
         if resumed:
             weights, optimizer_state, _, path = resumed
             engine.load(weights, optimizer_state, path)
