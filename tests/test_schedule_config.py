@@ -109,6 +109,8 @@ def test_a_config_file_means_what_it_says_or_is_refused_in_one_line(tmp_path):
         with pytest.raises(ConfigError, match=message):
             load_config(None, args)
     assert load_config(None, ["--gradient_clip_mode", "none", "--gradient_clip_val", "0"]).gradient_clip_val == 0
+    shipped = os.path.join(ROOT, "configs", "config.yaml")  # it says precision: the old key typed now overrides it
+    assert load_config(shipped, ["--matmul_precision", "highest"]).precision == "float32-highest"
     args, overrides = parse_command_line(["--over", "--conf", "x.yaml"], "configs/config.yaml")
     assert not args.overwrite and args.config == "configs/config.yaml" and overrides == ["--over", "--conf", "x.yaml"]
     empty = subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), "--config", ""], cwd=tmp_path,

@@ -563,7 +563,10 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Tr
             raise ConfigError(f"config file {path} is empty (it must hold a mapping of settings)")
         if not isinstance(values, dict):
             raise ConfigError(f"config file {path} must hold a mapping of settings, got {str(values)[:40]!r}")
-    values = _merge(values, parse_overrides(overrides))
+    given = parse_overrides(overrides)
+    if "matmul_precision" in given and "precision" not in given:  # the old key typed now overrides the file's new one
+        values.pop("precision", None)
+    values = _merge(values, given)
     return _validate(_build(TrainConfig, values))
 
 
