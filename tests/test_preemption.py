@@ -222,12 +222,15 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run_naming_them(tmp_p
     assert int(step.optimizer.step.asnumpy()) == 1 and read_nonfinite(step).tolist() == [0, 1, 1, 0]
     assert not np.array_equal(model.graph_head.mlp.layer(0).weight.asnumpy(), state["graph_head.mlp.NN-0.weight"])
 
-    # a learning rate no run survives: the first step (finite) moves every weight by ~1e30, every later step
-    # overflows; 3 in a row stop the run, naming the latest one's rows
+    # steps no run survives (plain SGD at the largest lr, unclipped, on a loss a million times too large): the first
+    # step (finite) throws every weight far out, every later step overflows; 3 in a row stop the run, naming the
+    # latest one's rows
     trainer = trainer_for(make_cfg(tmp_path, max_epochs=1, batch_size=4, log_every_n_steps=2, max_nonfinite_steps=3,
-                                   lr=1e30, lr_schedule="constant", ema_decay=0.0))
-    with pytest.raises(DivergedError, match=r"3 training steps in a row had a non-finite .* epoch 1, step 4 "
-                                            r"\(global step 4\), rows \[\d+, \d+, \d+, \d+\]"):
+                                   optimizer="sgd", lr=1.0, gradient_clip_mode="none", lr_schedule="constant",
+                                   ema_decay=0.0, loss_weights=dict(energy=1e6, forces=1e6, stress=1e6)))
+    with pytest.raises(DivergedError, match=r"[34] training steps in a row had a non-finite .* \(the latest: epoch 1, "
+                                            r"step (\d+) \(global step \1\), rows \[\d+, \d+, \d+, \d+\]\); the run "
+                                            r"stops \(max_nonfinite_steps: 3\)"):  # (read at the 2-step log boundary)
         trainer.fit()
 
 
