@@ -121,7 +121,7 @@ def test_lora_trains_only_adapters_exports_merged_weights_and_resumes_exactly(tm
                                                 "the model does not have (it has 4 message-passing layers, 0 to 3)"),
     (["--lora.rank", "-2"], "config key 'lora.rank' must be at least 1 (leave it null for no adapters), got -2"),
     (["--lora.rank", "0"], "config key 'lora.rank' must be at least 1 (leave it null for no adapters), got 0"),
-    (["--lora.rank", "999"], "config key 'lora.rank' (999) is above the layer width (128)"),
+    (["--lora.rank", "999"], "config key 'lora.rank' (999) is above the narrowest layer width (128)"),
     (["--anchor.weight", "-0.5"], "config key 'anchor.weight' must be >= 0 (0 = off), got -0.5"),
     (["--freeze", "[backbone, heads, reference_energies]"], "config key 'freeze' (['backbone', 'heads', "
                                                             "'reference_energies']): no parameter of orb_v2 is left "
