@@ -81,10 +81,10 @@ class D3Dispersion:
     """DFT-D3 energy (eV), forces (eV/Å) and, for periodic structures, stress (eV/Å³, ASE's Voigt order and
     sign) of a structure, with ``dftd3``'s parameters for ``xc``."""
 
-    def __init__(self, dispersion: str = "d3bj", xc: str = "pbe", settings=None):
+    def __init__(self, dispersion: str, xc: str, settings):
         """``settings``: the model's graph settings (``model.cfg.graph_settings()``), so that D3 sees a structure as
-        periodic exactly when the model does (orb-v2 ignores ``pbc``: D3 took a boxed molecule with ``pbc=False``
-        as a cluster while the model took it as a crystal); None: ``atoms.pbc`` as it is."""
+        periodic exactly when the model does (orb-v2 ignores ``pbc``: D3 took a boxed crystal with ``pbc=False``
+        as a cluster while the model took it as a crystal)."""
         check_dispersion(dispersion, xc)
         interface = _dftd3()
         self.dispersion, self.xc, self.settings = dispersion, xc.lower(), settings
@@ -105,11 +105,10 @@ class D3Dispersion:
         return self._model
 
     def __call__(self, atoms) -> Dict[str, np.ndarray]:
-        if self.settings is not None:
-            periodic = model_sees_periodic(atoms, self.settings)
-            if list(atoms.pbc) != [periodic] * 3:
-                atoms = atoms.copy()
-                atoms.pbc = periodic
+        periodic = model_sees_periodic(atoms, self.settings)
+        if list(atoms.pbc) != [periodic] * 3:
+            atoms = atoms.copy()
+            atoms.pbc = periodic
         result = self._model_for(atoms).get_dispersion(param=self.param, grad=True)
         out = {"energy": float(result["energy"]) * Hartree,
                "forces": -np.asarray(result["gradient"]) * (Hartree / Bohr)}

@@ -15,8 +15,8 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import yaml
 
 from orb.data.buckets import MAX_BUCKETS
-from orb.device import device_name
 from orb.data.mixture import replay_per_step
+from orb.device import device_name
 from orb.errors import ConfigError
 from orb.models.config import MODEL_NAMES, ModelConfig
 from orb.models.ops_profile import PROFILES

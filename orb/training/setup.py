@@ -313,8 +313,7 @@ def settings_that_do_nothing(cfg: TrainConfig, train_rows: int) -> List[str]:
     for term, absent in unused.items():
         weight = getattr(cfg.loss_weights, term)
         if absent and weight > 0 and weight != getattr(default, term):  # (not the default every config carries)
-            notes.append(f"loss_weights.{term} {getattr(cfg.loss_weights, term):g} is not used: {model.name} has no "
-                         f"{term} term")
+            notes.append(f"loss_weights.{term} {weight:g} is not used: {model.name} has no {term} term")
     train = cfg.train_data_path if isinstance(cfg.train_data_path, list) else [cfg.train_data_path]
     val = cfg.val_data_path if isinstance(cfg.val_data_path, list) else [cfg.val_data_path]
     shared = sorted({os.path.abspath(p) for p in train} & {os.path.abspath(p) for p in val if p})
