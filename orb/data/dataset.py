@@ -399,7 +399,7 @@ class AseDbDataset:
                                    f"db.write(atoms, charge=..., spin=...))", row.id, key)
             if value is not None:
                 try:
-                    value = np.array([total_charge_or_spin(value, key)], np.float32)
+                    value = np.array([total_charge_or_spin(value)], np.float32)
                 except ValueError as exc:
                     raise self._error(str(exc), row.id, key) from None
             values.append(value)

@@ -323,21 +323,22 @@ def atoms_to_graph(atoms, radius: float = 10.0, max_neighbors: int = 20, system_
     for key in ("charge", "spin"):
         if key in atoms.info:
             try:
-                value = total_charge_or_spin(atoms.info[key], key)
+                value = total_charge_or_spin(atoms.info[key])
             except ValueError as exc:
-                raise StructureError(f"atoms.info['{key}']: {exc}") from None
+                raise StructureError(f"atoms.info['{key}'] {exc}") from None
             setattr(graph, key, np.array([value], np.float32))
     return graph
 
 
-def total_charge_or_spin(value, key: str) -> float:
-    """A structure's total ``key`` (charge or spin) as a finite number; ValueError saying what it is instead."""
+def total_charge_or_spin(value) -> float:
+    """A structure's total charge or spin as a finite number; ValueError saying what it is instead (the caller
+    names where it was read)."""
     try:
         number = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{key} must be a number, got {str(value)[:40]!r}") from None
+        raise ValueError(f"must be a number, got {str(value)[:40]!r}") from None
     if not math.isfinite(number):
-        raise ValueError(f"{key} must be finite, got {number}")
+        raise ValueError(f"must be finite, got {number}")
     return number
 
 
