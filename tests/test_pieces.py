@@ -381,3 +381,32 @@ def test_a_dropped_engine_or_calculator_gives_its_model_back(precision):
     models = used_and_dropped()
     gc.collect()
     assert all(model() is None for model in models)
+
+
+def test_settings_that_no_share_of_two_workers_can_meet_are_refused(demo_databases, tmp_path):
+    """Checked on each rank alike (the 2-worker job that stops every rank with one such line: test_parallel): a
+    validation set of fewer structures than workers, and buckets that cannot hold a rank's share of the batch."""
+    import ase.db
+
+    from orb.data.loader import BatchLoader
+    from orb.errors import ConfigError
+    from orb.training.config import config_from_dict
+    from orb.training.distributed import DataParallel
+    from orb.training.run_data import RunData, open_databases
+
+    one_row = str(tmp_path / "one.db")
+    with ase.db.connect(DEMO_VAL) as src, ase.db.connect(one_row) as dst:
+        dst.write(next(src.select()).toatoms())
+    two_equal_ranks = lambda tensor: tensor * 2  # noqa: E731  (both ranks read the same: every sum doubles)
+    for rank in (0, 1):
+        dp = DataParallel(rank, 2, all_reduce=two_equal_ranks)
+        cfg = config_from_dict(dict(train_data_path=DEMO_TRAIN, val_data_path=one_row, batch_size=4,
+                                    device_target="CPU", data_workers=0, model=dict(SMALL_MODEL)))
+        with pytest.raises(ConfigError, match="one.db has 1 structure\\(s\\), fewer than the 2 workers$"):
+            open_databases(cfg, dp)
+        cfg = config_from_dict(dict(train_data_path=DEMO_TRAIN, val_data_path=DEMO_VAL, batch_size=4,
+                                    buckets=[[16, 100]], device_target="CPU", data_workers=0,
+                                    model=dict(SMALL_MODEL)))
+        with pytest.raises(ConfigError, match="the largest bucket \\[16, 100\\] cannot hold a batch of the 2 "
+                                              "largest"):
+            RunData(cfg, dp, demo_databases, BatchLoader(demo_databases), True).plan(None, None)
