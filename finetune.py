@@ -11,7 +11,8 @@ from orb.training.outputs import prepare_output_dir, setup_logging
 
 
 def fine_tune(cfg, args) -> None:
-    configure_mindspore(cfg.device_target, cfg.device_id, cfg.num_threads, precision=cfg.precision)
+    configure_mindspore(cfg.device_target, cfg.device_id, cfg.num_threads, precision=cfg.precision,
+                        deterministic=cfg.deterministic)
     prepare_output_dir(cfg.output_dir, resume=bool(args.resume), overwrite=args.overwrite)
     setup_logging(cfg.output_dir)
 

@@ -23,7 +23,7 @@ def fine_tune(cfg, args) -> None:
     if os.environ.get("MS_ROLE") == "MS_SCHED":  # msrun's scheduler process: it ends when the workers end
         ignore_stop_signals()
     configure_mindspore(cfg.device_target, num_threads=cfg.num_threads, parallel=True,  # msrun assigns the device
-                        precision=cfg.precision)
+                        precision=cfg.precision, deterministic=cfg.deterministic)
 
     import mindspore as ms
     from mindspore import nn, ops

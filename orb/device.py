@@ -87,7 +87,7 @@ MATMUL_PRECISIONS = ("highest", "high")
 
 
 def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_threads: int = 0,
-                        parallel: bool = False, precision: str = "float32-high") -> str:
+                        parallel: bool = False, precision: str = "float32-high", deterministic: bool = False) -> str:
     """Graph mode on the device (in an msrun job each worker gets its local device); returns the target.
 
     ``precision`` (:mod:`orb.precision`): what models built from now on compute in; checked against the
@@ -96,6 +96,12 @@ def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_thr
 
     ``num_threads`` (0: ``OMP_NUM_THREADS`` if set) also sizes MindSpore's own CPU kernel pool,
     which otherwise starts 25 threads whatever the core count.
+
+    ``deterministic``: every run of the same inputs computes the same bits, for resumes and reruns that must match
+    exactly. On the CPU one kernel thread: MindSpore 2.10's CPU kernels round the last bit differently on one
+    thread than on several, and a busy host can change which (measured: tests/test_preemption.py). Elsewhere
+    MindSpore's deterministic computing (``set_deterministic``: kernels without atomic accumulation, and
+    deterministic HCCL reductions), set before the workers' communication starts; slower, as MindSpore warns.
     """
     from orb import precision as numerics
 
@@ -107,6 +113,9 @@ def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_thr
     numerics.check_device(precision, target)
     ms.set_context(mode=ms.GRAPH_MODE)
     threads = num_threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+    if deterministic:
+        set_deterministic(target)
+        threads = 1
     if target == "CPU" and threads:
         os.environ["OMP_NUM_THREADS"] = str(threads)
         try:
@@ -124,6 +133,18 @@ def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_thr
     set_matmul_precision(target, numerics.matmul_precision(precision))
     numerics.set_precision(precision)
     return target
+
+
+def set_deterministic(target: str) -> None:
+    """MindSpore's deterministic computing on an accelerator (the CPU's is one kernel thread: the caller's)."""
+    if target == "CPU":
+        return
+    import mindspore as ms
+
+    try:
+        ms.set_deterministic(True)
+    except RuntimeError:  # "can not be set repeatedly": a second run in this process, already deterministic
+        pass
 
 
 def set_matmul_precision(target: str, precision: str) -> None:

@@ -181,6 +181,7 @@ class TrainConfig:
     progress_bar: str = "auto"
     record_batches: bool = False
     num_threads: int = 0
+    deterministic: bool = False  # bit-reproducible runs: one CPU kernel thread; MindSpore's deterministic computing
     data_workers: int = 2
     ops_profile: str = "auto"
     precision: str = "float32-high"  # orb.precision: float32-high | float32-highest | bf16-mixed | fp16-mixed | float64
@@ -383,6 +384,9 @@ def _validate(cfg: TrainConfig) -> TrainConfig:
     if not 0 <= cfg.num_threads <= MAX_PROCESSES:
         raise ConfigError(f"config key 'num_threads' must be 0 (MindSpore's default) to {MAX_PROCESSES}, "
                           f"got {cfg.num_threads}")
+    if cfg.deterministic and cfg.num_threads > 1:
+        raise ConfigError(f"config key 'num_threads' ({cfg.num_threads}): deterministic runs use one CPU kernel "
+                          f"thread; set it to 0 or 1, or deterministic: false")
     if not 0 <= cfg.data_workers <= MAX_PROCESSES:
         raise ConfigError(f"config key 'data_workers' must be 0 (prepare batches in the training process) to "
                           f"{MAX_PROCESSES}, got {cfg.data_workers}")

@@ -156,8 +156,9 @@ def build_trainer(cfg: TrainConfig, data_parallel: Optional[DataParallel] = None
                           "data-parallel run (MindSpore's CPU AllReduce and AllGather) sum in float32; use "
                           "float32-highest in parallel")
     set_precision(cfg.precision)
-    log.info("device: %s, %s, %s", ms.get_context("device_target"), describe_profile(),
-             describe_precision(cfg.precision, ms.get_context("device_target")))
+    log.info("device: %s, %s, %s%s", ms.get_context("device_target"), describe_profile(),
+             describe_precision(cfg.precision, ms.get_context("device_target")),
+             ", deterministic" if cfg.deterministic else "")
     if dp.parallel:
         log.info("data parallel: rank %d of %d (pid %d)", dp.rank, dp.world_size, os.getpid())
     reporter = Reporter(cfg.output_dir, dp.rank, cfg.progress_bar, cfg.record_batches)
