@@ -162,6 +162,14 @@ def architecture(weights: Dict[str, np.ndarray], meta: Dict, name: Optional[str]
     return config_from_state_dict(weights, name=name)
 
 
+def settings_a_state_dict_loses(cfg: ModelConfig, weights: Dict[str, np.ndarray]) -> Dict[str, Tuple]:
+    """The architecture settings of ``cfg`` that a reader of ``weights`` alone (a PyTorch state dict: no metadata)
+    would take otherwise, as {key: (cfg's value, the reader's)}: the graph (radius, neighbours) and the radial basis
+    settings that no tensor shape shows, when ``cfg`` overrides its name's."""
+    read = config_from_state_dict(weights, name=cfg.name).to_dict()
+    return {key: (value, read[key]) for key, value in cfg.to_dict().items() if read.get(key) != value}
+
+
 def load_weights_into(model: nn.Cell, path: str) -> Dict:
     """Load a PyTorch or MindSpore checkpoint's weights into ``model`` (strict); returns its metadata.
 

@@ -52,7 +52,7 @@ def convert(source: str, target: str, to=None, name=None) -> int:
 
     import_mindspore()  # a stop signal meanwhile is honoured after it
     from orb.io.checkpoint import (architecture, describe, load_torch_state_dict, read_weights, save_checkpoint,
-                                   to_torch_state_dict)
+                                   settings_a_state_dict_loses, to_torch_state_dict)
     from orb.errors import RunError
     from orb.io.torch_format import is_torch_zip, write_torch_checkpoint
     from orb.models import build
@@ -62,15 +62,23 @@ def convert(source: str, target: str, to=None, name=None) -> int:
     cfg = architecture(weights, meta, name)
     model = build(cfg)
     load_torch_state_dict(model, weights, source=source)  # strict: keys and shapes
+    lost = {}
     try:
         if to == "torch":
-            write_torch_checkpoint(to_torch_state_dict(model), target)
+            state = to_torch_state_dict(model)
+            lost = settings_a_state_dict_loses(cfg, state)
+            write_torch_checkpoint(state, target)
         else:
             save_checkpoint(target, model, {"converted_from": os.path.abspath(source), "model": cfg.to_dict()})
     except OSError as exc:
         raise RunError(f"cannot write {target}: {exc.strerror or exc}") from None
     print(f"wrote {to} checkpoint {target}: {describe(cfg)}, {len(weights)} tensors, "
           f"{model.num_parameters():,} parameters")
+    if lost:  # a PyTorch state dict holds tensors only: its reader takes the name's settings
+        print(f"warning: {target} holds weights only, and a reader (orb-models, orb-convert, ORBCalculator) builds "
+              f"{cfg.name} with " + ", ".join(f"{k} {theirs}" for k, (_, theirs) in lost.items()) +
+              "; this model was trained with " + ", ".join(f"{k} {ours}" for k, (ours, _) in lost.items()) +
+              f": give those settings to the reader, or keep using {source}", file=sys.stderr)
     return 0
 
 
