@@ -6,6 +6,8 @@ import logging
 import os
 from typing import Optional
 
+from orb.errors import ConfigError
+
 log = logging.getLogger("orb")
 
 
@@ -57,7 +59,6 @@ def add_device_argument(parser) -> None:
 def select_device(requested: str) -> str:
     """``auto`` picks Ascend, then GPU, then CPU (whichever MindSpore can use here); a named accelerator that
     MindSpore cannot use here is one line (it was MindSpore's RuntimeError with a C++ stack)."""
-    from orb.errors import ConfigError
 
     try:
         requested = device_name(requested)
@@ -98,10 +99,11 @@ def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_thr
     which otherwise starts 25 threads whatever the core count.
 
     ``deterministic``: every run of the same inputs computes the same bits, for resumes and reruns that must match
-    exactly. On the CPU one kernel thread: MindSpore 2.10's CPU kernels round the last bit differently on one
-    thread than on several, and a busy host can change which (measured: tests/test_preemption.py). Elsewhere
-    MindSpore's deterministic computing (``set_deterministic``: kernels without atomic accumulation, and
-    deterministic HCCL reductions), set before the workers' communication starts; slower, as MindSpore warns.
+    exactly. On the CPU one kernel thread (``OMP_NUM_THREADS`` is overridden; a ``num_threads`` above 1 is refused):
+    MindSpore 2.10's CPU kernels round the last bit differently on one thread than on several, and a busy host can
+    change which (measured: tests/test_preemption.py). Elsewhere MindSpore's deterministic computing
+    (``set_deterministic``; on Ascend also deterministic HCCL reductions), set before the workers' communication
+    starts. A process whose CPU kernel pool already has another size cannot become deterministic: refused.
     """
     from orb import precision as numerics
 
@@ -111,17 +113,16 @@ def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_thr
     numerics.check_precision(precision)
     target = select_device(device_target)
     numerics.check_device(precision, target)
+    if deterministic and target == "CPU" and num_threads > 1:
+        raise ConfigError(f"config key 'num_threads' ({num_threads}): a deterministic run on the CPU uses one kernel "
+                          f"thread; set it to 0 or 1, or deterministic: false")
     ms.set_context(mode=ms.GRAPH_MODE)
     threads = num_threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
     if deterministic:
         set_deterministic(target)
         threads = 1
     if target == "CPU" and threads:
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-        try:
-            ms.device_context.cpu.op_tuning.threads_num(threads)
-        except RuntimeError:  # already set in this process
-            pass
+        set_kernel_threads(threads, deterministic)
     try:
         if parallel:
             ms.set_device(target)
@@ -133,6 +134,25 @@ def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_thr
     set_matmul_precision(target, numerics.matmul_precision(precision))
     numerics.set_precision(precision)
     return target
+
+
+_kernel_threads = {}  # the CPU kernel pool's size once this module set it (MindSpore takes it once per process)
+
+
+def set_kernel_threads(threads: int, deterministic: bool) -> None:
+    """MindSpore's CPU kernel pool (and OpenMP's) at ``threads``; a second call in the process keeps the first size,
+    except that a deterministic run refuses a pool of another size (it would not be deterministic)."""
+    import mindspore as ms
+
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        ms.device_context.cpu.op_tuning.threads_num(threads)
+        _kernel_threads.setdefault("size", threads)
+    except RuntimeError:  # already set in this process
+        if deterministic and _kernel_threads.get("size") != 1:
+            raise ConfigError(f"deterministic: this process's CPU kernel pool already has "
+                              f"{_kernel_threads.get('size', 'another number of')} threads, set by an earlier run in "
+                              f"it; a deterministic run needs one: start it in a new process") from None
 
 
 def set_deterministic(target: str) -> None:

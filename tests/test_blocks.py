@@ -286,6 +286,32 @@ def test_a_device_mindspore_cannot_use_here_is_one_line():
         select_device("cuda")
 
 
+def test_a_deterministic_cpu_run_refuses_a_kernel_pool_of_several_threads():
+    """deterministic on the CPU is one kernel thread (its bits: tests/test_preemption.py): num_threads above 1 is
+    refused, and so is a process whose pool an earlier run already sized otherwise (MindSpore sizes it once; the
+    run would have kept the earlier size and called itself deterministic)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from orb.device import configure_mindspore
+    from orb.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="'num_threads' \\(4\\): a deterministic run on the CPU uses one kernel "
+                                          "thread"):
+        configure_mindspore("CPU", num_threads=4, deterministic=True)
+    script = ("from orb.device import configure_mindspore\n"
+              "configure_mindspore('CPU', num_threads=1)\n"
+              "configure_mindspore('CPU', deterministic=True)\n"  # one thread already: deterministic
+              "print('one thread: deterministic')\n")
+    again = subprocess.run([sys.executable, "-c", script.replace("num_threads=1", "num_threads=2")], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode != 0 and "already has 2 threads, set by an earlier run in it; a deterministic run " \
+                                     "needs one" in again.stderr, again.stderr[-2000:]
+    same = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert same.returncode == 0 and "one thread: deterministic" in same.stdout, same.stderr[-2000:]
+
+
 def test_broadcasts_are_exact_and_their_gradients_are_sums(profile):
     """Broadcasts' column/row (products with ones under ``cpu``, BroadcastTo under ``portable``) repeat values
     exactly; their gradients, also differentiated a second time as conservative models do, are row/column sums."""

@@ -140,13 +140,17 @@ def test_convert_script_reads_the_architecture_from_the_checkpoint(tmp_path):
     for key, value in to_torch_state_dict(model).items():
         assert torch_sd[key].tobytes() == value.tobytes() == final[key].tobytes(), key
     assert "warning" not in to_torch.stderr  # every setting of this model is in the file or its shapes
-    wide = orb_v2(seed=3, **dict(SMALL_MODEL, radius=8.0, max_neighbors=30))  # graphs no tensor shape shows
+    from orb.models import create
+
+    # graphs no tensor shape shows, under a name whose tensors read as orb_v2's
+    wide = create("orb_d3_sm_v2", seed=3, **dict(SMALL_MODEL, radius=8.0, max_neighbors=30))
     save_checkpoint(str(tmp_path / "wide.ckpt"), wide, {"model": wide.cfg.to_dict()})
     lossy = subprocess.run([sys.executable, script, str(tmp_path / "wide.ckpt"), str(tmp_path / "wide_torch.ckpt")],
                            capture_output=True, text=True, timeout=300)
     assert lossy.returncode == 0, lossy.stderr[-2000:]
-    assert ("builds orb_v2 with radius 10.0, max_neighbors 20; this model was trained with radius 8.0, "
-            "max_neighbors 30") in lossy.stderr
+    assert ("its readers build orb_d3_sm_v2 with radius 10.0, max_neighbors 20, but this model has radius 8.0, "
+            "max_neighbors 30, which no reader of that file can know") in lossy.stderr
+    assert "tensors read as orb_v2 unless its readers are given the name orb_d3_sm_v2" in lossy.stderr
     broken = dict(torch_sd)
     del broken["graph_head.mlp.NN-0.weight"]
     write_torch_checkpoint(broken, str(tmp_path / "broken.ckpt"))

@@ -105,8 +105,6 @@ def test_a_config_file_means_what_it_says_or_is_refused_in_one_line(tmp_path):
         (["--freeze", "[layers:1-0]"], "config key 'freeze\\[0\\]': 'layers:1-0' runs backwards: write layers:0-1"),
         (["--lora.rank", "16", "--model.mlp_hidden_dim", "8"], "'lora.rank' \\(16\\) is above the narrowest layer "
                                                                  "width \\(8\\)"),
-        (["--deterministic", "true", "--num_threads", "4"], "'num_threads' \\(4\\): deterministic runs use one CPU "
-                                                              "kernel thread"),
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(None, args)

@@ -162,12 +162,14 @@ def architecture(weights: Dict[str, np.ndarray], meta: Dict, name: Optional[str]
     return config_from_state_dict(weights, name=name)
 
 
-def settings_a_state_dict_loses(cfg: ModelConfig, weights: Dict[str, np.ndarray]) -> Dict[str, Tuple]:
-    """The architecture settings of ``cfg`` that a reader of ``weights`` alone (a PyTorch state dict: no metadata)
-    would take otherwise, as {key: (cfg's value, the reader's)}: the graph (radius, neighbours) and the radial basis
-    settings that no tensor shape shows, when ``cfg`` overrides its name's."""
-    read = config_from_state_dict(weights, name=cfg.name).to_dict()
-    return {key: (value, read[key]) for key, value in cfg.to_dict().items() if read.get(key) != value}
+def settings_a_state_dict_loses(cfg: ModelConfig, weights: Dict[str, np.ndarray]) -> Tuple[Dict[str, Tuple], str]:
+    """What a reader of ``weights`` alone (a PyTorch state dict: tensors, no name, no settings) cannot know of the
+    model ``cfg``: {key: (cfg's value, the reader's)} for the settings no tensor shape shows (the graph's radius and
+    neighbours, the radial basis) where ``cfg`` is not its name's, even when told the name; and the name the tensors
+    read as without it (orb-v3's 20- and unlimited-neighbour models, and the D3 orb-v2 models, look alike)."""
+    named = config_from_state_dict(weights, name=cfg.name).to_dict()
+    lost = {key: (value, named[key]) for key, value in cfg.to_dict().items() if key != "name" and named[key] != value}
+    return lost, config_from_state_dict(weights).name
 
 
 def load_weights_into(model: nn.Cell, path: str) -> Dict:

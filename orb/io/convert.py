@@ -56,17 +56,20 @@ def convert(source: str, target: str, to=None, name=None) -> int:
     from orb.errors import RunError
     from orb.io.torch_format import is_torch_zip, write_torch_checkpoint
     from orb.models import build
+    from orb.models.config import ModelConfig
 
     weights, meta = read_weights(source)
     to = to or ("mindspore" if is_torch_zip(source) else "torch")
     cfg = architecture(weights, meta, name)
+    stored = meta.get("model") or meta.get("config", {}).get("model")
+    trained = ModelConfig.from_dict(dict(stored, name=cfg.name)) if stored else cfg  # (--model renames, keeps these)
     model = build(cfg)
     load_torch_state_dict(model, weights, source=source)  # strict: keys and shapes
-    lost = {}
+    lost, read_as = {}, cfg.name
     try:
         if to == "torch":
             state = to_torch_state_dict(model)
-            lost = settings_a_state_dict_loses(cfg, state)
+            lost, read_as = settings_a_state_dict_loses(trained, state)
             write_torch_checkpoint(state, target)
         else:
             save_checkpoint(target, model, {"converted_from": os.path.abspath(source), "model": cfg.to_dict()})
@@ -74,11 +77,16 @@ def convert(source: str, target: str, to=None, name=None) -> int:
         raise RunError(f"cannot write {target}: {exc.strerror or exc}") from None
     print(f"wrote {to} checkpoint {target}: {describe(cfg)}, {len(weights)} tensors, "
           f"{model.num_parameters():,} parameters")
-    if lost:  # a PyTorch state dict holds tensors only: its reader takes the name's settings
-        print(f"warning: {target} holds weights only, and a reader (orb-models, orb-convert, ORBCalculator) builds "
-              f"{cfg.name} with " + ", ".join(f"{k} {theirs}" for k, (_, theirs) in lost.items()) +
-              "; this model was trained with " + ", ".join(f"{k} {ours}" for k, (ours, _) in lost.items()) +
-              f": give those settings to the reader, or keep using {source}", file=sys.stderr)
+    if lost:  # a PyTorch state dict holds tensors only: its readers build the name's model
+        print(f"warning: {target} holds tensors only: its readers build {cfg.name} with "
+              + ", ".join(f"{k} {theirs}" for k, (_, theirs) in lost.items()) + ", but this model has "
+              + ", ".join(f"{k} {ours}" for k, (ours, _) in lost.items())
+              + f", which no reader of that file can know; keep using {source} with this project's tools",
+              file=sys.stderr)
+    if read_as != cfg.name:
+        print(f"warning: {target}'s tensors read as {read_as} unless its readers are given the name {cfg.name}: "
+              f"orb-convert and orb-evaluate --model {cfg.name}, ORBCalculator.from_checkpoint(..., "
+              f"model_name='{cfg.name}'), orb-models' {cfg.name} loader", file=sys.stderr)
     return 0
 
 

@@ -384,9 +384,6 @@ def _validate(cfg: TrainConfig) -> TrainConfig:
     if not 0 <= cfg.num_threads <= MAX_PROCESSES:
         raise ConfigError(f"config key 'num_threads' must be 0 (MindSpore's default) to {MAX_PROCESSES}, "
                           f"got {cfg.num_threads}")
-    if cfg.deterministic and cfg.num_threads > 1:
-        raise ConfigError(f"config key 'num_threads' ({cfg.num_threads}): deterministic runs use one CPU kernel "
-                          f"thread; set it to 0 or 1, or deterministic: false")
     if not 0 <= cfg.data_workers <= MAX_PROCESSES:
         raise ConfigError(f"config key 'data_workers' must be 0 (prepare batches in the training process) to "
                           f"{MAX_PROCESSES}, got {cfg.data_workers}")
