@@ -118,9 +118,10 @@ def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_thr
                           f"thread; set it to 0 or 1, or deterministic: false")
     ms.set_context(mode=ms.GRAPH_MODE)
     threads = num_threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
-    if deterministic:
-        set_deterministic(target)
+    if deterministic and target == "CPU":
         threads = 1
+    elif deterministic:
+        set_deterministic()
     if target == "CPU" and threads:
         set_kernel_threads(threads, deterministic)
     try:
@@ -136,29 +137,28 @@ def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_thr
     return target
 
 
-_kernel_threads = {}  # the CPU kernel pool's size once this module set it (MindSpore takes it once per process)
+_kernel_threads: Optional[int] = None  # the CPU kernel pool's size once this module set it (MindSpore takes one)
 
 
 def set_kernel_threads(threads: int, deterministic: bool) -> None:
     """MindSpore's CPU kernel pool (and OpenMP's) at ``threads``; a second call in the process keeps the first size,
     except that a deterministic run refuses a pool of another size (it would not be deterministic)."""
+    global _kernel_threads
     import mindspore as ms
 
     os.environ["OMP_NUM_THREADS"] = str(threads)
     try:
         ms.device_context.cpu.op_tuning.threads_num(threads)
-        _kernel_threads.setdefault("size", threads)
+        _kernel_threads = threads
     except RuntimeError:  # already set in this process
-        if deterministic and _kernel_threads.get("size") != 1:
+        if deterministic and _kernel_threads != 1:
             raise ConfigError(f"deterministic: this process's CPU kernel pool already has "
-                              f"{_kernel_threads.get('size', 'another number of')} threads, set by an earlier run in "
-                              f"it; a deterministic run needs one: start it in a new process") from None
+                              f"{_kernel_threads or 'another number of'} threads, set by an earlier run in it; a "
+                              f"deterministic run needs one: start it in a new process") from None
 
 
-def set_deterministic(target: str) -> None:
+def set_deterministic() -> None:
     """MindSpore's deterministic computing on an accelerator (the CPU's is one kernel thread: the caller's)."""
-    if target == "CPU":
-        return
     import mindspore as ms
 
     try:

@@ -153,10 +153,15 @@ def describe(cfg: ModelConfig) -> str:
             f"{cfg.num_message_passing_steps} message-passing layers, head_mlp_hidden_dim {cfg.head_mlp_hidden_dim})")
 
 
+def stored_architecture(meta: Dict) -> Optional[Dict]:
+    """The model settings this program stored in a checkpoint's metadata (a converted or a training checkpoint)."""
+    return meta.get("model") or meta.get("config", {}).get("model")
+
+
 def architecture(weights: Dict[str, np.ndarray], meta: Dict, name: Optional[str] = None) -> ModelConfig:
     """The architecture of a checkpoint: stored by this program, else read from the tensor shapes
     (``name``: the model name when the shapes cannot tell, e.g. orb-v3's 20 or unlimited neighbours)."""
-    stored = meta.get("model") or meta.get("config", {}).get("model")
+    stored = stored_architecture(meta)
     if stored and (name is None or stored.get("name", "orb_v2") == name):
         return ModelConfig.from_dict(stored)
     return config_from_state_dict(weights, name=name)

@@ -52,7 +52,7 @@ def convert(source: str, target: str, to=None, name=None) -> int:
 
     import_mindspore()  # a stop signal meanwhile is honoured after it
     from orb.io.checkpoint import (architecture, describe, load_torch_state_dict, read_weights, save_checkpoint,
-                                   settings_a_state_dict_loses, to_torch_state_dict)
+                                   settings_a_state_dict_loses, stored_architecture, to_torch_state_dict)
     from orb.errors import RunError
     from orb.io.torch_format import is_torch_zip, write_torch_checkpoint
     from orb.models import build
@@ -61,7 +61,7 @@ def convert(source: str, target: str, to=None, name=None) -> int:
     weights, meta = read_weights(source)
     to = to or ("mindspore" if is_torch_zip(source) else "torch")
     cfg = architecture(weights, meta, name)
-    stored = meta.get("model") or meta.get("config", {}).get("model")
+    stored = stored_architecture(meta)
     trained = ModelConfig.from_dict(dict(stored, name=cfg.name)) if stored else cfg  # (--model renames, keeps these)
     model = build(cfg)
     load_torch_state_dict(model, weights, source=source)  # strict: keys and shapes
