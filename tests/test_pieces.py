@@ -37,6 +37,22 @@ def test_progress_round_trips_through_checkpoint_metadata():
     assert mid.improved(0.1, 4) and (mid.best_val, mid.best_epoch) == (0.1, 4) and not mid.improved(0.2, 5)
 
 
+def test_a_resume_names_each_setting_that_changes_only_its_rounding():
+    """Precision, kernels, threads, determinism and the number of workers may change on resume (the schedule and
+    data order stay), but the result is then the uninterrupted run's only to rounding: each change is named."""
+    from orb.training.config import TrainConfig
+    from orb.training.state import arithmetic_changes
+
+    saved = TrainConfig().to_dict()
+    meta = {"config": saved, "world_size": 2}
+    assert arithmetic_changes(meta, saved, 2) == []
+    changed = dict(saved, precision="bf16-mixed", deterministic=True, num_threads=1, ops_profile="portable")
+    assert arithmetic_changes(meta, changed, 4) == [
+        "precision: 'float32-high' -> 'bf16-mixed'", "deterministic: False -> True", "num_threads: 0 -> 1",
+        "ops_profile: 'auto' -> 'portable'", "workers: 2 -> 4"]
+    assert arithmetic_changes({"config": {}}, saved, 8) == []  # a checkpoint that did not record them: defaults
+
+
 def test_each_rank_gets_its_own_interval_sums_back():
     from orb.training.checkpointing import Progress, this_ranks_interval_sums
     from orb.training.distributed import DataParallel

@@ -116,7 +116,7 @@ def test_train_step_updates_the_normalisers():
         assert int(np.asarray(bn.num_batches_tracked.asnumpy()).reshape(-1)[0]) == count, name
 
 
-def test_resume_equals_straight_run_and_refuses_changes(tmp_path):
+def test_resume_equals_straight_run_and_refuses_changes(tmp_path, caplog):
     from orb.errors import ConfigError
 
     straight = trainer_for(make_cfg(tmp_path / "a"))
@@ -135,8 +135,12 @@ def test_resume_equals_straight_run_and_refuses_changes(tmp_path):
     ep_a, ep_b = epochs_of(tmp_path / "a" / "run" / "metrics.jsonl"), epochs_of(f"{run_dir}/metrics.jsonl")
     assert [r["epoch"] for r in ep_b] == [0, 1, 2]
     assert without_timing(ep_a[-1]) == without_timing(ep_b[-1])
-    more = trainer_for(make_cfg(tmp_path / "b", max_epochs=3), resume=run_dir, accept=True)
+    assert "other arithmetic" not in caplog.text
+    caplog.set_level("INFO", logger="orb")
+    more = trainer_for(make_cfg(tmp_path / "b", max_epochs=3, precision="float32-highest"), resume=run_dir, accept=True)
     assert more.progress.epochs_done == 2 and len(more.engine.schedule.lr) == 3 * more.data.steps_per_epoch
+    assert ("resuming with other arithmetic than the checkpoint's run (precision: 'float32-high' -> "
+            "'float32-highest')") in caplog.text  # allowed, but no longer bit for bit: said once
 
 
 def test_same_seed_same_metrics(tmp_path):

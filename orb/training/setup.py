@@ -130,6 +130,10 @@ def read_resume(path: str, checkpointer: Checkpointer, cfg: TrainConfig, identit
                                           identity["train_fingerprint"], identity["starting_weights"])
     if changes:
         log.warning("resuming with changed settings (accepted): %s", "; ".join(changes))
+    rounding = training_state.arithmetic_changes(meta, cfg.to_dict(), identity["world_size"])
+    if rounding:
+        log.info("resuming with other arithmetic than the checkpoint's run (%s): the schedule and data order continue, "
+                 "the numbers follow an uninterrupted run's only to rounding", "; ".join(rounding))
     return weights, optimizer_state, meta, path
 
 

@@ -27,6 +27,10 @@ RESUME_KEYS = ("train_data_path", "batch_size", "max_epochs", "lr", "lr_schedule
                "replay.loss_weight", "replay.head", "freeze", "freeze_backbone", "lr_multipliers", "anchor.weight",
                "anchor.groups", "lora.rank", "lora.alpha", "lora.groups", "lora.train_others",
                "reference_energies.trainable", "online_normalisation", "replay.in_selection")
+# Settings that change only how each step's arithmetic rounds (kernels, threads, reduction order over ranks):
+# a resume may change them, and continues the schedule and data order, but then equals an uninterrupted run only to
+# rounding, not bit for bit.
+ARITHMETIC_KEYS = ("precision", "deterministic", "num_threads", "ops_profile")
 
 
 def _full(optimizer: FlatAdam, local: np.ndarray, dp: DataParallel) -> np.ndarray:
@@ -88,6 +92,17 @@ def config_changes(saved: Dict, current: Dict, keys: Sequence[str] = RESUME_KEYS
     if old.get("lora.rank") == 0:  # "off" was spelt 0 before it was null
         old["lora.rank"] = None
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
+
+
+def arithmetic_changes(meta: Dict, current_config: Dict, world_size: int) -> List[str]:
+    """``key: saved -> current`` for each setting that changes how the resumed steps round (ARITHMETIC_KEYS and the
+    number of workers): allowed, but worth a line, since the result then differs from the uninterrupted run's in
+    the last bits (several in mixed precision)."""
+    changes = config_changes(meta.get("config", {}), current_config, ARITHMETIC_KEYS)
+    saved = meta.get("world_size")
+    if saved is not None and saved != world_size:
+        changes.append(f"workers: {saved} -> {world_size}")
+    return changes
 
 
 def check_resume(meta: Dict, current_config: Dict, train_rows: int, path: str, accept_changes: bool,
