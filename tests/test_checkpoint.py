@@ -170,6 +170,36 @@ def test_fine_tuning_names_the_checkpoints_architecture(tmp_path):
         load_weights_into(orb_v2(**dict(SMALL_MODEL, latent_dim=64)), path)
 
 
+def test_fine_tuning_warns_when_the_model_block_changes_what_no_tensor_shows(tmp_path, caplog):
+    """Graph and radial-basis settings (and orb-v3's 20 or unlimited neighbours) load into any model of the same
+    shapes: a model block that changes them starts the weights on graphs they were not trained on, which the start
+    of the run says (it said nothing); the same settings, or a plain file read under the config's name, say nothing."""
+    from orb.io.checkpoint import load_weights_into, save_checkpoint, to_torch_state_dict
+    from orb.io.torch_format import write_torch_checkpoint
+    from orb.models import create
+    from orb.models.orb_v2 import orb_v2
+    from orb.training.config import config_from_dict
+    from orb.training.setup import build_model
+
+    ours = str(tmp_path / "ours.ckpt")
+    save_checkpoint(ours, orb_v2(**SMALL_MODEL), {"model": dict(SMALL_MODEL, name="orb_v2")})
+    assert load_weights_into(orb_v2(**SMALL_MODEL), ours) == {}
+    assert load_weights_into(orb_v2(**dict(SMALL_MODEL, radius=8.0, max_neighbors=30)), ours) == {
+        "radius": (8.0, 10.0), "max_neighbors": (30, 20)}
+    small_v3 = dict(SMALL_MODEL, name="orb_v3_direct_20_omat")
+    plain = str(tmp_path / "plain.ckpt")  # a PyTorch state dict: no settings, read under the config's name
+    write_torch_checkpoint(to_torch_state_dict(create("orb_v3_direct_20_omat", **SMALL_MODEL)), plain)
+    assert load_weights_into(create("orb_v3_direct_inf_omat", **SMALL_MODEL), plain) == {}
+    trained = str(tmp_path / "trained_v3.ckpt")  # this program's file knows it was the 20-neighbour model
+    save_checkpoint(trained, create("orb_v3_direct_20_omat", **SMALL_MODEL), {"model": small_v3})
+    assert load_weights_into(create("orb_v3_direct_inf_omat", **SMALL_MODEL), trained) == {
+        "name": ("orb_v3_direct_inf_omat", "orb_v3_direct_20_omat"), "max_neighbors": (120, 20)}
+    caplog.set_level("WARNING", logger="orb")
+    build_model(config_from_dict({"checkpoint_path": ours, "model": dict(SMALL_MODEL, radius=8.0)}))
+    assert (f"the 'model:' block differs from the model {ours} was trained as: radius 8.0 (trained: 10.0)"
+            in caplog.text)
+
+
 def add_random_adapters(model, rank=4, scale=0.02):
     """LoRA adapters on the model's layer and head MLPs, with B drawn at random (not the zeros training starts from),
     so that merging them changes every adapted weight."""

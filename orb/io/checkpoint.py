@@ -177,8 +177,22 @@ def settings_a_state_dict_loses(cfg: ModelConfig, weights: Dict[str, np.ndarray]
     return lost, config_from_state_dict(weights).name
 
 
-def load_weights_into(model: nn.Cell, path: str) -> Dict:
-    """Load a PyTorch or MindSpore checkpoint's weights into ``model`` (strict); returns its metadata.
+def settings_unlike_the_trained(cfg: ModelConfig, weights: Dict[str, np.ndarray], meta: Dict) -> Dict[str, Tuple]:
+    """{key: (cfg's value, the checkpoint's)} where ``cfg`` differs from the model ``weights`` were trained as (its
+    stored settings, else its tensors read under ``cfg``'s name): the name and the settings no tensor shape shows
+    (the graph's radius and neighbours, the radial basis), which a strict load cannot catch."""
+    stored = stored_architecture(meta)
+    if stored:  # (settings a later version may add are not this version's to compare)
+        theirs = ModelConfig.from_dict({k: v for k, v in stored.items() if k in ModelConfig.__dataclass_fields__})
+    else:
+        theirs = config_from_state_dict(weights, name=cfg.name)
+    return {key: (value, theirs.to_dict()[key]) for key, value in cfg.to_dict().items()
+            if theirs.to_dict()[key] != value}
+
+
+def load_weights_into(model: nn.Cell, path: str) -> Dict[str, Tuple]:
+    """Load a PyTorch or MindSpore checkpoint's weights into ``model`` (strict); returns the settings in which
+    ``model`` differs from the model the weights were trained as (:func:`settings_unlike_the_trained`).
 
     If the architectures differ, the error says what the checkpoint holds.
     """
@@ -192,7 +206,7 @@ def load_weights_into(model: nn.Cell, path: str) -> Dict:
             raise exc from None
         raise CheckpointError(f"{path} holds {held}, which does not match the config's 'model:' block "
                               f"({describe(model.cfg)}); set the model block to the checkpoint's architecture") from None
-    return meta
+    return settings_unlike_the_trained(model.cfg, weights, meta)
 
 
 def model_from_checkpoint(path: str, name: Optional[str] = None):

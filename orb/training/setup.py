@@ -44,8 +44,13 @@ def build_model(cfg: TrainConfig):
 
     model = build(cfg.model, seed=cfg.random_seed)
     if cfg.checkpoint_path:
-        load_weights_into(model, cfg.checkpoint_path)
+        unlike = load_weights_into(model, cfg.checkpoint_path)
         log.info("loaded weights from %s", cfg.checkpoint_path)
+        if unlike:  # a new graph is a choice, but the pretrained weights never saw it: say so, never silently
+            log.warning("the 'model:' block differs from the model %s was trained as: %s; its weights start on "
+                        "graphs they were not trained on (set these as the checkpoint's unless you mean to change "
+                        "them)", cfg.checkpoint_path,
+                        ", ".join(f"{key} {ours} (trained: {theirs})" for key, (ours, theirs) in unlike.items()))
     else:
         log.warning("checkpoint_path is empty: starting from RANDOM weights (set it to an orb checkpoint to fine-tune "
                     "the pretrained model)")
