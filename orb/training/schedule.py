@@ -13,7 +13,6 @@ step and a resumed run continues at exactly the same position.
 * ``constant``: ``lr`` at every step.
 """
 
-import math
 from typing import NamedTuple
 
 import numpy as np
@@ -28,9 +27,10 @@ class Schedule(NamedTuple):
     beta1: np.ndarray  # (steps,) float64
 
 
-def _cosine(a: float, b: float, pct: float) -> float:
-    """PyTorch's _annealing_cos: from a (pct 0) to b (pct 1)."""
-    return b + (a - b) / 2.0 * (math.cos(math.pi * pct) + 1.0)
+def _cosine(a: float, b: float, pct: np.ndarray) -> np.ndarray:
+    """PyTorch's _annealing_cos, element-wise: from a (pct 0) to b (pct 1). The same operations in the same order as
+    its scalar form, so each step's value is the same float64 (tested against it)."""
+    return b + (a - b) / 2.0 * (np.cos(np.pi * pct) + 1.0)
 
 
 def one_cycle(lr: float, total_steps: int, warmup_fraction: float = 0.05, div_factor: float = 10.0,
@@ -38,7 +38,8 @@ def one_cycle(lr: float, total_steps: int, warmup_fraction: float = 0.05, div_fa
     """PyTorch ``OneCycleLR`` (two phases, cosine, momentum cycled) as orb-models' fine-tuning uses it.
 
     Unlike the PyTorch scheduler it never divides by zero for short runs (a warm-up shorter than
-    one step is skipped) and has no step limit.
+    one step is skipped) and has no step limit. Computed as arrays: a run of millions of steps (MPtrj for 20
+    epochs: 3.95 M) starts without a per-step Python loop.
     """
     if total_steps < 1:
         raise ValueError("total_steps must be at least 1")
@@ -46,16 +47,15 @@ def one_cycle(lr: float, total_steps: int, warmup_fraction: float = 0.05, div_fa
     low, high = ONE_CYCLE_BETA1
     warmup_end = float(warmup_fraction * total_steps) - 1.0  # PyTorch's phase boundary
     last = float(total_steps - 1)
-    lrs, betas = np.empty(total_steps), np.empty(total_steps)
-    for step in range(total_steps):
-        if warmup_end > 0 and step <= warmup_end:
-            pct = step / warmup_end
-            lrs[step], betas[step] = _cosine(start, peak, pct), _cosine(high, low, pct)
-        else:
-            begin = max(warmup_end, 0.0)
-            span = last - begin
-            pct = (step - begin) / span if span > 0 else 1.0
-            lrs[step], betas[step] = _cosine(peak, end, pct), _cosine(low, high, pct)
+    steps = np.arange(total_steps, dtype=np.float64)
+    begin = max(warmup_end, 0.0)
+    span = last - begin
+    pct = (steps - begin) / span if span > 0 else np.ones(total_steps)
+    lrs, betas = _cosine(peak, end, pct), _cosine(low, high, pct)
+    if warmup_end > 0:
+        warm = steps <= warmup_end
+        pct = steps[warm] / warmup_end
+        lrs[warm], betas[warm] = _cosine(start, peak, pct), _cosine(high, low, pct)
     return Schedule(lrs, betas)
 
 
@@ -63,14 +63,13 @@ def warmup_cosine(lr: float, total_steps: int, warmup_fraction: float = 0.05, fi
     """Linear warm-up to ``lr`` (the first step already trains at lr / warm-up steps), cosine to lr / final_div."""
     if total_steps < 1:
         raise ValueError("total_steps must be at least 1")
-    warmup = int(round(warmup_fraction * total_steps))
+    warmup = min(int(round(warmup_fraction * total_steps)), total_steps)
+    steps = np.arange(total_steps, dtype=np.float64)
+    span = total_steps - warmup - 1
+    pct = (steps[warmup:] - warmup) / span if span > 0 else np.ones(total_steps - warmup)
     lrs = np.empty(total_steps)
-    for step in range(total_steps):
-        if step < warmup:
-            lrs[step] = lr * (step + 1) / warmup
-        else:
-            span = total_steps - warmup - 1
-            lrs[step] = _cosine(lr, lr / final_div, (step - warmup) / span if span > 0 else 1.0)
+    lrs[:warmup] = lr * (steps[:warmup] + 1) / warmup
+    lrs[warmup:] = _cosine(lr, lr / final_div, pct)
     return Schedule(lrs, np.full(total_steps, BETA1))
 
 
