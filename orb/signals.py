@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Optional
+from typing import Callable, Optional
 
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 STOPPED_STATUS = 75  # EX_TEMPFAIL: stopped on request, nothing lost; resuming continues the run
@@ -107,6 +107,27 @@ def listen(resume_hint: str = RESUME_HINT) -> StopSignals:
     STOP.resume_hint = resume_hint
     STOP.install()
     return STOP
+
+
+def run_command(body: Callable[[], int], resume_hint: str = "") -> int:
+    """A command line's main: stop signals listened to from its first moment (before its arguments are parsed and
+    anything heavy is imported: a signal there ended the process with status 143, not 75), then ``body()`` (parse,
+    work, report; returns the exit status), with one line and an exit status for what stops it: a stop signal
+    (75), bad input (2), a failure of the run (1; what it wrote stays whole)."""
+    from orb.errors import OrbInputError, RunError
+
+    listen(resume_hint)
+    try:
+        return body()
+    except Stopped as stop:
+        print(str(stop), file=sys.stderr)
+        return stop.status
+    except OrbInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except RunError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 def ignore_stop_signals() -> None:

@@ -204,3 +204,81 @@ def test_extending_a_run_and_stopping_uncertain_structures_survive_a_resume(tmp_
     assert orb_md(tmp_path, "stop", *stopping, "--resume").returncode == 0
     again = json.load(open(tmp_path / "stop" / "summary.json"))["structures"]
     assert [s["status"] for s in again] == [s["status"] for s in first]
+
+
+def run_and_stop(tmp_path, name, args, lines=4):
+    """orb-md stopped by SIGTERM once the last structure's log has ``lines`` lines; exits 75."""
+    process = subprocess.Popen([sys.executable, "scripts/md.py", "--checkpoint", V3, "--output", str(tmp_path / name),
+                                "--device_target", "CPU", "--progress_bar", "false", *args], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=dict(os.environ, ORB_CACHE_DIR=str(tmp_path / "cache")))
+    log = tmp_path / name / f"log_{len(ROWS) - 1}.csv"
+    deadline = time.time() + 600
+    while not (log.exists() and len(open(log).read().splitlines()) >= lines):
+        assert process.poll() is None and time.time() < deadline, process.communicate()[1][-2000:]
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 75, err[-2000:]
+
+
+def same_files(tmp_path, a, b):
+    """Every structure's last frame (positions, cell) and log (every value) equal between two runs."""
+    import ase.io
+
+    for k in range(len(ROWS)):
+        x, y = (ase.io.read(tmp_path / f / f"traj_{k}.extxyz", index=":") for f in (a, b))
+        assert [f.info["step"] for f in x] == [f.info["step"] for f in y], k
+        np.testing.assert_allclose(x[-1].positions, y[-1].positions, atol=1e-6, err_msg=f"structure {k}")
+        np.testing.assert_allclose(x[-1].cell.array, y[-1].cell.array, atol=1e-6, err_msg=f"structure {k}")
+        logs = [np.genfromtxt(tmp_path / f / f"log_{k}.csv", delimiter=",", names=True) for f in (a, b)]
+        for column in logs[0].dtype.names:
+            np.testing.assert_allclose(logs[0][column], logs[1][column], rtol=1e-6, atol=1e-9, equal_nan=True,
+                                       err_msg=f"structure {k}, {column}")
+
+
+@pytest.mark.parametrize("ensemble", [["--ensemble", "npt", "--taup", "50", "--pressure", "10000"],
+                                      ["--ensemble", "nvt", "--thermostat", "nose-hoover", "--tdamp", "20"]])
+def test_fixed_atoms_resume_exactly_under_a_barostat_and_a_nose_hoover_chain(tmp_path, ensemble):
+    """A structure with fixed atoms, stopped and resumed: the barostat moves fixed atoms with the cell (a resume
+    put them back where the input had them: 0.017 Å off), and the Nose-Hoover chain keeps positions and momenta of
+    its own (a resume lost them); both now end where the uninterrupted run ends."""
+    import ase.io
+    from ase.constraints import FixAtoms
+
+    _, frames = start_frames(tmp_path)
+    frames[2].set_constraint(FixAtoms([0, 1]))
+    path = str(tmp_path / "fixed.extxyz")
+    ase.io.write(path, frames, format="extxyz")
+    common = ["--data", path, *ensemble, "--timestep", "1", "--steps", "40", "--write_every", "4", "--seed", "2"]
+    assert orb_md(tmp_path, "straight", *common).returncode == 0
+    run_and_stop(tmp_path, "stopped", common)
+    assert max(json.load(open(tmp_path / "stopped" / f"state_{k}.json"))["step"] for k in range(len(ROWS))) < 40
+    resumed = orb_md(tmp_path, "stopped", *common, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    fixed = ase.io.read(tmp_path / "stopped" / "traj_2.extxyz", index=-1)
+    assert fixed.constraints and list(fixed.constraints[0].index) == [0, 1]
+    same_files(tmp_path, "straight", "stopped")
+
+
+def test_a_longer_resume_of_a_finished_run_is_the_longer_run(tmp_path):
+    """A finished run extended with --resume and more --steps: the frame the shorter run wrote only because it
+    ended (off the --write_every grid) is not kept, so the files equal a straight longer run's; a finished run
+    resumed as it is keeps its energy drift; another --batch_size is refused (it changes the forces' last bits)."""
+    path, _ = start_frames(tmp_path)
+    common = ["--data", path, "--ensemble", "nve", "--timestep", "1", "--write_every", "3", "--seed", "1"]
+    assert orb_md(tmp_path, "straight", *common, "--steps", "9").returncode == 0
+    assert orb_md(tmp_path, "extended", *common, "--steps", "7").returncode == 0
+    drift = [s["total_energy_drift_eV_per_atom"]
+             for s in json.load(open(tmp_path / "extended" / "summary.json"))["structures"]]
+    assert orb_md(tmp_path, "extended", *common, "--steps", "7", "--resume").returncode == 0
+    assert [s["total_energy_drift_eV_per_atom"]
+            for s in json.load(open(tmp_path / "extended" / "summary.json"))["structures"]] == drift
+    assert all(d is not None for d in drift)
+    refused = orb_md(tmp_path, "extended", *common, "--steps", "9", "--batch_size", "2", "--resume")
+    assert refused.returncode == 2 and "batch_size: 32 -> 2" in refused.stderr, refused.stderr[-2000:]
+    assert orb_md(tmp_path, "extended", *common, "--steps", "9", "--resume").returncode == 0
+    same_files(tmp_path, "straight", "extended")
+    straight, extended = (json.load(open(tmp_path / f / "summary.json"))["structures"] for f in ("straight", "extended"))
+    for a, b in zip(straight, extended):
+        assert b["total_energy_drift_eV_per_atom"] == pytest.approx(a["total_energy_drift_eV_per_atom"], abs=1e-9)

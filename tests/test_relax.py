@@ -124,6 +124,14 @@ def test_relaxation_resumes_and_refuses_to_mix_outputs(tmp_path):
     with ase.db.connect(str(heavy)) as db:
         db.write(Atoms("Cu2", positions=[[0, 0, 0], [0, 0, 2.3]]))
         db.write(Atoms("Rf2", positions=[[0, 0, 0], [0, 0, 2.9]]))
+    close = tmp_path / "close.db"  # atoms 0.02 Å apart: no model describes them (it relaxed them and wrote the row)
+    with ase.db.connect(str(close)) as db:
+        db.write(Atoms("Cu2", positions=[[0, 0, 0], [0, 0, 2.3]]))
+        db.write(Atoms("Cu2", positions=[[0, 0, 0], [0, 0, 0.02]]))
+    result = relax_cli("--data", str(close), "--output", str(tmp_path / "c.db"))
+    assert result.returncode == 1 and "row 2 stopped: step 0: atoms 0 and 1 are 0.02 Å apart (on top of each other)" \
+        in result.stderr.splitlines(), result.stderr[-2000:]
+    assert sorted(energies(tmp_path / "c.db")) == [1]
     bad = relax_cli("--data", str(heavy), "--output", str(tmp_path / "h.db"), "--dispersion", "d3bj")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         f"error: {heavy}, row 2, key 'numbers': Rf (Z=104) has no DFT-D3 parameters (dftd3 covers H to Lr, Z <= 103): "

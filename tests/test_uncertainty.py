@@ -92,5 +92,13 @@ def test_an_orb_v2_model_has_no_confidence_head_and_says_so(tmp_path):
                              "--progress_bar", "false", "--uncertain_above", "0.1"], cwd=ROOT, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == (
-        "error: --compare data/nope.ckpt: checkpoint file does not exist")  # found after the first evaluation
+        "error: --compare data/nope.ckpt: checkpoint file does not exist")  # found before the first evaluation
     assert earlier.read_text() == "frames of an earlier evaluation\n"
+    broken = tmp_path / "broken.ckpt"  # found only after the first evaluation collected its frames
+    broken.write_text("not a checkpoint")
+    result = subprocess.run([sys.executable, "scripts/evaluate.py", "--checkpoint", V3, "--compare", str(broken),
+                             "--data", DEMO_VAL, "--output_dir", str(earlier.parent), "--device_target", "CPU",
+                             "--progress_bar", "false", "--uncertain_above", "0.1"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 2 and str(broken) in result.stderr.strip().splitlines()[-1], result.stderr[-2000:]
+    assert earlier.read_text() == "frames of an earlier evaluation\n"  # an evaluation that ends early keeps them

@@ -21,6 +21,8 @@ import numpy as np
 
 from orb.errors import OrbInputError
 from orb.inference.uncertainty import spearman
+
+COLLECTING = ".uncertain.extxyz.collecting"  # this evaluation's uncertain frames, until it is written
 from orb.metrics import (BY_ELEMENT, BY_ELEMENT_MEANING, METRICS, add_sums, element_sums,
                          forces_by_element, metrics_from_sums, structure_sums)
 
@@ -96,6 +98,12 @@ def print_summary(summary: Dict) -> None:
 
 
 def main(argv=None) -> int:
+    from orb.signals import run_command
+
+    return run_command(lambda: parse_and_evaluate(argv))  # a stop ends it at once, 75: nothing to continue
+
+
+def parse_and_evaluate(argv) -> int:
     from orb.device import add_device_argument, quiet_mindspore
 
     quiet_mindspore()  # before anything imports MindSpore
@@ -133,18 +141,7 @@ def main(argv=None) -> int:
                         help="orb-v3: write the structures whose predicted force error (the confidence head's, "
                         "largest over the atoms) passes this many eV/Å to OUTPUT_DIR/uncertain.extxyz")
     parser.add_argument("--progress_bar", choices=("auto", "true", "false"), default="auto")
-    args = parser.parse_args(argv)
-    from orb.signals import Stopped, listen
-
-    listen("")  # a stop signal ends the evaluation at once with status 75 (nothing to continue: run it again)
-    try:
-        return evaluate(args)
-    except Stopped as stop:
-        print(f"{stop}", file=sys.stderr)
-        return stop.status
-    except OrbInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return evaluate(parser.parse_args(argv))
 
 
 def predict_dataset(checkpoint: str, args, keys, show: bool, out_dir: str = ""):
@@ -175,9 +172,9 @@ def predict_dataset(checkpoint: str, args, keys, show: bool, out_dir: str = ""):
     predictor = Predictor(model, buckets)
     if out_dir:  # the evaluated checkpoint (a --compare one collects nothing)
         check_threshold(model.cfg, args.uncertain_above)
-    uncertain = UncertainFrames(out_dir) if args.uncertain_above is not None and out_dir else None
-    if uncertain is not None:  # a fresh collection (after the checks): never appended to an earlier evaluation's
-        try:
+    uncertain = UncertainFrames(out_dir, COLLECTING) if args.uncertain_above is not None and out_dir else None
+    if uncertain is not None:  # a fresh collection, beside an earlier evaluation's uncertain.extxyz, which it replaces
+        try:                   # only once this evaluation is written (a stopped one keeps the earlier frames)
             os.makedirs(out_dir, exist_ok=True)
             if os.path.exists(uncertain.path):
                 os.remove(uncertain.path)
@@ -272,6 +269,8 @@ def evaluate(args) -> int:
         summary["compare"] = other
     try:
         written = write_outputs(out_dir, results, summary, runs)
+        if args.uncertain_above is not None:
+            written += publish_uncertain(out_dir)
     except OSError as exc:  # a full disk, a read-only folder: every file is whole or absent
         raise OrbInputError(f"--output_dir {out_dir}: cannot write the results there "
                             f"({exc.strerror or exc})") from None
@@ -308,6 +307,21 @@ def write_outputs(out_dir: str, results: List[Dict], summary: Dict, runs: Dict) 
         written.append(os.path.join(out_dir, "errors_by_element.csv"))
     remove_earlier_outputs(out_dir, written)
     return written
+
+
+def publish_uncertain(out_dir: str) -> List[str]:
+    """This evaluation's uncertain frames (collected in COLLECTING) as ``uncertain.extxyz``, in one rename: until
+    then the earlier collection stays, so a stopped or killed evaluation loses no frames gathered for labelling;
+    none found, none kept (the file would describe another evaluation)."""
+    from orb.io.files import fsync_directory
+
+    collected, final = os.path.join(out_dir, COLLECTING), os.path.join(out_dir, "uncertain.extxyz")
+    if os.path.exists(collected):
+        os.replace(collected, final)
+    elif os.path.exists(final):
+        os.remove(final)
+    fsync_directory(out_dir)
+    return [final] if os.path.exists(final) else []
 
 
 def evaluation_files() -> List[str]:

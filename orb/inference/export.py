@@ -13,7 +13,6 @@ what the outputs are; :func:`load_exported` loads a file back with MindSpore's o
 
 import argparse
 import os
-import sys
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -109,6 +108,12 @@ def load_exported(path: str):
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from orb.signals import run_command
+
+    return run_command(lambda: parse_and_export(argv))  # a stop: 75, the file being written removed
+
+
+def parse_and_export(argv: Optional[List[str]]) -> int:
     from orb.device import add_device_argument, quiet_mindspore
 
     quiet_mindspore()  # before anything imports MindSpore
@@ -127,22 +132,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     add_device_argument(parser)
     parser.add_argument("--precision", default="float32-high", choices=PRECISIONS,
                         help="what the exported graph computes in (orb.precision)")
-    args = parser.parse_args(argv)
-    from orb.errors import RunError
-    from orb.signals import Stopped, listen
-
-    listen("")  # a stop signal ends it with status 75; the file being written is removed with its temporaries
-    try:
-        written = run(args)
-    except Stopped as stop:
-        print(str(stop), file=sys.stderr)
-        return stop.status
-    except OrbInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except RunError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    written = run(parser.parse_args(argv))
     print(f"wrote {', '.join(written)}")
     return 0
 

@@ -32,12 +32,11 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from orb.errors import OrbInputError, RunError
+from orb.errors import OrbInputError
 
 log = logging.getLogger("orb")
 ENSEMBLES = ("nve", "nvt", "npt")
 THERMOSTATS = ("langevin", "nose-hoover")
-OVERLAP = 0.1  # Å: atoms closer than this are taken to be on top of each other (no model describes them)
 
 
 class StopRun(Exception):
@@ -81,8 +80,10 @@ class BatchServer:
             raise answer
         return answer
 
-    def serve(self, done) -> None:
-        """(From the main thread) answer batches until ``done()``: all threads have left."""
+    def serve(self, done, at_step=lambda: None) -> None:
+        """(From the main thread) answer batches until ``done()``: all threads have left. ``at_step()`` runs while
+        every structure of a batch waits for its answer, so what it decides (a stop) every structure sees after the
+        same step."""
         while True:
             with self.condition:
                 while not (self.running and len(self.pending) == self.running) and not done():
@@ -90,6 +91,7 @@ class BatchServer:
                 if done() and not self.pending:
                     return
                 batch, self.pending = self.pending, {}
+            at_step()
             answers = self.evaluate(batch)
             self.calls += 1
             with self.condition:
@@ -128,8 +130,9 @@ class Run:
     status: str = "pending"
     error: str = ""
     uncertain: int = 0
-    energies: List[float] = field(default_factory=list)
+    energies: List[float] = field(default_factory=list)  # total energy at each frame written (its drift)
     resumed_from: Optional[int] = None  # the step of the state a resume started from (written already)
+    frames_kept_to: int = -1  # (resume) its uncertain frames up to this step stay; later ones are computed again
 
     def path(self, kind: str) -> str:
         ext = {"traj": "extxyz", "log": "csv", "state": "json"}[kind]
@@ -166,6 +169,10 @@ def integrator_state(dynamics) -> Dict:
     """What a resume needs besides positions, momenta and cell: the random generator (Langevin) and the
     thermostat chain (Nose-Hoover), as JSON."""
     state = {}
+    for name in ("_q", "_p"):  # Nose-Hoover's own positions and momenta: of fixed atoms, not the atoms' values
+        value = getattr(dynamics, name, None)
+        if isinstance(value, np.ndarray):
+            state[name] = value.tolist()
     rng = getattr(dynamics, "rng", None)
     if rng is not None and hasattr(rng, "bit_generator"):
         state["rng"] = rng.bit_generator.state
@@ -177,12 +184,19 @@ def integrator_state(dynamics) -> Dict:
 
 
 def restore_integrator(dynamics, state: Dict) -> None:
+    for name in ("_q", "_p"):
+        if name in state:
+            setattr(dynamics, name, np.array(state[name]))
     if "rng" in state:
         dynamics.rng.bit_generator.state = state["rng"]
     chain = getattr(dynamics, "_thermostat", None)
     for key, value in state.get("thermostat", {}).items():
         current = getattr(chain, key)
         setattr(chain, key, np.array(value) if isinstance(current, np.ndarray) else float(value))
+
+
+def size(path: str) -> int:
+    return os.path.getsize(path) if os.path.exists(path) else 0
 
 
 def cut_to(path: str, size: int) -> None:
@@ -241,6 +255,7 @@ class Dynamics:
         its error instead (the others are computed)."""
         from orb.data.graphs import atoms_to_graph, batch_graphs
         from orb.errors import StructureError
+        from orb.inference.runs import first_line, overlapping_atoms
         from orb.inference.uncertainty import per_atom_error
 
         settings = self.model.cfg.graph_settings()
@@ -251,11 +266,12 @@ class Dynamics:
             except StructureError as exc:
                 answers[key] = StructureFailed(str(exc))
                 continue
-            lengths = np.linalg.norm(graph.vectors, axis=1)
-            if len(lengths) and lengths.min() < OVERLAP:
-                e = int(np.argmin(lengths))
-                answers[key] = StructureFailed(f"atoms {graph.senders[e]} and {graph.receivers[e]} are "
-                                               f"{lengths[e]:.2g} Å apart (on top of each other)")
+            except Exception as exc:  # anything else about this structure: it stops, the others go on
+                answers[key] = StructureFailed(f"its graph: {first_line(exc)}")
+                continue
+            overlap = overlapping_atoms(graph)
+            if overlap:
+                answers[key] = StructureFailed(overlap)
                 continue
             graphs.append(graph)
             keys.append(key)
@@ -263,8 +279,7 @@ class Dynamics:
             try:
                 out = self.predictor(batch_graphs(graphs))
             except Exception as exc:  # every structure of the call is told (one line each), none hangs
-                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                return dict(answers, **{key: StructureFailed(f"the model failed: {reason}") for key in keys})
+                return dict(answers, **{key: StructureFailed(f"the model failed: {first_line(exc)}") for key in keys})
             offset = 0
             for k, (key, graph) in enumerate(zip(keys, graphs)):
                 n = graph.num_nodes
@@ -302,13 +317,20 @@ class Dynamics:
             with open(run.path("state")) as f:
                 state = json.load(f)
             atoms.set_cell(np.array(state["cell"]), scale_atoms=False)
-            atoms.set_positions(np.array(state["positions"]))
-            atoms.set_momenta(np.array(state["momenta"]))
-            cut_to(run.path("traj"), state["traj_bytes"])
-            cut_to(run.path("log"), state["log_bytes"])
-            run.uncertain = int(state.get("uncertain", 0))
-            if state.get("first_total_energy") is not None:
-                run.energies.append(state["first_total_energy"])
+            # as saved, constraints not applied again: a barostat moves fixed atoms with the cell, and FixAtoms
+            # would put them back where the input had them
+            atoms.set_positions(np.array(state["positions"]), apply_constraint=False)
+            atoms.set_momenta(np.array(state["momenta"]), apply_constraint=False)
+            files = state
+            run.frames_kept_to = int(state["step"])
+            last_only = state.get("last_frame_only")  # the previous --steps' last frame, off the --write_every grid
+            if last_only and args.steps > state["step"]:  # a longer run now, whose files have no frame there
+                files, run.frames_kept_to = last_only, int(state["step"]) - 1
+            cut_to(run.path("traj"), files["traj_bytes"])
+            cut_to(run.path("log"), files["log_bytes"])
+            run.uncertain = int(files.get("uncertain", 0))
+            run.energies = [e for e in (state.get("first_total_energy"), files.get("last_total_energy"))
+                            if e is not None][:2]
         elif not np.any(atoms.get_momenta()):
             MaxwellBoltzmannDistribution(atoms, temperature_K=args.temperature,
                                          rng=np.random.default_rng([args.seed, run.index, 1]))
@@ -339,7 +361,8 @@ class Dynamics:
             if uncertain:
                 run.status = "stopped: uncertain"
             if frame or self.stop_requested:  # stopped between frames: the state alone, so that the files hold
-                self.write(run, step, frame)  # what an uninterrupted run's hold
+                self.write(run, step, frame,  # what an uninterrupted run's hold
+                           last_only=frame and step % args.write_every != 0 and not uncertain)
             if uncertain and not last:
                 raise StopRun("uncertain")
             if self.stop_requested and not last:
@@ -358,19 +381,25 @@ class Dynamics:
         finally:
             server.leave()
 
-    def write(self, run: Run, step: int, frame: bool = True) -> None:
+    def write(self, run: Run, step: int, frame: bool = True, last_only: bool = False) -> None:
         """The frame, the log line (unless not ``frame``) and the state at ``step`` (state last: a kill before it
-        keeps the previous one, and a resume cuts the frame and line written after it)."""
+        keeps the previous one, and a resume cuts the frame and line written after it). ``last_only``: a frame off
+        the --write_every grid, there because the run ends; the state keeps the files' lengths before it, which a
+        resume with more --steps cuts back to (an uninterrupted longer run has no frame there)."""
         from orb.io.files import write_json
 
+        def files() -> Dict:
+            return {"traj_bytes": size(run.path("traj")), "log_bytes": size(run.path("log")),
+                    "uncertain": run.uncertain, "last_total_energy": run.energies[-1] if run.energies else None}
+
+        before = files() if last_only else None
         if frame:
             self.write_frame(run, step)
         atoms = run.atoms
         write_json(run.path("state"), {
             "step": step, "positions": atoms.get_positions().tolist(), "momenta": atoms.get_momenta().tolist(),
-            "cell": atoms.cell.array.tolist(), "integrator": integrator_state(run.dynamics),
-            "traj_bytes": os.path.getsize(run.path("traj")), "log_bytes": os.path.getsize(run.path("log")),
-            "uncertain": run.uncertain, "first_total_energy": run.energies[0] if run.energies else None,
+            "cell": atoms.cell.array.tolist(), "integrator": integrator_state(run.dynamics), **files(),
+            "first_total_energy": run.energies[0] if run.energies else None, "last_frame_only": before,
             "status": run.status})
 
     def write_frame(self, run: Run, step: int) -> None:
@@ -433,12 +462,11 @@ class Dynamics:
                 for thread in threads:
                     thread.start()
 
-                def done():
-                    if STOP.received is not None:
+                def at_step():  # every structure of the batch stops after the same step: a resume batches them
+                    if STOP.received is not None:  # as the uninterrupted run did
                         self.stop_requested = True
-                    return all(not t.is_alive() for t in threads)
 
-                server.serve(done)
+                server.serve(lambda: all(not t.is_alive() for t in threads), at_step)
                 for thread in threads:
                     thread.join()
                 self.calls = getattr(self, "calls", 0) + server.calls
@@ -467,8 +495,11 @@ def load_structures(args, model) -> Tuple[List[Run], str]:
     return runs, data.content_fingerprint()
 
 
+# what a resume must not change (--steps may grow); the batch size too: a structure's float32 forces depend, in
+# their last bits, on the batch shape it was computed in
 SETTINGS = ("ensemble", "thermostat", "timestep", "temperature", "friction", "tdamp", "pressure", "taut", "taup",
-            "compressibility", "seed", "write_every", "precision", "dispersion", "xc", "model")
+            "compressibility", "seed", "write_every", "batch_size", "uncertain_above", "stop_uncertain", "precision",
+            "dispersion", "xc", "model")
 
 
 def md(args) -> Dict:
@@ -510,7 +541,7 @@ def md(args) -> Dict:
     for run in runs:
         dynamics.prepare(run)
     if dynamics.uncertain is not None and args.resume:  # a structure without a state starts again: none kept
-        dynamics.uncertain.keep_up_to({r.index: -1 if r.resumed_from is None else r.resumed_from for r in runs})
+        dynamics.uncertain.keep_up_to({r.index: r.frames_kept_to for r in runs})
     show = sys.stderr.isatty() if args.progress_bar == "auto" else args.progress_bar == "true"
     dynamics.run_all(runs, show)
     summary = {"checkpoint": args.checkpoint, "data": args.data, "ensemble": args.ensemble,
@@ -583,29 +614,21 @@ def parse_arguments(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from orb.device import quiet_mindspore
+    from orb.signals import RESUME_FLAG, run_command
 
-    quiet_mindspore()
-    args = parse_arguments(argv)
-    from orb.signals import RESUME_FLAG, Stopped, listen
+    def body() -> int:
+        from orb.device import quiet_mindspore
 
-    listen(RESUME_FLAG)
-    try:
+        quiet_mindspore()
+        args = parse_arguments(argv)
         summary = md(args)
-    except Stopped as stop:
-        print(str(stop), file=sys.stderr)
-        return stop.status
-    except OrbInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except RunError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    done = sum(s["status"] == "done" for s in summary["structures"])
-    print(f"{done} of {len(summary['structures'])} structures ran {args.steps} steps ({summary['model_calls']} "
-          f"model calls); {args.output}/summary.json")
-    return 0 if done + sum(s["status"].startswith("stopped") for s in summary["structures"]) == \
-        len(summary["structures"]) else 1
+        done = sum(s["status"] == "done" for s in summary["structures"])
+        print(f"{done} of {len(summary['structures'])} structures ran {args.steps} steps ({summary['model_calls']} "
+              f"model calls); {args.output}/summary.json")
+        return 0 if done + sum(s["status"].startswith("stopped") for s in summary["structures"]) == \
+            len(summary["structures"]) else 1
+
+    return run_command(body, RESUME_FLAG)
 
 
 if __name__ == "__main__":

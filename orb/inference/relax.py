@@ -84,7 +84,9 @@ def check_output(output: str, resume: bool, overwrite: bool) -> None:
             os.remove(path)
 
 
-SETTINGS = ("fmax", "cell", "precision", "dispersion", "xc", "model")  # --steps may grow, as orb-md's
+# what a resume must not change (--steps may grow, as orb-md's; the batch size may change: a resumed run relaxes the
+# unfinished structures from their start, in other batches whatever the size)
+SETTINGS = ("fmax", "cell", "uncertain_above", "precision", "dispersion", "xc", "model")
 
 
 class BatchRelaxer:
@@ -104,19 +106,32 @@ class BatchRelaxer:
         from ase.calculators.singlepoint import SinglePointCalculator
 
         from orb.data.graphs import atoms_to_graph, batch_graphs
+        from orb.inference.runs import first_line, overlapping_atoms
         from orb.inference.uncertainty import per_atom_error
 
         settings = self.model.cfg.graph_settings()
         graphs = []
         for r in active:
             try:
-                graphs.append(atoms_to_graph(r.atoms, settings=settings, float64=self.predictor.float64))
-            except OrbInputError as exc:  # positions or cell no longer finite, atoms on top of each other
+                graph = atoms_to_graph(r.atoms, settings=settings, float64=self.predictor.float64)
+            except OrbInputError as exc:  # positions or cell no longer finite
                 r.error = f"step {r.steps}: {exc}"
+                continue
+            except Exception as exc:  # anything else about this structure: it stops, the others go on
+                r.error = f"step {r.steps}: its graph: {first_line(exc)}"
+                continue
+            r.error = overlapping_atoms(graph) and f"step {r.steps}: {overlapping_atoms(graph)}"
+            if not r.error:
+                graphs.append(graph)
         evaluated = [r for r in active if not r.error]
         if not evaluated:
             return
-        out = self.predictor(batch_graphs(graphs))
+        try:
+            out = self.predictor(batch_graphs(graphs))
+        except Exception as exc:  # every structure of the call is told (one line each); none is written
+            for r in evaluated:
+                r.error = f"step {r.steps}: the model failed: {first_line(exc)}"
+            return
         self.calls += 1
         offset = 0
         for k, r in enumerate(evaluated):
@@ -131,6 +146,9 @@ class BatchRelaxer:
                     d3 = self.dispersion(r.atoms)
                 except OrbInputError as exc:
                     r.error = f"step {r.steps}: {exc}"
+                    continue
+                except Exception as exc:  # e.g. an element dftd3 has no parameters for: this structure
+                    r.error = f"step {r.steps}: dispersion: {first_line(exc)}"
                     continue
                 results = {key: results[key] + d3[key] for key in results}
             if not all(np.all(np.isfinite(results[key])) for key in results):
@@ -300,6 +318,12 @@ def relax(args) -> Dict:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from orb.signals import RESUME_FLAG, run_command
+
+    return run_command(lambda: parse_and_relax(argv), RESUME_FLAG)
+
+
+def parse_and_relax(argv: Optional[List[str]]) -> int:
     from orb.device import add_device_argument
     from orb.models.ops_profile import PROFILES
     from orb.precision import PRECISIONS
@@ -329,20 +353,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--progress_bar", choices=("auto", "true", "false"), default="auto")
     args = parser.parse_args(argv)
     args.data = args.data[0] if len(args.data) == 1 else args.data
-    from orb.signals import RESUME_FLAG, Stopped, listen
-
-    listen(RESUME_FLAG)
-    try:
-        summary = relax(args)
-    except Stopped as stop:
-        print(str(stop), file=sys.stderr)
-        return stop.status
-    except OrbInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except RunError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    summary = relax(args)
     print(f"relaxed {summary['relaxed_now']} structures in {summary['seconds']:.1f} s "
           f"({summary['structures_per_second']:.2f}/s, {summary['model_calls']} model calls); {args.output} holds "
           f"{summary['structures']}: {summary['converged']} converged, {len(summary['not_converged_rows'])} not "

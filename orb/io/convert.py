@@ -17,10 +17,14 @@ import argparse
 import os
 import sys
 
-from orb.errors import OrbInputError
-
 
 def main(argv=None) -> int:
+    from orb.signals import run_command
+
+    return run_command(lambda: parse_and_convert(argv))  # a stop: 75, a half-written target's temporaries removed
+
+
+def parse_and_convert(argv) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False,
                                      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="PyTorch .ckpt (zip) or MindSpore checkpoint")
@@ -30,21 +34,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default=None, help="model name, when the checkpoint cannot tell (a published "
                         "orb-v3 file: orb_v3_conservative_20_omat or ..._inf_omat)")
     args = parser.parse_args(argv)
-    from orb.errors import RunError
-    from orb.signals import Stopped, listen
-
-    listen("")  # a stop signal ends it with status 75; a half-written target's temporaries are removed
-    try:
-        return convert(args.source, args.target, args.to, args.model)
-    except Stopped as stop:
-        print(str(stop), file=sys.stderr)
-        return stop.status
-    except OrbInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except RunError as exc:  # a full disk, a read-only folder: the target is whole or absent
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    return convert(args.source, args.target, args.to, args.model)
 
 
 def convert(source: str, target: str, to=None, name=None) -> int:
