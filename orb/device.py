@@ -11,6 +11,13 @@ from orb.errors import ConfigError
 log = logging.getLogger("orb")
 
 
+def omp_threads() -> int:
+    """The kernel threads ``OMP_NUM_THREADS`` asks for (0: unset, or a value that names none). OpenMP allows a list,
+    one count per nesting level (``4,2``): the first is the kernels' (it was a traceback)."""
+    text = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(text) if text.isdigit() else 0
+
+
 def quiet_mindspore() -> None:
     """Keep MindSpore's C++ log to errors (its warnings are about backends that are not installed, retries of
     the cluster's TCP connections, ...), unless the user set ``GLOG_v`` themselves. Call before importing it."""
@@ -117,7 +124,7 @@ def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_thr
         raise ConfigError(f"config key 'num_threads' ({num_threads}): a deterministic run on the CPU uses one kernel "
                           f"thread; set it to 0 or 1, or deterministic: false")
     ms.set_context(mode=ms.GRAPH_MODE)
-    threads = num_threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+    threads = num_threads or omp_threads()
     if deterministic and target == "CPU":
         threads = 1
     elif deterministic:

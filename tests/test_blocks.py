@@ -384,3 +384,19 @@ def test_portable_models_hold_no_cpu_forms(name, profile):
         assert not custom_bprops and not custom_kernels and not ones_products, (custom_bprops[:3], custom_kernels[:3])
     else:
         assert custom_bprops and ones_products
+
+
+def test_openmps_thread_lists_and_stray_values_size_the_pool_without_a_traceback():
+    """OMP_NUM_THREADS may list a count per nesting level (4,2: the kernels take the first); a value that names no
+    count (abc) is MindSpore's default pool, as unset (both were a ValueError traceback at start-up)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    for value, threads in (("4,2", 4), ("3", 3), ("abc", 0), ("", 0)):
+        result = subprocess.run([sys.executable, "-c", "from orb.device import omp_threads; print(omp_threads())"],
+                                cwd=ROOT, capture_output=True, text=True, timeout=60,
+                                env=dict(os.environ, OMP_NUM_THREADS=value))
+        assert result.returncode == 0 and result.stdout.strip() == str(threads), (value, result.stderr[-500:])

@@ -4,6 +4,7 @@ reporter."""
 
 import math
 import os
+import re
 import signal
 
 import numpy as np
@@ -51,6 +52,26 @@ def test_a_resume_names_each_setting_that_changes_only_its_rounding():
         "precision: 'float32-high' -> 'bf16-mixed'", "deterministic: False -> True", "num_threads: 0 -> 1",
         "ops_profile: 'auto' -> 'portable'", "workers: 2 -> 4"]
     assert arithmetic_changes({"config": {}}, saved, 8) == []  # a checkpoint that did not record them: defaults
+
+
+def test_a_resume_refuses_another_loss_labelling_or_graph():
+    """The loss weights, where the labels are read, the model's graph and radial basis and the patience change
+    what the resumed steps optimise (they were accepted silently: a resume with energy_key E2 mixed two
+    labellings in one epoch's metrics); each is named, and accepted only when asked."""
+    from orb.errors import ConfigError
+    from orb.training.config import TrainConfig, config_from_dict
+    from orb.training.state import CHECKPOINT_FORMAT, check_resume
+
+    saved = TrainConfig().to_dict()
+    meta = {"format": CHECKPOINT_FORMAT, "config": saved, "train_rows": 64}
+    changed = config_from_dict(dict(saved, loss_weights=dict(saved["loss_weights"], stress=0.0), energy_key="E2",
+                                    patience=3, model=dict(saved["model"], radius=5.0, rbf_radius=7.0))).to_dict()
+    expected = ("loss_weights.stress: 1.0 -> 0.0; energy_key: '' -> 'E2'; patience: 0 -> 3; model.radius: 10.0 -> "
+                "5.0; model.rbf_radius: 10.0 -> 7.0")
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        check_resume(meta, changed, 64, "last.ckpt", False)
+    assert "; ".join(check_resume(meta, changed, 64, "last.ckpt", True)) == expected
+    assert check_resume(meta, saved, 64, "last.ckpt", False) == []
 
 
 def test_each_rank_gets_its_own_interval_sums_back():

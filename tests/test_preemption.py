@@ -247,8 +247,9 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run_naming_them(tmp_p
                                    ema_decay=0.0, loss_weights=dict(energy=1e6, forces=1e6, stress=1e6)))
     with pytest.raises(DivergedError, match=r"[34] training steps in a row had a non-finite .* \(the latest: epoch 1, "
                                             r"step (\d+) \(global step \1\), rows \[\d+, \d+, \d+, \d+\]\); the run "
-                                            r"stops \(max_nonfinite_steps: 3\)"):  # (read at the 2-step log boundary)
-        trainer.fit()
+                                            r"stops \(max_nonfinite_steps: 3\); nothing was saved yet: lower lr or "
+                                            r"check those rows, and start again"):  # (read at the 2-step log boundary;
+        trainer.fit()                                                      # it named a last.ckpt that did not exist)
 
 
 class DyingDataset:

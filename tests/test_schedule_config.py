@@ -102,6 +102,13 @@ def test_a_config_file_means_what_it_says_or_is_refused_in_one_line(tmp_path):
         (["--max_epochs", str(2 ** 32 - 1)], "config key 'max_epochs' must be at most 1000000"),
         (["--model.max_neighbors", str(2 ** 32 - 1)], "config key 'model.max_neighbors' must be at most 10000"),
         (["--loss_weights.energy", "1e308"], "config key 'loss_weights.energy' must be at most 1000000"),
+        (["--model.rbf_radius", "1e300"], "config key 'model.rbf_radius' must be at most 100.0"),  # NaN basis centres
+        (["--model.polynomial_order", str(2 ** 32 - 1)], "config key 'model.polynomial_order' must be at most 64"),
+        (["--batch_size", str(2 ** 32 - 1)], "config key 'batch_size' must be at most 1000000"),  # a 128 GiB bucket
+        (["--model.num_elements", str(2 ** 32 - 1)], "config key 'model.num_elements' must be at most 118"),
+        (["--lora.alpha", "1e300"], "config key 'lora.alpha' must be at most 1000000"),
+        (["--lr_multipliers", "{heads: 1e300}"], "config key 'lr_multipliers.heads' must be 0 \\(freezes the "
+                                                  "group\\) to 1e6, got 1e\\+300"),
         (["--freeze", "[layers:1-0]"], "config key 'freeze\\[0\\]': 'layers:1-0' runs backwards: write layers:0-1"),
         (["--lora.rank", "16", "--model.mlp_hidden_dim", "8"], "'lora.rank' \\(16\\) is above the narrowest layer "
                                                                  "width \\(8\\)"),

@@ -221,7 +221,13 @@ SIZE_LIMITS = {"max_epochs": 10 ** 6, "model.max_neighbors": 10 ** 4, "model.num
                "model.num_message_passing_steps": 10 ** 3, "model.num_mlp_layers": 10 ** 3,
                "model.head_num_mlp_layers": 10 ** 3, "loss_weights.energy": 1e6, "loss_weights.forces": 1e6,
                "loss_weights.stress": 1e6, "loss_weights.confidence": 1e6, "loss_weights.equigrad": 1e6,
-               "anchor.weight": 1e6}
+               "anchor.weight": 1e6, "replay.loss_weight": 1e6, "lora.alpha": 1e6,
+               # structures per step: the buckets' graph slots grow with it (4294967295: a 128 GiB allocation)
+               "batch_size": 10 ** 6, "model.num_elements": 118, "model.decoder_out_dim": 2 ** 16,
+               # lengths in Å (1e300 overflowed float32 into NaN radial-basis centres; the run went on) and the
+               # envelope's power (2**32: every loss NaN)
+               "model.radius": 100.0, "model.rbf_radius": 100.0, "model.cutoff_rmax": 100.0,
+               "model.polynomial_order": 64}
 
 
 def _type_name(tp) -> str:
@@ -424,8 +430,8 @@ def _validate_strategies(cfg: TrainConfig) -> None:
         check_group(name, f"freeze[{i}]", layers)
     for name, factor in cfg.lr_multipliers.items():
         check_group(name, f"lr_multipliers.{name}", layers)
-        if factor < 0:
-            raise ConfigError(f"config key 'lr_multipliers.{name}' must be >= 0 (0 freezes the group), got {factor}")
+        if not 0 <= factor <= 1e6:
+            raise ConfigError(f"config key 'lr_multipliers.{name}' must be 0 (freezes the group) to 1e6, got {factor}")
     if cfg.anchor.weight < 0:
         raise ConfigError(f"config key 'anchor.weight' must be >= 0 (0 = off), got {cfg.anchor.weight}")
     for i, name in enumerate(cfg.anchor.groups):

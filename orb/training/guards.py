@@ -44,9 +44,10 @@ class Guards:
         self.steps_run += 1
         self.recent.append((self.steps_run, epoch, step_in_epoch, global_step, rows))
 
-    def check_finite(self, nonfinite: np.ndarray, row_ids: Callable[[list], list]) -> int:
+    def check_finite(self, nonfinite: np.ndarray, row_ids: Callable[[list], list], saved: str = "") -> int:
         """Steps skipped for a non-finite gradient since the last check; too many in a row end the run, naming the
-        latest one's epoch, step and rows (this rank's)."""
+        latest one's epoch, step and rows (this rank's), and ``saved``: the checkpoint holding the last finite state
+        ("" when nothing was saved yet)."""
         in_a_row, longest, latest, count = (int(v) for v in nonfinite)
         if not count:
             return 0
@@ -57,7 +58,9 @@ class Guards:
         if longest >= limit:
             raise DivergedError(f"{longest} training steps in a row had a non-finite loss or gradient (the latest: "
                                 f"{place}); the run stops (max_nonfinite_steps: {self.max_nonfinite_steps}); "
-                                "last.ckpt holds the last finite state: lower lr, check those rows, or resume")
+                                + (f"{saved} holds the last finite state: lower lr, check those rows, or resume"
+                                   if saved else "nothing was saved yet: lower lr or check those rows, and start "
+                                   "again"))
         log.warning("%d training step(s) skipped for a non-finite loss or gradient (latest: %s)", count, place)
         return count
 

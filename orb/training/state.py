@@ -21,12 +21,18 @@ from orb.training.optimizer import FlatAdam
 CHECKPOINT_FORMAT = "orb-mindspore-train-2"
 OLDER_FORMATS = ("orb-mindspore-train-1",)
 # Settings that fix the learning-rate schedule or the order and content of the batches.
+# Since they were silently accepted: the loss (its weights), the labels (where non-SQLite data keep them), the model's
+# graph and radial basis (no tensor shape shows them), and the patience (where the run ends).
 RESUME_KEYS = ("train_data_path", "batch_size", "max_epochs", "lr", "lr_schedule", "warmup_fraction", "random_seed",
                "augmentation", "ema_decay", "optimizer", "gradient_clip_mode", "gradient_clip_val", "replay.data_path",
                "replay.val_data_path", "replay.val_samples", "replay.labels", "replay.fraction", "replay.num_samples", "replay.selection",
                "replay.loss_weight", "replay.head", "freeze", "freeze_backbone", "lr_multipliers", "anchor.weight",
                "anchor.groups", "lora.rank", "lora.alpha", "lora.groups", "lora.train_others",
-               "reference_energies.trainable", "online_normalisation", "replay.in_selection")
+               "reference_energies.trainable", "online_normalisation", "replay.in_selection",
+               "loss_weights.energy", "loss_weights.forces", "loss_weights.stress", "loss_weights.confidence",
+               "loss_weights.equigrad", "energy_key", "forces_key", "stress_key", "charge_key", "spin_key",
+               "patience", "model.name", "model.radius", "model.max_neighbors", "model.rbf_radius",
+               "model.cutoff_rmax", "model.polynomial_order")
 # Settings that change only how each step's arithmetic rounds (kernels, threads, reduction order over ranks):
 # a resume may change them, and continues the schedule and data order, but then equals an uninterrupted run only to
 # rounding, not bit for bit.

@@ -18,6 +18,7 @@ epoch, step_in_epoch, global_step)``, ``on_validation_batch(trainer, name, index
 import dataclasses
 import logging
 import math
+import os
 import time
 from typing import Dict, Optional, Sequence
 
@@ -174,7 +175,8 @@ class Trainer:
             if done % cfg.log_every_n_steps == 0 or last:  # one host synchronisation per interval; flags travel too
                 part = self.dp.sum(np.concatenate([engine.take_interval_sums(), flags]))
                 part, flags = part[:-len(flags)], part[-len(flags):]
-                skipped_now = guards.check_finite(engine.take_nonfinite(), row_ids) + engine.take_overflows()
+                saved = self.checkpointer.last if os.path.exists(self.checkpointer.last) else ""
+                skipped_now = guards.check_finite(engine.take_nonfinite(), row_ids, saved) + engine.take_overflows()
                 skipped += skipped_now
                 totals += part
                 interval = engine.metrics(part)
