@@ -160,6 +160,7 @@ def test_isolated_atom_runs(model):
     np.testing.assert_allclose(np.cross(r, raw_forces).sum(0), 0, atol=1e-4)
 
 
+@pytest.mark.isolated
 def test_training_loss_normalisers_and_gradients(reference, TOL):
     """Training-mode loss terms, normaliser updates and gradient norms (checkpointing off) vs PyTorch."""
     import mindspore as ms
