@@ -195,8 +195,9 @@ ATTRIBUTES = [dict(weight=7.0, charge=-1.0, spin=2.0, config_type="bulk", md_ste
               dict(weight=2.5, charge=0.0, spin=1.0, config_type="defect", md_step=120, relaxed=False)]
 
 
-def write_with_attributes(kind, folder, frames):
-    """``frames`` with ATTRIBUTES[k] as their per-structure attributes, written as a user of format ``kind`` would."""
+def write_with_attributes(kind, folder, frames, attributes=ATTRIBUTES):
+    """``frames`` with ``attributes[k]`` as their per-structure attributes, written as a user of format ``kind``
+    would."""
     import ase.io
     from ase.db import connect
 
@@ -215,7 +216,7 @@ def write_with_attributes(kind, folder, frames):
             out.append(copy)
         return out
 
-    items = list(zip(frames, ATTRIBUTES))
+    items = list(zip(frames, attributes))
     if kind == "sqlite":
         return to_db(folder / "all.db", items)
     if kind == "list":
@@ -351,3 +352,23 @@ def test_a_stop_signal_while_indexing_exits_75_and_leaves_no_temporary(tmp_path,
     assert process.returncode == 75, err[-2000:]
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("stopped by SIGTERM")
     assert os.listdir(folder) == []
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "list", "extxyz", "folder", "aselmdb"])
+def test_charge_and_spin_under_keys_of_their_own_are_read_in_every_format(tmp_path, cache, kind):
+    """charge_key / spin_key name where the total charge and spin are, in every format: a single ASE database
+    ignored them (it read 'charge' and 'spin', here decoys) while the same database in a list honoured them."""
+    from orb.data.dataset import AseDbDataset
+    from orb.data.formats import LabelKeys, readable_database
+
+    frames = demo_frames()[:len(ATTRIBUTES)]
+    stored = [dict(total_charge=a["charge"], total_spin=a["spin"], charge=a["charge"] + 5, spin=a["spin"] + 7)
+              for a in ATTRIBUTES]
+    keys = LabelKeys(charge="total_charge", spin="total_spin")
+    path = readable_database(write_with_attributes(kind, tmp_path, frames, stored), keys)
+    data = AseDbDataset(path, charge_spin=True, charge_spin_keys=(keys.charge, keys.spin))
+    data.census()
+    for i, attributes in enumerate(ATTRIBUTES):
+        graph = data.get(i)
+        assert (float(graph.charge[0]), float(graph.spin[0])) == (attributes["charge"], attributes["spin"]), i
+        assert data.charge_and_spin(i) == (attributes["charge"], attributes["spin"])

@@ -163,7 +163,8 @@ class AseDbDataset:
     ``settings`` chooses the model family's graph (default: orb-v2's with ``radius`` and
     ``max_neighbors``). ``charge_spin`` (OMol models) requires each row's total charge and spin:
     key-value pairs ``charge`` and ``spin`` (``db.write(atoms, charge=0, spin=1)``) or entries of
-    ``row.data``.
+    ``row.data``; ``charge_spin_keys`` names them otherwise in a database of the user's own (an indexed copy
+    of other formats holds them under ``charge`` and ``spin`` already, read with those keys when it was made).
     """
 
     def __init__(
@@ -175,6 +176,7 @@ class AseDbDataset:
         require_labels: bool = True,
         settings: Optional[GraphSettings] = None,
         charge_spin: bool = False,
+        charge_spin_keys: Tuple[str, str] = ("charge", "spin"),
     ):
         self.path = str(path)
         self.settings = settings or GraphSettings(float(radius), int(max_neighbors))
@@ -190,12 +192,14 @@ class AseDbDataset:
         self.rows = RowReader(self.path)
         self.sources: list = []
         self.sources = self._read_sources()
+        self.charge_spin_keys = tuple(charge_spin_keys) if not self.sources else ("charge", "spin")
         self._fingerprint: Optional[str] = None
         self.ids, self.natoms = self._scan()
         self.capacity_pass = RowPass(self, CAPACITY_CACHE, (CAPACITY_VERSION, EDGE_CAPACITY_MARGIN,
                                                             repr(self.settings), cache.source_digest(*GRAPH_CODE)),
                                      1, "counting neighbours", self._plausible_capacities)
-        self.census_pass = RowPass(self, CENSUS_CACHE, (CENSUS_VERSION, charge_spin), len(LABELS),
+        self.census_pass = RowPass(self, CENSUS_CACHE, (CENSUS_VERSION, charge_spin, self.charge_spin_keys),
+                                   len(LABELS),
                                    "checking the rows", _plausible_flags)
         self.weights = self._weights()
 
@@ -392,11 +396,11 @@ class AseDbDataset:
     def _charge_spin(self, row) -> Tuple[Optional[np.ndarray], Optional[np.ndarray]]:
         """The row's total charge and spin (key-value pairs or ``row.data``); required for OMol models."""
         values = []
-        for key in ("charge", "spin"):
+        for name, key in zip(("charge", "spin"), self.charge_spin_keys):
             value = row.key_value_pairs.get(key, (row.data or {}).get(key))
             if value is None and self.charge_spin:
-                raise self._error(f"row has no total {key}, which OMol models need (store it with "
-                                   f"db.write(atoms, charge=..., spin=...))", row.id, key)
+                raise self._error(f"row has no total {name}, which OMol models need (store it with "
+                                   f"db.write(atoms, {key}=...))", row.id, key)
             if value is not None:
                 try:
                     value = np.array([total_charge_or_spin(value)], np.float32)

@@ -162,7 +162,7 @@ def predict_dataset(checkpoint: str, args, keys, show: bool, out_dir: str = ""):
 
     model = model_from_checkpoint(checkpoint, args.model)
     data = AseDbDataset(readable_database(args.data, keys), require_labels=False, settings=model.cfg.graph_settings(),
-                        charge_spin=model.cfg.omol)
+                        charge_spin=model.cfg.omol, charge_spin_keys=(keys.charge, keys.spin))
     data.census()  # every row's labels, charge and spin checked before anything is written or removed
     data.float64 = is_float64_model(model)
     batches, buckets = packed_batches(data, args.batch_size)

@@ -64,7 +64,8 @@ def open_databases(cfg: TrainConfig, dp: DataParallel, progress: bool = False) -
     graphs, charge_spin = cfg.model.graph_settings(), cfg.model.omol
 
     def open_db(path, **kwargs) -> AseDbDataset:
-        dataset = AseDbDataset(readable(path, cfg, dp, progress), settings=graphs, charge_spin=charge_spin, **kwargs)
+        dataset = AseDbDataset(readable(path, cfg, dp, progress), settings=graphs, charge_spin=charge_spin,
+                               charge_spin_keys=(cfg.charge_key, cfg.spin_key), **kwargs)
         dataset.float64 = is_float64()  # precision float64: graphs (positions, vectors, labels) in float64
         return dataset
 
