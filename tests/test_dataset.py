@@ -90,6 +90,26 @@ def test_rows_without_labels(tmp_path):
     assert AseDbDataset(path, require_labels=False)[0].energy is None
 
 
+@pytest.mark.parametrize("family", ["orb_v2", "orb_v3_direct_20_omat"])
+def test_atoms_on_top_of_each_other_are_named_not_trained_on(tmp_path, family):
+    """Two atoms closer than 0.1 Å: an edge of (near) zero length, whose direction is NaN. The row is named (a training
+    run had NaN losses, skipped steps, and a NaN validation that no epoch could beat); 0.12 Å apart passes."""
+    from orb.models.config import ModelConfig
+
+    settings = ModelConfig.from_dict({"name": family}).graph_settings()
+    stacked = cu(2)
+    stacked.positions[1] = stacked.positions[0] + [0.0, 0.0, 0.04]
+    path = write_rows(tmp_path / "a.db", [labelled(cu()), labelled(stacked)])
+    data = AseDbDataset(path, settings=settings)
+    assert data[0].num_nodes == len(cu())
+    with pytest.raises(DatasetError, match=r"a\.db, row 2, key 'positions': atoms 0 and 1 are 0\.04 Å apart \(on "
+                                           r"top of each other\)"):
+        data[1]
+    apart = cu(2)
+    apart.positions[1] = apart.positions[0] + [0.0, 0.0, 0.12]
+    assert AseDbDataset(write_rows(tmp_path / "b.db", [labelled(apart)]), settings=settings)[0].num_nodes == len(cu(2))
+
+
 def test_nan_forces_wrong_shape_bad_numbers_singular_cell(tmp_path):
     bad_forces = np.zeros((1, 3))
     bad_forces[0, 1] = np.nan

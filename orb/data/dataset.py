@@ -400,7 +400,8 @@ class AseDbDataset:
             value = row.key_value_pairs.get(key, (row.data or {}).get(key))
             if value is None and self.charge_spin:
                 raise self._error(f"row has no total {name}, which OMol models need (store it with "
-                                   f"db.write(atoms, {key}=...))", row.id, key)
+                                   f"db.write(atoms, {self.charge_spin_keys[0]}=..., {self.charge_spin_keys[1]}=...))",
+                                  row.id, key)
             if value is not None:
                 try:
                     value = np.array([total_charge_or_spin(value)], np.float32)

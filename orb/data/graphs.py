@@ -265,6 +265,7 @@ def graph_from_arrays(
         positions, cell = positions64, cell64
         shifts = shifts.astype(np.float64)
         vectors = positions[receivers] + shifts @ cell64 - positions[senders]
+    check_no_overlap(senders, receivers, vectors)
     return AtomGraphs(
         positions=positions,
         numbers=numbers,
@@ -277,6 +278,21 @@ def graph_from_arrays(
         system_id=None if system_id is None else np.array([system_id], np.int64),
         unit_shifts=shifts.astype(positions.dtype),
     )
+
+
+OVERLAP = 0.1  # Å: atoms closer than this are taken to be on top of each other (no model describes them)
+
+
+def check_no_overlap(senders: np.ndarray, receivers: np.ndarray, vectors: np.ndarray) -> None:
+    """Refuse a structure with two atoms closer than OVERLAP, naming them: its graph would have an edge of (near)
+    zero length, whose direction is NaN (a NaN loss, a NaN validation, a structure relaxed apart from 0.02 Å)."""
+    if not len(vectors):
+        return
+    lengths = np.sqrt(np.einsum("ij,ij->i", vectors, vectors, dtype=np.float64))
+    e = int(np.argmin(lengths))
+    if lengths[e] < OVERLAP:
+        raise StructureError(f"atoms {senders[e]} and {receivers[e]} are {lengths[e]:.2g} Å apart (on top of each "
+                             "other)")
 
 
 # Distances move by float32 rounding (~1e-6 Å) when a structure is rotated (augmentation) and

@@ -255,7 +255,7 @@ class Dynamics:
         its error instead (the others are computed)."""
         from orb.data.graphs import atoms_to_graph, batch_graphs
         from orb.errors import StructureError
-        from orb.inference.runs import first_line, overlapping_atoms
+        from orb.inference.runs import first_line
         from orb.inference.uncertainty import per_atom_error
 
         settings = self.model.cfg.graph_settings()
@@ -268,10 +268,6 @@ class Dynamics:
                 continue
             except Exception as exc:  # anything else about this structure: it stops, the others go on
                 answers[key] = StructureFailed(f"its graph: {first_line(exc)}")
-                continue
-            overlap = overlapping_atoms(graph)
-            if overlap:
-                answers[key] = StructureFailed(overlap)
                 continue
             graphs.append(graph)
             keys.append(key)

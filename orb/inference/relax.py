@@ -106,7 +106,7 @@ class BatchRelaxer:
         from ase.calculators.singlepoint import SinglePointCalculator
 
         from orb.data.graphs import atoms_to_graph, batch_graphs
-        from orb.inference.runs import first_line, overlapping_atoms
+        from orb.inference.runs import first_line
         from orb.inference.uncertainty import per_atom_error
 
         settings = self.model.cfg.graph_settings()
@@ -114,15 +114,13 @@ class BatchRelaxer:
         for r in active:
             try:
                 graph = atoms_to_graph(r.atoms, settings=settings, float64=self.predictor.float64)
-            except OrbInputError as exc:  # positions or cell no longer finite
+            except OrbInputError as exc:  # positions or cell no longer finite, atoms on top of each other
                 r.error = f"step {r.steps}: {exc}"
                 continue
             except Exception as exc:  # anything else about this structure: it stops, the others go on
                 r.error = f"step {r.steps}: its graph: {first_line(exc)}"
                 continue
-            r.error = overlapping_atoms(graph) and f"step {r.steps}: {overlapping_atoms(graph)}"
-            if not r.error:
-                graphs.append(graph)
+            graphs.append(graph)
         evaluated = [r for r in active if not r.error]
         if not evaluated:
             return

@@ -5,8 +5,6 @@ from typing import Dict, Sequence
 
 from orb.errors import OrbInputError
 
-OVERLAP = 0.1  # Å: atoms closer than this are taken to be on top of each other (no model describes them)
-
 
 def run_settings(args, names: Sequence[str], model, data_fingerprint: str) -> Dict:
     """What a resume must not change: the settings ``names`` of ``args``, the model's weights (their digest) and
@@ -29,17 +27,6 @@ def total_charge_and_spin(data, index: int, required: bool) -> Dict[str, float]:
             raise
         return {}
     return {key: value for key, value in (("charge", charge), ("spin", spin)) if value is not None}
-
-
-def overlapping_atoms(graph) -> str:
-    """Why no model can compute the structure of ``graph`` (two atoms closer than OVERLAP), or ""."""
-    import numpy as np
-
-    lengths = np.linalg.norm(graph.vectors, axis=1)
-    if not len(lengths) or lengths.min() >= OVERLAP:
-        return ""
-    e = int(np.argmin(lengths))
-    return f"atoms {graph.senders[e]} and {graph.receivers[e]} are {lengths[e]:.2g} Å apart (on top of each other)"
 
 
 def first_line(exc: BaseException) -> str:

@@ -49,6 +49,10 @@ class Reporter:
         if self.main:
             log.info(message, *args)
 
+    def warning(self, message: str, *args) -> None:
+        if self.main:
+            log.warning(message, *args)
+
     def progress(self, **kwargs):
         from tqdm import tqdm
 

@@ -249,6 +249,11 @@ class Trainer:
     def _save_epoch(self, epoch: int, val_loss: float) -> None:
         progress = self.progress
         improved = progress.improved(val_loss, epoch)
+        if not math.isfinite(val_loss):  # never the best epoch: said, where it was silent (no best.ckpt at all)
+            self.reporter.warning("epoch %d: the validation loss is %s: not a best epoch (best.ckpt and "
+                                  "best_weights.ckpt %s); orb-evaluate on the validation data names each structure's "
+                                  "error", epoch, val_loss, f"keep epoch {progress.best_epoch}" if progress.best_epoch
+                                  else "are not written")
         progress.epochs_done = epoch
         state = self.engine.optimizer_entries()
         best_weights = {"epoch": epoch, "val_loss": val_loss, "ema": bool(self.cfg.ema_decay),
