@@ -60,3 +60,43 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
     assert os.listdir(tmp_path) == []
+
+
+def test_an_export_replaces_the_earlier_one_whole_or_not_at_all(tmp_path):
+    """A second export of the same name leaves exactly the files its model.json lists (the earlier export's other
+    shapes were left beside it, undescribed); one stopped by SIGTERM while it exports ends with one line and status 75
+    and leaves the earlier export as it was (it printed MindSpore's analyzer trace, left new files beside the old
+    model.json and wrote rank_0/om/analyze_fail.ir into the working folder)."""
+    import signal
+    import time
+
+    from conftest import wait_until_handling
+
+    out = tmp_path / "out" / "model.mindir"
+    out.parent.mkdir()
+    command = [sys.executable, os.path.join(ROOT, "scripts", "export.py"), "--checkpoint",
+               os.path.join(ROOT, "data", "demo_pretrained.ckpt"), "--output", str(out), "--device_target", "CPU"]
+    two = ["--shape", "40,800,3", "--shape", "64,1280,5"]
+    first = subprocess.run(command + two, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert sorted(os.listdir(out.parent)) == ["model.json", "model_40x800x3.mindir", "model_64x1280x5.mindir"]
+    second = subprocess.run(command + ["--shape", "48,960,4"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=600)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert sorted(os.listdir(out.parent)) == ["model.json", "model.mindir"]
+    assert list(json.load(open(out.parent / "model.json"))["files"]) == ["model.mindir"]
+    before = {name: open(out.parent / name, "rb").read() for name in os.listdir(out.parent)}
+    process = subprocess.Popen(command + two, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    wait_until_handling(process, signal.SIGTERM)
+    deadline = time.time() + 300
+    while not any(name.startswith(".model_") for name in os.listdir(out.parent)):  # the first shape is exporting
+        assert process.poll() is None and time.time() < deadline, process.communicate()[1][-2000:]
+        time.sleep(0.01)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 75 and err.strip().splitlines() == [
+        f"stopped by SIGTERM while exporting: none of this export's files are kept (an earlier export of {out} is): "
+        "run the same command again (exit status 75)"], err[-3000:]
+    assert {name: open(out.parent / name, "rb").read() for name in os.listdir(out.parent)} == before
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # nothing in the working folder (no rank_0/om/analyze_fail.ir)

@@ -61,42 +61,83 @@ def shapes_for(data_path, model, batch_size: int) -> List[tuple]:
 
 
 def export(model, output: str, shapes: Sequence[tuple]) -> List[str]:
-    """One MindIR file per shape (``output`` itself when there is one) and ``model.json``; the files written."""
+    """One MindIR file per shape (``output`` itself when there is one) and ``model.json``; the files written.
+
+    All or nothing: every file is written aside first and renamed into place only when all are written, then the
+    files an earlier export of the same name listed and this one did not are removed (``model.json`` describes
+    exactly the files beside it). A stop signal is honoured between two files (a graph being exported is never
+    interrupted: MindSpore dumped its analyzer's trace then), removing this run's files; an earlier export stays."""
     import mindspore as ms
 
     from orb.data.tensors import MODEL_INPUTS
-    from orb.io.files import write_atomically, write_json
+    from orb.io.files import fsync_directory, write_atomically, write_json
     from orb.models.cells import PredictCell
     from orb.precision import precision
+    from orb.signals import STOP, STOPPED_STATUS, Stopped
 
     cell = PredictCell(model)
     cell.set_train(False)
     stem = output[:-len(".mindir")] if output.endswith(".mindir") else output
-    written, files = [], {}
-    for nodes, edges, graphs in shapes:
-        path = output if len(shapes) == 1 else f"{stem}_{nodes}x{edges}x{graphs}.mindir"
-        inputs = example_inputs(model, nodes, edges, graphs)
-        # ms.export appends .mindir to the name it is given: the temporary is named so, then renamed
-        def write(tmp: str) -> None:
-            ms.export(cell, *inputs, file_name=tmp[:-len(".mindir")], file_format="MINDIR")
-            os.chmod(tmp, 0o644)  # MindSpore writes it read-only
+    folder = os.path.dirname(os.path.abspath(output))
+    json_path = os.path.join(folder, os.path.basename(stem) + ".json")
+    staged, files = [], {}
 
-        write_atomically(path, write, suffix=".mindir")
-        files[os.path.basename(path)] = {"nodes": nodes, "edges": edges, "graphs": graphs}
-        written.append(path)
-    inputs = example_inputs(model, *shapes[0])
-    description = {
-        "model": model.cfg.to_dict(), "precision": precision(), "files": files,
-        "inputs": [{"name": n, "dtype": str(t.dtype), "shape": [dimension(n, axis, size)
-                                                                for axis, size in enumerate(t.shape)]}
-                   for n, t in zip(MODEL_INPUTS, inputs)],
-        "padding": "orb.data.graphs.pad_batch: the real graphs first, then one padding graph holding every padding "
-                   "node (atomic number 0) and edge (a self-edge of length 10 Å), then empty graphs; outputs of "
-                   "padding rows are to be ignored",
-        "outputs": list(OUTPUTS[:4 if model.cfg.family == "orb_v3" else 3])}
-    json_path = os.path.join(os.path.dirname(os.path.abspath(output)), os.path.basename(stem) + ".json")
-    write_json(json_path, description)
-    return written + [json_path]
+    def stop_if_asked() -> None:
+        if STOP.received is not None:
+            raise Stopped(f"stopped by {STOP.received} while exporting: none of this export's files are kept (an "
+                          f"earlier export of {output} is): run the same command again (exit status {STOPPED_STATUS})")
+
+    try:
+        with STOP.deferred():
+            for nodes, edges, graphs in shapes:
+                stop_if_asked()
+                path = output if len(shapes) == 1 else f"{stem}_{nodes}x{edges}x{graphs}.mindir"
+                inputs = example_inputs(model, nodes, edges, graphs)
+
+                def write(tmp: str) -> None:  # ms.export appends .mindir to the name it is given
+                    ms.export(cell, *inputs, file_name=tmp[:-len(".mindir")], file_format="MINDIR")
+                    os.chmod(tmp, 0o644)  # MindSpore writes it read-only
+
+                aside = os.path.join(folder, f".{os.path.basename(path)}.exporting")
+                staged.append((aside, path))
+                write_atomically(aside, write, suffix=".mindir")
+                files[os.path.basename(path)] = {"nodes": nodes, "edges": edges, "graphs": graphs}
+            stop_if_asked()
+            earlier = listed_files(json_path)
+            for aside, path in staged:
+                os.replace(aside, path)
+            staged.clear()
+            inputs = example_inputs(model, *shapes[0])
+            write_json(json_path, {
+                "model": model.cfg.to_dict(), "precision": precision(), "files": files,
+                "inputs": [{"name": n, "dtype": str(t.dtype), "shape": [dimension(n, axis, size)
+                                                                        for axis, size in enumerate(t.shape)]}
+                           for n, t in zip(MODEL_INPUTS, inputs)],
+                "padding": "orb.data.graphs.pad_batch: the real graphs first, then one padding graph holding every "
+                           "padding node (atomic number 0) and edge (a self-edge of length 10 Å), then empty graphs; "
+                           "outputs of padding rows are to be ignored",
+                "outputs": list(OUTPUTS[:4 if model.cfg.family == "orb_v3" else 3])})
+            for name in earlier - set(files):  # the earlier export's other shapes: no longer described
+                if os.path.exists(os.path.join(folder, name)):
+                    os.remove(os.path.join(folder, name))
+            fsync_directory(folder)
+    except BaseException:
+        for aside, _ in staged:
+            if os.path.exists(aside):
+                os.remove(aside)
+        raise
+    return [os.path.join(folder, name) for name in files] + [json_path]
+
+
+def listed_files(json_path: str) -> set:
+    """The MindIR files an earlier export's description lists (none when there is none, or it cannot be read)."""
+    import json
+
+    try:
+        with open(json_path) as f:
+            return {name for name in json.load(f).get("files", {}) if "/" not in name and name.endswith(".mindir")}
+    except (OSError, ValueError, AttributeError):
+        return set()
 
 
 def load_exported(path: str):
