@@ -372,3 +372,33 @@ def test_charge_and_spin_under_keys_of_their_own_are_read_in_every_format(tmp_pa
         graph = data.get(i)
         assert (float(graph.charge[0]), float(graph.spin[0])) == (attributes["charge"], attributes["spin"]), i
         assert data.charge_and_spin(i) == (attributes["charge"], attributes["spin"])
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "list", "aselmdb"])
+def test_a_weight_kept_in_row_data_counts_in_every_database_format(tmp_path, cache, kind):
+    """A database row's loss weight in ``row.data`` (where ASE-LMDB files keep such values) is its weight whether
+    the database is given alone or in a list (alone it was ignored: every such structure weighed 1); a key-value
+    pair comes first; a bad one is named."""
+    from ase.db import connect
+
+    from orb.data.dataset import AseDbDataset
+    from orb.data.formats import readable_database
+    from orb.errors import DatasetError
+
+    frames = demo_frames()[:3]
+    name = {"sqlite": "w.db", "list": "w.db", "aselmdb": "w.aselmdb"}[kind]
+    with connect(str(tmp_path / name), type="aselmdb" if kind == "aselmdb" else "db") as db:
+        db.write(frames[0], data={"weight": 7.0})
+        db.write(frames[1], weight=2.0, data={"weight": 9.0})  # the key-value pair is the weight
+        db.write(frames[2])
+    path = [str(tmp_path / name), str(tmp_path / name)] if kind == "list" else str(tmp_path / name)
+    data = AseDbDataset(readable_database(path))
+    data.census()
+    expected = [7.0, 2.0, 1.0] * (2 if kind == "list" else 1)
+    np.testing.assert_array_equal(data.weights, expected)
+    assert [float(data.get(i).weight[0]) for i in range(len(expected))] == expected
+    if kind == "sqlite":
+        with connect(str(tmp_path / "bad.db")) as db:
+            db.write(frames[0], data={"weight": -3.0})
+        with pytest.raises(DatasetError, match=r"bad\.db, row 1, key 'weight': weight must be a finite number >= 0"):
+            AseDbDataset(str(tmp_path / "bad.db")).census()

@@ -53,7 +53,7 @@ CAPACITY_VERSION = 1
 GRAPH_CODE = ("orb.data.graphs", "orb.data.neighbours", "orb.native")  # the counts' code (orb.cache.source_digest)
 CAPACITY_CACHE = "neighbour_counts"  # the subfolder of the project's cache (``orb.cache``)
 # Raised whenever what :meth:`AseDbDataset.check_rows` checks changes.
-CENSUS_VERSION = 1
+CENSUS_VERSION = 2  # 2: a column for the rows whose weight is in row.data
 CENSUS_CACHE = "row_census"
 LABELS = ("energy", "forces", "stress")
 
@@ -199,8 +199,7 @@ class AseDbDataset:
                                                             repr(self.settings), cache.source_digest(*GRAPH_CODE)),
                                      1, "counting neighbours", self._plausible_capacities)
         self.census_pass = RowPass(self, CENSUS_CACHE, (CENSUS_VERSION, charge_spin, self.charge_spin_keys),
-                                   len(LABELS),
-                                   "checking the rows", _plausible_flags)
+                                   len(LABELS) + 1, "checking the rows", _plausible_flags)
         self.weights = self._weights()
 
     def _scan(self) -> Tuple[np.ndarray, np.ndarray]:
@@ -217,14 +216,16 @@ class AseDbDataset:
     # ----------------------------------------------------------------- the census of the labels
     def check_rows(self, start: int, stop: int) -> np.ndarray:
         """Rows ``start:stop`` read, their structures and labels (and for OMol models their charge and spin) checked,
-        a bad one named by row and key; per row whether it stores energy, forces and stress."""
-        stored = np.zeros((stop - start, len(LABELS)), np.int64)
+        a bad one named by row and key; per row whether it stores energy, forces and stress, and whether its weight
+        is in ``row.data`` rather than a key-value pair."""
+        stored = np.zeros((stop - start, len(LABELS) + 1), np.int64)
         for k, row in enumerate(self.rows.read_many(self.ids[start:stop])):
             try:
                 check_structure(np.asarray(row.positions), np.asarray(row.numbers), np.asarray(row.cell))
             except StructureError as exc:
                 raise self._structure_error(row, exc) from None
-            stored[k] = [value is not None for value in self._stored_labels(row)]
+            in_data = "weight" not in row.key_value_pairs and "weight" in row.data
+            stored[k] = [value is not None for value in self._stored_labels(row)] + [in_data]
             if self.charge_spin:
                 self._charge_spin(row)  # OMol models: every row's total charge and spin (key-value pairs or data)
         return stored
@@ -236,7 +237,9 @@ class AseDbDataset:
         without energy or forces are refused unless ``require_labels`` is off, and so is a mixture of rows
         with and without stress."""
         if self._labels_stored is None:
-            stored = self.census_pass.result(check or self.check_rows, ranks or ONE_PROCESS).reshape(-1, len(LABELS))
+            flags = self.census_pass.result(check or self.check_rows, ranks or ONE_PROCESS).reshape(-1, len(LABELS) + 1)
+            stored = flags[:, :len(LABELS)]
+            self._weights_in_data(np.flatnonzero(flags[:, -1]))
             if self.require_labels:
                 for column, key in ((0, "energy"), (1, "forces")):
                     if not stored[:, column].all():
@@ -308,6 +311,18 @@ class AseDbDataset:
             raise self._error(f"cannot read as an ASE database ({exc})") from None
         except sqlite3.DatabaseError as exc:
             raise self._error(f"cannot read as an ASE database ({exc})") from None
+
+    def _weights_in_data(self, positions: np.ndarray) -> None:
+        """The weights of the rows at ``positions`` that keep theirs in ``row.data`` (as an ASE-LMDB, or a database
+        indexed in a list, keeps it: read alike whatever the path given; it was ignored in a database alone), found
+        by the census (which reads every row once), read now, checked."""
+        for position, row in zip(positions, self.rows.read_many(self.ids[positions])):
+            value = row.data["weight"]
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+                raise self._error(f"weight must be a number, got {value!r}", row.id, "weight")
+            if not np.isfinite(value) or value < 0:
+                raise self._error(f"weight must be a finite number >= 0, got {value!r}", row.id, "weight")
+            self.weights[position] = float(value)
 
     def _weights(self) -> np.ndarray:
         """Each row's ``weight`` key-value pair (1 where absent), checked: a number, finite and >= 0."""
