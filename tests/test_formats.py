@@ -115,6 +115,37 @@ def test_label_keys_given_for_an_ase_database_are_said_to_be_unused(caplog):
                                               "used: an ASE database's labels are its rows' calculator results")
 
 
+def test_a_database_in_a_list_keeps_its_labels_when_label_keys_name_the_other_files(tmp_path, cache, caplog):
+    """A list of an ASE database and extxyz frames whose energies are under energy_key: the database's rows keep
+    their calculator results, as the database alone does (the keys were applied to its rows too, which have no
+    such info entry: the list was refused), and the frames' come from the key."""
+    import ase.io
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    from orb.data.dataset import AseDbDataset
+    from orb.data.formats import LabelKeys, readable_database
+
+    frames = demo_frames()[:2]
+    tagged = []
+    for atoms in frames:
+        copy = atoms.copy()
+        copy.calc = SinglePointCalculator(copy, forces=atoms.get_forces(), stress=atoms.get_stress())
+        copy.info["E1"] = atoms.get_potential_energy() + 1.0
+        tagged.append(copy)
+    ase.io.write(tmp_path / "e1.extxyz", tagged, format="extxyz")
+    caplog.set_level("WARNING", logger="orb")
+    data = AseDbDataset(readable_database([DEMO_VAL, str(tmp_path / "e1.extxyz")], LabelKeys(energy="E1")))
+    alone = AseDbDataset(DEMO_VAL)
+    rows = len(alone)
+    assert len(data) == rows + 2
+    for i in (0, rows - 1):
+        assert data.get(i).energy[0] == alone.get(i).energy[0]
+    for k, atoms in enumerate(frames):
+        assert data.get(rows + k).energy[0] == pytest.approx(atoms.get_potential_energy() + 1.0, rel=1e-7)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{DEMO_VAL}: energy_key 'E1' not used: an ASE database's labels are its rows' calculator results"]
+
+
 def test_orb_evaluate_gives_the_same_metrics_on_extxyz(tmp_path, cache):
     import ase.io
 

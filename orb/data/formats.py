@@ -31,7 +31,7 @@ from orb.errors import DatasetError
 log = logging.getLogger("orb")
 SQLITE_MAGIC = b"SQLite format 3\x00"
 CONVERTED = "converted"
-VERSION = 5  # 2: the frames' weight kept; 3: their momenta; 4: their masses and constraints; 5: tags, other info
+VERSION = 6  # 6: a database in a list labelled by its calculator results; 2: the frames' weight kept; 3: their momenta; 4: their masses and constraints; 5: tags, other info
 AUTO = {"energy": ("REF_energy", "energy"), "forces": ("REF_forces", "forces"), "stress": ("REF_stress", "stress")}
 
 
@@ -85,10 +85,7 @@ def readable_database(path: Union[str, Sequence[str]], keys: LabelKeys = LabelKe
     cached copy of its frames (made now if needed; a damaged copy is made again)."""
     files = source_files(path)
     if len(files) == 1 and is_sqlite(files[0]):
-        named = {k: getattr(keys, k) for k in ("energy", "forces", "stress") if getattr(keys, k)}
-        if named:  # (they apply to the other formats of the run; said, not silently left out)
-            log.warning("%s: %s not used: an ASE database's labels are its rows' calculator results", files[0],
-                        ", ".join(f"{k}_key '{v}'" for k, v in named.items()))
+        database_keys(files[0], keys)
         return files[0]
     identity = tuple((os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files)
     entry = cache.CacheEntry(CONVERTED, VERSION, (identity, keys), ".db")
@@ -106,6 +103,18 @@ def readable_database(path: Union[str, Sequence[str]], keys: LabelKeys = LabelKe
                            f"({', '.join(cache.cache_dirs(CONVERTED))}; set ORB_CACHE_DIR)")
     log.info("indexed %s: %d structures, kept in %s", describe_path(path), counted[0], target)
     return target
+
+
+def database_keys(path: str, keys: LabelKeys) -> LabelKeys:
+    """The label keys that apply to an ASE SQLite database of the user's: its labels are its rows' calculator
+    results, alone or in a list (in a list the configured keys were applied to it, and refused it: its rows had no
+    such info entries); the energy, forces and stress keys, which apply to the other formats of the run, said not
+    to be used here, not silently left out."""
+    named = {k: getattr(keys, k) for k in ("energy", "forces", "stress") if getattr(keys, k)}
+    if named:
+        log.warning("%s: %s not used: an ASE database's labels are its rows' calculator results", path,
+                    ", ".join(f"{k}_key '{v}'" for k, v in named.items()))
+    return LabelKeys(charge=keys.charge, spin=keys.spin)
 
 
 def _complete_index(path: str) -> bool:
@@ -225,10 +234,11 @@ def _convert(files: List[str], keys: LabelKeys, target: str, progress: bool) -> 
             tqdm(desc="indexing structures", unit=" frames", disable=not progress) as bar:
         for path in files:
             frames = 0
+            own = database_keys(path, keys) if is_sqlite(path) else keys
             for frame, atoms in enumerate(_frames(path)):
                 n = len(atoms)
                 (energy, energy_key), (forces, forces_key), (stress, stress_key) = (
-                    _label(atoms, name, keys, path, frame) for name in ("energy", "forces", "stress"))
+                    _label(atoms, name, own, path, frame) for name in ("energy", "forces", "stress"))
                 results = {}
                 if energy is not None:
                     results["energy"] = float(_checked(energy, lambda s: int(np.prod(s)) == 1, energy_key, path,
