@@ -113,6 +113,12 @@ def test_relaxation_resumes_and_refuses_to_mix_outputs(tmp_path):
     assert changed.returncode == 2 and changed.stderr.strip().splitlines() == [  # it mixed two settings' rows
         f"error: --resume {out}: these settings differ from the run's: fmax: 0.05 -> 0.1. Restore them, or start a "
         "new run in another --output"]
+    moved = rattled(tmp_path / "moved.db", count=5, seed=1)  # the same rows, atoms and elements, other positions
+    os.replace(moved, data)
+    edited = relax_cli("--data", data, "--output", str(out), "--steps", "4", "--resume")
+    lines = edited.stderr.strip().splitlines()  # it resumed, mixing two inputs' structures in one output
+    assert edited.returncode == 2 and len(lines) == 1 and "structures_fingerprint: " in lines[0], edited.stderr
+    assert "data_fingerprint" not in lines[0]
     refused = relax_cli("--data", data, "--output", str(out), "--overwrite", "--uncertain_above", "0.1")
     assert refused.returncode == 2 and "orb_v2 has no confidence head" in refused.stderr
     assert sorted(energies(out)) == [1, 2, 3, 4, 5]  # refused before --overwrite deleted anything

@@ -469,7 +469,7 @@ class Dynamics:
                 bar.update(len(group))
 
 
-def load_structures(args, model) -> Tuple[List[Run], str]:
+def load_structures(args, model) -> Tuple[List[Run], object]:
     from orb.data.dataset import AseDbDataset
     from orb.data.formats import LabelKeys, readable_database, without_labels
     from orb.inference.dispersion import check_dispersion_elements
@@ -488,7 +488,7 @@ def load_structures(args, model) -> Tuple[List[Run], str]:
         if args.ensemble == "npt" and not (atoms.cell.any() and atoms.pbc.all()):
             raise OrbInputError(f"{data.path}, structure {i}: npt needs a periodic structure (a cell and pbc)")
         runs.append(Run(i, int(data.ids[i]), atoms, folder=args.output))
-    return runs, data.content_fingerprint()
+    return runs, data
 
 
 # what a resume must not change (--steps may grow); the batch size too: a structure's float32 forces depend, in
@@ -522,11 +522,11 @@ def md(args) -> Dict:
     check_threshold(model.cfg, args.uncertain_above)
     if args.ensemble == "npt" and not model.cfg.has_stress:  # its stress would be zeros: a barostat without pressure
         raise OrbInputError(f"--ensemble npt needs stress, and {model.cfg.name} predicts none (no stress head)")
-    runs, data_fingerprint = load_structures(args, model)
+    runs, data = load_structures(args, model)
     try:
         check_output(args.output, args.resume, args.overwrite)  # after every check: --overwrite deletes the old run
         remove_stale_temporaries(args.output, min_age=600.0)  # a state or summary whose write was killed
-        check_run_settings(os.path.join(args.output, "run.json"), run_settings(args, SETTINGS, model, data_fingerprint),
+        check_run_settings(os.path.join(args.output, "run.json"), run_settings(args, SETTINGS, model, data),
                            args.resume, args.output, informational=("checkpoint",))
     except OSError as exc:  # a read-only folder
         raise OrbInputError(f"--output {args.output}: cannot write there ({exc.strerror or exc})") from None

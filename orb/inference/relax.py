@@ -240,7 +240,7 @@ def relax(args) -> Dict:
         check_output(args.output, args.resume, args.overwrite)  # after every check: --overwrite deletes the old one
         remove_stale_temporaries(os.path.dirname(os.path.abspath(args.output)), min_age=600.0)  # a killed summary's
         check_run_settings(companion(args.output, "run.json"),
-                           run_settings(args, SETTINGS, model, data.content_fingerprint()), args.resume, args.output,
+                           run_settings(args, SETTINGS, model, data), args.resume, args.output,
                            informational=("checkpoint",))
     except OSError as exc:  # a read-only folder
         raise OrbInputError(f"--output {args.output}: cannot write there ({exc.strerror or exc})") from None

@@ -6,14 +6,16 @@ from typing import Dict, Sequence
 from orb.errors import OrbInputError
 
 
-def run_settings(args, names: Sequence[str], model, data_fingerprint: str) -> Dict:
+def run_settings(args, names: Sequence[str], model, data) -> Dict:
     """What a resume must not change: the settings ``names`` of ``args``, the model's weights (their digest) and
-    the structures (their rows' ids, atom counts and elements, as a training resume compares them). The
-    checkpoint's path is recorded, not compared: a copy elsewhere with the same weights continues the run."""
+    the structures of ``data`` (their rows' ids, atom counts and elements, as a training resume compares them, and
+    their geometry: positions, cells, momenta). The checkpoint's path is recorded, not compared: a copy elsewhere
+    with the same weights continues the run."""
     from orb.models import weights_digest
 
     return {**{key: getattr(args, key) for key in names}, "checkpoint": os.path.abspath(args.checkpoint),
-            "weights_digest": weights_digest(model), "data_fingerprint": data_fingerprint}
+            "weights_digest": weights_digest(model), "data_fingerprint": data.content_fingerprint(),
+            "structures_fingerprint": data.structures_fingerprint()}
 
 
 def total_charge_and_spin(data, index: int, required: bool) -> Dict[str, float]:
