@@ -228,7 +228,8 @@ def check_output(folder: str, resume: bool, overwrite: bool) -> None:
     if found and not resume and not overwrite:
         raise OrbInputError(f"--output {folder} holds an earlier run ({', '.join(sorted(found)[:3])} ...): pass "
                             "--resume to continue it or --overwrite to replace it")
-    if found and overwrite and not resume:
+    if found and overwrite and not resume:  # the states first: a kill meanwhile leaves no structure that a resume
+        found.sort(key=lambda name: not name.startswith("state_"))  # would continue beside a deleted trajectory
         for name in found + [n for n in ("summary.json", "uncertain.extxyz", "run.json")
                              if os.path.exists(os.path.join(folder, n))]:
             os.remove(os.path.join(folder, name))
