@@ -409,7 +409,7 @@ def test_charge_and_spin_under_keys_of_their_own_are_read_in_every_format(tmp_pa
 def test_a_weight_kept_in_row_data_counts_in_every_database_format(tmp_path, cache, kind):
     """A database row's loss weight in ``row.data`` (where ASE-LMDB files keep such values) is its weight whether
     the database is given alone or in a list (alone it was ignored: every such structure weighed 1); a key-value
-    pair comes first; a bad one is named."""
+    pair comes first; a bad one is named. The data's other entries reach the structure's info alike (alone: lost)."""
     from ase.db import connect
 
     from orb.data.dataset import AseDbDataset
@@ -421,13 +421,15 @@ def test_a_weight_kept_in_row_data_counts_in_every_database_format(tmp_path, cac
     with connect(str(tmp_path / name), type="aselmdb" if kind == "aselmdb" else "db") as db:
         db.write(frames[0], data={"weight": 7.0})
         db.write(frames[1], weight=2.0, data={"weight": 9.0})  # the key-value pair is the weight
-        db.write(frames[2])
+        db.write(frames[2], data={"note": "from the cluster", "grid": np.zeros(3)})
     path = [str(tmp_path / name), str(tmp_path / name)] if kind == "list" else str(tmp_path / name)
     data = AseDbDataset(readable_database(path))
     data.census()
     expected = [7.0, 2.0, 1.0] * (2 if kind == "list" else 1)
     np.testing.assert_array_equal(data.weights, expected)
     assert [float(data.get(i).weight[0]) for i in range(len(expected))] == expected
+    # what orb-md's frames and orb-relax's rows start from: the data's entries a row can hold, in every format
+    assert data.get_atoms(2).info.get("note") == "from the cluster" and "grid" not in data.get_atoms(2).info
     if kind == "sqlite":
         with connect(str(tmp_path / "bad.db")) as db:
             db.write(frames[0], data={"weight": -3.0})

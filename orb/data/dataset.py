@@ -19,7 +19,7 @@ import numpy as np
 
 from orb import cache
 from orb.errors import ClusterError, DatasetError, StructureError
-from orb.data.formats import SQLITE_MAGIC, frame_of
+from orb.data.formats import SQLITE_MAGIC, frame_of, storable_pairs
 from orb.data.sqlite_rows import RowReader
 from orb.data.augmentation import matrix_to_voigt, random_rotation, rotate_structure
 from orb.data.graphs import (EDGE_CAPACITY_MARGIN, AtomGraphs, GraphSettings, capacity_is_counted, check_structure,
@@ -371,8 +371,15 @@ class AseDbDataset:
         return self.rows.read(int(self.ids[index]))
 
     def get_atoms(self, index: int):
-        """The ``ase.Atoms`` (with its calculator results) at position ``index``."""
-        return self.row(index).toatoms()
+        """The ``ase.Atoms`` (with its calculator results) at position ``index``; its ``info`` holds the row's
+        key-value pairs over the entries of ``row.data`` a row can hold as such (text, numbers, flags), as the indexed
+        copy of a list or an ASE-LMDB file holds them (a single database's data reached no orb-md frame or orb-relax
+        row)."""
+        row = self.row(index)
+        atoms = row.toatoms()
+        if row.data:
+            atoms.info = {**storable_pairs(row.data), **atoms.info}
+        return atoms
 
     def _labels(self, row, index: int) -> Tuple[Optional[float], Optional[np.ndarray], Optional[np.ndarray]]:
         """The labels a graph of this row carries: the label table's, else the row's (stress only when every row
