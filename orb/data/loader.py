@@ -26,7 +26,7 @@ from orb.data.neighbours import native_search
 from orb.data.plan import Step
 from orb.data.tensors import loss_arrays
 from orb.errors import DataWorkerError
-from orb.signals import die_with_parent, ignore_stop_signals
+from orb.signals import STOP, die_with_parent, ignore_stop_signals
 
 
 def prepare(dataset: AseDbDataset, step: Step, seed: Optional[int], with_stress: bool) -> Tuple[np.ndarray, ...]:
@@ -167,8 +167,11 @@ class BatchLoader:
                     raise DataWorkerError(f"data workers died twice while preparing epoch {step.epoch + 1}'s steps "
                                           f"({WORKER_DEATH})") from None
                 replaced = step
-                log.warning("a data worker died while preparing epoch %d's steps (%s); starting new workers and "
-                            "preparing those steps again", step.epoch + 1, WORKER_DEATH)
+                if STOP.received is not None:  # the job's stop signal reached a worker still starting (before it
+                    log.info("a data worker starting up ended with %s; starting new workers", STOP.received)
+                else:                          # ignores them): not the memory's fault, and the run is stopping
+                    log.warning("a data worker died while preparing epoch %d's steps (%s); starting new workers and "
+                                "preparing those steps again", step.epoch + 1, WORKER_DEATH)
                 self.close()
                 self._pool = self._new_pool()
                 for item in pending:
