@@ -90,7 +90,7 @@ def test_an_export_replaces_the_earlier_one_whole_or_not_at_all(tmp_path):
                                text=True)
     wait_until_handling(process, signal.SIGTERM)
     deadline = time.time() + 300
-    while not any(name.startswith(".model_") for name in os.listdir(out.parent)):  # the first shape is exporting
+    while not any(name.startswith(".") for name in os.listdir(out.parent)):  # the first shape is being written
         assert process.poll() is None and time.time() < deadline, process.communicate()[1][-2000:]
         time.sleep(0.01)
     process.send_signal(signal.SIGTERM)

@@ -419,7 +419,7 @@ def test_a_weight_kept_in_row_data_counts_in_every_database_format(tmp_path, cac
     frames = demo_frames()[:3]
     name = {"sqlite": "w.db", "list": "w.db", "aselmdb": "w.aselmdb"}[kind]
     with connect(str(tmp_path / name), type="aselmdb" if kind == "aselmdb" else "db") as db:
-        db.write(frames[0], data={"weight": 7.0})
+        db.write(frames[0], data={"weight": "7.0"})  # one number, as the index of a list reads it
         db.write(frames[1], weight=2.0, data={"weight": 9.0})  # the key-value pair is the weight
         db.write(frames[2], data={"note": "from the cluster", "grid": np.zeros(3)})
     path = [str(tmp_path / name), str(tmp_path / name)] if kind == "list" else str(tmp_path / name)

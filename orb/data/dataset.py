@@ -23,7 +23,7 @@ from orb.data.formats import SQLITE_MAGIC, frame_of, storable_pairs
 from orb.data.sqlite_rows import RowReader
 from orb.data.augmentation import matrix_to_voigt, random_rotation, rotate_structure
 from orb.data.graphs import (EDGE_CAPACITY_MARGIN, AtomGraphs, GraphSettings, capacity_is_counted, check_structure,
-                             edge_capacity, graph_from_arrays, total_charge_or_spin)
+                             check_no_overlap_before_graphs, edge_capacity, graph_from_arrays, total_charge_or_spin)
 
 log = logging.getLogger("orb")
 
@@ -53,7 +53,7 @@ CAPACITY_VERSION = 1
 GRAPH_CODE = ("orb.data.graphs", "orb.data.neighbours", "orb.native")  # the counts' code (orb.cache.source_digest)
 CAPACITY_CACHE = "neighbour_counts"  # the subfolder of the project's cache (``orb.cache``)
 # Raised whenever what :meth:`AseDbDataset.check_rows` checks changes.
-CENSUS_VERSION = 2  # 2: a column for the rows whose weight is in row.data
+CENSUS_VERSION = 3  # 2: a column for the rows whose weight is in row.data; 3: atoms on top of each other refused
 CENSUS_CACHE = "row_census"
 LABELS = ("energy", "forces", "stress")
 
@@ -221,10 +221,13 @@ class AseDbDataset:
         stored = np.zeros((stop - start, len(LABELS) + 1), np.int64)
         for k, row in enumerate(self.rows.read_many(self.ids[start:stop])):
             try:
-                check_structure(np.asarray(row.positions), np.asarray(row.numbers), np.asarray(row.cell))
+                periodic = check_structure(np.asarray(row.positions), np.asarray(row.numbers), np.asarray(row.cell))
+                if self.settings.minimal_supercell:  # orb-v3: periodic with pbc set (orb-v2: whenever a cell)
+                    periodic = periodic and bool(np.all(row.pbc))
+                check_no_overlap_before_graphs(row.positions, row.cell, periodic)  # before training, not hours in
             except StructureError as exc:
                 raise self._structure_error(row, exc) from None
-            in_data = "weight" not in row.key_value_pairs and "weight" in row.data
+            in_data = "weight" not in row.key_value_pairs and row.data.get("weight") is not None
             stored[k] = [value is not None for value in self._stored_labels(row)] + [in_data]
             if self.charge_spin:
                 self._charge_spin(row)  # OMol models: every row's total charge and spin (key-value pairs or data)
@@ -318,11 +321,16 @@ class AseDbDataset:
         by the census (which reads every row once), read now, checked."""
         for position, row in zip(positions, self.rows.read_many(self.ids[positions])):
             value = row.data["weight"]
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
-                raise self._error(f"weight must be a number, got {value!r}", row.id, "weight")
-            if not np.isfinite(value) or value < 0:
-                raise self._error(f"weight must be a finite number >= 0, got {value!r}", row.id, "weight")
-            self.weights[position] = float(value)
+            try:  # as the index of a list reads it: anything that is one number ("2.0", [2.0], np.array(2.0))
+                array = np.asarray(value, dtype=np.float64)
+            except (TypeError, ValueError):
+                array = np.zeros(0)
+            if array.size != 1:
+                raise self._error(f"weight must be a number, got {str(value)[:40]!r}", row.id, "weight")
+            weight = float(array.reshape(-1)[0])
+            if not np.isfinite(weight) or weight < 0:
+                raise self._error(f"weight must be a finite number >= 0, got {weight!r}", row.id, "weight")
+            self.weights[position] = weight
 
     def _weights(self) -> np.ndarray:
         """Each row's ``weight`` key-value pair (1 where absent), checked: a number, finite and >= 0."""

@@ -295,6 +295,17 @@ def check_no_overlap(senders: np.ndarray, receivers: np.ndarray, vectors: np.nda
                              "other)")
 
 
+def check_no_overlap_before_graphs(positions: np.ndarray, cell: np.ndarray, periodic: bool) -> None:
+    """:func:`check_no_overlap` without building the model's graph (the census of a database, before training): the
+    native search among the 27 images for any neighbour within OVERLAP (11-90 µs for 10-444 atoms)."""
+    positions = np.asarray(positions, np.float32)
+    cell = np.asarray(cell, np.float32) if periodic else np.zeros((3, 3), np.float32)
+    if periodic:
+        positions = wrap_positions(positions, cell)
+    senders, receivers, vectors, _ = knn_edges(positions, cell, OVERLAP, 1)
+    check_no_overlap(senders, receivers, vectors)
+
+
 # Distances move by float32 rounding (~1e-6 Å) when a structure is rotated (augmentation) and
 # re-wrapped; counting neighbours this much beyond the radius bounds every rotation's edge count.
 EDGE_CAPACITY_MARGIN = 1e-3

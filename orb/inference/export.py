@@ -70,7 +70,7 @@ def export(model, output: str, shapes: Sequence[tuple]) -> List[str]:
     import mindspore as ms
 
     from orb.data.tensors import MODEL_INPUTS
-    from orb.io.files import fsync_directory, write_atomically, write_json
+    from orb.io.files import fsync_directory, remove_stale_temporaries, temporary_prefix, write_atomically, write_json
     from orb.models.cells import PredictCell
     from orb.precision import precision
     from orb.signals import STOP, STOPPED_STATUS, Stopped
@@ -81,6 +81,7 @@ def export(model, output: str, shapes: Sequence[tuple]) -> List[str]:
     folder = os.path.dirname(os.path.abspath(output))
     json_path = os.path.join(folder, os.path.basename(stem) + ".json")
     staged, files = [], {}
+    remove_stale_temporaries(folder, min_age=600.0)  # those of an export that was killed (SIGKILL: no clean-up)
 
     def stop_if_asked() -> None:
         if STOP.received is not None:
@@ -98,7 +99,7 @@ def export(model, output: str, shapes: Sequence[tuple]) -> List[str]:
                     ms.export(cell, *inputs, file_name=tmp[:-len(".mindir")], file_format="MINDIR")
                     os.chmod(tmp, 0o644)  # MindSpore writes it read-only
 
-                aside = os.path.join(folder, f".{os.path.basename(path)}.exporting")
+                aside = temporary_prefix(path) + ".exporting"  # a temporary's name: removed once stale
                 staged.append((aside, path))
                 write_atomically(aside, write, suffix=".mindir")
                 files[os.path.basename(path)] = {"nodes": nodes, "edges": edges, "graphs": graphs}

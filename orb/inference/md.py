@@ -325,6 +325,10 @@ class Dynamics:
                 files, run.frames_kept_to = last_only, int(state["step"]) - 1
             cut_to(run.path("traj"), files["traj_bytes"])
             cut_to(run.path("log"), files["log_bytes"])
+            if files is last_only:  # the state says so before anything is appended (a kill then resumes alike)
+                from orb.io.files import write_json
+
+                write_json(run.path("state"), dict(state, **last_only, last_frame_only=None))
             run.uncertain = int(files.get("uncertain", 0))
             run.energies = [e for e in (state.get("first_total_energy"), files.get("last_total_energy"))
                             if e is not None][:2]
@@ -446,11 +450,13 @@ class Dynamics:
 
         self.calculator_class = make_calculator_class()
         todo = [r for r in runs if r.status == "running"]
+        size = self.args.batch_size  # the groups an uninterrupted run forms, by index: a resume keeps them (the
+        groups = [[r for r in runs[start:start + size] if r.status == "running"]  # batch shape changes the forces'
+                  for start in range(0, len(runs), size)]                         # last bits), finished ones left out
         with STOP.deferred(), tqdm(total=len(todo), desc="dynamics", unit=" structures", disable=not show) as bar:
-            for start in range(0, len(todo), self.args.batch_size):
+            for group in (g for g in groups if g):
                 if STOP.received is not None:
                     break
-                group = todo[start:start + self.args.batch_size]
                 server = BatchServer(self.evaluate)
                 threads = []
                 for run in group:
