@@ -198,8 +198,9 @@ class AseDbDataset:
         self.capacity_pass = RowPass(self, CAPACITY_CACHE, (CAPACITY_VERSION, EDGE_CAPACITY_MARGIN,
                                                             repr(self.settings), cache.source_digest(*GRAPH_CODE)),
                                      1, "counting neighbours", self._plausible_capacities)
-        self.census_pass = RowPass(self, CENSUS_CACHE, (CENSUS_VERSION, charge_spin, self.charge_spin_keys),
-                                   len(LABELS) + 1, "checking the rows", _plausible_flags)
+        self.census_pass = RowPass(self, CENSUS_CACHE, (CENSUS_VERSION, charge_spin, self.charge_spin_keys,
+                                                        require_labels), len(LABELS) + 1, "checking the rows",
+                                   _plausible_flags)
         self.weights = self._weights()
 
     def _scan(self) -> Tuple[np.ndarray, np.ndarray]:
@@ -222,9 +223,10 @@ class AseDbDataset:
         for k, row in enumerate(self.rows.read_many(self.ids[start:stop])):
             try:
                 periodic = check_structure(np.asarray(row.positions), np.asarray(row.numbers), np.asarray(row.cell))
-                if self.settings.minimal_supercell:  # orb-v3: periodic with pbc set (orb-v2: whenever a cell)
-                    periodic = periodic and bool(np.all(row.pbc))
-                check_no_overlap_before_graphs(row.positions, row.cell, periodic)  # before training, not hours in
+                if self.require_labels:  # training data: before training, not hours in (orb-relax, orb-md name
+                    if self.settings.minimal_supercell:  # such a structure when they reach it; the others go on)
+                        periodic = periodic and bool(np.all(row.pbc))  # orb-v3: with pbc set; orb-v2: any cell
+                    check_no_overlap_before_graphs(row.positions, row.cell, periodic)
             except StructureError as exc:
                 raise self._structure_error(row, exc) from None
             in_data = "weight" not in row.key_value_pairs and row.data.get("weight") is not None
