@@ -54,7 +54,7 @@ def test_a_resume_names_each_setting_that_changes_only_its_rounding():
     assert arithmetic_changes({"config": {}}, saved, 8) == []  # a checkpoint that did not record them: defaults
 
 
-def test_a_resume_refuses_another_loss_labelling_or_graph():
+def test_a_resume_refuses_another_loss_labelling_or_graph(tmp_path):
     """The loss weights, where the labels are read, the model's graph and radial basis and the patience change
     what the resumed steps optimise (they were accepted silently: a resume with energy_key E2 mixed two
     labellings in one epoch's metrics); each is named, and accepted only when asked."""
@@ -72,6 +72,16 @@ def test_a_resume_refuses_another_loss_labelling_or_graph():
         check_resume(meta, changed, 64, "last.ckpt", False)
     assert "; ".join(check_resume(meta, changed, 64, "last.ckpt", True)) == expected
     assert check_resume(meta, saved, 64, "last.ckpt", False) == []
+    # all the run's data are ASE databases: the label keys read nothing (said at start-up), so no refusal for them
+    unused = ("energy_key", "forces_key", "stress_key")
+    relabelled = config_from_dict(dict(saved, energy_key="E2")).to_dict()
+    assert check_resume(meta, relabelled, 64, "last.ckpt", False, unused=unused) == []
+    from orb.data.formats import label_keys_apply
+
+    extxyz = tmp_path / "frames.extxyz"
+    extxyz.write_text("")
+    assert not label_keys_apply([DEMO_TRAIN, [DEMO_VAL, DEMO_TRAIN], ""])
+    assert label_keys_apply([DEMO_TRAIN, [DEMO_VAL, str(extxyz)]])
 
 
 def test_each_rank_gets_its_own_interval_sums_back():

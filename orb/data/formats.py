@@ -105,6 +105,12 @@ def readable_database(path: Union[str, Sequence[str]], keys: LabelKeys = LabelKe
     return target
 
 
+def label_keys_apply(paths: Sequence) -> bool:
+    """Whether energy_key/forces_key/stress_key reach any file of these data paths: only files that are not ASE
+    SQLite databases read them (:func:`database_keys`)."""
+    return any(not is_sqlite(f) for path in paths if path for f in source_files(path))
+
+
 def database_keys(path: str, keys: LabelKeys) -> LabelKeys:
     """The label keys that apply to an ASE SQLite database of the user's: its labels are its rows' calculator
     results, alone or in a list (in a list the configured keys were applied to it, and refused it: its rows had no

@@ -129,10 +129,14 @@ def read_resume(path: str, checkpointer: Checkpointer, cfg: TrainConfig, identit
     """(weights, optimizer state, metadata, path) of the checkpoint to resume, refused if its run's schedule, data
     order or starting weights (``identity``: this run's, as the checkpointer stores it) would change, unless
     accepted."""
+    from orb.data.formats import label_keys_apply
+
     path = resolve(path)
     weights, optimizer_state, meta = checkpointer.read(path)
+    paths = (cfg.train_data_path, cfg.val_data_path, cfg.replay.data_path, cfg.replay.val_data_path)
+    unused = () if label_keys_apply(paths) else ("energy_key", "forces_key", "stress_key")  # (said at start-up)
     changes = training_state.check_resume(meta, cfg.to_dict(), identity["train_rows"], path, accept,
-                                          identity["train_fingerprint"], identity["starting_weights"])
+                                          identity["train_fingerprint"], identity["starting_weights"], unused)
     if changes:
         log.warning("resuming with changed settings (accepted): %s", "; ".join(changes))
     rounding = training_state.arithmetic_changes(meta, cfg.to_dict(), identity["world_size"])

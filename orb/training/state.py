@@ -112,21 +112,22 @@ def arithmetic_changes(meta: Dict, current_config: Dict, world_size: int) -> Lis
 
 
 def check_resume(meta: Dict, current_config: Dict, train_rows: int, path: str, accept_changes: bool,
-                 train_fingerprint: str = "", starting_weights: str = "") -> List[str]:
+                 train_fingerprint: str = "", starting_weights: str = "", unused: Sequence[str] = ()) -> List[str]:
     """Refuse to resume with a changed schedule, data order or starting model unless ``accept_changes``; returns
     the changes.
 
     The training data is compared by content (its rows' ids, atom counts and elements) when the checkpoint
     recorded it, so a copy elsewhere (node-local scratch, another mount) resumes; else by its path. The
     starting weights (``checkpoint_path``, any reference table, replay heads, initial adapters) are compared by
-    their digest: the anchor pulls toward them, pseudo-labels and the reference fit come from them.
+    their digest: the anchor pulls toward them, pseudo-labels and the reference fit come from them. ``unused``:
+    settings that read nothing in this run (label keys when all its data are ASE databases), not compared.
     """
     fmt = meta.get("format")
     if fmt != CHECKPOINT_FORMAT and fmt not in OLDER_FORMATS:
         raise CheckpointError(f"{path}: not a training checkpoint of this program (use checkpoint_path to start "
                               "from plain weights)")
     by_content = bool(meta.get("train_fingerprint")) and bool(train_fingerprint)
-    keys = [k for k in RESUME_KEYS if not (by_content and k == "train_data_path")]
+    keys = [k for k in RESUME_KEYS if not (by_content and k == "train_data_path") and k not in unused]
     changes = config_changes(meta.get("config", {}), current_config, keys)
     rows = meta.get("train_rows")
     if rows is not None and rows != train_rows:
