@@ -172,9 +172,15 @@ def settings_a_state_dict_loses(cfg: ModelConfig, weights: Dict[str, np.ndarray]
     model ``cfg``: {key: (cfg's value, the reader's)} for the settings no tensor shape shows (the graph's radius and
     neighbours, the radial basis) where ``cfg`` is not its name's, even when told the name; and the name the tensors
     read as without it (orb-v3's 20- and unlimited-neighbour models, and the D3 orb-v2 models, look alike)."""
-    named = config_from_state_dict(weights, name=cfg.name).to_dict()
-    lost = {key: (value, named[key]) for key, value in cfg.to_dict().items() if key != "name" and named[key] != value}
+    lost = differences(cfg, config_from_state_dict(weights, name=cfg.name))
+    lost.pop("name", None)
     return lost, config_from_state_dict(weights).name
+
+
+def differences(ours: ModelConfig, theirs: ModelConfig) -> Dict[str, Tuple]:
+    """{key: (ours, theirs)} for every setting in which two model configurations differ."""
+    mine, other = ours.to_dict(), theirs.to_dict()
+    return {key: (value, other[key]) for key, value in mine.items() if other[key] != value}
 
 
 def settings_unlike_the_trained(cfg: ModelConfig, weights: Dict[str, np.ndarray], meta: Dict) -> Dict[str, Tuple]:
@@ -186,8 +192,7 @@ def settings_unlike_the_trained(cfg: ModelConfig, weights: Dict[str, np.ndarray]
         theirs = ModelConfig.from_dict({k: v for k, v in stored.items() if k in ModelConfig.__dataclass_fields__})
     else:
         theirs = config_from_state_dict(weights, name=cfg.name)
-    return {key: (value, theirs.to_dict()[key]) for key, value in cfg.to_dict().items()
-            if theirs.to_dict()[key] != value}
+    return differences(cfg, theirs)
 
 
 def load_weights_into(model: nn.Cell, path: str) -> Dict[str, Tuple]:
