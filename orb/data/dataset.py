@@ -199,8 +199,8 @@ class AseDbDataset:
                                                             repr(self.settings), cache.source_digest(*GRAPH_CODE)),
                                      1, "counting neighbours", self._plausible_capacities)
         self.census_pass = RowPass(self, CENSUS_CACHE, (CENSUS_VERSION, charge_spin, self.charge_spin_keys,
-                                                        require_labels), len(LABELS) + 1, "checking the rows",
-                                   _plausible_flags)
+                                                        require_labels, self.settings.minimal_supercell),
+                                   len(LABELS) + 1, "checking the rows", _plausible_flags)  # (the last: periodicity)
         self.weights = self._weights()
 
     def _scan(self) -> Tuple[np.ndarray, np.ndarray]:
