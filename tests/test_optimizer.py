@@ -209,6 +209,15 @@ def test_one_cycle_matches_pytorch_and_survives_short_runs():
         assert len(s.lr) == total and np.all(np.isfinite(s.lr)) and np.all(s.lr > 0)
 
 
+def test_a_one_step_run_trains_at_the_rate_asked_for():
+    """A run of one step (a one-batch data set for one epoch) is at each schedule's start, lr, not its end lr/10."""
+    for kind in ("one_cycle", "cosine", "constant"):
+        s = make_schedule(kind, 1e-3, 1, 0.05)
+        assert s.lr.tolist() == [1e-3], kind
+    assert make_schedule("one_cycle", 1e-3, 1, 0.05).beta1.tolist() == [0.95]
+    assert warmup_cosine(1e-3, 2, 0.5).lr.tolist() == [1e-3, 1e-3]  # one warm-up step, one decay step
+
+
 def test_warmup_cosine_never_exceeds_lr():
     for total, fraction in ((200, 0.05), (54321, 0.1), (7, 0.0)):  # each step as the formula gives it
         s, warmup = warmup_cosine(1e-3, total, fraction), int(round(fraction * total))

@@ -38,7 +38,8 @@ def one_cycle(lr: float, total_steps: int, warmup_fraction: float = 0.05, div_fa
     """PyTorch ``OneCycleLR`` (two phases, cosine, momentum cycled) as orb-models' fine-tuning uses it.
 
     Unlike the PyTorch scheduler it never divides by zero for short runs (a warm-up shorter than
-    one step is skipped) and has no step limit. Computed as arrays: a run of millions of steps (MPtrj for 20
+    one step is skipped), a run of one step trains at ``lr`` (PyTorch's would at ``lr / 10``, its end), and it
+    has no step limit. Computed as arrays: a run of millions of steps (MPtrj for 20
     epochs: 3.95 M) starts without a per-step Python loop.
     """
     if total_steps < 1:
@@ -50,7 +51,9 @@ def one_cycle(lr: float, total_steps: int, warmup_fraction: float = 0.05, div_fa
     steps = np.arange(total_steps, dtype=np.float64)
     begin = max(warmup_end, 0.0)
     span = last - begin
-    pct = (steps - begin) / span if span > 0 else np.ones(total_steps)
+    if span <= 0:  # one step: the cycle's start, not its end
+        return Schedule(np.full(total_steps, start), np.full(total_steps, high))
+    pct = (steps - begin) / span
     lrs, betas = _cosine(peak, end, pct), _cosine(low, high, pct)
     if warmup_end > 0:
         warm = steps <= warmup_end
@@ -60,13 +63,16 @@ def one_cycle(lr: float, total_steps: int, warmup_fraction: float = 0.05, div_fa
 
 
 def warmup_cosine(lr: float, total_steps: int, warmup_fraction: float = 0.05, final_div: float = 10.0) -> Schedule:
-    """Linear warm-up to ``lr`` (the first step already trains at lr / warm-up steps), cosine to lr / final_div."""
+    """Linear warm-up to ``lr`` (the first step already trains at lr / warm-up steps), cosine to lr / final_div.
+
+    A decay of one step (a one-step run) is at its start, ``lr``: its end, lr / final_div, would train a run
+    too short for the schedule at a tenth of the rate asked for."""
     if total_steps < 1:
         raise ValueError("total_steps must be at least 1")
     warmup = min(int(round(warmup_fraction * total_steps)), total_steps)
     steps = np.arange(total_steps, dtype=np.float64)
     span = total_steps - warmup - 1
-    pct = (steps[warmup:] - warmup) / span if span > 0 else np.ones(total_steps - warmup)
+    pct = (steps[warmup:] - warmup) / span if span > 0 else np.zeros(total_steps - warmup)
     lrs = np.empty(total_steps)
     lrs[:warmup] = lr * (steps[:warmup] + 1) / warmup
     lrs[warmup:] = _cosine(lr, lr / final_div, pct)
