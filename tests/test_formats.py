@@ -268,12 +268,18 @@ def test_per_structure_attributes_survive_every_format(tmp_path, cache, kind):
     """A structure's loss weight, total charge and spin reach the graphs the trainer batches whatever the format
     (a list of databases, extxyz and ASE-LMDB dropped the weight: every structure weighed 1), with its labels; its
     tags and other info reach the structures orb-md and orb-relax start from."""
+    from ase.calculators.singlepoint import SinglePointCalculator
+
     from orb.data.dataset import AseDbDataset
     from orb.data.formats import readable_database
 
     frames = demo_frames()[:len(ATTRIBUTES)]
-    for k, atoms in enumerate(frames):  # adsorbate / layer labels, as a user marks atoms
+    for k, atoms in enumerate(frames):  # adsorbate / layer labels, as a user marks atoms; a DFT set-up's start
         atoms.set_tags(np.arange(len(atoms)) % 3 + k)
+        labels = atoms.calc.results
+        atoms.set_initial_magnetic_moments(np.arange(len(atoms)) * 0.25 - 1.0 + k)  # exact in extxyz text
+        atoms.set_initial_charges((np.arange(len(atoms)) % 4 - 1.5) * (k + 1))
+        atoms.calc = SinglePointCalculator(atoms, **labels)  # the same labels, for the structure as it now is
     data = AseDbDataset(readable_database(write_with_attributes(kind, tmp_path, frames)), charge_spin=True)
     data.census()
     np.testing.assert_array_equal(data.weights, [a["weight"] for a in ATTRIBUTES])
@@ -285,9 +291,12 @@ def test_per_structure_attributes_survive_every_format(tmp_path, cache, kind):
         np.testing.assert_allclose(graph.energy, [atoms.get_potential_energy()], rtol=1e-7)
         np.testing.assert_allclose(graph.forces, atoms.get_forces(), atol=1e-6)
         # what orb-md's trajectories and orb-relax's rows start from: the tags and the structure's other info (an
-        # extxyz frame's config_type was dropped, and every format's tags)
+        # extxyz frame's config_type was dropped, and every format's tags; initial magnetic moments and charges
+        # reached them only from a single database)
         start = data.get_atoms(i)
         np.testing.assert_array_equal(start.get_tags(), atoms.get_tags())
+        np.testing.assert_array_equal(start.get_initial_magnetic_moments(), atoms.get_initial_magnetic_moments())
+        np.testing.assert_array_equal(start.get_initial_charges(), atoms.get_initial_charges())
         assert {k: start.info.get(k) for k in ("config_type", "md_step", "relaxed")} == {
             k: attributes[k] for k in ("config_type", "md_step", "relaxed")}
 

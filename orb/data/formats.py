@@ -31,7 +31,11 @@ from orb.errors import DatasetError
 log = logging.getLogger("orb")
 SQLITE_MAGIC = b"SQLite format 3\x00"
 CONVERTED = "converted"
-VERSION = 6  # 6: a database in a list labelled by its calculator results; 2: the frames' weight kept; 3: their momenta; 4: their masses and constraints; 5: tags, other info
+VERSION = 7  # 7: initial magnetic moments and charges kept; 6: a database in a list labelled by its calculator results; 2: the frames' weight kept; 3: their momenta; 4: their masses and constraints; 5: tags, other info
+# the per-atom arrays the indexed copy keeps (copy() keeps constraints): what orb-md needs (velocities, masses for
+# isotopes), the user's marks (tags), and what a DFT relabelling of uncertain frames starts from (initial magnetic
+# moments and charges); the rest (labels under their own keys, arbitrary arrays) is not a structure's own
+KEPT_ARRAYS = ("numbers", "positions", "momenta", "masses", "tags", "initial_magmoms", "initial_charges")
 AUTO = {"energy": ("REF_energy", "energy"), "forces": ("REF_forces", "forces"), "stress": ("REF_stress", "stress")}
 
 
@@ -271,8 +275,8 @@ def _convert(files: List[str], keys: LabelKeys, target: str, progress: bool) -> 
                 clean = atoms.copy()
                 clean.info = {}
                 for extra in list(clean.arrays):
-                    if extra not in ("numbers", "positions", "momenta", "masses", "tags"):  # what orb-md needs:
-                        del clean.arrays[extra]  # velocities, masses (isotopes), tags; copy() keeps constraints
+                    if extra not in KEPT_ARRAYS:
+                        del clean.arrays[extra]
                 if results:
                     clean.calc = SinglePointCalculator(clean, **results)
                 db.write(clean, key_value_pairs=pairs)

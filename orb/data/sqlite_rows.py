@@ -17,7 +17,7 @@ import numpy as np
 from orb.errors import DatasetError
 
 COLUMNS = ("id, natoms, numbers, positions, cell, pbc, energy, forces, stress, key_value_pairs, data, momenta, masses, "
-           "constraints, tags")
+           "constraints, tags, initial_magmoms, initial_charges")
 LOCK_FREE_UNLESS = ("-wal", "-journal")  # files that show a writer (then: read-only, with SQLite's locks)
 BIG_ENDIAN = not np.little_endian
 
@@ -55,13 +55,18 @@ class Row:
     """What training reads of one database row (names as ``ase.db``'s rows)."""
 
     __slots__ = ("id", "natoms", "numbers", "positions", "cell", "pbc", "energy", "forces", "stress", "_kvp",
-                 "raw_data", "momenta", "masses", "constraints", "tags")
+                 "raw_data", "momenta", "masses", "constraints", "tags", "initial_magmoms", "initial_charges")
 
     def __init__(self, values):
         (self.id, self.natoms, numbers, positions, cell, pbc, self.energy, forces, stress, self._kvp,
-         self.raw_data, momenta, masses, self.constraints, tags) = values
-        # what dynamics needs beyond training: the structure's own velocities, masses (isotopes), constraints, tags
+         self.raw_data, momenta, masses, self.constraints, tags, magmoms, charges) = values
+        # what dynamics needs beyond training: the structure's own velocities, masses (isotopes), constraints, tags;
+        # and what a DFT relabelling of its frames starts from: initial magnetic moments (collinear or not), charges
         self.momenta = _array(momenta, shape=(-1, 3))
+        self.initial_magmoms = _array(magmoms)
+        if self.initial_magmoms is not None and self.initial_magmoms.size == 3 * self.natoms != self.natoms:
+            self.initial_magmoms = self.initial_magmoms.reshape(-1, 3)
+        self.initial_charges = _array(charges)
         self.tags = _array(tags, np.int32)
         self.masses = _array(masses)
         self.numbers = _array(numbers, np.int32)
@@ -100,7 +105,8 @@ class Row:
         from ase.calculators.singlepoint import SinglePointCalculator
 
         atoms = Atoms(numbers=self.numbers, positions=self.positions, cell=self.cell, pbc=self.pbc,
-                      momenta=self.momenta, masses=self.masses, tags=self.tags, info=dict(self.key_value_pairs))
+                      momenta=self.momenta, masses=self.masses, tags=self.tags, magmoms=self.initial_magmoms,
+                      charges=self.initial_charges, info=dict(self.key_value_pairs))
         if self.constraints:
             from ase.constraints import dict2constraint
             from ase.io.jsonio import decode
