@@ -30,3 +30,19 @@ class TermAtLastStepOfFirstEpoch:
     def on_train_step(self, trainer, epoch, step_in_epoch, global_step):
         if epoch == 0 and step_in_epoch == trainer.data.steps_per_epoch:
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+class TermInStartingValidation:
+    """SIGTERM during the starting model's validation, after its third batch (neither its first nor its last)."""
+
+    def on_validation_batch(self, trainer, name, index):
+        if trainer.progress.global_step == 0 and index == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class RecordValidationBatches:
+    """Appends ``global_step name index`` of every validation batch to the file $ORB_VALIDATION_BATCHES."""
+
+    def on_validation_batch(self, trainer, name, index):
+        with open(os.environ["ORB_VALIDATION_BATCHES"], "a") as f:
+            f.write(f"{trainer.progress.global_step} {name} {index}\n")

@@ -251,7 +251,8 @@ def test_killed_stopped_in_validation_and_by_the_scheduler_resumes_equal_the_uni
     1. both workers killed (SIGKILL) after global step 7: the run continues from the step-6 save, between two log
        boundaries, whose open interval held each rank's own metric sums (every rank was given rank 0's: epoch-1
        loss 2.611 vs 2.693);
-    2. SIGTERM during the first epoch's validation: exit 75, saved at the epoch's end (global step 16);
+    2. SIGTERM during the first epoch's validation: exit 75, saved at the epoch's end (global step 16) with each
+       rank's validation sums so far (bit for bit), which the resume continues;
     3. SIGTERM to the launcher (as a scheduler sends it) in the middle of the second epoch: it relays the signal to
        both workers, which agree on a step through the interval all-reduce, save there and stop; run_parallel
        exits 75 with one line; the resumed job reads the checkpoint once, on rank 0.
@@ -279,6 +280,7 @@ def test_killed_stopped_in_validation_and_by_the_scheduler_resumes_equal_the_uni
             tmp_path / "logs2" / f"worker_{r}.log").read_text()
     meta = load_checkpoint(str(par / "checkpoints" / "last.ckpt"))[2]
     assert (meta["epoch"], meta["global_step"], meta["step_in_epoch"]) == (0, 16, 16)
+    assert meta["validation"]["batches"] == 1 and len(meta["validation"]["sums"]) == 2  # each rank's sums, kept
 
     metrics = par / "metrics.jsonl"
     records_before = metrics.read_text().count('"type": "step"')
@@ -294,6 +296,7 @@ def test_killed_stopped_in_validation_and_by_the_scheduler_resumes_equal_the_uni
     lines = [re.search(r"stopped by SIGTERM at (epoch 2, step \d+)", (tmp_path / "logs3" / f"worker_{r}.log")
                        .read_text()) for r in (0, 1)]
     assert lines[0] and lines[1] and lines[0].group(1) == lines[1].group(1)  # the same step on both ranks
+    assert "continuing the stopped validation of val at batch 2 of" in (tmp_path / "logs3" / "worker_0.log").read_text()
     assert "received " + str(par / "checkpoints" / "last.ckpt") + " from rank 0" in (
         tmp_path / "logs3" / "worker_1.log").read_text()  # one read of the shared file system, not one per rank
     assert 0 < load_checkpoint(str(par / "checkpoints" / "last.ckpt"))[2]["step_in_epoch"] < 16

@@ -515,6 +515,28 @@ def test_a_signal_in_validation_or_the_last_interval_saves_the_epochs_training(t
     assert_same_run(run, straight_run)
 
 
+def test_a_signal_in_the_starting_models_validation_is_continued_on_resume(tmp_path, straight_run):
+    """SIGTERM in the middle of the starting model's validation: last.ckpt keeps its sums so far (it threw them away:
+    a long validation set was redone at every preemption in it), exit 75; --resume auto continues it at the next
+    batch (recorded) and ends equal to the uninterrupted run, the starting model's metrics included."""
+    run, seen = tmp_path / "stopped", tmp_path / "batches.txt"
+    stopped = subprocess.run([sys.executable, "finetune.py", *run_args(run), "--callbacks",
+                              "[stop_callbacks:TermInStartingValidation]"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=300, env=CALLBACKS)
+    assert stopped.returncode == 75, stopped.stdout[-3000:] + stopped.stderr[-2000:]
+    assert "stopped by SIGTERM at the validation of the starting model (global step 0); state saved in" in stopped.stderr
+    _, _, meta = last_weights(run)
+    assert (meta["global_step"], meta["validation"]["name"], meta["validation"]["batches"]) == (0, "val", 3)
+    batches = meta["validation"]["of"]
+    resumed = subprocess.run([sys.executable, "finetune.py", *run_args(run), "--resume", "auto", "--callbacks",
+                              "[stop_callbacks:RecordValidationBatches]"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=300, env=dict(CALLBACKS, ORB_VALIDATION_BATCHES=str(seen)))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    starting = [int(line.split()[2]) for line in seen.read_text().splitlines() if line.startswith("0 val ")]
+    assert starting == list(range(3, batches))
+    assert_same_run(run, straight_run)
+
+
 def test_a_signal_during_start_up_exits_75(tmp_path):
     """Before the first step there is nothing to save: a stop signal ends the run at once with one line and exit
     status 75 (it was 128 + n, which a requeue script reads as a failure and drops the job)."""

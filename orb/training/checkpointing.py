@@ -7,7 +7,8 @@ Checkpointer alone knows file names, retention, atomic writes and which rank wri
 
 * ``last.ckpt``: after every epoch, at step saves inside one (``save_every_n_steps``, ``save_every_minutes``,
   a stop signal), and when a stop interrupts validation; a mid-epoch save holds the epoch's metric sums so
-  far and every rank's sums of the open logging interval, so a resume continues exactly there.
+  far and every rank's sums of the open logging interval, a stopped validation its sums so far, so a resume
+  continues exactly there.
 * ``best.ckpt`` and ``best_weights.ckpt`` (the EMA weights, exported: what the calculator and PyTorch load) when
   the validation loss improves; ``epoch_XXXX.ckpt`` every ``save_every_x_epochs``, the newest
   ``keep_checkpoints`` kept.
@@ -50,6 +51,9 @@ class Progress:
     nonfinite: Optional[np.ndarray] = None  # open interval: [skipped in a row, longest run, skipped, fp16 overflows]
     initial: Dict = field(default_factory=dict)  # validation of the starting model, by set
     reference_fit: Optional[Dict] = None  # the fit of the reference energies made before the first step
+    # a validation a stop interrupted: {"finished": {set: metrics}, "name": the set it stopped in, "batches": done,
+    # "of": its batches, "sums": (ranks, sums) each rank's metric sums so far}
+    validation: Optional[Dict] = None
 
     def to_meta(self) -> Dict:
         meta = {"epoch": self.epochs_done, "global_step": self.global_step,
@@ -57,6 +61,9 @@ class Progress:
                 "initial": self.initial}
         if self.reference_fit is not None:
             meta["reference_energies_fit"] = self.reference_fit
+        if self.validation is not None:
+            meta["validation"] = dict(self.validation, sums=[[float(x) for x in row]
+                                                             for row in np.atleast_2d(self.validation["sums"])])
         if self.step_in_epoch:
             meta["step_in_epoch"] = self.step_in_epoch
             meta["epoch_sums"] = [float(x) for x in self.epoch_sums]
@@ -78,7 +85,8 @@ class Progress:
                    skipped=int(meta.get("skipped_steps") or 0),
                    nonfinite=np.asarray(meta["open_nonfinite"], np.int64) if step and "open_nonfinite" in meta
                    else None,
-                   initial=meta.get("initial") or {}, reference_fit=meta.get("reference_energies_fit"))
+                   initial=meta.get("initial") or {}, reference_fit=meta.get("reference_energies_fit"),
+                   validation=meta.get("validation"))
 
     def improved(self, val_loss: float, epoch: int) -> bool:
         """Record epoch ``epoch``'s validation loss; whether it is the best so far."""

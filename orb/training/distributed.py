@@ -95,6 +95,15 @@ class DataParallel:
 
         return self.all_gather(Tensor(np.ascontiguousarray(values, dtype=np.float32))).asnumpy()
 
+    def gather_float64(self, values: np.ndarray) -> np.ndarray:
+        """Concatenation over ranks of equally sized float64 host arrays, bit for bit: each value travels as its 8
+        bytes (small integers, exact in float32), so a resume continues from exactly the sums a rank held."""
+        values = np.ascontiguousarray(values, dtype=np.float64)
+        if not self.parallel:
+            return values.copy()
+        raw = self.gather(values.view(np.uint8).astype(np.float32))
+        return np.ascontiguousarray(np.rint(raw).astype(np.uint8)).view(np.float64)
+
     def check_same_parameters(self, model) -> None:
         """All ranks must start from identical weights: compare cheap checksums across ranks."""
         if not self.parallel:

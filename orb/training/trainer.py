@@ -8,9 +8,10 @@ what the user sees (:mod:`~orb.training.reporting`) and what interrupts a run
 (:mod:`~orb.training.guards`).
 
 A stop signal is honoured in every phase: a training step finishes, the state is saved at it and the
-run ends with :class:`~orb.signals.Stopped` (exit status 75); in validation, after the batch in
-progress, the epoch's training is saved (its validation runs again on resume); before the first
-step there is nothing to save. Callbacks (``callbacks``: objects with any of ``on_train_step(trainer,
+run ends with :class:`~orb.signals.Stopped` (exit status 75); in validation (the starting model's or an
+epoch's), after the batch in progress, the training so far and the validation's sums so far are saved,
+and a resume continues that validation at its next batch (a long validation set is not redone each time
+a job is preempted in it); before the first step there is nothing else to save. Callbacks (``callbacks``: objects with any of ``on_train_step(trainer,
 epoch, step_in_epoch, global_step)``, ``on_validation_batch(trainer, name, index)``,
 ``on_epoch_end(trainer, record)``) see the loop without changing it.
 """
@@ -47,7 +48,12 @@ def selection_loss(results: Dict[str, Dict], train_loss: float, with_replay: boo
 
 
 class ValidationStopped(Exception):
-    """A stop signal arrived while validating (every rank agreed after the same batch)."""
+    """A stop signal arrived while validating set ``name`` (every rank agreed after the same batch): ``batches`` of
+    its ``of`` batches done, this rank's metric sums over them ``sums``."""
+
+    def __init__(self, name: str, batches: int, of: int, sums: np.ndarray):
+        super().__init__(name)
+        self.name, self.batches, self.of, self.sums = name, batches, of, sums
 
 
 class Trainer:
@@ -107,8 +113,9 @@ class Trainer:
     def _validate_starting_model(self) -> None:
         try:
             initial = self.validate_all()
-        except ValidationStopped:
-            raise self.guards.stop("the validation of the starting model", 0, None) from None
+        except ValidationStopped:  # its sums so far are kept: a resume continues it
+            self.checkpointer.save_last(self.progress, self.engine.optimizer_entries())
+            raise self.guards.stop("the validation of the starting model", 0, self.checkpointer.last) from None
         self.progress.initial = initial
         self.reporter.validation("Before fine-tuning: ", initial)
         self.reporter.record({"type": "initial", "epoch": 0, "step": 0, **initial})
@@ -119,7 +126,7 @@ class Trainer:
         train_metrics, sums, skipped = self.train_epoch(epoch)
         try:
             results = self.validate_all()
-        except ValidationStopped:  # the epoch's training is kept; its validation runs again on resume
+        except ValidationStopped:  # the epoch's training and the validation's sums so far are kept
             self._save_inside_epoch(epoch, self.data.steps_per_epoch, sums, skipped)
             raise self.guards.stop(f"the validation of epoch {epoch + 1}", progress.global_step,
                                    self.checkpointer.last) from None
@@ -209,30 +216,65 @@ class Trainer:
         return [self.data.train_set.row_id(i) for i in indices]
 
     # ----------------------------------------------------------------- validation
-    def validate(self, name: str = "val") -> Dict[str, float]:
-        """Metrics of validation set ``name`` (with the EMA weights when ``ema_decay`` is set). A stop signal ends
-        it after the batch in progress, all ranks alike (:class:`ValidationStopped`)."""
+    def validate(self, name: str = "val", resume_at: int = 0, sums: Optional[np.ndarray] = None) -> Dict[str, float]:
+        """Metrics of validation set ``name`` (with the EMA weights when ``ema_decay`` is set), from batch
+        ``resume_at`` on with this rank's ``sums`` of the batches before it. A stop signal ends it after the batch in
+        progress, all ranks alike (:class:`ValidationStopped`, with the sums so far)."""
         if name not in self.data.val_sets:
             return {}
         start = time.perf_counter()
         steps = self.data.eval_steps(name)
-        total = np.zeros(self.engine.num_sums)
-        bar = self.reporter.progress(total=len(steps), desc=name, leave=False)
+        total = np.zeros(self.engine.num_sums) if sums is None else np.array(sums, np.float64)
+        bar = self.reporter.progress(total=len(steps), initial=resume_at, desc=name, leave=False)
         with self.engine.evaluation_weights():
-            for index, (step, arrays) in enumerate(self.data.loader.iterate(name, steps, None, self.data.has_stress)):
+            batches = self.data.loader.iterate(name, steps[resume_at:], None, self.data.has_stress)
+            for index, (step, arrays) in enumerate(batches, start=resume_at):
                 total += self.engine.evaluate(arrays, step.bucket)
                 bar.update(1)
                 self._notify("on_validation_batch", name, index)
                 if self.dp.sum(self.guards.flags()[:1])[0]:
                     bar.close()
-                    raise ValidationStopped(name)
+                    raise ValidationStopped(name, index + 1, len(steps), total)
         bar.close()
         metrics = self.engine.metrics(self.dp.sum(total), by_element=True)
         metrics["val_time"] = time.perf_counter() - start
         return metrics
 
     def validate_all(self) -> Dict[str, Dict]:
-        return {name: self.validate(name) for name in self.data.val_sets}
+        """Every validation set's metrics, continuing a validation a stop interrupted (``progress.validation``:
+        the sets it finished, and where it stopped in the next). A stop records where in ``progress.validation``
+        (collective: every rank's sums are gathered) and raises :class:`ValidationStopped`."""
+        partial, self.progress.validation = self._continued_validation(), None
+        results = dict(partial["finished"]) if partial else {}
+        for name in self.data.val_sets:
+            if name in results:
+                continue
+            at, sums = (partial["batches"], partial["sums"]) if partial and partial["name"] == name else (0, None)
+            try:
+                results[name] = self.validate(name, at, sums)
+            except ValidationStopped as stopped:
+                gathered = self.dp.gather_float64(stopped.sums).reshape(self.dp.world_size, -1)
+                self.progress.validation = {"finished": results, "name": name, "batches": stopped.batches,
+                                            "of": stopped.of, "sums": gathered}
+                raise
+        return results
+
+    def _continued_validation(self) -> Optional[Dict]:
+        """``progress.validation`` with this rank's sums, when the run stopped in a validation it can continue: as
+        many ranks (each continues its own share of the batches) and the same batches; else None, said once."""
+        partial = self.progress.validation
+        if not partial:
+            return None
+        name, sums = partial["name"], np.atleast_2d(partial["sums"])
+        batches = len(self.data.eval_steps(name)) if name in self.data.val_sets else None
+        if len(sums) != self.dp.world_size or batches != partial["of"]:
+            self.reporter.info("the stopped validation of %s is done again: it ran on %d ranks in %d batches, this run "
+                               "has %d ranks and %s batches", name, len(sums), partial["of"], self.dp.world_size,
+                               batches)
+            return None
+        self.reporter.info("continuing the stopped validation of %s at batch %d of %d", name, partial["batches"] + 1,
+                           batches)
+        return dict(partial, sums=sums[self.dp.rank])
 
     # ----------------------------------------------------------------- saving
     def _save_inside_epoch(self, epoch: int, done: int, totals: np.ndarray, skipped: int) -> None:
