@@ -318,3 +318,53 @@ def test_uncertain_structures_are_collected_once_across_a_kill(tmp_path):
     again = ase.io.read(tmp_path / "relaxed.uncertain.extxyz", index=":")
     assert sorted(f.info["source_row"] for f in again) == [1, 2, 3, 4]
     assert json.load(open(tmp_path / "relaxed.summary.json"))["uncertain"] == 4
+
+
+def test_a_model_without_a_stress_head_reports_no_stress_anywhere(tmp_path):
+    """orb_v3_direct_omol predicts no stress (the calculator raises ASE's PropertyNotImplementedError): orb-evaluate,
+    orb-relax and orb-md report none either. Its head's zeros were reported as a prediction: a stress MAE of |label|
+    and a parity plot of zeros, zero stress in every relaxed row and trajectory frame, a pressure of the kinetic
+    term alone."""
+    import ase.db
+    import ase.io
+    from ase.build import bulk
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    from orb.io.checkpoint import save_checkpoint
+    from orb.models import create
+
+    model = create("orb_v3_direct_omol", latent_dim=16, mlp_hidden_dim=32, num_message_passing_steps=1,
+                   head_mlp_hidden_dim=16)
+    checkpoint = tmp_path / "omol.ckpt"
+    save_checkpoint(str(checkpoint), model, {"model": model.cfg.to_dict()}, exported=True)
+    data = tmp_path / "cells.db"
+    with ase.db.connect(str(data)) as db:
+        for k in range(2):
+            atoms = bulk("Cu", "fcc", a=3.6, cubic=True)
+            atoms.rattle(0.05, seed=k)
+            atoms.calc = SinglePointCalculator(atoms, energy=-14.0, forces=np.zeros((4, 3)),
+                                               stress=np.full(6, 0.1))
+            db.write(atoms, charge=0, spin=1)
+
+    def run(script, *args):
+        result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), "--checkpoint",
+                                 str(checkpoint), "--device_target", "CPU", "--data", str(data), "--progress_bar",
+                                 "false", *args], capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    run("evaluate.py", "--output_dir", str(tmp_path / "eval"))
+    summary = json.load(open(tmp_path / "eval" / "summary.json"))
+    assert "stress_mae" not in json.dumps(summary) and "forces_mae" in json.dumps(summary)
+    assert "stress_mae" not in (tmp_path / "eval" / "predictions.csv").read_text().splitlines()[0]
+    assert not (tmp_path / "eval" / "parity_stress.png").exists()
+    run("relax.py", "--output", str(tmp_path / "relaxed.db"), "--steps", "1")
+    rows = list(ase.db.connect(str(tmp_path / "relaxed.db")).select())
+    assert len(rows) == 2 and all(row.get("stress") is None and row.get("forces") is not None for row in rows)
+    run("md.py", "--output", str(tmp_path / "md"), "--ensemble", "nvt", "--timestep", "1", "--steps", "2",
+        "--temperature", "300")
+    frames = ase.io.read(tmp_path / "md" / "traj_0.extxyz", ":")
+    results = [frame.calc.results for frame in frames]  # steps 0 and 2 (ase.io reads the labels into a calculator)
+    assert len(frames) == 2 and all("stress" not in r and "forces" in r for r in results)
+    log = (tmp_path / "md" / "log_0.csv").read_text().splitlines()
+    column = log[0].split(",").index("pressure_GPa")
+    assert [line.split(",")[column] for line in log[1:]] == ["nan"] * 2

@@ -25,7 +25,7 @@ from ase.calculators.calculator import Calculator, all_changes
 
 from orb.data.graphs import atoms_to_graph
 from orb.errors import OrbInputError
-from orb.inference.predictor import Predictor
+from orb.inference.predictor import Predictor, per_structure
 from orb.inference.uncertainty import per_atom_error
 
 
@@ -155,15 +155,12 @@ class ORBCalculator(Calculator):
             raise ValueError(f"{cfg.name} needs the total charge and spin: set atoms.info['charge'] and "
                              "atoms.info['spin']")
         graph = atoms_to_graph(self.atoms, settings=cfg.graph_settings(), float64=self.predictor.float64)
-        out: Dict[str, np.ndarray] = self.predictor(graph)
-        energy = float(out["energy"][0])
-        self.results = {"energy": energy, "free_energy": energy, "forces": out["forces"], "stress": out["stress"][0]}
+        one = per_structure(self.predictor(graph), [len(self.atoms)])[0]
+        confidence = one.pop("confidence", None)
         if self.dispersion is not None:
             d3 = self.dispersion(self.atoms)
-            for key in ("energy", "free_energy"):
-                self.results[key] += d3["energy"]
-            self.results["forces"] = self.results["forces"] + d3["forces"]
-            self.results["stress"] = self.results["stress"] + d3["stress"]
-        if "confidence" in out:
-            self.results["confidence"] = out["confidence"]
-            self.results["force_error"] = per_atom_error(out["confidence"])  # eV/Å, orb.inference.uncertainty
+            one = {key: one[key] + d3[key] for key in one}
+        self.results = dict(one, free_energy=one["energy"])
+        if confidence is not None:
+            self.results["confidence"] = confidence
+            self.results["force_error"] = per_atom_error(confidence)  # eV/Å, orb.inference.uncertainty

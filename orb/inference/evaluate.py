@@ -39,8 +39,8 @@ def structure_record(row_id: int, formula: str, graph, pred: Dict[str, np.ndarra
         return {"row": record, "sums": None, "elements": None}
     sums = structure_sums(float(pred["energy"]), float(graph.energy[0]), natoms,
                           pred["forces"] if graph.forces is not None else None, graph.forces,
-                          pred["stress"] if graph.stress is not None else None,
-                          None if graph.stress is None else graph.stress[0])
+                          pred.get("stress") if graph.stress is not None else None,
+                          None if graph.stress is None or "stress" not in pred else graph.stress[0])
     record.update(energy_true=float(graph.energy[0]), energy_abs_error=sums["energy_mae"],
                   energy_per_atom_abs_error=sums["energy_per_atom_mae"])
     if "forces_mae" in sums:
@@ -154,7 +154,7 @@ def predict_dataset(checkpoint: str, args, keys, show: bool, out_dir: str = ""):
     from orb.data.formats import readable_database
     from orb.data.graphs import batch_graphs
     from orb.inference.dispersion import D3Dispersion, check_dispersion_elements, check_dispersion_for
-    from orb.inference.predictor import Predictor
+    from orb.inference.predictor import Predictor, per_structure
     from orb.inference.uncertainty import UncertainFrames, check_threshold, frame_error, per_atom_error
     from orb.reports.evaluation import ParityPoints
     from orb.io.checkpoint import model_from_checkpoint
@@ -184,14 +184,11 @@ def predict_dataset(checkpoint: str, args, keys, show: bool, out_dir: str = ""):
     with tqdm(total=len(data), desc=f"evaluating {os.path.basename(checkpoint)}", disable=not show) as bar:
         for indices in batches:
             graphs = [data[int(i)] for i in indices]
-            pred = predictor(batch_graphs(graphs))
-            offset = 0
-            for k, (i, graph) in enumerate(zip(indices, graphs)):
+            pred = per_structure(predictor(batch_graphs(graphs)), [graph.num_nodes for graph in graphs])
+            for i, graph, one in zip(indices, graphs, pred):
                 n = graph.num_nodes
-                one = {"energy": pred["energy"][k], "forces": pred["forces"][offset:offset + n],
-                       "stress": pred["stress"][k]}
-                per_atom = per_atom_error(pred["confidence"][offset:offset + n]) if "confidence" in pred else None
-                offset += n
+                confidence = one.pop("confidence", None)
+                per_atom = per_atom_error(confidence) if confidence is not None else None
                 if dispersion is not None:
                     d3 = dispersion(data.get_atoms(int(i)))
                     one = {key: one[key] + d3[key] for key in one}

@@ -256,6 +256,7 @@ class Dynamics:
         its error instead (the others are computed)."""
         from orb.data.graphs import atoms_to_graph, batch_graphs
         from orb.errors import StructureError
+        from orb.inference.predictor import per_structure
         from orb.inference.runs import first_line
         from orb.inference.uncertainty import per_atom_error
 
@@ -277,25 +278,19 @@ class Dynamics:
                 out = self.predictor(batch_graphs(graphs))
             except Exception as exc:  # every structure of the call is told (one line each), none hangs
                 return dict(answers, **{key: StructureFailed(f"the model failed: {first_line(exc)}") for key in keys})
-            offset = 0
-            for k, (key, graph) in enumerate(zip(keys, graphs)):
-                n = graph.num_nodes
-                atoms = batch[key]
-                results = {"energy": float(out["energy"][k]), "forces": out["forces"][offset:offset + n],
-                           "stress": out["stress"][k]}
+            for key, results in zip(keys, per_structure(out, [graph.num_nodes for graph in graphs])):
+                confidence = results.pop("confidence", None)
                 if self.dispersion is not None:
                     try:
-                        d3 = self.dispersion(atoms)
+                        d3 = self.dispersion(batch[key])
                     except Exception as exc:  # e.g. an element dftd3 has no parameters for: this structure
                         answers[key] = StructureFailed(f"dispersion: {str(exc).strip()[:200]}")
-                        offset += n
                         continue
                     results = {name: results[name] + d3[name] for name in results}
+                finite = all(np.all(np.isfinite(value)) for value in results.values())
                 results["free_energy"] = results["energy"]
-                if "confidence" in out:
-                    results["force_error"] = per_atom_error(out["confidence"][offset:offset + n])
-                offset += n
-                finite = all(np.all(np.isfinite(results[name])) for name in ("energy", "forces", "stress"))
+                if confidence is not None:
+                    results["force_error"] = per_atom_error(confidence)
                 answers[key] = results if finite else StructureFailed("the model's energy or forces are not finite")
         return answers
 
@@ -417,7 +412,7 @@ class Dynamics:
         frame.arrays["forces"] = results["forces"]
         if "force_error" in results:
             frame.arrays["predicted_force_error"] = results["force_error"]
-        if atoms.pbc.all():
+        if atoms.pbc.all() and "stress" in results:  # a model without a stress head predicts none
             frame.info["stress"] = results["stress"]
         with open(run.path("traj"), "a") as f:
             ase.io.write(f, frame, format="extxyz")
@@ -425,7 +420,7 @@ class Dynamics:
         periodic = bool(atoms.cell.any() and atoms.pbc.all())
         volume = atoms.get_volume() if periodic else float("nan")
         pressure = (-np.mean(results["stress"][:3]) / units.GPa + 2 * kinetic / (3 * volume) / units.GPa
-                    if periodic else float("nan"))
+                    if periodic and "stress" in results else float("nan"))
         error = float(np.max(results["force_error"])) if "force_error" in results else float("nan")
         new = not os.path.exists(run.path("log"))
         with open(run.path("log"), "a") as f:

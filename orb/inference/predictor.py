@@ -8,7 +8,7 @@ the ASE calculator and the evaluation script.
 import logging
 import math
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import mindspore as ms
 import numpy as np
@@ -62,8 +62,9 @@ class Predictor:
         return bucket
 
     def __call__(self, batch: AtomGraphs) -> Dict[str, np.ndarray]:
-        """``energy`` (B,), ``forces`` (N, 3), ``stress`` (B, 6) of the real graphs of ``batch``, and for orb-v3
-        ``confidence`` (N, 50): the predicted distribution of each atom's force error over 0-0.3 eV/Å."""
+        """``energy`` (B,), ``forces`` (N, 3), ``stress`` (B, 6) of the real graphs of ``batch`` (no ``stress`` for a
+        model without a stress head: its zeros are no prediction), and for orb-v3 ``confidence`` (N, 50): the
+        predicted distribution of each atom's force error over 0-0.3 eV/Å. :func:`per_structure` splits it."""
         check_batch_for_model(self.model.cfg, batch)
         real = batch.graph_mask
         n_real_nodes = int(batch.n_node[real].sum())
@@ -77,13 +78,32 @@ class Predictor:
         outputs = self.cell(*inputs)
         per_graph = lambda t: t.asnumpy()[: len(real)][real].astype(np.float64)  # noqa: E731
         per_node = lambda t: t.asnumpy()[:n_real_nodes].astype(np.float64)  # noqa: E731
-        out = {"energy": per_graph(outputs[0]), "forces": per_node(outputs[1]), "stress": per_graph(outputs[2])}
+        out = {"energy": per_graph(outputs[0]), "forces": per_node(outputs[1])}
+        if self.model.cfg.has_stress:
+            out["stress"] = per_graph(outputs[2])
         if len(outputs) > 3:
             out["confidence"] = per_node(outputs[3])
         if first:
             self.compiled[bucket] = time.perf_counter() - start
             log.debug("compiled inference for %s in %.1f s", bucket, self.compiled[bucket])
         return out
+
+
+def per_structure(out: Dict[str, np.ndarray], sizes: Sequence[int]) -> List[Dict]:
+    """Each structure's part of a batch's predictions ``out`` (``sizes``: its structures' atom counts, in order):
+    ``energy`` (a float), ``forces`` (n, 3), ``stress`` (6,) when the model predicts one, ``confidence`` (n, bins)
+    for orb-v3 -- one split for the calculator, orb-evaluate, orb-relax and orb-md, so that none of them reports
+    what the model did not predict (a stress-less model's zeros were written as its stress and pressure)."""
+    parts, offset = [], 0
+    for k, n in enumerate(sizes):
+        part = {"energy": float(out["energy"][k]), "forces": out["forces"][offset:offset + n]}
+        if "stress" in out:
+            part["stress"] = out["stress"][k]
+        if "confidence" in out:
+            part["confidence"] = out["confidence"][offset:offset + n]
+        parts.append(part)
+        offset += n
+    return parts
 
 
 def check_batch_for_model(cfg, batch: AtomGraphs) -> None:

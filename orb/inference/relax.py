@@ -106,6 +106,7 @@ class BatchRelaxer:
         from ase.calculators.singlepoint import SinglePointCalculator
 
         from orb.data.graphs import atoms_to_graph, batch_graphs
+        from orb.inference.predictor import per_structure
         from orb.inference.runs import first_line
         from orb.inference.uncertainty import per_atom_error
 
@@ -131,14 +132,10 @@ class BatchRelaxer:
                 r.error = f"step {r.steps}: the model failed: {first_line(exc)}"
             return
         self.calls += 1
-        offset = 0
-        for k, r in enumerate(evaluated):
-            n = len(r.atoms)
-            results = {"energy": float(out["energy"][k]), "forces": out["forces"][offset:offset + n],
-                       "stress": out["stress"][k]}
-            if "confidence" in out:
-                r.force_error = per_atom_error(out["confidence"][offset:offset + n])
-            offset += n
+        for r, results in zip(evaluated, per_structure(out, [len(r.atoms) for r in evaluated])):
+            confidence = results.pop("confidence", None)
+            if confidence is not None:
+                r.force_error = per_atom_error(confidence)
             if self.dispersion is not None:
                 try:
                     d3 = self.dispersion(r.atoms)

@@ -29,7 +29,7 @@ class ParityPoints:
             self.values["forces"][0].extend(np.asarray(pred["forces"]).reshape(-1).tolist())
             self.values["forces"][1].extend(np.asarray(graph.forces).reshape(-1).tolist())
             self.atoms += natoms
-        if graph.stress is not None:
+        if graph.stress is not None and "stress" in pred:  # (none from a model without a stress head)
             self.values["stress"][0].extend(np.asarray(pred["stress"]).reshape(-1).tolist())
             self.values["stress"][1].extend(np.asarray(graph.stress).reshape(-1).tolist())
 
