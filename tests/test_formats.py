@@ -444,3 +444,40 @@ def test_a_weight_kept_in_row_data_counts_in_every_database_format(tmp_path, cac
             db.write(frames[0], data={"weight": -3.0})
         with pytest.raises(DatasetError, match=r"bad\.db, row 1, key 'weight': weight must be a finite number >= 0"):
             AseDbDataset(str(tmp_path / "bad.db")).census()
+
+
+def test_the_structures_fingerprint_sees_every_attribute_a_resumed_run_starts_from(tmp_path, cache):
+    """orb-relax and orb-md refuse a --resume whose input changed: positions, momenta, masses, tags, constraints, and
+    the total charge or spin (as a key-value pair or in row.data) each change the fingerprint; a row's other info
+    does not (another charge resumed an OMol trajectory silently, the energy jumping mid-run)."""
+    import ase.db
+    from ase.constraints import FixAtoms
+
+    from orb.data.dataset import AseDbDataset
+
+    frames = demo_frames()[:3]
+
+    def fingerprint(edit=None, name=[0]):
+        name[0] += 1
+        path = tmp_path / f"in{name[0]}.db"
+        with ase.db.connect(str(path)) as db:
+            for k, atoms in enumerate(frames):
+                atoms = atoms.copy()
+                pairs, data = dict(charge=0, config_type="bulk"), dict(spin=1)
+                if edit is not None and k == 1:
+                    edit(atoms, pairs, data)
+                db.write(atoms, data=data, **pairs)
+        return AseDbDataset(str(path), require_labels=False).structures_fingerprint()
+
+    plain = fingerprint()
+    assert fingerprint() == plain
+    assert fingerprint(lambda atoms, pairs, data: pairs.update(config_type="surface")) == plain
+    edits = {"positions": lambda atoms, pairs, data: atoms.positions.__setitem__(0, atoms.positions[0] + 0.01),
+             "momenta": lambda atoms, pairs, data: atoms.set_momenta(np.full((len(atoms), 3), 0.1)),
+             "masses": lambda atoms, pairs, data: atoms.set_masses(atoms.get_masses() * 1.5),
+             "tags": lambda atoms, pairs, data: atoms.set_tags(1),
+             "constraints": lambda atoms, pairs, data: atoms.set_constraint(FixAtoms([0])),
+             "charge": lambda atoms, pairs, data: pairs.update(charge=1),
+             "spin": lambda atoms, pairs, data: data.update(spin=3)}
+    changed = {name: fingerprint(edit) != plain for name, edit in edits.items()}
+    assert changed == {name: True for name in edits}

@@ -544,16 +544,20 @@ class AseDbDataset:
         return self._fingerprint
 
     def structures_fingerprint(self) -> str:
-        """Every row's structure (atomic numbers, positions, cell, periodicity, momenta, masses, tags, constraints),
-        hashed: what a resumed orb-relax or orb-md starts the structures it has not finished from (the content
-        fingerprint sees only ids, atom counts and elements: edited positions resumed silently). Reads every row
-        once (~40,000 a second)."""
+        """Every row's structure (atomic numbers, positions, cell, periodicity, momenta, masses, tags, constraints,
+        total charge and spin), hashed: what a resumed orb-relax or orb-md starts the structures it has not finished
+        from (the content fingerprint sees only ids, atom counts and elements: edited positions resumed silently,
+        and another charge mixed two charge states in one OMol trajectory). Reads every row once (~40,000 a
+        second)."""
         digest = hashlib.sha256(self.content_fingerprint().encode())
         for start in range(0, len(self.ids), 4096):
             for row in self.rows.read_many(self.ids[start:start + 4096]):
                 for values in (row.numbers, row.positions, row.cell, row.pbc, row.momenta, row.masses, row.tags):
                     digest.update(b"-" if values is None else np.ascontiguousarray(values).tobytes())
                 digest.update(str(row.constraints or "-").encode())  # fixed atoms: what relaxes or moves
+                for key in self.charge_spin_keys:  # as stored (key-value pair, else row.data): what OMol reads
+                    value = row.key_value_pairs.get(key)
+                    digest.update(repr(value if value is not None else (row.data or {}).get(key)).encode())
         return digest.hexdigest()
 
     def __getitem__(self, index: int) -> AtomGraphs:
