@@ -391,3 +391,39 @@ def test_bad_row_found_while_counting_neighbours_stops_with_one_line(tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr[-2000:]
     assert "bad.db, row 6, key 'cell'" in result.stderr and "singular" in result.stderr
+
+
+def test_pseudo_labels_of_omol_rows_follow_where_their_charge_and_spin_are_read(tmp_path, monkeypatch, caplog):
+    """An OMol model's replay pseudo-labels depend on each row's total charge and spin: a run reading them under
+    other keys (charge_key, spin_key) computes its own; the cache handed it the first run's labels, computed for
+    another charge state."""
+    import ase.db
+
+    from orb.io.checkpoint import save_checkpoint
+    from orb.models import create
+    from orb.training.setup import build_trainer
+
+    monkeypatch.setenv("ORB_CACHE_DIR", str(tmp_path / "cache"))
+    model = create("orb_v3_direct_omol", seed=3, latent_dim=32, mlp_hidden_dim=64, num_message_passing_steps=2,
+                   head_mlp_hidden_dim=32)
+    checkpoint = str(tmp_path / "omol.ckpt")
+    save_checkpoint(checkpoint, model, {"model": model.cfg.to_dict()}, exported=True)
+    data = str(tmp_path / "mol.db")
+    with ase.db.connect(omol_db(tmp_path / "plain.db")) as src, ase.db.connect(data) as dst:
+        for row in src.select():
+            dst.write(row.toatoms(), charge=0, spin=1, q=2, s=3)
+    replay = dict(data_path=data, fraction=0.5, val_samples=2, labels="model", selection="random")
+    caplog.set_level("INFO", logger="orb")
+    energies = {}
+    for keys in (("charge", "spin"), ("q", "s"), ("charge", "spin")):
+        caplog.clear()
+        cfg = small_v3_cfg(tmp_path / "_".join(keys), name="orb_v3_direct_omol", train_data_path=data,
+                           val_data_path=data, batch_size=4, buckets=[], replay=replay, charge_key=keys[0],
+                           spin_key=keys[1], checkpoint_path=checkpoint)
+        trainer = build_trainer(cfg)
+        table = trainer.data.databases["replay"].label_table
+        trainer.data.loader.close()
+        assert ("read from the cache" in caplog.text) == (keys in energies), keys
+        energies.setdefault(keys, table.energy)
+    neutral, charged = energies.values()
+    assert np.abs(neutral - charged).max() > 1e-3  # the charge changes the predictions: one entry would show

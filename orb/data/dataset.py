@@ -533,6 +533,12 @@ class AseDbDataset:
         digest.update(self.natoms.tobytes())
         return digest.hexdigest()
 
+    def inputs_identity(self) -> tuple:
+        """The key of every cached model output over these rows (the replay's pseudo-labels and descriptors): the rows
+        (:meth:`identity`) and where their total charge and spin are read, which an OMol model's predictions
+        depend on (pseudo-labels of one charge_key were read back for another)."""
+        return self.identity(), self.charge_spin, self.charge_spin_keys
+
     def content_fingerprint(self) -> str:
         """The rows' ids, atom counts and elements (ASE's species table), hashed: the same data wherever it lies
         and whenever it was copied (what a resume compares), read without touching the rows themselves."""

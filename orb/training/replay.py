@@ -76,7 +76,7 @@ def select(replay: AseDbDataset, candidates: np.ndarray, count: int, method: str
         return candidates
     if method == "random":
         return random_sample(candidates, count, seed)
-    entry = _entry("selection", replay.identity(), model_key(), candidates.tobytes(), count, seed)
+    entry = _entry("selection", replay.inputs_identity(), model_key(), candidates.tobytes(), count, seed)
     cached = entry.read(cache.load_arrays, lambda c: len(c["positions"]) == count
                         and bool(np.isin(c["positions"], candidates).all()))
     if cache.everyone_has(cached is not None, ranks):
@@ -99,7 +99,7 @@ def pseudo_labels(dataset: AseDbDataset, positions: np.ndarray, model: ModelOutp
     heads that will predict those rows in training (``head`` 1: the separate replay heads, copies of the starting
     heads made before any reference fit), so that the replay loss starts at zero."""
     positions = np.sort(np.asarray(positions, np.int64))
-    entry = _entry("labels", dataset.identity(), model_key(), positions.tobytes(), with_stress, head)
+    entry = _entry("labels", dataset.inputs_identity(), model_key(), positions.tobytes(), with_stress, head)
     keys = {"energy", "forces", "offsets"} | ({"stress"} if with_stress else set())
     offsets = np.concatenate([[0], np.cumsum(dataset.natoms[positions])]).astype(np.int64)
     cached = entry.read(cache.load_arrays, lambda c: keys <= set(c) and np.array_equal(c["offsets"], offsets)
