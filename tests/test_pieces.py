@@ -72,6 +72,12 @@ def test_a_resume_refuses_another_loss_labelling_or_graph(tmp_path):
         check_resume(meta, changed, 64, "last.ckpt", False)
     assert "; ".join(check_resume(meta, changed, 64, "last.ckpt", True)) == expected
     assert check_resume(meta, saved, 64, "last.ckpt", False) == []
+    # lr_multipliers: later entries win, so the same entries in another order give other rates (resumed silently)
+    ordered = dict(saved, lr_multipliers={"layers:0": 0.5, "layers": 0.1})
+    reordered = config_from_dict(dict(saved, lr_multipliers={"layers": 0.1, "layers:0": 0.5})).to_dict()
+    assert check_resume(dict(meta, config=ordered), reordered, 64, "last.ckpt", True) == [
+        "lr_multipliers: {'layers:0': 0.5, 'layers': 0.1} -> {'layers': 0.1, 'layers:0': 0.5}"]
+    assert check_resume(dict(meta, config=ordered), ordered, 64, "last.ckpt", False) == []
     # all the run's data are ASE databases: the label keys read nothing (said at start-up), so no refusal for them
     unused = ("energy_key", "forces_key", "stress_key")
     relabelled = config_from_dict(dict(saved, energy_key="E2")).to_dict()

@@ -97,7 +97,13 @@ def config_changes(saved: Dict, current: Dict, keys: Sequence[str] = RESUME_KEYS
     old, new = dict(flatten(TrainConfig().to_dict()), **flatten(saved)), flatten(current)
     if old.get("lora.rank") == 0:  # "off" was spelt 0 before it was null
         old["lora.rank"] = None
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if _in_order(old.get(k)) != _in_order(new.get(k))]
+
+
+def _in_order(value):
+    """A mapping's entries in order (``lr_multipliers``: later entries win, so a reordering changes the rates;
+    dicts compare equal in any order), anything else as it is."""
+    return list(value.items()) if isinstance(value, dict) else value
 
 
 def arithmetic_changes(meta: Dict, current_config: Dict, world_size: int) -> List[str]:
