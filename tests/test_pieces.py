@@ -463,3 +463,24 @@ def test_settings_that_no_share_of_two_workers_can_meet_are_refused(demo_databas
         with pytest.raises(ConfigError, match="the largest bucket \\[16, 100\\] cannot hold a batch of the 2 "
                                               "largest"):
             RunData(cfg, dp, demo_databases, BatchLoader(demo_databases), True).plan(None, None)
+
+
+def test_the_weights_digest_is_the_same_in_float64_and_float32():
+    """A float64 model holding a float32 checkpoint's weights has the float32 model's digest (a resume that changed
+    precision between float64 and float32 was refused: "its weights differ from those the run started from");
+    a value float32 cannot hold still changes it."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from orb.models import create, to_float64, weights_digest
+
+    small = dict(latent_dim=16, mlp_hidden_dim=32, num_message_passing_steps=1)
+    model = create("orb_v2", seed=5, **small)
+    plain = weights_digest(model)
+    to_float64(model)
+    assert weights_digest(model) == plain
+    name, param = next((n, p) for n, p in model.parameters_and_names() if p.dtype == ms.float64 and p.size > 1)
+    values = param.asnumpy().copy()
+    values.flat[0] += 1e-12 * max(1.0, abs(values.flat[0]))  # between two float32 values
+    param.set_data(Tensor(values))
+    assert weights_digest(model) != plain, name

@@ -66,13 +66,18 @@ def create(name: str = "orb_v2", seed: int = 0, **overrides):
 
 
 def weights_digest(model) -> str:
-    """The model's weights and buffers, hashed."""
+    """The model's weights and buffers, hashed by value: a float64 model holding a float32 checkpoint's weights
+    hashes as the float32 model does (its resume with another precision was refused, "weights differ");
+    values float32 cannot hold are hashed as they are."""
     import hashlib
 
     digest = hashlib.sha256()
     for name, param in model.parameters_and_names():
+        values = param.asnumpy()
+        if values.dtype == np.float64 and np.array_equal(values.astype(np.float32), values, equal_nan=True):
+            values = values.astype(np.float32)
         digest.update(name.encode())
-        digest.update(np.ascontiguousarray(param.asnumpy()).tobytes())
+        digest.update(np.ascontiguousarray(values).tobytes())
     return digest.hexdigest()
 
 
