@@ -589,6 +589,26 @@ def test_every_command_listens_before_it_parses_or_imports_anything_heavy():
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split("\n")[:len(COMMANDS)] == [f"{name} StopSignals._note False" for name in COMMANDS]
+    # the entry scripts: listening before their first heavy import (finetune.py and finetune_parallel.py imported
+    # the trainer's modules first: a SIGTERM in their first 0.3 s exited 143, and a requeue script dropped the job)
+    probe = ("import runpy, signal, sys\n"
+             "HEAVY = ('scipy', 'mindspore', 'matplotlib', 'ase.io', 'ase.db', 'orb.training.config')\n"
+             "class Probe:\n"
+             "    seen = []\n"
+             "    def find_spec(self, name, path=None, target=None):\n"
+             "        if not Probe.seen and name in HEAVY:\n"
+             "            Probe.seen.append(getattr(signal.getsignal(signal.SIGTERM), '__qualname__', None))\n"
+             "sys.meta_path.insert(0, Probe())\n"
+             "sys.argv = [sys.argv[1], '--no-such-argument']\n"
+             "try:\n"
+             "    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+             "except SystemExit:\n"
+             "    pass\n"
+             "print(Probe.seen)\n")
+    for script in ("finetune.py", "finetune_parallel.py", "scripts/evaluate.py", "scripts/md.py", "scripts/relax.py"):
+        seen = subprocess.run([sys.executable, "-c", probe, script], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300)
+        assert seen.stdout.strip() == "['StopSignals._note']", (script, seen.stdout, seen.stderr[-2000:])
     process = subprocess.Popen([sys.executable, "scripts/md.py", "--checkpoint", "data/demo_v3_pretrained.ckpt",
                                 "--data", DEMO_VAL, "--output", "/nonexistent/md", "--timestep", "1", "--steps", "1"],
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
