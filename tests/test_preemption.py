@@ -334,7 +334,9 @@ def test_launcher_settings_are_checked_and_scheduler_devices_counted(monkeypatch
     for env, message in (({"WORKER_NUM": "0"}, "WORKER_NUM must be a whole number >= 1, got '0'"),
                          ({"WORKER_NUM": "two"}, "WORKER_NUM must be"),
                          ({"WORKER_NUM": "4", "LOCAL_WORKER_NUM": "8"}, "exceeds WORKER_NUM"),
-                         ({"WORKER_NUM": "16", "LOCAL_WORKER_NUM": "8"}, "needs the same MASTER_PORT on every node")):
+                         ({"WORKER_NUM": "16", "LOCAL_WORKER_NUM": "8"}, "needs the same MASTER_PORT on every node"),
+                         ({"WORKER_NUM": "2", "MASTER_PORT": "70000"},
+                          "MASTER_PORT must be a whole number from 1 to 65535, got '70000'")):
         with pytest.raises(launch.LaunchError, match=message):
             launch.settings(env)
     assert launch.settings({"WORKER_NUM": "16", "LOCAL_WORKER_NUM": "8", "MASTER_PORT": "8118"})["master_port"] == \

@@ -82,10 +82,11 @@ class LaunchError(ValueError):
     """A launch setting that cannot work, named."""
 
 
-def _count(env: Dict[str, str], name: str, default: str, least: int) -> str:
+def _count(env: Dict[str, str], name: str, default: str, least: int, most: int = 0) -> str:
     value = env.get(name) or default
-    if not value.isdigit() or int(value) < least:
-        raise LaunchError(f"{name} must be a whole number >= {least}, got {value!r}")
+    if not value.isdigit() or int(value) < least or (most and int(value) > most):
+        bounds = f"from {least} to {most}" if most else f">= {least}"
+        raise LaunchError(f"{name} must be a whole number {bounds}, got {value!r}")
     return str(int(value))
 
 
@@ -101,7 +102,7 @@ def settings(env: Dict[str, str]) -> Dict[str, str]:
         "worker_num": workers,
         "local_worker_num": local,
         "master_addr": env.get("MASTER_ADDR") or "127.0.0.1",
-        "master_port": _count(env, "MASTER_PORT", str(free_port()), 1),
+        "master_port": _count(env, "MASTER_PORT", str(free_port()), 1, 65535),  # (msrun: a page of C++ errors)
         "node_rank": _count(env, "NODE_RANK", "0", 0),
         "log_dir": env.get("LOG_DIR") or os.path.join("msrun_logs", time.strftime("%Y%m%d-%H%M%S")),
         "cluster_time_out": _count(env, "CLUSTER_TIME_OUT", "600", 1),
