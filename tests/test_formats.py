@@ -81,6 +81,14 @@ def test_extxyz_a_folder_and_aselmdb_are_the_rows_of_the_database(tmp_path, cach
             db.write(atoms)
     same_rows(readable_database(str(tmp_path / "val.aselmdb")))
     assert readable_database(DEMO_VAL) == DEMO_VAL  # SQLite is read as it is
+    lmdb = tmp_path / "lmdb"  # a folder of ASE-LMDB files, each with the lock file ASE-LMDB writes beside it
+    lmdb.mkdir()
+    for name, part in (("a.aselmdb", frames[:4]), ("b.aselmdb", frames[4:])):
+        with connect(str(lmdb / name), type="aselmdb") as db:
+            for atoms in part:
+                db.write(atoms)
+    assert sorted(os.listdir(lmdb)) == ["a.aselmdb", "a.aselmdb-lock", "b.aselmdb", "b.aselmdb-lock"]
+    same_rows(readable_database(str(lmdb)))
 
 
 def test_indexed_once_and_again_when_the_file_changes(tmp_path, cache):

@@ -63,9 +63,14 @@ def describe_path(path: Union[str, Sequence[str]]) -> str:
     return path if isinstance(path, str) else ", ".join(path)
 
 
+# files a database keeps beside itself: ASE-LMDB's lock, SQLite's write-ahead log, shared memory and journal
+COMPANIONS = ("-lock", "-wal", "-shm", "-journal")
+
+
 def source_files(path: Union[str, Sequence[str]]) -> List[str]:
-    """The files a data path names: itself, the files of a folder (sorted; hidden files left out), or those of
-    each path of a list, in its order."""
+    """The files a data path names: itself, the files of a folder (sorted; hidden files and the companions of a
+    database in it left out: every ASE-LMDB file written has its ``-lock``, which was refused as data), or those
+    of each path of a list, in its order."""
     if not isinstance(path, str):
         if not path:
             raise DatasetError("<empty list>", "no database path given")
@@ -76,8 +81,10 @@ def source_files(path: Union[str, Sequence[str]]) -> List[str]:
         raise DatasetError(path, "database file does not exist")
     if not os.path.isdir(path):
         return [path]
-    files = sorted(os.path.join(path, name) for name in os.listdir(path)
-                   if not name.startswith(".") and os.path.isfile(os.path.join(path, name)))
+    names = set(os.listdir(path))
+    files = sorted(os.path.join(path, name) for name in names
+                   if not name.startswith(".") and os.path.isfile(os.path.join(path, name))
+                   and not any(name.endswith(end) and name[:-len(end)] in names for end in COMPANIONS))
     if not files:
         raise DatasetError(path, "is an empty folder: no structure files in it")
     return files
@@ -91,7 +98,8 @@ def readable_database(path: Union[str, Sequence[str]], keys: LabelKeys = LabelKe
     if len(files) == 1 and is_sqlite(files[0]):
         database_keys(files[0], keys)
         return files[0]
-    identity = tuple((os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files)
+    identity = tuple((os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files
+                     + [f + "-wal" for f in files if os.path.exists(f + "-wal")])  # SQLite's rows not yet in it
     entry = cache.CacheEntry(CONVERTED, VERSION, (identity, keys), ".db")
     found = entry.read(lambda p: p, _complete_index)
     if found is not None:
