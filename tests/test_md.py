@@ -137,6 +137,12 @@ def test_bad_input_is_one_line_and_a_broken_structure_is_named_while_the_others_
     for args, message in ((["--timestep", "0"], "--timestep must be a finite number > 0, got 0.0"),
                           (["--timestep", "1", "--temperature", "-5"],
                            "--temperature must be a finite number >= 0, got -5.0"),
+                          (["--timestep", "1", "--ensemble", "nvt", "--thermostat", "nose-hoover", "--temperature",
+                            "0"], "--temperature must be > 0 for --thermostat nose-hoover; at 0 K use --thermostat "
+                                  "langevin (a quench) or orb-relax"),  # NaN positions, each structure blamed
+                          (["--timestep", "1", "--ensemble", "npt", "--temperature", "0"],
+                           "--temperature must be > 0 for --ensemble npt (Berendsen); at 0 K use --thermostat "
+                           "langevin (a quench) or orb-relax"),
                           (["--timestep", "1", "--ensemble", "npt", "--pressure", "nan"],  # a NaN cell, every
                            "--pressure must be a finite number (bar), got nan")):         # structure "failed"
         result = orb_md(tmp_path, "bad", "--data", path, "--steps", "5", *args)

@@ -212,6 +212,12 @@ def check_args(args) -> None:
         if not np.isfinite(value) or value <= low:
             bound = ">= 0" if name == "--temperature" else "> 0"
             raise OrbInputError(f"{name} must be a finite number {bound}, got {value}")
+    if args.temperature == 0 and (args.ensemble == "npt" or (args.ensemble == "nvt" and args.thermostat != "langevin")):
+        # (Nose-Hoover's thermostat masses are proportional to it; Berendsen divides by the temperature, 0 at 0 K:
+        # every structure failed with NaN positions, blamed on the structures)
+        what = "--ensemble npt (Berendsen)" if args.ensemble == "npt" else f"--thermostat {args.thermostat}"
+        raise OrbInputError(f"--temperature must be > 0 for {what}; at 0 K use --thermostat langevin (a quench) or "
+                            "orb-relax")
     if args.steps < 0 or args.write_every < 1 or args.batch_size < 1 or not 0 <= args.seed < 2 ** 32:
         raise OrbInputError("--steps must be >= 0, --write_every and --batch_size >= 1, --seed 0 to 2^32 - 1")
     if args.ensemble == "npt" and not all(np.isfinite(v) and v > 0 for v in (args.taut, args.taup,
