@@ -65,6 +65,24 @@ def test_orb_evaluate_correlates_the_predicted_error_and_collects_uncertain_fram
     for frame in frames:
         assert frame.arrays["predicted_force_error"].max() > 0.13 and frame.calc is None
     assert os.path.exists(out / "confidence.png") and "rank correlation" in result.stdout
+    # an evaluation that fails after collecting (a --compare checkpoint that does not load) leaves the earlier
+    # uncertain.extxyz as it was and nothing of its own (its hidden collection stayed in the folder)
+    kept = (out / "uncertain.extxyz").read_bytes()
+    junk = tmp_path / "junk.ckpt"
+    junk.write_bytes(b"not a checkpoint" * 100)
+    failed = subprocess.run([sys.executable, "scripts/evaluate.py", "--checkpoint", V3, "--data", DEMO_VAL,
+                             "--output_dir", str(out), "--device_target", "CPU", "--progress_bar", "false",
+                             "--uncertain_above", "0.13", "--compare", str(junk)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=600)
+    assert failed.returncode == 2 and len(failed.stderr.strip().splitlines()) == 1, failed.stderr[-2000:]
+    assert (out / "uncertain.extxyz").read_bytes() == kept
+    assert not [name for name in os.listdir(out) if name.startswith(".")]
+    # an --output_dir that is a file is said before the predictions (it was said after them)
+    taken = subprocess.run([sys.executable, "scripts/evaluate.py", "--checkpoint", V3, "--data", DEMO_VAL,
+                            "--output_dir", str(junk), "--device_target", "CPU"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=600)
+    assert taken.returncode == 2 and taken.stderr.strip().splitlines() == [
+        f"error: --output_dir {junk}: cannot write there ({junk} is a file)"], taken.stderr[-2000:]
 
 
 def test_an_orb_v2_model_has_no_confidence_head_and_says_so(tmp_path):

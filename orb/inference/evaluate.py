@@ -228,8 +228,7 @@ def evaluate(args) -> int:
     from orb.inference.dispersion import check_dispersion
     from orb.io.checkpoint import check_checkpoint_file
     from orb.reports.evaluation import errors_by_element, print_element_table
-    from orb.models.ops_profile import describe_profile
-    from orb.models.ops_profile import ops_profile, set_ops_profile
+    from orb.models.ops_profile import describe_profile, set_ops_profile
     from orb.precision import describe as describe_precision
 
     if args.batch_size < 1:
@@ -253,8 +252,42 @@ def evaluate(args) -> int:
     names = [os.path.basename(c) for c in checkpoints]
     if len(set(names)) < len(names):
         names = ["checkpoint", "compare"]
-    runs = {name: predict_dataset(path, args, keys, show, out_dir if name == names[0] else "")
-            for name, path in zip(names, checkpoints)}
+    writable_folder(out_dir)  # before the hour of predictions, not after them
+    try:
+        runs = {name: predict_dataset(path, args, keys, show, out_dir if name == names[0] else "")
+                for name, path in zip(names, checkpoints)}
+        summary, written = summarise_and_write(args, names, runs, out_dir, target)
+    except BaseException:  # a stop, a failure, bad input: this evaluation's collection goes (the earlier one stays)
+        if os.path.exists(os.path.join(out_dir, COLLECTING)):
+            os.remove(os.path.join(out_dir, COLLECTING))
+        raise
+    tables = {name: errors_by_element(run[0]) for name, run in runs.items()}
+    if args.compare:
+        print_comparison(summary, summary["compare"], names)
+    else:
+        print_summary(summary)
+    if any(tables.values()):
+        print_element_table(tables)
+    print(f"wrote {', '.join(written)}")
+    return 0
+
+
+def writable_folder(out_dir: str) -> None:
+    """One line, before any prediction, when ``out_dir`` cannot hold the results: a file there, or a folder (or the
+    nearest existing folder above it, where it would be made) this process cannot write."""
+    existing = os.path.abspath(out_dir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise OrbInputError(f"--output_dir {out_dir}: cannot write there ({existing} is a file)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise OrbInputError(f"--output_dir {out_dir}: cannot write there ({existing}: permission denied)")
+
+
+def summarise_and_write(args, names, runs, out_dir: str, target: str):
+    """(the summary, the files written) of an evaluation's ``runs``."""
+    from orb.models.ops_profile import ops_profile
+
     results = runs[names[0]][0]
     summary = summarise(results)
     data = os.path.abspath(args.data) if isinstance(args.data, str) else [os.path.abspath(d) for d in args.data]
@@ -271,15 +304,7 @@ def evaluate(args) -> int:
     except OSError as exc:  # a full disk, a read-only folder: every file is whole or absent
         raise OrbInputError(f"--output_dir {out_dir}: cannot write the results there "
                             f"({exc.strerror or exc})") from None
-    tables = {name: errors_by_element(run[0]) for name, run in runs.items()}
-    if args.compare:
-        print_comparison(summary, other, names)
-    else:
-        print_summary(summary)
-    if any(tables.values()):
-        print_element_table(tables)
-    print(f"wrote {', '.join(written)}")
-    return 0
+    return summary, written
 
 
 def write_outputs(out_dir: str, results: List[Dict], summary: Dict, runs: Dict) -> List[str]:
