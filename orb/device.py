@@ -228,6 +228,12 @@ def release_host_memory() -> None:
 
 def compile_cell(cell, *inputs) -> None:
     """Compile ``cell`` for these inputs' shapes (once per shape) before its first run, then return
-    the compiler's freed memory, so that the run's activations reuse it instead of adding to it."""
-    cell.compile(*inputs)
+    the compiler's freed memory, so that the run's activations reuse it instead of adding to it. A stop signal
+    meanwhile is noted and honoured after it (raised inside MindSpore's parser, it printed its error report and a
+    Python stack on stderr)."""
+    from orb.signals import STOP
+
+    with STOP.deferred():
+        cell.compile(*inputs)
     release_host_memory()
+    STOP.stop_if_received()

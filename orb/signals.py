@@ -66,8 +66,9 @@ class StopSignals:
                 f"{again} (exit status {STOPPED_STATUS})")
 
     def stop_if_received(self) -> None:
-        """After a start-up step run deferred (:func:`orb.device.import_mindspore`): stop now if a signal came."""
-        if self.received is not None:
+        """After a start-up step run deferred (:func:`orb.device.import_mindspore`, a compilation): stop now if a
+        signal came -- unless inside a deferred phase, which stops at its own point, after saving."""
+        if self.received is not None and self._depth == 0:
             raise Stopped(self.startup_message(self.received))
 
     def install(self) -> dict:
