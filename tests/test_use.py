@@ -395,6 +395,11 @@ def test_calculator_input_mistakes_are_one_line_naming_what_is_wrong(tmp_path):
         (lambda: ORBCalculator.from_checkpoint(path, model_name="orb-v2"), "unknown model 'orb-v2'; valid names: "),
         (lambda: ORBCalculator.from_checkpoint(path, xc="b3lyp"), "xc 'b3lyp' chooses DFT-D3's parameters and does "
                                                                   "nothing without dispersion"),
+        # a keyword of its own misspelt: named, with the method's own keywords (it listed ASE's alone)
+        (lambda: ORBCalculator.from_checkpoint(path, device="CPU"), r"unknown keyword\(s\) \['device'\] \(did you mean "
+                                                                    r"device_target\?\); valid: device_target, "
+                                                                    "model_name, precision, ops_profile, dispersion"),
+        (lambda: ORBCalculator.from_checkpoint(path, dispresion="d3bj"), r"\(did you mean dispersion\?\)"),
     ]:
         with pytest.raises((OrbInputError, TypeError), match=message):
             call()

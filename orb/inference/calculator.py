@@ -18,7 +18,7 @@ default PBE) adds DFT-D3(BJ) energy, forces and stress from the ``dftd3`` packag
 """
 
 import os
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 from ase.calculators.calculator import Calculator, all_changes
@@ -32,13 +32,19 @@ from orb.inference.uncertainty import per_atom_error
 ASE_KEYWORDS = ("restart", "ignore_bad_restart_file", "label", "atoms", "directory")  # ase Calculator's own
 
 
-def check_keywords(kwargs: Dict, allowed) -> None:
-    """A keyword the calculator does not know is refused, naming the valid ones (ASE's Calculator takes any keyword
-    as a parameter and ignores it: a misspelt ``dispersion`` or a ``precision`` given to an older version
-    computed without a word)."""
+def check_keywords(kwargs: Dict, allowed, own: Tuple[str, ...]) -> None:
+    """A keyword the calculator does not know is refused, naming the closest valid one and the method's own
+    parameters ``own`` before ASE's (ASE's Calculator takes any keyword as a parameter and ignores it: a misspelt
+    ``dispersion`` or a ``precision`` given to an older version computed without a word)."""
+    import difflib
+
     unknown = sorted(set(kwargs) - set(allowed))
     if unknown:
-        raise TypeError(f"ORBCalculator got unknown keyword(s) {unknown}; valid: {', '.join(sorted(allowed))}")
+        valid = list(own) + sorted(set(allowed) - set(own))
+        close = difflib.get_close_matches(unknown[0], valid, n=1, cutoff=0.5) or [
+            name for name in own if name.startswith(unknown[0])][:1]
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise TypeError(f"ORBCalculator got unknown keyword(s) {unknown}{hint}; valid: {', '.join(valid)}")
 
 
 def same_value(a, b) -> bool:
@@ -84,7 +90,7 @@ class ORBCalculator(Calculator):
         given is left as it is); by default the model computes in the precision it was built in."""
         from orb.inference.dispersion import D3Dispersion, check_dispersion, check_dispersion_for
 
-        check_keywords(kwargs, ASE_KEYWORDS)
+        check_keywords(kwargs, ASE_KEYWORDS, ("dispersion", "xc", "precision"))
         if not hasattr(model, "cfg") or not hasattr(model, "predictions"):
             raise TypeError(f"ORBCalculator takes an orb model (orb.models.create, model_from_checkpoint), got "
                             f"{type(model).__name__}; for a checkpoint file use ORBCalculator.from_checkpoint(path)")
@@ -137,7 +143,8 @@ class ORBCalculator(Calculator):
 
             warnings.warn(f"matmul_precision is deprecated: use precision={old!r}", DeprecationWarning, stacklevel=2)
             precision = old
-        check_keywords(kwargs, ASE_KEYWORDS + ("dispersion", "xc"))
+        check_keywords(kwargs, ASE_KEYWORDS + ("dispersion", "xc"), ("device_target", "model_name", "precision",
+                                                                     "ops_profile", "dispersion", "xc"))
         path = os.fspath(path)  # a pathlib.Path too
         check_dispersion(kwargs.get("dispersion"), kwargs.get("xc", "pbe"))  # before loading any weights
         from orb import precision as numerics
