@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from ase.build import bulk
 
-from conftest import DATA, MPTRJ_DB, ROOT, reference_graph
+from conftest import DATA, DEMO_VAL, MPTRJ_DB, ROOT, reference_graph
 
 DEMO_PRETRAINED = os.path.join(ROOT, "data", "demo_pretrained.ckpt")
 
@@ -163,6 +163,16 @@ def test_plot_metrics(tmp_path):
     bad = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plot_metrics.py"), os.path.join(DATA, "x.jsonl")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("error:") and "Traceback" not in bad.stderr
+    # each was a traceback: a binary file, a line that is no record, an image format matplotlib lacks, a folder
+    (tmp_path / "list.jsonl").write_text('{"type": "initial", "epoch": 0}\n[1, 2]\n')
+    for args, message in (([DEMO_VAL], "cannot read metrics"),
+                          ([str(tmp_path / "list.jsonl")], "list.jsonl, line 2: not a metrics record"),
+                          ([metrics, "-o", str(tmp_path / "c.xyz")], "matplotlib writes no .xyz images"),
+                          ([metrics, "-o", str(tmp_path)], "is a folder; name an image file")):
+        bad = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plot_metrics.py"), *args],
+                             capture_output=True, text=True, timeout=120)
+        lines = bad.stderr.strip().splitlines()
+        assert bad.returncode == 2 and len(lines) == 1 and message in lines[0], bad.stderr[-2000:]
 
 
 def test_calculator_buckets_fit_a_repeated_size_closely():

@@ -24,11 +24,15 @@ PANELS = (("loss", "loss (normalised)"), ("energy_mae", "energy MAE (eV)"),
 def read_epochs(path: str) -> List[Dict]:
     """The epoch records of a metrics.jsonl (epoch 0: the starting checkpoint, validation only)."""
     try:
-        with open(path) as f:
-            records = [json.loads(line) for line in f if line.strip()]
-    except (OSError, json.JSONDecodeError) as exc:
+        with open(path, encoding="utf-8") as f:
+            records = [(number, json.loads(line)) for number, line in enumerate(f, 1) if line.strip()]
+    except (OSError, ValueError) as exc:  # (a binary file: UnicodeDecodeError; a line that is not JSON)
         raise OrbInputError(f"{path}: cannot read metrics ({exc})") from None
-    epochs = [r for r in records if r.get("type") in ("initial", "epoch")]
+    for number, record in records:
+        if not isinstance(record, dict):
+            raise OrbInputError(f"{path}, line {number}: not a metrics record (a JSON object), got "
+                                f"{type(record).__name__}")
+    epochs = [r for _, r in records if r.get("type") in ("initial", "epoch")]
     if not epochs:
         raise OrbInputError(f"{path}: no epoch records (is it a metrics.jsonl written by finetune.py?)")
     return epochs
@@ -94,6 +98,22 @@ def summary_table(runs: Sequence[Tuple[str, List[Dict]]]) -> str:
     return "\n".join(lines)
 
 
+def check_output(output: str) -> None:
+    """One line for an image file ``plot`` cannot write: a folder, or a format matplotlib does not know."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    if os.path.isdir(output):
+        raise OrbInputError(f"-o {output}: is a folder; name an image file (curves.png)")
+    known = FigureCanvasBase.get_supported_filetypes()
+    fmt = os.path.splitext(output)[1][1:].lower() or "png"
+    if fmt not in known:
+        raise OrbInputError(f"-o {output}: matplotlib writes no .{fmt} images; use one of "
+                            f"{', '.join('.' + k for k in sorted(known))}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False,
                                      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -109,11 +129,15 @@ def main(argv=None) -> int:
         return 2
     output = args.output or os.path.join(os.path.dirname(os.path.abspath(args.metrics[0])), "curves.png")
     try:
+        check_output(output)
         runs = [(label, read_epochs(path)) for label, path in zip(labels, args.metrics)]
+        plot(runs, output)
+    except OSError as exc:
+        print(f"error: -o {output}: cannot write it ({exc.strerror or exc})", file=sys.stderr)
+        return 2
     except OrbInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    plot(runs, output)
     print(f"wrote {output}")
     if args.table:
         print(summary_table(runs))
