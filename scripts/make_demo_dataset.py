@@ -10,7 +10,9 @@ results, as MPtrj-style databases store them. Deterministic for a given seed.
 """
 
 import argparse
+import math
 import os
+import sys
 from typing import List, Sequence
 
 import numpy as np
@@ -20,6 +22,8 @@ from ase.calculators.emt import EMT
 from ase.calculators.singlepoint import SinglePointCalculator
 from ase.cluster import Icosahedron, Octahedron
 from ase.data import atomic_numbers, reference_states
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # orb, for its atomic writes
 
 METALS = ["Cu", "Al", "Ni", "Pd", "Ag", "Pt", "Au"]
 
@@ -82,13 +86,17 @@ def make_structures(count: int, seed: int, cluster_fraction: float = 0.1, max_ra
 
 
 def write_db(path: str, structures: List[Atoms]) -> None:
+    """The database written aside and renamed into place: an earlier one stays whole until then."""
     import ase.db
 
-    if os.path.exists(path):
-        os.remove(path)
-    with ase.db.connect(path, type="db") as db:
-        for atoms in structures:
-            db.write(atoms)
+    from orb.io.files import write_atomically
+
+    def write(tmp: str) -> None:
+        with ase.db.connect(tmp, type="db") as db:
+            for atoms in structures:
+                db.write(atoms)
+
+    write_atomically(path, write, suffix=".db")
 
 
 def main() -> None:
@@ -108,6 +116,15 @@ def main() -> None:
     unknown = [m for m in metals if m not in METALS]
     if len(metals) < 2 or unknown:
         parser.error(f"--metals needs at least two of {','.join(METALS)}" + (f" (unknown: {unknown})" if unknown else ""))
+    for name, ok in (("--train and --val must be >= 1", args.train >= 1 and args.val >= 1),
+                     ("--seed must be 0 to 2^32 - 2", 0 <= args.seed < 2 ** 32 - 1),
+                     ("--max_rattle must be a finite number >= 0", math.isfinite(args.max_rattle)
+                      and args.max_rattle >= 0),
+                     ("--cluster_fraction must be from 0 to 1", 0 <= args.cluster_fraction <= 1)):
+        if not ok:
+            parser.error(name)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.error(f"--out {args.out} is a file; name a folder")
     os.makedirs(args.out, exist_ok=True)
     for name, count, seed in ((f"{args.prefix}_train.db", args.train, args.seed),
                               (f"{args.prefix}_val.db", args.val, args.seed + 1)):

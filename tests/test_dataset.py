@@ -1,5 +1,6 @@
 """The ASE-db dataset: real MPtrj rows, bad input, augmentation, sampler."""
 
+import os
 import sqlite3
 
 import ase.db
@@ -10,7 +11,7 @@ from ase.build import bulk
 from ase.calculators.emt import EMT
 from ase.calculators.singlepoint import SinglePointCalculator
 
-from conftest import MPTRJ_DB, MPTRJ_THIN_DB
+from conftest import DEMO_TRAIN, DEMO_VAL, MPTRJ_DB, MPTRJ_THIN_DB, ROOT
 from orb.data.augmentation import random_rotation, rotate_structure
 from orb.data.dataset import AseDbDataset
 from orb.data.samplers import EpochSampler
@@ -192,3 +193,28 @@ def test_sampler_and_shards_cover_each_row_once():
             assert all(len(p) == len(sampler) for p in parts)  # every rank runs every step
         assert not np.array_equal(sampler.order(0), sampler.order(1)) or n < 3
     np.testing.assert_array_equal(EpochSampler(10, 4, seed=1).order(2), EpochSampler(10, 4, seed=1).order(2))
+
+
+def test_the_demo_data_script_remakes_the_shipped_demo_and_refuses_bad_arguments(tmp_path):
+    """scripts/make_demo_dataset.py with its defaults writes the shipped demo databases row for row; a bad argument
+    is one line and exit 2 (a negative seed, a file as --out and a negative rattle were tracebacks; --train -5 and
+    --cluster_fraction 2 were accepted)."""
+    import subprocess
+    import sys
+
+    from ase.db import connect
+
+    script = os.path.join(ROOT, "scripts", "make_demo_dataset.py")
+    made = subprocess.run([sys.executable, script, "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=300)
+    assert made.returncode == 0, made.stderr[-2000:]
+    assert sorted(os.listdir(tmp_path)) == ["demo_train.db", "demo_val.db"]  # no temporary left
+    for shipped, remade in ((DEMO_TRAIN, tmp_path / "demo_train.db"), (DEMO_VAL, tmp_path / "demo_val.db")):
+        a, b = list(connect(shipped).select()), list(connect(str(remade)).select())
+        assert len(a) == len(b) and all(np.array_equal(x.positions, y.positions) and x.energy == y.energy
+                                        and np.array_equal(x.forces, y.forces) for x, y in zip(a, b))
+    for args in (["--seed", "-1"], ["--train", "-5"], ["--cluster_fraction", "2"], ["--max_rattle", "-1"],
+                 ["--out", DEMO_VAL]):
+        bad = subprocess.run([sys.executable, script, "--out", str(tmp_path / "x"), *args], capture_output=True,
+                             text=True, timeout=300)
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr and "error: --" in bad.stderr, (args, bad.stderr)
