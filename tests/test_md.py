@@ -288,3 +288,29 @@ def test_a_longer_resume_of_a_finished_run_is_the_longer_run(tmp_path):
     straight, extended = (json.load(open(tmp_path / f / "summary.json"))["structures"] for f in ("straight", "extended"))
     for a, b in zip(straight, extended):
         assert b["total_energy_drift_eV_per_atom"] == pytest.approx(a["total_energy_drift_eV_per_atom"], abs=1e-9)
+
+
+def test_a_boxed_crystal_without_pbc_is_periodic_to_orb_v2_and_to_its_frames(tmp_path):
+    """orb-v2 reads a structure with a non-zero cell as periodic whatever its pbc (as orb-models 0.4.2): its frames
+    carry the model's stress and its log a pressure and volume, as for pbc True (they were dropped: NaN pressure,
+    no stress, for the model's own periodic prediction)."""
+    import ase.io
+
+    from orb.inference.calculator import ORBCalculator
+
+    path, frames = start_frames(tmp_path)
+    boxed = frames[0].copy()
+    boxed.pbc = False
+    ase.io.write(tmp_path / "boxed.extxyz", [boxed], format="extxyz")
+    v2 = os.path.join(ROOT, "data", "demo_pretrained.ckpt")
+    result = subprocess.run([sys.executable, "scripts/md.py", "--checkpoint", v2, "--output", str(tmp_path / "md"),
+                             "--device_target", "CPU", "--progress_bar", "false", "--data",
+                             str(tmp_path / "boxed.extxyz"), "--ensemble", "nve", "--timestep", "1", "--steps", "0"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    frame = ase.io.read(tmp_path / "md" / "traj_0.extxyz")
+    boxed.calc = ORBCalculator.from_checkpoint(v2, device_target="CPU")
+    np.testing.assert_allclose(frame.calc.results["stress"], boxed.get_stress(), atol=1e-6)
+    log = (tmp_path / "md" / "log_0.csv").read_text().splitlines()
+    row = dict(zip(log[0].split(","), log[1].split(",")))
+    assert np.isfinite(float(row["pressure_GPa"])) and float(row["volume_A3"]) == pytest.approx(boxed.get_volume())

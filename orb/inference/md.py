@@ -410,6 +410,8 @@ class Dynamics:
         import ase.io
         from ase import units
 
+        from orb.data.graphs import model_sees_periodic
+
         atoms, results = run.atoms, run.atoms.calc.results
         frame = atoms.copy()
         frame.calc = None
@@ -418,12 +420,14 @@ class Dynamics:
         frame.arrays["forces"] = results["forces"]
         if "force_error" in results:
             frame.arrays["predicted_force_error"] = results["force_error"]
-        if atoms.pbc.all() and "stress" in results:  # a model without a stress head predicts none
+        # periodic as the model sees it (orb-v2: any non-zero cell, pbc aside: a boxed crystal with pbc False had its
+        # stress and pressure dropped); a model without a stress head predicts none
+        periodic = model_sees_periodic(atoms, self.model.cfg.graph_settings())
+        if periodic and "stress" in results:
             frame.info["stress"] = results["stress"]
         with open(run.path("traj"), "a") as f:
             ase.io.write(f, frame, format="extxyz")
         kinetic = atoms.get_kinetic_energy()
-        periodic = bool(atoms.cell.any() and atoms.pbc.all())
         volume = atoms.get_volume() if periodic else float("nan")
         pressure = (-np.mean(results["stress"][:3]) / units.GPa + 2 * kinetic / (3 * volume) / units.GPa
                     if periodic and "stress" in results else float("nan"))
