@@ -346,6 +346,25 @@ def test_launcher_settings_are_checked_and_scheduler_devices_counted(monkeypatch
     assert result.returncode == 2 and result.stderr.strip() == "error: WORKER_NUM must be a whole number >= 1, got '0'"
 
 
+def test_a_reused_log_dir_does_not_decide_how_a_launch_ended(tmp_path):
+    """LOG_DIR reused by a requeued job (as a Slurm script sets it): an earlier run's logs with more workers stay
+    beside this launch's, which overwrites its own. Only this launch's logs decide whether every worker stopped
+    with its state saved (the earlier run's worker_2.log turned a clean stop, exit 75, into FAILED, exit 1: the
+    requeue script dropped the job) and what a failure reports."""
+    from orb.signals import RESUME_HINT
+    from orb.training.launch import stopped_with_state_saved, worker_logs
+
+    stale = tmp_path / "worker_2.log"
+    stale.write_text("Traceback (most recent call last):\nRuntimeError: an earlier run's failure\n")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    started = time.time()
+    for rank in (0, 1):
+        (tmp_path / f"worker_{rank}.log").write_text(f"stopped by SIGTERM at epoch 2, step 5; {RESUME_HINT}\n")
+    assert worker_logs(str(tmp_path), started) == [str(tmp_path / f"worker_{r}.log") for r in (0, 1)]
+    assert stopped_with_state_saved(str(tmp_path), started)
+    assert not stopped_with_state_saved(str(tmp_path))  # every log, the stale one too: what it decided before
+
+
 def test_relay_finds_the_workers_below_msrun(tmp_path):
     """Only MindSpore workers (MS_ROLE=MS_WORKER) below the launched process get the relayed signals."""
     from orb.training.launch import workers_under
