@@ -7,11 +7,10 @@ import sys
 
 from orb.signals import listen
 
-listen()  # before the imports below (0.3 s and more on a cold shared file system): a stop signal there exits 75
-
-from orb.training.cli import run  # noqa: E402
-from orb.device import configure_mindspore  # noqa: E402
-from orb.training.outputs import prepare_output_dir, setup_logging  # noqa: E402
+with listen().exit_on_stop():  # the imports take 0.3 s and more on a cold shared file system: a stop there exits 75
+    from orb.training.cli import run
+    from orb.device import configure_mindspore
+    from orb.training.outputs import prepare_output_dir, setup_logging
 
 
 def fine_tune(cfg, args) -> None:

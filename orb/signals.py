@@ -55,10 +55,10 @@ class StopSignals:
         if name == "SIGINT" and self.received is not None and time.monotonic() - self._when > 1.0:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             raise KeyboardInterrupt
+        if self._depth == 0:  # the exception carries it; nothing is kept (a session that catches it goes on clean)
+            raise Stopped(self.startup_message(name))
         if self.received is None:
             self.received, self._when = name, time.monotonic()
-        if self._depth == 0:
-            raise Stopped(self.startup_message(name))
 
     def startup_message(self, name: str) -> str:
         again = f", or {self.resume_hint}" if self.resume_hint else ""
@@ -67,9 +67,21 @@ class StopSignals:
 
     def stop_if_received(self) -> None:
         """After a start-up step run deferred (:func:`orb.device.import_mindspore`, a compilation): stop now if a
-        signal came -- unless inside a deferred phase, which stops at its own point, after saving."""
+        signal came -- unless inside a deferred phase, which stops at its own point, after saving. The signal is
+        consumed: a notebook that catches the stop computes on (every later compilation stopped again)."""
         if self.received is not None and self._depth == 0:
-            raise Stopped(self.startup_message(self.received))
+            name, self.received = self.received, None
+            raise Stopped(self.startup_message(name))
+
+    @contextmanager
+    def exit_on_stop(self):
+        """For an entry script's module-level imports, which run before its main catches anything: a stop signal
+        there is the start-up line and exit status 75 (it was an uncaught exception: a traceback, status 1)."""
+        try:
+            yield
+        except Stopped as stop:
+            print(str(stop), file=sys.stderr)
+            sys.exit(stop.status)
 
     def install(self) -> dict:
         """Listen from now on (main thread only: Python delivers signals there); returns the handlers replaced."""

@@ -179,7 +179,7 @@ def test_extending_a_run_and_stopping_uncertain_structures_survive_a_resume(tmp_
     os.utime(stale, (time.time() - 3600, time.time() - 3600))
     assert orb_md(tmp_path, "md", *common, "--steps", "6", "--resume").returncode == 0
     assert not stale.exists()
-    assert json.load(open(tmp_path / "md" / "run.json")) == settings
+    assert json.load(open(tmp_path / "md" / "run.json")) == dict(settings, steps=6)  # completed, the larger --steps
     for k in (0, 1):
         log = np.genfromtxt(tmp_path / "md" / f"log_{k}.csv", delimiter=",", names=True)
         assert list(log["step"]) == [0, 3, 6], k
@@ -284,6 +284,9 @@ def test_a_longer_resume_of_a_finished_run_is_the_longer_run(tmp_path):
     refused = orb_md(tmp_path, "extended", *common, "--steps", "9", "--batch_size", "2", "--resume")
     assert refused.returncode == 2 and "batch_size: 32 -> 2" in refused.stderr, refused.stderr[-2000:]
     assert orb_md(tmp_path, "extended", *common, "--steps", "9", "--resume").returncode == 0
+    # fewer steps than the run has taken: refused (finished structures kept 9 steps under a summary of 5)
+    shrunk = orb_md(tmp_path, "extended", *common, "--steps", "5", "--resume")
+    assert shrunk.returncode == 2 and "steps: 9 -> 5 (it may grow, not shrink)" in shrunk.stderr, shrunk.stderr
     same_files(tmp_path, "straight", "extended")
     straight, extended = (json.load(open(tmp_path / f / "summary.json"))["structures"] for f in ("straight", "extended"))
     for a, b in zip(straight, extended):

@@ -352,16 +352,16 @@ def test_a_reused_log_dir_does_not_decide_how_a_launch_ended(tmp_path):
     with its state saved (the earlier run's worker_2.log turned a clean stop, exit 75, into FAILED, exit 1: the
     requeue script dropped the job) and what a failure reports."""
     from orb.signals import RESUME_HINT
-    from orb.training.launch import stopped_with_state_saved, worker_logs
+    from orb.training.launch import log_stamps, stopped_with_state_saved, worker_logs
 
-    stale = tmp_path / "worker_2.log"
-    stale.write_text("Traceback (most recent call last):\nRuntimeError: an earlier run's failure\n")
-    os.utime(stale, (time.time() - 3600, time.time() - 3600))
-    started = time.time()
-    for rank in (0, 1):
+    for rank in (0, 1, 2):  # the earlier run's, with three workers
+        (tmp_path / f"worker_{rank}.log").write_text("Traceback (most recent call last):\nRuntimeError: failed\n")
+        os.utime(tmp_path / f"worker_{rank}.log", (time.time() - 3600, time.time() - 3600))
+    before = log_stamps(str(tmp_path))
+    for rank in (0, 1):  # this launch's two workers overwrite their own
         (tmp_path / f"worker_{rank}.log").write_text(f"stopped by SIGTERM at epoch 2, step 5; {RESUME_HINT}\n")
-    assert worker_logs(str(tmp_path), started) == [str(tmp_path / f"worker_{r}.log") for r in (0, 1)]
-    assert stopped_with_state_saved(str(tmp_path), started)
+    assert worker_logs(str(tmp_path), before) == [str(tmp_path / f"worker_{r}.log") for r in (0, 1)]
+    assert stopped_with_state_saved(str(tmp_path), before)
     assert not stopped_with_state_saved(str(tmp_path))  # every log, the stale one too: what it decided before
 
 
@@ -626,10 +626,20 @@ def test_every_command_listens_before_it_parses_or_imports_anything_heavy():
              "except SystemExit:\n"
              "    pass\n"
              "print(Probe.seen)\n")
+    # and a signal at that import is the start-up line and 75 (at module level it was a traceback and status 1)
+    kill = probe.replace("Probe.seen.append(getattr(signal.getsignal(signal.SIGTERM), '__qualname__', None))",
+                         "Probe.seen.append(1); import os; os.kill(os.getpid(), signal.SIGTERM)")
+    kill = kill.replace("except SystemExit:\n    pass\n", "finally:\n    print(Probe.seen)\n")
     for script in ("finetune.py", "finetune_parallel.py", "scripts/evaluate.py", "scripts/md.py", "scripts/relax.py"):
         seen = subprocess.run([sys.executable, "-c", probe, script], cwd=ROOT, capture_output=True, text=True,
                               timeout=300)
         assert seen.stdout.strip() == "['StopSignals._note']", (script, seen.stdout, seen.stderr[-2000:])
+        stopped = subprocess.run([sys.executable, "-c", kill, script], cwd=ROOT, capture_output=True, text=True,
+                                 timeout=300)
+        assert stopped.returncode == 75 and stopped.stdout.startswith("[1]"), (script, stopped.stdout,
+                                                                              stopped.stderr[-2000:])
+        lines = stopped.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("stopped by SIGTERM during start-up"), (script, stopped.stderr)
     process = subprocess.Popen([sys.executable, "scripts/md.py", "--checkpoint", "data/demo_v3_pretrained.ckpt",
                                 "--data", DEMO_VAL, "--output", "/nonexistent/md", "--timestep", "1", "--steps", "1"],
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -663,16 +673,21 @@ try:
     print("not stopped")
 except Stopped as stop:
     print(stop)
+compile_cell(cell, *model_inputs(pad_batch(graph_from_arrays(atoms.positions, atoms.numbers, atoms.cell.array),
+                                           16, 400, 2)))  # a session that caught the stop compiles on
+print("compiled again")
 """
 
 
 def test_a_signal_while_compiling_stops_after_the_compilation_without_mindsporess_report(tmp_path):
     """A stop signal while MindSpore compiles a model (the first seconds of orb-evaluate, orb-relax, orb-md and of
     training) is honoured when the compilation ends: raised inside MindSpore's parser, it printed MindSpore's
-    error report and a Python stack, and left rank_0/om/analyze_fail.ir in the working folder."""
+    error report and a Python stack, and left rank_0/om/analyze_fail.ir in the working folder. The signal is
+    consumed: a notebook that caught the stop compiles on."""
     result = subprocess.run([sys.executable, "-c", COMPILE_AND_STOP], cwd=tmp_path, capture_output=True, text=True,
                             timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
     assert result.returncode == 0 and result.stdout.startswith("stopped by SIGTERM during start-up"), (
         result.stdout + result.stderr[-3000:])
+    assert result.stdout.splitlines()[-1] == "compiled again"  # (every later compilation stopped again)
     assert "ERROR" not in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert not os.path.exists(tmp_path / "rank_0")

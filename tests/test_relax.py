@@ -109,6 +109,8 @@ def test_relaxation_resumes_and_refuses_to_mix_outputs(tmp_path):
     assert json.load(open(tmp_path / "relaxed.summary.json"))["already_done"] == 3
     with ase.db.connect(str(out)) as db:
         assert sorted(row.source_row for row in db.select()) == [1, 2, 3, 4, 5]  # each structure once
+    shrunk = relax_cli("--data", data, "--output", str(out), "--steps", "2", "--resume")
+    assert shrunk.returncode == 2 and "steps: 4 -> 2 (it may grow, not shrink)" in shrunk.stderr, shrunk.stderr
     changed = relax_cli("--data", data, "--output", str(out), "--steps", "4", "--fmax", "0.1", "--resume")
     assert changed.returncode == 2 and changed.stderr.strip().splitlines() == [  # it mixed two settings' rows
         f"error: --resume {out}: these settings differ from the run's: fmax: 0.05 -> 0.1. Restore them, or start a "

@@ -283,3 +283,54 @@ def test_killed_while_saving_never_leaves_a_broken_checkpoint(tmp_path):
     assert all(f.startswith(".last.ckpt.tmp-") for f in leftovers)  # temp files never replace the checkpoint
     remove_stale_temporaries(str(tmp_path))  # their writers are dead: cleaned up at the next start
     assert os.listdir(tmp_path) == ["last.ckpt"]
+
+
+class _StopInStartingValidation:
+    """SIGTERM at the starting model's third validation batch (in this process: the phase notes it)."""
+
+    def on_validation_batch(self, trainer, name, index):
+        if trainer.progress.global_step == 0 and index == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class _SeenBatches:
+    def __init__(self):
+        self.seen = []
+
+    def on_validation_batch(self, trainer, name, index):
+        self.seen.append((trainer.progress.global_step, name, index))
+
+
+def test_a_stopped_validation_is_continued_only_over_the_same_data(tmp_path, caplog):
+    """A validation stopped at its third batch is continued by a resume over the same rows and batches; a resume
+    whose validation data changed (a copy with one structure moved: as many batches) validates from the first
+    batch again, said in one line (it added the new data's batches to the old data's sums)."""
+    import ase.db
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    from orb.io.checkpoint import load_checkpoint
+    from orb.signals import Stopped
+
+    cfg = make_cfg(tmp_path, max_epochs=1, batch_size=2)  # 8 validation batches
+    with pytest.raises(Stopped):
+        trainer_for(cfg, callbacks=[_StopInStartingValidation()]).fit()
+    last = os.path.join(cfg.output_dir, "checkpoints", "last.ckpt")
+    batches = load_checkpoint(last)[2]["validation"]["of"]
+    moved = str(tmp_path / "moved_val.db")
+    with ase.db.connect(DEMO_VAL) as source, ase.db.connect(moved) as target:
+        for k, row in enumerate(source.select()):
+            atoms = row.toatoms()
+            labels = dict(atoms.calc.results)
+            if k == 0:
+                atoms.positions[0] += 1e-3
+            atoms.calc = SinglePointCalculator(atoms, **labels)
+            target.write(atoms)
+    caplog.set_level("INFO", logger="orb")
+    for val, expected in ((moved, list(range(batches))), (DEMO_VAL, list(range(3, batches)))):
+        seen = _SeenBatches()
+        trainer = trainer_for(make_cfg(tmp_path, max_epochs=1, batch_size=2, val_data_path=val), resume=last,
+                              callbacks=[seen])
+        trainer.fit(until_epoch=0)  # the starting model's validation alone
+        assert [index for step, name, index in seen.seen if name == "val"] == expected, val
+    assert "the stopped validation of val is done again" in caplog.text
+    assert f"continuing the stopped validation of val at batch 4 of {batches}" in caplog.text

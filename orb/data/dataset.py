@@ -561,9 +561,12 @@ class AseDbDataset:
                 for values in (row.numbers, row.positions, row.cell, row.pbc, row.momenta, row.masses, row.tags):
                     digest.update(b"-" if values is None else np.ascontiguousarray(values).tobytes())
                 digest.update(str(row.constraints or "-").encode())  # fixed atoms: what relaxes or moves
-                for key in self.charge_spin_keys:  # as stored (key-value pair, else row.data): what OMol reads
-                    value = row.key_value_pairs.get(key)
-                    digest.update(repr(value if value is not None else (row.data or {}).get(key)).encode())
+                for key in self.charge_spin_keys:  # as stored: what an OMol model reads; hashed only where present,
+                    value = row.key_value_pairs.get(key)  # so an input without them fingerprints as it did before
+                    if value is None and self.charge_spin and row.raw_data:  # (row.data: decoded for OMol only)
+                        value = row.data.get(key)
+                    if value is not None:
+                        digest.update(f"{key}={value!r}".encode())
         return digest.hexdigest()
 
     def __getitem__(self, index: int) -> AtomGraphs:

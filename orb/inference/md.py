@@ -503,9 +503,9 @@ def load_structures(args, model) -> Tuple[List[Run], object]:
     return runs, data
 
 
-# what a resume must not change (--steps may grow); the batch size too: a structure's float32 forces depend, in
-# their last bits, on the batch shape it was computed in
-SETTINGS = ("ensemble", "thermostat", "timestep", "temperature", "friction", "tdamp", "pressure", "taut", "taup",
+# what a resume must not change (--steps may grow, not shrink); the batch size too: a structure's float32 forces
+# depend, in their last bits, on the batch shape it was computed in
+SETTINGS = ("steps", "ensemble", "thermostat", "timestep", "temperature", "friction", "tdamp", "pressure", "taut", "taup",
             "compressibility", "seed", "write_every", "batch_size", "uncertain_above", "stop_uncertain", "precision",
             "dispersion", "xc", "model")
 
@@ -539,7 +539,7 @@ def md(args) -> Dict:
         check_output(args.output, args.resume, args.overwrite)  # after every check: --overwrite deletes the old run
         remove_stale_temporaries(args.output, min_age=600.0)  # a state or summary whose write was killed
         check_run_settings(os.path.join(args.output, "run.json"), run_settings(args, SETTINGS, model, data),
-                           args.resume, args.output, informational=("checkpoint",))
+                           args.resume, args.output, informational=("checkpoint",), may_grow=("steps",))
     except OSError as exc:  # a read-only folder
         raise OrbInputError(f"--output {args.output}: cannot write there ({exc.strerror or exc})") from None
     d3 = D3Dispersion(args.dispersion, args.xc, model.cfg.graph_settings()) if args.dispersion else None

@@ -84,9 +84,9 @@ def check_output(output: str, resume: bool, overwrite: bool) -> None:
             os.remove(path)
 
 
-# what a resume must not change (--steps may grow, as orb-md's; the batch size may change: a resumed run relaxes the
-# unfinished structures from their start, in other batches whatever the size)
-SETTINGS = ("fmax", "cell", "uncertain_above", "precision", "dispersion", "xc", "model")
+# what a resume must not change (--steps may grow, not shrink, as orb-md's; the batch size may change: a resumed run
+# relaxes the unfinished structures from their start, in other batches whatever the size)
+SETTINGS = ("steps", "fmax", "cell", "uncertain_above", "precision", "dispersion", "xc", "model")
 
 
 class BatchRelaxer:
@@ -238,7 +238,7 @@ def relax(args) -> Dict:
         remove_stale_temporaries(os.path.dirname(os.path.abspath(args.output)), min_age=600.0)  # a killed summary's
         check_run_settings(companion(args.output, "run.json"),
                            run_settings(args, SETTINGS, model, data), args.resume, args.output,
-                           informational=("checkpoint",))
+                           informational=("checkpoint",), may_grow=("steps",))
     except OSError as exc:  # a read-only folder
         raise OrbInputError(f"--output {args.output}: cannot write there ({exc.strerror or exc})") from None
     done = _done_rows(args.output) if os.path.exists(args.output) else set()

@@ -197,11 +197,13 @@ def keep_records_up_to(path: str, step: int) -> int:
 
 
 def check_run_settings(path: str, settings: Dict, resume: bool, output: str,
-                       informational: Iterable[str] = ()) -> None:
+                       informational: Iterable[str] = (), may_grow: Iterable[str] = ()) -> None:
     """``path`` (JSON): written by a fresh run of a command with ``--output`` and ``--resume`` (orb-md, orb-relax); a
     resume whose ``settings`` differ from it is refused with one line naming each change (the keys in
-    ``informational``, such as a checkpoint's path, are recorded but not compared: the weights' digest is). A setting
-    the file lacks (an older version wrote it, or none) cannot be compared: it is recorded for the next resume."""
+    ``informational``, such as a checkpoint's path, are recorded but not compared: the weights' digest is; those in
+    ``may_grow``, such as ``steps``, may grow, and the larger value is recorded, but not shrink: structures already
+    past it would keep longer runs than the output says). A setting the file lacks (an older version wrote it, or
+    none) cannot be compared: it is recorded for the next resume."""
     from orb.errors import OrbInputError
 
     if resume and os.path.exists(path):
@@ -211,13 +213,14 @@ def check_run_settings(path: str, settings: Dict, resume: bool, output: str,
         except (OSError, ValueError) as exc:
             raise OrbInputError(f"--resume {output}: cannot read the run's settings {path} ({exc}); start a new run "
                                 "in another --output") from None
-        skip = set(informational)
-        changed = [f"{k}: {saved[k]!r} -> {settings[k]!r}" for k in settings
-                   if k not in skip and k in saved and saved[k] != settings[k]]
+        skip, grow = set(informational), set(may_grow)
+        changed = [f"{k}: {saved[k]!r} -> {settings[k]!r}" + (" (it may grow, not shrink)" if k in grow else "")
+                   for k in settings if k not in skip and k in saved
+                   and (settings[k] < saved[k] if k in grow else saved[k] != settings[k])]
         if changed:
             raise OrbInputError(f"--resume {output}: these settings differ from the run's: {'; '.join(changed)}. "
                                 "Restore them, or start a new run in another --output")
-        if all(k in saved for k in settings):
+        if all(k in saved and saved[k] == settings[k] for k in settings if k not in skip):
             return
         # written by an older version, which recorded less: what it lacks is recorded now, for the next resume
     write_json(path, settings)

@@ -167,16 +167,29 @@ class SignalRelay:
         return False
 
 
-def worker_logs(log_dir: str, since: float = 0.0) -> List[str]:
-    """The worker logs of this launch: written since it began (``since``, a time.time()), so that a LOG_DIR reused by
-    a run with more workers, whose logs stay beside this one's, does not decide how this one ended."""
-    return sorted(path for path in glob.glob(os.path.join(log_dir, "worker_*.log"))
-                  if os.path.getmtime(path) >= since - 1.0)
+def log_stamps(log_dir: str) -> Dict[str, tuple]:
+    """Each worker log's (modification time, size), as the file system records them."""
+    stamps = {}
+    for path in glob.glob(os.path.join(log_dir, "worker_*.log")):
+        try:
+            stat = os.stat(path)
+        except OSError:
+            continue
+        stamps[path] = (stat.st_mtime_ns, stat.st_size)
+    return stamps
 
 
-def stopped_with_state_saved(log_dir: str, since: float = 0.0) -> bool:
+def worker_logs(log_dir: str, before: Optional[Dict[str, tuple]] = None) -> List[str]:
+    """The worker logs of this launch: those not there, or not as they were, ``before`` it (:func:`log_stamps`), so
+    that a LOG_DIR reused by a run with more workers, whose logs stay beside this one's, does not decide how this
+    one ended (compared by the file system's own stamps: no clock of this host against a file server's)."""
+    before = before or {}
+    return sorted(path for path, stamp in log_stamps(log_dir).items() if before.get(path) != stamp)
+
+
+def stopped_with_state_saved(log_dir: str, before: Optional[Dict[str, tuple]] = None) -> bool:
     """Whether every worker's log ends the run with the training loop's stop line (its state saved)."""
-    logs = worker_logs(log_dir, since)
+    logs = worker_logs(log_dir, before)
     if not logs:
         return False
     for path in logs:
@@ -186,8 +199,8 @@ def stopped_with_state_saved(log_dir: str, since: float = 0.0) -> bool:
     return True
 
 
-def report_failures(log_dir: str, since: float = 0.0) -> None:
-    for log in worker_logs(log_dir, since):
+def report_failures(log_dir: str, before: Optional[Dict[str, tuple]] = None) -> None:
+    for log in worker_logs(log_dir, before):
         with open(log, errors="replace") as f:
             lines = [line.rstrip() for line in f if not line.startswith(("[WARNING", "[INFO"))]
         errors = [line for line in lines if re.match(r"^(error: |\w*Error: |Traceback)", line)]
@@ -232,12 +245,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     command = [sys.executable, "-c", MSRUN, *(f"--{k}={v}" for k, v in s.items()), "--join=True",
                "--tail_worker_log=0", worker_script(), "--config", os.path.abspath(config), *args]
     # its own session: a terminal's Ctrl-C reaches this process only, which passes it on to the workers
-    started = time.time()
+    earlier_logs = log_stamps(s["log_dir"])
     job = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
     with SignalRelay(job.pid) as relay:
         errors = collect(job.stderr)
         status = job.wait()
-    if status != 0 and stopped_with_state_saved(s["log_dir"], started):
+    if status != 0 and stopped_with_state_saved(s["log_dir"], earlier_logs):
         print(f"run_parallel: stopped by {relay.received[0] if relay.received else 'a signal'} with the state "
               f"saved; run the same command with --resume auto to continue (exit status {STOPPED_STATUS})",
               file=sys.stderr)
@@ -245,7 +258,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if status != 0:
         # msrun's own traceback ("Distributed job exited with exception") says no more than the report below
         print(f"run_parallel: FAILED with status {status}", file=sys.stderr)
-        report_failures(s["log_dir"], started)
+        report_failures(s["log_dir"], earlier_logs)
     else:
         sys.stderr.write("".join(errors()))
         print(f"run_parallel: finished; logs in {s['log_dir']}")

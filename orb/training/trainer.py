@@ -17,11 +17,12 @@ epoch, step_in_epoch, global_step)``, ``on_validation_batch(trainer, name, index
 """
 
 import dataclasses
+import hashlib
 import logging
 import math
 import os
 import time
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -85,6 +86,8 @@ class Trainer:
         self.guards.saved()
         history = []
         STOP.reset()
+        if not self.data.val_sets:  # a stopped validation of sets this run does not have: nothing to continue
+            progress.validation = None
         try:
             with STOP.deferred():
                 if progress.global_step == 0 and progress.epochs_done == 0 and self.data.val_sets:
@@ -255,26 +258,43 @@ class Trainer:
             except ValidationStopped as stopped:
                 gathered = self.dp.gather_float64(stopped.sums).reshape(self.dp.world_size, -1)
                 self.progress.validation = {"finished": results, "name": name, "batches": stopped.batches,
-                                            "of": stopped.of, "sums": gathered}
+                                            "of": stopped.of, "sums": gathered, "step": self.progress.global_step,
+                                            "sets": self._validation_keys()}
                 raise
         return results
 
     def _continued_validation(self) -> Optional[Dict]:
-        """``progress.validation`` with this rank's sums, when the run stopped in a validation it can continue: as
-        many ranks (each continues its own share of the batches) and the same batches; else None, said once."""
+        """``progress.validation`` with this rank's sums, when the run stopped in the validation it is about to do:
+        at the same step (the same weights), on as many ranks, over the same sets, rows and batches on every rank
+        (a resume may change the validation data, its batching or the ranks); else None, said once. Collective."""
         partial = self.progress.validation
         if not partial:
             return None
-        name, sums = partial["name"], np.atleast_2d(partial["sums"])
-        batches = len(self.data.eval_steps(name)) if name in self.data.val_sets else None
-        if len(sums) != self.dp.world_size or batches != partial["of"]:
-            self.reporter.info("the stopped validation of %s is done again: it ran on %d ranks in %d batches, this run "
-                               "has %d ranks and %s batches", name, len(sums), partial["of"], self.dp.world_size,
-                               batches)
+        sums = np.atleast_2d(partial["sums"])
+        same = (partial.get("step") == self.progress.global_step and len(sums) == self.dp.world_size
+                and partial.get("sets") == self._validation_keys())
+        if self.dp.sum(np.array([same], np.float64))[0] < self.dp.world_size:  # every rank continues, or none
+            self.reporter.info("the stopped validation of %s is done again: this run validates other data, batches or "
+                               "weights, or on another number of ranks", partial["name"])
             return None
-        self.reporter.info("continuing the stopped validation of %s at batch %d of %d", name, partial["batches"] + 1,
-                           batches)
+        self.reporter.info("continuing the stopped validation of %s at batch %d of %d", partial["name"],
+                           partial["batches"] + 1, partial["of"])
         return dict(partial, sums=sums[self.dp.rank])
+
+    def _validation_keys(self) -> Dict[str, List[str]]:
+        """Each validation set's identity, every rank's: its rows (and where their charge and spin are read), the
+        structures validated and each rank's batches of them (collective)."""
+        keys = {}
+        for name, source in self.data.val_sets.items():
+            digest = hashlib.sha256(repr(source.dataset.inputs_identity()).encode())
+            digest.update(np.asarray(source.positions, np.int64).tobytes())
+            for step in self.data.eval_steps(name):
+                bucket = step.bucket
+                digest.update(repr((tuple(int(i) for i in step.indices), bucket.num_nodes, bucket.num_edges,
+                                    bucket.num_graphs)).encode())
+            ranks = self.dp.gather_float64(np.frombuffer(digest.digest(), np.float64)).reshape(self.dp.world_size, -1)
+            keys[name] = [row.tobytes().hex() for row in ranks]
+        return keys
 
     # ----------------------------------------------------------------- saving
     def _save_inside_epoch(self, epoch: int, done: int, totals: np.ndarray, skipped: int) -> None:
