@@ -89,6 +89,10 @@ def test_rows_without_labels(tmp_path):
     with pytest.raises(DatasetError, match=r"row 1, key 'energy'"):
         AseDbDataset(path)[0]  # the first row read asks for the census
     assert AseDbDataset(path, require_labels=False)[0].energy is None
+    # finite in float64, inf in the float32 loss (a training run of NaN steps and a NaN validation): named
+    huge = labelled(cu(), forces=np.full((1, 3), 1e39))
+    with pytest.raises(DatasetError, match=r"c\.db, row 2, key 'forces': label 1e\+39 is beyond float32's range"):
+        AseDbDataset(write_rows(tmp_path / "c.db", [labelled(cu()), huge])).census()
 
 
 @pytest.mark.parametrize("family", ["orb_v2", "orb_v3_direct_20_omat"])

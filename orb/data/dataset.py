@@ -53,7 +53,9 @@ CAPACITY_VERSION = 1
 GRAPH_CODE = ("orb.data.graphs", "orb.data.neighbours", "orb.native")  # the counts' code (orb.cache.source_digest)
 CAPACITY_CACHE = "neighbour_counts"  # the subfolder of the project's cache (``orb.cache``)
 # Raised whenever what :meth:`AseDbDataset.check_rows` checks changes.
-CENSUS_VERSION = 3  # 2: a column for the rows whose weight is in row.data; 3: atoms on top of each other refused
+CENSUS_VERSION = 4  # 2: a column for the rows whose weight is in row.data; 3: atoms on top of each other refused;
+# 4: labels beyond float32's range refused
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 CENSUS_CACHE = "row_census"
 LABELS = ("energy", "forces", "stress")
 
@@ -423,6 +425,9 @@ class AseDbDataset:
         for key, value in (("energy", energy), ("forces", forces), ("stress", stress)):
             if value is not None and not np.all(np.isfinite(value)):
                 raise self._error("label contains NaN or inf", row.id, key)
+            if value is not None and np.max(np.abs(value)) > FLOAT32_MAX:  # inf in the float32 loss: NaN steps
+                raise self._error(f"label {np.max(np.abs(value)):.3g} is beyond float32's range (3.4e38): wrong units or "
+                                  "a corrupted value", row.id, key)
         return energy, forces, stress
 
     def _charge_spin(self, row) -> Tuple[Optional[np.ndarray], Optional[np.ndarray]]:
