@@ -317,3 +317,20 @@ def test_a_boxed_crystal_without_pbc_is_periodic_to_orb_v2_and_to_its_frames(tmp
     log = (tmp_path / "md" / "log_0.csv").read_text().splitlines()
     row = dict(zip(log[0].split(","), log[1].split(",")))
     assert np.isfinite(float(row["pressure_GPa"])) and float(row["volume_A3"]) == pytest.approx(boxed.get_volume())
+
+
+def test_a_nose_hoover_chain_whose_state_cannot_be_saved_is_refused():
+    """orb-md saves the chain's own positions, momenta and thermostat from ASE's attributes (3.29); an integrator
+    without them (a later ASE naming them otherwise: here a Verlet integrator stands in) is refused in one line,
+    where it would have been resumed inexactly without a word."""
+    from ase.build import bulk
+    from ase.md.nose_hoover_chain import NoseHooverChainNVT
+    from ase.md.verlet import VelocityVerlet
+
+    from orb.errors import OrbInputError
+    from orb.inference.md import check_chain_state
+
+    atoms = bulk("Cu", cubic=True)
+    check_chain_state(NoseHooverChainNVT(atoms, timestep=1.0, temperature_K=300, tdamp=100.0))
+    with pytest.raises(OrbInputError, match="keeps the chain's state where orb-md cannot save it"):
+        check_chain_state(VelocityVerlet(atoms, timestep=1.0))

@@ -157,12 +157,27 @@ def integrator(atoms, args, index: int):
     if args.ensemble == "nvt":
         from ase.md.nose_hoover_chain import NoseHooverChainNVT
 
-        return NoseHooverChainNVT(atoms, timestep=dt, temperature_K=args.temperature, tdamp=args.tdamp * units.fs)
+        dynamics = NoseHooverChainNVT(atoms, timestep=dt, temperature_K=args.temperature, tdamp=args.tdamp * units.fs)
+        check_chain_state(dynamics)
+        return dynamics
     from ase.md.nptberendsen import NPTBerendsen
 
     return NPTBerendsen(atoms, timestep=dt, temperature_K=args.temperature, pressure_au=args.pressure * units.bar,
                         taut=args.taut * units.fs, taup=args.taup * units.fs,
                         compressibility_au=args.compressibility / units.bar)
+
+
+def check_chain_state(dynamics) -> None:
+    """The Nose-Hoover chain keeps its own positions, momenta and thermostat in attributes of ASE's (3.29: ``_q``,
+    ``_p``, ``_thermostat``), which the state saves; an ASE that names them otherwise is refused in one line rather
+    than resumed inexactly without a word."""
+    from ase import __version__
+
+    chain = getattr(dynamics, "_thermostat", None)
+    if not all(isinstance(getattr(dynamics, name, None), np.ndarray) for name in ("_q", "_p")) or chain is None \
+            or not any(isinstance(v, np.ndarray) for v in vars(chain).values()):
+        raise OrbInputError(f"--thermostat nose-hoover: ASE {__version__} keeps the chain's state where orb-md cannot "
+                            "save it, so a --resume would not continue exactly; use --thermostat langevin, or ASE 3.29")
 
 
 def integrator_state(dynamics) -> Dict:
