@@ -100,3 +100,15 @@ def test_an_export_replaces_the_earlier_one_whole_or_not_at_all(tmp_path):
         "run the same command again (exit status 75)"], err[-3000:]
     assert {name: open(out.parent / name, "rb").read() for name in os.listdir(out.parent)} == before
     assert sorted(os.listdir(tmp_path)) == ["out"]  # nothing in the working folder (no rank_0/om/analyze_fail.ir)
+
+
+def test_model_json_says_a_stressless_models_stress_output_is_no_prediction():
+    """orb_v3_direct_omol's exported graph outputs zeros where the others output stress: model.json says so (it
+    described them as stress in eV/Å³, which a deployment would read as a prediction)."""
+    from orb.inference.export import described_outputs
+    from orb.models.config import ModelConfig
+
+    assert described_outputs(ModelConfig.from_dict({"name": "orb_v2"}))[2] == "stress (graphs, 6) eV/Å³ Voigt, ASE sign"
+    omol = described_outputs(ModelConfig.from_dict({"name": "orb_v3_direct_omol"}))
+    assert len(omol) == 4 and omol[2] == "stress (graphs, 6): zeros, not a prediction (orb_v3_direct_omol has no " \
+                                         "stress head)"

@@ -117,7 +117,7 @@ def export(model, output: str, shapes: Sequence[tuple]) -> List[str]:
                 "padding": "orb.data.graphs.pad_batch: the real graphs first, then one padding graph holding every "
                            "padding node (atomic number 0) and edge (a self-edge of length 10 Å), then empty graphs; "
                            "outputs of padding rows are to be ignored",
-                "outputs": list(OUTPUTS[:4 if model.cfg.family == "orb_v3" else 3])})
+                "outputs": described_outputs(model.cfg)})
             for name in earlier - set(files):  # the earlier export's other shapes: no longer described
                 if os.path.exists(os.path.join(folder, name)):
                     os.remove(os.path.join(folder, name))
@@ -216,6 +216,15 @@ def run(args) -> List[str]:
         return export(model, args.output, sorted(set(shapes)))
     except OSError as exc:
         raise OrbInputError(f"--output {args.output}: cannot write it ({exc.strerror or exc})") from None
+
+
+def described_outputs(cfg) -> list:
+    """What each output of the exported graph is (a model without a stress head outputs zeros in its place: said,
+    so that no deployment reads them as a prediction)."""
+    outputs = list(OUTPUTS[:4 if cfg.family == "orb_v3" else 3])
+    if not cfg.has_stress:
+        outputs[2] = f"stress (graphs, 6): zeros, not a prediction ({cfg.name} has no stress head)"
+    return outputs
 
 
 def predictions_of(cell, inputs) -> Dict[str, np.ndarray]:
