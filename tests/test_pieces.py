@@ -65,9 +65,10 @@ def test_a_resume_refuses_another_loss_labelling_or_graph(tmp_path):
     saved = TrainConfig().to_dict()
     meta = {"format": CHECKPOINT_FORMAT, "config": saved, "train_rows": 64}
     changed = config_from_dict(dict(saved, loss_weights=dict(saved["loss_weights"], stress=0.0), energy_key="E2",
-                                    patience=3, model=dict(saved["model"], radius=5.0, rbf_radius=7.0))).to_dict()
-    expected = ("loss_weights.stress: 1.0 -> 0.0; energy_key: '' -> 'E2'; patience: 0 -> 3; model.radius: 10.0 -> "
-                "5.0; model.rbf_radius: 10.0 -> 7.0")
+                                    patience=3, model=dict(saved["model"], radius=5.0, rbf_radius=7.0),
+                                    reference_energies=dict(saved["reference_energies"], fit="least_squares"))).to_dict()
+    expected = ("reference_energies.fit: 'none' -> 'least_squares'; loss_weights.stress: 1.0 -> 0.0; energy_key: '' -> "
+                "'E2'; patience: 0 -> 3; model.radius: 10.0 -> 5.0; model.rbf_radius: 10.0 -> 7.0")
     with pytest.raises(ConfigError, match=re.escape(expected)):
         check_resume(meta, changed, 64, "last.ckpt", False)
     assert "; ".join(check_resume(meta, changed, 64, "last.ckpt", True)) == expected

@@ -138,6 +138,10 @@ def test_keep_checkpoints_prunes_the_oldest_periodic_ones(tmp_path):
     assert prune_checkpoints(str(folder), 2) == ["epoch_0001.ckpt"]
     assert sorted(os.listdir(folder)) == ["best.ckpt", "epoch_0002.ckpt", "epoch_0003.ckpt", "last.ckpt"]
     assert prune_checkpoints(str(folder), 0) == []
+    for name in ("epoch_9998.ckpt", "epoch_9999.ckpt", "epoch_10000.ckpt"):  # max_epochs may reach 1e6
+        (folder / name).write_text("x")
+    assert prune_checkpoints(str(folder), 2) == ["epoch_0002.ckpt", "epoch_0003.ckpt", "epoch_9998.ckpt"]
+    assert sorted(os.listdir(folder)) == ["best.ckpt", "epoch_10000.ckpt", "epoch_9999.ckpt", "last.ckpt"]
 
 
 # ------------------------------------------------------------------ faults

@@ -418,6 +418,8 @@ def test_early_stopping_ends_the_run_and_keeps_the_best(tmp_path, small_sets):
     assert stopped and len(losses) == expected_stop < 6  # it stopped, at the epoch the rule says
     assert stopped[0]["best_epoch"] == best and stopped[0]["best_val_loss"] == pytest.approx(min(losses))
     assert load_checkpoint(str(run / "checkpoints" / "best_weights.ckpt"))[2]["epoch"] == best
+    trainer_for(cfg, resume=str(run / "checkpoints" / "last.ckpt")).fit()  # resumed: it stops there again, said once
+    assert records(run, "stopped") == stopped  # (the resume appended a second line)
 
 
 def test_bad_replay_input_stops_with_one_line_and_writes_nothing(tmp_path, small_sets):

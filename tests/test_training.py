@@ -334,3 +334,35 @@ def test_a_stopped_validation_is_continued_only_over_the_same_data(tmp_path, cap
         assert [index for step, name, index in seen.seen if name == "val"] == expected, val
     assert "the stopped validation of val is done again" in caplog.text
     assert f"continuing the stopped validation of val at batch 4 of {batches}" in caplog.text
+
+
+def test_an_epoch_line_lost_after_its_save_is_written_again_on_resume(tmp_path):
+    """A kill (or a full disk) between an epoch's checkpoint and its metrics.jsonl line lost the line for good: the
+    resume started after that epoch. The checkpoint keeps the line; the resume writes it again, value for value."""
+    cfg = make_cfg(tmp_path, max_epochs=2)
+    trainer_for(cfg).fit(until_epoch=1)
+    metrics = os.path.join(cfg.output_dir, "metrics.jsonl")
+    lines = open(metrics).read().splitlines()
+    epoch_line = [line for line in lines if '"type": "epoch"' in line]
+    assert len(epoch_line) == 1
+    with open(metrics, "w") as f:  # as the kill left it: every line but the epoch's
+        f.write("".join(line + "\n" for line in lines if line != epoch_line[0]))
+    trainer_for(cfg, resume=os.path.join(cfg.output_dir, "checkpoints", "last.ckpt"))
+    assert open(metrics).read().splitlines() == [line for line in lines if line != epoch_line[0]] + epoch_line
+
+
+def test_the_recorded_learning_rate_is_the_one_applied_after_skipped_steps(tmp_path):
+    """fp16-mixed skips a step whose loss-scaled gradient overflows; the schedule advances with the updates applied,
+    so after skipped steps each record's lr is the rate of its latest applied update (it gave the global step's)."""
+    from orb.training.schedule import make_schedule
+
+    cfg = make_cfg(tmp_path, max_epochs=1, batch_size=2, log_every_n_steps=1, precision="fp16-mixed",
+                   lr_schedule="cosine")
+    trainer = trainer_for(cfg)
+    trainer.fit()
+    schedule = make_schedule("cosine", cfg.lr, trainer.data.steps_per_epoch, cfg.warmup_fraction).lr
+    steps = [r for r in map(json.loads, open(os.path.join(cfg.output_dir, "metrics.jsonl"))) if r["type"] == "step"]
+    skipped = np.cumsum([r.get("nonfinite_steps", 0) for r in steps])
+    assert skipped[-1] > 0  # the first steps overflow the starting loss scale
+    for record, before in zip(steps, skipped):  # (before any update: the first update's rate)
+        assert record["lr"] == schedule[max(int(record["step"] - before), 1) - 1], record

@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -54,6 +55,7 @@ class Progress:
     # a validation a stop interrupted: {"finished": {set: metrics}, "name": the set it stopped in, "batches": done,
     # "of": its batches, "sums": (ranks, sums) each rank's metric sums so far}
     validation: Optional[Dict] = None
+    epoch_record: Optional[Dict] = None  # the last epoch's metrics.jsonl line: written again if a kill lost it
 
     def to_meta(self) -> Dict:
         meta = {"epoch": self.epochs_done, "global_step": self.global_step,
@@ -61,6 +63,8 @@ class Progress:
                 "initial": self.initial}
         if self.reference_fit is not None:
             meta["reference_energies_fit"] = self.reference_fit
+        if self.epoch_record is not None:
+            meta["epoch_record"] = self.epoch_record
         if self.validation is not None:
             meta["validation"] = dict(self.validation, sums=[[float(x) for x in row]
                                                              for row in np.atleast_2d(self.validation["sums"])])
@@ -86,7 +90,7 @@ class Progress:
                    nonfinite=np.asarray(meta["open_nonfinite"], np.int64) if step and "open_nonfinite" in meta
                    else None,
                    initial=meta.get("initial") or {}, reference_fit=meta.get("reference_energies_fit"),
-                   validation=meta.get("validation"))
+                   validation=meta.get("validation"), epoch_record=meta.get("epoch_record"))
 
     def improved(self, val_loss: float, epoch: int) -> bool:
         """Record epoch ``epoch``'s validation loss; whether it is the best so far."""
@@ -100,7 +104,8 @@ def prune_checkpoints(folder: str, keep: int) -> List[str]:
     """Delete all but the newest ``keep`` periodic ``epoch_XXXX.ckpt`` files (0: keep all)."""
     if keep <= 0 or not os.path.isdir(folder):
         return []
-    periodic = sorted(f for f in os.listdir(folder) if f.startswith("epoch_") and f.endswith(".ckpt"))
+    periodic = sorted((f for f in os.listdir(folder) if re.fullmatch(r"epoch_\d+\.ckpt", f)),
+                      key=lambda f: int(f[len("epoch_"):-len(".ckpt")]))  # by number: epoch_10000 after epoch_9999
     removed = periodic[:-keep]
     for name in removed:
         os.remove(os.path.join(folder, name))

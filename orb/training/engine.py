@@ -240,8 +240,14 @@ class Engine:
         return None if self.loss_scale is None else float(self.loss_scale.scale.asnumpy())
 
     def lr(self, step: int) -> float:
-        """The learning rate of global step ``step`` (1-based, clamped to the schedule)."""
+        """The learning rate of the ``step``-th applied update (1-based, clamped to the schedule)."""
         return float(self.schedule.lr[min(max(step, 1), len(self.schedule.lr)) - 1])
+
+    def applied_lr(self) -> float:
+        """The learning rate of the latest update applied: the schedule advances with the optimizer's updates, and a
+        step skipped for a non-finite gradient (or an fp16 overflow) applies none, so after skipped steps it trails
+        the global step (records gave the global step's rate, not the one used)."""
+        return self.lr(int(self.optimizer.step.asnumpy()))
 
     @contextmanager
     def evaluation_weights(self):

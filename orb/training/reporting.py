@@ -11,7 +11,7 @@ import sys
 from typing import Dict, Optional
 
 from orb.errors import SaveError
-from orb.io.files import append_record, keep_records_up_to
+from orb.io.files import append_record, keep_records_up_to, read_records
 from orb.metrics import BY_ELEMENT, format_by_element
 
 log = logging.getLogger("orb")
@@ -68,19 +68,31 @@ class Reporter:
                 raise SaveError(f"could not append to {self.metrics_path} ({exc.strerror or exc}); the checkpoints "
                                 "hold the run: free space, then continue with --resume auto") from None
 
+    def has_record(self, kind: str, step: int) -> bool:
+        """Whether metrics.jsonl holds a record of type ``kind`` at global step ``step`` (rank 0; False elsewhere)."""
+        return self.main and any(r.get("type") == kind and r.get("step") == step
+                                 for r in read_records(self.metrics_path))
+
     def batch(self, epoch: int, global_step: int, row_ids) -> None:
         """With ``record_batches``: the database rows this rank trains on at a step."""
         if self.record_batches:
             append_record(os.path.join(self.output_dir, f"batches_rank{self.rank}.jsonl"),
                           {"epoch": epoch, "step": global_step, "row_ids": row_ids})
 
-    def forget_after(self, global_step: int) -> None:
-        """A resume drops the records written after its checkpoint (those steps run again)."""
+    def forget_after(self, global_step: int, epoch_record: Optional[Dict] = None) -> None:
+        """A resume drops the records written after its checkpoint (those steps run again), and writes the
+        checkpoint's last epoch line again when a kill (or a full disk) came between its save and its line."""
         if self.main:
             dropped = keep_records_up_to(self.metrics_path, global_step)
             if dropped:
                 log.info("metrics.jsonl: %d record(s) written after the checkpoint dropped (the steps run again)",
                          dropped)
+            if epoch_record is not None and not any(
+                    r.get("type") == "epoch" and r.get("epoch") == epoch_record["epoch"]
+                    for r in read_records(self.metrics_path)):
+                self.record(epoch_record)
+                log.info("metrics.jsonl: epoch %d's line, lost after its checkpoint was saved, written again",
+                         epoch_record["epoch"])
         keep_records_up_to(os.path.join(self.output_dir, f"batches_rank{self.rank}.jsonl"), global_step)
 
     def validation(self, prefix: str, results: Dict[str, Dict], initial: Optional[Dict[str, Dict]] = None) -> None:

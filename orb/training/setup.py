@@ -204,8 +204,11 @@ def build_trainer(cfg: TrainConfig, data_parallel: Optional[DataParallel] = None
         progress = Progress.from_meta(resumed[2]) if resumed else Progress()
         if progress.reference_fit is not None:
             restore_reference_fit(progress.reference_fit, model)
+        elif cfg.reference_energies.fit != "none" and not resumed:  # (a resume never fits: the checkpoint's weights
+            progress.reference_fit = fit_reference_energies_to(cfg, data, model, outputs)  # hold the run's references)
         elif cfg.reference_energies.fit != "none":
-            progress.reference_fit = fit_reference_energies_to(cfg, data, model, outputs)
+            log.info("reference_energies.fit %s is not applied: the resumed run made no fit, and its checkpoint's weights "
+                     "hold its reference energies", cfg.reference_energies.fit)
         starting_key = []  # the starting model's identity, computed once when a cache needs it
 
         def model_key() -> tuple:
@@ -226,7 +229,7 @@ def build_trainer(cfg: TrainConfig, data_parallel: Optional[DataParallel] = None
                 engine.restore_interval_sums(this_ranks_interval_sums(progress, dp))
                 if progress.nonfinite is not None:
                     engine.restore_nonfinite(progress.nonfinite)
-            reporter.forget_after(progress.global_step)
+            reporter.forget_after(progress.global_step, progress.epoch_record)
             log.info("resumed from %s: %d epochs%s done, global step %d", path, progress.epochs_done,
                      f" and {progress.step_in_epoch} of {data.steps_per_epoch} steps" if progress.step_in_epoch
                      else "", progress.global_step)

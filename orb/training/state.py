@@ -28,7 +28,7 @@ RESUME_KEYS = ("train_data_path", "batch_size", "max_epochs", "lr", "lr_schedule
                "replay.val_data_path", "replay.val_samples", "replay.labels", "replay.fraction", "replay.num_samples", "replay.selection",
                "replay.loss_weight", "replay.head", "freeze", "freeze_backbone", "lr_multipliers", "anchor.weight",
                "anchor.groups", "lora.rank", "lora.alpha", "lora.groups", "lora.train_others",
-               "reference_energies.trainable", "online_normalisation", "replay.in_selection",
+               "reference_energies.trainable", "reference_energies.fit", "online_normalisation", "replay.in_selection",
                "loss_weights.energy", "loss_weights.forces", "loss_weights.stress", "loss_weights.confidence",
                "loss_weights.equigrad", "energy_key", "forces_key", "stress_key", "charge_key", "spin_key",
                "patience", "model.name", "model.radius", "model.max_neighbors", "model.rbf_radius",

@@ -136,7 +136,8 @@ class Trainer:
         self.reporter.validation(f"Epoch: {epoch + 1}/{self.cfg.max_epochs}, train_metrics: "
                                  f"{format_metrics(train_metrics)}, ", results, progress.initial)
         record = {"type": "epoch", "epoch": epoch + 1, "step": progress.global_step, "train": train_metrics,
-                  **results, "lr": self.engine.lr(progress.global_step)}
+                  **results, "lr": self.engine.applied_lr()}
+        progress.epoch_record = record  # in the checkpoint too: a kill between the save and the line loses neither
         self._save_epoch(epoch + 1, selection_loss(results, train_metrics["loss"], self.cfg.replay.in_selection))
         self.reporter.record(record)  # after the save: no line claims an epoch the checkpoint lacks
         self._notify("on_epoch_end", record)
@@ -151,8 +152,9 @@ class Trainer:
         self.reporter.info("early stopping: the validation loss has not improved for %d epochs (best %.6g after "
                            "epoch %d; best.ckpt and best_weights.ckpt hold it)", waited, progress.best_val,
                            progress.best_epoch)
-        self.reporter.record({"type": "stopped", "epoch": progress.epochs_done, "step": progress.global_step,
-                              "best_epoch": progress.best_epoch, "best_val_loss": progress.best_val})
+        if not self.reporter.has_record("stopped", progress.global_step):  # (a resume of the stopped run: once)
+            self.reporter.record({"type": "stopped", "epoch": progress.epochs_done, "step": progress.global_step,
+                                  "best_epoch": progress.best_epoch, "best_val_loss": progress.best_val})
         return True
 
     # ----------------------------------------------------------------- training
@@ -193,7 +195,7 @@ class Trainer:
                 interval.update(skip_metrics(skipped_now, engine))  # which interval skipped, at which fp16 scale
                 bar.set_postfix(loss=f"{interval['loss']:.4f}")
                 self.reporter.record({"type": "step", "epoch": epoch + 1, "step": progress.global_step,
-                                      "lr": engine.lr(progress.global_step), **interval})
+                                      "lr": engine.applied_lr(), **interval})
             elif self.dp.parallel:
                 flags = np.zeros_like(flags)  # ranks agree only at interval boundaries
             every = cfg.save_every_n_steps
