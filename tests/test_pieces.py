@@ -47,10 +47,12 @@ def test_a_resume_names_each_setting_that_changes_only_its_rounding():
     saved = TrainConfig().to_dict()
     meta = {"config": saved, "world_size": 2}
     assert arithmetic_changes(meta, saved, 2) == []
-    changed = dict(saved, precision="bf16-mixed", deterministic=True, num_threads=1, ops_profile="portable")
+    changed = dict(saved, precision="bf16-mixed", deterministic=True, num_threads=1, ops_profile="portable",
+                   num_buckets=saved["num_buckets"] + 1)  # (the padded shapes: the products' last bits)
     assert arithmetic_changes(meta, changed, 4) == [
         "precision: 'float32-high' -> 'bf16-mixed'", "deterministic: False -> True", "num_threads: 0 -> 1",
-        "ops_profile: 'auto' -> 'portable'", "workers: 2 -> 4"]
+        "ops_profile: 'auto' -> 'portable'", f"num_buckets: {saved['num_buckets']} -> {saved['num_buckets'] + 1}",
+        "workers: 2 -> 4"]
     assert arithmetic_changes({"config": {}}, saved, 8) == []  # a checkpoint that did not record them: defaults
 
 

@@ -231,13 +231,8 @@ def test_a_killed_or_stopped_relaxation_keeps_every_finished_structure(tmp_path,
         assert got[row][0] == pytest.approx(energy, abs=1e-5), row
 
 
-def test_relaxing_with_an_omol_model_names_a_row_without_charge(tmp_path):
-    """OMol models need each structure's total charge and spin: a row without them is one line naming the file,
-    row and key, before any structure is relaxed (it was a TypeError traceback); the relaxed rows keep them (and
-    the rows' other attributes); a structure that cannot be relaxed is named, the others are relaxed."""
-    import ase.db
-    from ase.build import molecule
-
+def small_omol_checkpoint(tmp_path):
+    """A small orb_v3_direct_omol model (random weights; no stress head) saved as an exported checkpoint."""
     from orb.io.checkpoint import save_checkpoint
     from orb.models import create
 
@@ -245,6 +240,17 @@ def test_relaxing_with_an_omol_model_names_a_row_without_charge(tmp_path):
                    head_mlp_hidden_dim=16)
     checkpoint = tmp_path / "omol.ckpt"
     save_checkpoint(str(checkpoint), model, {"model": model.cfg.to_dict()}, exported=True)
+    return checkpoint
+
+
+def test_relaxing_with_an_omol_model_names_a_row_without_charge(tmp_path):
+    """OMol models need each structure's total charge and spin: a row without them is one line naming the file,
+    row and key, before any structure is relaxed (it was a TypeError traceback); the relaxed rows keep them (and
+    the rows' other attributes); a structure that cannot be relaxed is named, the others are relaxed."""
+    import ase.db
+    from ase.build import molecule
+
+    checkpoint = small_omol_checkpoint(tmp_path)
     data = tmp_path / "molecules.db"
     with ase.db.connect(str(data)) as db:
         db.write(molecule("H2O"), charge=0, spin=1)
@@ -332,13 +338,7 @@ def test_a_model_without_a_stress_head_reports_no_stress_anywhere(tmp_path):
     from ase.build import bulk
     from ase.calculators.singlepoint import SinglePointCalculator
 
-    from orb.io.checkpoint import save_checkpoint
-    from orb.models import create
-
-    model = create("orb_v3_direct_omol", latent_dim=16, mlp_hidden_dim=32, num_message_passing_steps=1,
-                   head_mlp_hidden_dim=16)
-    checkpoint = tmp_path / "omol.ckpt"
-    save_checkpoint(str(checkpoint), model, {"model": model.cfg.to_dict()}, exported=True)
+    checkpoint = small_omol_checkpoint(tmp_path)
     data = tmp_path / "cells.db"
     with ase.db.connect(str(data)) as db:
         for k in range(2):

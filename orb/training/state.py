@@ -33,10 +33,10 @@ RESUME_KEYS = ("train_data_path", "batch_size", "max_epochs", "lr", "lr_schedule
                "loss_weights.equigrad", "energy_key", "forces_key", "stress_key", "charge_key", "spin_key",
                "patience", "model.name", "model.radius", "model.max_neighbors", "model.rbf_radius",
                "model.cutoff_rmax", "model.polynomial_order")
-# Settings that change only how each step's arithmetic rounds (kernels, threads, reduction order over ranks):
-# a resume may change them, and continues the schedule and data order, but then equals an uninterrupted run only to
-# rounding, not bit for bit.
-ARITHMETIC_KEYS = ("precision", "deterministic", "num_threads", "ops_profile")
+# Settings that change only how each step's arithmetic rounds (kernels, threads, reduction order over ranks, the
+# padded batch shapes): a resume may change them, and continues the schedule and data order, but then equals an
+# uninterrupted run only to rounding, not bit for bit.
+ARITHMETIC_KEYS = ("precision", "deterministic", "num_threads", "ops_profile", "buckets", "num_buckets")
 
 
 def _full(optimizer: FlatAdam, local: np.ndarray, dp: DataParallel) -> np.ndarray:
