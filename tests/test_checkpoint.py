@@ -140,6 +140,18 @@ def test_convert_script_reads_the_architecture_from_the_checkpoint(tmp_path):
     for key, value in to_torch_state_dict(model).items():
         assert torch_sd[key].tobytes() == value.tobytes() == final[key].tobytes(), key
     assert "warning" not in to_torch.stderr  # every setting of this model is in the file or its shapes
+    # MindSpore to MindSpore keeps what a best_weights.ckpt says of itself (it kept the architecture alone), and not
+    # a training checkpoint's format (the target holds weights, no optimizer state to resume)
+    fit = {"method": "least_squares", "shifts": {"Cu": 0.25}}
+    described = dict(model=model.cfg.to_dict(), epoch=7, val_loss=0.5, ema=True, reference_energies_fit=fit,
+                     format="orb-mindspore-train-2", global_step=70)
+    save_checkpoint(str(tmp_path / "best.ckpt"), model, described)
+    again = subprocess.run([sys.executable, script, str(tmp_path / "best.ckpt"), str(tmp_path / "again.ckpt"), "--to",
+                            "mindspore"], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    kept = read_weights(str(tmp_path / "again.ckpt"))[1]
+    assert (kept["epoch"], kept["val_loss"], kept["ema"], kept["reference_energies_fit"]) == (7, 0.5, True, fit)
+    assert "format" not in kept and "global_step" not in kept
     from orb.models import create
 
     # graphs no tensor shape shows, under a name whose tensors read as orb_v2's

@@ -18,6 +18,11 @@ import os
 import sys
 
 
+# the metadata a MindSpore target keeps from its source: which epoch, its loss, EMA weights or not, the run's config
+# and the reference energies its fit moved (not a training checkpoint's format or progress: the target is weights)
+DESCRIPTIVE = ("epoch", "val_loss", "ema", "config", "reference_energies_fit")
+
+
 def main(argv=None) -> int:
     from orb.signals import run_command
 
@@ -62,7 +67,8 @@ def convert(source: str, target: str, to=None, name=None) -> int:
             lost, read_as = settings_a_state_dict_loses(trained, state)
             write_torch_checkpoint(state, target)
         else:
-            save_checkpoint(target, model, {"converted_from": os.path.abspath(source), "model": cfg.to_dict()})
+            kept = {k: meta[k] for k in DESCRIPTIVE if k in meta}  # what a best_weights.ckpt says of itself
+            save_checkpoint(target, model, {**kept, "converted_from": os.path.abspath(source), "model": cfg.to_dict()})
     except OSError as exc:
         raise RunError(f"cannot write {target}: {exc.strerror or exc}") from None
     print(f"wrote {to} checkpoint {target}: {describe(cfg)}, {len(weights)} tensors, "
