@@ -501,3 +501,36 @@ def test_the_structures_fingerprint_sees_every_attribute_a_resumed_run_starts_fr
         assert not row.constraints
         digest.update(b"-")
     assert data.structures_fingerprint() == digest.hexdigest()
+
+
+def test_rows_an_sqlite_file_holds_in_its_write_ahead_log_are_indexed(tmp_path, cache):
+    """An SQLite database in WAL mode, listed with another file: a row written since keeps the main file's size and
+    modification time until SQLite checkpoints it, but is in the data; its -wal keys the indexed copy (the stale copy
+    was read back, without the new row)."""
+    import sqlite3
+
+    import ase.db
+    import ase.io
+    from ase.build import bulk
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    from orb.data.formats import readable_database
+
+    def cu(energy):
+        atoms = bulk("Cu", "fcc", a=3.6)
+        atoms.calc = SinglePointCalculator(atoms, energy=energy, forces=np.zeros((1, 3)))
+        return atoms
+
+    db, other = str(tmp_path / "a.db"), str(tmp_path / "b.extxyz")
+    ase.db.connect(db).write(cu(-1.0))
+    reader = sqlite3.connect(db)  # another process reading it: SQLite then keeps the log (no checkpoint at close)
+    reader.execute("PRAGMA journal_mode=WAL")
+    reader.execute("SELECT count(*) FROM systems").fetchall()
+    ase.io.write(other, [cu(-2.0)], format="extxyz")
+    first = readable_database([db, other])
+    stamp = os.stat(db).st_mtime_ns, os.stat(db).st_size
+    ase.db.connect(db).write(cu(-3.0))
+    assert os.path.exists(db + "-wal") and (os.stat(db).st_mtime_ns, os.stat(db).st_size) == stamp
+    again = readable_database([db, other])
+    assert again != first and [row.energy for row in ase.db.connect(again).select()] == [-1.0, -3.0, -2.0]
+    reader.close()
