@@ -281,6 +281,20 @@ def test_a_longer_resume_of_a_finished_run_is_the_longer_run(tmp_path):
     assert [s["total_energy_drift_eV_per_atom"]
             for s in json.load(open(tmp_path / "extended" / "summary.json"))["structures"]] == drift
     assert all(d is not None for d in drift)
+    import shutil  # the same run's states as the previous version wrote them: no record of the off-grid last frame
+
+    shutil.copytree(tmp_path / "extended", tmp_path / "old")
+    for k in range(3):
+        state = json.load(open(tmp_path / "old" / f"state_{k}.json"))
+        json.dump({key: v for key, v in state.items() if key != "last_frame_only"},
+                  open(tmp_path / "old" / f"state_{k}.json", "w"))
+    kept = {name: (tmp_path / "old" / name).read_bytes() for name in os.listdir(tmp_path / "old")}
+    old = orb_md(tmp_path, "old", *common, "--steps", "9", "--resume")  # it kept the frame at step 7
+    assert old.returncode == 2 and old.stderr.strip().splitlines() == [
+        f"error: --resume {tmp_path / 'old'}: structure 0's run, written by an earlier version, ended at step 7, off "
+        "the --write_every grid, and its state does not say where its files were before that frame: extend it with "
+        "the version that wrote it, or start it again"], old.stderr[-2000:]
+    assert {name: (tmp_path / "old" / name).read_bytes() for name in os.listdir(tmp_path / "old")} == kept
     refused = orb_md(tmp_path, "extended", *common, "--steps", "9", "--batch_size", "2", "--resume")
     assert refused.returncode == 2 and "batch_size: 32 -> 2" in refused.stderr, refused.stderr[-2000:]
     assert orb_md(tmp_path, "extended", *common, "--steps", "9", "--resume").returncode == 0

@@ -221,6 +221,23 @@ def cut_to(path: str, size: int) -> None:
             f.truncate(size)
 
 
+def check_states_extend(runs, args) -> None:
+    """A longer --resume of a structure whose state an earlier version wrote at a last frame off the --write_every
+    grid is refused (before anything is cut or recorded): that state does not say where the files were before the
+    frame, so the longer run would keep a frame an uninterrupted one does not have."""
+    for run in runs:
+        if not os.path.exists(run.path("state")):
+            continue
+        with open(run.path("state")) as f:
+            state = json.load(f)
+        step = int(state["step"])
+        if "last_frame_only" not in state and args.steps > step and step % args.write_every:
+            raise OrbInputError(f"--resume {args.output}: structure {run.index}'s run, written by an earlier version, "
+                                f"ended at step {step}, off the --write_every grid, and its state does not say where "
+                                "its files were before that frame: extend it with the version that wrote it, or "
+                                "start it again")
+
+
 def check_args(args) -> None:
     for name, value, low in (("--timestep", args.timestep, 0.0), ("--temperature", args.temperature, -1e-300),
                              ("--friction", args.friction, 0.0), ("--tdamp", args.tdamp, 0.0)):
@@ -553,6 +570,8 @@ def md(args) -> Dict:
     try:
         check_output(args.output, args.resume, args.overwrite)  # after every check: --overwrite deletes the old run
         remove_stale_temporaries(args.output, min_age=600.0)  # a state or summary whose write was killed
+        if args.resume:
+            check_states_extend(runs, args)
         check_run_settings(os.path.join(args.output, "run.json"), run_settings(args, SETTINGS, model, data),
                            args.resume, args.output, informational=("checkpoint",), may_grow=("steps",))
     except OSError as exc:  # a read-only folder
