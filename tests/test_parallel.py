@@ -296,7 +296,7 @@ def test_killed_stopped_in_validation_and_by_the_scheduler_resumes_equal_the_uni
     lines = [re.search(r"stopped by SIGTERM at (epoch 2, step \d+)", (tmp_path / "logs3" / f"worker_{r}.log")
                        .read_text()) for r in (0, 1)]
     assert lines[0] and lines[1] and lines[0].group(1) == lines[1].group(1)  # the same step on both ranks
-    assert "continuing the stopped validation of val at batch 2 of" in (tmp_path / "logs3" / "worker_0.log").read_text()
+    assert "continuing the stopped validation of val after batch 1 of" in (tmp_path / "logs3" / "worker_0.log").read_text()
     assert "received " + str(par / "checkpoints" / "last.ckpt") + " from rank 0" in (
         tmp_path / "logs3" / "worker_1.log").read_text()  # one read of the shared file system, not one per rank
     assert 0 < load_checkpoint(str(par / "checkpoints" / "last.ckpt"))[2]["step_in_epoch"] < 16

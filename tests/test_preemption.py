@@ -367,6 +367,29 @@ def test_a_reused_log_dir_does_not_decide_how_a_launch_ended(tmp_path):
     assert worker_logs(str(tmp_path), before) == [str(tmp_path / f"worker_{r}.log") for r in (0, 1)]
     assert stopped_with_state_saved(str(tmp_path), before)
     assert not stopped_with_state_saved(str(tmp_path))  # every log, the stale one too: what it decided before
+    # a stop during start-up: msrun kills the workers still starting, whose logs end without a line; no error in
+    # this launch's logs then lets the launcher say 75 (it said FAILED, status 1), the earlier run's errors aside
+    from orb.training.launch import failures
+
+    (tmp_path / "worker_1.log").write_text("[WARNING] a worker still starting when msrun killed it\n")
+    assert not stopped_with_state_saved(str(tmp_path), before) and failures(str(tmp_path), before) == {}
+    assert list(failures(str(tmp_path))) == [str(tmp_path / "worker_2.log")]
+
+
+def test_a_signal_after_a_run_has_finished_is_no_stop(tmp_path):
+    """A signal after the run has finished (a scheduler's, as the job ends) is ignored: it printed a traceback from
+    an exit handler, or, landing in the run's last moments, turned a finished run into a stop during start-up."""
+    script = ("import os, signal, sys, time\n"
+              "from orb.training.cli import run\n"
+              "status = run(['--config', 'configs/demo.yaml', '--output_dir', sys.argv[1]], 'configs/demo.yaml',\n"
+              "             lambda cfg, args: None)\n"
+              "os.kill(os.getpid(), signal.SIGTERM)\n"
+              "time.sleep(0.2)\n"
+              "print('finished', status)\n")
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "run")], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode == 0 and result.stdout.strip() == "finished 0", result.stdout + result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
 
 
 def test_relay_finds_the_workers_below_msrun(tmp_path):

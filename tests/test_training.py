@@ -326,14 +326,18 @@ def test_a_stopped_validation_is_continued_only_over_the_same_data(tmp_path, cap
             atoms.calc = SinglePointCalculator(atoms, **labels)
             target.write(atoms)
     caplog.set_level("INFO", logger="orb")
-    for val, expected in ((moved, list(range(batches))), (DEMO_VAL, list(range(3, batches)))):
+    metrics = os.path.join(cfg.output_dir, "metrics.jsonl")
+    for val, expected in ((moved, list(range(batches))), (DEMO_VAL, list(range(3, batches))),
+                          (DEMO_VAL, list(range(3, batches)))):
         seen = _SeenBatches()
         trainer = trainer_for(make_cfg(tmp_path, max_epochs=1, batch_size=2, val_data_path=val), resume=last,
                               callbacks=[seen])
         trainer.fit(until_epoch=0)  # the starting model's validation alone
         assert [index for step, name, index in seen.seen if name == "val"] == expected, val
+    # resumed again from the same save at step 0 (as after a kill before the next save): one initial record (two)
+    assert [json.loads(line)["type"] for line in open(metrics)].count("initial") == 1
     assert "the stopped validation of val is done again" in caplog.text
-    assert f"continuing the stopped validation of val at batch 4 of {batches}" in caplog.text
+    assert f"continuing the stopped validation of val after batch 3 of {batches}" in caplog.text
 
 
 def test_an_epoch_line_lost_after_its_save_is_written_again_on_resume(tmp_path):

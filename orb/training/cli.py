@@ -9,7 +9,7 @@ from typing import Callable, List, Optional, Tuple
 from orb.errors import ConfigError, OrbInputError, RunError
 from orb.training.config import TrainConfig, load_config
 from orb.training.outputs import discard_unstarted
-from orb.signals import Stopped, listen
+from orb.signals import Stopped, ignore_stop_signals, listen
 from orb.training.checkpointing import checkpoint_to_resume
 
 USAGE = """%(prog)s [--config PATH] [--resume DIR_OR_FILE|auto] [--overwrite] [--accept_config_changes] [--key value ...]
@@ -45,6 +45,7 @@ def run(argv: Optional[List[str]], default_config: str, fine_tune: Callable[[Tra
             args.resume = checkpoint_to_resume(cfg.output_dir, args.resume, args.overwrite)
             args.overwrite = args.overwrite or not args.resume  # no checkpoint there: records of unsaved steps
         fine_tune(cfg, args)
+        ignore_stop_signals()  # finished: a signal now (a scheduler's, as the job ends) is no stop to report
     except Stopped as stop:
         print(f"{stop}", file=sys.stderr)
         return stop.status

@@ -199,16 +199,24 @@ def stopped_with_state_saved(log_dir: str, before: Optional[Dict[str, tuple]] = 
     return True
 
 
-def report_failures(log_dir: str, before: Optional[Dict[str, tuple]] = None) -> None:
+def failures(log_dir: str, before: Optional[Dict[str, tuple]] = None) -> Dict[str, List[str]]:
+    """This launch's worker logs that hold error lines (a one-line error, a Python error, a traceback): their lines."""
+    found = {}
     for log in worker_logs(log_dir, before):
         with open(log, errors="replace") as f:
             lines = [line.rstrip() for line in f if not line.startswith(("[WARNING", "[INFO"))]
         errors = [line for line in lines if re.match(r"^(error: |\w*Error: |Traceback)", line)]
         if errors:
-            rank = os.path.basename(log)[len("worker_"):-len(".log")]
-            print(f"run_parallel: rank {rank} failed, see {log}:", file=sys.stderr)
-            for line in errors[-3:]:
-                print(f"  {line}", file=sys.stderr)
+            found[log] = errors
+    return found
+
+
+def report_failures(log_dir: str, before: Optional[Dict[str, tuple]] = None) -> None:
+    for log, errors in failures(log_dir, before).items():
+        rank = os.path.basename(log)[len("worker_"):-len(".log")]
+        print(f"run_parallel: rank {rank} failed, see {log}:", file=sys.stderr)
+        for line in errors[-3:]:
+            print(f"  {line}", file=sys.stderr)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -250,7 +258,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     with SignalRelay(job.pid) as relay:
         errors = collect(job.stderr)
         status = job.wait()
-    if status != 0 and stopped_with_state_saved(s["log_dir"], earlier_logs):
+    if status != 0 and (stopped_with_state_saved(s["log_dir"], earlier_logs)
+                        or (relay.received and not failures(s["log_dir"], earlier_logs))):
+        # (a stop during start-up: each worker stops at once, and msrun kills those still starting, whose logs then
+        # end without a line; nothing was saved that a resume cannot redo)
         print(f"run_parallel: stopped by {relay.received[0] if relay.received else 'a signal'} with the state "
               f"saved; run the same command with --resume auto to continue (exit status {STOPPED_STATUS})",
               file=sys.stderr)

@@ -121,7 +121,8 @@ class Trainer:
             raise self.guards.stop("the validation of the starting model", 0, self.checkpointer.last) from None
         self.progress.initial = initial
         self.reporter.validation("Before fine-tuning: ", initial)
-        self.reporter.record({"type": "initial", "epoch": 0, "step": 0, **initial})
+        if not self.reporter.has_record("initial", 0):  # (a run resumed from a save at step 0 wrote it already)
+            self.reporter.record({"type": "initial", "epoch": 0, "step": 0, **initial})
 
     def _epoch(self, epoch: int) -> Dict:
         """Train and validate epoch ``epoch`` (0-based), save it, record it."""
@@ -279,8 +280,8 @@ class Trainer:
             self.reporter.info("the stopped validation of %s is done again: this run validates other data, batches or "
                                "weights, or on another number of ranks", partial["name"])
             return None
-        self.reporter.info("continuing the stopped validation of %s at batch %d of %d", partial["name"],
-                           partial["batches"] + 1, partial["of"])
+        self.reporter.info("continuing the stopped validation of %s after batch %d of %d", partial["name"],
+                           partial["batches"], partial["of"])
         return dict(partial, sums=sums[self.dp.rank])
 
     def _validation_keys(self) -> Dict[str, List[str]]:
