@@ -158,6 +158,78 @@ def test_checkpointer_writes_keeps_and_reads_its_files(tmp_path):
     assert checkpointer.read(str(folder / "last.ckpt"))[2]["best_epoch"] == 4
 
 
+class ThreadRanks:
+    """Ranks as threads of one process: an all-reduce that sums what every thread passes (what a DataParallel's
+    ``all_reduce`` does across msrun's workers)."""
+
+    def __init__(self, world: int):
+        import threading
+
+        self.world, self.barrier, self.values = world, threading.Barrier(world, timeout=60), {}
+
+    def all_reduce(self, rank: int):
+        def reduce(tensor):
+            from mindspore import Tensor
+
+            self.values[rank] = tensor.asnumpy()
+            self.barrier.wait()
+            total = sum(self.values[r] for r in range(self.world))
+            self.barrier.wait()
+            return Tensor(total)
+
+        return reduce
+
+
+def test_every_rank_leaves_a_save_only_once_rank_0_has_written_it(tmp_path):
+    """msrun SIGKILLs the other workers as soon as one exits non-zero: a rank that left a stop's save at once and
+    exited 75 killed rank 0 in the middle of writing it (a full-size checkpoint on a shared file system takes
+    seconds). Every rank now returns from a save once the file is written, and hears of rank 0's failure."""
+    import threading
+    import time
+
+    import mindspore as ms
+
+    from orb.errors import ClusterError, DivergedError
+    from orb.io.checkpoint import load_checkpoint
+    from orb.models import create
+    from orb.training.checkpointing import Checkpointer, Progress
+    from orb.training.distributed import DataParallel
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    model = create("orb_v2", **SMALL_MODEL)
+    ranks = ThreadRanks(2)
+    folder = tmp_path / "checkpoints"
+    os.makedirs(folder)
+    checkpointers = [Checkpointer(str(folder), DataParallel(rank, 2, all_reduce=ranks.all_reduce(rank)), model,
+                                  {"format": "test", "config": {}}, 1, 3, 1) for rank in range(2)]
+    progress = Progress(epochs_done=1, global_step=10)
+    seen = {}
+
+    def rank_1(state):
+        try:
+            checkpointers[1].save_last(progress, state)
+            seen["file when rank 1 returned"] = os.path.exists(folder / "last.ckpt")
+        except Exception as exc:
+            seen["rank 1 raised"] = exc
+
+    thread = threading.Thread(target=rank_1, args=([("optimizer.step", np.array(5))],))
+    thread.start()
+    time.sleep(1.0)  # rank 0 comes to the save later (it gathers and writes; rank 1 has nothing to write)
+    checkpointers[0].save_last(progress, [("optimizer.step", np.array(5))])
+    thread.join()
+    assert seen == {"file when rank 1 returned": True}
+    assert load_checkpoint(str(folder / "last.ckpt"))[2]["global_step"] == 10
+    # rank 0 refuses to save NaN: it raises, and rank 1 hears of it instead of training on alone
+    os.remove(folder / "last.ckpt")
+    thread = threading.Thread(target=rank_1, args=([("optimizer.step", np.array(5))],))
+    thread.start()
+    with pytest.raises(DivergedError):
+        checkpointers[0].save_last(progress, [("optimizer.m", np.array([np.nan]))])
+    thread.join()
+    assert isinstance(seen.get("rank 1 raised"), ClusterError) and "rank 0 could not write" in str(seen["rank 1 raised"])
+    assert not os.path.exists(folder / "last.ckpt")
+
+
 @pytest.fixture(scope="module")
 def demo_databases():
     from orb.data.dataset import AseDbDataset

@@ -26,7 +26,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -163,13 +163,32 @@ class Checkpointer:
                 raise DivergedError(f"{name} holds NaN or inf after global step {global_step}: not saved; "
                                     f"{self.last} holds the last finite state")
 
+    def _on_main_for_all(self, action: Callable[[], object], what: str):
+        """``action()`` on rank 0, and its result there, returned on every rank only once rank 0 has finished it. msrun
+        SIGKILLs the other workers as soon as one exits non-zero, so a rank that left a save at once and exited on a
+        stop (75) killed rank 0 in the middle of writing that stop's checkpoint. A failure on rank 0 is raised there,
+        and on the others as a :class:`ClusterError` naming ``what`` (rank 0's log says why)."""
+        result, failure = None, None
+        if self.dp.is_main:
+            try:
+                result = action()
+            except Exception as exc:  # raised below, after every rank has heard of it
+                failure = exc
+        failed = self.dp.sum(np.array([failure is not None], np.float64))[0] if self.dp.parallel else failure
+        if failure is not None:
+            raise failure
+        if failed:
+            raise ClusterError(f"rank 0 could not {what} (its log says why)")
+        return result
+
     def save_last(self, progress: Progress, state: Sequence[Tuple[str, np.ndarray]]) -> None:
-        """``last.ckpt`` at ``progress`` (all ranks call it; rank 0 writes)."""
+        """``last.ckpt`` at ``progress`` (all ranks call it; rank 0 writes; every rank returns once it is written)."""
+        self.last_save = time.monotonic()
+        self._on_main_for_all(lambda: self._write_last(progress, state), f"write {self.last}")
+
+    def _write_last(self, progress: Progress, state: Sequence[Tuple[str, np.ndarray]]) -> None:
         from orb.io.checkpoint import save_checkpoint
 
-        self.last_save = time.monotonic()
-        if not self.dp.is_main:
-            return
         self._refuse_nonfinite(state, progress.global_step)
         started = time.perf_counter()
         save_checkpoint(self.last, self.model, self.meta(progress), state)
@@ -184,9 +203,11 @@ class Checkpointer:
         and its retention, and ``last.ckpt`` last: until it is written a resume redoes the epoch and writes the
         others again, so a kill or a full disk between two files never leaves a best file older than the best
         epoch ``last.ckpt`` records."""
-        from orb.io.checkpoint import save_checkpoint
+        self.last_save = time.monotonic()
 
-        if self.dp.is_main:
+        def write() -> None:
+            from orb.io.checkpoint import save_checkpoint
+
             self._refuse_nonfinite(state, progress.global_step)
             epoch = progress.epochs_done
             if improved:
@@ -198,7 +219,9 @@ class Checkpointer:
                 save_checkpoint(os.path.join(self.folder, f"epoch_{epoch:04d}.ckpt"), self.model,
                                 self.meta(progress), state)
                 prune_checkpoints(self.folder, self.keep)
-        self.save_last(progress, state)
+            self._write_last(progress, state)
+
+        self._on_main_for_all(write, f"write the checkpoints of epoch {progress.epochs_done}")
 
     def read(self, path: str) -> Tuple[Dict[str, np.ndarray], Dict[str, np.ndarray], Dict]:
         """(weights, optimizer state, metadata) of a training checkpoint. In a data-parallel run rank 0 reads the
@@ -207,16 +230,7 @@ class Checkpointer:
 
         if not self.dp.parallel:
             return load_checkpoint(path)
-        loaded, failure = None, None
-        if self.dp.is_main:
-            try:
-                loaded = load_checkpoint(path)
-            except Exception as exc:  # reported below, after every rank has heard of it
-                failure = exc
-        if self.dp.sum(np.array([failure is not None], np.float64))[0]:
-            if failure is not None:
-                raise failure
-            raise ClusterError(f"rank 0 could not read {path} (its log says why)")
+        loaded = self._on_main_for_all(lambda: load_checkpoint(path), f"read {path}")
         arrays = None
         if self.dp.is_main:
             weights, opt_state, meta = loaded

@@ -16,13 +16,16 @@ from. The launch is set by environment variables:
   CLUSTER_TIME_OUT  seconds to wait for all workers (default: 600)
 
 On CPU each worker gets OMP_NUM_THREADS = cores / LOCAL_WORKER_NUM unless it is set. The console
-shows this node's first worker; every worker's log is in LOG_DIR. The exit status is msrun's
-(non-zero if any worker failed), and on failure the failed rank and its last error are printed.
+shows this node's first worker; every worker's log is in LOG_DIR. The exit status is 0 when every worker
+finished, 2 when a worker refused its input (as finetune.py), 1 for a fault, 75 after a stop (below); on failure
+the failed rank and its last error are printed.
 
 Stop signals (SIGTERM, SIGINT, SIGUSR1, SIGUSR2: a scheduler's preemption or time limit, Ctrl-C)
-are passed to this node's workers, which finish their step, save and stop together; msrun itself
-ignores them (it would otherwise die and leave the workers running). Exit status 75 then means
-"stopped with the state saved": run the same command with --resume auto to continue.
+are passed to this node's workers, also to those msrun starts after the signal came; they finish their step,
+save and stop together. msrun itself does nothing on them (its own SIGINT handler would kill the workers
+unsaved), and once the workers have stopped its scheduler is ended if it still waits for workers that never
+joined. Exit status 75 then means "stopped with the state saved": run the same command with --resume auto to
+continue.
 """
 
 import glob
@@ -109,9 +112,16 @@ def settings(env: Dict[str, str]) -> Dict[str, str]:
     }
 
 
-# msrun with the stop signals ignored: the launcher passes them to the workers, which save before they stop
+# msrun, deaf to the stop signals: the launcher passes them to the workers, which save before they stop. They are
+# caught by a handler that does nothing (not ignored: an ignored signal stays ignored in the processes msrun starts,
+# so a worker still starting, before it listens, would lose a scheduler's stop), and msrun's own SIGINT handler,
+# which SIGKILLs every worker unsaved, is never installed (a SIGINT sent to every process of a job step reaches it).
 MSRUN = ("import signal, sys\n"
-         "for name in " + repr(STOP_SIGNALS) + ": signal.signal(getattr(signal, name), signal.SIG_IGN)\n"
+         "stops = [getattr(signal, name) for name in " + repr(STOP_SIGNALS) + "]\n"
+         "install = signal.signal\n"
+         "for number in stops: install(number, lambda *_: None)\n"
+         "signal.signal = lambda number, handler: (signal.getsignal(number) if number in stops\n"
+         "                                         else install(number, handler))\n"
          "from mindspore.parallel.cluster.run import main\n"
          "sys.argv[0] = 'msrun'\n"
          "sys.exit(main())\n")
@@ -129,8 +139,9 @@ def _parent_and_role(pid: int):
         return None, None
 
 
-def workers_under(root: int) -> List[int]:
-    """The MindSpore worker processes (MS_ROLE=MS_WORKER) among the descendants of ``root``."""
+def processes_under(root: int, role: str = "MS_WORKER") -> List[int]:
+    """The MindSpore processes of ``role`` (MS_ROLE: MS_WORKER, or MS_SCHED for msrun's scheduler) among the
+    descendants of ``root``."""
     table = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
@@ -139,22 +150,60 @@ def workers_under(root: int) -> List[int]:
     while frontier:
         frontier = {pid for pid, (parent, _) in table.items() if parent in frontier and pid not in below}
         below |= frontier
-    return sorted(pid for pid in below if table[pid][1] == "MS_WORKER")
+    return sorted(pid for pid in below if table[pid][1] == role)
+
+
+def workers_under(root: int) -> List[int]:
+    """The MindSpore worker processes (MS_ROLE=MS_WORKER) among the descendants of ``root``."""
+    return processes_under(root, "MS_WORKER")
 
 
 class SignalRelay:
-    """While active, stop signals received here go to the worker processes under ``root`` (once each)."""
+    """While active, stop signals received here go to the worker processes under ``root``, each worker once,
+    also those msrun starts after the signal came (:meth:`follow`, called while the job runs). Once every worker
+    has ended after a stop, msrun's scheduler is given ``scheduler_grace`` seconds to end too, then killed: after a
+    stop during start-up it would wait for the workers that never joined until MindSpore's cluster timeout
+    (CLUSTER_TIME_OUT, 600 s), far past a scheduler's grace period. It holds nothing to save."""
 
-    def __init__(self, root: int):
+    def __init__(self, root: int, scheduler_grace: float = 10.0):
         self.root, self.received, self._previous = root, [], {}
+        self.scheduler_grace = scheduler_grace
+        self.signalled: set = set()
+        self.workers_ended_at: Optional[float] = None
 
     def _relay(self, number, _frame):
         self.received.append(signal.Signals(number).name)
         for pid in workers_under(self.root):
-            try:
-                os.kill(pid, number)
-            except OSError:
-                pass
+            self._send(pid, number)
+
+    def _send(self, pid: int, number: int) -> None:
+        self.signalled.add(pid)
+        try:
+            os.kill(pid, number)
+        except OSError:
+            pass
+
+    def follow(self) -> None:
+        """After a stop: pass it to workers started since, and end a scheduler the ended workers left waiting."""
+        if not self.received:
+            return
+        number = getattr(signal, self.received[0])
+        workers = workers_under(self.root)
+        for pid in workers:
+            if pid not in self.signalled:
+                self._send(pid, number)
+        if workers or not self.signalled:
+            self.workers_ended_at = None
+            return
+        now = time.monotonic()
+        if self.workers_ended_at is None:
+            self.workers_ended_at = now
+        elif now - self.workers_ended_at >= self.scheduler_grace:
+            for pid in processes_under(self.root, "MS_SCHED"):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
 
     def __enter__(self):
         for name in STOP_SIGNALS:
@@ -257,6 +306,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     job = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
     with SignalRelay(job.pid) as relay:
         errors = collect(job.stderr)
+        while job.poll() is None:
+            relay.follow()
+            time.sleep(0.2)
         status = job.wait()
     if status != 0 and (stopped_with_state_saved(s["log_dir"], earlier_logs)
                         or (relay.received and not failures(s["log_dir"], earlier_logs))):
@@ -268,11 +320,22 @@ def main(argv: Optional[List[str]] = None) -> int:
         return STOPPED_STATUS
     if status != 0:
         # msrun's own traceback ("Distributed job exited with exception") says no more than the report below
+        status = failed_workers_status(errors(), status)
         print(f"run_parallel: FAILED with status {status}", file=sys.stderr)
         report_failures(s["log_dir"], earlier_logs)
     else:
         sys.stderr.write("".join(errors()))
         print(f"run_parallel: finished; logs in {s['log_dir']}")
+    return status
+
+
+def failed_workers_status(msrun_errors: List[str], status: int) -> int:
+    """The exit status of the worker msrun saw fail first, when it says (2: bad input, 1: a fault; msrun itself
+    exits 1 for either), else msrun's ``status``: a script tells bad input from a fault as with finetune.py."""
+    for line in msrun_errors:
+        found = re.search(r"Worker process \d+ exit with exception\. Error code: (-?\d+)", line)
+        if found:
+            return int(found.group(1)) if found.group(1) in ("1", "2") else status
     return status
 
 
