@@ -151,13 +151,16 @@ class CacheEntry:
 
 
 def load_arrays(path: str) -> dict:
-    """Every array of an ``.npz`` cache file (``allow_pickle`` off)."""
+    """Every array of an ``.npz`` cache file (``allow_pickle`` off). Arrays are kept as ``.npz``, not ``.npy``: reading
+    a member to its end checks the zip's CRC-32, so damaged values are found (a plain ``.npy`` with zeroed pages
+    read back as zeros)."""
     with np.load(path, allow_pickle=False) as z:
         return {k: z[k] for k in z.files}
 
 
-def load_array(path: str) -> np.ndarray:
-    return np.load(path, allow_pickle=False)
+def load_values(path: str) -> np.ndarray:
+    """The array ``values`` of an ``.npz`` cache file (:func:`load_arrays`)."""
+    return load_arrays(path)["values"]
 
 
 def everyone_has(found: bool, ranks) -> bool:

@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import DEMO_VAL, MPTRJ_DB
+from conftest import DEMO_TRAIN, DEMO_VAL, MPTRJ_DB
 
 
 @pytest.fixture
@@ -17,31 +17,45 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 def spoil(path, how):
+    """``empty``, ``garbage``, or ``pages``: an array file's values (after its header) made zeros, or three pages in
+    the middle of an SQLite file overwritten, the size kept (what a disk's lost or stray writes leave)."""
+    if how == "pages":
+        data = bytearray(open(path, "rb").read())
+        if data.startswith(b"SQLite format 3"):
+            start = 4096 * 13  # (pages 14-16 of an index of the demo's 64 training structures: its tables' pages)
+            data[start:start + 3 * 4096] = np.random.default_rng(0).bytes(3 * 4096)
+        else:
+            start = data.index(b"\n", data.index(b"'descr'")) + 1  # the .npy header's end
+            stop = data.find(b"PK\x01\x02") if data.find(b"PK\x01\x02") > 0 else len(data)  # a zip's directory
+            data[start:stop] = bytes(stop - start)
+        with open(path, "wb") as f:
+            f.write(data)
+        return
     with open(path, "wb") as f:
         f.write(b"" if how == "empty" else b"\x93NUMPY garbage")
 
 
 def test_an_entry_is_named_by_its_whole_identity_and_a_damaged_file_is_rebuilt(cache_dir, caplog):
-    from orb.cache import CacheEntry, load_array
+    from orb.cache import CacheEntry, load_values
 
-    entry = CacheEntry("demo", 1, ("data", "model a"), ".npy")
-    assert entry.read(load_array) is None
-    path = entry.write(lambda tmp: np.save(tmp, np.arange(5)), "demo values")
+    entry = CacheEntry("demo", 1, ("data", "model a"), ".npz")
+    assert entry.read(load_values) is None
+    path = entry.write(lambda tmp: np.savez(tmp, values=np.arange(5)), "demo values")
     assert path and os.listdir(os.path.dirname(path)) == [os.path.basename(path)]  # no temporary left
-    np.testing.assert_array_equal(CacheEntry("demo", 1, ("data", "model a"), ".npy").read(load_array), np.arange(5))
-    for other in (CacheEntry("demo", 2, ("data", "model a"), ".npy"), CacheEntry("demo", 1, ("data", "model b"),
-                                                                                     ".npy")):
-        assert other.name != entry.name and other.read(load_array) is None
+    np.testing.assert_array_equal(CacheEntry("demo", 1, ("data", "model a"), ".npz").read(load_values), np.arange(5))
+    for other in (CacheEntry("demo", 2, ("data", "model a"), ".npz"), CacheEntry("demo", 1, ("data", "model b"),
+                                                                                     ".npz")):
+        assert other.name != entry.name and other.read(load_values) is None
     for how in ("empty", "garbage"):
         spoil(path, how)
         with caplog.at_level("WARNING", logger="orb"):
-            assert CacheEntry("demo", 1, ("data", "model a"), ".npy").read(load_array) is None
+            assert CacheEntry("demo", 1, ("data", "model a"), ".npz").read(load_values) is None
         assert f"cache file {path} is damaged" in caplog.text and not os.path.exists(path)
-        entry.write(lambda tmp: np.save(tmp, np.arange(5)), "demo values")
-    assert entry.read(load_array, valid=lambda values: len(values) == 6) is None  # implausible: rebuilt too
+        entry.write(lambda tmp: np.savez(tmp, values=np.arange(5)), "demo values")
+    assert entry.read(load_values, valid=lambda values: len(values) == 6) is None  # implausible: rebuilt too
 
 
-@pytest.mark.parametrize("how", ["empty", "garbage"])
+@pytest.mark.parametrize("how", ["empty", "garbage", "pages"])
 def test_damaged_row_census_and_neighbour_counts_are_computed_again(cache_dir, tmp_path, how):
     from orb.data.dataset import AseDbDataset
     from orb.models.config import ModelConfig
@@ -63,7 +77,7 @@ def test_damaged_row_census_and_neighbour_counts_are_computed_again(cache_dir, t
     assert third.capacities_read_from == first.capacities_kept_in
 
 
-@pytest.mark.parametrize("how", ["empty", "garbage"])
+@pytest.mark.parametrize("how", ["empty", "garbage", "pages"])
 def test_a_damaged_index_of_another_format_is_made_again(cache_dir, tmp_path, how):
     import ase.io
     from ase.db import connect
@@ -71,12 +85,14 @@ def test_a_damaged_index_of_another_format_is_made_again(cache_dir, tmp_path, ho
     from orb.data.dataset import AseDbDataset
     from orb.data.formats import readable_database
 
-    frames = [row.toatoms() for row in connect(DEMO_VAL).select()]
-    ase.io.write(tmp_path / "val.extxyz", frames, format="extxyz")
-    index = readable_database(str(tmp_path / "val.extxyz"))
+    frames = [row.toatoms() for row in connect(DEMO_TRAIN).select()]
+    ase.io.write(tmp_path / "train.extxyz", frames, format="extxyz")
+    index = readable_database(str(tmp_path / "train.extxyz"))
+    census = AseDbDataset(index).census()
     spoil(index, how)
-    again = readable_database(str(tmp_path / "val.extxyz"))
+    again = readable_database(str(tmp_path / "train.extxyz"))
     assert again == index and len(AseDbDataset(again)) == len(frames)
+    np.testing.assert_array_equal(AseDbDataset(again).census(), census)  # every row read again
 
 
 def test_an_index_cut_short_is_made_again(cache_dir, tmp_path):
@@ -117,11 +133,11 @@ def test_a_damaged_native_library_is_built_again(cache_dir):
 def test_a_stop_signal_while_reading_a_cache_entry_stops_and_keeps_the_file(cache_dir):
     """A stop signal that arrives while a cache file is read ends the run (exit 75), and the file stays: it was
     taken for damaged and deleted, and the signal swallowed, when Stopped was an ordinary Exception."""
-    from orb.cache import CacheEntry, load_array
+    from orb.cache import CacheEntry, load_values
     from orb.signals import Stopped
 
-    entry = CacheEntry("demo", 1, ("data",), ".npy")
-    path = entry.write(lambda tmp: np.save(tmp, np.arange(3)), "demo values")
+    entry = CacheEntry("demo", 1, ("data",), ".npz")
+    path = entry.write(lambda tmp: np.savez(tmp, values=np.arange(3)), "demo values")
 
     def interrupted(_path):
         raise Stopped("stopped by SIGTERM during start-up")
@@ -129,7 +145,7 @@ def test_a_stop_signal_while_reading_a_cache_entry_stops_and_keeps_the_file(cach
     with pytest.raises(Stopped):
         entry.read(interrupted)
     assert os.path.exists(path)
-    np.testing.assert_array_equal(entry.read(load_array), np.arange(3))
+    np.testing.assert_array_equal(entry.read(load_values), np.arange(3))
 
 
 def test_a_cache_that_cannot_be_written_names_the_folder_and_the_run_goes_on(cache_dir, caplog):
@@ -138,9 +154,9 @@ def test_a_cache_that_cannot_be_written_names_the_folder_and_the_run_goes_on(cac
     are removed at the next write, recent ones (perhaps another node's live writer) are kept."""
     import time
 
-    from orb.cache import CacheEntry, load_array
+    from orb.cache import CacheEntry, load_values
 
-    entry = CacheEntry("demo", 1, ("data",), ".npy")
+    entry = CacheEntry("demo", 1, ("data",), ".npz")
     folder = cache_dir / "demo"
     os.makedirs(folder / entry.name)  # a folder where the file should go: the rename fails
     dead = 2 ** 22 + 12345  # above any pid_max default: no such process
@@ -149,7 +165,7 @@ def test_a_cache_that_cannot_be_written_names_the_folder_and_the_run_goes_on(cac
         stale.write_bytes(b"partial")
     os.utime(old, (time.time() - 7200, time.time() - 7200))
     with caplog.at_level("WARNING", logger="orb"):
-        assert entry.write(lambda tmp: np.save(tmp, np.arange(3)), "demo values") is None
+        assert entry.write(lambda tmp: np.savez(tmp, values=np.arange(3)), "demo values") is None
     assert f"could not keep the demo values in {folder}" in caplog.text
     assert sorted(os.listdir(folder)) == sorted([entry.name, recent.name])  # no temporary of this write left
-    assert entry.read(load_array) is None
+    assert entry.read(load_values) is None

@@ -102,8 +102,9 @@ class RowPass:
                 and values.reshape(rows, -1).shape[1] == self.width and self.plausible(values))
 
     def result(self, compute: Callable[[int, int], np.ndarray], ranks: Ranks) -> np.ndarray:
-        entry = cache.CacheEntry(self.kind, 1, self.key + (self.dataset.identity(),), ".npy")  # before any row is read
-        cached = entry.read(cache.load_array, self._valid)
+        # .npz: its zip CRC-32 finds damaged values (zeroed pages of a plain .npy were read back as a row count of 0)
+        entry = cache.CacheEntry(self.kind, 2, self.key + (self.dataset.identity(),), ".npz")  # before any row is read
+        cached = entry.read(cache.load_values, self._valid)
         if cache.everyone_has(cached is not None, ranks):
             self.read_from = entry.read_from
             return cached
@@ -123,7 +124,7 @@ class RowPass:
             raise ClusterError(f"{self.dataset.path}: another rank found a bad row while {self.what} (its log "
                                "names the row)")
         values = np.rint(total[:-1]).astype(np.int64).reshape((rows,) if self.width == 1 else (rows, self.width))
-        self.kept_in = entry.write(lambda tmp: np.save(tmp, values),
+        self.kept_in = entry.write(lambda tmp: np.savez(tmp, values=values),
                                    f"{self.kind.replace('_', ' ')} of {self.dataset.path}")
         return values
 
