@@ -422,6 +422,27 @@ def test_charge_and_spin_under_keys_of_their_own_are_read_in_every_format(tmp_pa
         assert data.charge_and_spin(i) == (attributes["charge"], attributes["spin"])
 
 
+@pytest.mark.parametrize("kind", ["sqlite", "list", "extxyz", "folder", "aselmdb"])
+def test_a_charge_or_spin_that_is_text_is_an_extra_key_to_models_without_them(tmp_path, cache, kind):
+    """``spin="high"``: a model that reads no charge or spin ignores it like any other extra key (an orb-v2 run stopped
+    at the first batch holding that row, after its start-up; an extxyz was refused when indexed); an OMol model's
+    census refuses it before training, naming the row and key, in every format."""
+    from orb.data.dataset import AseDbDataset
+    from orb.data.formats import readable_database
+    from orb.errors import DatasetError
+
+    frames = demo_frames()[:len(ATTRIBUTES)]
+    stored = [dict(charge=a["charge"], spin="high" if i == 1 else a["spin"]) for i, a in enumerate(ATTRIBUTES)]
+    path = readable_database(write_with_attributes(kind, tmp_path, frames, stored))
+    plain = AseDbDataset(path)
+    plain.census()
+    for i, attributes in enumerate(ATTRIBUTES):
+        plain.get(i)
+        assert plain.charge_and_spin(i) == (attributes["charge"], None if i == 1 else attributes["spin"]), i
+    with pytest.raises(DatasetError, match=r"(row 2|frame [01]), key 'spin': must be a number, got 'high'"):
+        AseDbDataset(path, charge_spin=True).census()
+
+
 @pytest.mark.parametrize("kind", ["sqlite", "list", "aselmdb"])
 def test_a_weight_kept_in_row_data_counts_in_every_database_format(tmp_path, cache, kind):
     """A database row's loss weight in ``row.data`` (where ASE-LMDB files keep such values) is its weight whether

@@ -432,7 +432,8 @@ class AseDbDataset:
         return energy, forces, stress
 
     def _charge_spin(self, row) -> Tuple[Optional[np.ndarray], Optional[np.ndarray]]:
-        """The row's total charge and spin (key-value pairs or ``row.data``); required for OMol models."""
+        """The row's total charge and spin (key-value pairs or ``row.data``); required for OMol models, and for the others
+        kept where they are numbers (they reach orb-md's and orb-relax's outputs)."""
         values = []
         for name, key in zip(("charge", "spin"), self.charge_spin_keys):
             value = row.key_value_pairs.get(key, (row.data or {}).get(key))
@@ -444,7 +445,9 @@ class AseDbDataset:
                 try:
                     value = np.array([total_charge_or_spin(value)], np.float32)
                 except ValueError as exc:
-                    raise self._error(str(exc), row.id, key) from None
+                    if self.charge_spin:  # (the census checks every row before training)
+                        raise self._error(str(exc), row.id, key) from None
+                    value = None  # a model without charge and spin: an extra key like any other, ignored
             values.append(value)
         return values[0], values[1]
 

@@ -311,12 +311,25 @@ def _structure_attributes(atoms, keys: LabelKeys, path: str, frame: int) -> dict
     pairs = {}
     for name, key in (("weight", "weight"), ("charge", keys.charge), ("spin", keys.spin)):
         if key and atoms.info.get(key) is not None:
+            if name != "weight" and isinstance(atoms.info[key], str) and not _reads_as_number(atoms.info[key]):
+                # text: kept as it is (an extra key to a model without charge and spin; an OMol model's census
+                # refuses it naming the row)
+                pairs.update(storable_pairs({name: atoms.info[key]}))
+                continue
             value = float(_checked(atoms.info[key], lambda s: int(np.prod(s)) == 1, key, path, frame,
                                    "a number").reshape(-1)[0])
             if name == "weight" and value < 0:
                 raise DatasetError(path, f"frame {frame}: weight must be >= 0, got {value}", key=key)
             pairs[name] = value
     return pairs
+
+
+def _reads_as_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
 
 
 def _other_attributes(atoms, keys: LabelKeys, pairs: dict) -> dict:
