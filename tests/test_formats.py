@@ -268,10 +268,12 @@ def write_with_attributes(kind, folder, frames, attributes=ATTRIBUTES):
         ase.io.write(folder / "parts" / "a.extxyz", tagged(items[:2]), format="extxyz")
         ase.io.write(folder / "parts" / "b.extxyz", tagged(items[2:]), format="extxyz")
         return str(folder / "parts")
+    if kind == "json":
+        return to_db(folder / "all.json", items, backend="json")
     return to_db(folder / "all.aselmdb", items, backend="aselmdb")
 
 
-@pytest.mark.parametrize("kind", ["sqlite", "list", "extxyz", "folder", "aselmdb"])
+@pytest.mark.parametrize("kind", ["sqlite", "list", "extxyz", "folder", "aselmdb", "json"])
 def test_per_structure_attributes_survive_every_format(tmp_path, cache, kind):
     """A structure's loss weight, total charge and spin reach the graphs the trainer batches whatever the format
     (a list of databases, extxyz and ASE-LMDB dropped the weight: every structure weighed 1), with its labels; its
@@ -372,6 +374,25 @@ def test_a_damaged_database_in_a_list_is_one_line_naming_it(tmp_path, cache, nam
     with pytest.raises(DatasetError, match=rf"{name}: cannot read it as an ASE database \("):
         readable_database([DEMO_VAL, str(tmp_path / name)])
     assert not [f for f in os.listdir(cache / "converted") if f.startswith(".")]  # no temporary left
+
+
+def test_an_sqlite_file_that_is_not_an_ase_database_is_refused_and_left_as_it_was(tmp_path, cache):
+    """In a list, an SQLite file of another program was read as an empty ASE database (no structures from it, no
+    warning), and ASE wrote its own tables into it."""
+    import sqlite3
+
+    from orb.data.formats import readable_database
+    from orb.errors import DatasetError
+
+    other = tmp_path / "results.db"
+    connection = sqlite3.connect(other)
+    connection.execute("CREATE TABLE runs (id INTEGER, energy REAL)")
+    connection.commit()
+    connection.close()
+    before = (other.read_bytes(), os.stat(other).st_mtime_ns)
+    with pytest.raises(DatasetError, match=r"results\.db: an SQLite file, but not an ASE database"):
+        readable_database([DEMO_VAL, str(other)])
+    assert (other.read_bytes(), os.stat(other).st_mtime_ns) == before
 
 
 def test_a_stop_signal_while_indexing_exits_75_and_leaves_no_temporary(tmp_path, cache):

@@ -22,6 +22,7 @@ import os
 import sys
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Tuple, Union
+from urllib.parse import quote
 
 import numpy as np
 
@@ -31,7 +32,7 @@ from orb.errors import DatasetError
 log = logging.getLogger("orb")
 SQLITE_MAGIC = b"SQLite format 3\x00"
 CONVERTED = "converted"
-VERSION = 7  # 7: initial magnetic moments and charges kept; 6: a database in a list labelled by its calculator results; 2: the frames' weight kept; 3: their momenta; 4: their masses and constraints; 5: tags, other info
+VERSION = 8  # 8: an ASE JSON database's key-value pairs kept; 7: initial magnetic moments and charges kept; 6: a database in a list labelled by its calculator results; 2: the frames' weight kept; 3: their momenta; 4: their masses and constraints; 5: tags, other info
 # the per-atom arrays the indexed copy keeps (copy() keeps constraints): what orb-md needs (velocities, masses for
 # isotopes), the user's marks (tags), and what a DFT relabelling of uncertain frames starts from (initial magnetic
 # moments and charges); the rest (labels under their own keys, arbitrary arrays) is not a structure's own
@@ -163,7 +164,7 @@ def _frames(path: str) -> Iterator:
         except ImportError:
             raise DatasetError(path, "reading .aselmdb needs the ase-db-backends package: pip install "
                                      "ase-db-backends (or pip install .[lmdb])") from None
-    if path.endswith(".aselmdb") or is_sqlite(path):
+    if path.endswith((".aselmdb", ".json")) or is_sqlite(path):
         from ase.db import connect
 
         row_id = None
@@ -171,7 +172,10 @@ def _frames(path: str) -> Iterator:
             if path.endswith(".aselmdb"):
                 _check_lmdb(path)
                 database = connect(path, type="aselmdb", readonly=True, use_lock_file=False)
+            elif path.endswith(".json"):  # through ase.io its rows came without their key-value pairs (weight, ...)
+                database = connect(path, type="json", use_lock_file=False)
             else:
+                _check_ase_sqlite(path)
                 database = connect(path, type="db", use_lock_file=False)
             for row in database.select():
                 row_id = row.id
@@ -196,6 +200,20 @@ def _frames(path: str) -> Iterator:
     except Exception as exc:  # ase.io's errors vary by format: one line, the reason
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DatasetError(path, f"ase.io cannot read it ({reason})") from None
+
+
+def _check_ase_sqlite(path: str) -> None:
+    """Refuse an SQLite file that is not an ASE database, read-only: ``ase.db.connect`` read it as empty and wrote its
+    own tables into it."""
+    import sqlite3
+
+    connection = sqlite3.connect(f"file:{quote(os.path.abspath(path))}?mode=ro", uri=True)
+    try:
+        found = connection.execute("SELECT name FROM sqlite_master WHERE type='table' AND name='systems'").fetchall()
+    finally:
+        connection.close()
+    if not found:
+        raise DatasetError(path, "an SQLite file, but not an ASE database (it has no 'systems' table)")
 
 
 def _check_lmdb(path: str) -> None:
