@@ -395,6 +395,34 @@ def test_an_sqlite_file_that_is_not_an_ase_database_is_refused_and_left_as_it_wa
     assert (other.read_bytes(), os.stat(other).st_mtime_ns) == before
 
 
+def test_a_structure_without_atoms_is_named_in_a_database_and_in_an_extxyz(tmp_path, cache):
+    """A database row without atoms was left out without a word (ASE's species table, which the dataset reads its
+    rows from, has no entry for it; a reference fit then failed on 65 energies for 64 structures); an extxyz frame
+    without atoms was a traceback from ASE while indexing."""
+    import ase.io
+    from ase import Atoms
+    from ase.calculators.singlepoint import SinglePointCalculator
+    from ase.db import connect
+
+    from orb.data.dataset import AseDbDataset
+    from orb.data.formats import readable_database
+    from orb.errors import DatasetError
+
+    frames = demo_frames()[:3]
+    with connect(str(tmp_path / "empty_row.db")) as db:
+        for atoms in frames[:2]:
+            db.write(atoms)
+        db.write(Atoms())
+        db.write(frames[2])
+    with pytest.raises(DatasetError, match=r"empty_row\.db, row 3: structure has no atoms"):
+        AseDbDataset(str(tmp_path / "empty_row.db"))
+    empty = Atoms()
+    empty.calc = SinglePointCalculator(empty, energy=0.0, forces=np.zeros((0, 3)))
+    ase.io.write(tmp_path / "empty.extxyz", frames[:2] + [empty], format="extxyz")
+    with pytest.raises(DatasetError, match=r"empty\.extxyz: frame 2: structure has no atoms"):
+        readable_database(str(tmp_path / "empty.extxyz"))
+
+
 def test_a_stop_signal_while_indexing_exits_75_and_leaves_no_temporary(tmp_path, cache):
     """SIGTERM while a large extxyz is indexed (start-up: nothing to save) ends the run with exit status 75 (it was
     turned into 'ase.io cannot read it', exit 2, when the signal landed in the reader), and the half-made index

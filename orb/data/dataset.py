@@ -209,6 +209,10 @@ class AseDbDataset:
     def _scan(self) -> Tuple[np.ndarray, np.ndarray]:
         """Row ids and atom counts from ASE's species table (a few bytes per element of a row, not the rows)."""
         rows = self._read("SELECT id, SUM(n) FROM species GROUP BY id ORDER BY id", [])
+        (count,) = self._read("SELECT COUNT(*) FROM systems")[0]  # (through one of ASE's indexes: no row is read)
+        if count != len(rows):  # a row without atoms has no species entry: it was left out without a word
+            empty = self._read("SELECT id FROM systems WHERE natoms = 0 ORDER BY id LIMIT 1")
+            raise self._error("structure has no atoms", int(empty[0][0]) if empty else None)
         if not rows:
             raise self._error("database has no rows")
         ids, natoms = np.array(rows, dtype=np.int64).T

@@ -278,6 +278,8 @@ def _convert(files: List[str], keys: LabelKeys, target: str, progress: bool) -> 
             own = database_keys(path, keys) if is_sqlite(path) else keys
             for frame, atoms in enumerate(_frames(path)):
                 n = len(atoms)
+                if n == 0:  # (ASE's write of its labels failed with a traceback)
+                    raise DatasetError(path, f"frame {frame}: structure has no atoms")
                 (energy, energy_key), (forces, forces_key), (stress, stress_key) = (
                     _label(atoms, name, own, path, frame) for name in ("energy", "forces", "stress"))
                 results = {}
