@@ -4,6 +4,7 @@ bad input is one line naming the file, the frame and the key."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -421,6 +422,32 @@ def test_a_structure_without_atoms_is_named_in_a_database_and_in_an_extxyz(tmp_p
     ase.io.write(tmp_path / "empty.extxyz", frames[:2] + [empty], format="extxyz")
     with pytest.raises(DatasetError, match=r"empty\.extxyz: frame 2: structure has no atoms"):
         readable_database(str(tmp_path / "empty.extxyz"))
+
+
+@pytest.mark.parametrize("column, value, message", [
+    ("positions", "x'010203'", "cannot decode it \\(buffer size must be a multiple of element size\\)"),
+    ("cell", "x'" + "00" * 48 + "'", "cannot decode it \\(cannot reshape array of size 6 into shape \\(3,3\\)\\)"),
+    ("key_value_pairs", "'{not json'", "cannot decode it \\(Expecting property name"),
+    ("forces", "x'" + "00" * 24 + "'", "1 entries for 8 atoms"),
+])
+def test_a_damaged_value_in_a_row_is_one_line_naming_row_and_column(tmp_path, cache, column, value, message):
+    """A row whose stored bytes cannot be what ASE wrote (a damaged file) was a numpy or json traceback."""
+    import sqlite3
+
+    from orb.data.dataset import AseDbDataset
+    from orb.errors import DatasetError
+
+    path = str(tmp_path / "damaged.db")
+    shutil.copy(DEMO_VAL, path)
+    connection = sqlite3.connect(path)
+    connection.execute(f"UPDATE systems SET {column} = {value} WHERE id = 5")
+    connection.commit()
+    connection.close()
+    with pytest.raises(DatasetError, match=rf"damaged\.db, row 5, key '{column}': {message}"):
+        data = AseDbDataset(path)
+        data.census()
+        for i in range(len(data)):
+            data.get_atoms(i)
 
 
 def test_a_stop_signal_while_indexing_exits_75_and_leaves_no_temporary(tmp_path, cache):

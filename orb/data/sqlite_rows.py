@@ -55,31 +55,53 @@ class Row:
     """What training reads of one database row (names as ``ase.db``'s rows)."""
 
     __slots__ = ("id", "natoms", "numbers", "positions", "cell", "pbc", "energy", "forces", "stress", "_kvp",
-                 "raw_data", "momenta", "masses", "constraints", "tags", "initial_magmoms", "initial_charges")
+                 "raw_data", "momenta", "masses", "constraints", "tags", "initial_magmoms", "initial_charges", "path")
 
-    def __init__(self, values):
+    def __init__(self, values, path: str = ""):
+        """A row's columns decoded; one that cannot be (a damaged file) is one line naming ``path``, row and column."""
         (self.id, self.natoms, numbers, positions, cell, pbc, self.energy, forces, stress, self._kvp,
          self.raw_data, momenta, masses, self.constraints, tags, magmoms, charges) = values
+        self.path = path
         # what dynamics needs beyond training: the structure's own velocities, masses (isotopes), constraints, tags;
         # and what a DFT relabelling of its frames starts from: initial magnetic moments (collinear or not), charges
-        self.momenta = _array(momenta, shape=(-1, 3))
-        self.initial_magmoms = _array(magmoms)
+        self.momenta = self._column("momenta", momenta, shape=(-1, 3))
+        self.initial_magmoms = self._column("initial_magmoms", magmoms, per_atom=False)  # (N,) or (N, 3) flat
         if self.initial_magmoms is not None and self.initial_magmoms.size == 3 * self.natoms != self.natoms:
             self.initial_magmoms = self.initial_magmoms.reshape(-1, 3)
-        self.initial_charges = _array(charges)
-        self.tags = _array(tags, np.int32)
-        self.masses = _array(masses)
-        self.numbers = _array(numbers, np.int32)
-        self.positions = _array(positions, shape=(-1, 3))
-        self.cell = _array(cell, shape=(3, 3))
+        self.initial_charges = self._column("initial_charges", charges)
+        self.tags = self._column("tags", tags, np.int32)
+        self.masses = self._column("masses", masses)
+        self.numbers = self._column("numbers", numbers, np.int32)
+        self.positions = self._column("positions", positions, shape=(-1, 3))
+        self.cell = self._column("cell", cell, shape=(3, 3), per_atom=False)
         self.pbc = _PBC[pbc or 0]
-        self.forces = _array(forces, shape=(-1, 3))
-        self.stress = _array(stress)
+        self.forces = self._column("forces", forces, shape=(-1, 3))
+        self.stress = self._column("stress", stress, per_atom=False)
+
+    def _column(self, name: str, blob, dtype=np.float64, shape=None, per_atom: bool = True) -> Optional[np.ndarray]:
+        """One array column (:func:`_array`), checked: a per-atom one has a row per atom."""
+        try:
+            array = _array(blob, dtype, shape)
+        except ValueError as exc:  # a blob of the wrong size
+            raise DatasetError(self.path, f"cannot decode it ({exc}): the file may be damaged", self.id, name) from None
+        if per_atom and array is not None and len(array) != self.natoms:
+            raise DatasetError(self.path, f"{len(array)} entries for {self.natoms} atoms: the file may be damaged",
+                               self.id, name)
+        return array
+
+    def _decoded(self, value, column: str, empty) -> Dict[str, Any]:
+        if value in (None, empty):
+            return {}
+        try:
+            return _decode(value)
+        except Exception as exc:  # json's, or ase's binary format's, error on damaged bytes
+            raise DatasetError(self.path, f"cannot decode it ({str(exc).strip()[:120] or type(exc).__name__}): the "
+                               "file may be damaged", self.id, column) from None
 
     @property
     def key_value_pairs(self) -> Dict[str, Any]:
         if not isinstance(self._kvp, dict):
-            self._kvp = _decode(self._kvp) if self._kvp not in (None, "{}") else {}
+            self._kvp = self._decoded(self._kvp, "key_value_pairs", "{}")
         return self._kvp
 
     def get(self, key: str, default=None):
@@ -89,7 +111,7 @@ class Row:
     @property
     def data(self) -> Dict[str, Any]:
         if not isinstance(self.raw_data, dict):
-            self.raw_data = _decode(self.raw_data) if self.raw_data not in (None, "null") else {}
+            self.raw_data = self._decoded(self.raw_data, "data", "null")
         return self.raw_data
 
     @property
@@ -170,7 +192,7 @@ class RowReader:
             part = ids[start:start + 256]
             for values in self.query(f"SELECT {COLUMNS} FROM systems WHERE id IN ({','.join('?' * len(part))})", part,
                                      part[0] if len(part) == 1 else None):
-                found[values[0]] = Row(values)
+                found[values[0]] = Row(values, self.path)
         missing = [i for i in ids if i not in found]
         if missing:
             raise DatasetError(self.path, "row is gone (was the database changed during the run?)", missing[0])
