@@ -428,7 +428,8 @@ def test_a_structure_without_atoms_is_named_in_a_database_and_in_an_extxyz(tmp_p
     ("positions", "x'010203'", "cannot decode it \\(buffer size must be a multiple of element size\\)"),
     ("cell", "x'" + "00" * 48 + "'", "cannot decode it \\(cannot reshape array of size 6 into shape \\(3,3\\)\\)"),
     ("key_value_pairs", "'{not json'", "cannot decode it \\(Expecting property name"),
-    ("forces", "x'" + "00" * 24 + "'", "1 entries for 8 atoms"),
+    ("forces", "x'" + "00" * 24 + "'", "forces of shape \\(1, 3\\) for 8 atoms"),
+    ("numbers", "x'01000000'", "1 entries for 8 atoms"),
 ])
 def test_a_damaged_value_in_a_row_is_one_line_naming_row_and_column(tmp_path, cache, column, value, message):
     """A row whose stored bytes cannot be what ASE wrote (a damaged file) was a numpy or json traceback."""

@@ -75,7 +75,7 @@ class Row:
         self.positions = self._column("positions", positions, shape=(-1, 3))
         self.cell = self._column("cell", cell, shape=(3, 3), per_atom=False)
         self.pbc = _PBC[pbc or 0]
-        self.forces = self._column("forces", forces, shape=(-1, 3))
+        self.forces = self._column("forces", forces, shape=(-1, 3), per_atom=False)  # (a label: checked with the others)
         self.stress = self._column("stress", stress, per_atom=False)
 
     def _column(self, name: str, blob, dtype=np.float64, shape=None, per_atom: bool = True) -> Optional[np.ndarray]:
