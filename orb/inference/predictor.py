@@ -25,14 +25,20 @@ log = logging.getLogger("orb")
 class Predictor:
     """Pads batches to reusable bucket shapes and runs the compiled forward pass."""
 
-    def __init__(self, model, buckets: Optional[List[Bucket]] = None, growth: float = 1.25, multiple: int = 8):
+    def __init__(self, model, buckets: Optional[List[Bucket]] = None, growth: float = 1.25, multiple: int = 8,
+                 reuse: bool = True):
+        """``reuse``: a batch may take any known bucket it fits (fewest compilations: a relaxation's or an evaluation's
+        batches of changing sizes). Without it a batch's shape is a function of the batch alone
+        (:meth:`shape_of`): the padding changes the float32 products' blocking, hence their last bits, so a
+        resumed run, whose process has not seen the earlier batches, computes what an uninterrupted one did
+        (orb-md, the calculator)."""
         from orb.models import is_float64_model
 
         self.model = model
         self.float64 = is_float64_model(model)  # its graphs must be built in float64 (atoms_to_graph(float64=))
         self.cell = PredictCell(model)
         self.buckets: List[Bucket] = sorted(buckets or [])
-        self.growth, self.multiple = growth, multiple
+        self.growth, self.multiple, self.reuse = growth, multiple, reuse
         self.compiled: Dict[Bucket, float] = {}
 
     def bucket_for(self, batch: AtomGraphs) -> Bucket:
@@ -45,6 +51,11 @@ class Predictor:
         solids) cannot gain edges at the same atom count; otherwise (molecules, "inf" models) the
         count moves from step to step and gets 10 % headroom.
         """
+        if not self.reuse:
+            bucket = self.shape_of(batch)
+            if bucket not in self.buckets:
+                self.buckets = sorted(self.buckets + [bucket])
+            return bucket
         for bucket in self.buckets:
             if bucket.fits(batch):
                 return bucket
@@ -60,6 +71,25 @@ class Predictor:
                      batch.num_nodes, batch.num_edges, bucket.num_nodes, bucket.num_edges, bucket.num_graphs)
         self.buckets = sorted(self.buckets + [bucket])
         return bucket
+
+    def shape_of(self, batch: AtomGraphs) -> Bucket:
+        """The bucket of ``batch`` alone: atoms and edges rounded up to a geometric grid of ratio 1.1 (at most 10 %
+        padding beyond ``multiple``; a count that moves a little from step to step keeps its shape, or takes the next
+        one, each compiled once; a structure with every atom at ``max_neighbors`` exactly its edges), one padding
+        graph."""
+        nodes = self._on_grid(batch.num_nodes + 1)
+        max_nb = self.model.cfg.max_neighbors
+        if batch.num_edges >= batch.num_nodes * max_nb:  # every atom at max_neighbors: its edges cannot grow
+            edges = round_up(batch.num_edges, self.multiple)
+        else:
+            edges = min(self._on_grid(batch.num_edges), nodes * max_nb)
+        return Bucket(nodes, max(edges, self.multiple), batch.num_graphs + 1)
+
+    def _on_grid(self, count: int) -> int:
+        size = self.multiple
+        while size < count:
+            size = round_up(int(math.ceil(size * 1.1)), self.multiple)
+        return size
 
     def __call__(self, batch: AtomGraphs) -> Dict[str, np.ndarray]:
         """``energy`` (B,), ``forces`` (N, 3), ``stress`` (B, 6) of the real graphs of ``batch`` (no ``stress`` for a
