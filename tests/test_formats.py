@@ -329,6 +329,9 @@ def test_only_what_a_database_row_and_an_extxyz_line_can_hold_is_carried(tmp_pat
     carried = storable_pairs(info)
     assert carried == {"config_type": "bulk", "flag": True, "n": 3, "REF_energy": -3.0, "DFT_forces_max": 0.2}
     assert without_labels(carried) == {"config_type": "bulk", "flag": True, "n": 3}
+    # a label word inside another word is no label (forcefield_origin, reinforced were dropped from orb-md's frames)
+    assert without_labels({"forcefield_origin": "uff", "reinforced": True, "energy_per_atom": -1.0, "DFT-virial": 0,
+                           "Stress": 1}) == {"forcefield_origin": "uff", "reinforced": True}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with connect(str(tmp_path / "x.db")) as db:

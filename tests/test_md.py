@@ -159,6 +159,29 @@ def test_bad_input_is_one_line_and_a_broken_structure_is_named_while_the_others_
     assert [s["status"] for s in summary["structures"]] == ["done", "failed", "done"]
 
 
+def test_structures_are_checked_before_the_first_step(tmp_path):
+    """A NaN velocity, a zero mass or a NaN position: refused before the first step in one line naming file, frame and
+    key (the run started, wrote a frame of NaN momenta, and blamed the structure's positions, exit 1)."""
+    import ase.io
+
+    path, frames = start_frames(tmp_path)
+    for key, message in (("momenta", "momenta contain NaN or inf"), ("masses", "masses must be finite and > 0"),
+                         ("positions", "")):
+        bad = frames[1].copy()
+        if key == "momenta":
+            bad.arrays["momenta"][0, 1] = np.nan
+        elif key == "masses":
+            bad.set_masses([0.0] * len(bad))
+        else:
+            bad.positions[0, 0] = np.nan
+        ase.io.write(tmp_path / f"{key}.extxyz", [frames[0], bad], format="extxyz")
+        result = orb_md(tmp_path, key, "--data", str(tmp_path / f"{key}.extxyz"), "--timestep", "1", "--steps", "2")
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+        assert lines[0].startswith(f"error: {tmp_path / f'{key}.extxyz'}, frame 1, key '{key}': {message}"), lines
+        assert not (tmp_path / key / "traj_0.extxyz").exists()
+
+
 def test_extending_a_run_and_stopping_uncertain_structures_survive_a_resume(tmp_path):
     """A run of 0 steps (its state at step 0) extended with --resume writes frame 0 once (ASE observes step 0
     again), and so does a structure killed between its first frame and its first state (it starts again: its

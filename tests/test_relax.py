@@ -370,3 +370,18 @@ def test_a_model_without_a_stress_head_reports_no_stress_anywhere(tmp_path):
     log = (tmp_path / "md" / "log_0.csv").read_text().splitlines()
     column = log[0].split(",").index("pressure_GPa")
     assert [line.split(",")[column] for line in log[1:]] == ["nan"] * 2
+
+
+def test_a_molecule_is_stored_without_a_stress_and_a_crystal_with_one(tmp_path):
+    """orb-v2 computes a stress for every structure; a molecule's (no cell) is meaningless and was stored in its
+    relaxed row (orb-md leaves it out of the frames of a structure the model does not see as periodic)."""
+    import ase.db
+
+    result = relax_cli("--data", DEMO_VAL, "--output", str(tmp_path / "relaxed.db"), "--steps", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = list(ase.db.connect(str(tmp_path / "relaxed.db")).select())
+    molecules = [row for row in rows if not row.toatoms().cell.any()]
+    crystals = [row for row in rows if row.toatoms().cell.any()]
+    assert molecules and crystals
+    assert all(row.get("stress") is None and row.get("forces") is not None for row in molecules)
+    assert all(row.get("stress") is not None for row in crystals)

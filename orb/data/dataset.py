@@ -212,9 +212,9 @@ class AseDbDataset:
         (count,) = self._read("SELECT COUNT(*) FROM systems")[0]  # (through one of ASE's indexes: no row is read)
         if count != len(rows):  # a row without atoms has no species entry: it was left out without a word
             empty = self._read("SELECT id FROM systems WHERE natoms = 0 ORDER BY id LIMIT 1")
-            raise self._error("structure has no atoms", int(empty[0][0]) if empty else None)
+            raise self.error_at("structure has no atoms", int(empty[0][0]) if empty else None)
         if not rows:
-            raise self._error("database has no rows")
+            raise self.error_at("database has no rows")
         ids, natoms = np.array(rows, dtype=np.int64).T
         return ids, natoms
 
@@ -256,7 +256,7 @@ class AseDbDataset:
                 for column, key in ((0, "energy"), (1, "forces")):
                     if not stored[:, column].all():
                         row = int(self.ids[np.argmin(stored[:, column])])
-                        raise self._error("row has no label (store it with a SinglePointCalculator)", row,
+                        raise self.error_at("row has no label (store it with a SinglePointCalculator)", row,
                                            key)
                 if stored[:, 2].any() and not stored[:, 2].all():
                     row = int(self.ids[np.argmin(stored[:, 2])])
@@ -283,7 +283,7 @@ class AseDbDataset:
         self.census()
         return self._all_labelled
 
-    def _error(self, message: str, row: Optional[int] = None, key: Optional[str] = None) -> DatasetError:
+    def error_at(self, message: str, row: Optional[int] = None, key: Optional[str] = None) -> DatasetError:
         """A bad row named where the user can find it: this database's row, or for a database indexed from
         another format (``orb.data.formats``) the original file and frame."""
         if self.sources and row is not None:
@@ -300,7 +300,7 @@ class AseDbDataset:
         if found:
             row, z = int(found[0][0]), int(found[0][1])
             symbol = chemical_symbols[z] if z < len(chemical_symbols) else f"element {z}"
-            raise self._error(f"{symbol} (Z={z}) {why}", row, "numbers")
+            raise self.error_at(f"{symbol} (Z={z}) {why}", row, "numbers")
 
     def _read_sources(self) -> list:
         """The files and frame counts of a database indexed from another format, else []."""
@@ -320,9 +320,9 @@ class AseDbDataset:
         except sqlite3.OperationalError as exc:
             if default is not None and "no such table" in str(exc):
                 return default
-            raise self._error(f"cannot read as an ASE database ({exc})") from None
+            raise self.error_at(f"cannot read as an ASE database ({exc})") from None
         except sqlite3.DatabaseError as exc:
-            raise self._error(f"cannot read as an ASE database ({exc})") from None
+            raise self.error_at(f"cannot read as an ASE database ({exc})") from None
 
     def _weights_in_data(self, positions: np.ndarray) -> None:
         """The weights of the rows at ``positions`` that keep theirs in ``row.data`` (as an ASE-LMDB, or a database
@@ -335,10 +335,10 @@ class AseDbDataset:
             except (TypeError, ValueError):
                 array = np.zeros(0)
             if array.size != 1:
-                raise self._error(f"weight must be a number, got {str(value)[:40]!r}", row.id, "weight")
+                raise self.error_at(f"weight must be a number, got {str(value)[:40]!r}", row.id, "weight")
             weight = float(array.reshape(-1)[0])
             if not np.isfinite(weight) or weight < 0:
-                raise self._error(f"weight must be a finite number >= 0, got {weight!r}", row.id, "weight")
+                raise self.error_at(f"weight must be a finite number >= 0, got {weight!r}", row.id, "weight")
             self.weights[position] = weight
 
     def _weights(self) -> np.ndarray:
@@ -347,10 +347,10 @@ class AseDbDataset:
         position = {int(i): k for k, i in enumerate(self.ids)}
         text = self._read("SELECT id, value FROM text_key_values WHERE key = 'weight' LIMIT 1", [])
         if text:
-            raise self._error(f"weight must be a number, got {text[0][1]!r}", text[0][0], "weight")
+            raise self.error_at(f"weight must be a number, got {text[0][1]!r}", text[0][0], "weight")
         for row, value in self._read("SELECT id, value FROM number_key_values WHERE key = 'weight'", []):
             if value is None or not np.isfinite(value) or value < 0:
-                raise self._error(f"weight must be a finite number >= 0, got {value!r}", row, "weight")
+                raise self.error_at(f"weight must be a finite number >= 0, got {value!r}", row, "weight")
             weights[position[int(row)]] = float(value)
         return weights
 
@@ -359,7 +359,7 @@ class AseDbDataset:
         rows = np.array(self._read("SELECT id, energy FROM systems ORDER BY id"), dtype=np.float64).reshape(-1, 2)
         missing = np.isnan(rows[:, 1])
         if missing.any():
-            raise self._error("row has no energy", int(rows[np.argmax(missing), 0]), "energy")
+            raise self.error_at("row has no energy", int(rows[np.argmax(missing), 0]), "energy")
         return rows[:, 1]
 
     def composition(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -415,23 +415,23 @@ class AseDbDataset:
         if energy is not None:
             energy = np.asarray(energy, dtype=np.float64)
             if energy.size != 1:
-                raise self._error(f"energy must be a scalar, got shape {energy.shape}", row.id, "energy")
+                raise self.error_at(f"energy must be a scalar, got shape {energy.shape}", row.id, "energy")
             energy = float(energy)
         if forces is not None:
             forces = np.asarray(forces, dtype=np.float64)
             if forces.shape != (n, 3):
-                raise self._error(f"forces of shape {forces.shape} for {n} atoms", row.id, "forces")
+                raise self.error_at(f"forces of shape {forces.shape} for {n} atoms", row.id, "forces")
         if stress is not None:
             stress = np.asarray(stress, dtype=np.float64)
             if stress.shape in ((3, 3), (9,)):  # a full tensor (ASE reads one back flat)
                 stress = matrix_to_voigt(stress.reshape(3, 3))
             if stress.shape != (6,):
-                raise self._error(f"stress of shape {stress.shape}, expected (6,) or (3, 3)", row.id, "stress")
+                raise self.error_at(f"stress of shape {stress.shape}, expected (6,) or (3, 3)", row.id, "stress")
         for key, value in (("energy", energy), ("forces", forces), ("stress", stress)):
             if value is not None and not np.all(np.isfinite(value)):
-                raise self._error("label contains NaN or inf", row.id, key)
+                raise self.error_at("label contains NaN or inf", row.id, key)
             if value is not None and np.max(np.abs(value)) > FLOAT32_MAX:  # inf in the float32 loss: NaN steps
-                raise self._error(f"label {np.max(np.abs(value)):.3g} is beyond float32's range (3.4e38): wrong units or "
+                raise self.error_at(f"label {np.max(np.abs(value)):.3g} is beyond float32's range (3.4e38): wrong units or "
                                   "a corrupted value", row.id, key)
         return energy, forces, stress
 
@@ -442,7 +442,7 @@ class AseDbDataset:
         for name, key in zip(("charge", "spin"), self.charge_spin_keys):
             value = row.key_value_pairs.get(key, (row.data or {}).get(key))
             if value is None and self.charge_spin:
-                raise self._error(f"row has no total {name}, which OMol models need (store it with "
+                raise self.error_at(f"row has no total {name}, which OMol models need (store it with "
                                    f"db.write(atoms, {self.charge_spin_keys[0]}=..., {self.charge_spin_keys[1]}=...))",
                                   row.id, key)
             if value is not None:
@@ -450,7 +450,7 @@ class AseDbDataset:
                     value = np.array([total_charge_or_spin(value)], np.float32)
                 except ValueError as exc:
                     if self.charge_spin:  # (the census checks every row before training)
-                        raise self._error(str(exc), row.id, key) from None
+                        raise self.error_at(str(exc), row.id, key) from None
                     value = None  # a model without charge and spin: an extra key like any other, ignored
             values.append(value)
         return values[0], values[1]
@@ -494,7 +494,7 @@ class AseDbDataset:
     def _structure_error(self, row, exc: StructureError) -> DatasetError:
         key = ("numbers" if "atomic number" in str(exc) else "pbc" if "pbc" in str(exc)
                else "cell" if "cell" in str(exc) else "positions")
-        return self._error(str(exc), row.id, key)
+        return self.error_at(str(exc), row.id, key)
 
     def count_edge_capacities(self, start: int, stop: int) -> np.ndarray:
         """The edge capacities (:func:`edge_capacity`) of rows ``start:stop``."""

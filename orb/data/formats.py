@@ -395,8 +395,11 @@ def without_labels(info: dict) -> dict:
     """A structure's ``info`` without what reads as a label (a key naming an energy, forces, stress or virial:
     ``REF_energy``, ``DFT_energy``, ``free_energy``): carried onto the new geometries of a relaxation or dynamics,
     a label would be another structure's."""
-    return {k: v for k, v in info.items()
-            if not any(word in str(k).lower() for word in ("energy", "force", "stress", "virial"))}
+    import re
+
+    words = {"energy", "energies", "force", "forces", "stress", "stresses", "virial", "virials"}
+    # whole words of the key (``forcefield_origin``, ``reinforced`` are no labels: they were dropped)
+    return {k: v for k, v in info.items() if not words & set(re.split(r"[^a-z0-9]+", str(k).lower()))}
 
 
 def frame_of(sources: List[Tuple[str, int]], row_id: int) -> Tuple[str, int]:

@@ -284,7 +284,7 @@ class Dynamics:
         from orb.inference.predictor import Predictor
 
         self.model, self.args, self.dispersion = model, args, dispersion
-        self.predictor = Predictor(model)
+        self.predictor = Predictor(model, reuse=False)  # a resumed run computes as an uninterrupted one
         self.stop_requested = False
         self.uncertain = None
 
@@ -521,6 +521,7 @@ def load_structures(args, model) -> Tuple[List[Run], object]:
 
     data = AseDbDataset(readable_database(args.data, LabelKeys()), require_labels=False,
                         settings=model.cfg.graph_settings(), charge_spin=model.cfg.omol)
+    data.census()  # every structure checked before the first step, named by file, row or frame, and key
     check_dispersion_elements(data, args.dispersion)
     runs = []
     for i in range(len(data)):
@@ -529,8 +530,13 @@ def load_structures(args, model) -> Tuple[List[Run], object]:
         atoms.info = without_labels(atoms.info)  # the starting structure's labels are not the frames'
         if model.cfg.omol:
             atoms.info.update(total_charge_and_spin(data, i, required=True))
+        row = int(data.ids[i])
         if args.ensemble == "npt" and not (atoms.cell.any() and atoms.pbc.all()):
-            raise OrbInputError(f"{data.path}, structure {i}: npt needs a periodic structure (a cell and pbc)")
+            raise data.error_at("npt needs a periodic structure (a cell and pbc)", row, "cell")
+        if not np.all(np.isfinite(atoms.get_momenta())):  # (a NaN velocity was blamed on the positions, mid-run)
+            raise data.error_at("momenta contain NaN or inf", row, "momenta")
+        if not (np.all(np.isfinite(atoms.get_masses())) and np.all(atoms.get_masses() > 0)):
+            raise data.error_at("masses must be finite and > 0", row, "masses")
         runs.append(Run(i, int(data.ids[i]), atoms, folder=args.output))
     return runs, data
 

@@ -105,7 +105,7 @@ class BatchRelaxer:
         """The model (and dispersion) on every active structure at once; the results attached to each."""
         from ase.calculators.singlepoint import SinglePointCalculator
 
-        from orb.data.graphs import atoms_to_graph, batch_graphs
+        from orb.data.graphs import atoms_to_graph, batch_graphs, model_sees_periodic
         from orb.inference.predictor import per_structure
         from orb.inference.runs import first_line
         from orb.inference.uncertainty import per_atom_error
@@ -149,6 +149,8 @@ class BatchRelaxer:
             if not all(np.all(np.isfinite(results[key])) for key in results):
                 r.error = f"step {r.steps}: the model's energy, forces or stress are not finite"
                 continue
+            if "stress" in results and not model_sees_periodic(r.atoms, settings):
+                del results["stress"]  # a molecule's: no stress (orb-v2 stored its meaningless one), as orb-md's frames
             r.atoms.calc = SinglePointCalculator(r.atoms, free_energy=results["energy"], **results)
 
     def run(self, structures, on_done, stop: Callable[[], bool] = lambda: False,
