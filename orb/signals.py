@@ -126,7 +126,7 @@ def run_command(body: Callable[[], int], resume_hint: str = "") -> int:
     """A command line's main: stop signals listened to from its first moment (before its arguments are parsed and
     anything heavy is imported: a signal there ended the process with status 143, not 75), then ``body()`` (parse,
     work, report; returns the exit status), with one line and an exit status for what stops it: a stop signal
-    (75), bad input (2), a failure of the run (1; what it wrote stays whole)."""
+    (75), bad input (2), a failure of the run or of the file system (1; what it wrote stays whole)."""
     from orb.errors import OrbInputError, RunError
 
     listen(resume_hint)
@@ -140,6 +140,15 @@ def run_command(body: Callable[[], int], resume_hint: str = "") -> int:
         return 2
     except RunError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a fault of the file system (a full disk): one line, not a traceback; what was written stays
+        import errno
+
+        where = f" ({exc.filename})" if exc.filename else ""
+        advice = ("free space, then run the same command again" + (f" ({resume_hint})" if resume_hint else "")
+                  if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "")
+        print(f"error: {exc.strerror or type(exc).__name__}{where}" + (f": {advice}" if advice else ""),
+              file=sys.stderr)
         return 1
 
 

@@ -3,6 +3,7 @@
 import contextlib
 import fcntl
 import os
+import subprocess
 import sys
 import tempfile
 
@@ -228,3 +229,23 @@ def _release_memory_after_each_test():
         from orb.device import release_host_memory
 
         release_host_memory()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A folder on a tmpfs of a chosen size (a real full disk): mount needs root, as CI runs."""
+    mounted = []
+
+    def make(size_bytes):
+        folder = tmp_path / f"disk{len(mounted)}"
+        folder.mkdir()
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(folder)],
+                                capture_output=True, text=True)
+        if result.returncode:
+            pytest.skip(f"cannot mount a tmpfs to fill (needs root): {result.stderr.strip()}")
+        mounted.append(folder)
+        return folder
+
+    yield make
+    for folder in mounted:
+        subprocess.run(["umount", str(folder)], capture_output=True)

@@ -371,3 +371,25 @@ def test_a_nose_hoover_chain_whose_state_cannot_be_saved_is_refused():
     check_chain_state(NoseHooverChainNVT(atoms, timestep=1.0, temperature_K=300, tdamp=100.0))
     with pytest.raises(OrbInputError, match="keeps the chain's state where orb-md cannot save it"):
         check_chain_state(VelocityVerlet(atoms, timestep=1.0))
+
+
+def test_a_full_disk_is_one_line_and_a_resume_with_space_ends_as_the_uninterrupted_run(tmp_path, small_disk):
+    """The output on a disk that fills up (a 64 kB tmpfs): one line naming the fault and --resume, exit 1 (a raw
+    OSError traceback from the summary's write); with space again, --resume ends equal to an uninterrupted run."""
+    import shutil
+
+    path, _ = start_frames(tmp_path)
+    args = ("--data", path, "--timestep", "1", "--steps", "40", "--write_every", "1", "--ensemble", "nve")
+    disk = small_disk(64 * 1024)
+    full = subprocess.run([sys.executable, "scripts/md.py", "--checkpoint", V3, "--output", str(disk / "md"),
+                           "--device_target", "CPU", "--progress_bar", "false", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900, env=dict(os.environ, ORB_CACHE_DIR=str(tmp_path / "cache")))
+    lines = full.stderr.strip().splitlines()
+    assert full.returncode == 1 and "Traceback" not in full.stderr, full.stderr[-3000:]
+    assert "No space left on device" in lines[-1] and "--resume" in lines[-1], lines
+    shutil.copytree(disk / "md", tmp_path / "moved")
+    resumed = orb_md(tmp_path, "moved", *args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    straight = orb_md(tmp_path, "straight", *args)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    same_files(tmp_path, "moved", "straight")

@@ -145,26 +145,6 @@ def test_keep_checkpoints_prunes_the_oldest_periodic_ones(tmp_path):
 
 
 # ------------------------------------------------------------------ faults
-@pytest.fixture
-def small_disk(tmp_path):
-    """A folder on a tmpfs of a chosen size (a real full disk): mount needs root, as CI runs."""
-    mounted = []
-
-    def make(size_bytes):
-        folder = tmp_path / f"disk{len(mounted)}"
-        folder.mkdir()
-        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(folder)],
-                                capture_output=True, text=True)
-        if result.returncode:
-            pytest.skip(f"cannot mount a tmpfs to fill (needs root): {result.stderr.strip()}")
-        mounted.append(folder)
-        return folder
-
-    yield make
-    for folder in mounted:
-        subprocess.run(["umount", str(folder)], capture_output=True)
-
-
 def test_a_full_disk_stops_with_one_line_and_keeps_the_previous_checkpoint(tmp_path, small_disk):
     """output_dir on a disk that fills up during epoch 2's save: one line naming the file, exit 1, the epoch-1
     checkpoints intact, and no temporary left behind -- ours nor MindSpore's own (.last.ckpt.tmp-PID.tmp)."""
