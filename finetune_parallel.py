@@ -78,8 +78,14 @@ def fine_tune(cfg, args) -> None:
                   accept_config_changes=args.accept_config_changes).fit()
 
 
+EXIT_LINE = "finetune_parallel: exit status"  # the launcher reads every worker's (msrun reports the first it saw)
+
+
 def main(argv=None) -> int:
-    return run(argv, "configs/config_parallel.yaml", fine_tune, is_main=lambda: _rank == 0)
+    status = run(argv, "configs/config_parallel.yaml", fine_tune, is_main=lambda: _rank == 0)
+    if status not in (0, 75):
+        print(f"{EXIT_LINE} {status}", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

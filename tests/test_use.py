@@ -449,3 +449,31 @@ def test_calculator_input_mistakes_are_one_line_naming_what_is_wrong(tmp_path):
     energy = flat.get_potential_energy()
     flat.cell = np.zeros((3, 3))
     assert flat.get_potential_energy() == energy
+
+
+def test_a_stop_while_the_results_are_written_writes_them_all(tmp_path):
+    """SIGTERM once orb-evaluate's first file is written: it writes the others too (exit 0, the folder holds this
+    evaluation alone). It stopped between two files (exit 75): the new summary and predictions beside an earlier
+    evaluation's plots and per-element table."""
+    import signal as signals
+    import time
+
+    out = tmp_path / "eval"
+    command = [sys.executable, os.path.join(ROOT, "scripts", "evaluate.py"), "--data", DEMO_VAL, "--output_dir",
+               str(out), "--device_target", "CPU", "--progress_bar", "false", "--checkpoint"]
+    first = subprocess.run(command + [os.path.join(ROOT, "data", "demo_pretrained.ckpt")], capture_output=True,
+                           text=True, timeout=600, cwd=ROOT)
+    assert first.returncode == 0, first.stderr[-2000:]
+    before = {name: os.stat(out / name).st_mtime_ns for name in os.listdir(out)}
+    process = subprocess.Popen(command + [os.path.join(ROOT, "data", "demo_v3_pretrained.ckpt")], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 600
+    while os.stat(out / "predictions.csv").st_mtime_ns == before["predictions.csv"]:  # the first file written
+        assert process.poll() is None and time.time() < deadline, process.communicate()[1][-2000:]
+        time.sleep(0.005)
+    process.send_signal(signals.SIGTERM)
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 0 and "the evaluation is complete" in err, err[-2000:]
+    assert "demo_v3_pretrained" in json.load(open(out / "summary.json"))["checkpoint"]
+    for name in os.listdir(out):  # every file there is this evaluation's
+        assert name not in before or os.stat(out / name).st_mtime_ns != before[name], name

@@ -230,6 +230,7 @@ def evaluate(args) -> int:
     from orb.reports.evaluation import errors_by_element, print_element_table
     from orb.models.ops_profile import describe_profile, set_ops_profile
     from orb.precision import describe as describe_precision
+    from orb.signals import STOP
 
     if args.batch_size < 1:
         raise OrbInputError(f"--batch_size must be at least 1, got {args.batch_size}")
@@ -256,7 +257,11 @@ def evaluate(args) -> int:
     try:
         runs = {name: predict_dataset(path, args, keys, show, out_dir if name == names[0] else "")
                 for name, path in zip(names, checkpoints)}
-        summary, written = summarise_and_write(args, names, runs, out_dir, target)
+        with STOP.deferred():  # every file, then the stop (a stop between two files left two evaluations' files)
+            summary, written = summarise_and_write(args, names, runs, out_dir, target)
+        if STOP.received is not None:
+            print(f"{STOP.received} received while the results were written: the evaluation is complete",
+                  file=sys.stderr)
     except BaseException:  # a stop, a failure, bad input: this evaluation's collection goes (the earlier one stays)
         if os.path.exists(os.path.join(out_dir, COLLECTING)):
             os.remove(os.path.join(out_dir, COLLECTING))

@@ -37,7 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 from orb.io.files import free_port
 from orb.signals import RESUME_HINT, STOP_SIGNALS, STOPPED_STATUS
@@ -320,7 +320,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return STOPPED_STATUS
     if status != 0:
         # msrun's own traceback ("Distributed job exited with exception") says no more than the report below
-        status = failed_workers_status(errors(), status)
+        status = failed_workers_status(errors(), status, worker_logs(s["log_dir"], earlier_logs))
         print(f"run_parallel: FAILED with status {status}", file=sys.stderr)
         report_failures(s["log_dir"], earlier_logs)
     else:
@@ -329,9 +329,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     return status
 
 
-def failed_workers_status(msrun_errors: List[str], status: int) -> int:
-    """The exit status of the worker msrun saw fail first, when it says (2: bad input, 1: a fault; msrun itself
-    exits 1 for either), else msrun's ``status``: a script tells bad input from a fault as with finetune.py."""
+def failed_workers_status(msrun_errors: List[str], status: int, logs: Sequence[str] = ()) -> int:
+    """2 when a worker refused its input (any of this launch's worker ``logs`` says so: msrun reports only the first
+    worker it saw fail, which may be one that stopped because of another's bad row), else the exit status of the
+    worker msrun saw fail first (1: a fault; msrun itself exits 1 for either), else msrun's ``status``: a script
+    tells bad input from a fault as with finetune.py."""
+    for log in logs:
+        with open(log, errors="replace") as f:
+            if re.search(r"^finetune_parallel: exit status 2$", f.read(), re.MULTILINE):
+                return 2
     for line in msrun_errors:
         found = re.search(r"Worker process \d+ exit with exception\. Error code: (-?\d+)", line)
         if found:
