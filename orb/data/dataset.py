@@ -121,7 +121,7 @@ class RowPass:
         if failure is not None:
             raise failure
         if total[-1]:  # every rank stops now, not when the cluster notices the failed one
-            raise ClusterError(f"{self.dataset.path}: another rank found a bad row while {self.what} (its log "
+            raise ClusterError(f"{self.dataset.source}: another rank found a bad row while {self.what} (its log "
                                "names the row)")
         values = np.rint(total[:-1]).astype(np.int64).reshape((rows,) if self.width == 1 else (rows, self.width))
         self.kept_in = entry.write(lambda tmp: np.savez(tmp, values=values),
@@ -282,6 +282,15 @@ class AseDbDataset:
             return True
         self.census()
         return self._all_labelled
+
+    @property
+    def source(self) -> str:
+        """The user's data as messages and logs name it: this database, or the files it was indexed from (not the
+        cache's copy, which the user never named)."""
+        files = [path for path, _ in self.sources]
+        if not files:
+            return self.path
+        return files[0] if len(files) == 1 else f"{files[0]} and {len(files) - 1} more file(s)"
 
     def error_at(self, message: str, row: Optional[int] = None, key: Optional[str] = None) -> DatasetError:
         """A bad row named where the user can find it: this database's row, or for a database indexed from

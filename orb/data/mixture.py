@@ -35,7 +35,7 @@ class Source:
         self.name, self.dataset, self.loss_weight, self.head = name, dataset, float(loss_weight), int(head)
         self.positions = np.arange(len(dataset)) if positions is None else np.asarray(positions, np.int64)
         if len(self.positions) == 0:
-            raise ValueError(f"source {name} of {dataset.path} has no structures")
+            raise ValueError(f"source {name} of {dataset.source} has no structures")
 
     def __len__(self) -> int:
         return len(self.positions)
@@ -46,6 +46,11 @@ class Source:
     @property
     def path(self) -> str:
         return self.dataset.path
+
+    @property
+    def source(self) -> str:
+        """The user's data as messages name it (:attr:`AseDbDataset.source`)."""
+        return self.dataset.source
 
     @property
     def has_stress(self) -> bool:

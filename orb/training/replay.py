@@ -64,7 +64,7 @@ def split(replay: AseDbDataset, replay_val: Optional[AseDbDataset], fraction: fl
         return np.zeros(0, np.int64), (replay, np.arange(len(replay)))
     if val_samples >= len(replay):
         raise ConfigError(f"config key 'replay.val_samples' ({val_samples}) leaves none of the {len(replay)} "
-                          f"structures of {replay.path} to train on; lower it or set replay.val_data_path")
+                          f"structures of {replay.source} to train on; lower it or set replay.val_data_path")
     kept, held = hold_out(len(replay), val_samples, seed)
     return kept, ((replay, held) if len(held) else None)
 
@@ -81,7 +81,7 @@ def select(replay: AseDbDataset, candidates: np.ndarray, count: int, method: str
                         and bool(np.isin(c["positions"], candidates).all()))
     if cache.everyone_has(cached is not None, ranks):
         log.info("replay: %d of %d structures of %s chosen by farthest-point sampling, read from the cache", count,
-                 len(candidates), replay.path)
+                 len(candidates), replay.source)
         return cached["positions"]
     descriptors = model.descriptors(Source("replay_candidates", replay, candidates))
     chosen = np.sort(candidates[farthest_point_sampling(descriptors["descriptors"], count, seed)])
@@ -89,7 +89,7 @@ def select(replay: AseDbDataset, candidates: np.ndarray, count: int, method: str
         raise ClusterError("replay: the ranks chose different structures (their descriptors differ)")
     entry.write(lambda tmp: np.savez(tmp, positions=chosen), "replay selection")
     log.info("replay: %d of %d structures of %s chosen by farthest-point sampling in the starting model's "
-             "descriptors", count, len(candidates), replay.path)
+             "descriptors", count, len(candidates), replay.source)
     return chosen
 
 
@@ -105,7 +105,7 @@ def pseudo_labels(dataset: AseDbDataset, positions: np.ndarray, model: ModelOutp
     cached = entry.read(cache.load_arrays, lambda c: keys <= set(c) and np.array_equal(c["offsets"], offsets)
                         and all(np.isfinite(c[k]).all() for k in keys))
     if cache.everyone_has(cached is not None, ranks):
-        log.info("replay: pseudo-labels of %d structures of %s read from the cache", len(positions), dataset.path)
+        log.info("replay: pseudo-labels of %d structures of %s read from the cache", len(positions), dataset.source)
         arrays = cached
     else:
         out = model.labels(Source("replay_labels", dataset, positions, head=head))
@@ -115,7 +115,7 @@ def pseudo_labels(dataset: AseDbDataset, positions: np.ndarray, model: ModelOutp
             arrays["stress"] = out["stress"].astype(real)
         entry.write(lambda tmp: np.savez(tmp, **arrays), "replay pseudo-labels")
         log.info("replay: pseudo-labels of %d structures of %s computed by the starting model", len(positions),
-                 dataset.path)
+                 dataset.source)
     return LabelTable(positions, arrays["energy"], arrays["forces"], arrays["offsets"],
                       arrays["stress"] if with_stress else None)
 

@@ -83,7 +83,7 @@ def open_databases(cfg: TrainConfig, dp: DataParallel, progress: bool = False) -
     for key, name in (("train_data_path", "train"), ("val_data_path", "val")):
         data = databases.get(name)
         if data is not None and len(data) < dp.world_size:
-            raise ConfigError(f"config key '{key}': {data.path} has {len(data)} structure(s), fewer than the "
+            raise ConfigError(f"config key '{key}': {data.source} has {len(data)} structure(s), fewer than the "
                               f"{dp.world_size} workers")
     return databases
 
@@ -126,7 +126,7 @@ def trains_stress(cfg: TrainConfig, databases: Dict[str, AseDbDataset]) -> bool:
                       ("replay_val", "replay.val_data_path")):
         data = databases.get(name)
         if data is not None and not data.has_stress and not (name.startswith("replay") and replay_by_model):
-            raise ConfigError(f"{key} {data.path} has no stress while the training data has; set "
+            raise ConfigError(f"{key} {data.source} has no stress while the training data has; set "
                               "loss_weights.stress: 0 or add stress labels" +
                               (" (or replay.labels: model)" if name.startswith("replay") else ""))
     return True

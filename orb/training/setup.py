@@ -289,12 +289,12 @@ def log_start(cfg: TrainConfig, dp: DataParallel, data: RunData, engine: Engine)
     log.info("train data: %s (%d structures, %d atoms)%s%s", describe_path(cfg.train_data_path), len(train),
              int(train.natoms.sum()), "" if train.has_stress else ", no stress", data.weights_note(train))
     for name, source in data.val_sets.items():
-        log.info("%s data: %s (%d structures)%s", "validation" if name == "val" else name, source.path, len(source),
+        log.info("%s data: %s (%d structures)%s", "validation" if name == "val" else name, source.source, len(source),
                  data.weights_note(source))
     if data.replay_train is not None:
         r = data.replay_train
         log.info("replay: %d structures of %s (%s labels, loss weight %g, %s heads); each step: %d target + %d "
-                 "replay structures", len(r), r.path, cfg.replay.labels, cfg.replay.loss_weight, cfg.replay.head,
+                 "replay structures", len(r), r.source, cfg.replay.labels, cfg.replay.loss_weight, cfg.replay.head,
                  data.sampler.target_step, data.sampler.replay_step)
     elif data.replay_val is not None:
         log.info("replay: validated only (replay.fraction 0): forgetting is measured every epoch, not prevented")
