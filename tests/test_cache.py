@@ -159,9 +159,14 @@ def test_a_cache_that_cannot_be_written_names_the_folder_and_the_run_goes_on(cac
     entry = CacheEntry("demo", 1, ("data",), ".npz")
     folder = cache_dir / "demo"
     os.makedirs(folder / entry.name)  # a folder where the file should go: the rename fails
+    from orb.io.files import temporary_prefix
+
     dead = 2 ** 22 + 12345  # above any pid_max default: no such process
     old, recent = folder / f".x.npy.tmp-{dead}-ab12.npy", folder / f".y.npy.tmp-{dead}-cd34.npy"
-    for stale in (old, recent):
+    # a recent temporary of a dead process of this host (its name says so: a killed export's stayed 10 minutes)
+    here = folder / (os.path.basename(temporary_prefix(str(folder / "z.npy"))).replace(f"-{os.getpid()}@", f"-{dead}@")
+                     + ".npy")
+    for stale in (old, recent, here):
         stale.write_bytes(b"partial")
     os.utime(old, (time.time() - 7200, time.time() - 7200))
     with caplog.at_level("WARNING", logger="orb"):
