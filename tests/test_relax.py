@@ -385,3 +385,12 @@ def test_a_molecule_is_stored_without_a_stress_and_a_crystal_with_one(tmp_path):
     assert molecules and crystals
     assert all(row.get("stress") is None and row.get("forces") is not None for row in molecules)
     assert all(row.get("stress") is not None for row in crystals)
+
+
+def test_an_output_that_is_a_folder_is_refused_and_nothing_is_left_beside_it(tmp_path):
+    """--output naming a folder, with --resume: 'disk I/O error' after its run.json was written beside it."""
+    os.makedirs(tmp_path / "adir")
+    result = relax_cli("--data", DEMO_VAL, "--output", str(tmp_path / "adir"), "--steps", "1", "--resume")
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"error: --output {tmp_path / 'adir'} is a folder: name an ASE database file (relaxed.db)"], result.stderr
+    assert sorted(os.listdir(tmp_path)) == ["adir"]

@@ -75,6 +75,8 @@ OUTPUT_KEYS = ("source_row", "relax_steps", "converged", "predicted_force_error_
 def check_output(output: str, resume: bool, overwrite: bool) -> None:
     """An existing output is continued (``--resume``) or replaced (``--overwrite``: with its run's settings,
     summary and uncertain frames), never silently mixed; a fresh output never meets an earlier run's frames."""
+    if os.path.isdir(output):  # (with --resume it left its run.json beside the folder, then failed reading it)
+        raise OrbInputError(f"--output {output} is a folder: name an ASE database file (relaxed.db)")
     if os.path.exists(output) and not resume and not overwrite:
         raise OrbInputError(f"--output {output} exists: pass --resume to continue it or --overwrite to replace it")
     if resume:
