@@ -97,20 +97,27 @@ class CacheEntry:
         self.read_from: Optional[str] = None  # the file read back, when it was
         self.kept_in: Optional[str] = None  # the file written, when it was
 
+    def paths(self) -> List[str]:
+        """The cached files of this entry, in the cache folders' order."""
+        return [path for path in (os.path.join(folder, self.name) for folder in cache_dirs(self.kind))
+                if os.path.isfile(path)]
+
     def path(self) -> Optional[str]:
         """The cached file in any cache folder, or None."""
-        for folder in cache_dirs(self.kind):
-            path = os.path.join(folder, self.name)
-            if os.path.isfile(path):
-                return path
-        return None
+        found = self.paths()
+        return found[0] if found else None
 
     def read(self, load: Callable[[str], T], valid: Callable[[T], bool] = lambda _: True) -> Optional[T]:
-        """``load(path)`` of the cached file when there is one and ``valid`` holds for what it returns; a file that
-        cannot be read or is not valid is ignored with one warning (and removed where we may), so it is rebuilt."""
-        path = self.path()
-        if path is None:
-            return None
+        """``load(path)`` of the first cached file that can be read and is ``valid``; one that cannot, or is not, is
+        ignored with one warning (and removed where we may), so it is rebuilt. The next folder's copy is tried too: a
+        damaged file in a read-only folder, which cannot be removed, had its rebuilt copy ignored at every start."""
+        for path in self.paths():
+            value = self._read_one(path, load, valid)
+            if value is not None:
+                return value
+        return None
+
+    def _read_one(self, path: str, load: Callable[[str], T], valid: Callable[[T], bool]) -> Optional[T]:
         try:
             if os.path.getsize(path) == 0:
                 raise ValueError("empty file")

@@ -174,3 +174,28 @@ def test_a_cache_that_cannot_be_written_names_the_folder_and_the_run_goes_on(cac
     assert f"could not keep the demo values in {folder}" in caplog.text
     assert sorted(os.listdir(folder)) == sorted([entry.name, recent.name])  # no temporary of this write left
     assert entry.read(load_values) is None
+
+
+def test_a_damaged_entry_in_a_read_only_cache_folder_is_rebuilt_once(tmp_path, monkeypatch, small_disk, caplog):
+    """ORB_CACHE_DIR on a read-only file system holding a damaged entry: it cannot be removed, so the entry is kept
+    in the per-user temporary folder, and the next start reads that copy (it found the damaged one first and
+    computed the entry again at every start)."""
+    import subprocess
+
+    from orb.cache import CacheEntry, load_values
+
+    shared = small_disk(1 << 20)
+    monkeypatch.setenv("ORB_CACHE_DIR", str(shared))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    entry = CacheEntry("demo", 1, ("data",), ".npz")
+    damaged = entry.write(lambda tmp: np.savez(tmp, values=np.arange(4)), "demo values")
+    assert damaged and damaged.startswith(str(shared))
+    spoil(damaged, "garbage")
+    result = subprocess.run(["mount", "-o", "remount,ro", str(shared)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert entry.read(load_values) is None  # damaged, and it cannot be removed
+    kept = entry.write(lambda tmp: np.savez(tmp, values=np.arange(4)), "demo values")
+    assert kept and kept.startswith(str(tmp_path / "tmp")) and os.path.exists(damaged)
+    again = CacheEntry("demo", 1, ("data",), ".npz")
+    np.testing.assert_array_equal(again.read(load_values), np.arange(4))
+    assert again.read_from == kept
