@@ -472,6 +472,26 @@ def test_messages_name_the_users_file_not_the_cached_index(tmp_path, cache):
         f"error: val_data_path {tmp_path / 'val_nostress.extxyz'} has no stress"), result.stderr[-2000:]
 
 
+def test_a_folders_subfolders_are_said_not_to_be_read(tmp_path, cache, caplog):
+    """A folder's subfolders were left out without a word (a split of OMat24 in folders of its own)."""
+    import ase.io
+
+    from orb.data.formats import source_files
+    from orb.errors import DatasetError
+
+    frames = demo_frames()
+    os.makedirs(tmp_path / "data" / "part2")
+    ase.io.write(tmp_path / "data" / "a.extxyz", frames[:2], format="extxyz")
+    ase.io.write(tmp_path / "data" / "part2" / "b.extxyz", frames[2:4], format="extxyz")
+    with caplog.at_level("WARNING", logger="orb"):
+        assert source_files(str(tmp_path / "data")) == [str(tmp_path / "data" / "a.extxyz")]
+        source_files(str(tmp_path / "data"))
+    assert caplog.text.count("its subfolders (part2) are not read") == 1
+    os.makedirs(tmp_path / "only" / "inner")
+    with pytest.raises(DatasetError, match=r"only: is an empty folder: no structure files in it \(its subfolders"):
+        source_files(str(tmp_path / "only"))
+
+
 def test_a_stop_signal_while_indexing_exits_75_and_leaves_no_temporary(tmp_path, cache):
     """SIGTERM while a large extxyz is indexed (start-up: nothing to save) ends the run with exit status 75 (it was
     turned into 'ase.io cannot read it', exit 2, when the signal landed in the reader), and the half-made index

@@ -86,9 +86,19 @@ def source_files(path: Union[str, Sequence[str]]) -> List[str]:
     files = sorted(os.path.join(path, name) for name in names
                    if not name.startswith(".") and os.path.isfile(os.path.join(path, name))
                    and not any(name.endswith(end) and name[:-len(end)] in names for end in COMPANIONS))
+    folders = sorted(name for name in names if not name.startswith(".") and os.path.isdir(os.path.join(path, name)))
+    if folders and path not in _SUBFOLDERS_SAID:  # (once per folder: the path is resolved several times a run)
+        _SUBFOLDERS_SAID.add(path)
+        log.warning("%s: its subfolders (%s) are not read, only the files directly in it: list the folders "
+                    "(train_data_path: [a/, b/]) to include them", path, ", ".join(folders[:5]) +
+                    (f" and {len(folders) - 5} more" if len(folders) > 5 else ""))
     if not files:
-        raise DatasetError(path, "is an empty folder: no structure files in it")
+        raise DatasetError(path, "is an empty folder: no structure files in it" +
+                           (" (its subfolders are not read: list them)" if folders else ""))
     return files
+
+
+_SUBFOLDERS_SAID: set = set()
 
 
 def readable_database(path: Union[str, Sequence[str]], keys: LabelKeys = LabelKeys(),
