@@ -141,14 +141,15 @@ def run_command(body: Callable[[], int], resume_hint: str = "") -> int:
     except RunError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except OSError as exc:  # a fault of the file system (a full disk): one line, not a traceback; what was written stays
+    except OSError as exc:  # a full disk, a quota, a failing or read-only file system: one line, not a traceback
         import errno
 
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS):
+            raise  # anything else is a fault the traceback must show
         where = f" ({exc.filename})" if exc.filename else ""
         advice = ("free space, then run the same command again" + (f" ({resume_hint})" if resume_hint else "")
                   if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "")
-        print(f"error: {exc.strerror or type(exc).__name__}{where}" + (f": {advice}" if advice else ""),
-              file=sys.stderr)
+        print(f"error: {exc.strerror or exc}{where}" + (f": {advice}" if advice else ""), file=sys.stderr)
         return 1
 
 

@@ -331,7 +331,8 @@ def test_only_what_a_database_row_and_an_extxyz_line_can_hold_is_carried(tmp_pat
     assert without_labels(carried) == {"config_type": "bulk", "flag": True, "n": 3}
     # a label word inside another word is no label (forcefield_origin, reinforced were dropped from orb-md's frames)
     assert without_labels({"forcefield_origin": "uff", "reinforced": True, "energy_per_atom": -1.0, "DFT-virial": 0,
-                           "Stress": 1}) == {"forcefield_origin": "uff", "reinforced": True}
+                           "Stress": 1, "totalEnergy": 1, "DFTEnergy": 1, "refForces": 1, "energy0": 1,
+                           "enforce": 1}) == {"forcefield_origin": "uff", "reinforced": True, "enforce": 1}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with connect(str(tmp_path / "x.db")) as db:

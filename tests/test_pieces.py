@@ -559,3 +559,24 @@ def test_the_weights_digest_is_the_same_in_float64_and_float32():
     values.flat[0] += 1e-12 * max(1.0, abs(values.flat[0]))  # between two float32 values
     param.set_data(Tensor(values))
     assert weights_digest(model) != plain, name
+
+
+def test_a_full_disk_is_one_line_and_other_os_errors_keep_their_traceback(capsys):
+    """run_command turns a file-system fault (a full disk, a quota, an I/O error, a read-only file system) into one
+    line, exit 1; any other OSError (a library that does not load, a wrong path in the code) keeps its traceback: it
+    printed 'error: OSError' and hid the file."""
+    import errno
+
+    from orb.signals import run_command
+
+    def fail(error):
+        def body():
+            raise error
+        return body
+
+    assert run_command(fail(OSError(errno.ENOSPC, "No space left on device", "/scratch/x")), "--resume") == 1
+    assert capsys.readouterr().err.strip() == ("error: No space left on device (/scratch/x): free space, then run the "
+                                               "same command again (--resume)")
+    with pytest.raises(OSError, match="cannot open shared object file"):
+        run_command(fail(OSError("/tmp/x.so: cannot open shared object file")))
+

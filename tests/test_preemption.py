@@ -374,18 +374,25 @@ def test_a_signal_after_a_run_has_finished_is_no_stop(tmp_path):
 
 def test_relay_finds_the_workers_below_msrun(tmp_path):
     """Only MindSpore workers (MS_ROLE=MS_WORKER) below the launched process get the relayed signals."""
-    from orb.training.launch import workers_under
+    from orb.training.launch import processes_under, workers_under
 
     code = ("import os, subprocess, sys, time\n"
             "kids = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'],"
             " env=dict(os.environ, MS_ROLE=role)) for role in ('MS_WORKER', 'MS_SCHED', 'MS_WORKER')]\n"
+            "kids.append(subprocess.Popen(['tail', '-f', '/dev/null'], env=dict(os.environ, MS_ROLE='MS_WORKER')))\n"
+            "kids.append(subprocess.Popen([sys.executable, '-c', 'import subprocess, sys, time; subprocess.Popen("
+            "[sys.executable, \"-c\", \"import time; time.sleep(30)\"]); time.sleep(30)'],"
+            " env=dict(os.environ, MS_ROLE='MS_WORKER')))\n"
             "print(' '.join(str(k.pid) for k in kids), flush=True)\n"
             "time.sleep(30)\n")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         kids = [int(p) for p in parent.stdout.readline().split()]
         time.sleep(0.5)
-        assert workers_under(parent.pid) == sorted([kids[0], kids[2]])
+        # msrun's `tail` of a worker's log and a worker's own children inherit MS_ROLE: not workers (the relay's
+        # SIGTERM ended the tail, and with it the console's view of the save)
+        assert workers_under(parent.pid) == sorted([kids[0], kids[2], kids[4]])
+        assert processes_under(parent.pid, "MS_SCHED") == [kids[1]]
     finally:
         for pid in kids:
             os.kill(pid, signal.SIGKILL)

@@ -500,6 +500,16 @@ class AseDbDataset:
         graph.stress = None if stress is None else stress.astype(real)[None]
         return graph
 
+    def check_structures(self) -> None:
+        """Every row's structure (positions, numbers, cell), not its labels, checked; the first bad one named by row
+        and key: for commands that start from the structures and discard the labels (orb-md)."""
+        for start in range(0, len(self), 256):
+            for row in self.rows.read_many(self.ids[start:start + 256]):
+                try:
+                    check_structure(np.asarray(row.positions), np.asarray(row.numbers), np.asarray(row.cell))
+                except StructureError as exc:
+                    raise self._structure_error(row, exc) from None
+
     def _structure_error(self, row, exc: StructureError) -> DatasetError:
         key = ("numbers" if "atomic number" in str(exc) else "pbc" if "pbc" in str(exc)
                else "cell" if "cell" in str(exc) else "positions")

@@ -408,8 +408,10 @@ def without_labels(info: dict) -> dict:
     import re
 
     words = {"energy", "energies", "force", "forces", "stress", "stresses", "virial", "virials"}
-    # whole words of the key (``forcefield_origin``, ``reinforced`` are no labels: they were dropped)
-    return {k: v for k, v in info.items() if not words & set(re.split(r"[^a-z0-9]+", str(k).lower()))}
+    # whole words of the key, split at separators, case changes and digits (``forcefield_origin``, ``reinforced`` are
+    # no labels, and were dropped; ``totalEnergy``, ``DFTEnergy``, ``energy0`` are)
+    return {k: v for k, v in info.items()
+            if not words & {w.lower() for w in re.findall(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|\d+", str(k))}}
 
 
 def frame_of(sources: List[Tuple[str, int]], row_id: int) -> Tuple[str, int]:

@@ -342,8 +342,11 @@ def publish_uncertain(out_dir: str) -> List[str]:
     none found, none kept (the file would describe another evaluation)."""
     from orb.io.files import fsync_directory
 
+    from orb.inference.uncertainty import UncertainFrames
+
     collected, final = os.path.join(out_dir, COLLECTING), os.path.join(out_dir, "uncertain.extxyz")
     if os.path.exists(collected):
+        UncertainFrames(out_dir, COLLECTING).order_by(lambda info: info.get("source_row", 0))  # the input's order
         os.replace(collected, final)
     elif os.path.exists(final):
         os.remove(final)

@@ -521,7 +521,7 @@ def load_structures(args, model) -> Tuple[List[Run], object]:
 
     data = AseDbDataset(readable_database(args.data, LabelKeys()), require_labels=False,
                         settings=model.cfg.graph_settings(), charge_spin=model.cfg.omol)
-    data.census()  # every structure checked before the first step, named by file, row or frame, and key
+    data.check_structures()  # before the first step, named by file, row or frame, and key (labels: discarded)
     check_dispersion_elements(data, args.dispersion)
     runs = []
     for i in range(len(data)):
@@ -592,6 +592,8 @@ def md(args) -> Dict:
         dynamics.uncertain.keep_up_to({r.index: r.frames_kept_to for r in runs})
     show = sys.stderr.isatty() if args.progress_bar == "auto" else args.progress_bar == "true"
     dynamics.run_all(runs, show)
+    if dynamics.uncertain is not None and STOP.received is None:  # the run's end: in the order of steps, structures
+        dynamics.uncertain.order_by(lambda info: (info.get("step", 0), info.get("structure", 0)))
     summary = {"checkpoint": args.checkpoint, "data": args.data, "ensemble": args.ensemble,
                "thermostat": args.thermostat if args.ensemble == "nvt" else None, "timestep_fs": args.timestep,
                "steps": args.steps, "temperature_K": args.temperature, "seed": args.seed,

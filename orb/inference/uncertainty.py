@@ -107,7 +107,12 @@ class UncertainFrames:
         rows = set(rows)
         self._keep(lambda info: info.get("source_row") in rows)
 
-    def _keep(self, wanted) -> None:
+    def order_by(self, key) -> None:
+        """Rewrite the frames sorted by ``key(info)`` (atomically): frames are appended as batches (packed by size)
+        or threads (orb-md's structures within a step) deliver them, an order that differed between runs."""
+        self._keep(lambda info: True, key)
+
+    def _keep(self, wanted, order=None) -> None:
         import ase.io
 
         from orb.io.files import write_atomically
@@ -119,6 +124,8 @@ class UncertainFrames:
         whole = whole_frames(text)  # without a frame a kill cut short, which the next append would follow
         frames = ase.io.read(io.StringIO(whole), index=":", format="extxyz") if whole else []
         kept = [f for f in frames if wanted(f.info)]
-        if len(kept) < len(frames) or len(whole) < len(text):
+        if order is not None:
+            kept.sort(key=lambda f: order(f.info))
+        if len(kept) < len(frames) or len(whole) < len(text) or order is not None:
             write_atomically(self.path, lambda tmp: ase.io.write(tmp, kept, format="extxyz"))
         self.count = len(kept)

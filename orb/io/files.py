@@ -39,11 +39,17 @@ def temporary_prefix(path: str) -> str:
 
 
 def _host_tag() -> str:
-    """This host's name, hashed: a temporary named with it and a process id not alive here is surely stale."""
+    """This kernel's boot and this process's id namespace, hashed: a temporary named with it whose process id is not
+    alive here is surely stale (a host name is not: containers on two nodes may share one)."""
     import hashlib
     import socket
 
-    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            where = f.read().strip() + os.readlink("/proc/self/ns/pid")
+    except OSError:  # not Linux: the host name, as good as it gets
+        where = socket.gethostname()
+    return hashlib.sha256(where.encode()).hexdigest()[:8]
 
 
 _HOST = _host_tag()

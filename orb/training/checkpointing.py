@@ -172,8 +172,8 @@ class Checkpointer:
         if self.dp.is_main:
             try:
                 result = action()
-            except Exception as exc:  # raised below, after every rank has heard of it
-                failure = exc
+            except BaseException as exc:  # raised below, after every rank has heard of it (a stop, a Ctrl-C too:
+                failure = exc              # the others would wait in the all-reduce)
         failed = self.dp.sum(np.array([failure is not None], np.float64))[0] if self.dp.parallel else failure
         if failure is not None:
             raise failure

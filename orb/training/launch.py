@@ -37,7 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from orb.io.files import free_port
 from orb.signals import RESUME_HINT, STOP_SIGNALS, STOPPED_STATUS
@@ -140,17 +140,25 @@ def _parent_and_role(pid: int):
 
 
 def processes_under(root: int, role: str = "MS_WORKER") -> List[int]:
-    """The MindSpore processes of ``role`` (MS_ROLE: MS_WORKER, or MS_SCHED for msrun's scheduler) among the
-    descendants of ``root``."""
-    table = {}
+    """msrun's Python processes of ``role`` (MS_ROLE: MS_WORKER, or MS_SCHED for its scheduler): the children of
+    ``root`` (msrun) that run Python. Not the ``tail`` msrun runs to show a worker's log, nor a worker's own children
+    (data workers): both inherit MS_ROLE, and a stop relayed to ``tail`` ended the console's view of the save."""
+    found = []
     for name in os.listdir("/proc"):
         if name.isdigit():
-            table[int(name)] = _parent_and_role(int(name))
-    below, frontier = set(), {root}
-    while frontier:
-        frontier = {pid for pid, (parent, _) in table.items() if parent in frontier and pid not in below}
-        below |= frontier
-    return sorted(pid for pid in below if table[pid][1] == role)
+            parent, found_role = _parent_and_role(int(name))
+            if parent == root and found_role == role and _runs_python(int(name)):
+                found.append(int(name))
+    return sorted(found)
+
+
+def _runs_python(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            program = f.read().split(b"\0")[0]
+    except OSError:
+        return False
+    return b"python" in os.path.basename(program)
 
 
 def workers_under(root: int) -> List[int]:
@@ -165,9 +173,11 @@ class SignalRelay:
     stop during start-up it would wait for the workers that never joined until MindSpore's cluster timeout
     (CLUSTER_TIME_OUT, 600 s), far past a scheduler's grace period. It holds nothing to save."""
 
-    def __init__(self, root: int, scheduler_grace: float = 10.0):
+    def __init__(self, root: int, scheduler_grace: float = 10.0, workers_stopped: Callable[[], bool] = lambda: True):
+        """``workers_stopped()``: whether the ended workers stopped on the signal (their logs say so): a run that
+        finished as the signal came keeps its scheduler, however long it takes to end."""
         self.root, self.received, self._previous = root, [], {}
-        self.scheduler_grace = scheduler_grace
+        self.scheduler_grace, self.workers_stopped = scheduler_grace, workers_stopped
         self.signalled: set = set()
         self.workers_ended_at: Optional[float] = None
 
@@ -198,7 +208,8 @@ class SignalRelay:
         now = time.monotonic()
         if self.workers_ended_at is None:
             self.workers_ended_at = now
-        elif now - self.workers_ended_at >= self.scheduler_grace:
+        elif now - self.workers_ended_at >= self.scheduler_grace and self.workers_stopped():
+            self.workers_ended_at = float("inf")  # (once)
             for pid in processes_under(self.root, "MS_SCHED"):
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -244,6 +255,18 @@ def stopped_with_state_saved(log_dir: str, before: Optional[Dict[str, tuple]] = 
     for path in logs:
         with open(path, errors="replace") as f:
             if RESUME_HINT not in f.read():
+                return False
+    return True
+
+
+def stopped_by_a_signal(log_dir: str, before: Optional[Dict[str, tuple]] = None) -> bool:
+    """Whether every worker log of this launch has a stop line (at start-up, or with the state saved)."""
+    logs = worker_logs(log_dir, before)
+    if not logs:
+        return False
+    for path in logs:
+        with open(path, errors="replace") as f:
+            if not re.search(r"^stopped by \S+ ", f.read(), re.MULTILINE):
                 return False
     return True
 
@@ -304,7 +327,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     # its own session: a terminal's Ctrl-C reaches this process only, which passes it on to the workers
     earlier_logs = log_stamps(s["log_dir"])
     job = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    with SignalRelay(job.pid) as relay:
+    several_nodes = int(s["local_worker_num"]) < int(s["worker_num"])  # other nodes' workers may still be ending
+    with SignalRelay(job.pid, scheduler_grace=60.0 if several_nodes else 10.0,
+                     workers_stopped=lambda: stopped_by_a_signal(s["log_dir"], earlier_logs)) as relay:
         errors = collect(job.stderr)
         while job.poll() is None:
             relay.follow()
