@@ -101,7 +101,7 @@ class ORBCalculator(Calculator):
         super().__init__(**kwargs)
         self.model = model
         self.dispersion = D3Dispersion(dispersion, xc, model.cfg.graph_settings()) if dispersion else None
-        self.predictor = Predictor(model, reuse=False)  # the same structure, the same bits, whatever came before
+        self.predictor = Predictor(model)  # buckets reused: a run over structures of many sizes compiles few shapes
         # what this model predicts: a model without a stress head raises ASE's PropertyNotImplementedError for stress
         # (it returned zeros, which an NPT run or a cell relaxation took for zero pressure), orb-v2 for confidence
         self.implemented_properties = [p for p in type(self).implemented_properties
