@@ -125,7 +125,7 @@ class RowPass:
                                "names the row)")
         values = np.rint(total[:-1]).astype(np.int64).reshape((rows,) if self.width == 1 else (rows, self.width))
         self.kept_in = entry.write(lambda tmp: np.savez(tmp, values=values),
-                                   f"{self.kind.replace('_', ' ')} of {self.dataset.path}")
+                                   f"{self.kind.replace('_', ' ')} of {self.dataset.source}")
         return values
 
 

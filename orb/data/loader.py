@@ -114,7 +114,7 @@ class BatchLoader:
                 try:
                     return np.concatenate(list(pool.map(_rows_in_worker, ranges)))
                 except BrokenProcessPool:
-                    raise DataWorkerError(f"a data worker died while {what} of {dataset.path} "
+                    raise DataWorkerError(f"a data worker died while {what} of {dataset.source} "
                                           f"({WORKER_DEATH})") from None
 
         return run
