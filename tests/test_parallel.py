@@ -446,8 +446,10 @@ def test_a_stop_before_any_worker_or_to_every_process_saves_and_exits_75(tmp_pat
     start = time.time()
     out, _ = early.communicate(timeout=300)
     assert early.returncode == 75 and time.time() - start < 120, out[-2000:]
-    for r in (0, 1):
-        assert "stopped by SIGTERM during start-up" in (tmp_path / "logs0" / f"worker_{r}.log").read_text()
+    logs = [(tmp_path / "logs0" / f"worker_{r}.log").read_text() for r in (0, 1)]
+    # (a worker the signal reached before it listened, or that msrun killed once another had stopped, ends silently)
+    assert any("stopped by SIGTERM during start-up" in log for log in logs), logs
+    assert not any("Traceback" in log or "error: " in log for log in logs), logs
 
     run = tmp_path / "all"
     job = launch(common_args(run, nine_rows, max_epochs=50, num_buckets=1), tmp_path / "logs1", cwd=ROOT, env_extra=env)
@@ -464,9 +466,9 @@ def test_a_stop_before_any_worker_or_to_every_process_saves_and_exits_75(tmp_pat
             pass
     out, _ = job.communicate(timeout=300)
     assert job.returncode == 75 and "run_parallel: stopped by SIGINT with the state saved" in out, out[-2000:]
-    steps = [re.search(r"stopped by SIG\w+ at epoch \d+, step \d+ of \d+ \(global step (\d+)\)",
+    steps = [re.search(r"stopped by SIG\w+ at .+? \(global step (\d+)\)",  # a step, an epoch's end or validation
                        (tmp_path / "logs1" / f"worker_{r}.log").read_text()) for r in (0, 1)]
-    assert steps[0] and steps[1] and steps[0].group(1) == steps[1].group(1)
+    assert steps[0] and steps[1] and steps[0].group(1) == steps[1].group(1), [m and m.group(0) for m in steps]
     from orb.io.checkpoint import load_checkpoint
 
     assert load_checkpoint(str(run / "checkpoints" / "last.ckpt"))[2]["global_step"] == int(steps[0].group(1))

@@ -173,11 +173,12 @@ class SignalRelay:
     stop during start-up it would wait for the workers that never joined until MindSpore's cluster timeout
     (CLUSTER_TIME_OUT, 600 s), far past a scheduler's grace period. It holds nothing to save."""
 
-    def __init__(self, root: int, scheduler_grace: float = 10.0, workers_stopped: Callable[[], bool] = lambda: True):
-        """``workers_stopped()``: whether the ended workers stopped on the signal (their logs say so): a run that
-        finished as the signal came keeps its scheduler, however long it takes to end."""
+    def __init__(self, root: int, scheduler_grace: float = 10.0, finished: Callable[[], bool] = lambda: False):
+        """``finished()``: whether the training finished (a worker's log says so): a run that finished as the signal
+        came keeps its scheduler, however long it takes to end. (Not "every worker logged its stop": a worker the
+        signal reached before it listened ends without a line, and the scheduler waited for CLUSTER_TIME_OUT.)"""
         self.root, self.received, self._previous = root, [], {}
-        self.scheduler_grace, self.workers_stopped = scheduler_grace, workers_stopped
+        self.scheduler_grace, self.finished = scheduler_grace, finished
         self.signalled: set = set()
         self.workers_ended_at: Optional[float] = None
 
@@ -208,7 +209,7 @@ class SignalRelay:
         now = time.monotonic()
         if self.workers_ended_at is None:
             self.workers_ended_at = now
-        elif now - self.workers_ended_at >= self.scheduler_grace and self.workers_stopped():
+        elif now - self.workers_ended_at >= self.scheduler_grace and not self.finished():
             self.workers_ended_at = float("inf")  # (once)
             for pid in processes_under(self.root, "MS_SCHED"):
                 try:
@@ -259,16 +260,13 @@ def stopped_with_state_saved(log_dir: str, before: Optional[Dict[str, tuple]] = 
     return True
 
 
-def stopped_by_a_signal(log_dir: str, before: Optional[Dict[str, tuple]] = None) -> bool:
-    """Whether every worker log of this launch has a stop line (at start-up, or with the state saved)."""
-    logs = worker_logs(log_dir, before)
-    if not logs:
-        return False
-    for path in logs:
+def training_finished(log_dir: str, before: Optional[Dict[str, tuple]] = None) -> bool:
+    """Whether a worker log of this launch says the training finished (rank 0's, on node 0 with the scheduler)."""
+    for path in worker_logs(log_dir, before):
         with open(path, errors="replace") as f:
-            if not re.search(r"^stopped by \S+ ", f.read(), re.MULTILINE):
-                return False
-    return True
+            if "training finished in" in f.read():
+                return True
+    return False
 
 
 def failures(log_dir: str, before: Optional[Dict[str, tuple]] = None) -> Dict[str, List[str]]:
@@ -329,7 +327,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     job = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
     several_nodes = int(s["local_worker_num"]) < int(s["worker_num"])  # other nodes' workers may still be ending
     with SignalRelay(job.pid, scheduler_grace=60.0 if several_nodes else 10.0,
-                     workers_stopped=lambda: stopped_by_a_signal(s["log_dir"], earlier_logs)) as relay:
+                     finished=lambda: training_finished(s["log_dir"], earlier_logs)) as relay:
         errors = collect(job.stderr)
         while job.poll() is None:
             relay.follow()
