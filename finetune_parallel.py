@@ -15,6 +15,7 @@ with listen().exit_on_stop():  # the imports take 0.3 s and more on a cold share
     from orb.training.cli import run
     from orb.device import configure_mindspore
     from orb.training.distributed import DataParallel
+    from orb.training.launch import WORKER_EXIT_LINE
     from orb.training.outputs import check_output_dir, prepare_output_dir, setup_logging
 
 _rank = 0
@@ -78,13 +79,10 @@ def fine_tune(cfg, args) -> None:
                   accept_config_changes=args.accept_config_changes).fit()
 
 
-EXIT_LINE = "finetune_parallel: exit status"  # the launcher reads every worker's (msrun reports the first it saw)
-
-
 def main(argv=None) -> int:
     status = run(argv, "configs/config_parallel.yaml", fine_tune, is_main=lambda: _rank == 0)
     if status not in (0, 75):
-        print(f"{EXIT_LINE} {status}", file=sys.stderr)
+        print(f"{WORKER_EXIT_LINE} {status}", file=sys.stderr)  # read by the launcher
     return status
 
 

@@ -228,6 +228,14 @@ class SignalRelay:
         return False
 
 
+WORKER_EXIT_LINE = "finetune_parallel: exit status"  # a failed worker's last line (msrun reports the first it saw)
+
+
+def _log_text(path: str) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
 def log_stamps(log_dir: str) -> Dict[str, tuple]:
     """Each worker log's (modification time, size), as the file system records them."""
     stamps = {}
@@ -253,20 +261,12 @@ def stopped_with_state_saved(log_dir: str, before: Optional[Dict[str, tuple]] = 
     logs = worker_logs(log_dir, before)
     if not logs:
         return False
-    for path in logs:
-        with open(path, errors="replace") as f:
-            if RESUME_HINT not in f.read():
-                return False
-    return True
+    return all(RESUME_HINT in _log_text(path) for path in logs)
 
 
 def training_finished(log_dir: str, before: Optional[Dict[str, tuple]] = None) -> bool:
     """Whether a worker log of this launch says the training finished (rank 0's, on node 0 with the scheduler)."""
-    for path in worker_logs(log_dir, before):
-        with open(path, errors="replace") as f:
-            if "training finished in" in f.read():
-                return True
-    return False
+    return any("training finished in" in _log_text(path) for path in worker_logs(log_dir, before))
 
 
 def failures(log_dir: str, before: Optional[Dict[str, tuple]] = None) -> Dict[str, List[str]]:
@@ -357,10 +357,8 @@ def failed_workers_status(msrun_errors: List[str], status: int, logs: Sequence[s
     worker it saw fail, which may be one that stopped because of another's bad row), else the exit status of the
     worker msrun saw fail first (1: a fault; msrun itself exits 1 for either), else msrun's ``status``: a script
     tells bad input from a fault as with finetune.py."""
-    for log in logs:
-        with open(log, errors="replace") as f:
-            if re.search(r"^finetune_parallel: exit status 2$", f.read(), re.MULTILINE):
-                return 2
+    if any(re.search(rf"^{re.escape(WORKER_EXIT_LINE)} 2$", _log_text(log), re.MULTILINE) for log in logs):
+        return 2
     for line in msrun_errors:
         found = re.search(r"Worker process \d+ exit with exception\. Error code: (-?\d+)", line)
         if found:
