@@ -7,9 +7,9 @@ replay descriptors and pseudo-labels (``orb.training.replay``) live in ``ORB_CAC
 read-only home on a cluster node).
 
 Every entry is a :class:`CacheEntry`: named by a hash of **everything that determines its content**
-(its kind, a version of the code that computes it, and the caller's identity parts: the data's
-identity, the model's name, graph settings and weights, the operator profile, the precision),
-written atomically and synced (``orb.io.files``), and read through a check: a damaged, empty or
+(its kind; the code that computes it: a digest of its source and the versions of the libraries that take
+part; and the caller's identity parts: the data's identity, the model's name, graph settings and weights,
+the operator profile, the precision), written atomically and synced (``orb.io.files``), and read through a check: a damaged, empty or
 implausible file (a full disk, a power loss) is ignored with one warning and computed again, never
 fatal.
 """
@@ -19,7 +19,7 @@ import logging
 import os
 import sqlite3
 import tempfile
-from typing import Callable, List, Optional, TypeVar
+from typing import Callable, List, Optional, Tuple, TypeVar
 
 import numpy as np
 
@@ -87,11 +87,34 @@ def source_digest(*modules: str) -> str:
     return _SOURCE_DIGESTS[key]
 
 
-class CacheEntry:
-    """One cached artefact: ``kind`` (its subfolder and name prefix), the ``version`` of the code computing it and
-    ``identity`` (every input that determines its content) name it; ``extension`` is its file type."""
+def library_versions(*names: str) -> tuple:
+    """(name, version) of each installed package ``names``: part of an entry's code version when a library computes
+    some of its content (ase parses the files an index copies; MindSpore's kernels give a model's outputs)."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    def __init__(self, kind: str, version: int, identity: tuple, extension: str):
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "absent"
+
+    return tuple((name, installed(name)) for name in names)
+
+
+class CacheEntry:
+    """One cached artefact: ``kind`` (its subfolder and name prefix), the code computing it and ``identity`` (every
+    input that determines its content) name it; ``extension`` is its file type.
+
+    ``code``: the project's modules that compute the content, hashed by :func:`source_digest` -- not a version number
+    bumped by hand, which an edit could forget (the index and census caches had one), so any change to them, an
+    upgrade of the project included, misses every entry an older version made; ``libraries``: the installed packages
+    whose version does too (:func:`library_versions`)."""
+
+    def __init__(self, kind: str, code: Tuple[str, ...], identity: tuple, extension: str,
+                 libraries: Tuple[str, ...] = ()):
+        if isinstance(code, str):
+            raise TypeError("code is a tuple of module names")
+        version = (source_digest(*code) if code else "", library_versions(*libraries))
         self.kind, self.extension = kind, extension
         self.name = f"{kind}-{digest(LAYOUT_VERSION, kind, version, identity)[:32]}{extension}"
         self.read_from: Optional[str] = None  # the file read back, when it was

@@ -53,7 +53,8 @@ def build(source: str, fallback: str, cpu: Optional[str] = None) -> Optional[str
     with open(source, "rb") as f:
         text = f.read()
     stem = os.path.splitext(os.path.basename(source))[0]
-    entry = cache.CacheEntry(f"native_{stem}", 1, (hashlib.sha256(text).hexdigest(), FLAGS, cpu or cpu_signature()), ".so")
+    entry = cache.CacheEntry(f"native_{stem}", ("orb.native",), (hashlib.sha256(text).hexdigest(), FLAGS,
+                                                               cpu or cpu_signature()), ".so")
     cached = entry.read(lambda path: ctypes.CDLL(path) and path)
     if cached is not None:
         return cached

@@ -38,21 +38,56 @@ def spoil(path, how):
 def test_an_entry_is_named_by_its_whole_identity_and_a_damaged_file_is_rebuilt(cache_dir, caplog):
     from orb.cache import CacheEntry, load_values
 
-    entry = CacheEntry("demo", 1, ("data", "model a"), ".npz")
+    entry = CacheEntry("demo", ("orb.cache",), ("data", "model a"), ".npz")
     assert entry.read(load_values) is None
     path = entry.write(lambda tmp: np.savez(tmp, values=np.arange(5)), "demo values")
     assert path and os.listdir(os.path.dirname(path)) == [os.path.basename(path)]  # no temporary left
-    np.testing.assert_array_equal(CacheEntry("demo", 1, ("data", "model a"), ".npz").read(load_values), np.arange(5))
-    for other in (CacheEntry("demo", 2, ("data", "model a"), ".npz"), CacheEntry("demo", 1, ("data", "model b"),
-                                                                                     ".npz")):
+    np.testing.assert_array_equal(CacheEntry("demo", ("orb.cache",), ("data", "model a"), ".npz").read(load_values),
+                                  np.arange(5))
+    for other in (CacheEntry("demo", ("orb.cache", "orb.errors"), ("data", "model a"), ".npz"),
+                  CacheEntry("demo", ("orb.cache",), ("data", "model b"), ".npz"),
+                  CacheEntry("demo", ("orb.cache",), ("data", "model a"), ".npz", ("numpy",))):
         assert other.name != entry.name and other.read(load_values) is None
     for how in ("empty", "garbage"):
         spoil(path, how)
         with caplog.at_level("WARNING", logger="orb"):
-            assert CacheEntry("demo", 1, ("data", "model a"), ".npz").read(load_values) is None
+            assert CacheEntry("demo", ("orb.cache",), ("data", "model a"), ".npz").read(load_values) is None
         assert f"cache file {path} is damaged" in caplog.text and not os.path.exists(path)
         entry.write(lambda tmp: np.savez(tmp, values=np.arange(5)), "demo values")
     assert entry.read(load_values, valid=lambda values: len(values) == 6) is None  # implausible: rebuilt too
+
+
+def test_an_entry_written_by_other_code_or_another_library_version_is_not_read(cache_dir, tmp_path):
+    """An entry is keyed by the source of the code that computes it and the versions of the libraries that take part,
+    not by a number bumped by hand (the index and the census had one, which an edit could forget, and neither knew
+    ase's version, which decides how an extxyz is parsed): a process running edited code misses the entry an older
+    one wrote, one running the same code reads it."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from orb.cache import library_versions
+
+    package = tmp_path / "src" / "counting"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("SCALE = 1\n")
+    script = ("import numpy as np, counting; from orb.cache import CacheEntry, load_values\n"
+              "entry = CacheEntry('demo', ('counting',), ('data',), '.npz', ('ase',))\n"
+              "values = entry.read(load_values)\n"
+              "if values is None: entry.write(lambda tmp: np.savez(tmp, values=np.arange(3) * counting.SCALE), 'demo')\n"
+              "print('miss' if values is None else values.tolist())")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "src"), ROOT])}
+
+    def run():
+        return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                              check=True).stdout.split("\n")[-2]
+
+    assert run() == "miss" and run() == "[0, 1, 2]"
+    (package / "__init__.py").write_text("SCALE = 2  # an edit\n")
+    assert run() == "miss" and run() == "[0, 2, 4]"
+    import ase
+
+    assert library_versions("ase", "no-such-package") == (("ase", ase.__version__), ("no-such-package", "absent"))
 
 
 @pytest.mark.parametrize("how", ["empty", "garbage", "pages"])
@@ -93,6 +128,71 @@ def test_a_damaged_index_of_another_format_is_made_again(cache_dir, tmp_path, ho
     again = readable_database(str(tmp_path / "train.extxyz"))
     assert again == index and len(AseDbDataset(again)) == len(frames)
     np.testing.assert_array_equal(AseDbDataset(again).census(), census)  # every row read again
+
+
+def zero_bytes_inside(path, row, column, count):
+    """``count`` bytes of a row's ``column`` value made zeros inside the database file, its pages otherwise intact
+    (what SQLite's own check does not see)."""
+    import sqlite3
+
+    connection = sqlite3.connect(path)
+    (blob,) = connection.execute(f"SELECT {column} FROM systems WHERE id = ?", (row,)).fetchone()
+    connection.close()
+    data = bytearray(open(path, "rb").read())
+    start = data.index(blob)
+    assert data.find(blob, start + 1) < 0  # the row's value, nothing else
+    data[start:start + count] = bytes(count)
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def test_an_index_whose_row_values_changed_on_disk_is_found_removed_and_made_again(cache_dir, tmp_path):
+    """An atom's position zeroed inside a cached index's page (a lost write; SQLite's quick check passes) is found
+    when the row is read: one line naming the user's file and frame, exit 1 from orb-evaluate, the index removed;
+    the next start indexes the file again and reads the true positions. It was read back as (0, 0, 0) without a
+    word: a structure with an atom at the origin trained on, or evaluated."""
+    import json
+    import subprocess
+    import sys
+
+    import ase.io
+    from ase.db import connect
+
+    from conftest import ROOT
+    from orb.data.dataset import AseDbDataset
+    from orb.data.formats import readable_database
+    from orb.errors import RunError
+
+    frames = [row.toatoms() for row in connect(DEMO_VAL).select()]
+    source = str(tmp_path / "val.extxyz")
+    ase.io.write(source, frames, format="extxyz")
+    index = readable_database(source)
+    expected = AseDbDataset(index).rows.read(5).positions.copy()  # (extxyz keeps 8 decimals: not frames' own)
+    zero_bytes_inside(index, 5, "positions", 24)
+    assert readable_database(source) == index and os.path.exists(index)  # its pages are sound
+    with pytest.raises(RunError, match=rf"^{source}, frame 4: its copy in the cached index {index} is damaged"):
+        AseDbDataset(index)[4]
+    assert not os.path.exists(index)
+    again = readable_database(source)
+    np.testing.assert_array_equal(AseDbDataset(again).rows.read(5).positions, expected)
+    assert expected[0].any()
+
+    zero_bytes_inside(again, 3, "forces", 8)
+    result = subprocess.run([sys.executable, "scripts/evaluate.py", "--checkpoint", "data/demo_pretrained.ckpt",
+                             "--data", source, "--output_dir", str(tmp_path / "eval"), "--progress_bar", "false"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, ORB_CACHE_DIR=str(cache_dir)))
+    assert result.returncode == 1, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if "damaged" in line]
+    assert len(lines) == 1 and f"{source}, frame 2: its copy in the cached index" in lines[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and not os.path.exists(again)
+    assert not os.path.exists(tmp_path / "eval" / "summary.json")
+    result = subprocess.run([sys.executable, "scripts/evaluate.py", "--checkpoint", "data/demo_pretrained.ckpt",
+                             "--data", source, "--output_dir", str(tmp_path / "eval"), "--progress_bar", "false"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, ORB_CACHE_DIR=str(cache_dir)))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.load(open(tmp_path / "eval" / "summary.json"))["forces_mae"] > 0
 
 
 def test_an_index_cut_short_is_made_again(cache_dir, tmp_path):
@@ -136,7 +236,7 @@ def test_a_stop_signal_while_reading_a_cache_entry_stops_and_keeps_the_file(cach
     from orb.cache import CacheEntry, load_values
     from orb.signals import Stopped
 
-    entry = CacheEntry("demo", 1, ("data",), ".npz")
+    entry = CacheEntry("demo", ("orb.cache",), ("data",), ".npz")
     path = entry.write(lambda tmp: np.savez(tmp, values=np.arange(3)), "demo values")
 
     def interrupted(_path):
@@ -156,7 +256,7 @@ def test_a_cache_that_cannot_be_written_names_the_folder_and_the_run_goes_on(cac
 
     from orb.cache import CacheEntry, load_values
 
-    entry = CacheEntry("demo", 1, ("data",), ".npz")
+    entry = CacheEntry("demo", ("orb.cache",), ("data",), ".npz")
     folder = cache_dir / "demo"
     os.makedirs(folder / entry.name)  # a folder where the file should go: the rename fails
     from orb.io.files import temporary_prefix
@@ -187,7 +287,7 @@ def test_a_damaged_entry_in_a_read_only_cache_folder_is_rebuilt_once(tmp_path, m
     shared = small_disk(1 << 20)
     monkeypatch.setenv("ORB_CACHE_DIR", str(shared))
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
-    entry = CacheEntry("demo", 1, ("data",), ".npz")
+    entry = CacheEntry("demo", ("orb.cache",), ("data",), ".npz")
     damaged = entry.write(lambda tmp: np.savez(tmp, values=np.arange(4)), "demo values")
     assert damaged and damaged.startswith(str(shared))
     spoil(damaged, "garbage")
@@ -196,6 +296,6 @@ def test_a_damaged_entry_in_a_read_only_cache_folder_is_rebuilt_once(tmp_path, m
     assert entry.read(load_values) is None  # damaged, and it cannot be removed
     kept = entry.write(lambda tmp: np.savez(tmp, values=np.arange(4)), "demo values")
     assert kept and kept.startswith(str(tmp_path / "tmp")) and os.path.exists(damaged)
-    again = CacheEntry("demo", 1, ("data",), ".npz")
+    again = CacheEntry("demo", ("orb.cache",), ("data",), ".npz")
     np.testing.assert_array_equal(again.read(load_values), np.arange(4))
     assert again.read_from == kept

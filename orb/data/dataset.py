@@ -19,8 +19,8 @@ import numpy as np
 
 from orb import cache
 from orb.errors import ClusterError, DatasetError, StructureError
-from orb.data.formats import SQLITE_MAGIC, frame_of, storable_pairs
-from orb.data.sqlite_rows import RowReader
+from orb.data.formats import SQLITE_MAGIC, storable_pairs
+from orb.data.sqlite_rows import RowReader, frame_of
 from orb.data.augmentation import matrix_to_voigt, random_rotation, rotate_structure
 from orb.data.graphs import (EDGE_CAPACITY_MARGIN, AtomGraphs, GraphSettings, capacity_is_counted, check_structure,
                              check_no_overlap_before_graphs, edge_capacity, graph_from_arrays, total_charge_or_spin)
@@ -48,13 +48,11 @@ class _OneProcess:
 
 ONE_PROCESS: Ranks = _OneProcess()
 
-# Raised whenever what :func:`edge_capacity` counts changes, so no run plans from an older count.
-CAPACITY_VERSION = 1
-GRAPH_CODE = ("orb.data.graphs", "orb.data.neighbours", "orb.native")  # the counts' code (orb.cache.source_digest)
+GRAPH_CODE = ("orb.data.graphs", "orb.data.neighbours", "orb.native")  # the code that builds graphs
+CAPACITY_CODE = ("orb.data.dataset",) + GRAPH_CODE  # what the neighbour counts' cache is computed by (orb.cache)
+# and the row census's: the rows' reader and decoder (ase's for key-value pairs), and the structure checks
+CENSUS_CODE, CENSUS_LIBRARIES = ("orb.data.dataset", "orb.data.sqlite_rows") + GRAPH_CODE, ("ase",)
 CAPACITY_CACHE = "neighbour_counts"  # the subfolder of the project's cache (``orb.cache``)
-# Raised whenever what :meth:`AseDbDataset.check_rows` checks changes.
-CENSUS_VERSION = 4  # 2: a column for the rows whose weight is in row.data; 3: atoms on top of each other refused;
-# 4: labels beyond float32's range refused
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 CENSUS_CACHE = "row_census"
 LABELS = ("energy", "forces", "stress")
@@ -81,18 +79,19 @@ def _plausible_flags(flags: np.ndarray) -> bool:
 class RowPass:
     """A result per row that takes reading every row of a database, computed once and kept in the project's cache.
 
-    Keyed (:class:`orb.cache.CacheEntry`) by the database's identity (:meth:`AseDbDataset.identity`) and ``key``
-    (what is computed, and how): any change to the rows or to what is computed misses the cache; a copy
+    Keyed (:class:`orb.cache.CacheEntry`) by the database's identity (:meth:`AseDbDataset.identity`), ``code`` and
+    ``libraries`` (what computes it) and ``key`` (the settings it is computed with): any change to the rows or to
+    what is computed misses the cache; a copy
     that keeps the modification time hits it. In a data-parallel run each rank computes its share of the
     rows and the shares are summed over ranks; every rank takes the same path (the cache is used only if
     every rank has it), so their collectives match, and a bad row found by one rank stops every rank at
     once.
     """
 
-    def __init__(self, dataset: "AseDbDataset", kind: str, key: tuple, width: int, what: str,
-                 plausible: Callable[[np.ndarray], bool]):
-        self.dataset, self.kind, self.key, self.width, self.what, self.plausible = (dataset, kind, key, width,
-                                                                                   what, plausible)
+    def __init__(self, dataset: "AseDbDataset", kind: str, code: Tuple[str, ...], key: tuple, width: int, what: str,
+                 plausible: Callable[[np.ndarray], bool], libraries: Tuple[str, ...] = ()):
+        self.dataset, self.kind, self.code, self.key, self.width = dataset, kind, code, key, width
+        self.what, self.plausible, self.libraries = what, plausible, libraries
         self.read_from: Optional[str] = None  # the cache file the result came from
         self.kept_in: Optional[str] = None  # the cache file it was written to when computed
 
@@ -103,7 +102,8 @@ class RowPass:
 
     def result(self, compute: Callable[[int, int], np.ndarray], ranks: Ranks) -> np.ndarray:
         # .npz: its zip CRC-32 finds damaged values (zeroed pages of a plain .npy were read back as a row count of 0)
-        entry = cache.CacheEntry(self.kind, 2, self.key + (self.dataset.identity(),), ".npz")  # before any row is read
+        entry = cache.CacheEntry(self.kind, self.code, self.key + (self.dataset.identity(),), ".npz",  # before any
+                                 self.libraries)  # row is read
         cached = entry.read(cache.load_values, self._valid)
         if cache.everyone_has(cached is not None, ranks):
             self.read_from = entry.read_from
@@ -193,17 +193,16 @@ class AseDbDataset:
         self.label_table: Optional[LabelTable] = None
         check_sqlite_file(self.path)
         self.rows = RowReader(self.path)
-        self.sources: list = []
-        self.sources = self._read_sources()
+        self.sources: list = self.rows.sources()
         self.charge_spin_keys = tuple(charge_spin_keys) if not self.sources else ("charge", "spin")
         self._fingerprint: Optional[str] = None
         self.ids, self.natoms = self._scan()
-        self.capacity_pass = RowPass(self, CAPACITY_CACHE, (CAPACITY_VERSION, EDGE_CAPACITY_MARGIN,
-                                                            repr(self.settings), cache.source_digest(*GRAPH_CODE)),
+        self.capacity_pass = RowPass(self, CAPACITY_CACHE, CAPACITY_CODE, (EDGE_CAPACITY_MARGIN, repr(self.settings)),
                                      1, "counting neighbours", self._plausible_capacities)
-        self.census_pass = RowPass(self, CENSUS_CACHE, (CENSUS_VERSION, charge_spin, self.charge_spin_keys,
+        self.census_pass = RowPass(self, CENSUS_CACHE, CENSUS_CODE, (charge_spin, self.charge_spin_keys,
                                                         require_labels, self.settings.minimal_supercell),
-                                   len(LABELS) + 1, "checking the rows", _plausible_flags)  # (the last: periodicity)
+                                   len(LABELS) + 1, "checking the rows", _plausible_flags,  # (the last: periodicity)
+                                   CENSUS_LIBRARIES)
         self.weights = self._weights()
 
     def _scan(self) -> Tuple[np.ndarray, np.ndarray]:
@@ -310,16 +309,6 @@ class AseDbDataset:
             row, z = int(found[0][0]), int(found[0][1])
             symbol = chemical_symbols[z] if z < len(chemical_symbols) else f"element {z}"
             raise self.error_at(f"{symbol} (Z={z}) {why}", row, "numbers")
-
-    def _read_sources(self) -> list:
-        """The files and frame counts of a database indexed from another format, else []."""
-        import json
-
-        found = self._read("SELECT value FROM information WHERE name='metadata'", [])
-        try:
-            return json.loads(found[0][0]).get("orb_sources", []) if found else []
-        except (ValueError, AttributeError):
-            return []
 
     def _read(self, query: str, default=None) -> list:
         """Rows of a read-only query (this process's connection); ``default`` when a table the query needs does not

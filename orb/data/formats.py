@@ -27,12 +27,15 @@ from urllib.parse import quote
 import numpy as np
 
 from orb import cache
+from orb.data.sqlite_rows import CHECKSUMS, add_checksums
 from orb.errors import DatasetError
 
 log = logging.getLogger("orb")
 SQLITE_MAGIC = b"SQLite format 3\x00"
 CONVERTED = "converted"
-VERSION = 8  # 8: an ASE JSON database's key-value pairs kept; 7: initial magnetic moments and charges kept; 6: a database in a list labelled by its calculator results; 2: the frames' weight kept; 3: their momenta; 4: their masses and constraints; 5: tags, other info
+# what makes an index's content besides the files and keys: this module's code, and ase (and its LMDB backend) that
+# parse the files (ase 3.23 changed where an extxyz's energy= goes)
+INDEX_CODE, INDEX_LIBRARIES = ("orb.data.formats",), ("ase", "ase-db-backends")
 # the per-atom arrays the indexed copy keeps (copy() keeps constraints): what orb-md needs (velocities, masses for
 # isotopes), the user's marks (tags), and what a DFT relabelling of uncertain frames starts from (initial magnetic
 # moments and charges); the rest (labels under their own keys, arbitrary arrays) is not a structure's own
@@ -111,7 +114,7 @@ def readable_database(path: Union[str, Sequence[str]], keys: LabelKeys = LabelKe
         return files[0]
     identity = tuple((os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files
                      + [f + "-wal" for f in files if os.path.exists(f + "-wal")])  # SQLite's rows not yet in it
-    entry = cache.CacheEntry(CONVERTED, VERSION, (identity, keys), ".db")
+    entry = cache.CacheEntry(CONVERTED, INDEX_CODE, (identity, keys), ".db", INDEX_LIBRARIES)
     found = entry.read(lambda p: p, _complete_index)
     if found is not None:
         return found
@@ -148,8 +151,9 @@ def database_keys(path: str, keys: LabelKeys) -> LabelKeys:
 
 def _complete_index(path: str) -> bool:
     """Whether a cached index is sound (SQLite's quick check: pages damaged in the middle were found only when a row
-    on them was read, fatal then; ~0.5 s per GB read) and holds every frame its metadata lists (a copy cut short is
-    made again)."""
+    on them was read, fatal then; ~0.5 s per GB read) and holds every frame its metadata lists, each with its
+    checksum (a copy cut short is made again). A row's values changed inside their pages are found when it is read
+    (``RowReader``)."""
     import sqlite3
 
     if not is_sqlite(path):
@@ -161,9 +165,10 @@ def _complete_index(path: str) -> bool:
             raise ValueError(f"SQLite's check: {check}")
         (meta,) = connection.execute("SELECT value FROM information WHERE name='metadata'").fetchone()
         (rows,) = connection.execute("SELECT COUNT(*) FROM systems").fetchone()
+        (checksums,) = connection.execute(f"SELECT COUNT(*) FROM {CHECKSUMS}").fetchone()
     finally:
         connection.close()
-    return rows == sum(frames for _, frames in json.loads(meta)["orb_sources"])
+    return rows == checksums == sum(frames for _, frames in json.loads(meta)["orb_sources"])
 
 
 def _frames(path: str) -> Iterator:
@@ -331,6 +336,7 @@ def _convert(files: List[str], keys: LabelKeys, target: str, progress: bool) -> 
     if count == 0:
         raise DatasetError(files[0] if len(files) == 1 else os.path.dirname(files[0]),
                            "holds no structures: not an ASE database, and ase.io reads no frames from it")
+    add_checksums(target)
     return count
 
 
@@ -412,13 +418,3 @@ def without_labels(info: dict) -> dict:
     # no labels, and were dropped; ``totalEnergy``, ``DFTEnergy``, ``energy0`` are)
     return {k: v for k, v in info.items()
             if not words & {w.lower() for w in re.findall(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|\d+", str(k))}}
-
-
-def frame_of(sources: List[Tuple[str, int]], row_id: int) -> Tuple[str, int]:
-    """The file and frame a converted database's row (ids 1, 2, ... in file order) came from."""
-    position = int(row_id) - 1
-    for path, frames in sources:
-        if position < frames:
-            return path, position
-        position -= frames
-    return sources[-1][0], position

@@ -7,19 +7,70 @@ no journal shows that something is writing the file, so SQLite takes no locks at
 only what a graph and its labels need, decoded as ASE encodes them (schema version 6 and later).
 """
 
+import json
 import os
 import sqlite3
-from typing import Any, Dict, List, Optional
+import struct
+import zlib
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 from urllib.parse import quote
 
 import numpy as np
 
-from orb.errors import DatasetError
+from orb.errors import DatasetError, RunError
 
 COLUMNS = ("id, natoms, numbers, positions, cell, pbc, energy, forces, stress, key_value_pairs, data, momenta, masses, "
            "constraints, tags, initial_magmoms, initial_charges")
 LOCK_FREE_UNLESS = ("-wal", "-journal")  # files that show a writer (then: read-only, with SQLite's locks)
+CHECKSUMS = "orb_row_checksums"  # an index's table of each row's checksum (row_checksum), made with the index
 BIG_ENDIAN = not np.little_endian
+
+
+def row_checksum(values: Sequence) -> int:
+    """CRC-32 of a row's columns as stored (``COLUMNS``' values): SQLite's own check finds damaged pages of a file, not
+    bytes changed inside a row's values (zeros where a disk lost a write read back as positions or forces)."""
+    crc = 0
+    for value in values:
+        if value is None:
+            piece = b"N"
+        elif isinstance(value, bytes):
+            piece = b"B" + struct.pack("<q", len(value)) + value
+        elif isinstance(value, str):
+            piece = b"S" + struct.pack("<q", len(value)) + value.encode()
+        elif isinstance(value, float):
+            piece = b"F" + struct.pack("<d", value)
+        else:
+            piece = b"I" + struct.pack("<q", int(value))
+        crc = zlib.crc32(piece, crc)
+    return crc
+
+
+def add_checksums(path: str) -> None:
+    """Store every row's checksum in the database ``path`` (an index being made: nothing else has it open), so that a
+    reader finds a row whose values changed on disk since."""
+    connection = sqlite3.connect(path)
+    try:
+        with connection:
+            connection.execute(f"CREATE TABLE {CHECKSUMS} (id INTEGER PRIMARY KEY, crc INTEGER)")
+            cursor = connection.execute(f"SELECT {COLUMNS} FROM systems")
+            while True:
+                values = cursor.fetchmany(4096)
+                if not values:
+                    break
+                connection.executemany(f"INSERT INTO {CHECKSUMS} VALUES (?, ?)",
+                                       [(v[0], row_checksum(v)) for v in values])
+    finally:
+        connection.close()
+
+
+def frame_of(sources: List[Tuple[str, int]], row_id: int) -> Tuple[str, int]:
+    """The file and frame a converted database's row (ids 1, 2, ... in file order) came from."""
+    position = int(row_id) - 1
+    for path, frames in sources:
+        if position < frames:
+            return path, position
+        position -= frames
+    return sources[-1][0], position
 
 
 def _array(blob, dtype=np.float64, shape=None) -> Optional[np.ndarray]:
@@ -149,9 +200,11 @@ class RowReader:
     def __init__(self, path: str):
         self.path = path
         self._connection: Optional[sqlite3.Connection] = None
+        self._checked: Optional[bool] = None  # whether its rows have checksums (an index's), known once connected
+        self._sources: Optional[list] = None
 
     def __getstate__(self):  # each process (data worker) opens its own
-        return {"path": self.path, "_connection": None}
+        return {"path": self.path, "_connection": None, "_checked": None, "_sources": None}
 
     @property
     def immutable(self) -> bool:
@@ -170,7 +223,32 @@ class RowReader:
                 self.close()
                 raise DatasetError(self.path, f"written by an ASE too old to read directly (schema version "
                                    f"{version[0][0] if version else 'unknown'}); rewrite it with a current ASE")
+            self._checked = bool(self._connection.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (CHECKSUMS,)).fetchall())
         return self._connection
+
+    def sources(self) -> list:
+        """[(file, frames), ...] of a database indexed from other files (``orb.data.formats``), else []."""
+        if self._sources is None:
+            found = self.query("SELECT value FROM information WHERE name = 'metadata'")
+            try:
+                self._sources = json.loads(found[0][0]).get("orb_sources", []) if found else []
+            except (ValueError, AttributeError):
+                self._sources = []
+        return self._sources
+
+    def _damaged(self, row_id: int) -> RunError:
+        """A row of an index whose values are not those it was made with: the index is removed (where it may be), so
+        the next start makes it again from the user's files, and the run stops naming the file and frame."""
+        try:
+            os.remove(self.path)
+            then = "it was removed and is made again at the next start"
+        except OSError as exc:
+            then = f"it could not be removed ({exc.strerror}): remove it"
+        sources = self.sources()
+        where = "{}, frame {}".format(*frame_of(sources, row_id)) if sources else f"{self.path}, row {row_id}"
+        return RunError(f"{where}: its copy in the cached index {self.path} is damaged (its checksum does not "
+                        f"match); {then}, then run again (resume: true continues a training run)")
 
     def query(self, sql: str, args=(), row: Optional[int] = None) -> list:
         """A read-only query; a damaged file is one line naming it (and the row, when known)."""
@@ -188,10 +266,16 @@ class RowReader:
         decoding a row)."""
         ids = [int(i) for i in row_ids]
         found: Dict[int, Row] = {}
+        self.connection()
+        checksum = f", (SELECT crc FROM {CHECKSUMS} c WHERE c.id = systems.id)" if self._checked else ""
         for start in range(0, len(ids), 256):
             part = ids[start:start + 256]
-            for values in self.query(f"SELECT {COLUMNS} FROM systems WHERE id IN ({','.join('?' * len(part))})", part,
-                                     part[0] if len(part) == 1 else None):
+            for values in self.query(f"SELECT {COLUMNS}{checksum} FROM systems WHERE id IN "
+                                     f"({','.join('?' * len(part))})", part, part[0] if len(part) == 1 else None):
+                if checksum:
+                    values, crc = values[:-1], values[-1]
+                    if crc != row_checksum(values):
+                        raise self._damaged(values[0])
                 found[values[0]] = Row(values, self.path)
         missing = [i for i in ids if i not in found]
         if missing:

@@ -33,7 +33,8 @@ from orb.data.selection import farthest_point_sampling, hold_out, random_sample
 from orb.errors import ClusterError, ConfigError
 
 log = logging.getLogger("orb")
-CACHE_VERSION = 2  # 2: keyed by the model's identity (orb.models.model_identity), not only its weights
+# the code that chooses replay rows and runs the model over them (the model's own code: in its identity)
+REPLAY_CODE = ("orb.training.replay", "orb.training.engine", "orb.data.dataset", "orb.data.sqlite_rows")
 
 
 
@@ -51,7 +52,7 @@ ModelKey = Callable[[], tuple]
 
 
 def _entry(kind: str, *parts) -> cache.CacheEntry:
-    return cache.CacheEntry(f"replay_{kind}", CACHE_VERSION, parts, ".npz")
+    return cache.CacheEntry(f"replay_{kind}", REPLAY_CODE, parts, ".npz")
 
 
 def split(replay: AseDbDataset, replay_val: Optional[AseDbDataset], fraction: float, val_samples: int,

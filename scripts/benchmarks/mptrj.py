@@ -2,6 +2,7 @@
 ``formats``), and structures of MPtrj's size distribution in trajectories (``relax``), written into an MPtrj-sized
 database kept in the project's cache (``scale``)."""
 
+import hashlib
 import sys
 import time
 
@@ -63,12 +64,19 @@ def mptrj_like_rows(count: int, seed: int):
             yield frame
 
 
+def _this_file_digest() -> str:
+    """This file's source hashed: the code that makes the benchmark's databases (not importable as part of orb)."""
+    with open(__file__, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def mptrj_sized_database(rows: int, seed: int = 0, distinct: int = 20000) -> str:
     """An MPtrj-sized ASE database, built once and kept in the project's cache (``benchmark_data``): ``distinct``
     structures written by ase.db, then copied as whole trajectories by SQL until it holds ``rows`` rows."""
     from orb import cache
 
-    entry = cache.CacheEntry("benchmark_data", 1, ("mptrj_like", rows, seed, distinct), ".db")
+    entry = cache.CacheEntry("benchmark_data", (), ("mptrj_like", rows, seed, distinct, _this_file_digest()),
+                             ".db", ("ase",))
     found = entry.read(lambda path: path)
     if found:
         return found
