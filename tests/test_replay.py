@@ -156,6 +156,47 @@ def test_reference_fit_recovers_per_element_shifts_and_keeps_what_data_cannot_se
     assert fit.change["Cu"] == pytest.approx(3 * fit.change["Ni"], rel=1e-6)
 
 
+def test_reference_fit_weighs_each_structure_by_its_loss_weight():
+    """A structure of weight 0 (a label the user does not trust) moves nothing, not even an element only it holds,
+    and weight 2 is the structure counted twice: the fit ignored the weights, so a weight-0 structure 50 eV off
+    moved every element it held."""
+    from orb.models.reference_energies import vasp_shifted
+    from orb.training.reference_fit import fit_reference_energies
+
+    rng = np.random.default_rng(3)
+    current = vasp_shifted()
+    structures = 30
+    elements = np.array([13, 28, 29])  # Al Ni Cu, and Au (79) only in the last structure
+    positions = np.repeat(np.arange(structures), 3)
+    numbers = np.tile(elements, structures)
+    counts = rng.integers(1, 6, 3 * structures)
+    positions, numbers, counts = (np.append(positions, structures - 1), np.append(numbers, 79),
+                                  np.append(counts, 2))
+    energy = np.bincount(positions, np.array([0, 0.3, -0.2, 0.1] + [0] * 200)[np.searchsorted([13, 28, 29, 79],
+                                                                                              numbers)] * counts,
+                         structures) + rng.normal(0, 1e-2, structures)
+    untrusted = energy.copy()
+    untrusted[-1] += 50.0
+    weights = np.ones(structures)
+    weights[-1] = 0.0
+    kept = fit_reference_energies("residual", (positions, numbers, counts), untrusted, np.zeros(structures), current,
+                                  weights)
+    here = positions < structures - 1
+    without = fit_reference_energies("residual", (positions[here], numbers[here], counts[here]), energy[:-1],
+                                     np.zeros(structures - 1), current)
+    np.testing.assert_allclose(kept.table, without.table, rtol=0, atol=1e-9)
+    assert kept.table[79] == current[79] and kept.structures == structures - 1
+    twice = weights.copy()
+    twice[0] = 2.0
+    doubled = (np.concatenate([positions, np.full(3, structures)]), np.concatenate([numbers, numbers[:3]]),
+               np.concatenate([counts, counts[:3]]))
+    np.testing.assert_allclose(
+        fit_reference_energies("residual", (positions, numbers, counts), untrusted, np.zeros(structures), current,
+                               twice).table,
+        fit_reference_energies("residual", doubled, np.append(untrusted, untrusted[0]), np.zeros(structures + 1),
+                               current, np.append(weights, 1.0)).table, rtol=0, atol=1e-9)
+
+
 # ------------------------------------------------------------------ weighted losses
 @pytest.mark.parametrize("name", ["orb_v2", "orb_v3_direct_20_omat", "orb_v3_conservative_20_omat"])
 def test_a_structure_counts_in_the_loss_by_its_weight(name):

@@ -11,13 +11,14 @@ minimises || N d - (E - baseline) ||^2:
 * ``least_squares``: baseline = the checkpoint's reference energies alone, so the fitted table
   explains the DFT energies by itself (MACE's "average").
 
-Elements absent from the data keep the checkpoint's values. Directions the data cannot separate
+Each structure counts with its loss weight (one of weight 0 not at all). Elements absent from the data keep the
+checkpoint's values. Directions the data cannot separate
 (elements that only ever occur in one ratio, e.g. only H2O) get the smallest change (a tiny ridge),
 so the foundation's split between them stays; their count is reported as the rank deficit.
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 from ase.data import chemical_symbols
@@ -60,22 +61,27 @@ def count_matrix(positions: np.ndarray, numbers: np.ndarray, counts: np.ndarray,
 
 
 def fit_reference_energies(method: str, composition, energy: np.ndarray, baseline: np.ndarray,
-                           current: np.ndarray) -> ReferenceFit:
+                           current: np.ndarray, weights: Optional[np.ndarray] = None) -> ReferenceFit:
     """Fit the change of the reference energies ``current`` (118,) to ``energy - baseline`` (per structure, eV).
 
-    ``composition``: (structure position, atomic number, count) triples (``AseDbDataset.composition``).
+    ``composition``: (structure position, atomic number, count) triples (``AseDbDataset.composition``);
+    ``weights``: each structure's loss weight, which weighs it here too (a structure the user set to 0, e.g. a
+    label not trusted, moved the reference energies it was not trained on).
     """
     if method not in FIT_METHODS:
         raise ValueError(f"unknown fit method {method!r}; valid: {FIT_METHODS}")
     current = np.asarray(current, np.float64)
+    weights = np.ones(len(energy)) if weights is None else np.asarray(weights, np.float64)
+    counted = weights > 0
     n_matrix = count_matrix(*composition, len(energy), MAX_Z + 1)
     atoms = np.asarray(n_matrix.sum(1)).reshape(-1)
-    present = np.flatnonzero(np.asarray(n_matrix.sum(0)).reshape(-1) > 0)
+    present = np.flatnonzero(np.asarray(n_matrix[counted].sum(0)).reshape(-1) > 0)
     present = present[(present > 0) & (present < len(current))]  # Z = 118 has no reference energy (always 0)
     sub = n_matrix[:, present]
     residual = np.asarray(energy, np.float64) - np.asarray(baseline, np.float64)
-    gram = (sub.T @ sub).toarray()
-    rhs = sub.T @ residual
+    weighted = sparse.diags(weights) @ sub
+    gram = (sub.T @ weighted).toarray()
+    rhs = weighted.T @ residual
     ridge = RIDGE * max(float(np.max(np.diag(gram))), 1.0)
     delta = np.linalg.solve(gram + ridge * np.eye(len(present)), rhs)
     rank = int(np.linalg.matrix_rank(gram, tol=1e-8 * max(float(np.max(np.abs(gram))), 1.0)))
@@ -84,9 +90,13 @@ def fit_reference_energies(method: str, composition, energy: np.ndarray, baselin
     after = residual - sub @ delta
     return ReferenceFit(
         method=method, table=table, elements=[int(z) for z in present],
-        change={chemical_symbols[z]: float(d) for z, d in zip(present, delta)}, rank=rank, structures=len(energy),
-        rmse_before=float(np.sqrt(np.mean(np.square(residual / atoms)))),
-        rmse_after=float(np.sqrt(np.mean(np.square(after / atoms)))))
+        change={chemical_symbols[z]: float(d) for z, d in zip(present, delta)}, rank=rank,
+        structures=int(counted.sum()), rmse_before=_weighted_rms(residual / atoms, weights),
+        rmse_after=_weighted_rms(after / atoms, weights))
+
+
+def _weighted_rms(values: np.ndarray, weights: np.ndarray) -> float:
+    return float(np.sqrt(np.sum(weights * np.square(values)) / max(float(np.sum(weights)), 1e-300)))
 
 
 def reference_baseline(composition, structures: int, current: np.ndarray) -> np.ndarray:

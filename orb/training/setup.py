@@ -104,7 +104,7 @@ def fit_reference_energies_to(cfg: TrainConfig, data: RunData, model, outputs: M
     composition = train.composition()
     baseline = (outputs.labels(data.train_source)["energy"] if method == "residual"
                 else reference_baseline(composition, len(train), current))
-    fit = fit_reference_energies(method, composition, train.energies(), baseline, current)
+    fit = fit_reference_energies(method, composition, train.energies(), baseline, current, train.weights)
     set_reference_table(weight, fit.table)
     log.info(fit.summary())
     return fit.to_dict()
