@@ -18,7 +18,7 @@ from typing import Callable, Iterator, List, Optional, Protocol, Sequence, Tuple
 import numpy as np
 
 from orb import cache
-from orb.errors import ClusterError, DatasetError, StructureError
+from orb.errors import ClusterError, DatasetError, RunError, StructureError
 from orb.data.formats import SQLITE_MAGIC, storable_pairs
 from orb.data.sqlite_rows import RowReader, frame_of
 from orb.data.augmentation import matrix_to_voigt, random_rotation, rotate_structure
@@ -115,14 +115,14 @@ class RowPass:
         try:
             share[start:stop] = (cached[start:stop] if cached is not None else compute(start, stop)).reshape(
                 stop - start, self.width)
-        except DatasetError as exc:
+        except (DatasetError, RunError) as exc:  # a bad row, a damaged index or dead data workers: every rank stops
             failure = exc
         total = ranks.sum(np.concatenate([share.reshape(-1), [float(failure is not None)]]))
         if failure is not None:
             raise failure
         if total[-1]:  # every rank stops now, not when the cluster notices the failed one
-            raise ClusterError(f"{self.dataset.source}: another rank found a bad row while {self.what} (its log "
-                               "names the row)")
+            raise ClusterError(f"{self.dataset.source}: another rank found a bad row or a damaged index while "
+                               f"{self.what} (its log names the row)")
         values = np.rint(total[:-1]).astype(np.int64).reshape((rows,) if self.width == 1 else (rows, self.width))
         self.kept_in = entry.write(lambda tmp: np.savez(tmp, values=values),
                                    f"{self.kind.replace('_', ' ')} of {self.dataset.source}")
