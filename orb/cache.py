@@ -28,7 +28,7 @@ from orb.io.files import remove_stale_temporaries, write_atomically
 log = logging.getLogger("orb")
 T = TypeVar("T")
 # Raised when the way entries are named or stored changes: every entry of an older layout misses.
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3  # 3: <kind>-<identity>-<code>
 
 
 def cache_dirs(subfolder: str = "") -> List[str]:
@@ -108,7 +108,9 @@ class CacheEntry:
     ``code``: the project's modules that compute the content, hashed by :func:`source_digest` -- not a version number
     bumped by hand, which an edit could forget (the index and census caches had one), so any change to them, an
     upgrade of the project included, misses every entry an older version made; ``libraries``: the installed packages
-    whose version does too (:func:`library_versions`)."""
+    whose version does too (:func:`library_versions`). The name is ``<kind>-<identity's hash>-<code's hash>``: an
+    entry written replaces the same identity's entries of other code in its folder, which nothing reads any more
+    (each upgrade left another copy, an index as large as its data)."""
 
     def __init__(self, kind: str, code: Tuple[str, ...], identity: tuple, extension: str,
                  libraries: Tuple[str, ...] = ()):
@@ -116,14 +118,16 @@ class CacheEntry:
             raise TypeError("code is a tuple of module names")
         version = (source_digest(*code) if code else "", library_versions(*libraries))
         self.kind, self.extension = kind, extension
-        self.name = f"{kind}-{digest(LAYOUT_VERSION, kind, version, identity)[:32]}{extension}"
+        self.family = f"{kind}-{digest(LAYOUT_VERSION, kind, identity)[:24]}-"
+        self.name = f"{self.family}{digest(LAYOUT_VERSION, version)[:16]}{extension}"
         self.read_from: Optional[str] = None  # the file read back, when it was
         self.kept_in: Optional[str] = None  # the file written, when it was
 
     def paths(self) -> List[str]:
-        """The cached files of this entry, in the cache folders' order."""
+        """The cached files of this entry, in the cache folders' order (but one found damaged that could not be
+        removed: :func:`mark_damaged`)."""
         return [path for path in (os.path.join(folder, self.name) for folder in cache_dirs(self.kind))
-                if os.path.isfile(path)]
+                if os.path.isfile(path) and not is_marked_damaged(path)]
 
     def path(self) -> Optional[str]:
         """The cached file in any cache folder, or None."""
@@ -152,8 +156,10 @@ class CacheEntry:
                         type(exc).__name__)
             try:
                 os.remove(path)
-            except OSError:
+            except FileNotFoundError:
                 pass
+            except OSError:  # a read-only cache folder: skipped from now on, not read and warned of at every start
+                mark_damaged(path)
             return None
         self.read_from = path
         return value
@@ -177,7 +183,60 @@ class CacheEntry:
             log.warning("could not keep the %s in %s (%s): computed again at the next start", what, folder, reason)
             return None
         self.kept_in = path
+        self._remove_other_versions(folder)
         return path
+
+    def _remove_other_versions(self, folder: str) -> None:
+        """The same identity's entries of other code in ``folder`` removed (a process still reading one keeps it open
+        until it is done)."""
+        for name in os.listdir(folder):
+            if name.startswith(self.family) and name.endswith(self.extension) and name != self.name:
+                try:
+                    os.remove(os.path.join(folder, name))
+                except OSError:
+                    pass
+
+
+DAMAGED = "damaged"  # the subfolder of markers of damaged cache files that could not be removed
+
+
+def _marker(path: str, folder: str) -> str:
+    return os.path.join(folder, digest(os.path.realpath(path))[:32] + ".json")
+
+
+def _stamp(path: str) -> list:
+    stat = os.stat(path)
+    return [os.path.realpath(path), stat.st_size, stat.st_mtime_ns]
+
+
+def mark_damaged(path: str) -> None:
+    """Remember that the cache file ``path``, found damaged, could not be removed (a read-only cache folder): a marker
+    in a writable cache folder (its path, size and modification time), so every later start skips it and uses or
+    makes a copy in another folder (it read the damaged copy, and failed or rebuilt, at every start)."""
+    from orb.io.files import write_json
+
+    folder = writable_dir(DAMAGED)
+    if folder is not None:
+        try:
+            write_json(_marker(path, folder), _stamp(path))
+        except OSError:
+            pass
+
+
+def is_marked_damaged(path: str) -> bool:
+    """Whether ``path``, as it is now, was marked damaged (:func:`mark_damaged`)."""
+    import json
+
+    for folder in cache_dirs(DAMAGED):
+        marker = _marker(path, folder)
+        if os.path.isfile(marker):
+            try:
+                with open(marker) as f:
+                    if json.load(f) == _stamp(path):
+                        return True
+            except (OSError, ValueError):
+                continue
+    return False
 
 
 def load_arrays(path: str) -> dict:

@@ -195,6 +195,105 @@ def test_an_index_whose_row_values_changed_on_disk_is_found_removed_and_made_aga
     assert json.load(open(tmp_path / "eval" / "summary.json"))["forces_mae"] > 0
 
 
+def test_a_damaged_index_is_named_to_every_reader_a_weight_changed_on_disk_is_found_and_a_users_copy_is_left(
+        cache_dir, tmp_path):
+    """Two processes reading an index that one finds damaged: the other is told it was removed (not "could not be
+    removed: remove it"); a weight changed in ASE's key-value table (read without the rows) is found at the next
+    start (it was used without a word); an index copied out of the cache and written to is the user's database,
+    never checked nor removed (it was removed as damaged)."""
+    import shutil
+    import sqlite3
+
+    import ase.io
+    from ase.db import connect
+
+    from orb.data.dataset import AseDbDataset
+    from orb.data.formats import readable_database
+    from orb.data.sqlite_rows import RowReader
+    from orb.errors import RunError
+
+    frames = [row.toatoms() for row in connect(DEMO_VAL).select()]
+    for i, atoms in enumerate(frames):
+        atoms.info["weight"] = 1.0 + i
+    source = str(tmp_path / "val.extxyz")
+    ase.io.write(source, frames, format="extxyz")
+    index = readable_database(source)
+    assert AseDbDataset(index).weights[3] == 4.0
+    mine = str(tmp_path / "mine.db")
+    shutil.copy(index, mine)
+    first, second = RowReader(index), RowReader(index)
+    zero_bytes_inside(index, 2, "positions", 24)
+    with pytest.raises(RunError, match="frame 1: its copy in the cached index .* it was removed and is made again .*"
+                                       "--resume for orb-relax and orb-md"):
+        first.read(2)
+    with pytest.raises(RunError, match=f"the cached index {index} was removed while this run read it"):
+        second.read(3)
+
+    index = readable_database(source)
+    connection = sqlite3.connect(index)
+    connection.execute("UPDATE number_key_values SET value = 0 WHERE key = 'weight' AND id = 4")
+    connection.commit()
+    connection.close()
+    with pytest.raises(RunError, match=rf"^{source}: its copy in the cached index .* \(its weights do not match"):
+        AseDbDataset(index)
+    assert not os.path.exists(index)
+    assert AseDbDataset(readable_database(source)).weights[3] == 4.0
+
+    with connect(mine) as db:
+        db.update(3, note="checked by hand")
+        db.write(frames[0])
+    assert len(AseDbDataset(mine)) == len(frames) + 1 and os.path.exists(mine)
+
+
+def test_a_damaged_index_in_a_read_only_cache_folder_is_made_again_in_another(tmp_path, monkeypatch, small_disk):
+    """ORB_CACHE_DIR read-only (a shared cache): an index found damaged there cannot be removed; the next start makes
+    a copy in the per-user folder and uses it, and the one after reads that copy (the damaged one was read again,
+    and failed, at every start)."""
+    import subprocess
+
+    import ase.io
+    from ase.db import connect
+
+    from orb.data.dataset import AseDbDataset
+    from orb.data.formats import readable_database
+    from orb.errors import RunError
+
+    shared = small_disk(4 << 20)
+    monkeypatch.setenv("ORB_CACHE_DIR", str(shared))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    frames = [row.toatoms() for row in connect(DEMO_VAL).select()]
+    source = str(tmp_path / "val.extxyz")
+    ase.io.write(source, frames, format="extxyz")
+    index = readable_database(source)
+    expected = AseDbDataset(index).rows.read(6).positions.copy()
+    assert index.startswith(str(shared))
+    zero_bytes_inside(index, 6, "positions", 24)
+    result = subprocess.run(["mount", "-o", "remount,ro", str(shared)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    with pytest.raises(RunError, match="could not be removed .* made again elsewhere at the next start"):
+        AseDbDataset(index).rows.read(6)
+    assert os.path.exists(index)
+    for _ in range(2):
+        again = readable_database(source)
+        assert again.startswith(str(tmp_path / "tmp"))
+        np.testing.assert_array_equal(AseDbDataset(again).rows.read(6).positions, expected)
+
+
+def test_an_entry_written_replaces_the_same_identitys_entries_of_other_code(cache_dir):
+    """Each upgrade of the code or a library computing an entry left another copy (an index is as large as its
+    data); writing the new one removes them, and leaves other identities' entries."""
+    from orb.cache import CacheEntry, load_values
+
+    old = CacheEntry("demo", ("orb.cache",), ("data",), ".npz")
+    other_data = CacheEntry("demo", ("orb.cache",), ("other data",), ".npz")
+    for entry in (old, other_data):
+        entry.write(lambda tmp: np.savez(tmp, values=np.arange(3)), "demo values")
+    new = CacheEntry("demo", ("orb.cache", "orb.errors"), ("data",), ".npz")
+    assert new.read(load_values) is None
+    new.write(lambda tmp: np.savez(tmp, values=np.arange(4)), "demo values")
+    assert sorted(os.listdir(cache_dir / "demo")) == sorted([new.name, other_data.name])
+
+
 def test_an_index_cut_short_is_made_again(cache_dir, tmp_path):
     """A copy that lost rows (its metadata lists more frames than it holds) is indexed again."""
     import sqlite3

@@ -18,9 +18,9 @@ from typing import Callable, Iterator, List, Optional, Protocol, Sequence, Tuple
 import numpy as np
 
 from orb import cache
-from orb.errors import ClusterError, DatasetError, RunError, StructureError
+from orb.errors import ClusterError, DatasetError, StructureError
 from orb.data.formats import SQLITE_MAGIC, storable_pairs
-from orb.data.sqlite_rows import RowReader, frame_of
+from orb.data.sqlite_rows import TABLE_QUERIES, RowReader, frame_of
 from orb.data.augmentation import matrix_to_voigt, random_rotation, rotate_structure
 from orb.data.graphs import (EDGE_CAPACITY_MARGIN, AtomGraphs, GraphSettings, capacity_is_counted, check_structure,
                              check_no_overlap_before_graphs, edge_capacity, graph_from_arrays, total_charge_or_spin)
@@ -115,7 +115,8 @@ class RowPass:
         try:
             share[start:stop] = (cached[start:stop] if cached is not None else compute(start, stop)).reshape(
                 stop - start, self.width)
-        except (DatasetError, RunError) as exc:  # a bad row, a damaged index or dead data workers: every rank stops
+        except Exception as exc:  # a bad row, a damaged index, dead data workers: every rank stops (a stop signal,
+            # not an Exception, is every rank's own)
             failure = exc
         total = ranks.sum(np.concatenate([share.reshape(-1), [float(failure is not None)]]))
         if failure is not None:
@@ -207,7 +208,7 @@ class AseDbDataset:
 
     def _scan(self) -> Tuple[np.ndarray, np.ndarray]:
         """Row ids and atom counts from ASE's species table (a few bytes per element of a row, not the rows)."""
-        rows = self._read("SELECT id, SUM(n) FROM species GROUP BY id ORDER BY id", [])
+        rows = self._read_table("atoms")
         (count,) = self._read("SELECT COUNT(*) FROM systems")[0]  # (through one of ASE's indexes: no row is read)
         if count != len(rows):  # a row without atoms has no species entry: it was left out without a word
             empty = self._read("SELECT id FROM systems WHERE natoms = 0 ORDER BY id LIMIT 1")
@@ -310,6 +311,13 @@ class AseDbDataset:
             symbol = chemical_symbols[z] if z < len(chemical_symbols) else f"element {z}"
             raise self.error_at(f"{symbol} (Z={z}) {why}", row, "numbers")
 
+    def _read_table(self, name: str) -> list:
+        """A column of every row at once (``TABLE_QUERIES[name]``), checked against a cached index's checksum (these
+        are not read through its rows: a weight or an energy changed on disk was used without a word)."""
+        rows = self._read(TABLE_QUERIES[name], [])
+        self.rows.check_table(name, rows)
+        return rows
+
     def _read(self, query: str, default=None) -> list:
         """Rows of a read-only query (this process's connection); ``default`` when a table the query needs does not
         exist (ASE creates the key-value tables with the first key-value pair)."""
@@ -346,7 +354,7 @@ class AseDbDataset:
         text = self._read("SELECT id, value FROM text_key_values WHERE key = 'weight' LIMIT 1", [])
         if text:
             raise self.error_at(f"weight must be a number, got {text[0][1]!r}", text[0][0], "weight")
-        for row, value in self._read("SELECT id, value FROM number_key_values WHERE key = 'weight'", []):
+        for row, value in self._read_table("weights"):
             if value is None or not np.isfinite(value) or value < 0:
                 raise self.error_at(f"weight must be a finite number >= 0, got {value!r}", row, "weight")
             weights[position[int(row)]] = float(value)
@@ -354,7 +362,7 @@ class AseDbDataset:
 
     def energies(self) -> np.ndarray:
         """Every row's stored energy (eV), read from its column alone; a row without one is named."""
-        rows = np.array(self._read("SELECT id, energy FROM systems ORDER BY id"), dtype=np.float64).reshape(-1, 2)
+        rows = np.array(self._read_table("energies"), dtype=np.float64).reshape(-1, 2)
         missing = np.isnan(rows[:, 1])
         if missing.any():
             raise self.error_at("row has no energy", int(rows[np.argmax(missing), 0]), "energy")
@@ -363,7 +371,7 @@ class AseDbDataset:
     def composition(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(dataset position, atomic number, count) for every element of every row, from ASE's species table
         (no row is read)."""
-        table = np.array(self._read("SELECT id, Z, n FROM species", []), np.int64).reshape(-1, 3)
+        table = np.array(self._read_table("composition"), np.int64).reshape(-1, 3)
         positions = np.searchsorted(self.ids, table[:, 0])
         known = (positions < len(self.ids)) & (self.ids[np.minimum(positions, len(self.ids) - 1)] == table[:, 0])
         return positions[known], table[known, 1], table[known, 2]
@@ -566,7 +574,7 @@ class AseDbDataset:
         if self._fingerprint is None:
             digest = hashlib.sha256(self.ids.tobytes())
             digest.update(self.natoms.tobytes())
-            digest.update(np.array(self._read("SELECT id, Z, n FROM species ORDER BY id, Z", []), np.int64).tobytes())
+            digest.update(np.array(self._read_table("composition"), np.int64).tobytes())
             self._fingerprint = digest.hexdigest()
         return self._fingerprint
 

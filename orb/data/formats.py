@@ -27,15 +27,15 @@ from urllib.parse import quote
 import numpy as np
 
 from orb import cache
-from orb.data.sqlite_rows import CHECKSUMS, add_checksums
+from orb.data.sqlite_rows import CHECKSUMS, INDEX_KIND, add_checksums
 from orb.errors import DatasetError
 
 log = logging.getLogger("orb")
 SQLITE_MAGIC = b"SQLite format 3\x00"
-CONVERTED = "converted"
+CONVERTED = INDEX_KIND
 # what makes an index's content besides the files and keys: this module's code, and ase (and its LMDB backend) that
 # parse the files (ase 3.23 changed where an extxyz's energy= goes)
-INDEX_CODE, INDEX_LIBRARIES = ("orb.data.formats",), ("ase", "ase-db-backends")
+INDEX_CODE = ("orb.data.formats", "orb.data.sqlite_rows")  # (sqlite_rows: the rows' and tables' checksums)
 # the per-atom arrays the indexed copy keeps (copy() keeps constraints): what orb-md needs (velocities, masses for
 # isotopes), the user's marks (tags), and what a DFT relabelling of uncertain frames starts from (initial magnetic
 # moments and charges); the rest (labels under their own keys, arbitrary arrays) is not a structure's own
@@ -114,7 +114,8 @@ def readable_database(path: Union[str, Sequence[str]], keys: LabelKeys = LabelKe
         return files[0]
     identity = tuple((os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files
                      + [f + "-wal" for f in files if os.path.exists(f + "-wal")])  # SQLite's rows not yet in it
-    entry = cache.CacheEntry(CONVERTED, INDEX_CODE, (identity, keys), ".db", INDEX_LIBRARIES)
+    libraries = ("ase", "ase-db-backends") if any(f.endswith(".aselmdb") for f in files) else ("ase",)
+    entry = cache.CacheEntry(CONVERTED, INDEX_CODE, (identity, keys), ".db", libraries)
     found = entry.read(lambda p: p, _complete_index)
     if found is not None:
         return found

@@ -23,6 +23,16 @@ COLUMNS = ("id, natoms, numbers, positions, cell, pbc, energy, forces, stress, k
            "constraints, tags, initial_magmoms, initial_charges")
 LOCK_FREE_UNLESS = ("-wal", "-journal")  # files that show a writer (then: read-only, with SQLite's locks)
 CHECKSUMS = "orb_row_checksums"  # an index's table of each row's checksum (row_checksum), made with the index
+TABLE_CHECKSUMS = "orb_table_checksums"  # and of each TABLE_QUERIES result's (result_checksum)
+# the queries that read a column of every row at once (not through read_many), by name: an index keeps the checksums
+# of their results too
+TABLE_QUERIES = {
+    "atoms": "SELECT id, SUM(n) FROM species GROUP BY id ORDER BY id",
+    "composition": "SELECT id, Z, n FROM species ORDER BY id, Z",
+    "energies": "SELECT id, energy FROM systems ORDER BY id",
+    "weights": "SELECT id, value FROM number_key_values WHERE key = 'weight' ORDER BY id",
+}
+INDEX_KIND = "converted"  # the project cache's subfolder of indexes (orb.data.formats): the only files checked
 BIG_ENDIAN = not np.little_endian
 
 
@@ -45,12 +55,31 @@ def row_checksum(values: Sequence) -> int:
     return crc
 
 
+def result_checksum(rows: list) -> int:
+    """CRC-32 of a TABLE_QUERIES result (numbers; NULL as NaN)."""
+    return zlib.crc32(np.asarray(rows, np.float64).tobytes()) if rows else 0
+
+
+def table_rows(connection: sqlite3.Connection, name: str) -> list:
+    """The result of TABLE_QUERIES[name]; [] when its table does not exist (ASE makes the key-value tables with the
+    first key-value pair)."""
+    try:
+        return connection.execute(TABLE_QUERIES[name]).fetchall()
+    except sqlite3.OperationalError as exc:
+        if "no such table" in str(exc):
+            return []
+        raise
+
+
 def add_checksums(path: str) -> None:
-    """Store every row's checksum in the database ``path`` (an index being made: nothing else has it open), so that a
-    reader finds a row whose values changed on disk since."""
+    """Store every row's checksum, and every TABLE_QUERIES result's, in the database ``path`` (an index being made:
+    nothing else has it open), so that a reader finds values changed on disk since."""
     connection = sqlite3.connect(path)
     try:
         with connection:
+            connection.execute(f"CREATE TABLE {TABLE_CHECKSUMS} (name TEXT PRIMARY KEY, crc INTEGER)")
+            connection.executemany(f"INSERT INTO {TABLE_CHECKSUMS} VALUES (?, ?)",
+                                   [(name, result_checksum(table_rows(connection, name))) for name in TABLE_QUERIES])
             connection.execute(f"CREATE TABLE {CHECKSUMS} (id INTEGER PRIMARY KEY, crc INTEGER)")
             cursor = connection.execute(f"SELECT {COLUMNS} FROM systems")
             while True:
@@ -212,8 +241,16 @@ class RowReader:
 
     def connection(self) -> sqlite3.Connection:
         if self._connection is None:
+            if not os.path.exists(self.path):
+                if self.is_cached_index():  # removed by another process that found it damaged
+                    raise RunError(f"the cached index {self.path} was removed while this run read it (another process "
+                                   "found it damaged, and its log says which file and frame): run the command again")
+                raise DatasetError(self.path, "database file does not exist (was it removed during the run?)")
             uri = f"file:{quote(os.path.abspath(self.path))}?mode=ro" + ("&immutable=1" if self.immutable else "")
-            self._connection = sqlite3.connect(uri, uri=True, check_same_thread=False)
+            try:
+                self._connection = sqlite3.connect(uri, uri=True, check_same_thread=False)
+            except sqlite3.Error as exc:
+                raise DatasetError(self.path, f"cannot open it ({exc})") from None
             try:
                 version = self._connection.execute("SELECT value FROM information WHERE name = 'version'").fetchall()
             except sqlite3.DatabaseError as exc:
@@ -223,9 +260,25 @@ class RowReader:
                 self.close()
                 raise DatasetError(self.path, f"written by an ASE too old to read directly (schema version "
                                    f"{version[0][0] if version else 'unknown'}); rewrite it with a current ASE")
-            self._checked = bool(self._connection.execute(
+            self._checked = self.is_cached_index() and bool(self._connection.execute(
                 "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (CHECKSUMS,)).fetchall())
         return self._connection
+
+    def is_cached_index(self) -> bool:
+        """Whether this is an index in the project's cache, which may be checked and removed (a copy taken out of the
+        cache and written to is a user's database: it is neither)."""
+        from orb.cache import cache_dirs
+
+        folder = os.path.realpath(os.path.dirname(os.path.abspath(self.path)))
+        return folder in {os.path.realpath(f) for f in cache_dirs(INDEX_KIND)}
+
+    def check_table(self, name: str, rows: list) -> None:
+        """Refuse a TABLE_QUERIES result of a cached index that is not what the index was made with."""
+        self.connection()
+        if self._checked:
+            stored = self.query(f"SELECT crc FROM {TABLE_CHECKSUMS} WHERE name = ?", (name,))
+            if not stored or stored[0][0] != result_checksum(rows):
+                raise self._damaged(None, f"its {name} do not match their checksum")
 
     def sources(self) -> list:
         """[(file, frames), ...] of a database indexed from other files (``orb.data.formats``), else []."""
@@ -237,18 +290,28 @@ class RowReader:
                 self._sources = []
         return self._sources
 
-    def _damaged(self, row_id: int) -> RunError:
-        """A row of an index whose values are not those it was made with: the index is removed (where it may be), so
-        the next start makes it again from the user's files, and the run stops naming the file and frame."""
+    def _damaged(self, row_id: Optional[int], what: str = "its checksum does not match") -> RunError:
+        """Values of a cached index that are not those it was made with: the index is removed (where it may be; in a
+        read-only cache folder the next start's check finds it, and makes a copy in another), so the next start makes
+        it again from the user's files, and the run stops naming the file and frame."""
         try:
             os.remove(self.path)
             then = "it was removed and is made again at the next start"
-        except OSError as exc:
-            then = f"it could not be removed ({exc.strerror}): remove it"
+        except FileNotFoundError:  # another process found it first
+            then = "it was removed and is made again at the next start"
+        except OSError as exc:  # a read-only cache folder: skipped from now on
+            from orb.cache import mark_damaged
+
+            mark_damaged(self.path)
+            then = f"it could not be removed ({exc.strerror}) and is made again elsewhere at the next start"
         sources = self.sources()
-        where = "{}, frame {}".format(*frame_of(sources, row_id)) if sources else f"{self.path}, row {row_id}"
-        return RunError(f"{where}: its copy in the cached index {self.path} is damaged (its checksum does not "
-                        f"match); {then}, then run again (resume: true continues a training run)")
+        if row_id is None:
+            where = ", ".join(path for path, _ in sources) or self.path
+        else:
+            where = "{}, frame {}".format(*frame_of(sources, row_id)) if sources else f"{self.path}, row {row_id}"
+        return RunError(f"{where}: its copy in the cached index {self.path} is damaged ({what}); {then}: run the "
+                        "command again, continuing what it had done (resume: true for training, --resume for "
+                        "orb-relax and orb-md)")
 
     def query(self, sql: str, args=(), row: Optional[int] = None) -> list:
         """A read-only query; a damaged file is one line naming it (and the row, when known)."""
