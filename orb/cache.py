@@ -108,9 +108,9 @@ class CacheEntry:
     ``code``: the project's modules that compute the content, hashed by :func:`source_digest` -- not a version number
     bumped by hand, which an edit could forget (the index and census caches had one), so any change to them, an
     upgrade of the project included, misses every entry an older version made; ``libraries``: the installed packages
-    whose version does too (:func:`library_versions`). The name is ``<kind>-<identity's hash>-<code's hash>``: an
-    entry written replaces the same identity's entries of other code in its folder, which nothing reads any more
-    (each upgrade left another copy, an index as large as its data)."""
+    whose version does too (:func:`library_versions`). The name is ``<kind>-<identity's hash>-<code's hash>``. An
+    entry of other code is not removed when a new one is written: another installation sharing the cache (two
+    virtual environments, two versions of the project on a cluster) may be reading it."""
 
     def __init__(self, kind: str, code: Tuple[str, ...], identity: tuple, extension: str,
                  libraries: Tuple[str, ...] = ()):
@@ -118,8 +118,8 @@ class CacheEntry:
             raise TypeError("code is a tuple of module names")
         version = (source_digest(*code) if code else "", library_versions(*libraries))
         self.kind, self.extension = kind, extension
-        self.family = f"{kind}-{digest(LAYOUT_VERSION, kind, identity)[:24]}-"
-        self.name = f"{self.family}{digest(LAYOUT_VERSION, version)[:16]}{extension}"
+        self.name = (f"{kind}-{digest(LAYOUT_VERSION, kind, identity)[:24]}-{digest(LAYOUT_VERSION, version)[:16]}"
+                     f"{extension}")
         self.read_from: Optional[str] = None  # the file read back, when it was
         self.kept_in: Optional[str] = None  # the file written, when it was
 
@@ -183,18 +183,7 @@ class CacheEntry:
             log.warning("could not keep the %s in %s (%s): computed again at the next start", what, folder, reason)
             return None
         self.kept_in = path
-        self._remove_other_versions(folder)
         return path
-
-    def _remove_other_versions(self, folder: str) -> None:
-        """The same identity's entries of other code in ``folder`` removed (a process still reading one keeps it open
-        until it is done)."""
-        for name in os.listdir(folder):
-            if name.startswith(self.family) and name.endswith(self.extension) and name != self.name:
-                try:
-                    os.remove(os.path.join(folder, name))
-                except OSError:
-                    pass
 
 
 DAMAGED = "damaged"  # the subfolder of markers of damaged cache files that could not be removed
@@ -204,9 +193,19 @@ def _marker(path: str, folder: str) -> str:
     return os.path.join(folder, digest(os.path.realpath(path))[:32] + ".json")
 
 
+def _marker_dirs() -> List[str]:
+    """Where markers are kept, stable places first: the configured cache, the user's own (``$TMPDIR`` is a job's
+    or a node's own, where the next job or another node's rank would not see a marker), the per-user fallback."""
+    home = os.path.join(os.path.expanduser("~"), ".cache", "orb_mindspore", DAMAGED)
+    configured, fallback = cache_dirs(DAMAGED)
+    return list(dict.fromkeys([configured, home, fallback]))
+
+
 def _stamp(path: str) -> list:
+    """The file as it is now: a restored or rewritten copy changes its inode or status-change time, which no tool
+    sets back (``cp -p`` and ``rsync -a`` restore the size and modification time)."""
     stat = os.stat(path)
-    return [os.path.realpath(path), stat.st_size, stat.st_mtime_ns]
+    return [os.path.realpath(path), stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns]
 
 
 def mark_damaged(path: str) -> None:
@@ -215,19 +214,20 @@ def mark_damaged(path: str) -> None:
     makes a copy in another folder (it read the damaged copy, and failed or rebuilt, at every start)."""
     from orb.io.files import write_json
 
-    folder = writable_dir(DAMAGED)
-    if folder is not None:
+    for folder in _marker_dirs():
         try:
+            os.makedirs(folder, exist_ok=True)
             write_json(_marker(path, folder), _stamp(path))
+            return
         except OSError:
-            pass
+            continue
 
 
 def is_marked_damaged(path: str) -> bool:
     """Whether ``path``, as it is now, was marked damaged (:func:`mark_damaged`)."""
     import json
 
-    for folder in cache_dirs(DAMAGED):
+    for folder in _marker_dirs():
         marker = _marker(path, folder)
         if os.path.isfile(marker):
             try:

@@ -243,8 +243,9 @@ class RowReader:
         if self._connection is None:
             if not os.path.exists(self.path):
                 if self.is_cached_index():  # removed by another process that found it damaged
-                    raise RunError(f"the cached index {self.path} was removed while this run read it (another process "
-                                   "found it damaged, and its log says which file and frame): run the command again")
+                    raise RunError(f"the cached index {self.path} was removed while this run read it (by a process "
+                                   "that found it damaged, whose log says which file and frame, or by hand): run the "
+                                   "command again")
                 raise DatasetError(self.path, "database file does not exist (was it removed during the run?)")
             uri = f"file:{quote(os.path.abspath(self.path))}?mode=ro" + ("&immutable=1" if self.immutable else "")
             try:
@@ -260,8 +261,9 @@ class RowReader:
                 self.close()
                 raise DatasetError(self.path, f"written by an ASE too old to read directly (schema version "
                                    f"{version[0][0] if version else 'unknown'}); rewrite it with a current ASE")
-            self._checked = self.is_cached_index() and bool(self._connection.execute(
-                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (CHECKSUMS,)).fetchall())
+            self._checked = self.is_cached_index() and len(self._connection.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name IN (?, ?)",
+                (CHECKSUMS, TABLE_CHECKSUMS)).fetchall()) == 2
         return self._connection
 
     def is_cached_index(self) -> bool:
