@@ -116,6 +116,10 @@ def main() -> None:
     p.add_argument("--configs", default="demo.yaml,demo_v3.yaml", help="--finetune: the demo configs to run")
     p.add_argument("--modes", default="bf16-mixed,fp16-mixed", help="--finetune: the modes beside float32-high")
     p.add_argument("--seeds", default="", help="--finetune: every mode again with these random seeds (comma-separated)")
+    p.add_argument("--perturb-start", action="store_true", help="--finetune: float32 again from the starting weights "
+                   "moved by one unit in the last place, and by float16's rounding (what a perturbation alone moves)")
+    p.add_argument("--perturb-seed", type=int, default=0, help="--perturb-start: the random generator's seed choosing "
+                   "which way each weight moves")
     p = sub.add_parser("md")
     p.add_argument("--structures", type=int, default=32)
     p.add_argument("--steps", type=int, default=100)

@@ -161,21 +161,64 @@ def finetune_in_each_mode(args) -> None:
         first = None
         for seed in seeds:
             base = None
-            for mode in ["float32-high"] + modes:
-                maes, skipped, steps, seconds = finetune_once(config, mode, seed)
+            runs = [("float32-high", None)] + [(mode, None) for mode in modes]
+            if args.perturb_start:
+                runs += [("float32-high", NUDGES[0]), ("float32-high", NUDGES[1])]
+            for mode, nudge in runs:
+                with tempfile.TemporaryDirectory() as folder:
+                    checkpoint = nudged_start(config, folder, nudge[1], args.perturb_seed) if nudge else None
+                    maes, skipped, steps, seconds = finetune_once(config, mode, seed, checkpoint)
                 base = base or maes
                 first = first or maes
-                spread = change(maes, first) if mode == "float32-high" else ""
-                print(f"| {config} | {mode} | {'config' if seed is None else seed} | {maes[0]:.4g} | {maes[1]:.4g} | "
+                spread = change(maes, first) if mode == "float32-high" and not nudge else ""
+                label = mode + (f", start nudged {nudge[0]}" if nudge else "")
+                print(f"| {config} | {label} | {'config' if seed is None else seed} | {maes[0]:.4g} | {maes[1]:.4g} | "
                       f"{maes[2]:.4g} | {change(maes, base)} | {spread} | {skipped:.0f} of {steps} | {seconds:.0f} |",
                       flush=True)
 
 
-def finetune_once(config: str, mode: str, seed=None):
-    """(validation MAEs [E/atom, F, S] of the last epoch, skipped steps, steps, seconds) of one demo fine-tune."""
+# (label, relative size): one unit in float32's last place, and float16's unit roundoff (what one rounding to it moves)
+NUDGES = (("1 ulp", None), ("2^-11 (fp16's rounding)", 2.0 ** -11))
+
+
+def nudged_start(config: str, folder: str, relative=None, seed: int = 0) -> str:
+    """The config's starting checkpoint with every weight moved up or down at random, by one unit in the last place
+    (float32) or by ``relative`` of itself: a float32 run from it shows how far a perturbation of that size, once, at
+    the start, moves the demo's last-epoch MAEs (the scale against which a mode's distance from float32 can be
+    read)."""
+    import mindspore as ms
+    import yaml
+
+    from orb import precision
+    from orb.io.checkpoint import model_from_checkpoint, named_parameters, read_weights, save_checkpoint
+
+    with open(os.path.join(ROOT, "configs", config)) as f:
+        source = os.path.join(ROOT, yaml.safe_load(f)["checkpoint_path"])
+    precision.set_precision("float32-high")
+    meta = read_weights(source)[1]
+    model = model_from_checkpoint(source)
+    rng = np.random.default_rng(seed)  # (which way each weight moves)
+    for parameter in named_parameters(model).values():
+        value = parameter.asnumpy()
+        if value.dtype == np.float32:
+            up = rng.random(value.shape) < 0.5
+            if relative is None:
+                moved = np.nextafter(value, np.where(up, np.inf, -np.inf).astype(np.float32))
+            else:
+                moved = (value * (1.0 + np.where(up, relative, -relative))).astype(np.float32)
+            parameter.set_data(ms.Tensor(moved))
+    target = os.path.join(folder, "nudged.ckpt")
+    save_checkpoint(target, model, meta)
+    return target
+
+
+def finetune_once(config: str, mode: str, seed=None, checkpoint=None):
+    """(validation MAEs [E/atom, F, S] of the last epoch, skipped steps, steps, seconds) of one demo fine-tune
+    (``checkpoint``: another start than the config's)."""
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
         seed_args = ["--random_seed", str(seed)] if seed is not None else []
+        seed_args += ["--checkpoint_path", checkpoint] if checkpoint else []
         subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), "--config",
                         os.path.join(ROOT, "configs", config), "--output_dir", out, "--precision", mode,
                         "--progress_bar", "false", "--device_target", "CPU", *seed_args], check=True,
