@@ -24,6 +24,10 @@ class DatasetError(OrbInputError):
         return type(self), (self.path, self.message, self.row, self.key, self.unit)
 
 
+class ClusterInputError(OrbInputError):
+    """Bad input that another process of a data-parallel job found (its log names it): exit status 2 on every rank."""
+
+
 class StructureError(OrbInputError):
     """A structure that orb cannot turn into a graph."""
 

@@ -230,6 +230,61 @@ def test_every_rank_leaves_a_save_only_once_rank_0_has_written_it(tmp_path):
     assert not os.path.exists(folder / "last.ckpt")
 
 
+def test_a_bad_row_one_rank_finds_makes_every_rank_exit_as_for_bad_input(tmp_path, monkeypatch):
+    """Rank 1 finds a bad row while checking the rows; rank 0 stops at the same collective with bad input of its
+    own kind (exit status 2 on every rank): it was a fault (exit 1), so when msrun ended rank 1 before it said why,
+    the job's status said fault."""
+    import threading
+
+    import ase.db
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    from orb.data.dataset import AseDbDataset
+    from orb.errors import ClusterError, DatasetError, OrbInputError
+
+    monkeypatch.setenv("ORB_CACHE_DIR", str(tmp_path / "cache"))
+    bad = str(tmp_path / "bad_row.db")
+    with ase.db.connect(DEMO_VAL) as src, ase.db.connect(bad) as dst:
+        rows = list(src.select())
+        for i, row in enumerate(rows):
+            atoms = row.toatoms()
+            if i == len(rows) - 1:  # in rank 1's half: a singular cell
+                atoms.set_cell([atoms.cell[0], atoms.cell[1], atoms.cell[0]])
+                atoms.calc = SinglePointCalculator(atoms, energy=row.energy, forces=row.forces, stress=row.stress)
+            dst.write(atoms)
+    barrier, values = threading.Barrier(2, timeout=60), {}
+
+    class Rank:
+        world_size = 2
+
+        def __init__(self, rank):
+            self.rank = rank
+
+        def sum(self, array):
+            values[self.rank] = np.asarray(array, np.float64)
+            barrier.wait()
+            total = values[0] + values[1]
+            barrier.wait()
+            return total
+
+    raised = {}
+
+    def check(rank):
+        try:
+            AseDbDataset(bad).census(ranks=Rank(rank))
+        except Exception as exc:
+            raised[rank] = exc
+
+    threads = [threading.Thread(target=check, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert isinstance(raised[1], DatasetError) and f"row {len(rows)}" in str(raised[1])
+    assert isinstance(raised[0], OrbInputError) and not isinstance(raised[0], ClusterError)
+    assert "another rank found a bad row while checking the rows" in str(raised[0])
+
+
 @pytest.fixture(scope="module")
 def demo_databases():
     from orb.data.dataset import AseDbDataset

@@ -18,7 +18,7 @@ from typing import Callable, Iterator, List, Optional, Protocol, Sequence, Tuple
 import numpy as np
 
 from orb import cache
-from orb.errors import ClusterError, DatasetError, StructureError
+from orb.errors import ClusterError, ClusterInputError, DatasetError, OrbInputError, StructureError
 from orb.data.formats import SQLITE_MAGIC, storable_pairs
 from orb.data.sqlite_rows import TABLE_QUERIES, RowReader, frame_of
 from orb.data.augmentation import matrix_to_voigt, random_rotation, rotate_structure
@@ -118,13 +118,19 @@ class RowPass:
         except Exception as exc:  # a bad row, a damaged index, dead data workers: every rank stops (a stop signal,
             # not an Exception, is every rank's own)
             failure = exc
-        total = ranks.sum(np.concatenate([share.reshape(-1), [float(failure is not None)]]))
+        # (the last two: ranks that found bad input, and other faults: every rank then exits with the status of
+        # bad input, 2, even if msrun ends the rank that found it before that rank says so)
+        bad_input = isinstance(failure, OrbInputError)
+        total = ranks.sum(np.concatenate([share.reshape(-1), [float(bad_input),
+                                                              float(failure is not None and not bad_input)]]))
         if failure is not None:
             raise failure
-        if total[-1]:  # every rank stops now, not when the cluster notices the failed one
-            raise ClusterError(f"{self.dataset.source}: another rank found a bad row or a damaged index while "
-                               f"{self.what} (its log names the row)")
-        values = np.rint(total[:-1]).astype(np.int64).reshape((rows,) if self.width == 1 else (rows, self.width))
+        if total[-2]:  # every rank stops now, not when the cluster notices the failed one
+            raise ClusterInputError(f"{self.dataset.source}: another rank found a bad row while {self.what} (its "
+                                    "log names the row)")
+        if total[-1]:
+            raise ClusterError(f"{self.dataset.source}: another rank failed while {self.what} (its log says why)")
+        values = np.rint(total[:-2]).astype(np.int64).reshape((rows,) if self.width == 1 else (rows, self.width))
         self.kept_in = entry.write(lambda tmp: np.savez(tmp, values=values),
                                    f"{self.kind.replace('_', ' ')} of {self.dataset.source}")
         return values
