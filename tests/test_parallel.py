@@ -176,6 +176,24 @@ def test_strategies_on_orb_v3_two_workers_equal_one_device(tmp_path, nine_rows):
     assert set(exported) == set(start)
 
 
+def test_fp16_mixed_two_workers_equal_one_device(tmp_path, nine_rows):
+    """fp16-mixed in data parallel: 2 workers end with one device's weights and loss scale, and skip the same steps
+    (none here); the checkpoint's weights stay float32. (From a loss scale near the overflow threshold the two skip
+    different steps: a rank's float16 weight gradient sums half the batch, one device's all of it.)"""
+    extra = {"precision": "fp16-mixed", "num_buckets": 1, "lr": 3e-3, "initial_loss_scale": 1024}
+    job = launch(common_args(tmp_path / "par", nine_rows, **extra), tmp_path / "logs", cwd=ROOT)
+    one = single(common_args(tmp_path / "one", nine_rows, **extra), timeout=600)
+    out, _ = job.communicate(timeout=600)
+    assert job.returncode == 0 and one.returncode == 0, out[-2000:] + one.stderr[-2000:]
+    (par, par_opt), (ref, ref_opt) = weights(tmp_path / "par"), weights(tmp_path / "one")
+    assert all(v.dtype == np.float32 for k, v in ref.items() if np.issubdtype(v.dtype, np.floating))
+    # (float16 products of half a batch or of the whole: a rounding of another sum now and then, nothing more)
+    assert_same_weights(par, ref, rel=5e-3)
+    assert par_opt["loss_scale"] == ref_opt["loss_scale"] == 1024
+    skipped = [[e["train"].get("nonfinite_steps", 0) for e in epochs(tmp_path / run)] for run in ("par", "one")]
+    assert skipped[0] == skipped[1] == [0, 0]
+
+
 def test_replay_two_workers_equal_one_device(tmp_path, nine_rows):
     """Replay on 2 workers: the starting model's passes over the data (farthest-point descriptors, pseudo-labels,
     the residual fit of the reference energies) are computed in parts by the ranks and summed; every rank then

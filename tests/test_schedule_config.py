@@ -33,6 +33,8 @@ def test_config_overrides_and_errors(tmp_path):
         (["--val_data_path", "[a.db, '']"], "'val_data_path' lists an empty path"),
         (["--train_data_path", "[a.db, [b.db]]"], "'train_data_path\\[1\\]' must be a string"),
         (["--num_buckets", "-1"], "'num_buckets' must be 0 \\(chosen\\) to 16"),
+        (["--initial_loss_scale", "0.5"], "'initial_loss_scale' must be in \\[1, 2\\^24\\]"),
+        (["--initial_loss_scale", "nan"], "config key 'initial_loss_scale' must be a finite number"),
         # non-finite numbers and out-of-range seeds were accepted (a NaN lr trained NaN; a negative seed crashed
         # numpy with a traceback)
         (["--lr", "nan"], "config key 'lr' must be a finite number, got nan"),

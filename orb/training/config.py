@@ -185,6 +185,7 @@ class TrainConfig:
     data_workers: int = 2
     ops_profile: str = "auto"
     precision: str = "float32-high"  # orb.precision: float32-high | float32-highest | bf16-mixed | fp16-mixed | float64
+    initial_loss_scale: float = 65536.0  # fp16-mixed: the dynamic loss scale's start (PyTorch GradScaler's init_scale)
     optimizer_shard: bool = False
     callbacks: List[str] = field(default_factory=list)  # "module:Name" of classes whose objects see the loop
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -396,6 +397,9 @@ def _validate(cfg: TrainConfig) -> TrainConfig:
     if not 0 <= cfg.num_buckets <= MAX_BUCKETS:
         raise ConfigError(f"config key 'num_buckets' must be 0 (chosen) to {MAX_BUCKETS} (each bucket compiles once), "
                           f"got {cfg.num_buckets}")
+    if not 1 <= cfg.initial_loss_scale <= 2.0 ** 24:  # (NaN fails too)
+        raise ConfigError(f"config key 'initial_loss_scale' must be in [1, 2^24] (fp16-mixed's dynamic loss scale "
+                          f"starts there, halves on overflow), got {cfg.initial_loss_scale}")
     if not 0 <= cfg.ema_decay < 1:
         raise ConfigError(f"config key 'ema_decay' must be in [0, 1) (0 = off), got {cfg.ema_decay}")
     for key in ("radius", "cutoff_rmax", "rbf_radius"):

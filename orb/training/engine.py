@@ -173,7 +173,8 @@ class Engine:
         reducer = self.optimizer.gradient_reducer()  # a sharded optimizer reduce-scatters its own slices
         if reducer is None and dp.grad_reducer is not None:
             reducer = dp.grad_reducer(self.optimizer.gradients_to_reduce())
-        self.loss_scale = LossScale() if precision() == "fp16-mixed" else None  # float16's narrow range
+        self.loss_scale = (LossScale(cfg.initial_loss_scale) if precision() == "fp16-mixed"  # float16's narrow range
+                           else None)
         self.train_step = TrainStep(self.loss_cell, self.optimizer, reducer, self.loss_scale)
         self.eval_step = EvalStep(self.loss_cell)
 
