@@ -267,13 +267,17 @@ def test_a_damaged_index_in_a_read_only_cache_folder_is_made_again_in_another(tm
     source = str(tmp_path / "val.extxyz")
     ase.io.write(source, frames, format="extxyz")
     index = readable_database(source)
-    expected = AseDbDataset(index).rows.read(6).positions.copy()
+    first = AseDbDataset(index)
+    expected = first.rows.read(6).positions.copy()
+    first.close()
     assert index.startswith(str(shared))
     zero_bytes_inside(index, 6, "positions", 24)
     result = subprocess.run(["mount", "-o", "remount,ro", str(shared)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+    damaged = AseDbDataset(index)
     with pytest.raises(RunError, match="could not be removed .* made again elsewhere at the next start"):
-        AseDbDataset(index).rows.read(6)
+        damaged.rows.read(6)
+    damaged.close()  # (an open file would keep the test's file system from being unmounted)
     assert os.path.exists(index)
     for job in range(2):  # each job (or node) has a $TMPDIR of its own: the mark is kept where every one sees it
         monkeypatch.setenv("TMPDIR", str(tmp_path / f"tmp{job}"))
