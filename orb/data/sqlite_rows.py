@@ -293,9 +293,9 @@ class RowReader:
         return self._sources
 
     def _damaged(self, row_id: Optional[int], what: str = "its checksum does not match") -> RunError:
-        """Values of a cached index that are not those it was made with: the index is removed (where it may be; in a
-        read-only cache folder the next start's check finds it, and makes a copy in another), so the next start makes
-        it again from the user's files, and the run stops naming the file and frame."""
+        """Values of a cached index that are not those it was made with: the index is removed (in a read-only cache
+        folder, marked: ``orb.cache.mark_damaged``, and later starts skip it), so the next start makes it again from
+        the user's files, and the run stops naming the file and frame."""
         try:
             os.remove(self.path)
             then = "it was removed and is made again at the next start"
