@@ -403,7 +403,7 @@ def test_bad_input_stops_every_worker_with_one_line(tmp_path, nine_rows):
             dst.write(atoms)
     cases = ((dict(batch_size=1), "'batch_size' (1) is the global batch and must be at least the number of workers"),
              ({"train_data_path": bad_row, "model.name": "orb_v3_direct_20_omat"},
-              "bad_row.db: another rank found a bad row while checking the rows"))
+              "bad_row.db: another rank found bad input (a bad row or a damaged file) while checking the rows"))
     for i, (extra, message) in enumerate(cases):
         job = launch(common_args(tmp_path / f"bad{i}", nine_rows, **extra), tmp_path / f"logs{i}", cwd=ROOT,
                      env_extra=FAST_FAILURE)

@@ -282,7 +282,7 @@ def test_a_bad_row_one_rank_finds_makes_every_rank_exit_as_for_bad_input(tmp_pat
         thread.join()
     assert isinstance(raised[1], DatasetError) and f"row {len(rows)}" in str(raised[1])
     assert isinstance(raised[0], OrbInputError) and not isinstance(raised[0], ClusterError)
-    assert "another rank found a bad row while checking the rows" in str(raised[0])
+    assert "another rank found bad input (a bad row or a damaged file) while checking the rows" in str(raised[0])
 
 
 @pytest.fixture(scope="module")

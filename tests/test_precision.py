@@ -316,10 +316,11 @@ def test_fp16_loss_scale_halves_on_overflow_and_doubles_after_a_run_of_finite_st
         ms.set_context(mode=ms.GRAPH_MODE)
 
 
-def test_fp16_training_counts_overflows_as_skipped_steps_and_keeps_its_scale_on_resume(tmp_path):
+def test_fp16_training_counts_overflows_as_skipped_steps_and_keeps_its_scale_on_resume(tmp_path, caplog):
     """A demo run in fp16-mixed: the initial scale's overflows are skipped and counted (nonfinite_steps), never a
     divergence; the scale is in the checkpoint, and a resume continues bit for bit where the uninterrupted run
-    does."""
+    does; a resume given another initial_loss_scale says it continues the checkpoint's (it was dropped without a
+    word)."""
     from test_training import make_cfg, params_of, trainer_for
 
     common = dict(precision="fp16-mixed", max_epochs=2, lr=3e-4)
@@ -336,6 +337,12 @@ def test_fp16_training_counts_overflows_as_skipped_steps_and_keeps_its_scale_on_
     first.fit(until_epoch=1)
     resumed = trainer_for(make_cfg(tmp_path / "b", **common), resume=str(tmp_path / "b" / "run"))
     assert resumed.engine.loss_scale_value() == history[0]["train"]["loss_scale"]
+    with caplog.at_level("INFO", logger="orb"):
+        changed = trainer_for(make_cfg(tmp_path / "b", **common, initial_loss_scale=1024.0),
+                              resume=str(tmp_path / "b" / "run"))
+    assert changed.engine.loss_scale_value() == history[0]["train"]["loss_scale"]
+    assert "initial_loss_scale 65536 -> 1024 not applied: the checkpoint's loss scale" in caplog.text
+    del changed
     resumed.fit()
     for (name, a), (_, b) in zip(params_of(straight.model).items(), params_of(resumed.model).items()):
         np.testing.assert_array_equal(a, b, err_msg=name)

@@ -126,8 +126,8 @@ class RowPass:
         if failure is not None:
             raise failure
         if total[-2]:  # every rank stops now, not when the cluster notices the failed one
-            raise ClusterInputError(f"{self.dataset.source}: another rank found a bad row while {self.what} (its "
-                                    "log names the row)")
+            raise ClusterInputError(f"{self.dataset.source}: another rank found bad input (a bad row or a damaged "
+                                    f"file) while {self.what} (its log names it)")
         if total[-1]:
             raise ClusterError(f"{self.dataset.source}: another rank failed while {self.what} (its log says why)")
         values = np.rint(total[:-2]).astype(np.int64).reshape((rows,) if self.width == 1 else (rows, self.width))
