@@ -9,9 +9,9 @@ read-only home on a cluster node).
 Every entry is a :class:`CacheEntry`: named by a hash of **everything that determines its content**
 (its kind; the code that computes it: a digest of its source and the versions of the libraries that take
 part; and the caller's identity parts: the data's identity, the model's name, graph settings and weights,
-the operator profile, the precision), written atomically and synced (``orb.io.files``), and read through a check: a damaged, empty or
-implausible file (a full disk, a power loss) is ignored with one warning and computed again, never
-fatal.
+the operator profile, the precision), written atomically and synced (``orb.io.files``), and read through a
+check: a damaged, empty or implausible file (a full disk, a power loss) is ignored with one warning and
+computed again, never fatal.
 """
 
 import hashlib
@@ -210,8 +210,8 @@ def _stamp(path: str) -> list:
 
 def mark_damaged(path: str) -> None:
     """Remember that the cache file ``path``, found damaged, could not be removed (a read-only cache folder): a marker
-    in a writable cache folder (its path, size and modification time), so every later start skips it and uses or
-    makes a copy in another folder (it read the damaged copy, and failed or rebuilt, at every start)."""
+    in the first writable of :func:`_marker_dirs` holding the file's :func:`_stamp`, so every later start skips it
+    and uses or makes a copy in another folder (it read the damaged copy, and failed or rebuilt, at every start)."""
     from orb.io.files import write_json
 
     for folder in _marker_dirs():

@@ -32,7 +32,6 @@ from orb.errors import DatasetError
 
 log = logging.getLogger("orb")
 SQLITE_MAGIC = b"SQLite format 3\x00"
-CONVERTED = INDEX_KIND
 # what makes an index's content besides the files and keys: this module's code, and ase (and its LMDB backend) that
 # parse the files (ase 3.23 changed where an extxyz's energy= goes)
 INDEX_CODE = ("orb.data.formats", "orb.data.sqlite_rows")  # (sqlite_rows: the rows' and tables' checksums)
@@ -115,7 +114,7 @@ def readable_database(path: Union[str, Sequence[str]], keys: LabelKeys = LabelKe
     identity = tuple((os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files
                      + [f + "-wal" for f in files if os.path.exists(f + "-wal")])  # SQLite's rows not yet in it
     libraries = ("ase", "ase-db-backends") if any(f.endswith(".aselmdb") for f in files) else ("ase",)
-    entry = cache.CacheEntry(CONVERTED, INDEX_CODE, (identity, keys), ".db", libraries)
+    entry = cache.CacheEntry(INDEX_KIND, INDEX_CODE, (identity, keys), ".db", libraries)
     found = entry.read(lambda p: p, _complete_index)
     if found is not None:
         return found
@@ -127,7 +126,7 @@ def readable_database(path: Union[str, Sequence[str]], keys: LabelKeys = LabelKe
     target = entry.write(convert, f"index of {describe_path(path)}")
     if target is None:
         raise DatasetError(describe_path(path), "cannot index it: no writable cache folder, or writing there failed "
-                           f"({', '.join(cache.cache_dirs(CONVERTED))}; set ORB_CACHE_DIR)")
+                           f"({', '.join(cache.cache_dirs(INDEX_KIND))}; set ORB_CACHE_DIR)")
     log.info("indexed %s: %d structures, kept in %s", describe_path(path), counted[0], target)
     return target
 
