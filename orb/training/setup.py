@@ -143,7 +143,8 @@ def read_resume(path: str, checkpointer: Checkpointer, cfg: TrainConfig, identit
     if rounding:
         log.info("resuming with other arithmetic than the checkpoint's run (%s): the schedule and data order continue, "
                  "the numbers follow an uninterrupted run's only to rounding", "; ".join(rounding))
-    saved_scale = meta.get("config", {}).get("initial_loss_scale", cfg.initial_loss_scale)
+    saved_scale = meta.get("config", {}).get("initial_loss_scale", TrainConfig.initial_loss_scale)  # (older runs:
+    # the default)
     if "loss_scale" in optimizer_state and cfg.precision == "fp16-mixed" and saved_scale != cfg.initial_loss_scale:
         log.info("initial_loss_scale %g -> %g not applied: the checkpoint's loss scale (%g) continues", saved_scale,
                  cfg.initial_loss_scale, float(np.asarray(optimizer_state["loss_scale"])))
