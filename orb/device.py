@@ -226,14 +226,18 @@ def release_host_memory() -> None:
         pass
 
 
-def compile_cell(cell, *inputs) -> None:
+def compile_cell(cell, *inputs, kind: str = "", settings=None) -> str:
     """Compile ``cell`` for these inputs' shapes (once per shape) before its first run, then return
     the compiler's freed memory, so that the run's activations reuse it instead of adding to it. A stop signal
     meanwhile is noted and honoured after it (raised inside MindSpore's parser, it printed its error report and a
-    Python stack on stderr)."""
+    Python stack on stderr). With ``settings`` (what decides the graph beyond the cell, :mod:`orb.graph_cache`) the
+    graph is loaded from the compile cache when it holds it, else kept there; returns ``"cache"``, ``"compiled"``
+    or ``"uncached"``."""
+    from orb.graph_cache import compile_with_cache
     from orb.signals import STOP
 
     with STOP.deferred():
-        cell.compile(*inputs)
+        source = compile_with_cache(cell, inputs, kind, settings)
     release_host_memory()
     STOP.stop_if_received()
+    return source

@@ -40,6 +40,7 @@ class Predictor:
         self.buckets: List[Bucket] = sorted(buckets or [])
         self.growth, self.multiple, self.reuse = growth, multiple, reuse
         self.compiled: Dict[Bucket, float] = {}
+        self.sources: Dict[Bucket, str] = {}  # where each bucket's graph came from (orb.graph_cache)
 
     def bucket_for(self, batch: AtomGraphs) -> Bucket:
         """The smallest known bucket that fits, else a new one.
@@ -104,7 +105,7 @@ class Predictor:
         inputs = model_inputs(padded)
         first = bucket not in self.compiled
         if first and ms.get_context("mode") == ms.GRAPH_MODE:  # in PyNative mode jit compiles at the first call
-            compile_cell(self.cell, *inputs)
+            self.sources[bucket] = compile_cell(self.cell, *inputs, kind="predict", settings=("predict",))
         outputs = self.cell(*inputs)
         per_graph = lambda t: t.asnumpy()[: len(real)][real].astype(np.float64)  # noqa: E731
         per_node = lambda t: t.asnumpy()[:n_real_nodes].astype(np.float64)  # noqa: E731
@@ -115,7 +116,8 @@ class Predictor:
             out["confidence"] = per_node(outputs[3])
         if first:
             self.compiled[bucket] = time.perf_counter() - start
-            log.debug("compiled inference for %s in %.1f s", bucket, self.compiled[bucket])
+            log.debug("compiled inference for %s in %.1f s (%s)", bucket, self.compiled[bucket],
+                      self.sources.get(bucket, "uncached"))
         return out
 
 

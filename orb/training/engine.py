@@ -113,12 +113,35 @@ def per_element(params, names: List[str], value) -> Optional[np.ndarray]:
     return np.repeat(np.array([value(n) for n in names], np.float64), sizes)
 
 
+# config keys that only the host reads (paths, logging, saving, the data pipeline): not part of a graph's identity
+HOST_ONLY = ("train_data_path", "val_data_path", "checkpoint_path", "output_dir", "device_id", "save_every_x_epochs",
+             "save_every_n_steps", "save_every_minutes", "keep_checkpoints", "log_every_n_steps", "progress_bar",
+             "record_batches", "callbacks", "data_workers", "patience", "max_nonfinite_steps", "num_threads",
+             "replay.data_path", "replay.val_data_path", "reference_energies.file", "energy_key", "forces_key",
+             "stress_key", "charge_key", "spin_key")
+
+
+def graph_settings(cfg: TrainConfig, dp: DataParallel) -> Optional[tuple]:
+    """What of a run decides its compiled graphs beyond the cells themselves (:func:`orb.graph_cache.graph_identity`):
+    every setting but the host's, and the rank's place in the data-parallel layout; None when the run keeps no
+    compiled graphs."""
+    from orb.training.config import flatten
+
+    if not getattr(cfg, "compile_cache", True):
+        return None
+    settings = tuple(sorted((k, repr(v)) for k, v in flatten(cfg.to_dict()).items() if k not in HOST_ONLY))
+    return settings + (("data_parallel", dp.world_size, dp.rank, bool(dp.shard_optimizer)),)
+
+
 class Compiled:
     """Runs cells, compiling each (kind, bucket shape) once before its first run and logging it; remembers the
-    seconds each compilation took."""
+    seconds each compilation took and whether its graph came from the compile cache (:mod:`orb.graph_cache`;
+    ``settings``: what of the run decides its graphs, None to compile every graph afresh)."""
 
-    def __init__(self):
+    def __init__(self, settings=None):
         self.seconds: Dict[Tuple[str, Bucket], float] = {}
+        self.sources: Dict[Tuple[str, Bucket], str] = {}
+        self.settings = settings
 
     def run(self, kind: str, cell, arrays, bucket: Bucket):
         from orb.data.tensors import to_tensors
@@ -130,17 +153,22 @@ class Compiled:
         log.info("compiling the %s step for batch shape (nodes %d, edges %d, graphs %d), once per shape", kind,
                  bucket.num_nodes, bucket.num_edges, bucket.num_graphs)
         start = time.perf_counter()
-        compile_cell(cell, *inputs)
+        self.sources[key] = compile_cell(cell, *inputs, kind=kind, settings=self.settings)
         out = cell(*inputs)
         (out[0] if isinstance(out, tuple) else out).asnumpy()
         self.seconds[key] = time.perf_counter() - start
+        if self.sources[key] == "cache":
+            log.info("the %s step's graph came from the compile cache (%.1f s)", kind, self.seconds[key])
         return out
 
     def total(self) -> float:
         return sum(self.seconds.values())
 
     def describe(self) -> str:
-        return ", ".join(f"{k[0]} {k[1].num_nodes}x{k[1].num_edges} {v:.0f}s" for k, v in self.seconds.items())
+        cached = sum(source == "cache" for source in self.sources.values())
+        each = ", ".join(f"{k[0]} {k[1].num_nodes}x{k[1].num_edges} {v:.0f}s"
+                         + (" cached" if self.sources.get(k) == "cache" else "") for k, v in self.seconds.items())
+        return f"{each}; {cached} of {len(self.seconds)} from the compile cache" if self.seconds else each
 
 
 class Engine:

@@ -25,7 +25,7 @@ from orb.training import state as training_state
 from orb.training.checkpointing import Checkpointer, Progress, resolve, this_ranks_interval_sums
 from orb.training.config import LossWeights, TrainConfig
 from orb.training.distributed import DataParallel
-from orb.training.engine import Compiled, Engine, ModelPass, trainable_parameters
+from orb.training.engine import Compiled, Engine, ModelPass, graph_settings, trainable_parameters
 from orb.training.guards import Guards
 from orb.training.reference_fit import fit_reference_energies, reference_baseline, table_of_record
 from orb.training.reporting import Reporter
@@ -189,7 +189,7 @@ def build_trainer(cfg: TrainConfig, data_parallel: Optional[DataParallel] = None
         for name in databases:
             survey(loader, name, dp)
         data = RunData(cfg, dp, databases, loader, trains_stress(cfg, databases))
-        compiled = Compiled()
+        compiled = Compiled(graph_settings(cfg, dp))
 
         def one_pass(source):
             name = f"{source.name} pass"

@@ -1,0 +1,278 @@
+"""Compiled graphs kept between processes: a restart, a requeue, a second tool loads them instead of compiling.
+
+MindSpore 2.10's compile cache keeps a process's graphs as ``<path>/rank_<id>/graph_cache/compile_cache_<i>.mindir``,
+``i`` the position of the compilation among the process's cache-enabled ones, and loads file ``i`` for the process's
+``i``-th compilation whatever graph that is: a run whose batch shapes came in another order computed with another
+shape's graph (measured: garbage numbers). So here the cache is never handed to MindSpore whole:
+
+* every graph is kept under its own identity (:func:`graph_identity`: the cell's kind, its inputs' shapes and types,
+  its parameters' names, shapes, types and trainability, the constants of every sub-cell and primitive, the owner's
+  settings, the precision, operator profile and device, the code and MindSpore's version) as a
+  :class:`orb.cache.CacheEntry`, an ``.npz`` whose CRC is checked when read (a damaged entry is rebuilt, never
+  loaded);
+* MindSpore's cache is switched on only around the compilations made here (:func:`compile_with_cache`), in a
+  folder of this process's own, which holds, during each compilation, only the file staged for it at the position
+  MindSpore will look at: it can load that graph or nothing. If its count is not where this module thinks, it finds
+  nothing, compiles, and the file it writes says where the count is;
+* MindSpore's own check of the entry script's source (its "dependency files") is replaced by the code digest in the
+  identity, so a graph compiled under ``finetune.py`` is found by ``orb-md`` and by the test suite.
+
+``ORB_COMPILE_CACHE=0`` (or a run's ``compile_cache: false``) compiles everything afresh. Where MindSpore does not
+keep a graph (a kind it cannot serialise), it is compiled each time, said once.
+"""
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+log = logging.getLogger("orb")
+
+KIND = "graphs"
+CODE = ("orb",)  # every module of the package: a graph's content is the code that builds its cells
+ENVIRONMENT = "ORB_COMPILE_CACHE"
+SWITCH = "MS_COMPILER_CACHE_ENABLE"
+VOLATILE = ("arguments_key", "current_phase", "sequence_modified", "phase_cache")  # what MindSpore sets per compilation
+
+
+class GraphCache:
+    """The process's one gateway to MindSpore's compile cache (see the module's docstring)."""
+
+    def __init__(self):
+        self.enabled: Optional[bool] = None  # decided at the first compilation
+        self.scratch: Optional[str] = None
+        self.index = 0  # MindSpore's count of this process's cache-enabled compilations
+        self.loaded: List[str] = []
+        self.kept: List[str] = []
+        self._said = set()
+
+    def usable(self) -> bool:
+        if self.enabled is None:
+            self.enabled = self._enable()
+        return self.enabled
+
+    def _enable(self) -> bool:
+        if os.environ.get(ENVIRONMENT, "1").strip().lower() in ("0", "false", "off", "no"):
+            return False
+        import mindspore as ms
+
+        try:
+            import mindspore.graph.api as api
+
+            if not hasattr(api, "_get_compile_cache_dep_files"):
+                raise AttributeError("mindspore.graph.api._get_compile_cache_dep_files")
+            api._get_compile_cache_dep_files = lambda: []  # the identity's code digest decides, not the entry script
+            remove_stale_scratch(tempfile.gettempdir())
+            self.scratch = tempfile.mkdtemp(prefix=f"{SCRATCH}{os.getpid()}-")
+            os.environ[SWITCH] = "0"  # (a user's MS_COMPILER_CACHE_ENABLE=1 would load graphs by position)
+            ms.set_context(compile_cache_path=self.scratch)
+        except Exception as exc:  # another MindSpore: compile as without the cache
+            self._say("cache", f"compiled graphs are not kept: this MindSpore's compile cache cannot be driven ({exc})")
+            return False
+        import atexit
+
+        atexit.register(shutil.rmtree, self.scratch, True)
+        return True
+
+    def _say(self, key: str, message: str) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            log.info(message)
+
+    def compile(self, cell, inputs, kind: str, settings) -> str:
+        """Compile ``cell`` for ``inputs``: from the cache when it holds this graph (``"cache"``), else compiled and
+        kept (``"compiled"``); without the cache ``"uncached"``."""
+        if settings is None or not self.usable():
+            cell.compile(*inputs)
+            return "uncached"
+        from orb.cache import CacheEntry, load_arrays
+
+        identity = graph_identity(kind, cell, inputs, settings)
+        entry = CacheEntry(KIND, CODE, identity, ".npz", libraries=("mindspore",))
+        stored = entry.read(load_arrays, valid=lambda arrays: "mindir" in arrays)
+        staged = self._stage(stored["mindir"].tobytes() if stored is not None else None)
+        try:
+            self._compile_enabled(cell, inputs)
+        except Exception:
+            if stored is None:
+                raise
+            log.warning("the cached graph %s could not be loaded: compiling it again", entry.read_from)
+            self._clear()
+            from orb.cache import mark_damaged
+
+            try:
+                os.remove(entry.read_from)
+            except OSError:
+                mark_damaged(entry.read_from)
+            cell.compile(*inputs)
+            return "uncached"
+        written = self._written()
+        if stored is not None and written == [(self.index, staged)]:
+            self.index += 1
+            self.loaded.append(kind)
+            self._clear()
+            return "cache"
+        return self._keep(entry, [item for item in written if item != (self.index, staged)], kind)
+
+    def _compile_enabled(self, cell, inputs) -> None:
+        os.environ[SWITCH] = "1"  # (MindSpore reads it at every compilation; its context key is deprecated)
+        try:
+            cell.compile(*inputs)
+        finally:
+            os.environ[SWITCH] = "0"
+
+    def _folders(self) -> List[str]:
+        return [os.path.join(self.scratch, name, "graph_cache") for name in sorted(os.listdir(self.scratch))
+                if name.startswith("rank_")]
+
+    def _rank_folder(self) -> str:
+        found = self._folders()
+        if found:
+            return found[0]
+        return os.path.join(self.scratch, f"rank_{os.environ.get('RANK_ID', '0') or '0'}", "graph_cache")
+
+    def _clear(self) -> None:
+        for folder in self._folders():
+            for name in os.listdir(folder):
+                if name.startswith("compile_cache_"):
+                    os.remove(os.path.join(folder, name))
+
+    def _stage(self, mindir: Optional[bytes]) -> Optional[str]:
+        """Leave only this compilation's graph (or none) where MindSpore looks; returns its digest."""
+        self._clear()
+        if mindir is None:
+            return None
+        folder = self._rank_folder()
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "compile_dependency.hash"), "w"):
+            pass  # the hash of no dependency files (see _enable)
+        with open(os.path.join(folder, f"compile_cache_{self.index}.mindir"), "wb") as f:
+            f.write(mindir)
+        return hashlib.sha256(mindir).hexdigest()
+
+    def _written(self) -> List[Tuple[int, str]]:
+        """(position, digest) of every graph file in the process's folder after a compilation."""
+        found = []
+        for folder in self._folders():
+            for name in os.listdir(folder):
+                if name.startswith("compile_cache_") and name.endswith(".mindir"):
+                    with open(os.path.join(folder, name), "rb") as f:
+                        found.append((int(name[len("compile_cache_"):-len(".mindir")]),
+                                      hashlib.sha256(f.read()).hexdigest()))
+        return sorted(found)
+
+    def _keep(self, entry, fresh: List[Tuple[int, str]], kind: str) -> str:
+        """After a compilation MindSpore did itself: keep the graph it wrote (``fresh``: the files it wrote), and take
+        its count from the file's position (it moves on by itself; a staged file it passed over stays unread)."""
+        if not fresh:
+            self._clear()
+            self._say(f"unkept {kind}", f"MindSpore kept no {kind} graph: it is compiled in every process")
+            return "compiled"
+        position, _ = fresh[-1]
+        self.index = position + 1
+        path = next(os.path.join(folder, f"compile_cache_{position}.mindir") for folder in self._folders()
+                    if os.path.exists(os.path.join(folder, f"compile_cache_{position}.mindir")))
+        with open(path, "rb") as f:
+            mindir = np.frombuffer(f.read(), dtype=np.uint8)
+        self._clear()
+        if entry.write(lambda tmp: np.savez(tmp, mindir=mindir), f"compiled {kind} graph"):
+            self.kept.append(kind)
+        return "compiled"
+
+
+GRAPHS = GraphCache()
+SCRATCH = "orb-graphs-"  # a process's folder for MindSpore's cache files: <temp>/orb-graphs-<pid>-<random>
+
+
+def remove_stale_scratch(folder: str) -> None:
+    """The folders of processes that were killed (their pid is gone), left in this node's temporary folder."""
+    from orb.io.files import _alive
+
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(SCRATCH):].split("-")[0]
+        if name.startswith(SCRATCH) and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+
+
+def compile_with_cache(cell, inputs, kind: str, settings) -> str:
+    """:meth:`GraphCache.compile` of the process's cache; ``settings``: what the owner knows decides the graph beyond
+    what :func:`graph_identity` reads from the cell (a run's config), or None for a graph not to be cached."""
+    return GRAPHS.compile(cell, inputs, kind, settings)
+
+
+def graph_identity(kind: str, cell, inputs, settings) -> tuple:
+    """Everything that decides the graph MindSpore compiles for ``cell`` on ``inputs`` (see the module's docstring)."""
+    import mindspore as ms
+
+    from orb.models.ops_profile import ops_profile
+    from orb.precision import precision
+
+    specs = tuple((tuple(t.shape), str(t.dtype)) for t in inputs)
+    parameters = tuple((name, tuple(p.shape), str(p.dtype), bool(p.requires_grad))
+                       for name, p in cell.parameters_and_names())
+    context = tuple((key, str(ms.get_context(key))) for key in ("device_target", "mode", "jit_level", "deterministic")
+                    if _has_context(key))
+    return (kind, specs, parameters, structure_digest(cell), settings, precision(), ops_profile(), context)
+
+
+def _has_context(key: str) -> bool:
+    import mindspore as ms
+
+    try:
+        ms.get_context(key)
+        return True
+    except (ValueError, KeyError):
+        return False
+
+
+def structure_digest(cell) -> str:
+    """A hash of every sub-cell's class and public constants, and of every primitive's attributes (a Custom kernel's
+    library path among them): the constants a compiled graph holds that no parameter or input shows."""
+    from mindspore import Parameter, Tensor
+    from mindspore.ops import Primitive
+
+    sha = hashlib.sha256()
+    for name, sub in cell.cells_and_names():
+        sha.update(f"{name}:{type(sub).__module__}.{type(sub).__qualname__}".encode())
+        for key in sorted(vars(sub)):
+            if key.startswith("_") or key in VOLATILE:
+                continue
+            sha.update(f"{key}={constant_text(vars(sub)[key], Parameter, Tensor, Primitive)};".encode())
+    return sha.hexdigest()
+
+
+def constant_text(value, Parameter, Tensor, Primitive) -> str:
+    """The part of an attribute a graph may hold as a constant, as text ('' for what it cannot)."""
+    if isinstance(value, (bool, int, float, str, type(None))):
+        return repr(value)
+    if isinstance(value, (tuple, list)) and all(isinstance(v, (bool, int, float, str)) for v in value):
+        return repr(value)
+    if isinstance(value, Parameter):
+        return ""
+    if isinstance(value, Tensor):
+        return "tensor:" + hashlib.sha256(value.asnumpy().tobytes()).hexdigest() + str(value.shape) + str(value.dtype)
+    if isinstance(value, np.ndarray):
+        return "array:" + hashlib.sha256(value.tobytes()).hexdigest() + str(value.shape) + str(value.dtype)
+    if isinstance(value, Primitive):
+        return f"primitive:{value.name}:{sorted((k, str(v)) for k, v in value.attrs.items())}"
+    if isinstance(value, dict) and all(isinstance(v, (bool, int, float, str)) for v in value.values()):
+        return repr(sorted(value.items()))
+    if "typing" in type(value).__module__ and "mindspore" in type(value).__module__:
+        return f"dtype:{value}"  # a mixed precision's half type
+    if callable(value):  # a function chosen when the cell was built (an operator profile's form of a primitive)
+        return f"callable:{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', type(value).__name__)}"
+    return ""
+
+
+def summary() -> Dict[str, int]:
+    """How many graphs this process loaded from the cache and kept in it."""
+    return {"loaded": len(GRAPHS.loaded), "kept": len(GRAPHS.kept)}

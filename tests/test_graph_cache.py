@@ -1,0 +1,193 @@
+"""Compiled graphs kept between processes (orb.graph_cache): a graph is loaded only for the cell, shapes and settings
+it was compiled for, in any order, and equals a fresh compilation's numbers to the bit; anything else compiles."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import MPTRJ_DB, ROOT, SMALL_MODEL
+
+
+@pytest.fixture
+def cache_dir(monkeypatch, tmp_path):
+    """A cache of the test's own, in graph mode (where graphs are compiled, as every command runs)."""
+    import mindspore as ms
+
+    monkeypatch.setenv("ORB_CACHE_DIR", str(tmp_path / "cache"))
+    before = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    yield tmp_path / "cache"
+    ms.set_context(mode=before)
+
+
+def batches(cfg, sizes=((0, 2), (2, 7))):
+    """Batches of MPtrj structures of different sizes (each compiles its own shape)."""
+    from ase.db import connect
+
+    from orb.data.graphs import atoms_to_graph, batch_graphs
+
+    atoms = [row.toatoms() for row in connect(MPTRJ_DB).select()]
+    return [batch_graphs([atoms_to_graph(a, settings=cfg.graph_settings()) for a in atoms[lo:hi]]) for lo, hi in sizes]
+
+
+def model(name="orb_v2", seed=5, **overrides):
+    from orb.models import create
+    from orb.models.recipe import model_recipe_weights
+    from orb.io.checkpoint import load_torch_state_dict
+
+    settings = dict(SMALL_MODEL, **overrides) if name == "orb_v2" else dict(
+        latent_dim=32, mlp_hidden_dim=64, num_message_passing_steps=2, head_mlp_hidden_dim=32, **overrides)
+    made = create(name, **settings)
+    load_torch_state_dict(made, model_recipe_weights(made, seed))
+    made.set_train(False)
+    return made
+
+
+def predict(made, graphs):
+    """Each batch's outputs in its own shape, and where each shape's graph came from."""
+    from orb.inference.predictor import Predictor
+
+    predictor = Predictor(made, reuse=False)
+    outputs = [predictor(graph) for graph in graphs]
+    return outputs, list(predictor.sources.values())
+
+
+def uncached(made, graphs):
+    from orb import graph_cache
+
+    before = graph_cache.GRAPHS.enabled
+    graph_cache.GRAPHS.enabled = False
+    try:
+        return predict(made, graphs)[0]
+    finally:
+        graph_cache.GRAPHS.enabled = before
+
+
+def assert_equal(ours, theirs):
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        assert a.keys() == b.keys()
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_graphs_compiled_in_another_order_load_their_own(cache_dir):
+    """One process compiles shapes A then B; the next cells compile B then A: each loads its own graph (a graph
+    loaded by position, as MindSpore's cache does, gave another shape's graph and garbage), equal to a fresh
+    compilation's numbers to the bit."""
+    first = model()
+    graphs = batches(first.cfg)
+    expected = uncached(first, graphs)
+    out, sources = predict(first, graphs)
+    assert sources == ["compiled", "compiled"]
+    assert_equal(out, expected)
+    again, sources = predict(model(), graphs[::-1])
+    assert sources == ["cache", "cache"]
+    assert_equal(again[::-1], expected)
+    assert len([n for n in os.listdir(cache_dir / "graphs") if n.startswith("graphs-")]) == 2
+
+
+def test_another_setting_precision_or_code_compiles_afresh(cache_dir, monkeypatch):
+    """A setting no tensor shape shows (the radial basis's radius), another precision, another version of the code:
+    each compiles its own graph (and equals its fresh compilation); the first graph is still found after them."""
+    from orb import cache, precision
+
+    base = model()
+    graphs = batches(base.cfg)[:1]
+    predict(base, graphs)
+    assert predict(model(), graphs)[1] == ["cache"]
+    other = model(rbf_radius=7.0)
+    out, sources = predict(other, graphs)
+    assert sources == ["compiled"]
+    assert_equal(out, uncached(other, graphs))
+    with precision.in_force("fp16-mixed"):
+        half = model()
+    out, sources = predict(half, graphs)
+    assert sources == ["compiled"]
+    assert_equal(out, uncached(half, graphs))
+    monkeypatch.setitem(cache._SOURCE_DIGESTS, ("orb",), "another version of the code")
+    assert predict(model(), graphs)[1] == ["compiled"]
+    monkeypatch.undo()
+    monkeypatch.setenv("ORB_CACHE_DIR", str(cache_dir))
+    assert predict(model(), graphs)[1] == ["cache"]
+
+
+def test_a_damaged_graph_is_compiled_again_never_loaded(cache_dir, caplog):
+    first = model()
+    graphs = batches(first.cfg)[:1]
+    expected = predict(first, graphs)[0]
+    (entry,) = [cache_dir / "graphs" / n for n in os.listdir(cache_dir / "graphs") if n.startswith("graphs-")]
+    data = bytearray(entry.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    entry.write_bytes(bytes(data))
+    out, sources = predict(model(), graphs)
+    assert sources == ["compiled"]
+    assert_equal(out, expected)
+    assert any("is damaged" in r.getMessage() for r in caplog.records)
+    assert predict(model(), graphs)[1] == ["cache"]
+
+
+KILLED_WRITER = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import numpy as np
+from test_graph_cache import batches, model, predict
+
+def killed(path, **arrays):
+    with open(path, "wb") as f:
+        f.write(b"PK" + bytes(1000))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+np.savez = killed
+import mindspore as ms
+ms.set_context(mode=ms.GRAPH_MODE)
+made = model()
+predict(made, batches(made.cfg)[:1])
+"""
+
+
+def test_a_writer_killed_while_keeping_a_graph_leaves_nothing_loaded(cache_dir):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    child = subprocess.run([sys.executable, "-c", KILLED_WRITER.format(tests=os.path.join(ROOT, "tests"))], env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
+    assert not [n for n in os.listdir(cache_dir / "graphs") if n.startswith("graphs-")]
+    made = model()
+    graphs = batches(made.cfg)[:1]
+    out, sources = predict(made, graphs)
+    assert sources == ["compiled"]
+    assert_equal(out, uncached(model(), graphs))
+
+
+def test_a_second_start_loads_every_graph_and_trains_the_same_bits(cache_dir, tmp_path):
+    """The user's case: the same fine-tuning started again (a second start, a requeue) loads its graphs from the
+    cache, and its metrics equal those of a run that compiled everything afresh (ORB_COMPILE_CACHE=0)."""
+    overrides = ["--train_data_path", MPTRJ_DB, "--val_data_path", MPTRJ_DB, "--checkpoint_path", "",
+                 "--max_epochs", "2", "--batch_size", "4", "--num_buckets", "2", "--device_target", "CPU",
+                 "--progress_bar", "false", "--data_workers", "0", "--deterministic", "true"]
+    overrides += " ".join(f"--model.{k} {v}" for k, v in SMALL_MODEL.items()).split()
+    runs = {}
+    for name, cache in (("fresh", "0"), ("first", "1"), ("second", "1")):
+        result = subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), "--config",
+                                 os.path.join(ROOT, "configs", "demo.yaml"), *overrides, "--output_dir",
+                                 str(tmp_path / name)], env=dict(os.environ, ORB_COMPILE_CACHE=cache),
+                                capture_output=True, text=True, timeout=900)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        runs[name] = result.stdout
+    line = [ln for ln in runs["second"].splitlines() if "training finished" in ln][0]
+    count = int(line.split(" compilations")[0].rsplit("(", 1)[1])
+    assert f"{count} of {count} from the compile cache" in line
+    assert "0 of" in [ln for ln in runs["first"].splitlines() if "training finished" in ln][0]
+
+    def metrics(name):
+        timing = ("train_time", "val_time", "compile_time", "data_wait", "time")
+        return [{part: {k: v for k, v in value.items() if k not in timing} if isinstance(value, dict) else value
+                 for part, value in json.loads(line).items() if part not in timing}
+                for line in open(tmp_path / name / "metrics.jsonl")]
+
+    assert metrics("second") == metrics("first") == metrics("fresh")
