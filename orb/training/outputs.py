@@ -9,7 +9,7 @@ from orb.errors import ConfigError
 from orb.io.files import remove_stale_temporaries
 
 log = logging.getLogger("orb")
-RUN_FILES = ("metrics.jsonl", "train.log")
+RUN_FILES = ("metrics.jsonl", "train.log", "val_split.json")  # (the last: orb.training.val_split.RECORD)
 
 
 def _completed_steps(metrics_path: str) -> bool:
