@@ -3,6 +3,7 @@ never trained on, validated as a validation file is, recorded in the run folder 
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -139,3 +140,128 @@ def test_held_out_structures_are_never_trained_and_validate_as_a_validation_file
     fits = [load_checkpoint(os.path.join(r, "checkpoints", "last.ckpt"))[2]["reference_energies_fit"]
             for r in (run, explicit_run)]
     assert fits[0] == fits[1] and fits[0]["structures"] == 18
+
+
+@pytest.fixture(scope="module")
+def first_epoch(tmp_path_factory, data):
+    """The first of two epochs with val_fraction on the database, trained once for the tests below."""
+    folder = tmp_path_factory.mktemp("first_epoch")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ORB_CACHE_DIR", str(folder / "cache"))
+        trainer_for(split_cfg(folder, data["db"], max_epochs=2)).fit(until_epoch=1)
+    return folder / "run"
+
+
+@pytest.fixture
+def one_epoch(tmp_path, data, first_epoch):
+    """A copy of that run to resume: its config and its record's text."""
+    shutil.copytree(first_epoch, tmp_path / "run")
+    cfg = split_cfg(tmp_path, data["db"], max_epochs=2)
+    return cfg, open(os.path.join(cfg.output_dir, "val_split.json")).read()
+
+
+def test_a_resume_keeps_the_recorded_split_and_refuses_another(tmp_path, data, one_epoch, monkeypatch):
+    """A resume takes the held-out structures from the record, whatever the code would draw now; a changed
+    val_fraction, a validation file instead, or changed training data are refused unless accepted (the record is
+    then left as it was); accepted, the split is drawn again and recorded."""
+    from orb.data.selection import hold_out
+    from orb.errors import ConfigError
+    from orb.training import val_split
+
+    cfg, text = one_epoch
+    recorded = json.loads(text)["held_out"]
+    monkeypatch.setattr(val_split, "hold_out", lambda count, held, seed: hold_out(count, held, seed + 1))
+    resumed = trainer_for(cfg, resume=cfg.output_dir)
+    assert resumed.data.split.held.tolist() == recorded and resumed.progress.epochs_done == 1
+    assert resumed.data.split.describe(cfg, data["db"]).endswith(f"; read from {cfg.output_dir}/val_split.json")
+    for change, said in ((dict(val_fraction=0.5), "val_fraction: 0.25 -> 0.5"),
+                         (dict(val_fraction=0.0, val_data_path=data["db"]), "val_fraction: 0.25 -> 0.0"),
+                         (dict(random_seed=7), "random_seed: 1234 -> 7")):
+        with pytest.raises(ConfigError, match=said):
+            trainer_for(split_cfg(tmp_path, data["db"], max_epochs=2, **change), resume=cfg.output_dir)
+        assert open(os.path.join(cfg.output_dir, "val_split.json")).read() == text
+    changed = write_db(tmp_path / "changed.db", data["frames"][:23])
+    with pytest.raises(ConfigError, match="rows in train_data_path: 24 -> 23"):
+        trainer_for(split_cfg(tmp_path, changed, max_epochs=2), resume=cfg.output_dir)
+    assert open(os.path.join(cfg.output_dir, "val_split.json")).read() == text
+    monkeypatch.undo()
+    accepted = trainer_for(split_cfg(tmp_path, data["db"], max_epochs=2, val_fraction=0.5), resume=cfg.output_dir,
+                           accept=True)
+    assert len(accepted.data.split.held) == 12 and accepted.data.split.redrawn
+    record = json.load(open(os.path.join(cfg.output_dir, "val_split.json")))
+    assert record["val_fraction"] == 0.5 and record["held_out"] == accepted.data.split.held.tolist()
+
+
+def test_a_lost_record_is_drawn_again_and_must_be_the_runs(tmp_path, data, one_epoch, monkeypatch):
+    """Without its record a resume draws the split again from random_seed: the run's (the checkpoint's digest of it
+    agrees) resumes and is recorded again; another (the code that draws it changed) is refused."""
+    from orb.data.selection import hold_out
+    from orb.errors import ConfigError
+    from orb.training import val_split
+
+    cfg, text = one_epoch
+    record = os.path.join(cfg.output_dir, "val_split.json")
+    os.remove(record)
+    monkeypatch.setattr(val_split, "hold_out", lambda count, held, seed: hold_out(count, held, seed + 1))
+    with pytest.raises(ConfigError, match="val_fraction: the training structures held out for validation differ"):
+        trainer_for(cfg, resume=cfg.output_dir)
+    assert not os.path.exists(record)
+    monkeypatch.undo()
+    resumed = trainer_for(cfg, resume=cfg.output_dir)
+    assert resumed.data.split.redrawn and "is missing" in resumed.data.split.origin
+    assert open(record).read() == text
+
+
+@pytest.mark.parametrize("damage, said", [("", "empty"), ("truncated", "not complete JSON"),
+                                          ("positions", "held_out is not 6 ascending positions below 24"),
+                                          ("other", "not a record of format")])
+def test_a_damaged_record_is_one_line_naming_it(tmp_path, one_epoch, damage, said):
+    from orb.errors import OrbInputError
+
+    cfg, text = one_epoch
+    path = os.path.join(cfg.output_dir, "val_split.json")
+    record = json.loads(text)
+    damaged = {"": "", "truncated": text[:len(text) // 2], "other": json.dumps({"format": "x"}),
+               "positions": json.dumps(dict(record, held_out=record["held_out"][::-1]))}[damage]
+    with open(path, "w") as f:
+        f.write(damaged)
+    with pytest.raises(OrbInputError) as raised:
+        trainer_for(cfg, resume=cfg.output_dir)
+    message = str(raised.value)
+    assert message.startswith(f"{path}: the run's record of its validation split is damaged ({said}")
+    assert "\n" not in message and "delete it to draw the split again" in message
+
+
+def test_a_killed_run_resumes_to_the_uninterrupted_runs_metrics_with_the_same_split(tmp_path):
+    """SIGKILL after global step 7 (a step save at 6, between logging boundaries): --resume auto reads the split
+    from the record (the start-up log says so) and ends bit for bit at the uninterrupted run, whose start-up log
+    said the split in one line."""
+    from test_preemption import CALLBACKS, assert_same_run, run_args
+
+    def args(run):
+        return run_args(run, val_data_path="", val_fraction=FRACTION, batch_size=4, buckets="[[80,1600]]",
+                        save_every_n_steps=3, record_batches="true")
+
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    done = subprocess.run([sys.executable, "finetune.py", *args(straight)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = [line for line in (straight / "train.log").read_text().splitlines() if "held out" in line]
+    assert len(said) == 1 and said[0].endswith(
+        "validation data: 16 of the 64 structures of data/demo_train.db held out, never trained on "
+        f"(val_fraction 0.25, random_seed 1234); drawn, recorded in {straight / 'val_split.json'}"), said
+    stopped = subprocess.run([sys.executable, "finetune.py", *args(killed), "--callbacks",
+                              "[stop_callbacks:KillAtStep7]"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                             env=CALLBACKS)
+    assert stopped.returncode == -9, stopped.stderr[-3000:]
+    record = (killed / "val_split.json").read_text()
+    assert record == (straight / "val_split.json").read_text()
+    resumed = subprocess.run([sys.executable, "finetune.py", *args(killed), "--resume", "auto"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-2000:]
+    assert "and 6 of 12 steps done" in resumed.stdout
+    assert f"random_seed 1234); read from {killed / 'val_split.json'}" in resumed.stdout
+    assert (killed / "val_split.json").read_text() == record
+    assert_same_run(killed, straight)
+    held = {int(json.loads(record)["held_out"][k]) + 1 for k in range(16)}  # row ids of the demo database: 1..64
+    assert not held & set(trained_rows(killed)) and len(trained_rows(straight)) == 2 * 48

@@ -84,7 +84,8 @@ def prepare_output_dir(output_dir: str, resume: bool, overwrite: bool) -> None:
         os.makedirs(os.path.join(output_dir, "checkpoints"), exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"config key 'output_dir': cannot create {output_dir} ({exc.strerror})") from None
-    remove_stale_temporaries(os.path.join(output_dir, "checkpoints"))
+    for folder in (output_dir, os.path.join(output_dir, "checkpoints")):  # (output_dir: val_split.json's, metrics')
+        remove_stale_temporaries(folder)
 
 
 class RunLogFile(logging.FileHandler):
