@@ -67,9 +67,9 @@ def split_cfg(tmp_path, train, name="run", **extra):
     return make_cfg(tmp_path, **values)
 
 
-def trained_rows(run):
-    """The database row ids each training step held, over every epoch."""
-    return [row for line in open(os.path.join(run, "batches_rank0.jsonl")) for row in json.loads(line)["row_ids"]]
+def trained_rows(run, rank=0):
+    """The database row ids rank ``rank``'s training steps held, over every epoch."""
+    return [row for line in open(os.path.join(run, f"batches_rank{rank}.jsonl")) for row in json.loads(line)["row_ids"]]
 
 
 def epoch_records(run):
@@ -137,9 +137,11 @@ def test_held_out_structures_are_never_trained_and_validate_as_a_validation_file
     records = epoch_records(run)
     assert [r["type"] for r in records] == ["initial", "epoch"] and records[1]["val"]["loss"] > 0
     assert records == epoch_records(explicit_run)
-    fits = [load_checkpoint(os.path.join(r, "checkpoints", "last.ckpt"))[2]["reference_energies_fit"]
-            for r in (run, explicit_run)]
-    assert fits[0] == fits[1] and fits[0]["structures"] == 18
+    metas = [load_checkpoint(os.path.join(r, "checkpoints", "best.ckpt"))[2] for r in (run, explicit_run)]
+    assert metas[0]["reference_energies_fit"] == metas[1]["reference_energies_fit"]
+    assert metas[0]["reference_energies_fit"]["structures"] == 18
+    assert (metas[0]["best_val_loss"], metas[0]["best_epoch"]) == (metas[1]["best_val_loss"], metas[1]["best_epoch"])
+    assert metas[0]["best_val_loss"] == records[1]["val"]["loss"]  # the best epoch chosen by the held-out loss
 
 
 @pytest.fixture(scope="module")
@@ -265,3 +267,149 @@ def test_a_killed_run_resumes_to_the_uninterrupted_runs_metrics_with_the_same_sp
     assert_same_run(killed, straight)
     held = {int(json.loads(record)["held_out"][k]) + 1 for k in range(16)}  # row ids of the demo database: 1..64
     assert not held & set(trained_rows(killed)) and len(trained_rows(straight)) == 2 * 48
+
+
+@pytest.mark.parametrize("values, said", [
+    (dict(val_fraction=1.0), "config key 'val_fraction' must be in [0, 1) (the share of the training structures held "
+                             "out for validation; 0 = off), got 1.0"),
+    (dict(val_fraction=-0.1), "config key 'val_fraction' must be in [0, 1)"),
+    (dict(val_fraction="some"), "config key 'val_fraction' must be a number, got 'some'"),
+    (dict(val_fraction=0.1, val_data_path="data/demo_val.db"),
+     "config keys 'val_fraction' (0.1) and 'val_data_path' (data/demo_val.db) are both set: validate on a held-out "
+     "share of the training data (val_data_path: \"\") or on the file (val_fraction: 0)"),
+    (dict(patience=2), "config key 'patience' stops on the validation loss and needs val_data_path or val_fraction")])
+def test_config_errors_are_one_line(values, said):
+    from orb.errors import ConfigError
+    from orb.training.config import config_from_dict
+
+    with pytest.raises(ConfigError) as raised:
+        config_from_dict(dict(dict(val_data_path=""), **values))
+    assert str(raised.value).startswith(said) and "\n" not in str(raised.value)
+    assert config_from_dict(dict(val_data_path="", val_fraction=0.1, patience=2)).val_fraction == 0.1
+    assert config_from_dict({}).val_fraction == 0.0  # off by default: every existing config keeps its numbers
+
+
+@pytest.mark.parametrize("fraction, world, said", [
+    (0.01, 1, "holds out 0 of the 24 structures of x.db: none to validate; raise it or set val_data_path"),
+    (0.05, 2, "holds out 1 of the 24 structures of x.db: 1 to validate, fewer than the 2 workers; raise it"),
+    (0.99, 1, "holds out 24 of the 24 structures of x.db, leaving 0 to train on; lower it"),
+    (0.97, 2, "holds out 23 of the 24 structures of x.db, leaving 1 to train on, fewer than the 2 workers; lower it")])
+def test_a_split_that_leaves_a_part_empty_is_refused_naming_the_counts(fraction, world, said):
+    from orb.errors import ConfigError
+    from orb.training.val_split import held_out_count
+
+    with pytest.raises(ConfigError, match=f"^config key 'val_fraction' \\({fraction}\\) {said}"):
+        held_out_count(fraction, 24, world, "x.db")
+    assert held_out_count(0.1, 24, 2, "x.db") == 2 and held_out_count(0.3, 10, 1, "x.db") == 3  # the nearest count
+
+
+def test_refusals_end_the_command_with_one_line_and_leave_nothing(tmp_path):
+    """finetune.py: a fraction out of range, and one that holds out no structure of the data, each one line on
+    stderr, exit 2, no traceback and no output folder."""
+    for fraction, said in (("1", "config key 'val_fraction' must be in [0, 1)"),
+                           ("0.005", "config key 'val_fraction' (0.005) holds out 0 of the 64 structures of "
+                                     "data/demo_train.db: none to validate")):
+        out = tmp_path / f"run{fraction}"
+        result = subprocess.run([sys.executable, "finetune.py", "--config", "configs/demo.yaml", "--device_target",
+                                 "CPU", "--output_dir", str(out), "--val_data_path", "", "--val_fraction", fraction],
+                                cwd=ROOT, capture_output=True, text=True, timeout=300)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {said}"), result.stderr
+        assert "Traceback" not in result.stdout
+        assert not out.exists()
+
+
+def test_a_kill_while_recording_leaves_no_partial_file(tmp_path):
+    """SIGKILL in the middle of writing val_split.json: no record (never half of one); the next start removes the
+    writer's temporary. A run that fails before its first step takes its record with it."""
+    from orb.training.outputs import discard_unstarted, prepare_output_dir
+
+    out = tmp_path / "run"
+    code = ("import os, signal, sys, numpy as np\n"
+            f"sys.path.insert(0, {ROOT!r})\n"
+            "import orb.io.files as files\n"
+            "from orb.training import val_split\n"
+            "from orb.training.distributed import DataParallel\n"
+            "files.fsync_file = lambda path: os.kill(os.getpid(), signal.SIGKILL)\n"
+            "split = val_split.ValSplit(np.arange(3), np.arange(3, 5), {'held_out': [3, 4]})\n"
+            f"val_split.keep(split, {str(out)!r}, DataParallel())\n")
+    killed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    left = os.listdir(out)
+    assert "val_split.json" not in left and len(left) == 1 and left[0].startswith(".val_split.json.tmp-"), left
+    prepare_output_dir(str(out), resume=True, overwrite=False)
+    assert sorted(os.listdir(out)) == ["checkpoints"]
+    (out / "val_split.json").write_text("{}")
+    (out / "train.log").write_text("started\n")
+    discard_unstarted(str(out))
+    assert not out.exists()
+
+
+def test_every_rank_holds_rank_0s_split(tmp_path, data, one_epoch, monkeypatch):
+    """Two ranks (threads summing through a shared all-reduce): rank 0 draws the split, or on resume reads it from
+    the record (here unlike what drawing would give now), and rank 1 receives the same positions; a damaged record
+    stops both, rank 0 naming it and rank 1 saying rank 0 could not read it."""
+    import threading
+
+    from orb.data.dataset import AseDbDataset
+    from orb.data.selection import hold_out
+    from orb.errors import ClusterError, OrbInputError
+    from orb.training import val_split
+    from orb.training.distributed import DataParallel
+    from test_pieces import ThreadRanks
+
+    cfg, text = one_epoch
+
+    def on_two_ranks(resume):
+        ranks, out = ThreadRanks(2), {}
+
+        def rank(r):
+            try:
+                dp = DataParallel(r, 2, all_reduce=ranks.all_reduce(r))
+                out[r] = val_split.choose(cfg, AseDbDataset(data["db"]), dp, resume)
+            except Exception as exc:
+                out[r] = exc
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        return out
+
+    fresh = on_two_ranks(None)
+    drawn = hold_out(24, 6, SEED)[1]
+    assert fresh[0].held.tolist() == fresh[1].held.tolist() == drawn.tolist()
+    assert fresh[1].kept.tolist() == sorted(set(range(24)) - set(drawn.tolist()))
+    monkeypatch.setattr(val_split, "hold_out", lambda count, held, seed: hold_out(count, held, seed + 1))
+    resumed = on_two_ranks(cfg.output_dir)
+    assert resumed[0].held.tolist() == resumed[1].held.tolist() == json.loads(text)["held_out"]
+    path = os.path.join(cfg.output_dir, "val_split.json")
+    with open(path, "w") as f:
+        f.write(text[:20])
+    failed = on_two_ranks(cfg.output_dir)
+    assert isinstance(failed[0], OrbInputError) and str(failed[0]).startswith(f"{path}: the run's record")
+    assert isinstance(failed[1], ClusterError) and str(failed[1]) == (
+        f"rank 0 could not read the validation split {path} (its log says why)")
+
+
+def test_two_workers_hold_out_the_same_structures_and_validate_their_parts(tmp_path, data):
+    """msrun with 2 workers: the same record as one device's, no held-out structure in either rank's steps, and the
+    validation metrics (each rank validating its part, summed) one device's to rounding."""
+    from test_parallel import common_args, epochs, launch, single
+
+    extra = dict(val_data_path="", val_fraction=FRACTION, random_seed=SEED, num_buckets=1)
+    job = launch(common_args(tmp_path / "par", data["db"], **extra), tmp_path / "logs", cwd=ROOT,
+                 env_extra={"ORB_CACHE_DIR": str(tmp_path / "cache")})
+    out, _ = job.communicate(timeout=600)
+    one = single(common_args(tmp_path / "one", data["db"], **extra), timeout=600)
+    assert job.returncode == 0 and one.returncode == 0, out[-3000:] + one.stderr[-3000:]
+    record = json.loads((tmp_path / "par" / "val_split.json").read_text())
+    assert record == json.loads((tmp_path / "one" / "val_split.json").read_text())
+    held = {int(p) + 1 for p in record["held_out"]}  # row ids 1..24
+    seen = [set(trained_rows(tmp_path / "par", rank)) for rank in (0, 1)]
+    assert not (seen[0] | seen[1]) & held and len(seen[0] | seen[1]) == 18 and seen[0] and seen[1]
+    for a, b in zip(epochs(tmp_path / "par"), epochs(tmp_path / "one")):
+        for key, value in b["val"].items():
+            if key not in TIMING and not isinstance(value, dict):
+                assert a["val"][key] == pytest.approx(value, rel=1e-4, abs=2e-3 if "cosine" in key else 1e-6), key
