@@ -52,10 +52,11 @@ class DataParallel:
         return both[0] + both[1]
 
     def on_main_for_all(self, action: Callable[[], object], what: str):
-        """``action()`` on rank 0, and its result there, returned on every rank only once rank 0 has finished it. msrun
-        SIGKILLs the other workers as soon as one exits non-zero, so a rank that left a save at once and exited on a
-        stop (75) killed rank 0 in the middle of writing that stop's checkpoint. A failure on rank 0 is raised there,
-        and on the others as a :class:`ClusterError` naming ``what`` (rank 0's log says why)."""
+        """``action()`` on rank 0 (a save, a read of the run folder), and its result there, returned on every rank only
+        once rank 0 has finished it. msrun SIGKILLs the other workers as soon as one exits non-zero, so a rank that
+        left a save at once and exited on a stop (75) killed rank 0 in the middle of writing that stop's checkpoint.
+        A failure on rank 0 is raised there, and on the others as a :class:`ClusterError` naming ``what`` (rank 0's
+        log says why)."""
         result, failure = None, None
         if self.is_main:
             try:
