@@ -71,6 +71,19 @@ class Source:
     def edge_capacities(self) -> np.ndarray:
         return self.dataset.edge_capacities()[self.positions]
 
+    def energies(self) -> np.ndarray:
+        """The stored energy of each structure, in the source's order (:meth:`AseDbDataset.energies`)."""
+        return self.dataset.energies()[self.positions]
+
+    def composition(self):
+        """(position in this source, atomic number, count) for every element of its structures: the database's
+        (:meth:`AseDbDataset.composition`) without the rows the source leaves out (a held-out validation part)."""
+        positions, numbers, counts = self.dataset.composition()
+        mine = np.full(len(self.dataset), -1, np.int64)
+        mine[self.positions] = np.arange(len(self.positions))
+        kept = mine[positions] >= 0
+        return mine[positions][kept], numbers[kept], counts[kept]
+
     def get(self, index: int, rotation_seed=None) -> AtomGraphs:
         return self.get_many([index], [rotation_seed])[0]
 

@@ -26,11 +26,11 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from orb.errors import ClusterError, ConfigError, DivergedError
+from orb.errors import ConfigError, DivergedError
 from orb.training.distributed import DataParallel
 from orb.training.outputs import existing_run_files
 
@@ -163,28 +163,10 @@ class Checkpointer:
                 raise DivergedError(f"{name} holds NaN or inf after global step {global_step}: not saved; "
                                     f"{self.last} holds the last finite state")
 
-    def _on_main_for_all(self, action: Callable[[], object], what: str):
-        """``action()`` on rank 0, and its result there, returned on every rank only once rank 0 has finished it. msrun
-        SIGKILLs the other workers as soon as one exits non-zero, so a rank that left a save at once and exited on a
-        stop (75) killed rank 0 in the middle of writing that stop's checkpoint. A failure on rank 0 is raised there,
-        and on the others as a :class:`ClusterError` naming ``what`` (rank 0's log says why)."""
-        result, failure = None, None
-        if self.dp.is_main:
-            try:
-                result = action()
-            except BaseException as exc:  # raised below, after every rank has heard of it (a stop, a Ctrl-C too:
-                failure = exc              # the others would wait in the all-reduce)
-        failed = self.dp.sum(np.array([failure is not None], np.float64))[0] if self.dp.parallel else failure
-        if failure is not None:
-            raise failure
-        if failed:
-            raise ClusterError(f"rank 0 could not {what} (its log says why)")
-        return result
-
     def save_last(self, progress: Progress, state: Sequence[Tuple[str, np.ndarray]]) -> None:
         """``last.ckpt`` at ``progress`` (all ranks call it; rank 0 writes; every rank returns once it is written)."""
         self.last_save = time.monotonic()
-        self._on_main_for_all(lambda: self._write_last(progress, state), f"write {self.last}")
+        self.dp.on_main_for_all(lambda: self._write_last(progress, state), f"write {self.last}")
 
     def _write_last(self, progress: Progress, state: Sequence[Tuple[str, np.ndarray]]) -> None:
         from orb.io.checkpoint import save_checkpoint
@@ -221,7 +203,7 @@ class Checkpointer:
                 prune_checkpoints(self.folder, self.keep)
             self._write_last(progress, state)
 
-        self._on_main_for_all(write, f"write the checkpoints of epoch {progress.epochs_done}")
+        self.dp.on_main_for_all(write, f"write the checkpoints of epoch {progress.epochs_done}")
 
     def read(self, path: str) -> Tuple[Dict[str, np.ndarray], Dict[str, np.ndarray], Dict]:
         """(weights, optimizer state, metadata) of a training checkpoint. In a data-parallel run rank 0 reads the
@@ -230,7 +212,7 @@ class Checkpointer:
 
         if not self.dp.parallel:
             return load_checkpoint(path)
-        loaded = self._on_main_for_all(lambda: load_checkpoint(path), f"read {path}")
+        loaded = self.dp.on_main_for_all(lambda: load_checkpoint(path), f"read {path}")
         arrays = None
         if self.dp.is_main:
             weights, opt_state, meta = loaded

@@ -140,6 +140,7 @@ class ReplayConfig:
 class TrainConfig:
     train_data_path: DataPath = "data/demo_train.db"  # ASE SQLite, extxyz or any ase.io file, .aselmdb, a folder,
     val_data_path: DataPath = "data/demo_val.db"  # or a list of these
+    val_fraction: float = 0.0  # without val_data_path: this share of the training structures held out, seeded
     checkpoint_path: str = ""
     output_dir: str = "outputs/run"
     device_target: str = "auto"
@@ -430,8 +431,15 @@ def _validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"config key 'save_every_minutes' must be >= 0 (0 = off), got {cfg.save_every_minutes}")
     if cfg.patience < 0:
         raise ConfigError(f"config key 'patience' must be >= 0 (0 = train every epoch), got {cfg.patience}")
-    if cfg.patience and not cfg.val_data_path:
-        raise ConfigError("config key 'patience' stops on the validation loss and needs val_data_path")
+    if not 0 <= cfg.val_fraction < 1:
+        raise ConfigError(f"config key 'val_fraction' must be in [0, 1) (the share of the training structures held "
+                          f"out for validation; 0 = off), got {cfg.val_fraction}")
+    if cfg.val_fraction and cfg.val_data_path:
+        raise ConfigError(f"config keys 'val_fraction' ({cfg.val_fraction}) and 'val_data_path' "
+                          f"({cfg.val_data_path}) are both set: validate on a held-out share of the training data "
+                          "(val_data_path: \"\") or on the file (val_fraction: 0)")
+    if cfg.patience and not cfg.val_data_path and not cfg.val_fraction:
+        raise ConfigError("config key 'patience' stops on the validation loss and needs val_data_path or val_fraction")
     if cfg.reference_energies.fit == "residual" and not cfg.checkpoint_path:
         raise ConfigError("config key 'reference_energies.fit': residual fits to the starting checkpoint's "
                           "errors and needs checkpoint_path (least_squares needs none)")

@@ -14,7 +14,7 @@ from typing import Callable, Dict, Optional
 
 import numpy as np
 
-from orb.errors import ConfigError
+from orb.errors import ClusterError, ConfigError
 
 log = logging.getLogger("orb")
 
@@ -50,6 +50,25 @@ class DataParallel:
         low = (values - high.astype(np.float64)).astype(np.float32)
         both = self.all_reduce(Tensor(np.stack([high, low]))).asnumpy().astype(np.float64)
         return both[0] + both[1]
+
+    def on_main_for_all(self, action: Callable[[], object], what: str):
+        """``action()`` on rank 0 (a save, a read of the run folder), and its result there, returned on every rank only
+        once rank 0 has finished it. msrun SIGKILLs the other workers as soon as one exits non-zero, so a rank that
+        left a save at once and exited on a stop (75) killed rank 0 in the middle of writing that stop's checkpoint.
+        A failure on rank 0 is raised there, and on the others as a :class:`ClusterError` naming ``what`` (rank 0's
+        log says why)."""
+        result, failure = None, None
+        if self.is_main:
+            try:
+                result = action()
+            except BaseException as exc:  # raised below, after every rank has heard of it (a stop, a Ctrl-C too:
+                failure = exc              # the others would wait in the all-reduce)
+        failed = self.sum(np.array([failure is not None], np.float64))[0] if self.parallel else failure
+        if failure is not None:
+            raise failure
+        if failed:
+            raise ClusterError(f"rank 0 could not {what} (its log says why)")
+        return result
 
     def share_from_main(self, arrays: Optional[Dict[str, np.ndarray]], chunk: int = 1 << 24) -> Dict[str, np.ndarray]:
         """Rank 0's named arrays on every rank (``arrays`` is read on rank 0 only): what rank 0 read from a shared

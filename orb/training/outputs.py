@@ -9,7 +9,7 @@ from orb.errors import ConfigError
 from orb.io.files import remove_stale_temporaries
 
 log = logging.getLogger("orb")
-RUN_FILES = ("metrics.jsonl", "train.log")
+RUN_FILES = ("metrics.jsonl", "train.log", "val_split.json")  # (the last: orb.training.val_split.RECORD)
 
 
 def _completed_steps(metrics_path: str) -> bool:
@@ -84,7 +84,8 @@ def prepare_output_dir(output_dir: str, resume: bool, overwrite: bool) -> None:
         os.makedirs(os.path.join(output_dir, "checkpoints"), exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"config key 'output_dir': cannot create {output_dir} ({exc.strerror})") from None
-    remove_stale_temporaries(os.path.join(output_dir, "checkpoints"))
+    for folder in (output_dir, os.path.join(output_dir, "checkpoints")):  # (output_dir: val_split.json's, metrics')
+        remove_stale_temporaries(folder)
 
 
 class RunLogFile(logging.FileHandler):

@@ -5,8 +5,9 @@ bucket shapes and each epoch's steps, the same on every data-parallel rank.
 first, on rank 0 while the others wait), reads or computes each one's row census and neighbour counts,
 and refuses what cannot train (too few structures for the ranks, stress on one set only).
 :class:`RunData` then holds what a run iterates: ``train_set`` (a :class:`~orb.data.mixture.Mixture`
-of the target and any replay rows), its sampler and buckets, and ``val_sets`` (named sources), each
-with an :class:`EvaluationPlan`. Nothing here runs a model.
+of the target and any replay rows), its sampler and buckets, and ``val_sets`` (named sources: a
+validation file, or the training structures ``val_fraction`` holds out), each with an
+:class:`EvaluationPlan`. Nothing here runs a model.
 """
 
 import logging
@@ -30,6 +31,7 @@ from orb.errors import ConfigError, DatasetError
 from orb.precision import is_float64
 from orb.training.config import TrainConfig
 from orb.training.distributed import DataParallel
+from orb.training.val_split import ValSplit
 
 log = logging.getLogger("orb")
 PLAN_STRUCTURES = 4_000_000  # the training buckets are planned on the first epochs' steps, up to this many rows
@@ -158,10 +160,11 @@ class RunData:
     :meth:`plan`; then :meth:`train_steps` and :meth:`eval_steps` give this rank's steps."""
 
     def __init__(self, cfg: TrainConfig, dp: DataParallel, databases: Dict[str, AseDbDataset], loader: BatchLoader,
-                 has_stress: bool):
+                 has_stress: bool, split: Optional[ValSplit] = None):
         self.cfg, self.dp, self.databases, self.loader, self.has_stress = cfg, dp, databases, loader, has_stress
         self.local_batch = math.ceil(cfg.batch_size / dp.world_size)
-        self.train_source = Source("train", databases["train"])
+        self.split = split  # val_fraction: the training structures held out are the validation set, never trained on
+        self.train_source = Source("train", databases["train"], None if split is None else split.kept)
         self.replay_train: Optional[Source] = None
         self.replay_val: Optional[Source] = None
 
@@ -182,6 +185,8 @@ class RunData:
         self.val_sets: Dict[str, Source] = {}
         if "val" in self.databases:
             self.val_sets["val"] = Source("val", self.databases["val"])
+        elif self.split is not None:
+            self.val_sets["val"] = Source("val", self.databases["train"], self.split.held)
         if replay_val is not None:
             self.val_sets["replay_val"] = replay_val
         self.val_plans = {}

@@ -22,6 +22,7 @@ from orb.errors import ConfigError
 from orb.metrics import BY_ELEMENT, METRICS, describe
 from orb.training import replay as replay_choice
 from orb.training import state as training_state
+from orb.training import val_split
 from orb.training.checkpointing import Checkpointer, Progress, resolve, this_ranks_interval_sums
 from orb.training.config import LossWeights, TrainConfig
 from orb.training.distributed import DataParallel
@@ -98,11 +99,11 @@ def fit_reference_energies_to(cfg: TrainConfig, data: RunData, model, outputs: M
         log.warning("reference_energies.fit: least_squares makes the reference energies explain the whole DFT energy, "
                     "and the pretrained network adds its own per-atom energy on top (measured: 68x the starting "
                     "energy error, docs/benchmarks.md); to fine-tune, use fit: residual")
-    train = data.databases["train"]
+    train = data.train_source  # (without the structures held out for validation: val_fraction)
     weight = model.reference_energy_weight()
     current = weight.asnumpy().astype(np.float64)
     composition = train.composition()
-    baseline = (outputs.labels(data.train_source)["energy"] if method == "residual"
+    baseline = (outputs.labels(train)["energy"] if method == "residual"
                 else reference_baseline(composition, len(train), current))
     fit = fit_reference_energies(method, composition, train.energies(), baseline, current, train.weights)
     set_reference_table(weight, fit.table)
@@ -136,7 +137,8 @@ def read_resume(path: str, checkpointer: Checkpointer, cfg: TrainConfig, identit
     paths = (cfg.train_data_path, cfg.val_data_path, cfg.replay.data_path, cfg.replay.val_data_path)
     unused = () if label_keys_apply(paths) else ("energy_key", "forces_key", "stress_key")  # (said at start-up)
     changes = training_state.check_resume(meta, cfg.to_dict(), identity["train_rows"], path, accept,
-                                          identity["train_fingerprint"], identity["starting_weights"], unused)
+                                          identity["train_fingerprint"], identity["starting_weights"], unused,
+                                          identity.get("val_split", ""))
     if changes:
         log.warning("resuming with changed settings (accepted): %s", "; ".join(changes))
     rounding = training_state.arithmetic_changes(meta, cfg.to_dict(), identity["world_size"])
@@ -188,7 +190,8 @@ def build_trainer(cfg: TrainConfig, data_parallel: Optional[DataParallel] = None
     try:
         for name in databases:
             survey(loader, name, dp)
-        data = RunData(cfg, dp, databases, loader, trains_stress(cfg, databases))
+        split = val_split.choose(cfg, databases["train"], dp, resume)
+        data = RunData(cfg, dp, databases, loader, trains_stress(cfg, databases), split)
         compiled = Compiled(graph_settings(cfg, dp))
 
         def one_pass(source):
@@ -202,10 +205,12 @@ def build_trainer(cfg: TrainConfig, data_parallel: Optional[DataParallel] = None
         identity = {"format": training_state.CHECKPOINT_FORMAT, "random_seed": cfg.random_seed,
                     "config": cfg.to_dict(), "model": cfg.model.to_dict(), "train_rows": len(train),
                     "train_fingerprint": train.content_fingerprint(), "world_size": dp.world_size,
-                    "starting_weights": starting_weights}
+                    "starting_weights": starting_weights, **({"val_split": split.digest} if split else {})}
         checkpointer = Checkpointer(os.path.join(cfg.output_dir, "checkpoints"), dp, model, identity,
                                     cfg.save_every_x_epochs, cfg.max_epochs, cfg.keep_checkpoints)
         resumed = read_resume(resume, checkpointer, cfg, identity, accept_config_changes) if resume else None
+        if split is not None:  # (after the resume check: a refused resume leaves the run's record as it was)
+            split.recorded_in = val_split.keep(split, cfg.output_dir, dp)
         progress = Progress.from_meta(resumed[2]) if resumed else Progress()
         if progress.reference_fit is not None:
             restore_reference_fit(progress.reference_fit, model)
@@ -294,6 +299,10 @@ def log_start(cfg: TrainConfig, dp: DataParallel, data: RunData, engine: Engine)
     log.info("train data: %s (%d structures, %d atoms)%s%s", describe_path(cfg.train_data_path), len(train),
              int(train.natoms.sum()), "" if train.has_stress else ", no stress", data.weights_note(train))
     for name, source in data.val_sets.items():
+        if name == "val" and data.split is not None:  # the training structures held out (val_fraction)
+            (log.warning if data.split.redrawn else log.info)("%s%s", data.split.describe(cfg, source.source),
+                                                              data.weights_note(source))
+            continue
         log.info("%s data: %s (%d structures)%s", "validation" if name == "val" else name, source.source, len(source),
                  data.weights_note(source))
     if data.replay_train is not None:

@@ -24,8 +24,9 @@ OLDER_FORMATS = ("orb-mindspore-train-1",)
 # Since they were silently accepted: the loss (its weights), the labels (where non-SQLite data keep them), the model's
 # graph and radial basis (no tensor shape shows them), and the patience (where the run ends).
 RESUME_KEYS = ("train_data_path", "batch_size", "max_epochs", "lr", "lr_schedule", "warmup_fraction", "random_seed",
-               "augmentation", "ema_decay", "optimizer", "gradient_clip_mode", "gradient_clip_val", "replay.data_path",
-               "replay.val_data_path", "replay.val_samples", "replay.labels", "replay.fraction", "replay.num_samples", "replay.selection",
+               "val_fraction", "augmentation", "ema_decay", "optimizer", "gradient_clip_mode", "gradient_clip_val",
+               "replay.data_path", "replay.val_data_path", "replay.val_samples", "replay.labels", "replay.fraction",
+               "replay.num_samples", "replay.selection",
                "replay.loss_weight", "replay.head", "freeze", "freeze_backbone", "lr_multipliers", "anchor.weight",
                "anchor.groups", "lora.rank", "lora.alpha", "lora.groups", "lora.train_others",
                "reference_energies.trainable", "reference_energies.fit", "online_normalisation", "replay.in_selection",
@@ -118,7 +119,8 @@ def arithmetic_changes(meta: Dict, current_config: Dict, world_size: int) -> Lis
 
 
 def check_resume(meta: Dict, current_config: Dict, train_rows: int, path: str, accept_changes: bool,
-                 train_fingerprint: str = "", starting_weights: str = "", unused: Sequence[str] = ()) -> List[str]:
+                 train_fingerprint: str = "", starting_weights: str = "", unused: Sequence[str] = (),
+                 val_split: str = "") -> List[str]:
     """Refuse to resume with a changed schedule, data order or starting model unless ``accept_changes``; returns
     the changes.
 
@@ -127,6 +129,8 @@ def check_resume(meta: Dict, current_config: Dict, train_rows: int, path: str, a
     starting weights (``checkpoint_path``, any reference table, replay heads, initial adapters) are compared by
     their digest: the anchor pulls toward them, pseudo-labels and the reference fit come from them. ``unused``:
     settings that read nothing in this run (label keys when all its data are ASE databases), not compared.
+    ``val_split``: the digest of the training structures held out for validation (``val_fraction``), compared when
+    the checkpoint recorded one: a split drawn again (its record lost) must be the run's.
     """
     fmt = meta.get("format")
     if fmt != CHECKPOINT_FORMAT and fmt not in OLDER_FORMATS:
@@ -143,6 +147,9 @@ def check_resume(meta: Dict, current_config: Dict, train_rows: int, path: str, a
     if meta.get("starting_weights") and starting_weights and meta["starting_weights"] != starting_weights:
         changes.append("checkpoint_path: its weights (with any reference_energies table or file) differ from those "
                        "the run started from")
+    if meta.get("val_split") and val_split and meta["val_split"] != val_split:
+        changes.append("val_fraction: the training structures held out for validation differ from the checkpoint's "
+                       "run's")
     if changes and not accept_changes:
         raise ConfigError(f"--resume {path}: these settings differ from the checkpoint's run and would change its "
                           f"schedule or data order: {'; '.join(changes)}. Restore them, or pass "
