@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -244,9 +245,20 @@ def check_collectives(target: str) -> dict:
             "seconds": round(max((line["seconds"] for line in lines), default=0.0), 2)}
 
 
-def main(argv=None) -> int:
+def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    """orb-smoke-test's options."""
+    from orb.commands import HelpFormatter
     from orb.device import add_device_argument
 
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=__doc__, formatter_class=HelpFormatter)
+    add_device_argument(parser)
+    parser.add_argument("--skip_parallel", action="store_true", help="leave out the 2-worker sum")
+    parser.add_argument("--precisions", default="float32-high,bf16-mixed,fp16-mixed",
+                        help="time one training step in each of these precision modes (comma-separated; '' = none)")
+    return parser
+
+
+def main(argv=None) -> int:
     if argv is None and len(sys.argv) == 4 and sys.argv[1] == "_step":
         from orb.device import configure_mindspore
         from orb.errors import OrbInputError
@@ -261,13 +273,7 @@ def main(argv=None) -> int:
     if argv is None and len(sys.argv) == 2 and sys.argv[1] == "_sum":
         _sum_over_workers()
         return 0
-    parser = argparse.ArgumentParser(allow_abbrev=False,
-                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_device_argument(parser)
-    parser.add_argument("--skip_parallel", action="store_true", help="leave out the 2-worker sum")
-    parser.add_argument("--precisions", default="float32-high,bf16-mixed,fp16-mixed",
-                        help="time one training step in each of these precision modes (comma-separated; '' = none)")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     from orb.device import configure_mindspore
 
     target = configure_mindspore(args.device_target, precision="float32-highest")

@@ -23,7 +23,7 @@ from orb.metrics import BY_ELEMENT, METRICS, describe
 from orb.training import replay as replay_choice
 from orb.training import state as training_state
 from orb.training.checkpointing import Checkpointer, Progress, resolve, this_ranks_interval_sums
-from orb.training.config import LossWeights, TrainConfig
+from orb.training.config import LossWeights, TrainConfig, check_training_data
 from orb.training.distributed import DataParallel
 from orb.training.engine import Compiled, Engine, ModelPass, trainable_parameters
 from orb.training.guards import Guards
@@ -162,6 +162,7 @@ def build_trainer(cfg: TrainConfig, data_parallel: Optional[DataParallel] = None
     from orb.models.ops_profile import set_ops_profile
     from orb.precision import check_device, describe as describe_precision, set_precision
 
+    check_training_data(cfg)
     dp = data_parallel or DataParallel()
     if cfg.optimizer_shard and dp.world_size < 2:
         raise ConfigError("config key 'optimizer_shard': sharding the optimizer state needs a data-parallel run with "
