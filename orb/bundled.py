@@ -69,8 +69,9 @@ def find_config(name: str) -> str:
         return packaged
     if os.path.isdir(name):
         raise ConfigError(f"config file {name} is a folder, not a YAML file")
-    raise ConfigError(f"config file {name} not found in {os.getcwd()}, and no packaged template is called that "
-                      f"({templates_line()})")
+    where = "" if os.path.isabs(name) else f" in {os.getcwd()}"
+    template = "" if os.sep in name or "/" in name else ", and no packaged template is called that"
+    raise ConfigError(f"config file {name} not found{where}{template} ({templates_line()})")
 
 
 def is_packaged(path: str) -> bool:
