@@ -29,9 +29,12 @@ from typing import Optional
 
 import numpy as np
 
+from orb.bundled import bundle_root
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REFERENCE = os.path.join(ROOT, "tests", "data", "orb_v2_parity.npz")
-DEMO = os.path.join(ROOT, "data", "demo_train.db")
+# shipped with the package (orb.bundled): the checkout's tests/data/orb_v2_parity.npz and data/demo_train.db
+REFERENCE = os.path.join(bundle_root(), "tests", "data", "orb_v2_parity.npz")
+DEMO = os.path.join(bundle_root(), "data", "demo_train.db")
 # the parity tests' tolerances for MindSpore's built-in operators (tests/test_model.py, "portable")
 TOLERANCES = {"energy": 1e-3, "forces": 3e-5, "stress": 2e-5}
 # one training step on two devices or profiles: float32 sums in a different order (measured on CPU, the

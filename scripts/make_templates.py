@@ -26,7 +26,7 @@ EDIT = "edit: "  # a placeholder's marker
 
 # Every key of TrainConfig (dotted: the key inside its block), in the templates' order, with its one-line comment.
 SECTIONS: List[Tuple[str, List[Tuple[str, str]]]] = [
-    ("Data: extxyz or any file ase.io reads, ASE SQLite (.db) or .aselmdb, a folder of these, or a list [a.xyz, b.db]", [
+    ("Data: extxyz or any file ase.io reads, ASE SQLite (.db), .aselmdb, a folder of these, or a list [a.xyz, b.db]", [
         ("train_data_path", "energies (eV), forces (eV/Å), optional stress (eV/Å³)"),
         ("val_data_path", 'validated every epoch, all of it; "" = no validation'),
         ("energy_key", 'ase.io files: the energy\'s info key; "" = stored results, then REF_energy, energy'),
@@ -72,7 +72,7 @@ SECTIONS: List[Tuple[str, List[Tuple[str, str]]]] = [
     ]),
     ("Per-element reference energies", [
         ("reference_energies.trainable", "auto: orb-v2 trains them, orb-v3 keeps them (as orb-models) | true | false"),
-        ("reference_energies.table", 'a published table by name (vasp-r2scan, matpes-pbe, ...); "" = the checkpoint\'s'),
+        ("reference_energies.table", 'a published table (vasp-r2scan, matpes-pbe, ...); "" = the checkpoint\'s'),
         ("reference_energies.file", 'JSON {"H": -3.4, ...} (eV/atom) on top of the checkpoint\'s or the table\'s'),
         ("reference_energies.fit", "none | residual: to DFT - the start's prediction | least_squares: to DFT"),
     ]),
@@ -273,8 +273,8 @@ def model_block(template: Template, defaults: Dict[str, Any]) -> str:
     width = max(len(n) for n in MODELS)
     lines = ["\n# --- Model: one of orb-models' published models (checkpoint_path by name fetches its weights)"]
     lines += [f"#   {n.ljust(width)}  {MODELS[n]}" for n in MODEL_NAMES]
-    lines.append("# The name sets the architecture, which checkpoint_path must hold; uncomment a key below only to train")
-    lines.append("# another architecture from scratch.")
+    lines.append("# The name sets the architecture, which checkpoint_path must hold; uncomment a key below only to")
+    lines.append("# train another architecture from scratch.")
     lines.append("model:")
     for key, comment in MODEL_KEYS:
         dotted = f"model.{key}"

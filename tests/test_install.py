@@ -56,6 +56,10 @@ def test_pip_install_and_run_outside_the_checkout(tmp_path):
     assert (work / "run" / "checkpoints" / "last.ckpt").exists()  # output_dir relative to where it was run
     log = (work / "run" / "train.log").read_text()
     assert os.path.join(bundle, "data", "demo_train.db") in log
+    smoke = subprocess.run([str(python), "-c", "import os, orb.smoke_test as s; "
+                            "print(os.path.isfile(s.REFERENCE), os.path.isfile(s.DEMO), s.REFERENCE)"],
+                           cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    assert smoke.stdout.startswith(f"True True {bundle}"), smoke.stdout + smoke.stderr[-2000:]  # its data shipped
     snippet = ("from orb.inference.calculator import ORBCalculator\n"
                "from ase.build import bulk\n"
                "atoms = bulk('Cu', 'fcc', a=3.6)\n"

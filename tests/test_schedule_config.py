@@ -228,8 +228,9 @@ def test_an_element_beyond_the_models_table_is_named_before_training(tmp_path):
     from conftest import DEMO_TRAIN, DEMO_VAL
 
     result = subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), "--config", "finetune_orb_v2",
-                             "--checkpoint_path", "", "--train_data_path", DEMO_TRAIN, "--val_data_path", DEMO_VAL, "--device_target", "CPU",
-                             "--output_dir", str(tmp_path / "run"), "--model.num_elements", "20"],
+                             "--checkpoint_path", "", "--train_data_path", DEMO_TRAIN, "--val_data_path", DEMO_VAL,
+                             "--device_target", "CPU", "--output_dir", str(tmp_path / "run"),
+                             "--model.num_elements", "20"],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines()[-1] == (f"error: {DEMO_TRAIN}, row 1, key 'numbers': Pd (Z=46) is beyond "

@@ -222,6 +222,19 @@ def test_the_table_of_commands_is_the_installed_one():
     assert all(os.path.exists(os.path.join(ROOT, script)) for script in SCRIPTS)
 
 
+def test_the_wheel_lists_every_orb_package_and_ships_the_bundle():
+    """pyproject.toml lists the packages by hand (a mapped folder cannot be found): a new subpackage must be listed,
+    and the bundle's folders (configs/, data/, ...) exist where the mapping says."""
+    text = open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8").read()
+    listed = set(re.findall(r'"(orb[\w.]*)"', text.split("\npackages = [", 1)[1].split("]", 1)[0]))
+    found = {os.path.relpath(folder, ROOT).replace(os.sep, ".")
+             for folder, _, files in os.walk(os.path.join(ROOT, "orb")) if "__init__.py" in files}
+    assert found and found == {p for p in listed if not p.startswith("orb._bundle")}
+    mapped = dict(re.findall(r'^"(orb\._bundle[\w.]*)" = "([\w/]+)"$', text, re.MULTILINE))
+    assert set(mapped) == {p for p in listed if p.startswith("orb._bundle")}
+    assert all(os.path.isdir(os.path.join(ROOT, folder)) for folder in mapped.values())
+
+
 def test_every_script_says_its_own_name_and_defaults(tmp_path):
     """--help of each script of the checkout, run from another folder: its own name (run_parallel.sh said
     'usage: launch.py'), defaults shown, and finetune.py reading more than an ASE database."""

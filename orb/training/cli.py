@@ -71,7 +71,8 @@ def print_template(name: str, overrides: List[str]) -> int:
     return 0
 
 
-def run(argv: Optional[List[str]], default_config: Optional[str], fine_tune: Callable[[TrainConfig, argparse.Namespace], None],
+def run(argv: Optional[List[str]], default_config: Optional[str],
+        fine_tune: Callable[[TrainConfig, argparse.Namespace], None],
         is_main: Callable[[], bool] = lambda: True) -> int:
     """Parse arguments, load the config and call ``fine_tune``; bad input -> ``error: ...`` and exit status 2."""
     args, overrides = parse_command_line(argv, default_config)
