@@ -249,3 +249,23 @@ def test_every_script_says_its_own_name_and_defaults(tmp_path):
         assert "(default: " in result.stdout, script
     help_text = finetune("--help", cwd=tmp_path).stdout
     assert "extxyz" in help_text and "an ASE database" not in help_text and "finetune_orb_v3" in help_text
+
+
+def test_the_launcher_finds_its_config_from_any_folder(tmp_path, monkeypatch, capsys):
+    """run_parallel.sh with no config reads configs/config_parallel.yaml (the checkout's or the package's) from any
+    folder; CONFIG, or --config CONFIG as orb-finetune takes it, is found the same way; the rest goes to the workers."""
+    from orb.bundled import find_config, templates_dir
+    from orb.training.launch import DEFAULT_CONFIG, main, split_config
+
+    monkeypatch.chdir(tmp_path)
+    assert split_config(["--max_epochs", "3"]) == (DEFAULT_CONFIG, ["--max_epochs", "3"])
+    assert find_config(DEFAULT_CONFIG) == os.path.join(templates_dir(), "config_parallel.yaml")
+    assert split_config(["finetune_orb_v2", "--lr", "1e-4"]) == ("finetune_orb_v2", ["--lr", "1e-4"])
+    assert split_config(["--lr", "1e-4", "--config", "my.yaml"]) == ("my.yaml", ["--lr", "1e-4"])
+    assert split_config(["--config=my.yaml", "--resume", "auto"]) == ("my.yaml", ["--resume", "auto"])
+    for args, message in ((["nope.yaml"], f"error: config file nope.yaml not found in {tmp_path}, and no packaged "
+                                          "template is called that (packaged templates: config_parallel, "),
+                          (["a.yaml", "--config", "b.yaml"], "error: the config is given twice (a.yaml, b.yaml)")):
+        assert main(args, prog="run_parallel.sh") == 2
+        err = capsys.readouterr().err
+        assert err.startswith(message) and len(err.strip().splitlines()) == 1, err
