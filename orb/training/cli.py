@@ -4,6 +4,7 @@ so that a mistake in the input ends in one clear line (on the console and in tra
 import argparse
 import logging
 import sys
+import textwrap
 from typing import Callable, List, Optional, Tuple
 
 from orb.bundled import printable_template, templates_line
@@ -19,8 +20,9 @@ USAGE = """%(prog)s --config FILE_OR_TEMPLATE [--resume DIR_OR_FILE|auto] [--ove
 DESCRIPTION = """Fine-tune an orb model on your DFT data: extxyz or any file ase.io reads, ASE SQLite or .aselmdb
 databases, folders of these, or a list of them.
 
---config names your YAML file, or a packaged template by name ({templates}); --print-config TEMPLATE writes one
-to edit. Relative paths in a config are relative to the folder you run from, except that in a packaged template a
+--config names your YAML file, or a packaged template by name; --print-config TEMPLATE writes one to edit.
+{templates}
+Relative paths in a config are relative to the folder you run from, except that in a packaged template a
 relative path to the bundled demo data (data/...) is that bundled file. After the options, any config key can be
 given as --key value (nested keys with dots), on top of the file:
   --max_epochs 3 --device_target CPU --model.num_message_passing_steps 2 --loss_weights.stress 0"""
@@ -28,8 +30,9 @@ given as --key value (nested keys with dots), on top of the file:
 
 def add_run_options(parser: argparse.ArgumentParser) -> None:
     """The options of a fine-tuning run, on one device or data-parallel (the launcher passes them to its workers)."""
-    parser.add_argument("--resume", default="", help="a training checkpoint, or an output_dir, to continue from; "
-                        "'auto': output_dir's last.ckpt if it has one, else a fresh start (for requeued jobs)")
+    parser.add_argument("--resume", default="", metavar="DIR_OR_FILE", help="a training checkpoint, or an "
+                        "output_dir, to continue from; 'auto': output_dir's last.ckpt if it has one, else a fresh "
+                        "start (for requeued jobs) (default: a fresh start)")
     parser.add_argument("--overwrite", action="store_true",
                         help="start a fresh run in an output_dir that holds an earlier run (deletes its files)")
     parser.add_argument("--accept_config_changes", action="store_true",
@@ -42,7 +45,9 @@ def finetune_parser(prog: Optional[str] = None, default_config: Optional[str] = 
     from orb.commands import HelpFormatter
 
     parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, usage=USAGE, formatter_class=HelpFormatter,
-                                     description=DESCRIPTION.format(templates=", ".join(template_names())))
+                                     description=DESCRIPTION.format(templates=textwrap.fill(
+                                         "Packaged templates: " + ", ".join(template_names()), 116,
+                                         initial_indent="  ", subsequent_indent="    ")))
     parser.add_argument("--config", default=default_config, metavar="FILE_OR_TEMPLATE",
                         help="YAML config file, or a packaged template's name" +
                         ("" if default_config else " (required)"))
