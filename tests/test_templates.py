@@ -160,6 +160,11 @@ def test_print_config_writes_a_template_that_runs_from_anywhere(tmp_path):
     mine = tmp_path / "my.yaml"
     mine.write_text(printed.stdout)
     assert load_config(str(mine)).to_dict() == load_config("demo_label_free").to_dict()
+    from orb.bundled import printable_template, template_names
+
+    for name in template_names():  # every packaged template prints as a file that means what the template means
+        (tmp_path / f"{name}.yaml").write_text(printable_template(name))
+        assert load_config(str(tmp_path / f"{name}.yaml")).to_dict() == load_config(name).to_dict(), name
     assert finetune("--print-config", "finetune_orb_v3", cwd=tmp_path).stdout == \
         open(template("finetune_orb_v3"), encoding="utf-8").read()  # nothing bundled in it: as it is
     for args, message in (
