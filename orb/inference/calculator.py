@@ -119,9 +119,19 @@ class ORBCalculator(Calculator):
         return changes
 
     @classmethod
+    def from_pretrained(cls, name: str, **kwargs) -> "ORBCalculator":
+        """A calculator for orb-models' published weights ``name`` (``orb_v3_conservative_inf_omat``, ``orb_v2``, ...;
+        :mod:`orb.pretrained`: downloaded once into the cache, verified at every use); keywords as
+        :meth:`from_checkpoint`'s (``precision``, ``device_target``, ``dispersion``, ...)."""
+        from orb.pretrained import require_name
+
+        return cls.from_checkpoint(require_name(name), **kwargs)
+
+    @classmethod
     def from_checkpoint(cls, path: str, device_target: str = "auto", model_name: Optional[str] = None,
                         precision: str = "float32-high", ops_profile: str = "auto", **kwargs) -> "ORBCalculator":
-        """A calculator for a PyTorch or MindSpore checkpoint (its architecture is read from the file;
+        """A calculator for a PyTorch or MindSpore checkpoint, or published weights by name (its architecture is read
+        from the file;
         ``model_name`` tells a published orb-v3 file's 20- from its unlimited-neighbour variant;
         ``precision`` and ``ops_profile`` as the training config's keys of those names (``matmul_precision`` high |
         highest: the old spelling of precision float32-high | float32-highest); ``dispersion`` and ``xc`` as the

@@ -4,6 +4,7 @@ MindSpore parameter paths equal orb-models' state_dict keys (``model.gnn_stacks.
 ``graph_head.normalizer.bn.running_mean``, ...), so the mapping is one to one, strict and shape-checked.
 """
 
+import difflib
 import json
 import os
 from collections import OrderedDict
@@ -20,6 +21,7 @@ from orb.models.config import ModelConfig
 from orb.models.gns import REPLAY_HEADS
 from orb.io.files import write_atomically
 from orb.io.torch_format import is_torch_zip, read_torch_checkpoint, write_torch_checkpoint
+from orb.pretrained import PUBLISHED, published_name
 
 __all__ = [
     "read_torch_checkpoint", "write_torch_checkpoint", "load_torch_state_dict", "to_torch_state_dict",
@@ -73,8 +75,10 @@ def load_torch_state_dict(model: nn.Cell, state_dict: Dict[str, np.ndarray], sou
 
 
 def _ms_checkpoint_arrays(path: str) -> Tuple[Dict[str, np.ndarray], Dict]:
+    """Arrays and metadata of a MindSpore checkpoint; one this program wrote carries a CRC, checked here (a file a
+    shared file system damaged is refused, not loaded; one written without a CRC is read as before)."""
     try:
-        raw = ms.load_checkpoint(path)
+        raw = ms.load_checkpoint(path, crc_check=True)
     except Exception as exc:  # MindSpore raises ValueError/RuntimeError on damaged files
         raise CheckpointError(f"{path}: cannot read MindSpore checkpoint ({exc})") from None
     meta = {}
@@ -88,26 +92,36 @@ def _ms_checkpoint_arrays(path: str) -> Tuple[Dict[str, np.ndarray], Dict]:
 
 
 def check_checkpoint_file(path: str, flag: str = "") -> None:
-    """Refuse, in one line (``flag``: the option that named it), a checkpoint path that is not a file."""
+    """Refuse, in one line (``flag``: the option that named it), a checkpoint path that is neither a file nor the name
+    of published weights (:mod:`orb.pretrained`)."""
     name = f"{flag + ' ' if flag else ''}{path}"
+    if published_name(path) is not None:
+        return
     if os.path.isdir(path):
         raise CheckpointError(f"{name}: is a folder, not a checkpoint file")
     if not os.path.isfile(path):
-        raise CheckpointError(f"{name}: checkpoint file does not exist")
+        close = difflib.get_close_matches(os.path.basename(str(path)).replace("-", "_"), list(PUBLISHED), n=1)
+        hint = (f" (published weights by name: {close[0]}, or any of {', '.join(PUBLISHED)})" if close else "")
+        raise CheckpointError(f"{name}: checkpoint file does not exist{hint}")
     if os.path.getsize(path) == 0:
         raise CheckpointError(f"{name}: checkpoint file is empty")
 
 
 def read_weights(path: str) -> Tuple["OrderedDict[str, np.ndarray]", Dict]:
-    """Model weights from a PyTorch ``.ckpt`` (zip) or a MindSpore checkpoint, plus any stored metadata.
+    """Model weights from a PyTorch ``.ckpt`` (zip), a MindSpore checkpoint or published weights by name
+    (:func:`published_weights`), plus any stored metadata.
 
     Optimizer state and replay heads in a training checkpoint are left out, and low-rank adapters merged into their
     layers' weights (see :func:`load_checkpoint` for everything a resume needs).
     """
-    check_checkpoint_file(path)
-    if is_torch_zip(path):
-        return read_torch_checkpoint(path), {}
-    arrays, meta = _ms_checkpoint_arrays(path)
+    name = published_name(path)
+    if name is not None:
+        arrays, meta = published_weights(name)
+    else:
+        check_checkpoint_file(path)
+        if is_torch_zip(path):
+            return read_torch_checkpoint(path), {}
+        arrays, meta = _ms_checkpoint_arrays(path)
     weights = OrderedDict((k, v) for k, v in arrays.items() if not k.startswith(TRAINING_ONLY))
     alpha = (meta.get("config") or {}).get("lora", {}).get("alpha")
     return OrderedDict(merge_arrays(weights, alpha)), meta
@@ -127,7 +141,7 @@ def save_checkpoint(path: str, model: nn.Cell, meta: Optional[Dict] = None,
                 for name, t in (extra or [])]
 
     def write(tmp: str) -> None:
-        ms.save_checkpoint(entries, tmp, append_dict={META_KEY: json.dumps(meta or {})})
+        ms.save_checkpoint(entries, tmp, append_dict={META_KEY: json.dumps(meta or {})}, crc_check=True)
         os.chmod(tmp, 0o644)  # MindSpore writes checkpoints read-only
 
     try:
@@ -232,3 +246,51 @@ def model_from_state_dict(cfg, weights: Dict[str, np.ndarray], source: str):
     load_torch_state_dict(model, weights, source=source)
     model.set_train(False)
     return model
+
+
+def published_weights(name: str, progress: Optional[bool] = None) -> Tuple[Dict[str, np.ndarray], Dict]:
+    """(arrays, metadata) of the published weights ``name`` (:mod:`orb.pretrained`), read from their MindSpore copy in
+    the cache: made at the first use from the verified download, keyed by its sha256 and this code, its CRC checked at
+    every read (a damaged copy is made again). The metadata names the model, which the tensors of orb-v3's 20- and
+    unlimited-neighbour models (and of the D3 orb-v2 models) cannot tell."""
+    from orb import pretrained
+    from orb.cache import CacheEntry
+
+    def copy_of(record: Dict) -> CacheEntry:
+        return CacheEntry(pretrained.SUBFOLDER, ("orb.io.checkpoint", "orb.io.torch_format"),
+                          (name, record["sha256"]), ".ckpt", libraries=("mindspore",))
+
+    record = pretrained.cached_record(name)
+    if record is not None:  # the copy alone will do: the download is not read (nor hashed) again
+        found = copy_of(record).read(_ms_checkpoint_arrays)
+        if found is not None:
+            return found
+    source = pretrained.fetch(name, progress)
+    entry = copy_of(pretrained.read_record(source))
+    found = entry.read(_ms_checkpoint_arrays)
+    if found is not None:
+        return found
+    weights = read_torch_checkpoint(source)
+    _check_published_architecture(name, weights, source)
+    meta = {"model": ModelConfig.from_dict({"name": name}).to_dict(), "published": name,
+            "converted_from": pretrained.weights_url(name)}
+
+    def save(tmp: str) -> None:
+        entries = [{"name": key, "data": Tensor(value)} for key, value in weights.items()]
+        ms.save_checkpoint(entries, tmp, append_dict={META_KEY: json.dumps(meta)}, crc_check=True)
+        os.chmod(tmp, 0o644)
+
+    entry.write(save, f"MindSpore copy of the published {name}")  # when it cannot be kept: made again next time
+    return weights, meta
+
+
+def _check_published_architecture(name: str, weights: Dict[str, np.ndarray], source: str) -> None:
+    """A file served for ``name`` whose tensors are another architecture (a mirror's wrong file) is refused here,
+    naming both, before it is converted or cached."""
+    try:
+        held = config_from_state_dict(weights, name=name)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{source} (served as {name}): {exc}") from None
+    expected = ModelConfig.from_dict({"name": name})
+    if differences(held, expected):
+        raise CheckpointError(f"{source} (served as {name}) holds {describe(held)}, not {describe(expected)}")

@@ -273,11 +273,29 @@ def deprecated_matmul_precision(values: Dict[str, Any], prefix: str = "") -> Dic
     return values
 
 
+def model_named_by_weights(values: Dict[str, Any]) -> Dict[str, Any]:
+    """``checkpoint_path: NAME`` (published weights, :mod:`orb.pretrained`) gives ``model.name`` when the config does
+    not; a config naming another model is refused (two names for one run's weights is a mistake either way)."""
+    from orb.pretrained import published_name
+
+    path, model = values.get("checkpoint_path"), values.get("model")
+    name = published_name(path) if isinstance(path, str) else None
+    if name is None or not isinstance(model, (dict, type(None))):
+        return values
+    given = (model or {}).get("name")
+    if given is None:
+        return dict(values, model=dict(model or {}, name=name))
+    if given != name:
+        raise ConfigError(f"config key 'checkpoint_path' names the published weights of {name}, but 'model.name' is "
+                          f"{given}: set model.name to {name} (or leave it out: the weights' name sets it)")
+    return values
+
+
 def _build(cls, values: Dict[str, Any], prefix: str = ""):
     hints = typing.get_type_hints(cls)
     names = [f.name for f in fields(cls)]
     if cls is TrainConfig:
-        values = deprecated_matmul_precision(values)
+        values = model_named_by_weights(deprecated_matmul_precision(values))
     for key in values:
         if prefix + key in RENAMED:
             raise ConfigError(f"config key '{prefix}{key}' is now {RENAMED[prefix + key]}")
