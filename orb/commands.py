@@ -18,6 +18,7 @@ COMMANDS: Dict[str, str] = {
     "orb-md": "orb.inference.md:build_parser",
     "orb-export": "orb.inference.export:build_parser",
     "orb-convert": "orb.io.convert:build_parser",
+    "orb-download": "orb.io.download:build_parser",
     "orb-plot": "orb.reports.curves:build_parser",
     "orb-smoke-test": "orb.smoke_test:build_parser",
 }
@@ -30,6 +31,7 @@ SCRIPTS: Dict[str, str] = {
     "scripts/md.py": "orb-md",
     "scripts/export.py": "orb-export",
     "scripts/convert_checkpoint.py": "orb-convert",
+    "scripts/download.py": "orb-download",
     "scripts/plot_metrics.py": "orb-plot",
     "scripts/smoke_test.py": "orb-smoke-test",
 }
@@ -43,7 +45,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         text = action.help or ""
         if "(default" in text or "(required" in text or action.default is argparse.SUPPRESS:
             return text
-        if action.required:
+        if action.required and action.nargs != "*":  # (argparse marks a '*' positional required; it may be empty)
             return f"{text} (required)"
         if not action.option_strings and action.nargs not in ("?", "*"):
             return text  # a positional argument that must be given

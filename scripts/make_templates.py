@@ -35,7 +35,7 @@ SECTIONS: List[Tuple[str, List[Tuple[str, str]]]] = [
         ("charge_key", "OMol models: each frame's total charge (info key; an ASE db's key-value pair)"),
         ("spin_key", "OMol models: each frame's spin multiplicity (as charge_key)"),
     ]),
-    ("Start and outputs: a model name below fetches its published weights once and keeps them", [
+    ("Start and outputs: a model name below fetches its published weights once (ahead: orb-download NAME)", [
         ("checkpoint_path", "a model name, its .ckpt, or one of ours"),
         ("output_dir", "train.log, metrics.jsonl, checkpoints/"),
     ]),
@@ -164,7 +164,7 @@ RUN = """# Run it as it is once train_data_path and output_dir name yours:
 #   orb-finetune-parallel my.yaml               data-parallel    (a checkout: bash run_parallel.sh my.yaml)
 # Every key the config takes is here, with its one-line comment; a value that is not the built-in default says
 # so: (default: X; why). Relative paths are relative to the folder you run from. Any key can also be given on the
-# command line: --max_epochs 20 --model.name orb_v3_direct_inf_omat. (Written by scripts/make_templates.py.)
+# command line: --max_epochs 20 --batch_size 16. (Written by scripts/make_templates.py.)
 """
 
 

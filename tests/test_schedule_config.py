@@ -142,8 +142,12 @@ def test_shipped_configs_are_valid():
         v3 = load_config(f"{ROOT}/configs/{name}").model
         assert (v3.latent_dim, v3.mlp_hidden_dim, v3.num_message_passing_steps, v3.radius, v3.max_neighbors) == \
             (256, 1024, 5, 6.0, 120)
-    v3_20 = load_config(f"{ROOT}/configs/finetune_orb_v3.yaml", ["--model.name", "orb_v3_direct_20_omat"]).model
+    other = ["--checkpoint_path", "orb_v3_direct_20_omat", "--model.name", "orb_v3_direct_20_omat"]
+    v3_20 = load_config(f"{ROOT}/configs/finetune_orb_v3.yaml", other).model
     assert (v3_20.latent_dim, v3_20.max_neighbors) == (256, 20)  # another name: its own architecture, nothing stuck
+    with pytest.raises(ConfigError, match="'checkpoint_path' names the published weights of "
+                                          "orb_v3_conservative_inf_omat, but 'model.name' is orb_v3_direct_20_omat"):
+        load_config(f"{ROOT}/configs/finetune_orb_v3.yaml", other[2:])  # the template names both: change both
 
 
 def test_reference_tables_of_orb_models_070_by_name(tmp_path):

@@ -204,8 +204,8 @@ def test_every_option_of_every_command_shows_its_default(program):
             continue
         assert action.help, (program, action.dest)
         text = formatter._expand_help(action)
-        if action.required or text.endswith("(required)") or (not action.option_strings and
-                                                              action.nargs not in ("?", "*")):
+        may_be_left_out = action.nargs in ("?", "*") or (action.option_strings and not action.required)
+        if text.endswith("(required)") or not may_be_left_out:
             assert "(default" not in text, (program, action.dest)
             continue
         assert "(default: " in text, (program, action.dest, text)
