@@ -1,4 +1,5 @@
-"""Fine-tune orb on one device:  python finetune.py --config configs/config.yaml [--key value ...]
+"""Fine-tune orb on one device:  python finetune.py --config configs/finetune_orb_v3.yaml [--key value ...]
+(installed: orb-finetune --config finetune_orb_v3 ...; --help lists the options and the packaged templates).
 
 ``finetune_parallel.py`` is the same run made data-parallel; diff the two to see what that adds.
 """
@@ -25,7 +26,7 @@ def fine_tune(cfg, args) -> None:
 
 
 def main(argv=None) -> int:
-    return run(argv, "configs/config.yaml", fine_tune)
+    return run(argv, None, fine_tune)  # --config is required
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ with listen().exit_on_stop():  # the imports take 0.3 s and more on a cold share
     from orb.training.cli import run
     from orb.device import configure_mindspore
     from orb.training.distributed import DataParallel
-    from orb.training.launch import WORKER_EXIT_LINE
+    from orb.training.launch import DEFAULT_CONFIG, WORKER_EXIT_LINE
     from orb.training.outputs import check_output_dir, prepare_output_dir, setup_logging
 
 _rank = 0
@@ -80,7 +80,7 @@ def fine_tune(cfg, args) -> None:
 
 
 def main(argv=None) -> int:
-    status = run(argv, "configs/config_parallel.yaml", fine_tune, is_main=lambda: _rank == 0)
+    status = run(argv, DEFAULT_CONFIG, fine_tune, is_main=lambda: _rank == 0)
     if status not in (0, 75):
         print(f"{WORKER_EXIT_LINE} {status}", file=sys.stderr)  # read by the launcher
     return status

@@ -3,9 +3,10 @@
 #
 #   bash run_parallel.sh [CONFIG] [--key value ...]
 #
-# CONFIG defaults to configs/config_parallel.yaml; paths are relative to where you run it from.
-# Environment: WORKER_NUM, LOCAL_WORKER_NUM, MASTER_ADDR, MASTER_PORT, NODE_RANK, LOG_DIR,
-# CLUSTER_TIME_OUT, PYTHON (see orb/training/launch.py, or run it with --help).
+# CONFIG (a YAML file, or a packaged template's name) defaults to configs/config_parallel.yaml; paths are relative
+# to where you run it from. Environment: WORKER_NUM, LOCAL_WORKER_NUM, MASTER_ADDR, MASTER_PORT, NODE_RANK, LOG_DIR,
+# CLUSTER_TIME_OUT, PYTHON (bash run_parallel.sh --help describes them).
 # Exit status: 0 finished, 2 bad input, 1 a fault, 75 stopped with the state saved (--resume auto continues).
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-exec env PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python}" -m orb.training.launch "$@"
+exec env PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python}" \
+    -c "import sys; from orb.training.launch import main; sys.exit(main(prog='run_parallel.sh'))" "$@"

@@ -60,7 +60,8 @@ def add_device_argument(parser) -> None:
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
-    parser.add_argument("--device_target", default="auto", type=parse, metavar="{auto,Ascend,GPU,CPU}")
+    parser.add_argument("--device_target", default="auto", type=parse, metavar="{auto,Ascend,GPU,CPU}",
+                        help="auto: Ascend, then GPU, then CPU, whichever MindSpore can use here")
 
 
 def select_device(requested: str) -> str:

@@ -25,12 +25,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import numpy as np
 
+from orb.bundled import bundle_root
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REFERENCE = os.path.join(ROOT, "tests", "data", "orb_v2_parity.npz")
-DEMO = os.path.join(ROOT, "data", "demo_train.db")
+# shipped with the package (orb.bundled): the checkout's tests/data/orb_v2_parity.npz and data/demo_train.db
+REFERENCE = os.path.join(bundle_root(), "tests", "data", "orb_v2_parity.npz")
+DEMO = os.path.join(bundle_root(), "data", "demo_train.db")
 # the parity tests' tolerances for MindSpore's built-in operators (tests/test_model.py, "portable")
 TOLERANCES = {"energy": 1e-3, "forces": 3e-5, "stress": 2e-5}
 # one training step on two devices or profiles: float32 sums in a different order (measured on CPU, the
@@ -244,9 +248,20 @@ def check_collectives(target: str) -> dict:
             "seconds": round(max((line["seconds"] for line in lines), default=0.0), 2)}
 
 
-def main(argv=None) -> int:
+def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    """orb-smoke-test's options."""
+    from orb.commands import HelpFormatter
     from orb.device import add_device_argument
 
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=__doc__, formatter_class=HelpFormatter)
+    add_device_argument(parser)
+    parser.add_argument("--skip_parallel", action="store_true", help="leave out the 2-worker sum")
+    parser.add_argument("--precisions", default="float32-high,bf16-mixed,fp16-mixed",
+                        help="time one training step in each of these precision modes (comma-separated; '' = none)")
+    return parser
+
+
+def main(argv=None) -> int:
     if argv is None and len(sys.argv) == 4 and sys.argv[1] == "_step":
         from orb.device import configure_mindspore
         from orb.errors import OrbInputError
@@ -261,13 +276,7 @@ def main(argv=None) -> int:
     if argv is None and len(sys.argv) == 2 and sys.argv[1] == "_sum":
         _sum_over_workers()
         return 0
-    parser = argparse.ArgumentParser(allow_abbrev=False,
-                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_device_argument(parser)
-    parser.add_argument("--skip_parallel", action="store_true", help="leave out the 2-worker sum")
-    parser.add_argument("--precisions", default="float32-high,bf16-mixed,fp16-mixed",
-                        help="time one training step in each of these precision modes (comma-separated; '' = none)")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     from orb.device import configure_mindspore
 
     target = configure_mindspore(args.device_target, precision="float32-highest")

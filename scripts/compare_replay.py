@@ -172,12 +172,13 @@ def compare_reference_fit(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(allow_abbrev=False,
-                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=("replay", "reference_fit"))
-    parser.add_argument("--out", default=os.path.join("outputs", "compare_replay"))
+    from orb.commands import HelpFormatter
+
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("what", choices=("replay", "reference_fit"), help="the comparison to run")
+    parser.add_argument("--out", default=os.path.join("outputs", "compare_replay"), help="folder of the runs")
     parser.add_argument("--seed", type=int, default=31, help="seed of the narrow target")
-    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--epochs", type=int, default=20, help="epochs of each run")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     {"replay": compare_replay, "reference_fit": compare_reference_fit}[args.what](args)

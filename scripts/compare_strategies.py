@@ -180,12 +180,15 @@ def write_report(results: Dict, out: str, title: str) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--demo", choices=tuple(DEMOS), default="orb_v2")
+    from orb.commands import HelpFormatter
+
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0],
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--demo", choices=tuple(DEMOS), default="orb_v2", help="the demo model to fine-tune")
     parser.add_argument("--target", default="Al,Pt", help="the narrow target's two metals")
-    parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--out", default="")
+    parser.add_argument("--seed", type=int, default=7, help="seed of the narrow target")
+    parser.add_argument("--epochs", type=int, default=20, help="epochs of each run")
+    parser.add_argument("--out", default="", help="folder of the runs (default: runs/strategies_<demo>_<target>)")
     parser.add_argument("--only", default="", help="comma-separated strategy names (default: all)")
     args = parser.parse_args(argv)
     out = args.out or os.path.join(ROOT, "runs", f"strategies_{args.demo}_{args.target.replace(',', '')}")

@@ -100,12 +100,13 @@ def write_db(path: str, structures: List[Atoms]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(allow_abbrev=False,
-                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="data", help="output folder (default: data)")
-    parser.add_argument("--train", type=int, default=64, help="training structures (default: 64)")
-    parser.add_argument("--val", type=int, default=16, help="validation structures (default: 16)")
-    parser.add_argument("--seed", type=int, default=0)
+    from orb.commands import HelpFormatter
+
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--out", default="data", help="output folder")
+    parser.add_argument("--train", type=int, default=64, help="training structures")
+    parser.add_argument("--val", type=int, default=16, help="validation structures")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the structures")
     parser.add_argument("--prefix", default="demo", help="file names <prefix>_train.db, <prefix>_val.db")
     parser.add_argument("--max_rattle", type=float, default=0.12, help="largest rattle stdev (Å)")
     parser.add_argument("--metals", default=",".join(METALS),

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import sysconfig
 
-from conftest import DATA, ROOT, SMALL_MODEL
+from conftest import ROOT
 
 
 def test_pip_install_and_run_outside_the_checkout(tmp_path):
@@ -27,18 +27,39 @@ def test_pip_install_and_run_outside_the_checkout(tmp_path):
     where = subprocess.run([str(python), "-c", "import orb, finetune; print(orb.__file__)"], cwd=work, env=env,
                            capture_output=True, text=True)
     assert where.returncode == 0 and site in where.stdout, where.stderr[-2000:]  # not the checkout's copy
-    for command in ("orb-finetune", "orb-finetune-parallel", "orb-evaluate", "orb-convert", "orb-plot"):
+    from orb.commands import COMMANDS
+
+    for command in COMMANDS:  # each says its name and its defaults
         result = subprocess.run([str(venv / "bin" / command), "--help"], cwd=work, env=env, capture_output=True,
                                 text=True, timeout=120)
-        assert result.returncode == 0 and "usage" in result.stdout.lower() + result.stderr.lower(), command
-    model = " ".join(f"--model.{k} {v}" for k, v in SMALL_MODEL.items()).split()
-    run = subprocess.run([str(venv / "bin" / "orb-finetune"), "--config", os.path.join(ROOT, "configs", "demo.yaml"),
-                          "--train_data_path", os.path.join(DATA, "10_mptraj_systems.db"), "--val_data_path", "",
-                          "--checkpoint_path", "", "--max_epochs", "1", "--batch_size", "5", "--num_buckets", "1",
-                          "--output_dir", "run", "--device_target", "CPU", *model],
-                         cwd=work, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0 and result.stdout.startswith(f"usage: {command} "), (command, result.stderr)
+        assert "(default: " in result.stdout, command
+
+    def finetune(*args):
+        return subprocess.run([str(venv / "bin" / "orb-finetune"), *args], cwd=work, env=env, capture_output=True,
+                              text=True, timeout=600)
+
+    bundle = os.path.join(site, "orb", "_bundle")
+    missing = finetune()  # no silent configs/config.yaml of the working folder: the templates, in one line
+    assert missing.returncode == 2 and missing.stderr.startswith("error: no --config: name your YAML config file or "
+                                                                 "a packaged template (packaged templates: ")
+    assert "finetune_orb_v3" in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
+    printed = finetune("--print-config", "finetune_orb_v3")
+    assert printed.returncode == 0 and printed.stdout == open(os.path.join(bundle, "configs", "finetune_orb_v3.yaml"),
+                                                              encoding="utf-8").read()
+    demo = finetune("--print-config", "demo").stdout  # the bundled demo data's paths made absolute: it runs anywhere
+    assert f"train_data_path: {os.path.join(bundle, 'data', 'demo_train.db')}\n" in demo
+    assert f"checkpoint_path: {os.path.join(bundle, 'data', 'demo_pretrained.ckpt')}\n" in demo
+    run = finetune("--config", "demo", "--max_epochs", "1", "--num_buckets", "1", "--output_dir", "run",
+                   "--device_target", "CPU", "--progress_bar", "false")  # the packaged demo: its data and weights
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    assert (work / "run" / "checkpoints" / "last.ckpt").exists()  # relative to where it was run
+    assert (work / "run" / "checkpoints" / "last.ckpt").exists()  # output_dir relative to where it was run
+    log = (work / "run" / "train.log").read_text()
+    assert os.path.join(bundle, "data", "demo_train.db") in log
+    smoke = subprocess.run([str(python), "-c", "import os, orb.smoke_test as s; "
+                            "print(os.path.isfile(s.REFERENCE), os.path.isfile(s.DEMO), s.REFERENCE)"],
+                           cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    assert smoke.stdout.startswith(f"True True {bundle}"), smoke.stdout + smoke.stderr[-2000:]  # its data shipped
     snippet = ("from orb.inference.calculator import ORBCalculator\n"
                "from ase.build import bulk\n"
                "atoms = bulk('Cu', 'fcc', a=3.6)\n"

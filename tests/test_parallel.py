@@ -28,12 +28,13 @@ FAST_FAILURE = {"MS_NODE_TIMEOUT": "10"}
 
 
 def common_args(out, train, **extra):
-    values = dict(train_data_path=train, val_data_path=DEMO_VAL, output_dir=str(out), batch_size=4, max_epochs=2,
-                  lr=1e-3, lr_schedule="constant", num_buckets=3, log_every_n_steps=2, record_batches="true",
-                  progress_bar="false", device_target="CPU", data_workers=0)
+    values = dict(train_data_path=train, val_data_path=DEMO_VAL, output_dir=str(out), checkpoint_path="",
+                  batch_size=4, max_epochs=2, lr=1e-3, lr_schedule="constant", num_buckets=3, log_every_n_steps=2,
+                  record_batches="true", progress_bar="false", device_target="CPU", data_workers=0)
     values.update(extra)
     args = sum(([f"--{k}", str(v)] for k, v in values.items()), [])
-    return args + sum((["--model." + k, str(v)] for k, v in SMALL_MODEL.items()), [])
+    model = dict(SMALL_MODEL, name="orb_v2")  # random weights of a small orb-v2 over the templates' published orb-v3
+    return args + sum((["--model." + k, str(v)] for k, v in model.items()), [])
 
 
 def launch(args, log_dir, cwd, config="configs/config_parallel.yaml", env_extra=None, prefix=()):
@@ -46,7 +47,7 @@ def launch(args, log_dir, cwd, config="configs/config_parallel.yaml", env_extra=
 
 
 def single(args, timeout=420):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), "--config", "configs/config.yaml",
+    return subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), "--config", "finetune_orb_v3",
                            *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 

@@ -58,7 +58,7 @@ def test_config_overrides_and_errors(tmp_path):
     bad.write_text("model:\n  latent_dim: 64\n  mlp_hiden_dim: 3\n")
     with pytest.raises(ConfigError, match="model.mlp_hiden_dim"):
         load_config(str(bad))
-    with pytest.raises(ConfigError, match="cannot read config file"):
+    with pytest.raises(ConfigError, match=f"^config file {tmp_path}/missing.yaml not found \\(packaged templates: "):
         load_config(str(tmp_path / "missing.yaml"))
 
 
@@ -118,43 +118,36 @@ def test_a_config_file_means_what_it_says_or_is_refused_in_one_line(tmp_path):
         with pytest.raises(ConfigError, match=message):
             load_config(None, args)
     assert load_config(None, ["--gradient_clip_mode", "none", "--gradient_clip_val", "0"]).gradient_clip_val == 0
-    shipped = os.path.join(ROOT, "configs", "config.yaml")  # it says precision: the old key typed now overrides it
+    shipped = os.path.join(ROOT, "configs", "finetune_orb_v2.yaml")  # it says precision: the old key typed overrides it
     assert load_config(shipped, ["--matmul_precision", "highest"]).precision == "float32-highest"
     args, overrides = parse_command_line(["--over", "--conf", "x.yaml"], "configs/config.yaml")
     assert not args.overwrite and args.config == "configs/config.yaml" and overrides == ["--over", "--conf", "x.yaml"]
     empty = subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), "--config", ""], cwd=tmp_path,
                            capture_output=True, text=True, timeout=120)
-    assert empty.returncode == 2 and empty.stderr.strip() == ("error: --config is empty: name a YAML config file "
-                                                              "(configs/config.yaml documents every key)")
+    assert empty.returncode == 2 and empty.stderr.strip() == ("error: --config is empty: name a YAML config file or a "
+                                                              "packaged template (orb-finetune --print-config NAME > "
+                                                              "my.yaml writes one to edit)")
 
 
 def test_shipped_configs_are_valid():
+    """(tests/test_templates.py checks the templates' keys, comments and values against TrainConfig.)"""
     from conftest import ROOT
 
-    for name in ("config.yaml", "config_parallel.yaml", "demo.yaml", "demo_pretrain.yaml"):
+    for name in ("finetune_orb_v2.yaml", "demo.yaml", "demo_pretrain.yaml"):
         cfg = load_config(f"{ROOT}/configs/{name}")
         assert cfg.model.radius == 10.0 and cfg.model.max_neighbors == 20
-    assert load_config(f"{ROOT}/configs/config.yaml").model.num_message_passing_steps == 15
+    assert load_config(f"{ROOT}/configs/finetune_orb_v2.yaml").model.num_message_passing_steps == 15
     # the model's name sets its whole architecture
-    v3 = load_config(f"{ROOT}/configs/config.yaml", ["--model.name", "orb_v3_conservative_inf_omat"]).model
-    assert (v3.latent_dim, v3.mlp_hidden_dim, v3.num_message_passing_steps, v3.radius, v3.max_neighbors) == \
-        (256, 1024, 5, 6.0, 120)
-
-
-def test_shipped_configs_document_every_key():
-    """configs/config.yaml is the reference of the keys: each one appears there with a comment."""
-    from dataclasses import fields, is_dataclass
-
-    from conftest import ROOT
-    from orb.training.config import TrainConfig
-
-    text = open(f"{ROOT}/configs/config.yaml").read()
-    for f in fields(TrainConfig):
-        assert f"\n{f.name}:" in text, f.name
-        default = f.default_factory() if callable(f.default_factory) else None
-        if is_dataclass(default) and f.name != "model":
-            for sub in fields(default):
-                assert f"\n  {sub.name}:" in text, f"{f.name}.{sub.name}"
+    for name in ("finetune_orb_v3.yaml", "config_parallel.yaml"):
+        v3 = load_config(f"{ROOT}/configs/{name}").model
+        assert (v3.latent_dim, v3.mlp_hidden_dim, v3.num_message_passing_steps, v3.radius, v3.max_neighbors) == \
+            (256, 1024, 5, 6.0, 120)
+    other = ["--checkpoint_path", "orb_v3_direct_20_omat", "--model.name", "orb_v3_direct_20_omat"]
+    v3_20 = load_config(f"{ROOT}/configs/finetune_orb_v3.yaml", other).model
+    assert (v3_20.latent_dim, v3_20.max_neighbors) == (256, 20)  # another name: its own architecture, nothing stuck
+    with pytest.raises(ConfigError, match="'checkpoint_path' names the published weights of "
+                                          "orb_v3_conservative_inf_omat, but 'model.name' is orb_v3_direct_20_omat"):
+        load_config(f"{ROOT}/configs/finetune_orb_v3.yaml", other[2:])  # the template names both: change both
 
 
 def test_reference_tables_of_orb_models_070_by_name(tmp_path):
@@ -228,6 +221,9 @@ def test_settings_a_run_cannot_act_on_are_said_at_the_start():
     assert "is also training data" in notes("--val_data_path", "./a.db")[0]
     assert notes("--train_data_path", "[a.db, ./a.db]") == [
         "train_data_path lists a file twice: its structures count twice per epoch"]
+    assert notes("--val_data_path", "v.db", "--val_fraction", "0.05") == [  # a template's split, a file given
+        "val_fraction 0.05 is not used: val_data_path is validated (a template's split applies only when no "
+        "validation data is given)"]
 
 
 def test_an_element_beyond_the_models_table_is_named_before_training(tmp_path):
@@ -238,9 +234,10 @@ def test_an_element_beyond_the_models_table_is_named_before_training(tmp_path):
 
     from conftest import DEMO_TRAIN, DEMO_VAL
 
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), "--config", "configs/config.yaml",
-                             "--train_data_path", DEMO_TRAIN, "--val_data_path", DEMO_VAL, "--device_target", "CPU",
-                             "--output_dir", str(tmp_path / "run"), "--model.num_elements", "20"],
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), "--config", "finetune_orb_v2",
+                             "--checkpoint_path", "", "--train_data_path", DEMO_TRAIN, "--val_data_path", DEMO_VAL,
+                             "--device_target", "CPU", "--output_dir", str(tmp_path / "run"),
+                             "--model.num_elements", "20"],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines()[-1] == (f"error: {DEMO_TRAIN}, row 1, key 'numbers': Pd (Z=46) is beyond "

@@ -15,7 +15,7 @@ predicted only. The checkpoint may be PyTorch or MindSpore; its architecture is 
 import argparse
 import os
 import sys
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 
@@ -104,14 +104,20 @@ def main(argv=None) -> int:
 
 
 def parse_and_evaluate(argv) -> int:
-    from orb.device import add_device_argument, quiet_mindspore
+    from orb.device import quiet_mindspore
 
     quiet_mindspore()  # before anything imports MindSpore
+    return evaluate(build_parser().parse_args(argv))
+
+
+def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    """orb-evaluate's options."""
+    from orb.commands import HelpFormatter
+    from orb.device import add_device_argument
     from orb.models.ops_profile import PROFILES
     from orb.precision import PRECISIONS
 
-    parser = argparse.ArgumentParser(allow_abbrev=False,
-                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="PyTorch or MindSpore orb checkpoint")
     parser.add_argument("--compare", default="", help="a second checkpoint evaluated on the same data and shown "
                         "beside the first (e.g. the starting model and the fine-tuned one)")
@@ -119,11 +125,12 @@ def parse_and_evaluate(argv) -> int:
                         ".aselmdb, a folder of them, or several of these (read as one data set)")
     for name, default in (("energy", ""), ("forces", ""), ("stress", ""), ("charge", "charge"), ("spin", "spin")):
         parser.add_argument(f"--{name}_key", default=default, help=f"where other formats keep the {name} "
-                            "(orb.data.formats; default: the stored results, then REF_/plain names)")
+                            "(orb.data.formats)" + ("" if default else f" (default: the stored results, then "
+                                                                       f"REF_{name}, then {name})"))
     parser.add_argument("--output_dir", default="", help="where to write predictions.csv and summary.json "
                         "(default: evaluation/<database name>)")
     parser.add_argument("--model", default=None, help="model name, when the checkpoint cannot tell (a published "
-                        "orb-v3 file: orb_v3_conservative_20_omat or ..._inf_omat)")
+                        "orb-v3 file: orb_v3_conservative_20_omat or ..._inf_omat) (default: the checkpoint's)")
     parser.add_argument("--batch_size", type=int, default=8, help="structures of an average batch: each step "
                         "packs structures of similar size up to twice such a batch's atoms and edges")
     parser.add_argument("--dispersion", default="", help="add DFT-D3 dispersion to the predictions: d3bj or d3zero "
@@ -140,8 +147,9 @@ def parse_and_evaluate(argv) -> int:
     parser.add_argument("--uncertain_above", type=float, default=None,
                         help="orb-v3: write the structures whose predicted force error (the confidence head's, "
                         "largest over the atoms) passes this many eV/Å to OUTPUT_DIR/uncertain.extxyz")
-    parser.add_argument("--progress_bar", choices=("auto", "true", "false"), default="auto")
-    return evaluate(parser.parse_args(argv))
+    parser.add_argument("--progress_bar", choices=("auto", "true", "false"), default="auto",
+                        help="auto: when the output is a terminal")
+    return parser
 
 
 def predict_dataset(checkpoint: str, args, keys, show: bool, out_dir: str = ""):

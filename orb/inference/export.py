@@ -156,12 +156,22 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def parse_and_export(argv: Optional[List[str]]) -> int:
-    from orb.device import add_device_argument, quiet_mindspore
+    from orb.device import quiet_mindspore
 
     quiet_mindspore()  # before anything imports MindSpore
+    written = run(build_parser().parse_args(argv))
+    print(f"wrote {', '.join(written)}")
+    return 0
+
+
+def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    """orb-export's options."""
+    from orb.commands import HelpFormatter
+    from orb.device import add_device_argument
     from orb.precision import PRECISIONS
 
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=__doc__.split("\n\n")[0],
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="PyTorch or MindSpore orb checkpoint")
     parser.add_argument("--output", required=True, help="the MindIR file (.mindir; several shapes: one per shape, "
                         "the shape in the name)")
@@ -170,13 +180,12 @@ def parse_and_export(argv: Optional[List[str]]) -> int:
     parser.add_argument("--shape", action="append", default=[], help="NODES,EDGES,GRAPHS of a padded batch "
                         "(repeatable): a batch holds fewer nodes and graphs than these, and at most EDGES edges")
     parser.add_argument("--batch_size", type=int, default=8, help="with --data: structures of an average batch")
-    parser.add_argument("--model", default=None, help="model name, when the checkpoint cannot tell")
+    parser.add_argument("--model", default=None, help="model name, when the checkpoint cannot tell "
+                        "(default: the checkpoint's)")
     add_device_argument(parser)
     parser.add_argument("--precision", default="float32-high", choices=PRECISIONS,
                         help="what the exported graph computes in (orb.precision)")
-    written = run(parser.parse_args(argv))
-    print(f"wrote {', '.join(written)}")
-    return 0
+    return parser
 
 
 def parse_shape(text: str) -> tuple:

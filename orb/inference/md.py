@@ -614,23 +614,27 @@ def md(args) -> Dict:
     return summary
 
 
-def command_line() -> argparse.ArgumentParser:
-    """orb-md's arguments."""
+def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    """orb-md's options."""
+    from orb.commands import HelpFormatter
     from orb.device import add_device_argument
     from orb.models.ops_profile import PROFILES
     from orb.precision import PRECISIONS
 
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=__doc__.split("\n\n")[0],
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="PyTorch or MindSpore orb checkpoint")
     parser.add_argument("--data", required=True, nargs="+", help="starting structures (any format orb-evaluate "
                         "reads; their momenta, when stored, are the initial velocities)")
     parser.add_argument("--output", required=True, help="folder for traj_k.extxyz, log_k.csv, state_k.json, "
                         "summary.json")
-    parser.add_argument("--ensemble", choices=ENSEMBLES, default="nve")
+    parser.add_argument("--ensemble", choices=ENSEMBLES, default="nve", help="nve: constant energy, no thermostat "
+                        "(VelocityVerlet) | nvt: --thermostat at --temperature | npt: NPTBerendsen at --temperature "
+                        "and --pressure")
     parser.add_argument("--thermostat", choices=THERMOSTATS, default="langevin", help="nvt's: ASE's Langevin or "
                         "NoseHooverChainNVT")
     parser.add_argument("--timestep", type=float, required=True, help="fs")
-    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True, help="MD steps per structure")
     parser.add_argument("--temperature", type=float, default=300.0, help="K: initial velocities (when the data has "
                         "none) and the thermostat's")
     parser.add_argument("--friction", type=float, default=0.01, help="Langevin friction, 1/fs")
@@ -638,8 +642,9 @@ def command_line() -> argparse.ArgumentParser:
     parser.add_argument("--pressure", type=float, default=1.0, help="npt: bar")
     parser.add_argument("--taut", type=float, default=100.0, help="npt: Berendsen temperature time constant, fs")
     parser.add_argument("--taup", type=float, default=1000.0, help="npt: Berendsen pressure time constant, fs")
-    parser.add_argument("--compressibility", type=float, default=4.57e-5, help="npt: 1/bar (water's by default)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compressibility", type=float, default=4.57e-5, help="npt: 1/bar (water's)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the initial velocities (when the data "
+                        "has none) and Langevin's noise; structure k uses [seed, k]")
     parser.add_argument("--write_every", type=int, default=10, help="steps between frames (and saved states)")
     parser.add_argument("--batch_size", type=int, default=32, help="structures run together")
     parser.add_argument("--uncertain_above", type=float, default=None, help="orb-v3: frames whose predicted force "
@@ -647,18 +652,22 @@ def command_line() -> argparse.ArgumentParser:
     parser.add_argument("--stop_uncertain", action="store_true", help="stop a structure at its first such frame")
     parser.add_argument("--resume", action="store_true", help="continue a killed or stopped run in OUTPUT")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier run in OUTPUT")
-    parser.add_argument("--model", default=None, help="model name, when the checkpoint cannot tell")
+    parser.add_argument("--model", default=None, help="model name, when the checkpoint cannot tell "
+                        "(default: the checkpoint's)")
     parser.add_argument("--dispersion", default="", help="add DFT-D3: d3bj or d3zero (pip install .[d3])")
-    parser.add_argument("--xc", default="pbe")
-    parser.add_argument("--precision", default="float32-high", choices=PRECISIONS)
+    parser.add_argument("--xc", default="pbe", help="the functional of the training data, for --dispersion")
+    parser.add_argument("--precision", default="float32-high", choices=PRECISIONS,
+                        help="what the model computes in (orb.precision)")
     add_device_argument(parser)
-    parser.add_argument("--ops_profile", default="auto", choices=PROFILES)
-    parser.add_argument("--progress_bar", choices=("auto", "true", "false"), default="auto")
+    parser.add_argument("--ops_profile", default="auto", choices=PROFILES,
+                        help="operators the model is built with (ORB_OPS_PROFILE overrides; see docs/ascend.md)")
+    parser.add_argument("--progress_bar", choices=("auto", "true", "false"), default="auto",
+                        help="auto: when the output is a terminal")
     return parser
 
 
 def parse_arguments(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    args = command_line().parse_args(argv)
+    args = build_parser().parse_args(argv)
     args.data = args.data[0] if len(args.data) == 1 else args.data
     return args
 

@@ -323,11 +323,26 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def parse_and_relax(argv: Optional[List[str]]) -> int:
+    args = build_parser().parse_args(argv)
+    args.data = args.data[0] if len(args.data) == 1 else args.data
+    summary = relax(args)
+    print(f"relaxed {summary['relaxed_now']} structures in {summary['seconds']:.1f} s "
+          f"({summary['structures_per_second']:.2f}/s, {summary['model_calls']} model calls); {args.output} holds "
+          f"{summary['structures']}: {summary['converged']} converged, {len(summary['not_converged_rows'])} not "
+          f"within {args.steps} steps" + (f"; {len(summary['failed_rows'])} stopped by an error (see above; not "
+                                           "written)" if summary["failed_rows"] else ""))
+    return 1 if summary["failed_rows"] else 0
+
+
+def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    """orb-relax's options."""
+    from orb.commands import HelpFormatter
     from orb.device import add_device_argument
     from orb.models.ops_profile import PROFILES
     from orb.precision import PRECISIONS
 
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=__doc__.split("\n\n")[0],
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="PyTorch or MindSpore orb checkpoint")
     parser.add_argument("--data", required=True, nargs="+", help="structures to relax: ASE SQLite, extxyz or any "
                         "ase.io file, .aselmdb, a folder, or several of these")
@@ -339,26 +354,21 @@ def parse_and_relax(argv: Optional[List[str]]) -> int:
     parser.add_argument("--batch_size", type=int, default=32, help="structures relaxing together")
     parser.add_argument("--resume", action="store_true", help="continue an existing output (skip its rows)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    parser.add_argument("--model", default=None, help="model name, when the checkpoint cannot tell")
+    parser.add_argument("--model", default=None, help="model name, when the checkpoint cannot tell "
+                        "(default: the checkpoint's)")
     parser.add_argument("--dispersion", default="", help="add DFT-D3 dispersion: d3bj or d3zero (pip install .[d3])")
     parser.add_argument("--xc", default="pbe", help="the functional of the training data, for --dispersion")
     add_device_argument(parser)
-    parser.add_argument("--ops_profile", default="auto", choices=PROFILES)
+    parser.add_argument("--ops_profile", default="auto", choices=PROFILES,
+                        help="operators the model is built with (ORB_OPS_PROFILE overrides; see docs/ascend.md)")
     parser.add_argument("--precision", default="float32-high", choices=PRECISIONS,
                         help="what the model computes in (orb.precision; float64 for tight relaxations, CPU)")
     parser.add_argument("--uncertain_above", type=float, default=None,
                         help="orb-v3: relaxed structures whose predicted force error (the confidence head's, largest "
                         "over the atoms) passes this many eV/Å also go to OUTPUT.uncertain.extxyz")
-    parser.add_argument("--progress_bar", choices=("auto", "true", "false"), default="auto")
-    args = parser.parse_args(argv)
-    args.data = args.data[0] if len(args.data) == 1 else args.data
-    summary = relax(args)
-    print(f"relaxed {summary['relaxed_now']} structures in {summary['seconds']:.1f} s "
-          f"({summary['structures_per_second']:.2f}/s, {summary['model_calls']} model calls); {args.output} holds "
-          f"{summary['structures']}: {summary['converged']} converged, {len(summary['not_converged_rows'])} not "
-          f"within {args.steps} steps" + (f"; {len(summary['failed_rows'])} stopped by an error (see above; not "
-                                           "written)" if summary["failed_rows"] else ""))
-    return 1 if summary["failed_rows"] else 0
+    parser.add_argument("--progress_bar", choices=("auto", "true", "false"), default="auto",
+                        help="auto: when the output is a terminal")
+    return parser
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ checkpoints is dropped.
 import argparse
 import os
 import sys
+from typing import Optional
 
 
 # the metadata a MindSpore target keeps from its source: which epoch, its loss, EMA weights or not, the run's config
@@ -30,16 +31,22 @@ def main(argv=None) -> int:
 
 
 def parse_and_convert(argv) -> int:
-    parser = argparse.ArgumentParser(allow_abbrev=False,
-                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    args = build_parser().parse_args(argv)
+    return convert(args.source, args.target, args.to, args.model)
+
+
+def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    """orb-convert's options."""
+    from orb.commands import HelpFormatter
+
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("source", help="PyTorch .ckpt (zip) or MindSpore checkpoint")
     parser.add_argument("target", help="output file")
     parser.add_argument("--to", choices=("mindspore", "torch"), default=None,
                         help="output format (default: the other one of the source's)")
     parser.add_argument("--model", default=None, help="model name, when the checkpoint cannot tell (a published "
-                        "orb-v3 file: orb_v3_conservative_20_omat or ..._inf_omat)")
-    args = parser.parse_args(argv)
-    return convert(args.source, args.target, args.to, args.model)
+                        "orb-v3 file: orb_v3_conservative_20_omat or ..._inf_omat) (default: the checkpoint's)")
+    return parser
 
 
 def convert(source: str, target: str, to=None, name=None) -> int:

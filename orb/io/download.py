@@ -11,13 +11,15 @@ Each file is verified and its MindSpore copy made, so a job that names the weigh
 
 import argparse
 import sys
+from typing import Optional
 
 
-def command_line() -> argparse.ArgumentParser:
+def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    """orb-download's options."""
+    from orb.commands import HelpFormatter
     from orb.pretrained import PUBLISHED
 
-    parser = argparse.ArgumentParser(prog="orb-download", allow_abbrev=False, description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("names", nargs="*", metavar="NAME",
                         help=f"published weights to fetch (default: none): {', '.join(PUBLISHED)}")
     parser.add_argument("--all", action="store_true", help="fetch every published name (default: off)")
@@ -31,7 +33,7 @@ def command_line() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     from orb.signals import run_command
 
-    return run_command(lambda: download(command_line().parse_args(argv)))
+    return run_command(lambda: download(build_parser().parse_args(argv)))
 
 
 def download(args) -> int:

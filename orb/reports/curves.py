@@ -12,7 +12,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from orb.errors import OrbInputError
 from orb.io.files import write_atomically
@@ -114,15 +114,21 @@ def check_output(output: str) -> None:
                             f"{', '.join('.' + k for k in sorted(known))}")
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(allow_abbrev=False,
-                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    """orb-plot's options."""
+    from orb.commands import HelpFormatter
+
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("metrics", nargs="+", help="metrics.jsonl file(s) written by finetune.py")
     parser.add_argument("-o", "--output", default="", help="PNG file (default: curves.png beside the first file)")
     parser.add_argument("--labels", nargs="*", default=None, help="one label per file (default: its folder name)")
     parser.add_argument("--table", action="store_true", help="also print a markdown table of validation metrics "
                         "(start, worst epoch, end)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     labels = args.labels or [os.path.basename(os.path.dirname(os.path.abspath(m))) for m in args.metrics]
     if len(labels) != len(args.metrics):
         print(f"error: {len(args.metrics)} metrics files but {len(labels)} labels", file=sys.stderr)

@@ -4,43 +4,93 @@ so that a mistake in the input ends in one clear line (on the console and in tra
 import argparse
 import logging
 import sys
+import textwrap
 from typing import Callable, List, Optional, Tuple
 
+from orb.bundled import printable_template, templates_line
 from orb.errors import ConfigError, OrbInputError, RunError
-from orb.training.config import TrainConfig, load_config
+from orb.training.config import TrainConfig, check_training_data, load_config
 from orb.training.outputs import discard_unstarted
 from orb.signals import Stopped, ignore_stop_signals, listen
 from orb.training.checkpointing import checkpoint_to_resume
 
-USAGE = """%(prog)s [--config PATH] [--resume DIR_OR_FILE|auto] [--overwrite] [--accept_config_changes] [--key value ...]
+USAGE = """%(prog)s --config FILE_OR_TEMPLATE [--resume DIR_OR_FILE|auto] [--overwrite] [--accept_config_changes]
+       [--key value ...]
+       %(prog)s --print-config TEMPLATE > my.yaml"""
+DESCRIPTION = """Fine-tune an orb model on your DFT data: extxyz or any file ase.io reads, ASE SQLite or .aselmdb
+databases, folders of these, or a list of them.
 
-Any config key can be overridden, nested keys with dots:
+--config names your YAML file, or a packaged template by name; --print-config TEMPLATE writes one to edit.
+{templates}
+Relative paths in a config are relative to the folder you run from, except that in a packaged template a
+relative path to the bundled demo data (data/...) is that bundled file. After the options, any config key can be
+given as --key value (nested keys with dots), on top of the file:
   --max_epochs 3 --device_target CPU --model.num_message_passing_steps 2 --loss_weights.stress 0"""
 
 
-def parse_command_line(argv: Optional[List[str]], default_config: str) -> Tuple[argparse.Namespace, List[str]]:
-    parser = argparse.ArgumentParser(allow_abbrev=False, usage=USAGE, description="Fine-tune orb on an ASE database.")
-    parser.add_argument("--config", default=default_config, help=f"YAML config (default: {default_config})")
-    parser.add_argument("--resume", default="", help="training checkpoint, or an output_dir, to continue from; "
-                        "'auto': output_dir's last.ckpt if it has one, else a fresh start (for requeued jobs)")
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The options of a fine-tuning run, on one device or data-parallel (the launcher passes them to its workers)."""
+    parser.add_argument("--resume", default="", metavar="DIR_OR_FILE", help="a training checkpoint, or an "
+                        "output_dir, to continue from; 'auto': output_dir's last.ckpt if it has one, else a fresh "
+                        "start (for requeued jobs) (default: a fresh start)")
     parser.add_argument("--overwrite", action="store_true",
                         help="start a fresh run in an output_dir that holds an earlier run (deletes its files)")
     parser.add_argument("--accept_config_changes", action="store_true",
                         help="resume although settings that fix the schedule or data order changed")
-    return parser.parse_known_args(argv)
 
 
-def run(argv: Optional[List[str]], default_config: str, fine_tune: Callable[[TrainConfig, argparse.Namespace], None],
+def finetune_parser(prog: Optional[str] = None, default_config: Optional[str] = None) -> argparse.ArgumentParser:
+    """orb-finetune's (finetune.py's) options; the ``--key value`` config overrides are what it leaves unparsed."""
+    from orb.bundled import template_names
+    from orb.commands import HelpFormatter
+
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, usage=USAGE, formatter_class=HelpFormatter,
+                                     description=DESCRIPTION.format(templates=textwrap.fill(
+                                         "Packaged templates: " + ", ".join(template_names()), 116,
+                                         initial_indent="  ", subsequent_indent="    ")))
+    parser.add_argument("--config", default=default_config, metavar="FILE_OR_TEMPLATE",
+                        help="YAML config file, or a packaged template's name" +
+                        ("" if default_config else " (required)"))
+    parser.add_argument("--print-config", "--print_config", dest="print_config", default=None, metavar="TEMPLATE",
+                        help="write the packaged template TEMPLATE to the output, its bundled paths absolute, and "
+                        "exit (default: none)")
+    add_run_options(parser)
+    return parser
+
+
+def parse_command_line(argv: Optional[List[str]], default_config: Optional[str]
+                       ) -> Tuple[argparse.Namespace, List[str]]:
+    return finetune_parser(default_config=default_config).parse_known_args(argv)
+
+
+def print_template(name: str, overrides: List[str]) -> int:
+    """--print-config: the packaged template ``name`` to standard output; a mistake is one line and status 2."""
+    try:
+        if overrides:
+            raise ConfigError(f"--print-config writes a template as it is; edit the file it writes instead of "
+                              f"giving {overrides[0]}")
+        sys.stdout.write(printable_template(name))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def run(argv: Optional[List[str]], default_config: Optional[str],
+        fine_tune: Callable[[TrainConfig, argparse.Namespace], None],
         is_main: Callable[[], bool] = lambda: True) -> int:
     """Parse arguments, load the config and call ``fine_tune``; bad input -> ``error: ...`` and exit status 2."""
     args, overrides = parse_command_line(argv, default_config)
+    if args.print_config is not None:
+        return print_template(args.print_config, overrides)
     log = logging.getLogger("orb")
     listen()  # a stop signal during start-up exits 75 at once; the training loop saves first
     cfg = None
     try:
-        if not args.config.strip():
-            raise ConfigError("--config is empty: name a YAML config file (configs/config.yaml documents every key)")
+        if args.config is None:
+            raise ConfigError(f"no --config: name your YAML config file or a packaged template ({templates_line()})")
         cfg = load_config(args.config, overrides)
+        check_training_data(cfg)
         if args.resume == "auto":
             args.resume = checkpoint_to_resume(cfg.output_dir, args.resume, args.overwrite)
             args.overwrite = args.overwrite or not args.resume  # no checkpoint there: records of unsaved steps

@@ -1,18 +1,17 @@
 """Fine-tuning configuration: YAML file + ``--key value`` overrides, every key validated.
 
 An unknown key, a missing value or a value of the wrong type is a :class:`ConfigError` that names
-the key (with a suggestion for typos). ``configs/config.yaml`` documents every key.
+the key (with a suggestion for typos). The templates ``configs/finetune_orb_v3.yaml`` and ``finetune_orb_v2.yaml``
+document every key (written by ``scripts/make_templates.py``; tests/test_templates.py keeps them in step).
+Reading the YAML (files, packaged templates by name, ``--key value``) is :mod:`orb.training.config_files`.
 """
 
 import difflib
 import logging
 import math
-import re
 import typing
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Dict, List, Optional, Sequence, Union
-
-import yaml
 
 from orb.data.buckets import MAX_BUCKETS
 from orb.data.mixture import replay_per_step
@@ -21,60 +20,11 @@ from orb.errors import ConfigError
 from orb.models.config import MODEL_NAMES, ModelConfig
 from orb.models.ops_profile import PROFILES
 from orb.precision import PRECISIONS
+from orb.training.config_files import TypedNumber, merged_settings, parse_overrides, read_yaml  # noqa: F401
 from orb.training.schedule import SCHEDULES
 
 ALGORITHMS = ("adam", "sgd")  # orb.training.optimizer.FlatAdam
 MATMUL_PRECISIONS = ("highest", "high")  # the deprecated matmul_precision key
-
-
-class ConfigLoader(yaml.SafeLoader):
-    """YAML as a config means it: a key given twice, or a key that is not a name, is refused (PyYAML keeps the last
-    silently), and only plain forms become numbers, booleans and nulls. PyYAML's YAML 1.1 turned ``0123`` into 83
-    (octal), ``12:30`` into 750 (base 60), ``2024-01-01`` into a date and ``yes``/``on`` into true, so an
-    ``output_dir`` of ``0123`` trained into ``83/``; such text now stays text."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *defaults': PyYAML merges it below
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            where = f"line {key_node.start_mark.line + 1}"
-            if not isinstance(key, str):
-                raise ConfigError(f"{where}: config key {key!r} is not a name")
-            if key in seen:
-                raise ConfigError(f"{where}: config key '{key}' is given twice")
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-ConfigLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers
-            if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:bool",
-                           "tag:yaml.org,2002:timestamp")]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-ConfigLoader.add_implicit_resolver(  # decimal notation only (1:30.5 was 90.5, 1_000.5 was 1000.5); 1e-3 is a number
-    "tag:yaml.org,2002:float",
-    re.compile(r"^(?:[-+]?(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[-+]?[0-9]+[eE][-+]?[0-9]+"
-               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
-    list("-+0123456789."))
-ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?(?:0|[1-9][0-9]*)$"),
-                                   list("-+0123456789"))
-ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
-                                   list("tTfF"))
-
-
-def read_yaml(text: str, source: str) -> Any:
-    """``text`` parsed by :class:`ConfigLoader`; a syntax error is one line naming ``source`` and the line."""
-    try:
-        return yaml.load(text, Loader=ConfigLoader)
-    except ConfigError as exc:
-        raise ConfigError(f"{source}, {exc}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f", line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{source} is not valid YAML{where}: {problem}") from None
 
 
 @dataclass
@@ -138,8 +88,8 @@ class ReplayConfig:
 
 @dataclass
 class TrainConfig:
-    train_data_path: DataPath = "data/demo_train.db"  # ASE SQLite, extxyz or any ase.io file, .aselmdb, a folder,
-    val_data_path: DataPath = "data/demo_val.db"  # or a list of these
+    train_data_path: DataPath = ""  # ASE SQLite, extxyz or any ase.io file, .aselmdb, a folder, or a list of these;
+    val_data_path: DataPath = ""  # none by default: a run names its own data (check_training_data)
     val_fraction: float = 0.0  # without val_data_path: this share of the training structures held out, seeded
     checkpoint_path: str = ""
     output_dir: str = "outputs/run"
@@ -184,6 +134,7 @@ class TrainConfig:
     num_threads: int = 0
     deterministic: bool = False  # bit-reproducible runs: one CPU kernel thread; MindSpore's deterministic computing
     data_workers: int = 2
+    compile_cache: bool = True  # compiled graphs kept in the cache and loaded by later starts (orb.graph_cache)
     ops_profile: str = "auto"
     precision: str = "float32-high"  # orb.precision: float32-high | float32-highest | bf16-mixed | fp16-mixed | float64
     initial_loss_scale: float = 65536.0  # fp16-mixed: the dynamic loss scale's start (PyTorch GradScaler's init_scale)
@@ -398,8 +349,6 @@ def _validate(cfg: TrainConfig) -> TrainConfig:
     for i, bucket in enumerate(cfg.buckets):
         if len(bucket) != 2 or min(bucket) < 2:
             raise ConfigError(f"config key 'buckets[{i}]' must be [num_nodes, num_edges] with sizes >= 2, got {bucket}")
-    if not cfg.train_data_path:
-        raise ConfigError("config key 'train_data_path' is empty")
     if not cfg.output_dir.strip():  # it would write the run into the working directory
         raise ConfigError("config key 'output_dir' is empty")
     if cfg.lr > 1:
@@ -434,10 +383,6 @@ def _validate(cfg: TrainConfig) -> TrainConfig:
     if not 0 <= cfg.val_fraction < 1:
         raise ConfigError(f"config key 'val_fraction' must be in [0, 1) (the share of the training structures held "
                           f"out for validation; 0 = off), got {cfg.val_fraction}")
-    if cfg.val_fraction and cfg.val_data_path:
-        raise ConfigError(f"config keys 'val_fraction' ({cfg.val_fraction}) and 'val_data_path' "
-                          f"({cfg.val_data_path}) are both set: validate on a held-out share of the training data "
-                          "(val_data_path: \"\") or on the file (val_fraction: 0)")
     if cfg.patience and not cfg.val_data_path and not cfg.val_fraction:
         raise ConfigError("config key 'patience' stops on the validation loss and needs val_data_path or val_fraction")
     if cfg.reference_energies.fit == "residual" and not cfg.checkpoint_path:
@@ -514,7 +459,6 @@ def _validate_replay(cfg: TrainConfig) -> None:
                               f"({cfg.batch_size}) leave no target structure in a step")
 
 
-
 MAPPINGS = ("lr_multipliers",)  # keys whose value is a mapping, not a block of settings
 
 
@@ -529,82 +473,17 @@ def flatten(d: Dict, prefix: str = "") -> Dict[str, Any]:
     return out
 
 
-def _set_dotted(tree: Dict, key: str, value: Any) -> None:
-    parts = key.split(".")
-    node = tree
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"config key '{key}': '{part}' is not a block of settings")
-        node = child
-    node[parts[-1]] = value
-
-
-class TypedNumber(float):
-    """A number given on the command line, with the text it was typed as (a key that takes text takes that)."""
-
-    def __new__(cls, value: float, text: str):
-        number = super().__new__(cls, value)
-        number.text = text
-        return number
-
-
-def parse_overrides(args: Sequence[str]) -> Dict[str, Any]:
-    """``['--max_epochs', '3', '--model.latent_dim', '64']`` -> nested dict (values parsed as YAML)."""
-    tree: Dict[str, Any] = {}
-    i = 0
-    args = list(args)
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--") or len(arg) <= 2:
-            raise ConfigError(f"expected '--key value', got '{arg}'")
-        key = arg[2:]
-        if "=" in key:
-            key, raw = key.split("=", 1)
-            i += 1
-        else:
-            if i + 1 >= len(args):
-                raise ConfigError(f"override '--{key}' has no value")
-            raw = args[i + 1]
-            i += 2
-        try:
-            value = read_yaml(raw, f"--{key}") if raw != "" else ""
-        except ConfigError:
-            value = raw
-        if isinstance(value, float):  # a number, or text for a key that takes text (--output_dir 2.0)
-            value = TypedNumber(value, raw)
-        _set_dotted(tree, key, value)
-    return tree
-
-
-def _merge(base: Dict, update: Dict) -> Dict:
-    out = dict(base)
-    for k, v in update.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
 def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> TrainConfig:
-    """Read a YAML config (or the defaults), apply ``--key value`` overrides and validate."""
-    values: Dict[str, Any] = {}
-    if path:
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start})") from None
-        values = read_yaml(text, f"config file {path}")
-        if values is None:
-            raise ConfigError(f"config file {path} is empty (it must hold a mapping of settings)")
-        if not isinstance(values, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of settings, got {str(values)[:40]!r}")
-    given = parse_overrides(overrides)
-    if "matmul_precision" in given and "precision" not in given:  # the old key typed now overrides the file's new one
-        values.pop("precision", None)
-    values = _merge(values, given)
-    return _validate(_build(TrainConfig, values))
+    """Read a YAML config (a file, or a packaged template by name; none: the defaults), apply ``--key value``
+    overrides and validate."""
+    return _validate(_build(TrainConfig, merged_settings(path, overrides)))
+
+
+def check_training_data(cfg: TrainConfig) -> None:
+    """A run trains on data it names; a config read for its model alone (the calculator, a test) needs none."""
+    if not cfg.train_data_path:
+        raise ConfigError("config key 'train_data_path' is not set: name your training data (extxyz or any ase.io "
+                          "file, an ASE database, .aselmdb, a folder, or a list of these)")
 
 
 def config_from_dict(values: Dict[str, Any]) -> TrainConfig:

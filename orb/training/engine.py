@@ -118,7 +118,7 @@ HOST_ONLY = ("train_data_path", "val_data_path", "checkpoint_path", "output_dir"
              "save_every_n_steps", "save_every_minutes", "keep_checkpoints", "log_every_n_steps", "progress_bar",
              "record_batches", "callbacks", "data_workers", "patience", "max_nonfinite_steps", "num_threads",
              "replay.data_path", "replay.val_data_path", "reference_energies.file", "energy_key", "forces_key",
-             "stress_key", "charge_key", "spin_key")
+             "stress_key", "charge_key", "spin_key", "val_fraction", "compile_cache")
 
 
 def graph_settings(cfg: TrainConfig, dp: DataParallel) -> Optional[tuple]:

@@ -3,8 +3,10 @@
     run_parallel.sh [CONFIG] [--key value ...]          (from a checkout)
     orb-finetune-parallel [CONFIG] [--key value ...]    (installed)
 
-CONFIG defaults to configs/config_parallel.yaml; paths are relative to the directory you run
-from. The launch is set by environment variables:
+CONFIG is found as orb-finetune's --config (a YAML file, else a packaged template by name; --config CONFIG works
+too) and defaults to configs/config_parallel.yaml. Paths in it are relative to the folder you run from (a packaged
+template's bundled demo data excepted). The options and --key value overrides are passed to every worker. The
+launch is set by environment variables:
 
   WORKER_NUM        total workers over all nodes   (default: this node's devices: Ascend NPUs, GPUs,
                                                     or on CPU the number of cores, at most 8)
@@ -15,7 +17,8 @@ from. The launch is set by environment variables:
   LOG_DIR           worker logs                     (default: msrun_logs/<date-time>)
   CLUSTER_TIME_OUT  seconds to wait for all workers (default: 600)
 
-On CPU each worker gets OMP_NUM_THREADS = cores / LOCAL_WORKER_NUM unless it is set. The console
+msrun assigns each worker its device: the config's device_id is not used. On CPU each worker gets
+OMP_NUM_THREADS = cores / LOCAL_WORKER_NUM unless it is set. The console
 shows this node's first worker; every worker's log is in LOG_DIR. The exit status is 0 when every worker
 finished, 2 when a worker refused its input (as finetune.py), 1 for a fault, 75 after a stop (below); on failure
 the failed rank and its last error are printed.
@@ -37,8 +40,10 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from orb.bundled import find_config
+from orb.errors import ConfigError
 from orb.io.files import free_port
 from orb.signals import RESUME_HINT, STOP_SIGNALS, STOPPED_STATUS
 
@@ -289,16 +294,55 @@ def report_failures(log_dir: str, before: Optional[Dict[str, tuple]] = None) -> 
             print(f"  {line}", file=sys.stderr)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def build_parser(prog: Optional[str] = None):
+    """The launcher's command line, for --help and the command reference (main splits it itself: every option but
+    CONFIG goes to the workers, which parse it as orb-finetune does)."""
+    import argparse
+
+    from orb.commands import HelpFormatter
+    from orb.training.cli import add_run_options
+
+    doc = __doc__.split("\n\n", 2)
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, formatter_class=HelpFormatter,
+                                     usage="%(prog)s [CONFIG] [--resume DIR_OR_FILE|auto] [--overwrite] "
+                                           "[--accept_config_changes] [--key value ...]",
+                                     description=doc[0], epilog=doc[2])
+    parser.add_argument("config", nargs="?", default=DEFAULT_CONFIG, metavar="CONFIG",
+                        help="YAML config file, or a packaged template's name")
+    add_run_options(parser)
+    return parser
+
+
+def split_config(args: List[str]) -> Tuple[str, List[str]]:
+    """(CONFIG, the workers' other arguments): CONFIG is the first argument when it is no option, or --config's
+    value (as orb-finetune takes it), else DEFAULT_CONFIG."""
+    rest = list(args)
+    found = [rest.pop(0)] if rest and not rest[0].startswith("-") else []
+    i = 0
+    while i < len(rest):
+        if rest[i] == "--config" and i + 1 < len(rest):
+            found.append(rest[i + 1])
+            del rest[i:i + 2]
+        elif rest[i].startswith("--config="):
+            found.append(rest.pop(i)[len("--config="):])
+        else:
+            i += 1
+    if len(found) > 1:
+        raise ConfigError(f"the config is given twice ({found[0]}, {found[1]}): name one")
+    return (found[0] if found else DEFAULT_CONFIG), rest
+
+
+def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
+    """Check the launch (config, msrun, the environment's settings), start msrun and follow it to the end."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] in ("-h", "--help"):
-        print(f"usage: {os.path.basename(sys.argv[0])} [CONFIG] [--key value ...]\n\n{__doc__}")
+    if any(arg in ("-h", "--help") for arg in args):
+        build_parser(prog).print_help()
         return 0
-    config = DEFAULT_CONFIG
-    if args and not args[0].startswith("--"):
-        config = args.pop(0)
-    if not os.path.isfile(config):
-        print(f"error: config file {config} not found (paths are relative to {os.getcwd()})", file=sys.stderr)
+    try:
+        config, args = split_config(args)
+        config = find_config(config)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     msrun = find_msrun()
     if msrun is None:

@@ -24,7 +24,7 @@ from orb.training import replay as replay_choice
 from orb.training import state as training_state
 from orb.training import val_split
 from orb.training.checkpointing import Checkpointer, Progress, resolve, this_ranks_interval_sums
-from orb.training.config import LossWeights, TrainConfig
+from orb.training.config import LossWeights, TrainConfig, check_training_data
 from orb.training.distributed import DataParallel
 from orb.training.engine import Compiled, Engine, ModelPass, graph_settings, trainable_parameters
 from orb.training.guards import Guards
@@ -136,6 +136,7 @@ def read_resume(path: str, checkpointer: Checkpointer, cfg: TrainConfig, identit
     weights, optimizer_state, meta = checkpointer.read(path)
     paths = (cfg.train_data_path, cfg.val_data_path, cfg.replay.data_path, cfg.replay.val_data_path)
     unused = () if label_keys_apply(paths) else ("energy_key", "forces_key", "stress_key")  # (said at start-up)
+    unused += ("val_fraction",) if cfg.val_data_path else ()  # (a validation file is validated instead)
     changes = training_state.check_resume(meta, cfg.to_dict(), identity["train_rows"], path, accept,
                                           identity["train_fingerprint"], identity["starting_weights"], unused,
                                           identity.get("val_split", ""))
@@ -164,6 +165,7 @@ def build_trainer(cfg: TrainConfig, data_parallel: Optional[DataParallel] = None
     from orb.models.ops_profile import set_ops_profile
     from orb.precision import check_device, describe as describe_precision, set_precision
 
+    check_training_data(cfg)
     dp = data_parallel or DataParallel()
     if cfg.optimizer_shard and dp.world_size < 2:
         raise ConfigError("config key 'optimizer_shard': sharding the optimizer state needs a data-parallel run with "
@@ -351,6 +353,9 @@ def settings_that_do_nothing(cfg: TrainConfig, train_rows: int) -> List[str]:
     if shared:
         notes.append(f"validation data {', '.join(shared)} is also training data: its metrics do not measure "
                      "generalisation")
+    if cfg.val_data_path and cfg.val_fraction:
+        notes.append(f"val_fraction {cfg.val_fraction:g} is not used: val_data_path is validated (a template's split "
+                     "applies only when no validation data is given)")
     if len({os.path.abspath(p) for p in train}) < len(train):
         notes.append("train_data_path lists a file twice: its structures count twice per epoch")
     return notes

@@ -129,8 +129,9 @@ def check_resume(meta: Dict, current_config: Dict, train_rows: int, path: str, a
     starting weights (``checkpoint_path``, any reference table, replay heads, initial adapters) are compared by
     their digest: the anchor pulls toward them, pseudo-labels and the reference fit come from them. ``unused``:
     settings that read nothing in this run (label keys when all its data are ASE databases), not compared.
-    ``val_split``: the digest of the training structures held out for validation (``val_fraction``), compared when
-    the checkpoint recorded one: a split drawn again (its record lost) must be the run's.
+    ``val_split``: the digest of the training structures held out for validation (``val_fraction``; "" for none),
+    compared with the checkpoint's: a split drawn again (its record lost) must be the run's, and a run that held
+    structures out does not train on them after a resume that validates a file instead.
     """
     fmt = meta.get("format")
     if fmt != CHECKPOINT_FORMAT and fmt not in OLDER_FORMATS:
@@ -147,7 +148,7 @@ def check_resume(meta: Dict, current_config: Dict, train_rows: int, path: str, a
     if meta.get("starting_weights") and starting_weights and meta["starting_weights"] != starting_weights:
         changes.append("checkpoint_path: its weights (with any reference_energies table or file) differ from those "
                        "the run started from")
-    if meta.get("val_split") and val_split and meta["val_split"] != val_split:
+    if (meta.get("val_split") or "") != (val_split or ""):  # (a split now and none before, or the reverse, too)
         changes.append("val_fraction: the training structures held out for validation differ from the checkpoint's "
                        "run's")
     if changes and not accept_changes:

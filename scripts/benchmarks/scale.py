@@ -27,7 +27,8 @@ def bench_scale(args) -> None:
             env["ORB_CACHE_DIR"] = args.cache_dir
         results = []
         for start in ("first", "second"):
-            argv = ["--config", "configs/config.yaml", "--train_data_path", train, "--val_data_path", val,
+            argv = ["--config", "finetune_orb_v2", "--max_epochs", "20",  # (the old configs/config.yaml's epochs)
+                    "--train_data_path", train, "--val_data_path", val,
                     "--model.name", args.model, "--checkpoint_path", "", "--batch_size", str(args.batch_size),
                     "--data_workers", str(args.workers), "--output_dir", os.path.join(tmp, f"run_{start}"),
                     "--progress_bar", "false"]

@@ -1,0 +1,61 @@
+"""Every command's argument parser in one table, and the help format they share.
+
+:data:`COMMANDS` maps each installed program to the function building its parser (``module:function``, imported
+only when asked: building a parser runs nothing and imports no MindSpore), so ``--help``, a generated command
+reference and a test of it read the same parsers. :data:`SCRIPTS` names the checkout's scripts that run them.
+"""
+
+import argparse
+import importlib
+import os
+from typing import Dict, Optional
+
+COMMANDS: Dict[str, str] = {
+    "orb-finetune": "orb.training.cli:finetune_parser",
+    "orb-finetune-parallel": "orb.training.launch:build_parser",
+    "orb-evaluate": "orb.inference.evaluate:build_parser",
+    "orb-relax": "orb.inference.relax:build_parser",
+    "orb-md": "orb.inference.md:build_parser",
+    "orb-export": "orb.inference.export:build_parser",
+    "orb-convert": "orb.io.convert:build_parser",
+    "orb-download": "orb.io.download:build_parser",
+    "orb-plot": "orb.reports.curves:build_parser",
+    "orb-smoke-test": "orb.smoke_test:build_parser",
+}
+# the same programs run from a checkout (paths from its top)
+SCRIPTS: Dict[str, str] = {
+    "finetune.py": "orb-finetune",
+    "run_parallel.sh": "orb-finetune-parallel",
+    "scripts/evaluate.py": "orb-evaluate",
+    "scripts/relax.py": "orb-relax",
+    "scripts/md.py": "orb-md",
+    "scripts/export.py": "orb-export",
+    "scripts/convert_checkpoint.py": "orb-convert",
+    "scripts/download.py": "orb-download",
+    "scripts/plot_metrics.py": "orb-plot",
+    "scripts/smoke_test.py": "orb-smoke-test",
+}
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default, ``(default: X)`` (none for an empty one), or ``(required)``; a
+    help that says its default itself is kept as written. Descriptions keep their line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or "(required" in text or action.default is argparse.SUPPRESS:
+            return text
+        if action.required and action.nargs != "*":  # (argparse marks a '*' positional required; it may be empty)
+            return f"{text} (required)"
+        if not action.option_strings and action.nargs not in ("?", "*"):
+            return text  # a positional argument that must be given
+        if action.default is None or action.default == "" or action.default == []:
+            return f"{text} (default: none)"
+        return f"{text} (default: %(default)s)"
+
+
+def parser(program: str, prog: Optional[str] = None) -> argparse.ArgumentParser:
+    """The parser of ``program`` (a name in COMMANDS or SCRIPTS), showing ``prog`` (default: the program's name)."""
+    command = SCRIPTS.get(program, program)
+    module, function = COMMANDS[command].split(":")
+    return getattr(importlib.import_module(module), function)(prog=prog or os.path.basename(program))

@@ -1,0 +1,12 @@
+"""Fetch orb-models' published weights into the cache (see orb/io/download.py); installed as the console command
+orb-download too."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from orb.io.download import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
