@@ -45,7 +45,8 @@ from benchmarks.save import bench_save
 from benchmarks.scale import bench_scale
 
 
-def main() -> None:
+def build_parser():
+    """This script's command line (the docs test parses its documented commands with it)."""
     parser = argparse.ArgumentParser(allow_abbrev=False,
                                      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="area", required=True)
@@ -129,7 +130,11 @@ def main() -> None:
                    "NVE drift on the same structures")
     p = sub.add_parser("gemm")
     p.add_argument("--repeats", type=int, default=9, help="alternated timings of each product")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     {"graphs": bench_graphs, "model": bench_model, "parallel": bench_parallel, "calculator": bench_calculator,
      "allreduce": bench_allreduce, "pipeline": bench_pipeline, "gemm": bench_gemm,
      "breakdown": bench_breakdown, "counts": bench_counts, "rows": bench_rows,

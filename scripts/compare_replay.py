@@ -171,7 +171,8 @@ def compare_reference_fit(args) -> None:
     assert np.isfinite(own["energy_mae"])
 
 
-def main() -> None:
+def build_parser():
+    """This script's command line (the docs test parses its documented commands with it)."""
     from orb.commands import HelpFormatter
 
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=HelpFormatter)
@@ -179,7 +180,11 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join("outputs", "compare_replay"), help="folder of the runs")
     parser.add_argument("--seed", type=int, default=31, help="seed of the narrow target")
     parser.add_argument("--epochs", type=int, default=20, help="epochs of each run")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     os.makedirs(args.out, exist_ok=True)
     {"replay": compare_replay, "reference_fit": compare_reference_fit}[args.what](args)
 

@@ -179,7 +179,8 @@ def write_report(results: Dict, out: str, title: str) -> None:
     fig.savefig(os.path.join(out, "strategies.png"), dpi=120)
 
 
-def main(argv=None) -> int:
+def build_parser():
+    """This script's command line (the docs test parses its documented commands with it)."""
     from orb.commands import HelpFormatter
 
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0],
@@ -190,7 +191,11 @@ def main(argv=None) -> int:
     parser.add_argument("--epochs", type=int, default=20, help="epochs of each run")
     parser.add_argument("--out", default="", help="folder of the runs (default: runs/strategies_<demo>_<target>)")
     parser.add_argument("--only", default="", help="comma-separated strategy names (default: all)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     out = args.out or os.path.join(ROOT, "runs", f"strategies_{args.demo}_{args.target.replace(',', '')}")
     os.makedirs(out, exist_ok=True)
     from orb.device import configure_mindspore

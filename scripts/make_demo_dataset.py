@@ -99,7 +99,8 @@ def write_db(path: str, structures: List[Atoms]) -> None:
     write_atomically(path, write, suffix=".db")
 
 
-def main() -> None:
+def build_parser():
+    """This script's command line (the docs test parses its documented commands with it)."""
     from orb.commands import HelpFormatter
 
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=HelpFormatter)
@@ -112,7 +113,11 @@ def main() -> None:
     parser.add_argument("--metals", default=",".join(METALS),
                         help=f"comma-separated fcc metals to draw from (default: {','.join(METALS)})")
     parser.add_argument("--cluster_fraction", type=float, default=0.1, help="share of non-periodic clusters")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     metals = [m.strip() for m in args.metals.split(",") if m.strip()]
     unknown = [m for m in metals if m not in METALS]
     if len(metals) < 2 or unknown:
