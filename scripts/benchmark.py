@@ -16,6 +16,7 @@ ASE calculator, data at MPtrj's size, batched relaxation.
     python scripts/benchmark.py scale      [--rows 1580000] [--model orb_v2] [--batch_size 8] [--workers 2]
     python scripts/benchmark.py relax      [--structures 50] [--fmax 0.05] [--steps 100] [--batch_size 50]
     python scripts/benchmark.py precision  [--torch-python PATH] [--torch-v3-python PATH] [--finetune]
+    python scripts/benchmark.py restart    [--configs demo,demo_v3] [--models orb_v2] [--calculator CKPT]
     python scripts/benchmark.py md         [--structures 32] [--steps 100] [--timestep 1] [--batch-sizes 32] [--torch-v3-python PATH]
 
 With ``--torch-python`` pointing at a Python that has torch and orb-models 0.4.2 installed (never
@@ -41,6 +42,7 @@ from benchmarks.md import bench_md
 from benchmarks.parallel import bench_allreduce, bench_parallel, bench_pipeline
 from benchmarks.precision import bench_precision
 from benchmarks.relax import bench_relax
+from benchmarks.restart import bench_restart
 from benchmarks.save import bench_save
 from benchmarks.scale import bench_scale
 
@@ -128,6 +130,13 @@ def build_parser():
     p.add_argument("--batch-sizes", default="32", help="orb-md --batch_size values, comma-separated")
     p.add_argument("--torch-v3-python", default="", help="python with torch and orb-models 0.5.5: its calculator's "
                    "NVE drift on the same structures")
+    p = sub.add_parser("restart", help="compilation in first, second and requeued starts, with the compile cache")
+    p.add_argument("--configs", default="demo,demo_v3", help="packaged demo configs, one epoch each")
+    p.add_argument("--models", default="", help="full-size models with random weights on 10 MPtrj structures, "
+                   "e.g. orb_v2,orb_v3_conservative_inf_omat")
+    p.add_argument("--calculator", default="data/demo_pretrained.ckpt", help="checkpoints for the calculator "
+                   "script's case (paths in the checkout; empty: none)")
+    p.add_argument("--repeat", type=int, default=2, help="the calculator's Cu cell: the cubic cell repeated so")
     p = sub.add_parser("gemm")
     p.add_argument("--repeats", type=int, default=9, help="alternated timings of each product")
     return parser
@@ -139,7 +148,7 @@ def main() -> None:
      "allreduce": bench_allreduce, "pipeline": bench_pipeline, "gemm": bench_gemm,
      "breakdown": bench_breakdown, "counts": bench_counts, "rows": bench_rows,
      "save": bench_save, "formats": bench_formats, "scale": bench_scale, "relax": bench_relax,
-     "precision": bench_precision, "md": bench_md}[args.area](args)
+     "precision": bench_precision, "md": bench_md, "restart": bench_restart}[args.area](args)
 
 
 if __name__ == "__main__":  # not in the data workers (counts), which import this file as their main module

@@ -166,7 +166,7 @@ class Compiled:
 
     def describe(self) -> str:
         cached = sum(source == "cache" for source in self.sources.values())
-        each = ", ".join(f"{k[0]} {k[1].num_nodes}x{k[1].num_edges} {v:.0f}s"
+        each = ", ".join(f"{k[0]} {k[1].num_nodes}x{k[1].num_edges} {v:.1f}s"
                          + (" cached" if self.sources.get(k) == "cache" else "") for k, v in self.seconds.items())
         return f"{each}; {cached} of {len(self.seconds)} from the compile cache" if self.seconds else each
 

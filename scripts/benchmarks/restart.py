@@ -1,0 +1,96 @@
+"""``benchmark.py restart``: what compilation costs a first start, a second start and a requeued resume of a
+fine-tuning run, and a calculator script's first call in a first and a second process, with the compiled graphs
+kept in a fresh cache (orb.graph_cache)."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks.common import CHILDREN, MPTRJ, ROOT, child
+
+FINISHED = re.compile(r"training finished in ([\d.]+) s \((\d+) compilations: (.*?)(?:; (\d+) of \d+ from the compile "
+                      r"cache)?\)")
+
+
+def _run(command, env, output_dir, first_step_file):
+    start = time.time()
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=7200)
+    wall = time.time() - start
+    if result.returncode not in (0, 75):
+        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    first = float(open(first_step_file).read()) - start if os.path.exists(first_step_file) else float("nan")
+    found = FINISHED.search(result.stdout)
+    compile_seconds = sum(float(s) for s in re.findall(r" ([\d.]+)s(?: cached)?(?:,|$)", found.group(3))) if found else \
+        float("nan")
+    return {"status": result.returncode, "wall": wall, "first_step": first, "compile": compile_seconds,
+            "graphs": int(found.group(2)) if found else 0, "cached": int(found.group(4) or 0) if found else 0}
+
+
+def fine_tuning_case(name, arguments, cache, work):
+    """First start, second start, and a run stopped by SIGTERM at its 2nd step then resumed (the requeue), each a
+    fresh process on one cache."""
+    env = dict(os.environ, ORB_CACHE_DIR=cache, PYTHONPATH=CHILDREN + os.pathsep + ROOT)
+    command = [sys.executable, os.path.join(ROOT, "finetune.py"), *arguments, "--progress_bar", "false",
+               "--callbacks", "[restart_callback:FirstStep]"]
+    rows = {}
+    for case, extra, stop_at in (("first start", [], 0), ("second start", [], 0), ("stopped", [], 2),
+                                 ("requeue (resume)", ["--resume", "auto"], 0)):
+        output = os.path.join(work, name.replace(" ", "_"), "requeue" if case in ("stopped", "requeue (resume)")
+                              else case.replace(" ", "_"))
+        marker = os.path.join(work, f"{name}-{case}.first".replace(" ", "_"))
+        env.update(ORB_BENCH_FIRST_STEP=marker, ORB_BENCH_STOP_AT=str(stop_at))
+        rows[case] = _run(command + ["--output_dir", output] + extra, env, output, marker)
+    return rows
+
+
+def calculator_case(checkpoint, repeat, cache):
+    env = dict(os.environ, ORB_CACHE_DIR=cache, PYTHONPATH=ROOT)
+    out = []
+    for _ in range(2):
+        result = subprocess.run([sys.executable, child("calculator_first_call.py"), checkpoint, str(repeat)], env=env,
+                                capture_output=True, text=True, timeout=3600)
+        if result.returncode:
+            raise RuntimeError(result.stderr[-3000:])
+        out.append(json.loads(result.stdout.strip().splitlines()[-1]))
+    return out
+
+
+def demo_arguments(config):
+    return ["--config", config, "--max_epochs", "1", "--device_target", "CPU"]
+
+
+def full_size_arguments(model):
+    return ["--config", "finetune_orb_v3", "--checkpoint_path", "", "--model.name", model, "--train_data_path",
+            MPTRJ, "--val_data_path", MPTRJ, "--val_fraction", "0", "--batch_size", "2", "--max_epochs", "1",
+            "--num_buckets", "2", "--data_workers", "0", "--device_target", "CPU"]
+
+
+def bench_restart(args) -> None:
+    cases = [(c, demo_arguments(c)) for c in args.configs.split(",") if c]
+    cases += [(m, full_size_arguments(m)) for m in args.models.split(",") if m]
+    print("| run | case | exit | wall (s) | to 1st step (s) | compilation (s) | graphs from cache | compilation / "
+          "first start's |")
+    print("|---|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="orb-bench-restart-") as work:
+        for name, arguments in cases:
+            cache = os.path.join(work, f"cache-{name}")
+            rows = fine_tuning_case(name, arguments, cache, work)
+            first = rows["first start"]["compile"]
+            for case, row in rows.items():
+                if case == "stopped":
+                    continue
+                print(f"| {name} | {case} | {row['status']} | {row['wall']:.1f} | {row['first_step']:.1f} | "
+                      f"{row['compile']:.0f} | {row['cached']} of {row['graphs']} | {row['compile'] / first:.2f} |")
+        if args.calculator:
+            cache = os.path.join(work, "cache-calculator")
+            print("\n| calculator | atoms | process | start-up (s) | first call (s) | second call (s) | graphs |")
+            print("|---|---|---|---|---|---|---|")
+            for checkpoint in args.calculator.split(","):
+                for process, row in enumerate(calculator_case(os.path.join(ROOT, checkpoint), args.repeat, cache)):
+                    print(f"| {os.path.basename(checkpoint)} | {row['atoms']} | {process + 1} | {row['startup']:.1f} | "
+                          f"{row['first_call']:.1f} | {row['second_call']:.2f} | {', '.join(row['sources'])} |")
