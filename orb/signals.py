@@ -15,8 +15,17 @@ command again with ``--resume`` to continue", which a requeue script can act on.
 more than a second after the first ends the process at once (Ctrl-C twice; a copy of the first,
 forwarded by the launcher, does not). Helper processes (data workers) ignore the signals: the
 process that owns the state decides when to stop.
+
+A scheduler may signal every process of a job step (Slurm's ``--signal``, ``scancel --signal``): the run's helpers
+too. Every process the project starts, or causes to be started, therefore starts with the stop signals blocked
+(:func:`children_start_blocked`; a blocked mask is inherited across fork and exec), so a signal cannot end it
+before it has chosen what to do with them: a data worker ignores them, then unblocks them
+(:func:`ignore_stop_signals`); a command (msrun's workers) listens, then unblocks them (:func:`deliver_stop_signals`:
+what came meanwhile is handled then, not lost); a program that does neither (Python's resource tracker for
+SIGUSR1/SIGUSR2, msrun's ``tail``, the C++ compiler) never receives them.
 """
 
+import multiprocessing.context
 import signal
 import sys
 import threading
@@ -25,6 +34,7 @@ from contextlib import contextmanager
 from typing import Callable, Optional
 
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+STOP_NUMBERS = tuple(getattr(signal, name) for name in STOP_SIGNALS)
 STOPPED_STATUS = 75  # EX_TEMPFAIL: stopped on request, nothing lost; resuming continues the run
 RESUME_HINT = "continue with --resume auto"  # the launcher recognises a worker that stopped cleanly by this
 RESUME_FLAG = "continue with --resume"  # orb-md's and orb-relax's --resume takes no value
@@ -118,6 +128,7 @@ def listen(resume_hint: str = RESUME_HINT) -> StopSignals:
     """Install the process's listener (command lines call this first) and return it. ``resume_hint``: what the
     start-up message tells the user to run to continue (empty for commands with nothing to continue)."""
     STOP.resume_hint = resume_hint
+    guard_resource_tracker()
     STOP.install()
     return STOP
 
@@ -131,6 +142,7 @@ def run_command(body: Callable[[], int], resume_hint: str = "") -> int:
 
     listen(resume_hint)
     try:
+        deliver_stop_signals()
         return body()
     except Stopped as stop:
         print(str(stop), file=sys.stderr)
@@ -154,9 +166,74 @@ def run_command(body: Callable[[], int], resume_hint: str = "") -> int:
 
 
 def ignore_stop_signals() -> None:
-    """For helper processes (data workers): the training process decides when the run stops, and saves first."""
+    """For helper processes (data workers): the training process decides when the run stops, and saves first.
+    Ignored, then unblocked (a helper starts with them blocked): one that came meanwhile is discarded."""
     for name in STOP_SIGNALS:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_NUMBERS)
+
+
+def deliver_stop_signals() -> None:
+    """For a command's main, once it listens: stop signals blocked by whoever started the process (the launcher
+    starts msrun and so its workers with them blocked) are received from now on; one that came meanwhile is
+    handled now (:class:`Stopped` at start-up), not lost."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_NUMBERS)
+
+
+@contextmanager
+def children_start_blocked():
+    """Processes started inside (subprocess, multiprocessing, any fork and exec) start with the stop signals blocked:
+    a signal to every process of the job cannot end one before it has set what to do with them (see the module's
+    docstring). The mask is this thread's own: meanwhile this process receives them in its other threads, or when
+    the block ends; none is lost. Restored as it was (nested uses, and code inside that unblocks some, as Python's
+    resource tracker does after starting its process)."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_NUMBERS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def guard_resource_tracker() -> None:
+    """Python's multiprocessing resource tracker (started by the first pool, queue or lock of a spawned process; it
+    unlinks their semaphores and shared memory if the program dies) ignores SIGINT and SIGTERM but dies on SIGUSR1
+    and SIGUSR2: the program then starts another with "process died unexpectedly, relaunching. Some resources might
+    leak." and a ``KeyError`` traceback per name it unregisters there, and what the dead one tracked stays in
+    /dev/shm if the program dies. Every (re)launch here starts it with the stop signals blocked: it unblocks only
+    SIGINT and SIGTERM, which it ignores. (A wrapper of its ``ensure_running``, which every use calls.)"""
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker
+    if getattr(tracker.ensure_running, "stop_signals_blocked", False):
+        return
+    launch = tracker.ensure_running
+
+    def ensure_running():
+        with children_start_blocked():
+            return launch()
+
+    ensure_running.stop_signals_blocked = True
+    tracker.ensure_running = resource_tracker.ensure_running = ensure_running
+
+
+class _BlockedSpawnProcess(multiprocessing.context.SpawnProcess):
+    """A spawned process started with the stop signals blocked (:func:`children_start_blocked`)."""
+
+    def start(self):
+        with children_start_blocked():
+            super().start()
+
+
+class _BlockedSpawnContext(multiprocessing.context.SpawnContext):
+    Process = _BlockedSpawnProcess
+
+
+def helper_context():
+    """The multiprocessing context of the project's helper processes (data workers): ``spawn`` (they import numpy,
+    scipy and ase, never MindSpore), each started with the stop signals blocked, and the resource tracker guarded.
+    A worker's initializer calls :func:`ignore_stop_signals`."""
+    guard_resource_tracker()
+    return _BlockedSpawnContext()
 
 
 def die_with_parent() -> None:
