@@ -25,7 +25,6 @@ what came meanwhile is handled then, not lost); a program that does neither (Pyt
 SIGUSR1/SIGUSR2, msrun's ``tail``, the C++ compiler) never receives them.
 """
 
-import multiprocessing.context
 import signal
 import sys
 import threading
@@ -76,9 +75,9 @@ class StopSignals:
                 f"{again} (exit status {STOPPED_STATUS})")
 
     def stop_if_received(self) -> None:
-        """After a start-up step run deferred (:func:`orb.device.import_mindspore`, a compilation): stop now if a
-        signal came -- unless inside a deferred phase, which stops at its own point, after saving. The signal is
-        consumed: a notebook that catches the stop computes on (every later compilation stopped again)."""
+        """After a start-up step run deferred (:meth:`held`): stop now if a signal came -- unless inside a deferred
+        phase, which stops at its own point, after saving. The signal is consumed: a notebook that catches the stop
+        computes on (every later compilation stopped again)."""
         if self.received is not None and self._depth == 0:
             name, self.received = self.received, None
             raise Stopped(self.startup_message(name))
@@ -116,6 +115,16 @@ class StopSignals:
                     signal.signal(getattr(signal, name), handler)
                 self._installed = False
 
+    @contextmanager
+    def held(self):
+        """A start-up step no signal may interrupt, as :func:`orb.device.import_mindspore` and compilations: signals
+        are noted meanwhile, and honoured after it (:meth:`stop_if_received`). For code that turns any exception,
+        ``BaseException`` too, into its own error: MindSpore's checkpoint reader said "Failed to read the checkpoint
+        file" for a stop (exit 2, not 75)."""
+        with self.deferred():
+            yield
+        self.stop_if_received()
+
     def reset(self) -> None:
         """Forget a signal that was handled (another run in the same process starts clean)."""
         self.received = None
@@ -128,7 +137,6 @@ def listen(resume_hint: str = RESUME_HINT) -> StopSignals:
     """Install the process's listener (command lines call this first) and return it. ``resume_hint``: what the
     start-up message tells the user to run to continue (empty for commands with nothing to continue)."""
     STOP.resume_hint = resume_hint
-    guard_resource_tracker()
     STOP.install()
     return STOP
 
@@ -143,7 +151,9 @@ def run_command(body: Callable[[], int], resume_hint: str = "") -> int:
     listen(resume_hint)
     try:
         deliver_stop_signals()
-        return body()
+        status = body()
+        ignore_stop_signals()  # finished: a signal now (as the job ends) is no stop, nor an end by the signal as the
+        return status          # interpreter exits (it resets Python's handlers to the default then: status 128 + n)
     except Stopped as stop:
         print(str(stop), file=sys.stderr)
         return stop.status
@@ -200,7 +210,9 @@ def guard_resource_tracker() -> None:
     and SIGUSR2: the program then starts another with "process died unexpectedly, relaunching. Some resources might
     leak." and a ``KeyError`` traceback per name it unregisters there, and what the dead one tracked stays in
     /dev/shm if the program dies. Every (re)launch here starts it with the stop signals blocked: it unblocks only
-    SIGINT and SIGTERM, which it ignores. (A wrapper of its ``ensure_running``, which every use calls.)"""
+    SIGINT and SIGTERM, which it ignores. (A wrapper of its ``ensure_running``, which every use calls. Installed by
+    whatever starts processes with multiprocessing, not at every command's start: multiprocessing imported before
+    MindSpore makes MindSpore's ``Cell.__del__`` print tracebacks as the interpreter exits.)"""
     from multiprocessing import resource_tracker
 
     tracker = resource_tracker._resource_tracker
@@ -214,26 +226,6 @@ def guard_resource_tracker() -> None:
 
     ensure_running.stop_signals_blocked = True
     tracker.ensure_running = resource_tracker.ensure_running = ensure_running
-
-
-class _BlockedSpawnProcess(multiprocessing.context.SpawnProcess):
-    """A spawned process started with the stop signals blocked (:func:`children_start_blocked`)."""
-
-    def start(self):
-        with children_start_blocked():
-            super().start()
-
-
-class _BlockedSpawnContext(multiprocessing.context.SpawnContext):
-    Process = _BlockedSpawnProcess
-
-
-def helper_context():
-    """The multiprocessing context of the project's helper processes (data workers): ``spawn`` (they import numpy,
-    scipy and ase, never MindSpore), each started with the stop signals blocked, and the resource tracker guarded.
-    A worker's initializer calls :func:`ignore_stop_signals`."""
-    guard_resource_tracker()
-    return _BlockedSpawnContext()
 
 
 def die_with_parent() -> None:

@@ -7,10 +7,11 @@ shard. Preparing a step (reading rows, rotating, building graphs, padding) is do
 ``workers`` processes a few steps ahead, in order, so the device does not wait for the host;
 with ``workers = 0`` it happens inline. Workers are started with ``spawn`` (they import numpy,
 scipy and ase, never MindSpore), with the stop signals blocked until they ignore them
-(:func:`orb.signals.helper_context`), and read the database through their own connections.
+(:class:`HelperContext`), and read the database through their own connections.
 """
 
 import logging
+import multiprocessing.context
 import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
@@ -26,7 +27,7 @@ from orb.data.neighbours import native_search
 from orb.data.plan import Step
 from orb.data.tensors import loss_arrays
 from orb.errors import DataWorkerError
-from orb.signals import die_with_parent, helper_context, ignore_stop_signals
+from orb.signals import children_start_blocked, die_with_parent, guard_resource_tracker, ignore_stop_signals
 
 
 def prepare(dataset: AseDbDataset, step: Step, seed: Optional[int], with_stress: bool) -> Tuple[np.ndarray, ...]:
@@ -50,6 +51,27 @@ def prepare(dataset: AseDbDataset, step: Step, seed: Optional[int], with_stress:
 log = logging.getLogger("orb")
 WORKER_DEATH = "killed by the operating system, often for lack of memory: lower data_workers or batch_size"
 _worker_datasets: Dict[str, AseDbDataset] = {}
+
+
+class _BlockedSpawnProcess(multiprocessing.context.SpawnProcess):
+    """A spawned process started with the stop signals blocked (:func:`orb.signals.children_start_blocked`)."""
+
+    def start(self):
+        with children_start_blocked():
+            super().start()
+
+
+class HelperContext(multiprocessing.context.SpawnContext):
+    """The data workers' multiprocessing context: ``spawn`` (they import numpy, scipy and ase, never MindSpore), each
+    worker started with the stop signals blocked until its initializer ignores them, and the resource tracker guarded
+    (:func:`orb.signals.guard_resource_tracker`): a job's signal to every process cannot end a worker still starting
+    (it did: the pool broke and was started again, twice and the run failed)."""
+
+    Process = _BlockedSpawnProcess
+
+    def __init__(self):
+        super().__init__()
+        guard_resource_tracker()
 
 
 def _init_worker(datasets: Dict[str, AseDbDataset]) -> None:
@@ -89,7 +111,7 @@ class BatchLoader:
 
     def _new_pool(self) -> ProcessPoolExecutor:
         native_search()  # build the neighbour search once, here, before the workers load it
-        return ProcessPoolExecutor(self.workers, mp_context=helper_context(), initializer=_init_worker,
+        return ProcessPoolExecutor(self.workers, mp_context=HelperContext(), initializer=_init_worker,
                                    initargs=(self.datasets,))
 
     def _ensure_pool(self):
