@@ -126,7 +126,7 @@ def test_a_stop_to_every_process_of_a_two_worker_job_saves_and_resumes_to_the_un
     job = launch(common_args(run, DEMO_TRAIN, **extra), tmp_path / "logs1", cwd=ROOT)
     wait_for_step_record(run / "metrics.jsonl", job, timeout=420)
     signalled = signal_every_process(job.pid, signal.SIGUSR1)
-    assert helpers(signalled) == (2, 2) and sum("tail" in c for c in signalled) == 1, signalled
+    assert helpers(signalled) == (2, 2) and sum(c.startswith("/usr/bin/tail") for c in signalled) == 1, signalled
     out, _ = job.communicate(timeout=300)
     assert job.returncode == 75 and "run_parallel: stopped by SIGUSR1 with the state saved" in out, out[-3000:]
     logs = [(tmp_path / "logs1" / name).read_text() for name in sorted(os.listdir(tmp_path / "logs1"))]

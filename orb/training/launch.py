@@ -64,7 +64,8 @@ def count_devices() -> int:
     if npus:
         return len(npus)
     if shutil.which("nvidia-smi"):
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+        with children_start_blocked():  # (a job's signal to every process: not counted as no GPU)
+            out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
         gpus = len([line for line in out.splitlines() if line.strip()])
         if gpus:
             return gpus
