@@ -120,10 +120,13 @@ class StopSignals:
         """A start-up step no signal may interrupt, as :func:`orb.device.import_mindspore` and compilations: signals
         are noted meanwhile, and honoured after it (:meth:`stop_if_received`). For code that turns any exception,
         ``BaseException`` too, into its own error: MindSpore's checkpoint reader said "Failed to read the checkpoint
-        file" for a stop (exit 2, not 75)."""
+        file" for a stop (exit 2, not 75). A signal noted before it (by a phase that stops at its own point, or one
+        a session caught and went on from) is not this step's to raise."""
+        earlier = self.received
         with self.deferred():
             yield
-        self.stop_if_received()
+        if earlier is None:
+            self.stop_if_received()
 
     def reset(self) -> None:
         """Forget a signal that was handled (another run in the same process starts clean)."""
