@@ -226,3 +226,40 @@ def test_a_stop_to_every_process_of_a_use_command_is_one_line_and_75(tmp_path, n
     assert err.strip().splitlines()[-1].startswith("stopped by SIGUSR1"), err[-3000:]
     assert_quiet("".join(out), err)
     assert not shm_left_behind(before)
+
+
+INTERRUPTED_READ = """
+import os, signal, sys
+from orb.signals import run_command
+
+def body():
+    import mindspore.train.serialization as serialization
+
+    check = serialization._check_checkpoint_protobuf_size  # called in MindSpore's reader, after the file's read
+
+    def interrupted(*args):
+        if sys._getframe(1).f_code.co_name == "_parse_ckpt_proto":  # (inside its try: except BaseException)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return check(*args)
+
+    serialization._check_checkpoint_protobuf_size = interrupted
+    from orb.io.checkpoint import load_checkpoint
+
+    load_checkpoint("data/demo_pretrained.ckpt")
+    print("read, then going on")
+    return 0
+
+sys.exit(run_command(body))
+"""
+
+
+def test_a_stop_while_mindspore_reads_a_checkpoint_is_a_stop():
+    """A stop signal while MindSpore reads a checkpoint (the first seconds of orb-evaluate, orb-md, orb-relax and of a
+    resume; what signalling every process of orb-evaluate found): the read completes, then the command stops with its
+    start-up line and status 75. Raised inside MindSpore's reader, which turns any BaseException into its own error, it
+    was "cannot read MindSpore checkpoint (Failed to read the checkpoint file ...)" and status 2: bad input."""
+    result = subprocess.run([sys.executable, "-c", INTERRUPTED_READ], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode == 75 and "going on" not in result.stdout, result.stdout + result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith("stopped by SIGTERM during start-up"), result.stderr
+    assert_quiet(result.stderr)
