@@ -128,6 +128,13 @@ class StopSignals:
         if earlier is None:
             self.stop_if_received()
 
+    def stand_down(self) -> None:
+        """The command has finished: a stop signal from now on (a scheduler's, as the job ends) is no stop to report,
+        nor an end by the signal as the interpreter exits (it resets Python's handlers to the default then: status
+        128 + n). Ignored; a later deferred phase in the same process listens again for itself."""
+        ignore_stop_signals()
+        self._installed = False
+
     def reset(self) -> None:
         """Forget a signal that was handled (another run in the same process starts clean)."""
         self.received = None
@@ -155,8 +162,8 @@ def run_command(body: Callable[[], int], resume_hint: str = "") -> int:
     try:
         deliver_stop_signals()
         status = body()
-        ignore_stop_signals()  # finished: a signal now (as the job ends) is no stop, nor an end by the signal as the
-        return status          # interpreter exits (it resets Python's handlers to the default then: status 128 + n)
+        STOP.stand_down()
+        return status
     except Stopped as stop:
         print(str(stop), file=sys.stderr)
         return stop.status

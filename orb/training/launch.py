@@ -47,8 +47,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from orb.bundled import find_config
 from orb.errors import ConfigError
 from orb.io.files import free_port
-from orb.signals import (RESUME_HINT, STOP_SIGNALS, STOPPED_STATUS, children_start_blocked,
-                         ignore_stop_signals, run_command)
+from orb.signals import RESUME_HINT, STOP, STOP_SIGNALS, STOPPED_STATUS, children_start_blocked, run_command
 
 DEFAULT_CONFIG = os.path.join("configs", "config_parallel.yaml")
 
@@ -392,7 +391,7 @@ def launch(argv: Optional[List[str]], prog: Optional[str] = None) -> int:
             relay.follow()
             time.sleep(0.2)
         status = job.wait()
-    ignore_stop_signals()  # msrun has ended: a signal now (as the job ends) is no stop to report
+    STOP.stand_down()  # msrun has ended: a signal now (as the job ends) is no stop to report
     if status != 0 and (stopped_with_state_saved(s["log_dir"], earlier_logs)
                         or (relay.received and not failures(s["log_dir"], earlier_logs))):
         # (a stop during start-up: each worker stops at once, and msrun kills those still starting, whose logs then
