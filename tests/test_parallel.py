@@ -20,7 +20,7 @@ from ase.calculators.singlepoint import SinglePointCalculator
 import pytest
 
 from orb.io.files import free_port
-from conftest import DEMO_TRAIN, DEMO_VAL, ROOT, SMALL_MODEL
+from conftest import DEMO_TRAIN, DEMO_VAL, ROOT, SMALL_MODEL, descendants
 
 TIMING = ("train_time", "val_time", "compile_time", "data_wait")
 # MindSpore's cluster notices a vanished process after MS_NODE_TIMEOUT seconds (default 30): shorter in tests
@@ -432,22 +432,6 @@ def test_killed_worker_ends_the_job(tmp_path, nine_rows):
     assert job.returncode == 1  # a fault
     assert time.time() - start < 420
     assert "FAILED" in out
-
-
-def descendants(root: int):
-    """Every process below ``root`` (from /proc)."""
-    parents = {}
-    for name in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                parents[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    found, frontier = set(), {root}
-    while frontier:
-        frontier = {pid for pid, parent in parents.items() if parent in frontier and pid not in found}
-        found |= frontier
-    return sorted(found)
 
 
 def test_a_stop_before_any_worker_or_to_every_process_saves_and_exits_75(tmp_path, nine_rows):
