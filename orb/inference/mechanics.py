@@ -8,6 +8,7 @@ calculator's. Relaxations are :class:`orb.inference.relax.BatchRelaxer`'s (FIRE,
 cell), as orb-relax's.
 """
 
+import warnings
 from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -105,11 +106,14 @@ def fit_eos(volumes: Sequence[float], energies: Sequence[float], natoms: int) ->
     from ase.units import GPa
 
     eos = EquationOfState(list(volumes), list(energies), eos="birchmurnaghan")
-    v0, e0, b = eos.fit()
+    with warnings.catch_warnings():  # ASE's warning of a minimum outside the volumes: said in the result instead
+        warnings.simplefilter("ignore")
+        v0, e0, b = eos.fit()
     return {"energy_per_atom": float(e0) / natoms, "volume_per_atom": float(v0) / natoms,
             "bulk_modulus": float(b) / GPa, "volumes": [float(v) for v in volumes],
             "energies": [float(e) for e in energies], "natoms": int(natoms),
-            "fit": [float(p) for p in eos.eos_parameters]}  # (E0, B0, B0', V0) of ase.eos.birchmurnaghan
+            "fit": [float(p) for p in eos.eos_parameters],
+            "minimum_inside": bool(min(volumes) <= v0 <= max(volumes))}  # (E0, B0, B0', V0) of ase.eos.birchmurnaghan
 
 
 def strain_matrix(component: int, amount: float) -> np.ndarray:

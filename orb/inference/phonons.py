@@ -73,8 +73,8 @@ class PhononJob:
         highest, and the modes below ``-imaginary_below`` THz (phonopy's negative numbers are imaginary
         frequencies), counted over the irreducible q-points."""
         self.phonopy.run_mesh([size] * 3, is_gamma_center=True)
-        found = self.phonopy.get_mesh_dict()
-        frequencies, qpoints = np.asarray(found["frequencies"]), np.asarray(found["qpoints"])
+        found = self.phonopy.mesh
+        frequencies, qpoints = np.asarray(found.frequencies), np.asarray(found.qpoints)
         optical = frequencies.copy()
         gamma = np.flatnonzero(np.all(np.abs(qpoints) < 1e-12, axis=1))
         for g in gamma:  # the acoustic modes at Γ: zero by the sum rule, whatever the model
@@ -84,7 +84,7 @@ class PhononJob:
         return {"mesh": [size] * 3, "lowest_frequency": lowest, "max_frequency": float(frequencies.max()),
                 "imaginary_modes": imaginary, "imaginary_below": -imaginary_below,
                 "gamma_frequencies": [float(f) for f in np.sort(frequencies[gamma[0]])] if len(gamma) else [],
-                "qpoints": qpoints, "weights": np.asarray(found["weights"]), "frequencies": frequencies}
+                "qpoints": qpoints, "weights": np.asarray(found.weights), "frequencies": frequencies}
 
     def band_path(self, points: int):
         """ASE's standard path through the Brillouin zone of phonopy's primitive cell, or None where ASE cannot
@@ -101,7 +101,7 @@ class PhononJob:
         if path is None:
             return None
         self.phonopy.run_qpoints(path.kpts)
-        return np.asarray(self.phonopy.get_qpoints_dict()["frequencies"])
+        return np.asarray(self.phonopy.qpoints.frequencies)
 
 
 def band_axis(path):

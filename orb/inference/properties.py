@@ -259,13 +259,13 @@ def check_arguments(args) -> None:
 def run(args) -> Dict:
     from orb.device import configure_mindspore, import_mindspore
 
+    check_arguments(args)  # phonopy first: before any work
+    staging = prepare_output(args)
     import_mindspore()
     from orb.models.ops_profile import set_ops_profile
     from orb.reports.properties import read_dft, report, write_outputs
     from orb.signals import STOP
 
-    check_arguments(args)
-    staging = prepare_output(args)
     try:
         target = configure_mindspore(args.device_target, precision=args.precision)
         set_ops_profile(args.ops_profile)

@@ -110,11 +110,11 @@ def table(entry: Dict) -> str:
     model's error against it)."""
     models = list(entry["models"])
     dft = entry.get("dft") or {}
-    header = f"{'quantity':<28}" + "".join(f"{m:>14}" for m in models)
+    header = f"{'quantity':<28}" + "".join(f"{m.replace('_', '-'):>14}" for m in models)
     if len(models) == 2:
         header += f"{'difference':>14}"
     if dft:
-        header += f"{'DFT':>12}" + "".join(f"{m[:9] + ' err':>14}" for m in models)
+        header += f"{'DFT':>12}" + "".join(f"{m.replace('_', '-')[:9] + ' err':>14}" for m in models)
     lines = [header]
     values = {m: entry["models"][m]["scalars"] for m in models}
     for key in TABLE:
@@ -287,6 +287,10 @@ def print_report(summary: Dict, output: str) -> None:
         print(table(entry))
         for label, m in models.items():
             phonons = m.get("phonons")
+            eos = m.get("eos") or {}
+            if eos and not eos["minimum_inside"]:
+                print(f"  {label.replace('_', '-')}: the equation of state's minimum is outside the volumes computed "
+                      "(widen --eos_span, or relax: --steps)")
             if phonons and phonons["imaginary_modes"]:
                 print(f"  {label.replace('_', '-')}: {phonons['imaginary_modes']} imaginary modes on the mesh "
                       f"(below {phonons['imaginary_below']} THz)")
