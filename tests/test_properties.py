@@ -300,13 +300,18 @@ def test_same_pipeline_with_orb_models_calculator_gives_the_same_frequencies_and
     phonopy.symmetrize_force_constants()
     phonopy.run_mesh([4, 4, 4], is_gamma_center=True)
     arrays = np.load(tmp_path / "out" / mine["phonons"]["arrays"])
-    np.testing.assert_allclose(arrays["fine_tuned/frequencies"], phonopy.mesh.frequencies, atol=5e-3)
     first = len(supercells)
     energies = [float(value(first + k, "energy")) for k in range(len(volumes))]
     _, _, b = EquationOfState([c.get_volume() for c in volumes], energies, EOS_FORM).fit()
-    assert mine["eos"]["bulk_modulus"] == pytest.approx(b / GPa, abs=0.05)
     stresses = [value(first + len(volumes) + k, "stress") for k in range(len(strained))]
-    np.testing.assert_allclose(np.array(mine["elastic"]["C"]), elastic_tensor(stresses, [0.005, 0.01]), atol=0.05)
+    c = elastic_tensor(stresses, [0.005, 0.01])
+    print(f"orb-models 0.4.2 against ours: frequencies "
+          f"{np.abs(arrays['fine_tuned/frequencies'] - phonopy.mesh.frequencies).max():.2e} THz (of up to "
+          f"{phonopy.mesh.frequencies.max():.2f}), B {abs(mine['eos']['bulk_modulus'] - b / GPa):.2e} GPa (of "
+          f"{b / GPa:.1f}), Cij {np.abs(np.array(mine['elastic']['C']) - c).max():.2e} GPa")
+    np.testing.assert_allclose(arrays["fine_tuned/frequencies"], phonopy.mesh.frequencies, atol=5e-3)
+    assert mine["eos"]["bulk_modulus"] == pytest.approx(b / GPa, abs=0.05)
+    np.testing.assert_allclose(np.array(mine["elastic"]["C"]), c, atol=0.05)
 
 
 def test_without_phonopy_one_line_exit_2_before_any_work(tmp_path):
