@@ -346,3 +346,15 @@ def test_an_existing_output_is_refused_and_overwrite_replaces_it_whole(tmp_path)
     assert report["structures"][0]["models"]["fine_tuned"]["phonons"] is None
     holding = run(*common[:5], str(tmp_path), *common[6:], "--overwrite")  # the output would hold an input
     assert holding.returncode == 2 and "holds the input" in holding.stderr
+
+
+def test_default_elements_are_those_of_the_training_data_the_checkpoint_records(monkeypatch):
+    import ase.db
+    from ase.data import chemical_symbols
+
+    from orb.inference.crystals import trained_elements
+
+    monkeypatch.chdir(ROOT)  # the demo checkpoint records its training data relative to the checkout
+    with ase.db.connect(os.path.join("data", "pretrain", "pretrain_train.db")) as db:
+        numbers = sorted({int(z) for row in db.select() for z in row.numbers})
+    assert trained_elements(DEMO_V2) == [chemical_symbols[z] for z in numbers]
