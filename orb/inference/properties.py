@@ -24,9 +24,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-import numpy as np
+from orb.errors import OrbInputError
 
-from orb.errors import OrbInputError, RunError
 
 @dataclass
 class Engine:
