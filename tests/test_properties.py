@@ -314,12 +314,16 @@ def test_same_pipeline_with_orb_models_calculator_gives_the_same_frequencies_and
     np.testing.assert_allclose(np.array(mine["elastic"]["C"]), c, atol=0.05)
 
 
-def test_without_phonopy_one_line_exit_2_before_any_work(tmp_path):
+def run_without_phonopy(*arguments):
+    """The command in a process where ``import phonopy`` fails, as where it is not installed."""
     code = ("import sys; sys.modules['phonopy'] = None; sys.path.insert(0, sys.argv[1]); "
             "from orb.inference.properties import main; sys.exit(main(sys.argv[2:]))")
+    return subprocess.run([sys.executable, "-c", code, ROOT, *arguments], capture_output=True, text=True, timeout=1200)
+
+
+def test_without_phonopy_one_line_exit_2_before_any_work(tmp_path):
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-c", code, ROOT, "--checkpoint", DEMO_V2, "--elements", "Cu",
-                             "--output", str(out)], capture_output=True, text=True, timeout=300)
+    result = run_without_phonopy("--checkpoint", DEMO_V2, "--elements", "Cu", "--output", str(out))
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "pip install .[properties]" in lines[0] and "--no-phonons" in lines[0]
@@ -327,6 +331,7 @@ def test_without_phonopy_one_line_exit_2_before_any_work(tmp_path):
 
 
 def test_an_existing_output_is_refused_and_overwrite_replaces_it_whole(tmp_path):
+    """(Without phonopy: --no-phonons needs none.)"""
     out = tmp_path / "out"
     out.mkdir()
     (out / "stale.txt").write_text("an earlier run's")
@@ -334,11 +339,11 @@ def test_an_existing_output_is_refused_and_overwrite_replaces_it_whole(tmp_path)
     bulk("Cu", cubic=True).write(str(structures))
     common = ["--checkpoint", DEMO_V2, "--structures", str(structures), "--output", str(out), "--steps", "0",
               "--no-phonons", "--strains", "0.01", *SMALL]
-    refused = run(*common)
+    refused = run_without_phonopy(*common)
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines() == [f"error: --output {out} exists: pass --overwrite to replace it"]
     assert sorted(os.listdir(out)) == ["stale.txt"]
-    replaced = run(*common, "--overwrite")
+    replaced = run_without_phonopy(*common, "--overwrite")
     assert replaced.returncode == 0, replaced.stderr[-3000:]
     assert sorted(os.listdir(out)) == ["eos_Cu4_1.png", "properties.json"]
     assert not [name for name in os.listdir(tmp_path) if name.startswith(".out.")]  # no staging folder left
@@ -358,3 +363,20 @@ def test_default_elements_are_those_of_the_training_data_the_checkpoint_records(
     with ase.db.connect(os.path.join("data", "pretrain", "pretrain_train.db")) as db:
         numbers = sorted({int(z) for row in db.select() for z in row.numbers})
     assert trained_elements(DEMO_V2) == [chemical_symbols[z] for z in numbers]
+
+
+def test_a_stop_signal_ends_it_with_status_75_and_writes_nothing(tmp_path):
+    import signal
+
+    from conftest import wait_until_handling
+
+    out = tmp_path / "out"
+    process = subprocess.Popen([sys.executable, SCRIPT, "--checkpoint", DEMO_V2, "--elements", "Cu", "--output",
+                                str(out), "--no-phonons", *SMALL], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    wait_until_handling(process, signal.SIGTERM)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 75, stderr[-2000:]
+    assert "stopped by SIGTERM" in stderr.strip().splitlines()[-1]
+    assert os.listdir(tmp_path) == []  # neither the output nor its staging folder

@@ -65,20 +65,31 @@ def stop_now() -> None:
 
 
 def choose_structures(args, engines: List[Engine]):
-    """The structures to check (the user's, else the built-in crystals, each repeated so that every model's graph
-    holds its whole neighbourhood) and notes for the report."""
+    """The structures to check -- the user's (``--structures``), the built-in crystals of ``--elements``, both, or
+    without either the built-in crystals of the elements the checkpoint was trained on -- and notes for the
+    report."""
     from orb.inference import crystals
 
-    if args.structures:
-        return crystals.read_structures(args.structures), []
-    elements = args.elements or crystals.trained_elements(args.checkpoint)
+    own = crystals.read_structures(args.structures) if args.structures else []
+    if own and not args.elements:
+        return own, []
+    built, notes = built_in_structures(args, engines, args.elements or crystals.trained_elements(args.checkpoint))
+    return own + built, notes
+
+
+def built_in_structures(args, engines: List[Engine], elements: List[str]):
+    """Each element's reference crystal, and its tie-free hcp companion where a model's cap ties the crystal's
+    neighbours, each repeated so that every model's graph holds its whole neighbourhood."""
+    from orb.inference import crystals
+
     chosen, notes = crystals.element_crystals(elements)
     for structure in list(chosen):
         tied = any(crystals.cap_ties(structure.atoms, e.settings, args.tie_tolerance)["tied"] for e in engines)
         if tied and not structure.name.endswith("_hcp"):
-            chosen.insert(chosen.index(structure) + 1, crystals.close_packed_companion(structure))
-            notes.append(f"{structure.name} ties neighbours at a model's cap: {chosen[chosen.index(structure) + 1].name}"
-                         " (same volume per atom, no ties) added")
+            companion = crystals.close_packed_companion(structure)
+            chosen.insert(chosen.index(structure) + 1, companion)
+            notes.append(f"{structure.name} ties neighbours at a model's cap: {companion.name} (same volume per atom, "
+                         "no ties) added")
     for structure in chosen:
         structure.repeat = crystals.repeat_of(*[crystals.whole_neighbourhood_repeat(structure.atoms, e.settings)
                                                 for e in engines])
@@ -329,7 +340,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     parser.add_argument("--structures", nargs="+", default=None, help="crystals to check, in any format orb-relax "
                         "reads (default: each element's reference crystal, see --elements)")
     parser.add_argument("--elements", nargs="+", default=None, help="elements whose reference crystals (fcc, bcc, "
-                        "hcp, diamond; ASE's lattice constants) are checked without --structures (default: the "
+                        "hcp, diamond; ASE's lattice constants) are checked too (default: without --structures, the "
                         "elements of the checkpoint's training data)")
     parser.add_argument("--output", required=True, help="folder for properties.json, the arrays and the plots")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output folder whole")
