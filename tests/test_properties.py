@@ -244,14 +244,19 @@ def test_neighbour_fingerprint_ignores_a_wrap_across_the_cell_and_sees_a_changed
     assert neighbour_key(moved, atoms_to_graph(moved, settings=settings)) != key
 
 
-def test_same_pipeline_with_orb_models_calculator_gives_the_same_frequencies_and_moduli(tmp_path):
-    """orb-models 0.4.2's own ASE calculator on our exported weights (the PyTorch peer) computes the cells this
-    command computes -- phonopy's displaced supercells, the equation of state's volumes, the strained cells -- of a
-    structure without ties (hcp, every atom's 20th and 21st neighbours 0.25 Å apart): phonopy and ase.eos on its
-    numbers give ours."""
-    peer = os.environ.get("ORB_TORCH_PYTHON", "")
+@pytest.mark.parametrize("checkpoint, variable, repeat",
+                         [(DEMO_V2, "ORB_TORCH_PYTHON", (3, 3, 2)), (DEMO_V3, "ORB_TORCH_V3_PYTHON", (2, 2, 1))],
+                         ids=["orb-v2 with orb-models 0.4.2", "orb-v3 conservative with orb-models 0.5.5"])
+def test_same_pipeline_with_orb_models_calculator_gives_the_same_frequencies_and_moduli(tmp_path, checkpoint,
+                                                                                        variable, repeat):
+    """orb-models' own ASE calculator on our exported weights (the PyTorch peer) computes the cells this command
+    computes -- phonopy's displaced supercells, the equation of state's volumes, the strained cells -- of a structure
+    without ties (hcp, every atom's 20th and 21st neighbours 0.25 Å apart): phonopy and ase.eos on its numbers give
+    ours. (orb-v2 searches the 27 cells around the home cell: the cell repeated until that holds every neighbour;
+    orb-v3 searches the exact supercell.)"""
+    peer = os.environ.get(variable, "")
     if not peer:
-        pytest.skip("ORB_TORCH_PYTHON (a python with torch and orb-models 0.4.2) is not set; .ci/run sets it")
+        pytest.skip(f"{variable} (a python with torch and orb-models) is not set; .ci/run sets it")
     from ase.eos import EquationOfState
     from ase.io import write
     from ase.units import GPa
@@ -262,9 +267,9 @@ def test_same_pipeline_with_orb_models_calculator_gives_the_same_frequencies_and
     from orb.io.checkpoint import model_from_checkpoint, to_torch_state_dict
     from orb.io.torch_format import write_torch_checkpoint
 
-    atoms = bulk("Cu", "hcp", a=2.55, covera=np.sqrt(8 / 3)).repeat((3, 3, 2))
+    atoms = bulk("Cu", "hcp", a=2.55, covera=np.sqrt(8 / 3)).repeat(repeat)
     write(str(tmp_path / "hcp.extxyz"), atoms)
-    result = run("--checkpoint", DEMO_V2, "--structures", str(tmp_path / "hcp.extxyz"), "--output",
+    result = run("--checkpoint", checkpoint, "--structures", str(tmp_path / "hcp.extxyz"), "--output",
                  str(tmp_path / "out"), "--steps", "0", *SMALL)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "properties.json").read_text())
@@ -272,10 +277,11 @@ def test_same_pipeline_with_orb_models_calculator_gives_the_same_frequencies_and
     assert mine["neighbours"]["ties"]["tied"] == 0
     assert set(mine["neighbours"]["changed"].values()) <= {None} | {f"0/{n}" for n in range(100)}
 
-    model = model_from_checkpoint(DEMO_V2)
+    model = model_from_checkpoint(checkpoint)
     write_torch_checkpoint(to_torch_state_dict(model), str(tmp_path / "export.ckpt"))
-    sizes = {key: getattr(model.cfg, key) for key in ("latent_dim", "mlp_hidden_dim", "num_message_passing_steps",
-                                                       "head_mlp_hidden_dim", "head_num_mlp_layers")}
+    sizes = {key: getattr(model.cfg, key) for key in ("name", "latent_dim", "mlp_hidden_dim", "num_mlp_layers",
+                                                       "num_message_passing_steps", "head_mlp_hidden_dim",
+                                                       "head_num_mlp_layers")}
     (tmp_path / "sizes.json").write_text(json.dumps(sizes))
     phonopy = Phonopy(PhonopyAtoms(symbols=atoms.get_chemical_symbols(), cell=atoms.cell.array,
                                    positions=atoms.positions), supercell_matrix=np.eye(3, dtype=int),
@@ -305,7 +311,7 @@ def test_same_pipeline_with_orb_models_calculator_gives_the_same_frequencies_and
     _, _, b = EquationOfState([c.get_volume() for c in volumes], energies, EOS_FORM).fit()
     stresses = [value(first + len(volumes) + k, "stress") for k in range(len(strained))]
     c = elastic_tensor(stresses, [0.005, 0.01])
-    print(f"orb-models 0.4.2 against ours: frequencies "
+    print(f"orb-models against ours ({model.cfg.name}): frequencies "
           f"{np.abs(arrays['fine_tuned/frequencies'] - phonopy.mesh.frequencies).max():.2e} THz (of up to "
           f"{phonopy.mesh.frequencies.max():.2f}), B {abs(mine['eos']['bulk_modulus'] - b / GPa):.2e} GPa (of "
           f"{b / GPa:.1f}), Cij {np.abs(np.array(mine['elastic']['C']) - c).max():.2e} GPa")

@@ -100,6 +100,7 @@ def built_in_structures(args, engines: List[Engine], elements: List[str]):
 
 
 def relaxed_structures(engine: Engine, structures, bar) -> List[Dict]:
+    """Every structure relaxed together, cell and atoms (orb-relax's BatchRelaxer): atoms, converged, steps."""
     from orb.inference.mechanics import relax_all
     from orb.signals import STOP
 
@@ -112,6 +113,9 @@ def relaxed_structures(engine: Engine, structures, bar) -> List[Dict]:
 
 
 def equations_of_state(engine: Engine, relaxed: List[Dict], args, bar) -> List[Dict]:
+    """Each relaxed structure's equation of state (its volumes of every structure in the same batches), with the
+    relaxed structure's own single point (``base``: its neighbour fingerprint, which the strained cells compare
+    with)."""
     from orb.inference.mechanics import fit_eos, scaled_cells
 
     groups = [[r["atoms"]] + scaled_cells(r["atoms"], args.eos_span, args.eos_points) for r in relaxed]
@@ -126,6 +130,8 @@ def equations_of_state(engine: Engine, relaxed: List[Dict], args, bar) -> List[D
 
 
 def elastic_tensors(engine: Engine, relaxed: List[Dict], bases: List[Dict], args, bar) -> List[Dict]:
+    """Each relaxed structure's elastic tensor: the strained cells of every structure batched (with
+    ``--relax_ions`` relaxed together first)."""
     from orb.inference.mechanics import bulk_modulus_voigt, elastic_tensor, relax_all, strained_cells
     from orb.inference.relax import BatchRelaxer
     from orb.signals import STOP
@@ -153,6 +159,7 @@ def elastic_tensors(engine: Engine, relaxed: List[Dict], bases: List[Dict], args
 
 
 def phonon_spectra(engine: Engine, structures, relaxed: List[Dict], args, bar) -> List[Dict]:
+    """Each relaxed structure's phonons: phonopy's supercells of every structure batched."""
     from orb.inference.crystals import unit_of
     from orb.inference.phonons import PhononJob, automatic_supercell, band_axis
 
@@ -164,6 +171,8 @@ def phonon_spectra(engine: Engine, structures, relaxed: List[Dict], args, bar) -
             warnings.simplefilter("ignore")
             jobs.append(PhononJob(unit, size or automatic_supercell(unit), args.displacement, args.symprec))
     groups = [job.cells() for job in jobs]
+    bar.total += sum(len(g) for g in groups)
+    bar.refresh()
     results = engine.points([c for g in groups for c in g], keys=True, stop=stop_now, progress=bar.update)
     out, start = [], 0
     for job, group in zip(jobs, groups):
@@ -204,9 +213,6 @@ def compute(engine: Engine, structures, args, show: bool) -> List[Dict]:
                     "lattice": lattice(r["atoms"], structure.repeat), "eos": e, "elastic": c, "phonons": p,
                     "neighbours": {"ties": ties, "changed": counts}, "relaxed_atoms": r["atoms"]})
     return out
-
-
-
 
 
 def prepare_output(args) -> str:
