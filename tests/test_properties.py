@@ -4,6 +4,7 @@ refusals."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -386,3 +387,23 @@ def test_a_stop_signal_ends_it_with_status_75_and_writes_nothing(tmp_path):
     assert process.returncode == 75, stderr[-2000:]
     assert "stopped by SIGTERM" in stderr.strip().splitlines()[-1]
     assert os.listdir(tmp_path) == []  # neither the output nor its staging folder
+
+
+def test_dft_values_are_read_from_json_or_csv_and_a_wrong_name_is_refused_naming_it(tmp_path):
+    from orb.errors import OrbInputError
+    from orb.reports.properties import read_dft
+
+    table = tmp_path / "dft.csv"
+    table.write_text("structure,a,B,C44,lowest_frequency\nCu_fcc,3.63,140,,0.5\nAl_fcc,4.04,76,28,\n")
+    assert read_dft(str(table), ["Cu_fcc", "Al_fcc"]) == {
+        "Cu_fcc": {"a": 3.63, "bulk_modulus": 140.0, "lowest_frequency": 0.5},
+        "Al_fcc": {"a": 4.04, "bulk_modulus": 76.0, "C44": 28.0}}
+    given = tmp_path / "dft.json"
+    given.write_text(json.dumps({"Cu_fcc": {"E0": -3.7, "C12": 120}}))
+    assert read_dft(str(given), ["Cu_fcc"]) == {"Cu_fcc": {"energy_per_atom": -3.7, "C12": 120.0}}
+    for content, said in (({"Cu_fc": {"a": 3.6}}, "structure 'Cu_fc' is not among those computed (Cu_fcc)"),
+                          ({"Cu_fcc": {"lattice": 3.6}}, "unknown value 'lattice'"),
+                          ({"Cu_fcc": {"a": "big"}}, "Cu_fcc, a: not a number ('big')")):
+        given.write_text(json.dumps(content))
+        with pytest.raises(OrbInputError, match=re.escape(said)):
+            read_dft(str(given), ["Cu_fcc"])

@@ -142,6 +142,7 @@ def elastic_tensors(engine: Engine, relaxed: List[Dict], bases: List[Dict], args
         ions = BatchRelaxer(engine.model, args.fmax, args.steps, cell=False, batch_size=args.batch_size)
         ions.predictor = engine.points.predictor
         done = relax_all(ions, cells, stop=lambda: STOP.received is not None)
+        engine.relaxer.calls += ions.calls  # counted with the relaxations
         stop_now()
         bar.update(len(cells))
         results = [{"stress": d["stress"], "neighbours": None} for d in done]
