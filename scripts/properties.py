@@ -1,0 +1,12 @@
+"""Check the physics of a fine-tuned model against its foundation: lattice, equation of state, elastic constants and
+phonons (see orb/inference/properties.py); installed as the console command orb-properties too."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from orb.inference.properties import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
