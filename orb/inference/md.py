@@ -259,6 +259,14 @@ def check_args(args) -> None:
         raise OrbInputError(f"--pressure must be a finite number (bar), got {args.pressure}")
 
 
+RUN_RECORDS = ("summary.json", "uncertain.extxyz", "run.json")  # beside each structure's traj_, state_ and log_
+
+
+def written_by_md(name: str) -> bool:
+    """Whether orb-md writes, cuts or removes the file ``name`` of its output folder."""
+    return "/" not in name and (name.startswith(("traj_", "state_", "log_")) or name in RUN_RECORDS)
+
+
 def check_output(folder: str, resume: bool, overwrite: bool) -> None:
     """A folder holding an earlier run is continued (--resume) or replaced (--overwrite), never mixed."""
     found = [f for f in os.listdir(folder) if f.startswith(("traj_", "state_", "log_"))] if os.path.isdir(folder) \
@@ -268,8 +276,7 @@ def check_output(folder: str, resume: bool, overwrite: bool) -> None:
                             "--resume to continue it or --overwrite to replace it")
     if found and overwrite and not resume:  # the states first: a kill meanwhile leaves no structure that a resume
         found.sort(key=lambda name: not name.startswith("state_"))  # would continue beside a deleted trajectory
-        for name in found + [n for n in ("summary.json", "uncertain.extxyz", "run.json")
-                             if os.path.exists(os.path.join(folder, n))]:
+        for name in found + [n for n in RUN_RECORDS if os.path.exists(os.path.join(folder, n))]:
             os.remove(os.path.join(folder, name))
     try:
         os.makedirs(folder, exist_ok=True)
@@ -557,11 +564,13 @@ def md(args) -> Dict:
     from orb.inference.runs import run_settings
     from orb.inference.uncertainty import UncertainFrames, check_threshold
     from orb.io.checkpoint import model_from_checkpoint
-    from orb.io.files import check_run_settings, remove_stale_temporaries, write_json
+    from orb.io.files import check_run_settings, refuse_overwriting_inputs, remove_stale_temporaries, write_json
     from orb.models.ops_profile import set_ops_profile
     from orb.signals import RESUME_FLAG, STOP, STOPPED_STATUS, Stopped
 
     check_args(args)
+    refuse_overwriting_inputs([("--output", args.output, written_by_md)],
+                              [("--data", args.data), ("--checkpoint", args.checkpoint)])
     if args.stop_uncertain and args.uncertain_above is None:
         raise OrbInputError("--stop_uncertain needs --uncertain_above")
     check_dispersion(args.dispersion, args.xc)

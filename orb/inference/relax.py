@@ -219,12 +219,15 @@ def relax(args) -> Dict:
                                           check_dispersion_for)
     from orb.inference.uncertainty import UncertainFrames, check_threshold
     from orb.io.checkpoint import model_from_checkpoint
-    from orb.io.files import check_run_settings, remove_stale_temporaries, write_json
+    from orb.io.files import check_run_settings, refuse_overwriting_inputs, remove_stale_temporaries, write_json
     from orb.models.ops_profile import set_ops_profile
     from orb.signals import RESUME_FLAG, STOP, STOPPED_STATUS, Stopped
 
     if args.fmax <= 0 or args.steps < 0 or args.batch_size < 1 or not np.isfinite(args.fmax):
         raise OrbInputError("--fmax must be a finite number > 0, --steps >= 0 and --batch_size >= 1")
+    refuse_overwriting_inputs([("--output", args.output, None)] +
+                              [("--output's record", companion(args.output, kind), None) for kind in COMPANIONS],
+                              [("--data", args.data), ("--checkpoint", args.checkpoint)])
     check_dispersion(args.dispersion, args.xc)
     configure_mindspore(args.device_target, precision=args.precision)
     set_ops_profile(args.ops_profile)

@@ -11,6 +11,8 @@
   by :func:`read_records`).
 * :func:`check_run_settings`: the settings a resumable run (orb-md, orb-relax) started with, kept beside its
   output, and a resume with other settings refused.
+* :func:`refuse_overwriting_inputs`: every command's outputs compared with its inputs (the same file through any
+  path) before anything is written.
 * :func:`free_port`: a free TCP port for a launcher's scheduler.
 """
 
@@ -22,7 +24,7 @@ import re
 import secrets
 import socket
 import time
-from typing import Callable, Dict, Iterable, Iterator, List
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 log = logging.getLogger("orb")
 _TEMPORARY = re.compile(r"^\..+\.tmp-(\d+)(?:@([0-9a-f]{8}))?(-[0-9a-f]+)?(\..*)?$")
@@ -243,6 +245,73 @@ def check_run_settings(path: str, settings: Dict, resume: bool, output: str,
             return
         # written by an older version, which recorded less: what it lacks is recorded now, for the next resume
     write_json(path, settings)
+
+
+# (flag, path, names): a file the command writes, replaces or deletes (names None), or a folder in which it does so to
+# the files whose path relative to it ``names(relative)`` accepts
+Output = Tuple[str, str, Optional[Callable[[str], bool]]]
+Input = Tuple[str, Union[str, Sequence[str], None]]  # (flag, a path or a list of paths; folders: the files in them)
+
+
+def same_path(a: str, b: str) -> bool:
+    """Whether two paths name one file or folder: through symlinks, ``./x``, absolute or relative, hard links."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet): the same place once every symlink is resolved
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _relative_inside(path: str, folder: str) -> Optional[str]:
+    """``path`` relative to ``folder`` when it lies inside it (through symlinks), else None."""
+    inner, outer = os.path.realpath(path), os.path.realpath(folder)
+    if inner == outer or not inner.startswith(outer.rstrip(os.sep) + os.sep):
+        return None
+    return os.path.relpath(inner, outer)
+
+
+def _collision(output: Output, flag: str, source: str) -> Optional[str]:
+    """Why writing ``output`` would change the input ``source`` (one file or folder a command reads), or None."""
+    out_flag, out, names = output
+    source_is_folder = os.path.isdir(source)
+    if names is None:  # one file
+        if same_path(out, source):
+            return f"{out_flag} {out} is {flag} {source}"
+        if source_is_folder and same_path(os.path.dirname(os.path.abspath(out)), source):
+            return f"{out_flag} {out} would be written into {flag} {source}, a folder whose files are read as input"
+        return None
+    if same_path(out, source):
+        return f"{out_flag} {out} is {flag} {source}" + (", a folder whose files are read as input"
+                                                           if source_is_folder else "")
+    inputs = [source]
+    if source_is_folder:  # its files, as the data readers list them (only those directly in it)
+        inputs = [os.path.join(source, name) for name in os.listdir(source)]
+    for path in inputs:
+        relative = _relative_inside(path, out)
+        if relative is not None and names(relative):
+            shown = f"{flag} {source}" + ("" if path == source else f" (its file {os.path.basename(path)})")
+            return f"{out_flag} {out} would write or remove {relative} there, which is {shown}"
+    return None
+
+
+def refuse_overwriting_inputs(outputs: Sequence[Output], inputs: Sequence[Input]) -> None:
+    """Before anything is written: refuse, in one line naming both paths, an output that is one of the command's
+    inputs however it is spelt (a symlink, ``./x``, an absolute or relative path, a hard link), a file it would
+    write into a folder of input files, or a file it would replace or delete in its output folder that is an input
+    (``--resume`` appended relaxed rows to the data read; ``--overwrite`` deleted the checkpoint a run started
+    from; an evaluation removed the ``uncertain.extxyz`` it read)."""
+    from orb.errors import OrbInputError
+
+    for flag, given in inputs:
+        for source in ([given] if isinstance(given, str) else list(given or [])):
+            if not source or not os.path.exists(source):
+                continue
+            for output in outputs:
+                if not output[1]:
+                    continue
+                why = _collision(output, flag, source)
+                if why is not None:
+                    flag_of = re.match(r"[-\w.]+", output[0]).group(0)  # ("--output's record": --output)
+                    raise OrbInputError(f"{why}: the command would write over its own input; choose another {flag_of}")
 
 
 def free_port() -> int:
