@@ -22,7 +22,6 @@ with one line naming it; the others go on.
 """
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -33,89 +32,13 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from orb.errors import OrbInputError
+from orb.inference.md_batch import BatchServer, StopRun, StructureFailed, make_calculator_class
+from orb.inference.md_state import (check_chain_state, cut_to, integrator, read_state, size,  # noqa: F401
+                                    start_at_temperature, state_record)
 
 log = logging.getLogger("orb")
 ENSEMBLES = ("nve", "nvt", "npt")
 THERMOSTATS = ("langevin", "nose-hoover")
-
-
-class StopRun(Exception):
-    """Ends a structure's dynamics: a stop signal (its state saved), or its uncertainty."""
-
-
-class StructureFailed(Exception):
-    """The model could not compute this structure (e.g. atoms on top of each other)."""
-
-
-class BatchServer:
-    """Force requests of many structures' integrators (threads) answered together: :meth:`request` waits until every
-    running structure has asked, or finished, then one call of ``evaluate`` answers all of them."""
-
-    def __init__(self, evaluate):
-        self.evaluate = evaluate  # {key: atoms} -> {key: results dict or an exception}
-        self.condition = threading.Condition()
-        self.pending: Dict[int, object] = {}
-        self.answers: Dict[int, object] = {}
-        self.running = 0
-        self.calls = 0
-
-    def join(self) -> None:
-        with self.condition:
-            self.running += 1
-
-    def leave(self) -> None:
-        with self.condition:
-            self.running -= 1
-            self.condition.notify_all()
-
-    def request(self, key: int, atoms):
-        """(From a structure's thread) this structure's results at ``atoms``, computed with the others'."""
-        with self.condition:
-            self.pending[key] = atoms
-            self.condition.notify_all()
-            while key not in self.answers:
-                self.condition.wait()
-            answer = self.answers.pop(key)
-        if isinstance(answer, BaseException):
-            raise answer
-        return answer
-
-    def serve(self, done, at_step=lambda: None) -> None:
-        """(From the main thread) answer batches until ``done()``: all threads have left. ``at_step()`` runs while
-        every structure of a batch waits for its answer, so what it decides (a stop) every structure sees after the
-        same step."""
-        while True:
-            with self.condition:
-                while not (self.running and len(self.pending) == self.running) and not done():
-                    self.condition.wait(timeout=0.5)
-                if done() and not self.pending:
-                    return
-                batch, self.pending = self.pending, {}
-            at_step()
-            answers = self.evaluate(batch)
-            self.calls += 1
-            with self.condition:
-                self.answers.update(answers)
-                self.condition.notify_all()
-
-
-def make_calculator_class():
-    from ase.calculators.calculator import Calculator, all_changes
-
-    class ServedCalculator(Calculator):
-        """An ASE calculator whose results come from the batch server (one structure's view of the batched model)."""
-
-        implemented_properties = ["energy", "free_energy", "forces", "stress", "force_error"]
-
-        def __init__(self, server: BatchServer, key: int):
-            super().__init__()
-            self.server, self.key = server, key
-
-        def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes):
-            super().calculate(atoms, properties, system_changes)
-            self.results = dict(self.server.request(self.key, self.atoms.copy()))
-
-    return ServedCalculator
 
 
 @dataclass
@@ -132,110 +55,13 @@ class Run:
     uncertain: int = 0
     energies: List[float] = field(default_factory=list)  # total energy at each frame written (its drift)
     resumed_from: Optional[int] = None  # the step of the state a resume started from (written already)
+    state: Optional[Dict] = None  # (resume) its saved state, read and checked before anything is cut or written
+    at_rest: bool = False  # no motion but its centre of mass's to draw velocities for (one atom): it starts at rest
     frames_kept_to: int = -1  # (resume) its uncertain frames up to this step stay; later ones are computed again
 
     def path(self, kind: str) -> str:
         ext = {"traj": "extxyz", "log": "csv", "state": "json"}[kind]
         return os.path.join(self.folder, f"{kind}_{self.index}.{ext}")
-
-
-def integrator(atoms, args, index: int):
-    """ASE's integrator of ``args.ensemble`` for one structure (its own random generator: [seed, index])."""
-    from ase import units
-
-    dt = args.timestep * units.fs
-    rng = np.random.default_rng([args.seed, index])
-    if args.ensemble == "nve":
-        from ase.md.verlet import VelocityVerlet
-
-        return VelocityVerlet(atoms, timestep=dt)
-    if args.ensemble == "nvt" and args.thermostat == "langevin":
-        from ase.md.langevin import Langevin
-
-        return Langevin(atoms, timestep=dt, temperature_K=args.temperature, friction=args.friction / units.fs,
-                        rng=rng, fixcm=False)  # (ASE 3.28 deprecates fixcm=True: it does not sample NVT exactly)
-    if args.ensemble == "nvt":
-        from ase.md.nose_hoover_chain import NoseHooverChainNVT
-
-        dynamics = NoseHooverChainNVT(atoms, timestep=dt, temperature_K=args.temperature, tdamp=args.tdamp * units.fs)
-        check_chain_state(dynamics)
-        return dynamics
-    from ase.md.nptberendsen import NPTBerendsen
-
-    return NPTBerendsen(atoms, timestep=dt, temperature_K=args.temperature, pressure_au=args.pressure * units.bar,
-                        taut=args.taut * units.fs, taup=args.taup * units.fs,
-                        compressibility_au=args.compressibility / units.bar)
-
-
-def check_chain_state(dynamics) -> None:
-    """The Nose-Hoover chain keeps its own positions, momenta and thermostat in attributes of ASE's (3.29: ``_q``,
-    ``_p``, ``_thermostat``), which the state saves; an ASE that names them otherwise is refused in one line rather
-    than resumed inexactly without a word."""
-    from ase import __version__
-
-    chain = getattr(dynamics, "_thermostat", None)
-    if not all(isinstance(getattr(dynamics, name, None), np.ndarray) for name in ("_q", "_p")) or chain is None \
-            or not any(isinstance(v, np.ndarray) for v in vars(chain).values()):
-        raise OrbInputError(f"--thermostat nose-hoover: ASE {__version__} keeps the chain's state where orb-md cannot "
-                            "save it, so a --resume would not continue exactly; use --thermostat langevin, or ASE 3.29")
-
-
-def integrator_state(dynamics) -> Dict:
-    """What a resume needs besides positions, momenta and cell: the random generator (Langevin) and the
-    thermostat chain (Nose-Hoover), as JSON."""
-    state = {}
-    for name in ("_q", "_p"):  # Nose-Hoover's own positions and momenta: of fixed atoms, not the atoms' values
-        value = getattr(dynamics, name, None)
-        if isinstance(value, np.ndarray):
-            state[name] = value.tolist()
-    rng = getattr(dynamics, "rng", None)
-    if rng is not None and hasattr(rng, "bit_generator"):
-        state["rng"] = rng.bit_generator.state
-    chain = getattr(dynamics, "_thermostat", None)
-    if chain is not None:
-        state["thermostat"] = {k: np.asarray(v).tolist() for k, v in vars(chain).items()
-                               if isinstance(v, (np.ndarray, float)) and k.startswith("_")}
-    return state
-
-
-def restore_integrator(dynamics, state: Dict) -> None:
-    for name in ("_q", "_p"):
-        if name in state:
-            setattr(dynamics, name, np.array(state[name]))
-    if "rng" in state:
-        dynamics.rng.bit_generator.state = state["rng"]
-    chain = getattr(dynamics, "_thermostat", None)
-    for key, value in state.get("thermostat", {}).items():
-        current = getattr(chain, key)
-        setattr(chain, key, np.array(value) if isinstance(current, np.ndarray) else float(value))
-
-
-def size(path: str) -> int:
-    return os.path.getsize(path) if os.path.exists(path) else 0
-
-
-def cut_to(path: str, size: int) -> None:
-    """A file cut back to ``size`` bytes (what it held at the state a resume continues from)."""
-    if os.path.exists(path) and os.path.getsize(path) > size:
-        with open(path, "r+b") as f:
-            f.truncate(size)
-
-
-def check_states_extend(runs, args) -> None:
-    """A longer --resume of a structure whose state an earlier version wrote at a last frame off the --write_every
-    grid is refused (before anything is cut or recorded): that state does not say where the files were before the
-    frame, so the longer run would keep a frame an uninterrupted one does not have."""
-    for run in runs:
-        if not os.path.exists(run.path("state")):
-            continue
-        with open(run.path("state")) as f:
-            state = json.load(f)
-        step = int(state["step"])
-        if "last_frame_only" not in state and args.steps > step and step % args.write_every:
-            raise OrbInputError(f"--resume {args.output}: structure {run.index}'s run, written by an earlier version, "
-                                f"ended at step {step}, off the --write_every grid, and its state does not say where "
-                                "its files were before that frame: extend it with the version that wrote it, or "
-                                "start it again")
 
 
 def check_args(args) -> None:
@@ -341,44 +167,38 @@ class Dynamics:
 
     # ------------------------------------------------------------------ one structure
     def prepare(self, run: Run) -> None:
-        """The structure's atoms, velocities and integrator, from its state file when resuming."""
-        from ase.md.velocitydistribution import MaxwellBoltzmannDistribution, Stationary
+        """The structure's atoms, velocities and integrator, from its state (read and checked by
+        :func:`orb.inference.md_state.read_state`) when resuming."""
+        from orb.inference.md_state import as_json, files_of, restore_integrator
 
-        args, atoms = self.args, run.atoms
-        state = None
-        if args.resume and not os.path.exists(run.path("state")):  # killed before its first state: it starts again,
-            for kind in ("traj", "log"):                            # so a frame or line written before goes
+        args, atoms, state = self.args, run.atoms, run.state
+        if args.resume and state is None:  # killed before its first state: it starts again, so a frame or line
+            for kind in ("traj", "log"):   # written before goes
                 if os.path.exists(run.path(kind)):
                     os.remove(run.path(kind))
-        if args.resume and os.path.exists(run.path("state")):
-            with open(run.path("state")) as f:
-                state = json.load(f)
-            atoms.set_cell(np.array(state["cell"]), scale_atoms=False)
+        if state is not None:
+            atoms.set_cell(state["cell"], scale_atoms=False)
             # as saved, constraints not applied again: a barostat moves fixed atoms with the cell, and FixAtoms
             # would put them back where the input had them
-            atoms.set_positions(np.array(state["positions"]), apply_constraint=False)
-            atoms.set_momenta(np.array(state["momenta"]), apply_constraint=False)
-            files = state
-            run.frames_kept_to = int(state["step"])
-            last_only = state.get("last_frame_only")  # the previous --steps' last frame, off the --write_every grid
-            if last_only and args.steps > state["step"]:  # a longer run now, whose files have no frame there
-                files, run.frames_kept_to = last_only, int(state["step"]) - 1
+            atoms.set_positions(state["positions"], apply_constraint=False)
+            atoms.set_momenta(state["momenta"], apply_constraint=False)
+            files = files_of(state, args)
+            run.frames_kept_to = state["step"] - (files is not state)
             cut_to(run.path("traj"), files["traj_bytes"])
             cut_to(run.path("log"), files["log_bytes"])
-            if files is last_only:  # the state says so before anything is appended (a kill then resumes alike)
+            if files is not state:  # the state says so before anything is appended (a kill then resumes alike)
                 from orb.io.files import write_json
 
-                write_json(run.path("state"), dict(state, **last_only, last_frame_only=None))
+                write_json(run.path("state"), as_json(dict(state, **files, last_frame_only=None)))
             run.uncertain = int(files.get("uncertain", 0))
             run.energies = [e for e in (state.get("first_total_energy"), files.get("last_total_energy"))
                             if e is not None][:2]
         elif not np.any(atoms.get_momenta()):
-            MaxwellBoltzmannDistribution(atoms, temperature_K=args.temperature,
-                                         rng=np.random.default_rng([args.seed, run.index, 1]))
-            Stationary(atoms)
+            run.at_rest = not start_at_temperature(atoms, args.temperature,
+                                                   np.random.default_rng([args.seed, run.index, 1]))
         run.dynamics = integrator(atoms, args, run.index)
         if state is not None:
-            run.dynamics.nsteps = run.resumed_from = int(state["step"])
+            run.dynamics.nsteps = run.resumed_from = state["step"]
             restore_integrator(run.dynamics, state["integrator"])
             if state.get("status", "").startswith("stopped: uncertain"):
                 run.status = state["status"]  # --stop_uncertain stopped it: it stays stopped
@@ -436,12 +256,7 @@ class Dynamics:
         before = files() if last_only else None
         if frame:
             self.write_frame(run, step)
-        atoms = run.atoms
-        write_json(run.path("state"), {
-            "step": step, "positions": atoms.get_positions().tolist(), "momenta": atoms.get_momenta().tolist(),
-            "cell": atoms.cell.array.tolist(), "integrator": integrator_state(run.dynamics), **files(),
-            "first_total_energy": run.energies[0] if run.energies else None, "last_frame_only": before,
-            "status": run.status})
+        write_json(run.path("state"), state_record(run, step, files(), before))
 
     def write_frame(self, run: Run, step: int) -> None:
         """The trajectory frame and log line at ``step``, synced to the disk (and the frame to uncertain.extxyz
@@ -582,21 +397,33 @@ def md(args) -> Dict:
     if args.ensemble == "npt" and not model.cfg.has_stress:  # its stress would be zeros: a barostat without pressure
         raise OrbInputError(f"--ensemble npt needs stress, and {model.cfg.name} predicts none (no stress head)")
     runs, data = load_structures(args, model)
+    uncertain = UncertainFrames(args.output) if args.uncertain_above is not None else None
     try:
         check_output(args.output, args.resume, args.overwrite)  # after every check: --overwrite deletes the old run
         remove_stale_temporaries(args.output, min_age=600.0)  # a state or summary whose write was killed
-        if args.resume:
-            check_states_extend(runs, args)
-        check_run_settings(os.path.join(args.output, "run.json"), run_settings(args, SETTINGS, model, data),
-                           args.resume, args.output, informational=("checkpoint",), may_grow=("steps",))
+        record = os.path.join(args.output, "run.json")
+        pending = check_run_settings(record, run_settings(args, SETTINGS, model, data), args.resume, args.output,
+                                     informational=("checkpoint",), may_grow=("steps",),
+                                     required=args.resume and any(os.path.exists(r.path("state")) for r in runs))
+        if args.resume:  # every state and the files it keeps checked before anything is cut back or written
+            for run in runs:
+                run.state = read_state(run, args)
+            if uncertain is not None:
+                uncertain.frames()
+        if pending is not None:
+            write_json(record, pending)
     except OSError as exc:  # a read-only folder
         raise OrbInputError(f"--output {args.output}: cannot write there ({exc.strerror or exc})") from None
     d3 = D3Dispersion(args.dispersion, args.xc, model.cfg.graph_settings()) if args.dispersion else None
     dynamics = Dynamics(model, args, d3)
-    if args.uncertain_above is not None:
-        dynamics.uncertain = UncertainFrames(args.output)
+    dynamics.uncertain = uncertain
     for run in runs:
         dynamics.prepare(run)
+    still = [r for r in runs if r.at_rest]
+    if still:
+        print(f"note: {len(still)} structure(s) (structure {still[0].index}, row {still[0].row}{' ...' if len(still) > 1 else ''}) "
+              "have no motion but their centre of mass's (one atom, or every atom fixed), which orb-md removes: they "
+              "start at rest", file=sys.stderr)
     if dynamics.uncertain is not None and args.resume:  # a structure without a state starts again: none kept
         dynamics.uncertain.keep_up_to({r.index: r.frames_kept_to for r in runs})
     show = sys.stderr.isatty() if args.progress_bar == "auto" else args.progress_bar == "true"

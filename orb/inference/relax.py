@@ -48,18 +48,48 @@ def _optimizer(atoms, cell: bool, fmax: float):
     return optimizer
 
 
-def _done_rows(output: str) -> set:
-    """The input rows an earlier run already wrote (their ``source_row`` key-value pairs)."""
+def read_output(output: str) -> Dict[int, Tuple[int, bool]]:
+    """Every structure the output database holds: input row -> (steps, converged), read through one checked reader
+    (at a resume's start and for its summary): a file that is no ASE database, or a row without orb-relax's keys
+    (one written by hand or by another program; a traceback after the whole run, before), is one line naming it.
+    An empty file holds nothing yet (SQLite's own reading of it)."""
     import sqlite3
+    from urllib.parse import quote
 
+    from orb.data.formats import SQLITE_MAGIC
+
+    if not os.path.exists(output) or os.path.getsize(output) == 0:
+        return {}
+    advice = "; restore it, or start a new run in another --output"
+    with open(output, "rb") as f:
+        if f.read(len(SQLITE_MAGIC)) != SQLITE_MAGIC:
+            raise OrbInputError(f"--output {output} is not an ASE SQLite database (another file, or one cut short)"
+                                f"{advice}")
     try:
-        with sqlite3.connect(f"file:{output}?mode=ro", uri=True) as connection:
-            found = connection.execute("SELECT value FROM number_key_values WHERE key = 'source_row'").fetchall()
+        with sqlite3.connect(f"file:{quote(os.path.abspath(output))}?mode=ro", uri=True) as connection:
+            tables = {name for (name,) in connection.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            if "systems" not in tables:
+                if tables:
+                    raise OrbInputError(f"--output {output} is an SQLite file but not an ASE database (no 'systems' "
+                                        f"table){advice}")
+                return {}
+            rows = [row for (row,) in connection.execute("SELECT id FROM systems ORDER BY id")]
+            found = connection.execute("SELECT id, key, value FROM number_key_values WHERE key IN "
+                                       "('source_row', 'relax_steps', 'converged')").fetchall() if rows else []
     except sqlite3.DatabaseError as exc:
-        if "no such table" in str(exc):
-            return set()
-        raise OrbInputError(f"--output {output}: cannot read it as an ASE database to resume ({exc})") from None
-    return {int(value) for (value,) in found}
+        raise OrbInputError(f"--output {output}: cannot read it as an ASE database ({exc}){advice}") from None
+    values: Dict[int, Dict[str, float]] = {}
+    for row, key, value in found:
+        values.setdefault(row, {})[key] = value
+    written = {}
+    for row in rows:
+        keys = values.get(row, {})
+        missing = [k for k in ("source_row", "relax_steps", "converged") if k not in keys]
+        if missing:
+            raise OrbInputError(f"--output {output}, row {row}: key '{missing[0]}' is missing: a row orb-relax did "
+                                f"not write{advice}")
+        written[int(keys["source_row"])] = (int(keys["relax_steps"]), bool(keys["converged"]))
+    return written
 
 
 def companion(output: str, kind: str) -> str:
@@ -86,9 +116,11 @@ def check_output(output: str, resume: bool, overwrite: bool) -> None:
             os.remove(path)
 
 
-# what a resume must not change (--steps may grow, not shrink, as orb-md's; the batch size may change: a resumed run
-# relaxes the unfinished structures from their start, in other batches whatever the size)
-SETTINGS = ("steps", "fmax", "cell", "uncertain_above", "precision", "dispersion", "xc", "model")
+# what a resume must not change (--steps may grow, not shrink, as orb-md's); what it may change, said (a resumed run
+# relaxes the unfinished structures from their start, in other batches whatever the size: these only round them
+# otherwise than an uninterrupted run would)
+SETTINGS = ("steps", "fmax", "cell", "uncertain_above", "precision", "dispersion", "xc", "model", "batch_size")
+SAID = ("batch_size", "ops_profile", "device_target")
 
 
 class BatchRelaxer:
@@ -192,16 +224,6 @@ class BatchRelaxer:
             active = still
 
 
-def _written(output: str) -> Dict[int, Tuple[int, bool]]:
-    """Every structure the output holds: input row -> (steps, converged)."""
-    import ase.db
-
-    if not os.path.exists(output):
-        return {}
-    with ase.db.connect(output, type="db", use_lock_file=False) as db:
-        return {int(row.source_row): (int(row.relax_steps), bool(row.converged)) for row in db.select()}
-
-
 def relax(args) -> Dict:
     from orb.device import import_mindspore
 
@@ -243,18 +265,22 @@ def relax(args) -> Dict:
     try:
         check_output(args.output, args.resume, args.overwrite)  # after every check: --overwrite deletes the old one
         remove_stale_temporaries(os.path.dirname(os.path.abspath(args.output)), min_age=600.0)  # a killed summary's
-        check_run_settings(companion(args.output, "run.json"),
-                           run_settings(args, SETTINGS, model, data), args.resume, args.output,
-                           informational=("checkpoint",), may_grow=("steps",))
+        record = companion(args.output, "run.json")
+        earlier = read_output(args.output) if args.resume else {}
+        pending = check_run_settings(record, run_settings(args, SETTINGS, model, data), args.resume, args.output,
+                                     informational=("checkpoint",), may_grow=("steps",), said=SAID,
+                                     required=bool(earlier))
     except OSError as exc:  # a read-only folder
         raise OrbInputError(f"--output {args.output}: cannot write there ({exc.strerror or exc})") from None
-    done = _done_rows(args.output) if os.path.exists(args.output) else set()
+    done = set(earlier)
     todo = [i for i in range(len(data)) if int(data.ids[i]) not in done]
     uncertain = (UncertainFrames(os.path.dirname(os.path.abspath(args.output)),
                                  os.path.basename(companion(args.output, "uncertain.extxyz")))
                  if args.uncertain_above is not None else None)
     if uncertain is not None and args.resume:
-        uncertain.keep_rows(done)
+        uncertain.keep_rows(done)  # (read, and refused if it cannot be, before anything is written)
+    if pending is not None:
+        write_json(record, pending)
     dispersion = D3Dispersion(args.dispersion, args.xc, model.cfg.graph_settings()) if args.dispersion else None
     relaxer = BatchRelaxer(model, args.fmax, args.steps, args.cell, args.batch_size, dispersion)
     show = sys.stderr.isatty() if args.progress_bar == "auto" else args.progress_bar == "true"
@@ -294,7 +320,7 @@ def relax(args) -> Dict:
 
         relaxer.run(structures(), finish, stop=lambda: STOP.received is not None, on_failed=failed)
     seconds = time.perf_counter() - start
-    results = _written(args.output)
+    results = read_output(args.output)
     not_converged = sorted(row for row, (_, converged) in results.items() if not converged)
     summary = {"input": args.data, "output": os.path.abspath(args.output), "checkpoint": args.checkpoint,
                "fmax": args.fmax, "max_steps": args.steps, "cell": args.cell, "dispersion": args.dispersion or None,

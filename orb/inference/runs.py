@@ -7,15 +7,25 @@ from orb.errors import OrbInputError
 
 
 def run_settings(args, names: Sequence[str], model, data) -> Dict:
-    """What a resume must not change: the settings ``names`` of ``args``, the model's weights (their digest) and
-    the structures of ``data`` (their rows' ids, atom counts and elements, as a training resume compares them, and
-    their geometry: positions, cells, momenta). The checkpoint's path is recorded, not compared: a copy elsewhere
-    with the same weights continues the run."""
-    from orb.models import weights_digest
+    """What a resume must not change: the settings ``names`` of ``args``; what changes the arithmetic besides them:
+    the operator profile and device in force (resolved: ``auto`` is compared as what it chose), the model's
+    weights (their digest) and architecture; and the structures of ``data`` (their rows' ids, atom counts and
+    elements, as a training resume compares them, and their geometry: positions, cells, momenta). The
+    checkpoint's path is recorded, not compared: a copy elsewhere with the same weights continues the run."""
+    import hashlib
+    import json
 
+    import mindspore as ms
+
+    from orb.models import weights_digest
+    from orb.models.ops_profile import ops_profile
+
+    architecture = json.dumps(model.cfg.to_dict(), sort_keys=True, default=str)
     return {**{key: getattr(args, key) for key in names}, "checkpoint": os.path.abspath(args.checkpoint),
             "weights_digest": weights_digest(model), "data_fingerprint": data.content_fingerprint(),
-            "structures_fingerprint": data.structures_fingerprint()}
+            "structures_fingerprint": data.structures_fingerprint(), "ops_profile": ops_profile(),
+            "device_target": ms.get_context("device_target"),
+            "architecture": hashlib.sha256(architecture.encode()).hexdigest()[:16]}
 
 
 def total_charge_and_spin(data, index: int, required: bool) -> Dict[str, float]:

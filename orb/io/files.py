@@ -10,7 +10,8 @@
 * :func:`append_record`: one JSON line per call, complete or absent (a line cut short by a kill is skipped
   by :func:`read_records`).
 * :func:`check_run_settings`: the settings a resumable run (orb-md, orb-relax) started with, kept beside its
-  output, and a resume with other settings refused.
+  output, and a resume with other settings refused (read through :mod:`orb.io.records`, the one reader of what a
+  resume reads).
 * :func:`refuse_overwriting_inputs`: every command's outputs compared with its inputs (the same file through any
   path) before anything is written.
 * :func:`free_port`: a free TCP port for a launcher's scheduler.
@@ -217,34 +218,50 @@ def keep_records_up_to(path: str, step: int) -> int:
     return len(lines) - len(kept)
 
 
-def check_run_settings(path: str, settings: Dict, resume: bool, output: str,
-                       informational: Iterable[str] = (), may_grow: Iterable[str] = ()) -> None:
-    """``path`` (JSON): written by a fresh run of a command with ``--output`` and ``--resume`` (orb-md, orb-relax); a
-    resume whose ``settings`` differ from it is refused with one line naming each change (the keys in
-    ``informational``, such as a checkpoint's path, are recorded but not compared: the weights' digest is; those in
-    ``may_grow``, such as ``steps``, may grow, and the larger value is recorded, but not shrink: structures already
-    past it would keep longer runs than the output says). A setting the file lacks (an older version wrote it, or
-    none) cannot be compared: it is recorded for the next resume."""
-    from orb.errors import OrbInputError
+def check_run_settings(path: str, settings: Dict, resume: bool, output: str, informational: Iterable[str] = (),
+                       may_grow: Iterable[str] = (), said: Iterable[str] = (), required: bool = False
+                       ) -> Optional[Dict]:
+    """``path`` (JSON): the settings a fresh run of a command with ``--output`` and ``--resume`` (orb-md, orb-relax)
+    started with; a resume whose ``settings`` differ from it is refused with one line naming each change. Keys in
+    ``informational`` (a checkpoint's path) are recorded, not compared (the weights' digest is); those in
+    ``may_grow`` (``steps``) may grow, not shrink (structures already past it would keep longer runs than the output
+    says); those in ``said`` (what only rounds the work still to do otherwise, such as orb-relax's batch size) may
+    change, said in one line. A setting the file lacks (an older version wrote it) cannot be compared: it is recorded
+    for the next resume. ``required``: the output holds earlier work, so a resume without the record (deleted, never
+    written) is refused rather than continued with settings nobody compared. Returns what to record at ``path``
+    (None: as it is), which the caller writes once everything else a resume reads is checked."""
+    import sys
 
-    if resume and os.path.exists(path):
-        try:
-            with open(path) as f:
-                saved = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise OrbInputError(f"--resume {output}: cannot read the run's settings {path} ({exc}); start a new run "
-                                "in another --output") from None
-        skip, grow = set(informational), set(may_grow)
-        changed = [f"{k}: {saved[k]!r} -> {settings[k]!r}" + (" (it may grow, not shrink)" if k in grow else "")
-                   for k in settings if k not in skip and k in saved
-                   and (settings[k] < saved[k] if k in grow else saved[k] != settings[k])]
-        if changed:
-            raise OrbInputError(f"--resume {output}: these settings differ from the run's: {'; '.join(changed)}. "
-                                "Restore them, or start a new run in another --output")
-        if all(k in saved and saved[k] == settings[k] for k in settings if k not in skip):
-            return
-        # written by an older version, which recorded less: what it lacks is recorded now, for the next resume
-    write_json(path, settings)
+    from orb.errors import OrbInputError
+    from orb.io.records import read_record
+
+    if not resume or not os.path.exists(path):
+        if resume and required:
+            raise OrbInputError(f"--resume {output}: its run's settings {path} are missing, so they cannot be "
+                                "compared with this run's: restore the file, or start a new run in another --output")
+        return settings
+    saved = read_record(path, {}, advice="; restore it, or start a new run in another --output")
+    skip, grow, note = set(informational), set(may_grow), set(said)
+
+    def differs(key) -> bool:
+        if key in grow and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                               for v in (saved[key], settings[key])):
+            return settings[key] < saved[key]
+        return saved[key] != settings[key]
+
+    changed = [k for k in settings if k not in skip and k in saved and differs(k)]
+    refused = [f"{k}: {saved[k]!r} -> {settings[k]!r}" + (" (it may grow, not shrink)" if k in grow else "")
+               for k in changed if k not in note]
+    if refused:
+        raise OrbInputError(f"--resume {output}: these settings differ from the run's: {'; '.join(refused)}. "
+                            "Restore them, or start a new run in another --output")
+    if changed:  # allowed: the work still to do rounds otherwise than the uninterrupted run's would have
+        print(f"note: --resume {output} continues with " + "; ".join(f"{k}: {saved[k]!r} -> {settings[k]!r}"
+                                                                      for k in changed)
+              + ": what is computed from now on rounds differently from an uninterrupted run", file=sys.stderr)
+    if all(k in saved and saved[k] == settings[k] for k in settings if k not in skip):
+        return None
+    return {**saved, **settings}  # the new values, and what an older version did not record
 
 
 # (flag, path, names): a file the command writes, replaces or deletes (names None), or a folder in which it does so to
