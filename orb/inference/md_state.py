@@ -112,8 +112,8 @@ def restore_integrator(dynamics, state: Dict) -> None:
             if np.shape(new) != np.shape(current):
                 raise ValueError(f"thermostat {key} of shape {np.shape(new)}, expected {np.shape(current)}")
             setattr(chain, key, new)
-    except (AttributeError, KeyError, TypeError) as exc:  # numpy's generator state, a chain ASE names otherwise
-        raise ValueError(f"does not fit {type(dynamics).__name__} ({type(exc).__name__}: {exc})") from None
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:  # numpy's generator state, a chain named
+        raise ValueError(f"does not fit {type(dynamics).__name__} ({exc})") from None  # otherwise by ASE
 
 
 def start_at_temperature(atoms, temperature: float, rng) -> bool:

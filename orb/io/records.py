@@ -30,7 +30,7 @@ def read_json(path: str, advice: str = "") -> object:
     try:
         return json.loads(text)
     except ValueError as exc:
-        cut = "cut short" if exc.pos >= len(text.rstrip()) else "not valid JSON"
+        cut = "cut short" if exc.msg.startswith("Unterminated") or exc.pos >= len(text.rstrip()) else "not valid JSON"
         raise RecordError(f"{path} is {cut} ({exc.msg} at character {exc.pos}){advice}") from None
 
 
