@@ -187,10 +187,12 @@ def minimal_supercell_offsets(cell: np.ndarray, radius: float) -> np.ndarray:
     cell64 = np.asarray(cell, np.float64)
     reach = np.floor(radius * np.linalg.norm(np.linalg.inv(cell64), axis=0) + 1 + 1e-6).astype(np.int64)
     if np.prod(2 * reach + 1) > MAX_IMAGE_OFFSETS:
-        heights = np.abs(np.linalg.det(cell64)) / np.linalg.norm(np.cross(cell64[[1, 2, 0]], cell64[[2, 0, 1]]), axis=1)
-        raise StructureError(f"a cell this thin (heights {', '.join(f'{h:.3g}' for h in heights)} Å) needs more than "
-                             f"{MAX_IMAGE_OFFSETS:,} periodic images for a neighbour search within {radius} Å: give it in "
-                             "a reduced basis (ase.build.niggli_reduce) or as a supercell")
+        faces = np.linalg.norm(np.cross(cell64[[1, 2, 0]], cell64[[2, 0, 1]]), axis=1)
+        heights = np.abs(np.linalg.det(cell64)) / faces
+        shown = ", ".join(f"{h:.3g}" for h in heights)
+        raise StructureError(f"a cell this thin (heights {shown} Å) needs more than {MAX_IMAGE_OFFSETS:,} periodic "
+                             f"images for a neighbour search within {radius} Å: give it in a reduced basis "
+                             "(ase.build.niggli_reduce) or as a supercell")
     box = np.stack(np.meshgrid(*(np.arange(-r, r + 1) for r in reach), indexing="ij"), -1).reshape(-1, 3)
     vectors = box @ cell64
     length = np.sqrt(np.einsum("ij,ij->i", vectors, vectors))
@@ -211,10 +213,34 @@ def supercell_edges(positions: np.ndarray, cell: np.ndarray, periodic: bool, rad
 def _v3_frame(positions64: np.ndarray, numbers: np.ndarray, cell64: np.ndarray, pbc: Optional[np.ndarray]):
     """orb-v3's checked float32 positions (wrapped in float64 when periodic), float32 cell and periodicity."""
     cell = cell64.astype(np.float32)
-    wanted = _check_pbc(pbc, cell)  # without pbc the cell plays no part: a singular one is not an error then
-    periodic = check_structure(positions64.astype(np.float32), numbers, cell if wanted else np.zeros_like(cell))
+    periodic = _checked_periodicity(positions64.astype(np.float32), numbers, cell, pbc, True)
     positions = (wrap_positions64(positions64, cell64) if periodic else positions64).astype(np.float32)
     return positions, cell, periodic
+
+
+def structure_periodicity(positions, numbers, cell, pbc, settings: "GraphSettings") -> bool:
+    """Whether the model of ``settings`` sees a structure as periodic, after every check its graph construction
+    makes (the one check of a structure: a data set's census and orb-md's start, before any work, make it as the
+    graphs do: orb-v3's periodicity along some axes only was found mid-run, and a molecule without pbc in a
+    degenerate box was refused up front though orb-v3 ignores its cell)."""
+    return _checked_periodicity(np.asarray(positions, np.float32), np.asarray(numbers).astype(np.int64),
+                                _cell64(cell).astype(np.float32), pbc, settings.minimal_supercell)
+
+
+def _checked_periodicity(positions: np.ndarray, numbers: np.ndarray, cell: np.ndarray, pbc, minimal_supercell: bool
+                         ) -> bool:
+    """orb-v3: a non-zero cell and pbc (without pbc the cell plays no part: a singular one is no error then);
+    orb-v2: a non-zero cell, whatever pbc says (as orb-models 0.4.2)."""
+    if minimal_supercell:
+        wanted = _check_pbc(pbc, cell)
+        return check_structure(positions, numbers, cell if wanted else np.zeros_like(cell))
+    try:
+        return check_structure(positions, numbers, cell)
+    except StructureError as exc:
+        if "singular cell" in str(exc) and pbc is not None and not np.any(pbc):
+            raise StructureError(f"{exc} (orb-v2 reads any non-zero cell as periodic, whatever its periodic flags: "
+                                 "store a molecule with a zero cell)") from None
+        raise
 
 
 def _check_pbc(pbc: Optional[np.ndarray], cell: np.ndarray) -> bool:
@@ -264,7 +290,7 @@ def graph_from_arrays(
                                                               settings.max_neighbors)
     else:
         positions = positions64.astype(np.float32)
-        periodic = check_structure(positions, numbers, cell)
+        periodic = _checked_periodicity(positions, numbers, cell, pbc, False)
         if periodic:
             positions = wrap_positions(positions, cell)
         senders, receivers, vectors, shifts = knn_edges(positions, cell, settings.radius, settings.max_neighbors)

@@ -22,92 +22,24 @@ with one line naming it; the others go on.
 """
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
 import threading
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import numpy as np
 
 from orb.errors import OrbInputError
 from orb.inference.md_batch import BatchServer, StopRun, StructureFailed, make_calculator_class
+from orb.inference.md_setup import SETTINGS, Run, check_args, check_output, load_structures, written_by_md
 from orb.inference.md_state import (check_chain_state, cut_to, integrator, read_state, size,  # noqa: F401
                                     start_at_temperature, state_record)
 
 log = logging.getLogger("orb")
 ENSEMBLES = ("nve", "nvt", "npt")
 THERMOSTATS = ("langevin", "nose-hoover")
-
-
-@dataclass
-class Run:
-    """One structure's dynamics and its files."""
-
-    index: int
-    row: int
-    atoms: object
-    dynamics: object = None
-    folder: str = ""
-    status: str = "pending"
-    error: str = ""
-    uncertain: int = 0
-    energies: List[float] = field(default_factory=list)  # total energy at each frame written (its drift)
-    resumed_from: Optional[int] = None  # the step of the state a resume started from (written already)
-    state: Optional[Dict] = None  # (resume) its saved state, read and checked before anything is cut or written
-    at_rest: bool = False  # no motion but its centre of mass's to draw velocities for (one atom): it starts at rest
-    frames_kept_to: int = -1  # (resume) its uncertain frames up to this step stay; later ones are computed again
-
-    def path(self, kind: str) -> str:
-        ext = {"traj": "extxyz", "log": "csv", "state": "json"}[kind]
-        return os.path.join(self.folder, f"{kind}_{self.index}.{ext}")
-
-
-def check_args(args) -> None:
-    for name, value, low in (("--timestep", args.timestep, 0.0), ("--temperature", args.temperature, -1e-300),
-                             ("--friction", args.friction, 0.0), ("--tdamp", args.tdamp, 0.0)):
-        if not np.isfinite(value) or value <= low:
-            bound = ">= 0" if name == "--temperature" else "> 0"
-            raise OrbInputError(f"{name} must be a finite number {bound}, got {value}")
-    if args.temperature == 0 and (args.ensemble == "npt" or (args.ensemble == "nvt" and args.thermostat != "langevin")):
-        # (Nose-Hoover's thermostat masses are proportional to it; Berendsen divides by the temperature, 0 at 0 K:
-        # every structure failed with NaN positions, blamed on the structures)
-        what = "--ensemble npt (Berendsen)" if args.ensemble == "npt" else f"--thermostat {args.thermostat}"
-        raise OrbInputError(f"--temperature must be > 0 for {what}; at 0 K use --thermostat langevin (a quench) or "
-                            "orb-relax")
-    if args.steps < 0 or args.write_every < 1 or args.batch_size < 1 or not 0 <= args.seed < 2 ** 32:
-        raise OrbInputError("--steps must be >= 0, --write_every and --batch_size >= 1, --seed 0 to 2^32 - 1")
-    if args.ensemble == "npt" and not all(np.isfinite(v) and v > 0 for v in (args.taut, args.taup,
-                                                                             args.compressibility)):
-        raise OrbInputError("--taut, --taup and --compressibility must be positive numbers")
-    if not np.isfinite(args.pressure):
-        raise OrbInputError(f"--pressure must be a finite number (bar), got {args.pressure}")
-
-
-RUN_RECORDS = ("summary.json", "uncertain.extxyz", "run.json")  # beside each structure's traj_, state_ and log_
-
-
-def written_by_md(name: str) -> bool:
-    """Whether orb-md writes, cuts or removes the file ``name`` of its output folder."""
-    return "/" not in name and (name.startswith(("traj_", "state_", "log_")) or name in RUN_RECORDS)
-
-
-def check_output(folder: str, resume: bool, overwrite: bool) -> None:
-    """A folder holding an earlier run is continued (--resume) or replaced (--overwrite), never mixed."""
-    found = [f for f in os.listdir(folder) if f.startswith(("traj_", "state_", "log_"))] if os.path.isdir(folder) \
-        else []
-    if found and not resume and not overwrite:
-        raise OrbInputError(f"--output {folder} holds an earlier run ({', '.join(sorted(found)[:3])} ...): pass "
-                            "--resume to continue it or --overwrite to replace it")
-    if found and overwrite and not resume:  # the states first: a kill meanwhile leaves no structure that a resume
-        found.sort(key=lambda name: not name.startswith("state_"))  # would continue beside a deleted trajectory
-        for name in found + [n for n in RUN_RECORDS if os.path.exists(os.path.join(folder, n))]:
-            os.remove(os.path.join(folder, name))
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as exc:
-        raise OrbInputError(f"--output {folder}: cannot create it ({exc.strerror})") from None
 
 
 class Dynamics:
@@ -120,20 +52,27 @@ class Dynamics:
         self.predictor = Predictor(model, reuse=False)  # a resumed run computes as an uninterrupted one
         self.stop_requested = False
         self.uncertain = None
+        self.integrator_name = {"nve": "VelocityVerlet", "npt": "NPTBerendsen"}.get(
+            args.ensemble, "Langevin" if args.thermostat == "langevin" else "NoseHooverChainNVT")
 
     # ------------------------------------------------------------------ the model, batched
     def evaluate(self, batch: Dict[int, object]) -> Dict[int, object]:
         """Every requesting structure's results from one model call; a structure whose graph cannot be built gets
         its error instead (the others are computed)."""
-        from orb.data.graphs import atoms_to_graph, batch_graphs
+        from orb.data.graphs import atoms_to_graph, batch_graphs, model_sees_periodic
         from orb.errors import StructureError
         from orb.inference.predictor import per_structure
-        from orb.inference.runs import first_line
+        from orb.inference.runs import first_line, made_not_finite
         from orb.inference.uncertainty import per_atom_error
 
         settings = self.model.cfg.graph_settings()
         graphs, keys, answers = [], [], {}
         for key, atoms in batch.items():
+            made = made_not_finite(atoms)
+            if made:
+                answers[key] = StructureFailed(f"{self.integrator_name} made its {made} NaN or inf (the dynamics' own "
+                                               "arithmetic: the input was checked before the first step)")
+                continue
             try:
                 graph = atoms_to_graph(atoms, settings=settings, float64=self.predictor.float64)
             except StructureError as exc:
@@ -149,7 +88,8 @@ class Dynamics:
                 out = self.predictor(batch_graphs(graphs))
             except Exception as exc:  # every structure of the call is told (one line each), none hangs
                 return dict(answers, **{key: StructureFailed(f"the model failed: {first_line(exc)}") for key in keys})
-            for key, results in zip(keys, per_structure(out, [graph.num_nodes for graph in graphs])):
+            periodic = [model_sees_periodic(batch[key], settings) for key in keys]  # (a molecule's stress: none)
+            for key, results in zip(keys, per_structure(out, [graph.num_nodes for graph in graphs], periodic)):
                 confidence = results.pop("confidence", None)
                 if self.dispersion is not None:
                     try:
@@ -231,14 +171,15 @@ class Dynamics:
 
         dynamics.attach(observe, interval=1)
         try:
-            dynamics.run(args.steps - dynamics.nsteps)
+            with np.errstate(divide="ignore") if run.at_rest else contextlib.nullcontext():  # (Berendsen divides
+                dynamics.run(args.steps - dynamics.nsteps)  # by the temperature, 0 at rest: ASE clips the scaling)
             run.status = "done"
         except StopRun as reason:
             run.status = "stopped" if str(reason) == "stop signal" else "stopped: uncertain"
         except StructureFailed as exc:
-            run.status, run.error = "failed", str(exc)
+            run.status, run.error = "failed", f"step {dynamics.nsteps}: {exc}"
         except Exception as exc:  # recorded for the summary; the other structures go on
-            run.status, run.error = "failed", f"{type(exc).__name__}: {exc}"
+            run.status, run.error = "failed", f"step {dynamics.nsteps}: {type(exc).__name__}: {exc}"
         finally:
             server.leave()
 
@@ -335,41 +276,6 @@ class Dynamics:
                 bar.update(len(group))
 
 
-def load_structures(args, model) -> Tuple[List[Run], object]:
-    from orb.data.dataset import AseDbDataset
-    from orb.data.formats import LabelKeys, readable_database, without_labels
-    from orb.inference.dispersion import check_dispersion_elements
-    from orb.inference.runs import total_charge_and_spin
-
-    data = AseDbDataset(readable_database(args.data, LabelKeys()), require_labels=False,
-                        settings=model.cfg.graph_settings(), charge_spin=model.cfg.omol)
-    data.check_structures()  # before the first step, named by file, row or frame, and key (labels: discarded)
-    check_dispersion_elements(data, args.dispersion)
-    runs = []
-    for i in range(len(data)):
-        atoms = data.get_atoms(i)
-        atoms.calc = None
-        atoms.info = without_labels(atoms.info)  # the starting structure's labels are not the frames'
-        if model.cfg.omol:
-            atoms.info.update(total_charge_and_spin(data, i, required=True))
-        row = int(data.ids[i])
-        if args.ensemble == "npt" and not (atoms.cell.any() and atoms.pbc.all()):
-            raise data.error_at("npt needs a periodic structure (a cell and pbc)", row, "cell")
-        if not np.all(np.isfinite(atoms.get_momenta())):  # (a NaN velocity was blamed on the positions, mid-run)
-            raise data.error_at("momenta contain NaN or inf", row, "momenta")
-        if not (np.all(np.isfinite(atoms.get_masses())) and np.all(atoms.get_masses() > 0)):
-            raise data.error_at("masses must be finite and > 0", row, "masses")
-        runs.append(Run(i, int(data.ids[i]), atoms, folder=args.output))
-    return runs, data
-
-
-# what a resume must not change (--steps may grow, not shrink); the batch size too: a structure's float32 forces
-# depend, in their last bits, on the batch shape it was computed in
-SETTINGS = ("steps", "ensemble", "thermostat", "timestep", "temperature", "friction", "tdamp", "pressure", "taut", "taup",
-            "compressibility", "seed", "write_every", "batch_size", "uncertain_above", "stop_uncertain", "precision",
-            "dispersion", "xc", "model")
-
-
 def md(args) -> Dict:
     from orb.device import import_mindspore
 
@@ -421,9 +327,9 @@ def md(args) -> Dict:
         dynamics.prepare(run)
     still = [r for r in runs if r.at_rest]
     if still:
-        print(f"note: {len(still)} structure(s) (structure {still[0].index}, row {still[0].row}{' ...' if len(still) > 1 else ''}) "
-              "have no motion but their centre of mass's (one atom, or every atom fixed), which orb-md removes: they "
-              "start at rest", file=sys.stderr)
+        first = f"structure {still[0].index}, row {still[0].row}" + (" ..." if len(still) > 1 else "")
+        print(f"note: {len(still)} structure(s) ({first}) have no motion but their centre of mass's (one atom, or "
+              "every atom fixed), which orb-md removes: they start at rest", file=sys.stderr)
     if dynamics.uncertain is not None and args.resume:  # a structure without a state starts again: none kept
         dynamics.uncertain.keep_up_to({r.index: r.frames_kept_to for r in runs})
     show = sys.stderr.isatty() if args.progress_bar == "auto" else args.progress_bar == "true"

@@ -38,11 +38,19 @@ class Relaxing:
     error: str = ""  # why this structure cannot go on (its graph, the model's or D3's numbers); the others do
 
 
-def _optimizer(atoms, cell: bool, fmax: float):
+def _optimizer(atoms, cell: bool, fmax: float, settings):
+    """ASE's FIRE on the atoms, or with ``cell`` on ASE's FrechetCellFilter of them where the model sees a periodic
+    structure with pbc set (a molecule stored with pbc and no cell has no stress: the filter failed on it), its
+    strain along the periodic axes only (a slab's vacuum is kept)."""
     from ase.filters import FrechetCellFilter
     from ase.optimize import FIRE
 
-    target = FrechetCellFilter(atoms) if cell and atoms.pbc.any() else atoms
+    from orb.data.graphs import model_sees_periodic
+
+    target = atoms
+    if cell and atoms.pbc.any() and model_sees_periodic(atoms, settings):
+        pbc = np.asarray(atoms.pbc, bool)
+        target = FrechetCellFilter(atoms, mask=None if pbc.all() else np.outer(pbc, pbc))
     optimizer = FIRE(target, logfile=None)
     optimizer.fmax = fmax  # what Optimizer.run sets
     return optimizer
@@ -141,12 +149,16 @@ class BatchRelaxer:
 
         from orb.data.graphs import atoms_to_graph, batch_graphs, model_sees_periodic
         from orb.inference.predictor import per_structure
-        from orb.inference.runs import first_line
+        from orb.inference.runs import first_line, made_not_finite
         from orb.inference.uncertainty import per_atom_error
 
         settings = self.model.cfg.graph_settings()
         graphs = []
         for r in active:
+            made = made_not_finite(r.atoms)
+            if made:  # (the input was checked before the first step: FIRE's own arithmetic)
+                r.error = f"step {r.steps}: FIRE made its {made} NaN or inf"
+                continue
             try:
                 graph = atoms_to_graph(r.atoms, settings=settings, float64=self.predictor.float64)
             except OrbInputError as exc:  # positions or cell no longer finite, atoms on top of each other
@@ -166,7 +178,8 @@ class BatchRelaxer:
                 r.error = f"step {r.steps}: the model failed: {first_line(exc)}"
             return
         self.calls += 1
-        for r, results in zip(evaluated, per_structure(out, [len(r.atoms) for r in evaluated])):
+        periodic = [model_sees_periodic(r.atoms, settings) for r in evaluated]  # (a molecule's stress is none)
+        for r, results in zip(evaluated, per_structure(out, [len(r.atoms) for r in evaluated], periodic)):
             confidence = results.pop("confidence", None)
             if confidence is not None:
                 r.force_error = per_atom_error(confidence)
@@ -183,8 +196,6 @@ class BatchRelaxer:
             if not all(np.all(np.isfinite(results[key])) for key in results):
                 r.error = f"step {r.steps}: the model's energy, forces or stress are not finite"
                 continue
-            if "stress" in results and not model_sees_periodic(r.atoms, settings):
-                del results["stress"]  # a molecule's: no stress (orb-v2 stored its meaningless one), as orb-md's frames
             r.atoms.calc = SinglePointCalculator(r.atoms, free_energy=results["energy"], **results)
 
     def run(self, structures, on_done, stop: Callable[[], bool] = lambda: False,
@@ -201,7 +212,8 @@ class BatchRelaxer:
                 if item is None:
                     break
                 row, atoms = item
-                active.append(Relaxing(row, atoms, _optimizer(atoms, self.cell, self.fmax)))
+                active.append(Relaxing(row, atoms, _optimizer(atoms, self.cell, self.fmax,
+                                                              self.model.cfg.graph_settings())))
             if not active:
                 return
             self._evaluate(active)
@@ -379,7 +391,8 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     parser.add_argument("--fmax", type=float, default=0.05, help="converged when every force (and with --cell "
                         "every cell force) is below this, eV/Å")
     parser.add_argument("--steps", type=int, default=500, help="FIRE steps at most per structure")
-    parser.add_argument("--cell", action="store_true", help="relax the cell too (ASE's FrechetCellFilter)")
+    parser.add_argument("--cell", action="store_true", help="relax the cell too, along its periodic axes (ASE's "
+                        "FrechetCellFilter)")
     parser.add_argument("--batch_size", type=int, default=32, help="structures relaxing together")
     parser.add_argument("--resume", action="store_true", help="continue an existing output (skip its rows)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")

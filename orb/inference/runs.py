@@ -1,7 +1,9 @@
 """What orb-md and orb-relax share about the structures they start from and the runs they resume."""
 
 import os
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence
+
+import numpy as np
 
 from orb.errors import OrbInputError
 
@@ -45,3 +47,13 @@ def first_line(exc: BaseException) -> str:
     """An unexpected error as the one line a structure's record or message holds."""
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def made_not_finite(atoms) -> Optional[str]:
+    """Which of a structure's positions, momenta and cell are no longer finite (None: all are). orb-md and orb-relax
+    check their input before the first step, so such values are the run's own arithmetic (an integrator, a
+    thermostat, FIRE): said so, where they were reported as the structure's "positions contain NaN or inf"."""
+    parts = (("positions", atoms.positions), ("momenta", atoms.arrays.get("momenta", np.zeros(1))),
+             ("cell", atoms.cell.array))
+    bad = [name for name, values in parts if not np.all(np.isfinite(values))]
+    return " and ".join(bad) or None
