@@ -35,7 +35,7 @@ from orb.errors import OrbInputError
 from orb.inference.md_batch import BatchServer, StopRun, StructureFailed, make_calculator_class
 from orb.inference.md_setup import SETTINGS, Run, check_args, check_output, load_structures, written_by_md
 from orb.inference.md_state import (check_chain_state, cut_to, integrator, read_state, size,  # noqa: F401
-                                    start_at_temperature, state_record)
+                                    start_at_temperature, state_record, temperature)
 
 log = logging.getLogger("orb")
 ENSEMBLES = ("nve", "nvt", "npt")
@@ -232,7 +232,7 @@ class Dynamics:
             if new:
                 f.write("step,time_fs,temperature_K,potential_eV,kinetic_eV,total_eV,pressure_GPa,volume_A3,"
                         "predicted_force_error_max\n")
-            f.write(f"{step},{step * self.args.timestep:.6g},{atoms.get_temperature():.6f},{results['energy']:.10g},"
+            f.write(f"{step},{step * self.args.timestep:.6g},{temperature(atoms):.6f},{results['energy']:.10g},"
                     f"{kinetic:.10g},{results['energy'] + kinetic:.10g},{pressure:.8g},{volume:.8g},{error:.6g}\n")
         run.energies.append(results["energy"] + kinetic)
         if self.uncertain is not None and "force_error" in results and error > self.args.uncertain_above:

@@ -133,6 +133,13 @@ def start_at_temperature(atoms, temperature: float, rng) -> bool:
     return True
 
 
+def temperature(atoms) -> float:
+    """ASE's temperature, and 0 K for a structure with no degree of freedom left (every atom fixed), where ASE
+    divides a kinetic energy of 0 by 0 degrees of freedom (a NaN in every line of its log)."""
+    free = 3 * len(atoms) - sum(c.get_removed_dof(atoms) for c in atoms.constraints)
+    return atoms.get_temperature() if free > 0 else 0.0
+
+
 def state_fields(atoms: int) -> Dict:
     """What ``state_k.json`` holds, each field's check (a structure of ``atoms`` atoms)."""
     return {"step": integer(0), "positions": array((atoms, 3)), "momenta": array((atoms, 3)), "cell": array((3, 3)),
