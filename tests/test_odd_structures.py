@@ -47,14 +47,14 @@ def cubic_copper(seed=1):
 
 def skewed_iron(reduced=False):
     """A triclinic 2-atom Fe cell (its 20th and 21st neighbours 0.29 Å apart: no tie at the neighbour cap decides
-    its graph) in a Niggli-unreduced basis (a2 + 3 a1): the same crystal as the reduced one."""
+    its graph) in a Niggli-unreduced basis (a2 + 6 a1): the same crystal as the reduced one."""
     from ase import Atoms
 
     cell = np.array([[2.741, 0.313, -0.039], [0.41, 3.291, 0.105], [0.271, 0.028, 3.033]])
     atoms = Atoms("Fe2", scaled_positions=[[0, 0, 0], [0.692, 0.574, 0.56]], cell=cell, pbc=True)
     if not reduced:
         skewed = cell.copy()
-        skewed[1] += 3 * cell[0]
+        skewed[1] += 6 * cell[0]
         atoms.set_cell(skewed, scale_atoms=False)
     return atoms
 
