@@ -35,9 +35,8 @@ def import_mindspore() -> None:
         return
     from orb.signals import STOP
 
-    with STOP.deferred():
+    with STOP.held():
         import mindspore  # noqa: F401
-    STOP.stop_if_received()
 
 
 DEVICE_TARGETS = ("auto", "Ascend", "GPU", "CPU")
@@ -237,8 +236,7 @@ def compile_cell(cell, *inputs, kind: str = "", settings=None) -> str:
     from orb.graph_cache import compile_with_cache
     from orb.signals import STOP
 
-    with STOP.deferred():
+    with STOP.held():
         source = compile_with_cache(cell, inputs, kind, settings)
-    release_host_memory()
-    STOP.stop_if_received()
+        release_host_memory()
     return source

@@ -131,10 +131,12 @@ class GraphCache:
                 if name.startswith("rank_")]
 
     def _rank_folder(self) -> str:
+        """Where MindSpore keeps this process's graphs: the folder it wrote before, else its rank's (a staged file in
+        a wrong folder is only not found: the graph is compiled, and the folder it lands in is used from then on)."""
         found = self._folders()
         if found:
             return found[0]
-        return os.path.join(self.scratch, f"rank_{os.environ.get('RANK_ID', '0') or '0'}", "graph_cache")
+        return os.path.join(self.scratch, f"rank_{_rank()}", "graph_cache")
 
     def _clear(self) -> None:
         for folder in self._folders():
@@ -183,6 +185,18 @@ class GraphCache:
         if entry.write(lambda tmp: np.savez(tmp, mindir=mindir), f"compiled {kind} graph"):
             self.kept.append(kind)
         return "compiled"
+
+
+def _rank() -> str:
+    """This process's rank as MindSpore names its cache folder: RANK_ID, else the communication's rank, else 0."""
+    if os.environ.get("RANK_ID", "").isdigit():
+        return os.environ["RANK_ID"]
+    try:
+        from mindspore.communication import get_rank
+
+        return str(get_rank())
+    except Exception:  # no communication initialised: one process
+        return "0"
 
 
 GRAPHS = GraphCache()

@@ -19,6 +19,7 @@ from functools import lru_cache
 from typing import Callable, Optional
 
 from orb import cache
+from orb.signals import children_start_blocked
 
 log = logging.getLogger("orb")
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
@@ -38,7 +39,8 @@ def cpu_signature() -> str:
 
 def _compile(compiler: str, source: str) -> Callable[[str], None]:
     def compile_to(tmp: str) -> None:
-        subprocess.run([compiler, *FLAGS, "-o", tmp, source], check=True, capture_output=True, text=True)
+        with children_start_blocked():  # a job's stop signal to every process is the run's to handle, not g++'s
+            subprocess.run([compiler, *FLAGS, "-o", tmp, source], check=True, capture_output=True, text=True)
         os.chmod(tmp, 0o755)
 
     return compile_to

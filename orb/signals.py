@@ -15,6 +15,14 @@ command again with ``--resume`` to continue", which a requeue script can act on.
 more than a second after the first ends the process at once (Ctrl-C twice; a copy of the first,
 forwarded by the launcher, does not). Helper processes (data workers) ignore the signals: the
 process that owns the state decides when to stop.
+
+A scheduler may signal every process of a job step (Slurm's ``--signal``, ``scancel --signal``): the run's helpers
+too. Every process the project starts, or causes to be started, therefore starts with the stop signals blocked
+(:func:`children_start_blocked`; a blocked mask is inherited across fork and exec), so a signal cannot end it
+before it has chosen what to do with them: a data worker ignores them, then unblocks them
+(:func:`ignore_stop_signals`); a command (msrun's workers) listens, then unblocks them (:func:`deliver_stop_signals`:
+what came meanwhile is handled then, not lost); a program that does neither (Python's resource tracker for
+SIGUSR1/SIGUSR2, msrun's ``tail``, the C++ compiler) never receives them.
 """
 
 import signal
@@ -25,6 +33,7 @@ from contextlib import contextmanager
 from typing import Callable, Optional
 
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+STOP_NUMBERS = tuple(getattr(signal, name) for name in STOP_SIGNALS)
 STOPPED_STATUS = 75  # EX_TEMPFAIL: stopped on request, nothing lost; resuming continues the run
 RESUME_HINT = "continue with --resume auto"  # the launcher recognises a worker that stopped cleanly by this
 RESUME_FLAG = "continue with --resume"  # orb-md's and orb-relax's --resume takes no value
@@ -66,9 +75,9 @@ class StopSignals:
                 f"{again} (exit status {STOPPED_STATUS})")
 
     def stop_if_received(self) -> None:
-        """After a start-up step run deferred (:func:`orb.device.import_mindspore`, a compilation): stop now if a
-        signal came -- unless inside a deferred phase, which stops at its own point, after saving. The signal is
-        consumed: a notebook that catches the stop computes on (every later compilation stopped again)."""
+        """After a start-up step run deferred (:meth:`held`): stop now if a signal came -- unless inside a deferred
+        phase, which stops at its own point, after saving. The signal is consumed: a notebook that catches the stop
+        computes on (every later compilation stopped again)."""
         if self.received is not None and self._depth == 0:
             name, self.received = self.received, None
             raise Stopped(self.startup_message(name))
@@ -106,6 +115,26 @@ class StopSignals:
                     signal.signal(getattr(signal, name), handler)
                 self._installed = False
 
+    @contextmanager
+    def held(self):
+        """A start-up step no signal may interrupt, as :func:`orb.device.import_mindspore` and compilations: signals
+        are noted meanwhile, and honoured after it (:meth:`stop_if_received`). For code that turns any exception,
+        ``BaseException`` too, into its own error: MindSpore's checkpoint reader said "Failed to read the checkpoint
+        file" for a stop (exit 2, not 75). A signal noted before it (by a phase that stops at its own point, or one
+        a session caught and went on from) is not this step's to raise."""
+        earlier = self.received
+        with self.deferred():
+            yield
+        if earlier is None:
+            self.stop_if_received()
+
+    def stand_down(self) -> None:
+        """The command has finished: a stop signal from now on (a scheduler's, as the job ends) is no stop to report,
+        nor an end by the signal as the interpreter exits (it resets Python's handlers to the default then: status
+        128 + n). Ignored; a later deferred phase in the same process listens again for itself."""
+        ignore_stop_signals()
+        self._installed = False
+
     def reset(self) -> None:
         """Forget a signal that was handled (another run in the same process starts clean)."""
         self.received = None
@@ -131,7 +160,10 @@ def run_command(body: Callable[[], int], resume_hint: str = "") -> int:
 
     listen(resume_hint)
     try:
-        return body()
+        deliver_stop_signals()
+        status = body()
+        STOP.stand_down()
+        return status
     except Stopped as stop:
         print(str(stop), file=sys.stderr)
         return stop.status
@@ -154,9 +186,56 @@ def run_command(body: Callable[[], int], resume_hint: str = "") -> int:
 
 
 def ignore_stop_signals() -> None:
-    """For helper processes (data workers): the training process decides when the run stops, and saves first."""
+    """For helper processes (data workers): the training process decides when the run stops, and saves first.
+    Ignored, then unblocked (a helper starts with them blocked): one that came meanwhile is discarded."""
     for name in STOP_SIGNALS:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_NUMBERS)
+
+
+def deliver_stop_signals() -> None:
+    """For a command's main, once it listens: stop signals blocked by whoever started the process (the launcher
+    starts msrun and so its workers with them blocked) are received from now on; one that came meanwhile is
+    handled now (:class:`Stopped` at start-up), not lost."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_NUMBERS)
+
+
+@contextmanager
+def children_start_blocked():
+    """Processes started inside (subprocess, multiprocessing, any fork and exec) start with the stop signals blocked:
+    a signal to every process of the job cannot end one before it has set what to do with them (see the module's
+    docstring). The mask is this thread's own: meanwhile this process receives them in its other threads, or when
+    the block ends; none is lost. Restored as it was (nested uses, and code inside that unblocks some, as Python's
+    resource tracker does after starting its process)."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_NUMBERS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def guard_resource_tracker() -> None:
+    """Python's multiprocessing resource tracker (started by the first pool, queue or lock of a spawned process; it
+    unlinks their semaphores and shared memory if the program dies) ignores SIGINT and SIGTERM but dies on SIGUSR1
+    and SIGUSR2: the program then starts another with "process died unexpectedly, relaunching. Some resources might
+    leak." and a ``KeyError`` traceback per name it unregisters there, and what the dead one tracked stays in
+    /dev/shm if the program dies. Every (re)launch here starts it with the stop signals blocked: it unblocks only
+    SIGINT and SIGTERM, which it ignores. (A wrapper of its ``ensure_running``, which every use calls. Installed by
+    whatever starts processes with multiprocessing, not at every command's start: multiprocessing imported before
+    MindSpore makes MindSpore's ``Cell.__del__`` print tracebacks as the interpreter exits.)"""
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker
+    if getattr(tracker.ensure_running, "stop_signals_blocked", False):
+        return
+    launch = tracker.ensure_running
+
+    def ensure_running():
+        with children_start_blocked():
+            return launch()
+
+    ensure_running.stop_signals_blocked = True
+    tracker.ensure_running = resource_tracker.ensure_running = ensure_running
 
 
 def die_with_parent() -> None:

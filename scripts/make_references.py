@@ -135,11 +135,16 @@ def config_page() -> str:
 PAGES = {"docs/commands.md": commands_page, "docs/config.md": config_page}
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line (the docs test parses its documented commands with it)."""
     args_parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     args_parser.add_argument("--check", action="store_true", help="compare the checked-in pages, write nothing")
-    args = args_parser.parse_args(argv)
+    return args_parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     stale = []
     for page, make in PAGES.items():
         path = os.path.join(ROOT, page)

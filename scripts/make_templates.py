@@ -292,11 +292,16 @@ def template_file(name: str) -> str:
     return os.path.join(ROOT, "configs", f"{name}.yaml")
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line (the docs test parses its documented commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--check", action="store_true", help="compare the checked-in templates, write nothing")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     stale = []
     for name in TEMPLATES:
         text = render(name)

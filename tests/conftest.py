@@ -81,6 +81,72 @@ def wait_until_handling(process, signum, timeout=120.0) -> None:
     raise AssertionError("the process never installed its handler")
 
 
+def descendants(root: int):
+    """Every process below ``root`` (from /proc)."""
+    parents = {}
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                parents[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    found, frontier = set(), {root}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier and pid not in found}
+        found |= frontier
+    return sorted(found)
+
+
+def signal_every_process(root: int, signum) -> list:
+    """``signum`` to ``root`` and every process below it, as a scheduler signals every process of a job step (Slurm's
+    --signal, scancel --signal); returns their command lines (what was signalled)."""
+    signalled = []
+    for pid in [root, *descendants(root)]:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            os.kill(pid, signum)
+        except OSError:
+            continue
+        signalled.append(command)
+    return signalled
+
+
+SHM = "/dev/shm"
+
+
+def shm_in_use() -> set:
+    """The /dev/shm entries some living process maps or holds open (its own semaphores and shared memory)."""
+    used = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                used.update(line.split(SHM + "/", 1)[1].split()[0] for line in f if SHM + "/" in line)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith(SHM + "/"):
+                    used.add(target[len(SHM) + 1:].split()[0])
+        except OSError:
+            continue
+    return used
+
+
+def shm_left_behind(before: set, timeout: float = 30.0) -> set:
+    """Entries of /dev/shm that appeared since ``before`` (a listing taken before the run) and that no living process
+    uses, still there after a few seconds: what the run left (other processes on the host map theirs, or unlink them
+    as they end; a resource tracker cleans up after its program within moments)."""
+    import time
+
+    deadline = time.time() + timeout
+    while True:
+        left = set(os.listdir(SHM)) - before - shm_in_use()
+        if not left or time.time() > deadline:
+            return left
+        time.sleep(0.5)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "large_memory: " + LARGE_MEMORY)
     config.addinivalue_line("markers", "isolated: runs in a fresh Python process of its own (full-size gradients: a "
@@ -113,9 +179,9 @@ LIGHT = ("test_graphs", "test_optimizer", "test_blocks", "test_pieces", "test_fo
 # --no-loadscope-reorder: a file's module-scoped runs happen once, the data-parallel jobs one after another): the
 # full-size parity runs first, while both workers are small, the light files beside them on the other worker, then
 # the longest files, so that the two workers end together.
-LONGEST_FIRST = ("test_orb_v3",) + LIGHT + ("test_parallel", "test_smoke", "test_preemption", "test_replay",
-                                            "test_precision", "test_training", "test_strategies", "test_use",
-                                            "test_relax", "test_md")
+LONGEST_FIRST = ("test_orb_v3",) + LIGHT + ("test_parallel", "test_smoke", "test_preemption", "test_signals",
+                                            "test_replay", "test_precision", "test_training", "test_strategies",
+                                            "test_use", "test_relax", "test_md")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -20,7 +20,7 @@ from ase.calculators.singlepoint import SinglePointCalculator
 import pytest
 
 from orb.io.files import free_port
-from conftest import DEMO_TRAIN, DEMO_VAL, ROOT, SMALL_MODEL
+from conftest import DEMO_TRAIN, DEMO_VAL, ROOT, SMALL_MODEL, descendants
 
 TIMING = ("train_time", "val_time", "compile_time", "data_wait")
 # MindSpore's cluster notices a vanished process after MS_NODE_TIMEOUT seconds (default 30): shorter in tests
@@ -434,22 +434,6 @@ def test_killed_worker_ends_the_job(tmp_path, nine_rows):
     assert "FAILED" in out
 
 
-def descendants(root: int):
-    """Every process below ``root`` (from /proc)."""
-    parents = {}
-    for name in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                parents[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    found, frontier = set(), {root}
-    while frontier:
-        frontier = {pid for pid, parent in parents.items() if parent in frontier and pid not in found}
-        found |= frontier
-    return sorted(found)
-
-
 def test_a_stop_before_any_worker_or_to_every_process_saves_and_exits_75(tmp_path, nine_rows):
     """1. SIGTERM to the launcher 0.3 s after it starts, before msrun has started a worker: it reached no worker
        (the run went on to the end, exit 0). The launcher passes it to the workers as they appear, and ends msrun's
@@ -560,3 +544,23 @@ def test_two_nodes_in_network_namespaces(tmp_path, runs, nine_rows):
     for key in one_host:
         np.testing.assert_array_equal(two_nodes[key], one_host[key], err_msg=key)
     assert [without_timing(r) for r in epochs(out)] == [without_timing(r) for r in epochs(runs["par"])]
+
+
+def test_a_second_job_loads_every_ranks_graphs_from_the_compile_cache(tmp_path, nine_rows):
+    """Each rank keeps its graphs under its own place in the layout; a second job (a requeue) loads every one of them
+    on every rank, and trains what the first trained, value for value."""
+    env = {"ORB_CACHE_DIR": str(tmp_path / "cache")}
+    for name in ("first", "second"):
+        job = launch(common_args(tmp_path / name, nine_rows, max_epochs=1), tmp_path / f"logs-{name}", cwd=ROOT,
+                     env_extra=env)
+        out, _ = job.communicate(timeout=600)
+        assert job.returncode == 0, out[-3000:]
+    for rank in (0, 1):
+        first = (tmp_path / "logs-first" / f"worker_{rank}.log").read_text()
+        second = (tmp_path / "logs-second" / f"worker_{rank}.log").read_text()
+        compiled = len(re.findall(r"compiling the \w+ step for batch shape", second))
+        assert compiled >= 2 and "came from the compile cache" not in first
+        assert len(re.findall(r"the \w+ step's graph came from the compile cache", second)) == compiled, rank
+    assert records_without_timing(tmp_path / "second") == records_without_timing(tmp_path / "first")
+    (a, _), (b, _) = weights(tmp_path / "second"), weights(tmp_path / "first")
+    assert all(np.array_equal(a[k], b[k]) for k in b)

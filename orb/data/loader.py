@@ -6,11 +6,12 @@ same global batches, the same bucket for each step (from all ranks' atom counts)
 shard. Preparing a step (reading rows, rotating, building graphs, padding) is done by up to
 ``workers`` processes a few steps ahead, in order, so the device does not wait for the host;
 with ``workers = 0`` it happens inline. Workers are started with ``spawn`` (they import numpy,
-scipy and ase, never MindSpore) and read the database through their own connections.
+scipy and ase, never MindSpore), with the stop signals blocked until they ignore them
+(:class:`HelperContext`), and read the database through their own connections.
 """
 
 import logging
-import multiprocessing
+import multiprocessing.context
 import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
@@ -26,7 +27,7 @@ from orb.data.neighbours import native_search
 from orb.data.plan import Step
 from orb.data.tensors import loss_arrays
 from orb.errors import DataWorkerError
-from orb.signals import STOP, die_with_parent, ignore_stop_signals
+from orb.signals import children_start_blocked, die_with_parent, guard_resource_tracker, ignore_stop_signals
 
 
 def prepare(dataset: AseDbDataset, step: Step, seed: Optional[int], with_stress: bool) -> Tuple[np.ndarray, ...]:
@@ -52,8 +53,29 @@ WORKER_DEATH = "killed by the operating system, often for lack of memory: lower 
 _worker_datasets: Dict[str, AseDbDataset] = {}
 
 
+class _BlockedSpawnProcess(multiprocessing.context.SpawnProcess):
+    """A spawned process started with the stop signals blocked (:func:`orb.signals.children_start_blocked`)."""
+
+    def start(self):
+        with children_start_blocked():
+            super().start()
+
+
+class HelperContext(multiprocessing.context.SpawnContext):
+    """The data workers' multiprocessing context: ``spawn`` (they import numpy, scipy and ase, never MindSpore), each
+    worker started with the stop signals blocked until its initializer ignores them, and the resource tracker guarded
+    (:func:`orb.signals.guard_resource_tracker`): a job's signal to every process cannot end a worker still starting
+    (it did: the pool broke and was started again, twice and the run failed)."""
+
+    Process = _BlockedSpawnProcess
+
+    def __init__(self):
+        super().__init__()
+        guard_resource_tracker()
+
+
 def _init_worker(datasets: Dict[str, AseDbDataset]) -> None:
-    ignore_stop_signals()  # the training process decides when to stop (and saves first)
+    ignore_stop_signals()  # the training process decides when to stop (and saves first); blocked until now
     die_with_parent()  # ... and a killed training process leaves no worker behind
     _worker_datasets.update(datasets)
     logging.getLogger("orb").setLevel(logging.ERROR)  # e.g. "no C++ compiler": the main process said it once
@@ -89,8 +111,8 @@ class BatchLoader:
 
     def _new_pool(self) -> ProcessPoolExecutor:
         native_search()  # build the neighbour search once, here, before the workers load it
-        return ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_init_worker, initargs=(self.datasets,))
+        return ProcessPoolExecutor(self.workers, mp_context=HelperContext(), initializer=_init_worker,
+                                   initargs=(self.datasets,))
 
     def _ensure_pool(self):
         if self._pool is None and self.workers > 0:
@@ -167,11 +189,9 @@ class BatchLoader:
                     raise DataWorkerError(f"data workers died twice while preparing epoch {step.epoch + 1}'s steps "
                                           f"({WORKER_DEATH})") from None
                 replaced = step
-                if STOP.received is not None:  # the job's stop signal reached a worker still starting (before it
-                    log.info("a data worker starting up ended with %s; starting new workers", STOP.received)
-                else:                          # ignores them): not the memory's fault, and the run is stopping
-                    log.warning("a data worker died while preparing epoch %d's steps (%s); starting new workers and "
-                                "preparing those steps again", step.epoch + 1, WORKER_DEATH)
+                # (not a stop signal: workers start with them blocked and ignore them)
+                log.warning("a data worker died while preparing epoch %d's steps (%s); starting new workers and "
+                            "preparing those steps again", step.epoch + 1, WORKER_DEATH)
                 self.close()
                 self._pool = self._new_pool()
                 for item in pending:

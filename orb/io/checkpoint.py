@@ -22,6 +22,7 @@ from orb.models.gns import REPLAY_HEADS
 from orb.io.files import write_atomically
 from orb.io.torch_format import is_torch_zip, read_torch_checkpoint, write_torch_checkpoint
 from orb.pretrained import PUBLISHED, published_name
+from orb.signals import STOP
 
 __all__ = [
     "read_torch_checkpoint", "write_torch_checkpoint", "load_torch_state_dict", "to_torch_state_dict",
@@ -78,7 +79,8 @@ def _ms_checkpoint_arrays(path: str) -> Tuple[Dict[str, np.ndarray], Dict]:
     """Arrays and metadata of a MindSpore checkpoint; one this program wrote carries a CRC, checked here (a file a
     shared file system damaged is refused, not loaded; one written without a CRC is read as before)."""
     try:
-        raw = ms.load_checkpoint(path, crc_check=True)
+        with STOP.held():  # (MindSpore's reader turns a stop raised inside into "Failed to read")
+            raw = ms.load_checkpoint(path, crc_check=True)
     except Exception as exc:  # MindSpore raises ValueError/RuntimeError on damaged files
         raise CheckpointError(f"{path}: cannot read MindSpore checkpoint ({exc})") from None
     meta = {}
@@ -141,7 +143,8 @@ def save_checkpoint(path: str, model: nn.Cell, meta: Optional[Dict] = None,
                 for name, t in (extra or [])]
 
     def write(tmp: str) -> None:
-        ms.save_checkpoint(entries, tmp, append_dict={META_KEY: json.dumps(meta or {})}, crc_check=True)
+        with STOP.held():  # (MindSpore's writer turns a stop raised inside into a failed write)
+            ms.save_checkpoint(entries, tmp, append_dict={META_KEY: json.dumps(meta or {})}, crc_check=True)
         os.chmod(tmp, 0o644)  # MindSpore writes checkpoints read-only
 
     try:
@@ -277,7 +280,8 @@ def published_weights(name: str, progress: Optional[bool] = None) -> Tuple[Dict[
 
     def save(tmp: str) -> None:
         entries = [{"name": key, "data": Tensor(value)} for key, value in weights.items()]
-        ms.save_checkpoint(entries, tmp, append_dict={META_KEY: json.dumps(meta)}, crc_check=True)
+        with STOP.held():
+            ms.save_checkpoint(entries, tmp, append_dict={META_KEY: json.dumps(meta)}, crc_check=True)
         os.chmod(tmp, 0o644)
 
     entry.write(save, f"MindSpore copy of the published {name}")  # when it cannot be kept: made again next time

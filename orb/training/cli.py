@@ -11,7 +11,7 @@ from orb.bundled import printable_template, templates_line
 from orb.errors import ConfigError, OrbInputError, RunError
 from orb.training.config import TrainConfig, check_training_data, load_config
 from orb.training.outputs import check_outputs_apart, discard_unstarted
-from orb.signals import Stopped, ignore_stop_signals, listen
+from orb.signals import STOP, Stopped, deliver_stop_signals, listen
 from orb.training.checkpointing import checkpoint_to_resume
 
 USAGE = """%(prog)s --config FILE_OR_TEMPLATE [--resume DIR_OR_FILE|auto] [--overwrite] [--accept_config_changes]
@@ -87,6 +87,7 @@ def run(argv: Optional[List[str]], default_config: Optional[str],
     listen()  # a stop signal during start-up exits 75 at once; the training loop saves first
     cfg = None
     try:
+        deliver_stop_signals()  # (msrun's workers start with them blocked: one that came before is handled now)
         if args.config is None:
             raise ConfigError(f"no --config: name your YAML config file or a packaged template ({templates_line()})")
         cfg = load_config(args.config, overrides)
@@ -96,7 +97,7 @@ def run(argv: Optional[List[str]], default_config: Optional[str],
             args.resume = checkpoint_to_resume(cfg.output_dir, args.resume, args.overwrite)
             args.overwrite = args.overwrite or not args.resume  # no checkpoint there: records of unsaved steps
         fine_tune(cfg, args)
-        ignore_stop_signals()  # finished: a signal now (a scheduler's, as the job ends) is no stop to report
+        STOP.stand_down()  # finished: a signal now (a scheduler's, as the job ends) is no stop to report
     except Stopped as stop:
         print(f"{stop}", file=sys.stderr)
         return stop.status

@@ -28,7 +28,9 @@ are passed to this node's workers, also to those msrun starts after the signal c
 save and stop together. msrun itself does nothing on them (its own SIGINT handler would kill the workers
 unsaved), and once the workers have stopped its scheduler is ended if it still waits for workers that never
 joined. Exit status 75 then means "stopped with the state saved": run the same command with --resume auto to
-continue.
+continue. msrun and every process it starts begin with the stop signals blocked, so a signal sent to every
+process of the job (Slurm's --signal) ends none of them: a worker receives it once it listens, its data workers
+and msrun's log tail never.
 """
 
 import glob
@@ -45,7 +47,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from orb.bundled import find_config
 from orb.errors import ConfigError
 from orb.io.files import free_port
-from orb.signals import RESUME_HINT, STOP_SIGNALS, STOPPED_STATUS
+from orb.signals import RESUME_HINT, STOP, STOP_SIGNALS, STOPPED_STATUS, children_start_blocked, run_command
 
 DEFAULT_CONFIG = os.path.join("configs", "config_parallel.yaml")
 
@@ -61,7 +63,8 @@ def count_devices() -> int:
     if npus:
         return len(npus)
     if shutil.which("nvidia-smi"):
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+        with children_start_blocked():  # (a job's signal to every process: not counted as no GPU)
+            out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
         gpus = len([line for line in out.splitlines() if line.strip()])
         if gpus:
             return gpus
@@ -117,10 +120,11 @@ def settings(env: Dict[str, str]) -> Dict[str, str]:
     }
 
 
-# msrun, deaf to the stop signals: the launcher passes them to the workers, which save before they stop. They are
-# caught by a handler that does nothing (not ignored: an ignored signal stays ignored in the processes msrun starts,
-# so a worker still starting, before it listens, would lose a scheduler's stop), and msrun's own SIGINT handler,
-# which SIGKILLs every worker unsaved, is never installed (a SIGINT sent to every process of a job step reaches it).
+# msrun, deaf to the stop signals: the launcher passes them to the workers, which save before they stop. msrun is
+# started with them blocked (children_start_blocked), and caught by a handler that does nothing should a thread of
+# its own unblock them (not ignored: an ignored signal stays ignored in the processes msrun starts, and a worker
+# would never hear a scheduler's stop); msrun's own SIGINT handler, which SIGKILLs every worker unsaved, is never
+# installed.
 MSRUN = ("import signal, sys\n"
          "stops = [getattr(signal, name) for name in " + repr(STOP_SIGNALS) + "]\n"
          "install = signal.signal\n"
@@ -178,10 +182,13 @@ class SignalRelay:
     stop during start-up it would wait for the workers that never joined until MindSpore's cluster timeout
     (CLUSTER_TIME_OUT, 600 s), far past a scheduler's grace period. It holds nothing to save."""
 
-    def __init__(self, root: int, scheduler_grace: float = 10.0, finished: Callable[[], bool] = lambda: False):
-        """``finished()``: whether the training finished (a worker's log says so): a run that finished as the signal
-        came keeps its scheduler, however long it takes to end. (Not "every worker logged its stop": a worker the
-        signal reached before it listened ends without a line, and the scheduler waited for CLUSTER_TIME_OUT.)"""
+    def __init__(self, root: Optional[int] = None, scheduler_grace: float = 10.0,
+                 finished: Callable[[], bool] = lambda: False):
+        """``root``: msrun's process id, set once it is started (the relay listens from before: a signal in between
+        is passed on by :meth:`follow`). ``finished()``: whether the training finished (a worker's log says so): a
+        run that finished as the signal came keeps its scheduler, however long it takes to end. (Not "every worker
+        logged its stop": a worker msrun killed while it started ends without a line, and the scheduler waited for
+        CLUSTER_TIME_OUT.)"""
         self.root, self.received, self._previous = root, [], {}
         self.scheduler_grace, self.finished = scheduler_grace, finished
         self.signalled: set = set()
@@ -189,7 +196,7 @@ class SignalRelay:
 
     def _relay(self, number, _frame):
         self.received.append(signal.Signals(number).name)
-        for pid in workers_under(self.root):
+        for pid in workers_under(self.root) if self.root is not None else ():
             self._send(pid, number)
 
     def _send(self, pid: int, number: int) -> None:
@@ -201,7 +208,7 @@ class SignalRelay:
 
     def follow(self) -> None:
         """After a stop: pass it to workers started since, and end a scheduler the ended workers left waiting."""
-        if not self.received:
+        if not self.received or self.root is None:
             return
         number = getattr(signal, self.received[0])
         workers = workers_under(self.root)
@@ -333,6 +340,11 @@ def split_config(args: List[str]) -> Tuple[str, List[str]]:
 
 
 def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
+    """Listening from the first moment: a stop signal before msrun starts is one line and exit status 75."""
+    return run_command(lambda: launch(argv, prog), RESUME_HINT)
+
+
+def launch(argv: Optional[List[str]], prog: Optional[str] = None) -> int:
     """Check the launch (config, msrun, the environment's settings), start msrun and follow it to the end."""
     args = list(sys.argv[1:] if argv is None else argv)
     if any(arg in ("-h", "--help") for arg in args):
@@ -366,17 +378,20 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     sys.stdout.flush()
     command = [sys.executable, "-c", MSRUN, *(f"--{k}={v}" for k, v in s.items()), "--join=True",
                "--tail_worker_log=0", worker_script(), "--config", os.path.abspath(config), *args]
-    # its own session: a terminal's Ctrl-C reaches this process only, which passes it on to the workers
     earlier_logs = log_stamps(s["log_dir"])
-    job = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
     several_nodes = int(s["local_worker_num"]) < int(s["worker_num"])  # other nodes' workers may still be ending
-    with SignalRelay(job.pid, scheduler_grace=60.0 if several_nodes else 10.0,
+    with SignalRelay(scheduler_grace=60.0 if several_nodes else 10.0,
                      finished=lambda: training_finished(s["log_dir"], earlier_logs)) as relay:
+        # its own session: a terminal's Ctrl-C reaches this process only, which passes it on to the workers
+        with children_start_blocked():
+            job = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        relay.root = job.pid
         errors = collect(job.stderr)
         while job.poll() is None:
             relay.follow()
             time.sleep(0.2)
         status = job.wait()
+    STOP.stand_down()  # msrun has ended: a signal now (as the job ends) is no stop to report
     if status != 0 and (stopped_with_state_saved(s["log_dir"], earlier_logs)
                         or (relay.received and not failures(s["log_dir"], earlier_logs))):
         # (a stop during start-up: each worker stops at once, and msrun kills those still starting, whose logs then

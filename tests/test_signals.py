@@ -1,0 +1,265 @@
+"""A stop signal sent to every process of a run, as Slurm's --signal (or scancel --signal) sends it to every process of
+a job step: the training process, its data workers, Python's multiprocessing resource tracker, and for 2 workers the
+launcher, msrun and all it starts. The run saves and exits 75, resumes to the uninterrupted result, prints no
+traceback and no "might leak" warning, and leaves nothing in /dev/shm. (The helpers died on SIGUSR1: the tracker's
+successor printed a KeyError traceback for every semaphore, and what a dead tracker had tracked stayed in /dev/shm
+once its program was killed.)"""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import DEMO_TRAIN, DEMO_VAL, ROOT, descendants, shm_left_behind, signal_every_process
+from test_parallel import common_args, launch, records_without_timing, weights
+from test_preemption import assert_same_run, last_weights, run_args, straight_run, wait_for_step_record  # noqa: F401
+
+STOPS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+
+
+def assert_quiet(*texts, leak="leak"):
+    """No traceback and no resource tracker's warning ("Some resources might leak", "leaked semaphore objects")."""
+    for text in texts:
+        assert "Traceback" not in text and leak not in text, text[-4000:]
+
+
+def helpers(signalled):
+    """The data workers and resource trackers among the signalled command lines."""
+    return (sum("multiprocessing.spawn" in c for c in signalled), sum("resource_tracker" in c for c in signalled))
+
+
+def blocked_in(status: str) -> set:
+    """The stop signals a /proc/<pid>/status text says are blocked."""
+    mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigBlk:")), 16)
+    return {s for s in STOPS if mask >> (int(s) - 1) & 1}
+
+
+def test_children_start_with_the_stop_signals_blocked_and_the_parent_keeps_its_mask():
+    """What every helper relies on: a process started inside children_start_blocked() (fork and exec) begins with the
+    four stop signals blocked; the starting thread's mask is restored as it was after, also when code inside unblocked
+    some (a data worker's start launches the resource tracker inside, whose launch unblocks SIGINT and SIGTERM:
+    the worker itself must still start with them blocked)."""
+    from orb.signals import children_start_blocked
+
+    show = [sys.executable, "-c", "print(open('/proc/self/status').read())"]
+    with children_start_blocked():
+        with children_start_blocked():
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+        inside = subprocess.run(show, capture_output=True, text=True, check=True).stdout
+    assert blocked_in(inside) == set(STOPS)
+    assert not set(STOPS) & signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    assert not blocked_in(subprocess.run(show, capture_output=True, text=True, check=True).stdout)
+
+
+HELPERS = """
+import os, sys, time
+import numpy as np
+sys.path.insert(0, {root!r})
+from orb.signals import listen
+listen()
+from orb.data.buckets import Bucket
+from orb.data.dataset import AseDbDataset
+from orb.data.loader import BatchLoader, Step, prepare
+
+if __name__ == "__main__":
+    data = AseDbDataset({db!r})
+    steps = [Step(0, (2 * k, 2 * k + 1), Bucket(40, 800, 3), 2) for k in range(8)]
+    loader = BatchLoader({{"val": data}}, workers=2)
+    got = list(loader.iterate("val", steps, None, True))
+    same = all(all(np.array_equal(a, b) for a, b in zip(arrays, prepare(data, step, None, True)))
+               for step, arrays in got)
+    print("prepared", len(got), same, flush=True)
+    time.sleep(600)  # until killed, as a scheduler kills a job some time after its signal
+"""
+
+
+def test_helpers_ignore_stop_signals_from_their_first_moment(tmp_path):
+    """Every stop signal, again and again, to every process a loader starts, from the moment each exists (a data
+    worker still importing, the resource tracker, the C++ compiler building the neighbour search into an empty
+    cache): none dies, every step is prepared as inline, no worker is replaced; the program then killed (SIGKILL),
+    its resource tracker unlinks its semaphores: nothing is left in /dev/shm. (A worker signalled before it ignored
+    the signals died, twice: "data workers died twice"; the tracker died, with "might leak" and KeyError tracebacks,
+    and the killed program's semaphores stayed in /dev/shm.)"""
+    script = tmp_path / "loader.py"
+    script.write_text(HELPERS.format(root=ROOT, db=DEMO_VAL))
+    before = set(os.listdir("/dev/shm"))
+    process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=dict(os.environ, ORB_CACHE_DIR=str(tmp_path / "cache")))
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")), daemon=True)
+    reader.start()
+    seen, sent = {}, 0  # process id: its command line
+    deadline = time.time() + 300
+    while not lines and process.poll() is None and time.time() < deadline:
+        for pid in descendants(process.pid):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    command = f.read().replace(b"\0", b" ").decode(errors="replace")
+                os.kill(pid, STOPS[sent % len(STOPS)])
+                seen[pid] = command or seen.get(pid, "")  # (empty once it has ended)
+            except OSError:
+                continue
+            sent += 1
+        time.sleep(0.002)
+    process.kill()
+    _, err = process.communicate(timeout=60)
+    reader.join(timeout=10)
+    assert lines and lines[0].split() == ["prepared", "8", "True"], err[-3000:]
+    workers, trackers = helpers(seen.values())  # (a worker's child read before its exec counts as a worker too)
+    assert workers >= 2 and trackers == 1 and any("g++" in c for c in seen.values()), seen
+    assert "died" not in err and "building" not in err, err[-3000:]
+    assert_quiet(err, leak="might leak")  # (killed, the program leaves its semaphores to its tracker, which says so)
+    assert not shm_left_behind(before)
+
+
+def test_a_stop_to_every_process_of_a_run_saves_and_resumes_to_the_uninterrupted_run(tmp_path, straight_run):
+    """SIGUSR1 to the training process, its 2 data workers and the resource tracker, mid-epoch: one stop line, exit
+    75, nothing else said; --resume auto ends bit for bit at the uninterrupted run; nothing left in /dev/shm."""
+    run = tmp_path / "stopped"
+    before = set(os.listdir("/dev/shm"))
+    process = subprocess.Popen([sys.executable, "finetune.py", *run_args(run)], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    wait_for_step_record(run / "metrics.jsonl", process)
+    signalled = signal_every_process(process.pid, signal.SIGUSR1)
+    assert helpers(signalled) == (2, 1), signalled
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 75, out[-2000:] + err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("stopped by SIGUSR1 at epoch 1, step"), err[-3000:]
+    assert_quiet(out, err)
+    assert not shm_left_behind(before)
+    _, _, meta = last_weights(run)
+    assert meta["epoch"] == 0 and 0 < meta["step_in_epoch"] < 32
+    resumed = subprocess.run([sys.executable, "finetune.py", *run_args(run), "--resume", "auto"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert_same_run(run, straight_run)
+
+
+def test_a_stop_to_every_process_of_a_two_worker_job_saves_and_resumes_to_the_uninterrupted_job(tmp_path):
+    """2 workers with a data worker each: SIGUSR1 to the launcher, msrun and everything below it (scheduler, workers,
+    msrun's log tail, data workers, resource trackers) mid-epoch: exit 75 with the launcher's stop line, no traceback
+    or leak warning on the console or in any msrun log; --resume auto ends at the uninterrupted job's weights,
+    optimizer state and metrics, value for value; nothing left in /dev/shm."""
+    extra = dict(train_data_path=DEMO_TRAIN, max_epochs=1, log_every_n_steps=2, num_buckets=1, record_batches="false",
+                 data_workers=1)
+    before = set(os.listdir("/dev/shm"))
+    straight = launch(common_args(tmp_path / "straight", DEMO_TRAIN, **extra), tmp_path / "logs0", cwd=ROOT)
+    run = tmp_path / "stopped"
+    job = launch(common_args(run, DEMO_TRAIN, **extra), tmp_path / "logs1", cwd=ROOT)
+    wait_for_step_record(run / "metrics.jsonl", job, timeout=420)
+    signalled = signal_every_process(job.pid, signal.SIGUSR1)
+    assert helpers(signalled) == (2, 2) and sum(c.startswith("/usr/bin/tail") for c in signalled) == 1, signalled
+    out, _ = job.communicate(timeout=300)
+    assert job.returncode == 75 and "run_parallel: stopped by SIGUSR1 with the state saved" in out, out[-3000:]
+    logs = [(tmp_path / "logs1" / name).read_text() for name in sorted(os.listdir(tmp_path / "logs1"))]
+    assert len(logs) == 3  # the scheduler's and the two workers'
+    assert_quiet(out, *logs)
+    assert 0 < last_weights(run)[2]["step_in_epoch"] < 16
+    resumed = launch(common_args(run, DEMO_TRAIN, **extra) + ["--resume", "auto"], tmp_path / "logs2", cwd=ROOT)
+    out, _ = resumed.communicate(timeout=420)
+    assert resumed.returncode == 0 and "resumed from" in out, out[-3000:]
+    out, _ = straight.communicate(timeout=420)
+    assert straight.returncode == 0, out[-3000:]
+    import numpy as np
+
+    (wa, oa), (wb, ob) = weights(run), weights(tmp_path / "straight")
+    for got, expected in ((wa, wb), (oa, ob)):
+        assert set(got) == set(expected)
+        for key in expected:
+            np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+    assert records_without_timing(run) == records_without_timing(tmp_path / "straight")
+    assert not shm_left_behind(before)
+
+
+def use_command(name, tmp_path):
+    """orb-md, orb-relax or orb-evaluate on demo data, and a function that is true once it is at work."""
+    if name == "md":
+        import ase.db
+        import ase.io
+
+        frames = [ase.db.connect(DEMO_VAL).get(row).toatoms() for row in (1, 5, 9)]
+        for atoms in frames:
+            atoms.calc = None
+        ase.io.write(tmp_path / "start.extxyz", frames, format="extxyz")
+        log = tmp_path / "md" / "log_2.csv"
+        return (["scripts/md.py", "--checkpoint", "data/demo_v3_pretrained.ckpt", "--data",
+                 str(tmp_path / "start.extxyz"), "--output", str(tmp_path / "md"), "--timestep", "1", "--steps", "400",
+                 "--write_every", "5"],
+                lambda out: log.exists() and len(log.read_text().splitlines()) >= 3)
+    if name == "relax":
+        from test_relax import rows_in
+
+        output = tmp_path / "relaxed.db"
+        return (["scripts/relax.py", "--checkpoint", "data/demo_pretrained.ckpt", "--data", DEMO_TRAIN, "--output",
+                 str(output), "--batch_size", "1", "--steps", "60"],
+                lambda out: len(rows_in(str(output))) >= 2)
+    return (["scripts/evaluate.py", "--checkpoint", "data/demo_v3_pretrained.ckpt", "--data", DEMO_TRAIN,
+             "--output_dir", str(tmp_path / "evaluation"), "--batch_size", "1"],
+            lambda out: "device:" in "".join(out))
+
+
+@pytest.mark.parametrize("name", ["md", "relax", "evaluate"])
+def test_a_stop_to_every_process_of_a_use_command_is_one_line_and_75(tmp_path, name):
+    """orb-md, orb-relax and orb-evaluate at work, SIGUSR1 to every process they have (the command itself: they start
+    no helper process; a future pool or worker would be signalled too): exit 75, the stop line last, no traceback,
+    nothing left in /dev/shm."""
+    command, at_work = use_command(name, tmp_path)
+    before = set(os.listdir("/dev/shm"))
+    process = subprocess.Popen([sys.executable, *command, "--device_target", "CPU", "--progress_bar", "false"],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=dict(os.environ, ORB_CACHE_DIR=str(tmp_path / "cache")))
+    out = []
+    reader = threading.Thread(target=lambda: out.extend(iter(process.stdout.readline, "")), daemon=True)
+    reader.start()
+    deadline = time.time() + 600
+    while not at_work(out):
+        assert process.poll() is None and time.time() < deadline, process.stderr.read()[-3000:]
+        time.sleep(0.05)
+    signal_every_process(process.pid, signal.SIGUSR1)
+    _, err = process.communicate(timeout=300)
+    reader.join(timeout=10)
+    assert process.returncode == 75, "".join(out)[-2000:] + err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("stopped by SIGUSR1"), err[-3000:]
+    assert_quiet("".join(out), err)
+    assert not shm_left_behind(before)
+
+
+INTERRUPTED_READ = """
+import os, signal, sys
+from orb.signals import run_command
+
+def body():
+    import mindspore.train.serialization as serialization
+
+    check = serialization._check_checkpoint_protobuf_size  # called in MindSpore's reader, after the file's read
+
+    def interrupted(*args):
+        if sys._getframe(1).f_code.co_name == "_parse_ckpt_proto":  # (inside its try: except BaseException)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return check(*args)
+
+    serialization._check_checkpoint_protobuf_size = interrupted
+    from orb.io.checkpoint import load_checkpoint
+
+    load_checkpoint("data/demo_pretrained.ckpt")
+    print("read, then going on")
+    return 0
+
+sys.exit(run_command(body))
+"""
+
+
+def test_a_stop_while_mindspore_reads_a_checkpoint_is_a_stop():
+    """A stop signal while MindSpore reads a checkpoint (the first seconds of orb-evaluate, orb-md, orb-relax and of a
+    resume; what signalling every process of orb-evaluate found): the read completes, then the command stops with its
+    start-up line and status 75. Raised inside MindSpore's reader, which turns any BaseException into its own error, it
+    was "cannot read MindSpore checkpoint (Failed to read the checkpoint file ...)" and status 2: bad input."""
+    result = subprocess.run([sys.executable, "-c", INTERRUPTED_READ], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode == 75 and "going on" not in result.stdout, result.stdout + result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith("stopped by SIGTERM during start-up"), result.stderr
+    assert_quiet(result.stderr)
