@@ -15,10 +15,12 @@ Per structure: ``traj_k.extxyz`` (a frame every ``--write_every`` steps and the 
 and, for orb-v3, each atom's predicted force error), ``log_k.csv`` (time, temperature, potential, kinetic and
 total energy, pressure, volume, predicted error) and its state ``state_k.json`` (step, positions, momenta, cell,
 the thermostat's state and random generator, how long the trajectory and log were), written atomically with each
-frame: ``--resume`` continues a killed run from there, cutting the trajectory and log back to it, and ends where
-an uninterrupted run ends. ``summary.json`` lists every structure's outcome. A stop signal finishes the step in
-progress, saves every structure there and exits 75. A structure that cannot be computed (overlapping atoms) stops
-with one line naming it; the others go on.
+frame: ``--resume`` continues a killed run from there (every state read and checked first:
+:mod:`orb.inference.md_state`), cutting the trajectory and log back to it, and ends where an uninterrupted run ends.
+``summary.json`` lists every structure's outcome. A stop signal finishes the step in progress, saves every structure
+there and exits 75. A structure that cannot be computed (overlapping atoms) stops with one line naming it; the
+others go on. The options, output folder and structures are checked in :mod:`orb.inference.md_setup`; the batching
+is :mod:`orb.inference.md_batch`.
 """
 
 import argparse
@@ -34,8 +36,8 @@ import numpy as np
 from orb.errors import OrbInputError
 from orb.inference.md_batch import BatchServer, StopRun, StructureFailed, make_calculator_class
 from orb.inference.md_setup import SETTINGS, Run, check_args, check_output, load_structures, written_by_md
-from orb.inference.md_state import (check_chain_state, cut_to, integrator, read_state, size,  # noqa: F401
-                                    start_at_temperature, state_record, temperature)
+from orb.inference.md_state import check_chain_state  # noqa: F401 (where callers found it before the split)
+from orb.inference.md_state import cut_to, integrator, read_state, size, start_at_temperature, state_record, temperature
 
 log = logging.getLogger("orb")
 ENSEMBLES = ("nve", "nvt", "npt")
