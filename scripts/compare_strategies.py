@@ -195,7 +195,8 @@ def build_parser():
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     out = args.out or os.path.join(ROOT, "runs", f"strategies_{args.demo}_{args.target.replace(',', '')}")
     os.makedirs(out, exist_ok=True)
     from orb.device import configure_mindspore

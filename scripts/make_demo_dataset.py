@@ -117,7 +117,8 @@ def build_parser():
 
 
 def main() -> None:
-    args = build_parser().parse_args()
+    parser = build_parser()
+    args = parser.parse_args()
     metals = [m.strip() for m in args.metals.split(",") if m.strip()]
     unknown = [m for m in metals if m not in METALS]
     if len(metals) < 2 or unknown:

@@ -567,22 +567,48 @@ def test_ranks_share_the_neighbour_count(monkeypatch, tmp_path):
         assert dataset.capacities_read_from == results[0][1].capacities_read_from is not None
 
 
-def test_supercell_offsets_are_the_widened_lattice_points_in_lexicographic_order():
-    """orb-v3's image offsets: every lattice point within the radius widened by one cell, unique and
-    sorted as torch.unique(dim=0) sorts them (edge order follows it), for cells from thin to skewed."""
+def heights(cell):
+    """A cell's heights (its volume over each face's area), 0 for a singular one."""
+    cell = np.asarray(cell, np.float64)
+    faces = np.linalg.norm(np.cross(cell[[1, 2, 0]], cell[[2, 0, 1]]), axis=1)
+    return np.abs(np.linalg.det(cell)) / np.maximum(faces, 1e-300)
+
+
+def test_supercell_offsets_hold_orb_models_and_every_image_within_the_radius():
+    """orb-v3's image offsets, for cells from thin to skewed: orb-models' (every lattice point within the radius
+    widened by one cell, from [-4, 4]^3) in the lexicographic order torch.unique(dim=0) gives them (edge order
+    follows it), and every offset at which an atom can have a neighbour within the radius (any fractional distance
+    in (-1, 1)^3, found exhaustively), which orb-models' miss for short or skewed lattice vectors."""
     from itertools import product
 
     from orb.data.graphs import minimal_supercell_offsets
 
     lattice = np.array(list(product(range(-4, 5), repeat=3)), np.float32)
+    wide = np.array(list(product(range(-9, 10), repeat=3)), np.float64)
     rng = np.random.default_rng(7)
-    for _ in range(300):
-        cell = ((np.eye(3) + rng.normal(0, 0.35, (3, 3))) * rng.uniform(1.5, 14, (3, 1))).astype(np.float32)
+    beyond = 0
+    for k in range(200):
+        cell = np.zeros((3, 3), np.float32)
+        while np.min(heights(cell)) < 1.2:  # (a thin cell by chance: redrawn, the thin ones are below)
+            cell = ((np.eye(3) + rng.normal(0, 0.35, (3, 3))) * rng.uniform(1.5, 14, (3, 1))).astype(np.float32)
+        if k % 4 == 0:  # a short vector (0.9 Å), or one skewed over another (a Niggli-unreduced basis)
+            row = k // 4 % 3
+            cell[row] *= 0.9 / np.linalg.norm(cell[row]) if k % 8 else 1.0
+            cell[1] += 3 * cell[0] if k % 8 == 0 else 0.0
         near = lattice[np.linalg.norm(lattice @ cell, axis=1) <= 6.0 + 1e-4]
         widened = (near[:, None, :] + np.array(list(product((-1, 0, 1), repeat=3)), np.float32)).reshape(-1, 3)
-        expected = np.unique(widened, axis=0)
         offsets = minimal_supercell_offsets(cell, 6.0)
-        assert offsets.dtype == np.float32 and np.array_equal(offsets, expected)
+        assert offsets.dtype == np.float32 and np.array_equal(offsets, np.unique(offsets, axis=0))
+        have = {tuple(o) for o in offsets.astype(int)}
+        assert {tuple(o) for o in np.unique(widened, axis=0).astype(int)} <= have
+        fractions = rng.uniform(-1, 1, (60, 1, 3))
+        within = (np.linalg.norm((wide[None] + fractions) @ cell.astype(np.float64), axis=2) <= 6.0).any(axis=0)
+        needed = {tuple(n) for n in wide[within].astype(int)}
+        assert needed <= have, (cell.tolist(), sorted(needed - have)[:3])
+        beyond += len(needed - {tuple(o) for o in widened.astype(int)}) > 0
+    assert beyond >= 10  # the short and skewed cells need offsets orb-models' search does not hold
+    with pytest.raises(StructureError, match="needs more than 1,000,000 periodic images"):  # not a hang or the OOM
+        minimal_supercell_offsets(np.diag([0.01, 0.01, 5.0]).astype(np.float32), 6.0)  # killer
 
 
 def test_step_totals_are_the_ranks_parts_summed():

@@ -22,8 +22,9 @@ from orb.errors import ClusterError, ClusterInputError, DatasetError, OrbInputEr
 from orb.data.formats import SQLITE_MAGIC, storable_pairs
 from orb.data.sqlite_rows import TABLE_QUERIES, RowReader, frame_of
 from orb.data.augmentation import matrix_to_voigt, random_rotation, rotate_structure
-from orb.data.graphs import (EDGE_CAPACITY_MARGIN, AtomGraphs, GraphSettings, capacity_is_counted, check_structure,
-                             check_no_overlap_before_graphs, edge_capacity, graph_from_arrays, total_charge_or_spin)
+from orb.data.graphs import (EDGE_CAPACITY_MARGIN, AtomGraphs, GraphSettings, capacity_is_counted,
+                             check_no_overlap_before_graphs, edge_capacity, graph_from_arrays, structure_periodicity,
+                             total_charge_or_spin)
 
 log = logging.getLogger("orb")
 
@@ -235,11 +236,9 @@ class AseDbDataset:
         stored = np.zeros((stop - start, len(LABELS) + 1), np.int64)
         for k, row in enumerate(self.rows.read_many(self.ids[start:stop])):
             try:
-                periodic = check_structure(np.asarray(row.positions), np.asarray(row.numbers), np.asarray(row.cell))
+                periodic = structure_periodicity(row.positions, row.numbers, row.cell, row.pbc, self.settings)
                 if self.require_labels:  # training data: before training, not hours in (orb-relax, orb-md name
-                    if self.settings.minimal_supercell:  # such a structure when they reach it; the others go on)
-                        periodic = periodic and bool(np.all(row.pbc))  # orb-v3: with pbc set; orb-v2: any cell
-                    check_no_overlap_before_graphs(row.positions, row.cell, periodic)
+                    check_no_overlap_before_graphs(row.positions, row.cell, periodic)  # it when they reach it)
             except StructureError as exc:
                 raise self._structure_error(row, exc) from None
             in_data = "weight" not in row.key_value_pairs and row.data.get("weight") is not None
@@ -509,7 +508,7 @@ class AseDbDataset:
         for start in range(0, len(self), 256):
             for row in self.rows.read_many(self.ids[start:start + 256]):
                 try:
-                    check_structure(np.asarray(row.positions), np.asarray(row.numbers), np.asarray(row.cell))
+                    structure_periodicity(row.positions, row.numbers, row.cell, row.pbc, self.settings)
                 except StructureError as exc:
                     raise self._structure_error(row, exc) from None
 

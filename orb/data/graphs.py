@@ -33,7 +33,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from orb.data.neighbours import nearest_images
+from orb.data.neighbours import minimal_supercell_offsets, nearest_images  # noqa: F401 (graphs' API)
 from orb.errors import StructureError
 
 MAX_ATOMIC_NUMBER = 118
@@ -170,25 +170,6 @@ def knn_edges(positions: np.ndarray, cell: np.ndarray, radius: float, max_neighb
     return nearest_images(positions, IMAGE_OFFSETS @ cell, IMAGE_OFFSETS, 13, max_neighbors, radius + 1e-6)
 
 
-# Integer offsets n in [-4, 4]^3, the search range orb-models 0.5.5 validated for radii up to 6 Å.
-_LATTICE_4 = np.array(list(product(range(-4, 5), repeat=3)), dtype=np.float32)
-_LATTICE_1 = np.array(list(product((-1, 0, 1), repeat=3)), dtype=np.float32)
-
-
-def minimal_supercell_offsets(cell: np.ndarray, radius: float) -> np.ndarray:
-    """Integer offsets of every cell image that can hold a neighbour within ``radius`` (sorted, float32):
-    the lattice points within the radius, each widened by one cell in every direction."""
-    if radius > 6.0:
-        raise StructureError(f"orb-v3 graphs are validated for radii up to 6 Å, got {radius}")
-    near = _LATTICE_4[np.linalg.norm(_LATTICE_4 @ cell, axis=1) <= radius + 1e-4].astype(np.int64)
-    widened = (near[:, None, :] + _LATTICE_1.astype(np.int64)[None, :, :]).reshape(-1, 3) + 5
-    occupied = np.zeros((11, 11, 11), bool)  # offsets -5..5 on each axis
-    occupied[widened[:, 0], widened[:, 1], widened[:, 2]] = True
-    # the occupied points in row-major order: lexicographic and unique, as torch.unique(dim=0), ~15x
-    # faster than np.unique(axis=0) (part of every orb-v3 graph and neighbour count)
-    return (np.argwhere(occupied) - 5).astype(np.float32)
-
-
 def supercell_edges(positions: np.ndarray, cell: np.ndarray, periodic: bool, radius: float, max_neighbors: int,
                     margin: float = 1e-8):
     """orb-v3's edges: senders, receivers, vectors and unit shifts (float32), grouped by sender, nearest first
@@ -201,10 +182,34 @@ def supercell_edges(positions: np.ndarray, cell: np.ndarray, periodic: bool, rad
 def _v3_frame(positions64: np.ndarray, numbers: np.ndarray, cell64: np.ndarray, pbc: Optional[np.ndarray]):
     """orb-v3's checked float32 positions (wrapped in float64 when periodic), float32 cell and periodicity."""
     cell = cell64.astype(np.float32)
-    wanted = _check_pbc(pbc, cell)  # without pbc the cell plays no part: a singular one is not an error then
-    periodic = check_structure(positions64.astype(np.float32), numbers, cell if wanted else np.zeros_like(cell))
+    periodic = _checked_periodicity(positions64.astype(np.float32), numbers, cell, pbc, True)
     positions = (wrap_positions64(positions64, cell64) if periodic else positions64).astype(np.float32)
     return positions, cell, periodic
+
+
+def structure_periodicity(positions, numbers, cell, pbc, settings: "GraphSettings") -> bool:
+    """Whether the model of ``settings`` sees a structure as periodic, after every check its graph construction
+    makes (the one check of a structure: a data set's census and orb-md's start, before any work, make it as the
+    graphs do: orb-v3's periodicity along some axes only was found mid-run, and a molecule without pbc in a
+    degenerate box was refused up front though orb-v3 ignores its cell)."""
+    return _checked_periodicity(np.asarray(positions, np.float32), np.asarray(numbers).astype(np.int64),
+                                _cell64(cell).astype(np.float32), pbc, settings.minimal_supercell)
+
+
+def _checked_periodicity(positions: np.ndarray, numbers: np.ndarray, cell: np.ndarray, pbc, minimal_supercell: bool
+                         ) -> bool:
+    """orb-v3: a non-zero cell and pbc (without pbc the cell plays no part: a singular one is no error then);
+    orb-v2: a non-zero cell, whatever pbc says (as orb-models 0.4.2)."""
+    if minimal_supercell:
+        wanted = _check_pbc(pbc, cell)
+        return check_structure(positions, numbers, cell if wanted else np.zeros_like(cell))
+    try:
+        return check_structure(positions, numbers, cell)
+    except StructureError as exc:
+        if "singular cell" in str(exc) and pbc is not None and not np.any(pbc):
+            raise StructureError(f"{exc} (orb-v2 reads any non-zero cell as periodic, whatever its periodic flags: "
+                                 "store a molecule with a zero cell)") from None
+        raise
 
 
 def _check_pbc(pbc: Optional[np.ndarray], cell: np.ndarray) -> bool:
@@ -254,7 +259,7 @@ def graph_from_arrays(
                                                               settings.max_neighbors)
     else:
         positions = positions64.astype(np.float32)
-        periodic = check_structure(positions, numbers, cell)
+        periodic = _checked_periodicity(positions, numbers, cell, pbc, False)
         if periodic:
             positions = wrap_positions(positions, cell)
         senders, receivers, vectors, shifts = knn_edges(positions, cell, settings.radius, settings.max_neighbors)

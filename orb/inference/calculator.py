@@ -23,7 +23,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 from ase.calculators.calculator import Calculator, all_changes
 
-from orb.data.graphs import atoms_to_graph
+from orb.data.graphs import atoms_to_graph, model_sees_periodic
 from orb.errors import OrbInputError
 from orb.inference.predictor import Predictor, per_structure
 from orb.inference.uncertainty import per_atom_error
@@ -172,7 +172,8 @@ class ORBCalculator(Calculator):
             raise ValueError(f"{cfg.name} needs the total charge and spin: set atoms.info['charge'] and "
                              "atoms.info['spin']")
         graph = atoms_to_graph(self.atoms, settings=cfg.graph_settings(), float64=self.predictor.float64)
-        one = per_structure(self.predictor(graph), [len(self.atoms)])[0]
+        periodic = model_sees_periodic(self.atoms, cfg.graph_settings())  # a molecule has no stress (ASE's rule)
+        one = per_structure(self.predictor(graph), [len(self.atoms)], [periodic])[0]
         confidence = one.pop("confidence", None)
         if self.dispersion is not None:
             d3 = self.dispersion(self.atoms)

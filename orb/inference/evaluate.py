@@ -235,6 +235,7 @@ def evaluate(args) -> int:
     from orb.device import configure_mindspore
     from orb.inference.dispersion import check_dispersion
     from orb.io.checkpoint import check_checkpoint_file
+    from orb.io.files import refuse_overwriting_inputs
     from orb.reports.evaluation import errors_by_element, print_element_table
     from orb.models.ops_profile import describe_profile, set_ops_profile
     from orb.precision import describe as describe_precision
@@ -262,6 +263,9 @@ def evaluate(args) -> int:
     if len(set(names)) < len(names):
         names = ["checkpoint", "compare"]
     writable_folder(out_dir)  # before the hour of predictions, not after them
+    replaced = set(evaluation_files() + ["uncertain.extxyz", COLLECTING])
+    refuse_overwriting_inputs([("--output_dir", out_dir, replaced.__contains__)],
+                              [("--data", args.data), ("--checkpoint", args.checkpoint), ("--compare", args.compare)])
     try:
         runs = {name: predict_dataset(path, args, keys, show, out_dir if name == names[0] else "")
                 for name, path in zip(names, checkpoints)}

@@ -60,6 +60,15 @@ def shapes_for(data_path, model, batch_size: int) -> List[tuple]:
     return [(b.num_nodes, b.num_edges, b.num_graphs) for b in buckets]
 
 
+def outputs_of(output: str) -> list:
+    """What an export to ``output`` may write or remove (:func:`orb.io.files.refuse_overwriting_inputs`): the file,
+    its description ``<stem>.json`` and the files of other shapes ``<stem>_<nodes>x<edges>x<graphs>.mindir``."""
+    stem = os.path.basename(output[:-len(".mindir")] if output.endswith(".mindir") else output)
+    return [("--output", output, None),
+            ("--output", os.path.dirname(os.path.abspath(output)),
+             lambda name: name == stem + ".json" or (name.startswith(stem + "_") and name.endswith(".mindir")))]
+
+
 def export(model, output: str, shapes: Sequence[tuple]) -> List[str]:
     """One MindIR file per shape (``output`` itself when there is one) and ``model.json``; the files written.
 
@@ -205,6 +214,7 @@ def run(args) -> List[str]:
     import_mindspore()  # first: what the other imports need, with a stop signal honoured after it
     from orb.device import configure_mindspore
     from orb.io.checkpoint import model_from_checkpoint
+    from orb.io.files import refuse_overwriting_inputs
 
     shapes = [parse_shape(s) for s in args.shape]
     if not shapes and not args.data:
@@ -217,6 +227,7 @@ def run(args) -> List[str]:
     folder = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(folder):
         raise OrbInputError(f"--output {args.output}: folder {folder} does not exist")
+    refuse_overwriting_inputs(outputs_of(args.output), [("--checkpoint", args.checkpoint), ("--data", args.data)])
     configure_mindspore(args.device_target, precision=args.precision)
     model = model_from_checkpoint(args.checkpoint, args.model)
     if args.data:

@@ -15,266 +15,33 @@ Per structure: ``traj_k.extxyz`` (a frame every ``--write_every`` steps and the 
 and, for orb-v3, each atom's predicted force error), ``log_k.csv`` (time, temperature, potential, kinetic and
 total energy, pressure, volume, predicted error) and its state ``state_k.json`` (step, positions, momenta, cell,
 the thermostat's state and random generator, how long the trajectory and log were), written atomically with each
-frame: ``--resume`` continues a killed run from there, cutting the trajectory and log back to it, and ends where
-an uninterrupted run ends. ``summary.json`` lists every structure's outcome. A stop signal finishes the step in
-progress, saves every structure there and exits 75. A structure that cannot be computed (overlapping atoms) stops
-with one line naming it; the others go on.
+frame: ``--resume`` continues a killed run from there (every state read and checked first:
+:mod:`orb.inference.md_state`), cutting the trajectory and log back to it, and ends where an uninterrupted run ends.
+``summary.json`` lists every structure's outcome. A stop signal finishes the step in progress, saves every structure
+there and exits 75. A structure that cannot be computed (overlapping atoms) stops with one line naming it; the
+others go on. The options, output folder and structures are checked in :mod:`orb.inference.md_setup`; the batching
+is :mod:`orb.inference.md_batch`.
 """
 
 import argparse
-import json
+import contextlib
 import logging
 import os
 import sys
 import threading
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import numpy as np
 
 from orb.errors import OrbInputError
+from orb.inference.md_batch import BatchServer, StopRun, StructureFailed, make_calculator_class
+from orb.inference.md_setup import SETTINGS, Run, check_args, check_output, load_structures, written_by_md
+from orb.inference.md_state import check_chain_state  # noqa: F401 (where callers found it before the split)
+from orb.inference.md_state import cut_to, integrator, read_state, size, start_at_temperature, state_record, temperature
 
 log = logging.getLogger("orb")
 ENSEMBLES = ("nve", "nvt", "npt")
 THERMOSTATS = ("langevin", "nose-hoover")
-
-
-class StopRun(Exception):
-    """Ends a structure's dynamics: a stop signal (its state saved), or its uncertainty."""
-
-
-class StructureFailed(Exception):
-    """The model could not compute this structure (e.g. atoms on top of each other)."""
-
-
-class BatchServer:
-    """Force requests of many structures' integrators (threads) answered together: :meth:`request` waits until every
-    running structure has asked, or finished, then one call of ``evaluate`` answers all of them."""
-
-    def __init__(self, evaluate):
-        self.evaluate = evaluate  # {key: atoms} -> {key: results dict or an exception}
-        self.condition = threading.Condition()
-        self.pending: Dict[int, object] = {}
-        self.answers: Dict[int, object] = {}
-        self.running = 0
-        self.calls = 0
-
-    def join(self) -> None:
-        with self.condition:
-            self.running += 1
-
-    def leave(self) -> None:
-        with self.condition:
-            self.running -= 1
-            self.condition.notify_all()
-
-    def request(self, key: int, atoms):
-        """(From a structure's thread) this structure's results at ``atoms``, computed with the others'."""
-        with self.condition:
-            self.pending[key] = atoms
-            self.condition.notify_all()
-            while key not in self.answers:
-                self.condition.wait()
-            answer = self.answers.pop(key)
-        if isinstance(answer, BaseException):
-            raise answer
-        return answer
-
-    def serve(self, done, at_step=lambda: None) -> None:
-        """(From the main thread) answer batches until ``done()``: all threads have left. ``at_step()`` runs while
-        every structure of a batch waits for its answer, so what it decides (a stop) every structure sees after the
-        same step."""
-        while True:
-            with self.condition:
-                while not (self.running and len(self.pending) == self.running) and not done():
-                    self.condition.wait(timeout=0.5)
-                if done() and not self.pending:
-                    return
-                batch, self.pending = self.pending, {}
-            at_step()
-            answers = self.evaluate(batch)
-            self.calls += 1
-            with self.condition:
-                self.answers.update(answers)
-                self.condition.notify_all()
-
-
-def make_calculator_class():
-    from ase.calculators.calculator import Calculator, all_changes
-
-    class ServedCalculator(Calculator):
-        """An ASE calculator whose results come from the batch server (one structure's view of the batched model)."""
-
-        implemented_properties = ["energy", "free_energy", "forces", "stress", "force_error"]
-
-        def __init__(self, server: BatchServer, key: int):
-            super().__init__()
-            self.server, self.key = server, key
-
-        def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes):
-            super().calculate(atoms, properties, system_changes)
-            self.results = dict(self.server.request(self.key, self.atoms.copy()))
-
-    return ServedCalculator
-
-
-@dataclass
-class Run:
-    """One structure's dynamics and its files."""
-
-    index: int
-    row: int
-    atoms: object
-    dynamics: object = None
-    folder: str = ""
-    status: str = "pending"
-    error: str = ""
-    uncertain: int = 0
-    energies: List[float] = field(default_factory=list)  # total energy at each frame written (its drift)
-    resumed_from: Optional[int] = None  # the step of the state a resume started from (written already)
-    frames_kept_to: int = -1  # (resume) its uncertain frames up to this step stay; later ones are computed again
-
-    def path(self, kind: str) -> str:
-        ext = {"traj": "extxyz", "log": "csv", "state": "json"}[kind]
-        return os.path.join(self.folder, f"{kind}_{self.index}.{ext}")
-
-
-def integrator(atoms, args, index: int):
-    """ASE's integrator of ``args.ensemble`` for one structure (its own random generator: [seed, index])."""
-    from ase import units
-
-    dt = args.timestep * units.fs
-    rng = np.random.default_rng([args.seed, index])
-    if args.ensemble == "nve":
-        from ase.md.verlet import VelocityVerlet
-
-        return VelocityVerlet(atoms, timestep=dt)
-    if args.ensemble == "nvt" and args.thermostat == "langevin":
-        from ase.md.langevin import Langevin
-
-        return Langevin(atoms, timestep=dt, temperature_K=args.temperature, friction=args.friction / units.fs,
-                        rng=rng, fixcm=False)  # (ASE 3.28 deprecates fixcm=True: it does not sample NVT exactly)
-    if args.ensemble == "nvt":
-        from ase.md.nose_hoover_chain import NoseHooverChainNVT
-
-        dynamics = NoseHooverChainNVT(atoms, timestep=dt, temperature_K=args.temperature, tdamp=args.tdamp * units.fs)
-        check_chain_state(dynamics)
-        return dynamics
-    from ase.md.nptberendsen import NPTBerendsen
-
-    return NPTBerendsen(atoms, timestep=dt, temperature_K=args.temperature, pressure_au=args.pressure * units.bar,
-                        taut=args.taut * units.fs, taup=args.taup * units.fs,
-                        compressibility_au=args.compressibility / units.bar)
-
-
-def check_chain_state(dynamics) -> None:
-    """The Nose-Hoover chain keeps its own positions, momenta and thermostat in attributes of ASE's (3.29: ``_q``,
-    ``_p``, ``_thermostat``), which the state saves; an ASE that names them otherwise is refused in one line rather
-    than resumed inexactly without a word."""
-    from ase import __version__
-
-    chain = getattr(dynamics, "_thermostat", None)
-    if not all(isinstance(getattr(dynamics, name, None), np.ndarray) for name in ("_q", "_p")) or chain is None \
-            or not any(isinstance(v, np.ndarray) for v in vars(chain).values()):
-        raise OrbInputError(f"--thermostat nose-hoover: ASE {__version__} keeps the chain's state where orb-md cannot "
-                            "save it, so a --resume would not continue exactly; use --thermostat langevin, or ASE 3.29")
-
-
-def integrator_state(dynamics) -> Dict:
-    """What a resume needs besides positions, momenta and cell: the random generator (Langevin) and the
-    thermostat chain (Nose-Hoover), as JSON."""
-    state = {}
-    for name in ("_q", "_p"):  # Nose-Hoover's own positions and momenta: of fixed atoms, not the atoms' values
-        value = getattr(dynamics, name, None)
-        if isinstance(value, np.ndarray):
-            state[name] = value.tolist()
-    rng = getattr(dynamics, "rng", None)
-    if rng is not None and hasattr(rng, "bit_generator"):
-        state["rng"] = rng.bit_generator.state
-    chain = getattr(dynamics, "_thermostat", None)
-    if chain is not None:
-        state["thermostat"] = {k: np.asarray(v).tolist() for k, v in vars(chain).items()
-                               if isinstance(v, (np.ndarray, float)) and k.startswith("_")}
-    return state
-
-
-def restore_integrator(dynamics, state: Dict) -> None:
-    for name in ("_q", "_p"):
-        if name in state:
-            setattr(dynamics, name, np.array(state[name]))
-    if "rng" in state:
-        dynamics.rng.bit_generator.state = state["rng"]
-    chain = getattr(dynamics, "_thermostat", None)
-    for key, value in state.get("thermostat", {}).items():
-        current = getattr(chain, key)
-        setattr(chain, key, np.array(value) if isinstance(current, np.ndarray) else float(value))
-
-
-def size(path: str) -> int:
-    return os.path.getsize(path) if os.path.exists(path) else 0
-
-
-def cut_to(path: str, size: int) -> None:
-    """A file cut back to ``size`` bytes (what it held at the state a resume continues from)."""
-    if os.path.exists(path) and os.path.getsize(path) > size:
-        with open(path, "r+b") as f:
-            f.truncate(size)
-
-
-def check_states_extend(runs, args) -> None:
-    """A longer --resume of a structure whose state an earlier version wrote at a last frame off the --write_every
-    grid is refused (before anything is cut or recorded): that state does not say where the files were before the
-    frame, so the longer run would keep a frame an uninterrupted one does not have."""
-    for run in runs:
-        if not os.path.exists(run.path("state")):
-            continue
-        with open(run.path("state")) as f:
-            state = json.load(f)
-        step = int(state["step"])
-        if "last_frame_only" not in state and args.steps > step and step % args.write_every:
-            raise OrbInputError(f"--resume {args.output}: structure {run.index}'s run, written by an earlier version, "
-                                f"ended at step {step}, off the --write_every grid, and its state does not say where "
-                                "its files were before that frame: extend it with the version that wrote it, or "
-                                "start it again")
-
-
-def check_args(args) -> None:
-    for name, value, low in (("--timestep", args.timestep, 0.0), ("--temperature", args.temperature, -1e-300),
-                             ("--friction", args.friction, 0.0), ("--tdamp", args.tdamp, 0.0)):
-        if not np.isfinite(value) or value <= low:
-            bound = ">= 0" if name == "--temperature" else "> 0"
-            raise OrbInputError(f"{name} must be a finite number {bound}, got {value}")
-    if args.temperature == 0 and (args.ensemble == "npt" or (args.ensemble == "nvt" and args.thermostat != "langevin")):
-        # (Nose-Hoover's thermostat masses are proportional to it; Berendsen divides by the temperature, 0 at 0 K:
-        # every structure failed with NaN positions, blamed on the structures)
-        what = "--ensemble npt (Berendsen)" if args.ensemble == "npt" else f"--thermostat {args.thermostat}"
-        raise OrbInputError(f"--temperature must be > 0 for {what}; at 0 K use --thermostat langevin (a quench) or "
-                            "orb-relax")
-    if args.steps < 0 or args.write_every < 1 or args.batch_size < 1 or not 0 <= args.seed < 2 ** 32:
-        raise OrbInputError("--steps must be >= 0, --write_every and --batch_size >= 1, --seed 0 to 2^32 - 1")
-    if args.ensemble == "npt" and not all(np.isfinite(v) and v > 0 for v in (args.taut, args.taup,
-                                                                             args.compressibility)):
-        raise OrbInputError("--taut, --taup and --compressibility must be positive numbers")
-    if not np.isfinite(args.pressure):
-        raise OrbInputError(f"--pressure must be a finite number (bar), got {args.pressure}")
-
-
-def check_output(folder: str, resume: bool, overwrite: bool) -> None:
-    """A folder holding an earlier run is continued (--resume) or replaced (--overwrite), never mixed."""
-    found = [f for f in os.listdir(folder) if f.startswith(("traj_", "state_", "log_"))] if os.path.isdir(folder) \
-        else []
-    if found and not resume and not overwrite:
-        raise OrbInputError(f"--output {folder} holds an earlier run ({', '.join(sorted(found)[:3])} ...): pass "
-                            "--resume to continue it or --overwrite to replace it")
-    if found and overwrite and not resume:  # the states first: a kill meanwhile leaves no structure that a resume
-        found.sort(key=lambda name: not name.startswith("state_"))  # would continue beside a deleted trajectory
-        for name in found + [n for n in ("summary.json", "uncertain.extxyz", "run.json")
-                             if os.path.exists(os.path.join(folder, n))]:
-            os.remove(os.path.join(folder, name))
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as exc:
-        raise OrbInputError(f"--output {folder}: cannot create it ({exc.strerror})") from None
 
 
 class Dynamics:
@@ -287,20 +54,27 @@ class Dynamics:
         self.predictor = Predictor(model, reuse=False)  # a resumed run computes as an uninterrupted one
         self.stop_requested = False
         self.uncertain = None
+        self.integrator_name = {"nve": "VelocityVerlet", "npt": "NPTBerendsen"}.get(
+            args.ensemble, "Langevin" if args.thermostat == "langevin" else "NoseHooverChainNVT")
 
     # ------------------------------------------------------------------ the model, batched
     def evaluate(self, batch: Dict[int, object]) -> Dict[int, object]:
         """Every requesting structure's results from one model call; a structure whose graph cannot be built gets
         its error instead (the others are computed)."""
-        from orb.data.graphs import atoms_to_graph, batch_graphs
+        from orb.data.graphs import atoms_to_graph, batch_graphs, model_sees_periodic
         from orb.errors import StructureError
         from orb.inference.predictor import per_structure
-        from orb.inference.runs import first_line
+        from orb.inference.runs import first_line, made_not_finite
         from orb.inference.uncertainty import per_atom_error
 
         settings = self.model.cfg.graph_settings()
         graphs, keys, answers = [], [], {}
         for key, atoms in batch.items():
+            made = made_not_finite(atoms)
+            if made:
+                answers[key] = StructureFailed(f"{self.integrator_name} made its {made} NaN or inf (the dynamics' own "
+                                               "arithmetic: the input was checked before the first step)")
+                continue
             try:
                 graph = atoms_to_graph(atoms, settings=settings, float64=self.predictor.float64)
             except StructureError as exc:
@@ -316,7 +90,8 @@ class Dynamics:
                 out = self.predictor(batch_graphs(graphs))
             except Exception as exc:  # every structure of the call is told (one line each), none hangs
                 return dict(answers, **{key: StructureFailed(f"the model failed: {first_line(exc)}") for key in keys})
-            for key, results in zip(keys, per_structure(out, [graph.num_nodes for graph in graphs])):
+            periodic = [model_sees_periodic(batch[key], settings) for key in keys]  # (a molecule's stress: none)
+            for key, results in zip(keys, per_structure(out, [graph.num_nodes for graph in graphs], periodic)):
                 confidence = results.pop("confidence", None)
                 if self.dispersion is not None:
                     try:
@@ -334,44 +109,38 @@ class Dynamics:
 
     # ------------------------------------------------------------------ one structure
     def prepare(self, run: Run) -> None:
-        """The structure's atoms, velocities and integrator, from its state file when resuming."""
-        from ase.md.velocitydistribution import MaxwellBoltzmannDistribution, Stationary
+        """The structure's atoms, velocities and integrator, from its state (read and checked by
+        :func:`orb.inference.md_state.read_state`) when resuming."""
+        from orb.inference.md_state import as_json, files_of, restore_integrator
 
-        args, atoms = self.args, run.atoms
-        state = None
-        if args.resume and not os.path.exists(run.path("state")):  # killed before its first state: it starts again,
-            for kind in ("traj", "log"):                            # so a frame or line written before goes
+        args, atoms, state = self.args, run.atoms, run.state
+        if args.resume and state is None:  # killed before its first state: it starts again, so a frame or line
+            for kind in ("traj", "log"):   # written before goes
                 if os.path.exists(run.path(kind)):
                     os.remove(run.path(kind))
-        if args.resume and os.path.exists(run.path("state")):
-            with open(run.path("state")) as f:
-                state = json.load(f)
-            atoms.set_cell(np.array(state["cell"]), scale_atoms=False)
+        if state is not None:
+            atoms.set_cell(state["cell"], scale_atoms=False)
             # as saved, constraints not applied again: a barostat moves fixed atoms with the cell, and FixAtoms
             # would put them back where the input had them
-            atoms.set_positions(np.array(state["positions"]), apply_constraint=False)
-            atoms.set_momenta(np.array(state["momenta"]), apply_constraint=False)
-            files = state
-            run.frames_kept_to = int(state["step"])
-            last_only = state.get("last_frame_only")  # the previous --steps' last frame, off the --write_every grid
-            if last_only and args.steps > state["step"]:  # a longer run now, whose files have no frame there
-                files, run.frames_kept_to = last_only, int(state["step"]) - 1
+            atoms.set_positions(state["positions"], apply_constraint=False)
+            atoms.set_momenta(state["momenta"], apply_constraint=False)
+            files = files_of(state, args)
+            run.frames_kept_to = state["step"] - (files is not state)
             cut_to(run.path("traj"), files["traj_bytes"])
             cut_to(run.path("log"), files["log_bytes"])
-            if files is last_only:  # the state says so before anything is appended (a kill then resumes alike)
+            if files is not state:  # the state says so before anything is appended (a kill then resumes alike)
                 from orb.io.files import write_json
 
-                write_json(run.path("state"), dict(state, **last_only, last_frame_only=None))
+                write_json(run.path("state"), as_json(dict(state, **files, last_frame_only=None)))
             run.uncertain = int(files.get("uncertain", 0))
             run.energies = [e for e in (state.get("first_total_energy"), files.get("last_total_energy"))
                             if e is not None][:2]
         elif not np.any(atoms.get_momenta()):
-            MaxwellBoltzmannDistribution(atoms, temperature_K=args.temperature,
-                                         rng=np.random.default_rng([args.seed, run.index, 1]))
-            Stationary(atoms)
+            run.at_rest = not start_at_temperature(atoms, args.temperature,
+                                                   np.random.default_rng([args.seed, run.index, 1]))
         run.dynamics = integrator(atoms, args, run.index)
         if state is not None:
-            run.dynamics.nsteps = run.resumed_from = int(state["step"])
+            run.dynamics.nsteps = run.resumed_from = state["step"]
             restore_integrator(run.dynamics, state["integrator"])
             if state.get("status", "").startswith("stopped: uncertain"):
                 run.status = state["status"]  # --stop_uncertain stopped it: it stays stopped
@@ -404,14 +173,15 @@ class Dynamics:
 
         dynamics.attach(observe, interval=1)
         try:
-            dynamics.run(args.steps - dynamics.nsteps)
+            with np.errstate(divide="ignore") if run.at_rest else contextlib.nullcontext():  # (Berendsen divides
+                dynamics.run(args.steps - dynamics.nsteps)  # by the temperature, 0 at rest: ASE clips the scaling)
             run.status = "done"
         except StopRun as reason:
             run.status = "stopped" if str(reason) == "stop signal" else "stopped: uncertain"
         except StructureFailed as exc:
-            run.status, run.error = "failed", str(exc)
+            run.status, run.error = "failed", f"step {dynamics.nsteps}: {exc}"
         except Exception as exc:  # recorded for the summary; the other structures go on
-            run.status, run.error = "failed", f"{type(exc).__name__}: {exc}"
+            run.status, run.error = "failed", f"step {dynamics.nsteps}: {type(exc).__name__}: {exc}"
         finally:
             server.leave()
 
@@ -429,12 +199,7 @@ class Dynamics:
         before = files() if last_only else None
         if frame:
             self.write_frame(run, step)
-        atoms = run.atoms
-        write_json(run.path("state"), {
-            "step": step, "positions": atoms.get_positions().tolist(), "momenta": atoms.get_momenta().tolist(),
-            "cell": atoms.cell.array.tolist(), "integrator": integrator_state(run.dynamics), **files(),
-            "first_total_energy": run.energies[0] if run.energies else None, "last_frame_only": before,
-            "status": run.status})
+        write_json(run.path("state"), state_record(run, step, files(), before))
 
     def write_frame(self, run: Run, step: int) -> None:
         """The trajectory frame and log line at ``step``, synced to the disk (and the frame to uncertain.extxyz
@@ -469,7 +234,7 @@ class Dynamics:
             if new:
                 f.write("step,time_fs,temperature_K,potential_eV,kinetic_eV,total_eV,pressure_GPa,volume_A3,"
                         "predicted_force_error_max\n")
-            f.write(f"{step},{step * self.args.timestep:.6g},{atoms.get_temperature():.6f},{results['energy']:.10g},"
+            f.write(f"{step},{step * self.args.timestep:.6g},{temperature(atoms):.6f},{results['energy']:.10g},"
                     f"{kinetic:.10g},{results['energy'] + kinetic:.10g},{pressure:.8g},{volume:.8g},{error:.6g}\n")
         run.energies.append(results["energy"] + kinetic)
         if self.uncertain is not None and "force_error" in results and error > self.args.uncertain_above:
@@ -513,41 +278,6 @@ class Dynamics:
                 bar.update(len(group))
 
 
-def load_structures(args, model) -> Tuple[List[Run], object]:
-    from orb.data.dataset import AseDbDataset
-    from orb.data.formats import LabelKeys, readable_database, without_labels
-    from orb.inference.dispersion import check_dispersion_elements
-    from orb.inference.runs import total_charge_and_spin
-
-    data = AseDbDataset(readable_database(args.data, LabelKeys()), require_labels=False,
-                        settings=model.cfg.graph_settings(), charge_spin=model.cfg.omol)
-    data.check_structures()  # before the first step, named by file, row or frame, and key (labels: discarded)
-    check_dispersion_elements(data, args.dispersion)
-    runs = []
-    for i in range(len(data)):
-        atoms = data.get_atoms(i)
-        atoms.calc = None
-        atoms.info = without_labels(atoms.info)  # the starting structure's labels are not the frames'
-        if model.cfg.omol:
-            atoms.info.update(total_charge_and_spin(data, i, required=True))
-        row = int(data.ids[i])
-        if args.ensemble == "npt" and not (atoms.cell.any() and atoms.pbc.all()):
-            raise data.error_at("npt needs a periodic structure (a cell and pbc)", row, "cell")
-        if not np.all(np.isfinite(atoms.get_momenta())):  # (a NaN velocity was blamed on the positions, mid-run)
-            raise data.error_at("momenta contain NaN or inf", row, "momenta")
-        if not (np.all(np.isfinite(atoms.get_masses())) and np.all(atoms.get_masses() > 0)):
-            raise data.error_at("masses must be finite and > 0", row, "masses")
-        runs.append(Run(i, int(data.ids[i]), atoms, folder=args.output))
-    return runs, data
-
-
-# what a resume must not change (--steps may grow, not shrink); the batch size too: a structure's float32 forces
-# depend, in their last bits, on the batch shape it was computed in
-SETTINGS = ("steps", "ensemble", "thermostat", "timestep", "temperature", "friction", "tdamp", "pressure", "taut", "taup",
-            "compressibility", "seed", "write_every", "batch_size", "uncertain_above", "stop_uncertain", "precision",
-            "dispersion", "xc", "model")
-
-
 def md(args) -> Dict:
     from orb.device import import_mindspore
 
@@ -557,11 +287,13 @@ def md(args) -> Dict:
     from orb.inference.runs import run_settings
     from orb.inference.uncertainty import UncertainFrames, check_threshold
     from orb.io.checkpoint import model_from_checkpoint
-    from orb.io.files import check_run_settings, remove_stale_temporaries, write_json
+    from orb.io.files import check_run_settings, refuse_overwriting_inputs, remove_stale_temporaries, write_json
     from orb.models.ops_profile import set_ops_profile
     from orb.signals import RESUME_FLAG, STOP, STOPPED_STATUS, Stopped
 
     check_args(args)
+    refuse_overwriting_inputs([("--output", args.output, written_by_md)],
+                              [("--data", args.data), ("--checkpoint", args.checkpoint)])
     if args.stop_uncertain and args.uncertain_above is None:
         raise OrbInputError("--stop_uncertain needs --uncertain_above")
     check_dispersion(args.dispersion, args.xc)
@@ -573,21 +305,33 @@ def md(args) -> Dict:
     if args.ensemble == "npt" and not model.cfg.has_stress:  # its stress would be zeros: a barostat without pressure
         raise OrbInputError(f"--ensemble npt needs stress, and {model.cfg.name} predicts none (no stress head)")
     runs, data = load_structures(args, model)
+    uncertain = UncertainFrames(args.output) if args.uncertain_above is not None else None
     try:
         check_output(args.output, args.resume, args.overwrite)  # after every check: --overwrite deletes the old run
         remove_stale_temporaries(args.output, min_age=600.0)  # a state or summary whose write was killed
-        if args.resume:
-            check_states_extend(runs, args)
-        check_run_settings(os.path.join(args.output, "run.json"), run_settings(args, SETTINGS, model, data),
-                           args.resume, args.output, informational=("checkpoint",), may_grow=("steps",))
+        record = os.path.join(args.output, "run.json")
+        pending = check_run_settings(record, run_settings(args, SETTINGS, model, data), args.resume, args.output,
+                                     informational=("checkpoint",), may_grow=("steps",),
+                                     required=args.resume and any(os.path.exists(r.path("state")) for r in runs))
+        if args.resume:  # every state and the files it keeps checked before anything is cut back or written
+            for run in runs:
+                run.state = read_state(run, args)
+            if uncertain is not None:
+                uncertain.frames()
+        if pending is not None:
+            write_json(record, pending)
     except OSError as exc:  # a read-only folder
         raise OrbInputError(f"--output {args.output}: cannot write there ({exc.strerror or exc})") from None
     d3 = D3Dispersion(args.dispersion, args.xc, model.cfg.graph_settings()) if args.dispersion else None
     dynamics = Dynamics(model, args, d3)
-    if args.uncertain_above is not None:
-        dynamics.uncertain = UncertainFrames(args.output)
+    dynamics.uncertain = uncertain
     for run in runs:
         dynamics.prepare(run)
+    still = [r for r in runs if r.at_rest]
+    if still:
+        first = f"structure {still[0].index}, row {still[0].row}" + (" ..." if len(still) > 1 else "")
+        print(f"note: {len(still)} structure(s) ({first}) have no motion but their centre of mass's (one atom, or "
+              "every atom fixed), which orb-md removes: they start at rest", file=sys.stderr)
     if dynamics.uncertain is not None and args.resume:  # a structure without a state starts again: none kept
         dynamics.uncertain.keep_up_to({r.index: r.frames_kept_to for r in runs})
     show = sys.stderr.isatty() if args.progress_bar == "auto" else args.progress_bar == "true"

@@ -121,15 +121,18 @@ class Predictor:
         return out
 
 
-def per_structure(out: Dict[str, np.ndarray], sizes: Sequence[int]) -> List[Dict]:
+def per_structure(out: Dict[str, np.ndarray], sizes: Sequence[int], periodic: Optional[Sequence[bool]] = None
+                  ) -> List[Dict]:
     """Each structure's part of a batch's predictions ``out`` (``sizes``: its structures' atom counts, in order):
-    ``energy`` (a float), ``forces`` (n, 3), ``stress`` (6,) when the model predicts one, ``confidence`` (n, bins)
-    for orb-v3 -- one split for the calculator, orb-evaluate, orb-relax and orb-md, so that none of them reports
-    what the model did not predict (a stress-less model's zeros were written as its stress and pressure)."""
+    ``energy`` (a float), ``forces`` (n, 3), ``stress`` (6,) when the model predicts one and, where ``periodic``
+    is given, the model sees the structure as periodic (:func:`orb.data.graphs.model_sees_periodic`: a molecule's
+    stress, of a zero or meaningless volume, is none), ``confidence`` (n, bins) for orb-v3 -- one split for the
+    calculator, orb-evaluate, orb-relax and orb-md, so that none of them reports what the model did not predict (a
+    stress-less model's zeros were written as its stress and pressure; a molecule's stress reached the calculator)."""
     parts, offset = [], 0
     for k, n in enumerate(sizes):
         part = {"energy": float(out["energy"][k]), "forces": out["forces"][offset:offset + n]}
-        if "stress" in out:
+        if "stress" in out and (periodic is None or periodic[k]):
             part["stress"] = out["stress"][k]
         if "confidence" in out:
             part["confidence"] = out["confidence"][offset:offset + n]

@@ -38,28 +38,66 @@ class Relaxing:
     error: str = ""  # why this structure cannot go on (its graph, the model's or D3's numbers); the others do
 
 
-def _optimizer(atoms, cell: bool, fmax: float):
+def _optimizer(atoms, cell: bool, fmax: float, settings):
+    """ASE's FIRE on the atoms, or with ``cell`` on ASE's FrechetCellFilter of them where the model sees a periodic
+    structure with pbc set (a molecule stored with pbc and no cell has no stress: the filter failed on it), its
+    strain along the periodic axes only (a slab's vacuum is kept)."""
     from ase.filters import FrechetCellFilter
     from ase.optimize import FIRE
 
-    target = FrechetCellFilter(atoms) if cell and atoms.pbc.any() else atoms
+    from orb.data.graphs import model_sees_periodic
+
+    target = atoms
+    if cell and atoms.pbc.any() and model_sees_periodic(atoms, settings):
+        pbc = np.asarray(atoms.pbc, bool)
+        target = FrechetCellFilter(atoms, mask=None if pbc.all() else np.outer(pbc, pbc))
     optimizer = FIRE(target, logfile=None)
     optimizer.fmax = fmax  # what Optimizer.run sets
     return optimizer
 
 
-def _done_rows(output: str) -> set:
-    """The input rows an earlier run already wrote (their ``source_row`` key-value pairs)."""
+def read_output(output: str) -> Dict[int, Tuple[int, bool]]:
+    """Every structure the output database holds: input row -> (steps, converged), read through one checked reader
+    (at a resume's start and for its summary): a file that is no ASE database, or a row without orb-relax's keys
+    (one written by hand or by another program; a traceback after the whole run, before), is one line naming it.
+    An empty file holds nothing yet (SQLite's own reading of it)."""
     import sqlite3
+    from urllib.parse import quote
 
+    from orb.data.formats import SQLITE_MAGIC
+
+    if not os.path.exists(output) or os.path.getsize(output) == 0:
+        return {}
+    advice = "; restore it, or start a new run in another --output"
+    with open(output, "rb") as f:
+        if f.read(len(SQLITE_MAGIC)) != SQLITE_MAGIC:
+            raise OrbInputError(f"--output {output} is not an ASE SQLite database (another file, or one cut short)"
+                                f"{advice}")
     try:
-        with sqlite3.connect(f"file:{output}?mode=ro", uri=True) as connection:
-            found = connection.execute("SELECT value FROM number_key_values WHERE key = 'source_row'").fetchall()
+        with sqlite3.connect(f"file:{quote(os.path.abspath(output))}?mode=ro", uri=True) as connection:
+            tables = {name for (name,) in connection.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            if "systems" not in tables:
+                if tables:
+                    raise OrbInputError(f"--output {output} is an SQLite file but not an ASE database (no 'systems' "
+                                        f"table){advice}")
+                return {}
+            rows = [row for (row,) in connection.execute("SELECT id FROM systems ORDER BY id")]
+            found = connection.execute("SELECT id, key, value FROM number_key_values WHERE key IN "
+                                       "('source_row', 'relax_steps', 'converged')").fetchall() if rows else []
     except sqlite3.DatabaseError as exc:
-        if "no such table" in str(exc):
-            return set()
-        raise OrbInputError(f"--output {output}: cannot read it as an ASE database to resume ({exc})") from None
-    return {int(value) for (value,) in found}
+        raise OrbInputError(f"--output {output}: cannot read it as an ASE database ({exc}){advice}") from None
+    values: Dict[int, Dict[str, float]] = {}
+    for row, key, value in found:
+        values.setdefault(row, {})[key] = value
+    written = {}
+    for row in rows:
+        keys = values.get(row, {})
+        missing = [k for k in ("source_row", "relax_steps", "converged") if k not in keys]
+        if missing:
+            raise OrbInputError(f"--output {output}, row {row}: key '{missing[0]}' is missing: a row orb-relax did "
+                                f"not write{advice}")
+        written[int(keys["source_row"])] = (int(keys["relax_steps"]), bool(keys["converged"]))
+    return written
 
 
 def companion(output: str, kind: str) -> str:
@@ -86,9 +124,11 @@ def check_output(output: str, resume: bool, overwrite: bool) -> None:
             os.remove(path)
 
 
-# what a resume must not change (--steps may grow, not shrink, as orb-md's; the batch size may change: a resumed run
-# relaxes the unfinished structures from their start, in other batches whatever the size)
-SETTINGS = ("steps", "fmax", "cell", "uncertain_above", "precision", "dispersion", "xc", "model")
+# what a resume must not change (--steps may grow, not shrink, as orb-md's); what it may change, said (a resumed run
+# relaxes the unfinished structures from their start, in other batches whatever the size: these only round them
+# otherwise than an uninterrupted run would)
+SETTINGS = ("steps", "fmax", "cell", "uncertain_above", "precision", "dispersion", "xc", "model", "batch_size")
+SAID = ("batch_size", "ops_profile", "device_target")
 
 
 class BatchRelaxer:
@@ -109,12 +149,16 @@ class BatchRelaxer:
 
         from orb.data.graphs import atoms_to_graph, batch_graphs, model_sees_periodic
         from orb.inference.predictor import per_structure
-        from orb.inference.runs import first_line
+        from orb.inference.runs import first_line, made_not_finite
         from orb.inference.uncertainty import per_atom_error
 
         settings = self.model.cfg.graph_settings()
         graphs = []
         for r in active:
+            made = made_not_finite(r.atoms)
+            if made:  # (the input was checked before the first step: FIRE's own arithmetic)
+                r.error = f"step {r.steps}: FIRE made its {made} NaN or inf"
+                continue
             try:
                 graph = atoms_to_graph(r.atoms, settings=settings, float64=self.predictor.float64)
             except OrbInputError as exc:  # positions or cell no longer finite, atoms on top of each other
@@ -134,7 +178,8 @@ class BatchRelaxer:
                 r.error = f"step {r.steps}: the model failed: {first_line(exc)}"
             return
         self.calls += 1
-        for r, results in zip(evaluated, per_structure(out, [len(r.atoms) for r in evaluated])):
+        periodic = [model_sees_periodic(r.atoms, settings) for r in evaluated]  # (a molecule's stress is none)
+        for r, results in zip(evaluated, per_structure(out, [len(r.atoms) for r in evaluated], periodic)):
             confidence = results.pop("confidence", None)
             if confidence is not None:
                 r.force_error = per_atom_error(confidence)
@@ -151,8 +196,6 @@ class BatchRelaxer:
             if not all(np.all(np.isfinite(results[key])) for key in results):
                 r.error = f"step {r.steps}: the model's energy, forces or stress are not finite"
                 continue
-            if "stress" in results and not model_sees_periodic(r.atoms, settings):
-                del results["stress"]  # a molecule's: no stress (orb-v2 stored its meaningless one), as orb-md's frames
             r.atoms.calc = SinglePointCalculator(r.atoms, free_energy=results["energy"], **results)
 
     def run(self, structures, on_done, stop: Callable[[], bool] = lambda: False,
@@ -169,7 +212,8 @@ class BatchRelaxer:
                 if item is None:
                     break
                 row, atoms = item
-                active.append(Relaxing(row, atoms, _optimizer(atoms, self.cell, self.fmax)))
+                active.append(Relaxing(row, atoms, _optimizer(atoms, self.cell, self.fmax,
+                                                              self.model.cfg.graph_settings())))
             if not active:
                 return
             self._evaluate(active)
@@ -192,16 +236,6 @@ class BatchRelaxer:
             active = still
 
 
-def _written(output: str) -> Dict[int, Tuple[int, bool]]:
-    """Every structure the output holds: input row -> (steps, converged)."""
-    import ase.db
-
-    if not os.path.exists(output):
-        return {}
-    with ase.db.connect(output, type="db", use_lock_file=False) as db:
-        return {int(row.source_row): (int(row.relax_steps), bool(row.converged)) for row in db.select()}
-
-
 def relax(args) -> Dict:
     from orb.device import import_mindspore
 
@@ -219,12 +253,15 @@ def relax(args) -> Dict:
                                           check_dispersion_for)
     from orb.inference.uncertainty import UncertainFrames, check_threshold
     from orb.io.checkpoint import model_from_checkpoint
-    from orb.io.files import check_run_settings, remove_stale_temporaries, write_json
+    from orb.io.files import check_run_settings, refuse_overwriting_inputs, remove_stale_temporaries, write_json
     from orb.models.ops_profile import set_ops_profile
     from orb.signals import RESUME_FLAG, STOP, STOPPED_STATUS, Stopped
 
     if args.fmax <= 0 or args.steps < 0 or args.batch_size < 1 or not np.isfinite(args.fmax):
         raise OrbInputError("--fmax must be a finite number > 0, --steps >= 0 and --batch_size >= 1")
+    refuse_overwriting_inputs([("--output", args.output, None)] +
+                              [("--output's record", companion(args.output, kind), None) for kind in COMPANIONS],
+                              [("--data", args.data), ("--checkpoint", args.checkpoint)])
     check_dispersion(args.dispersion, args.xc)
     configure_mindspore(args.device_target, precision=args.precision)
     set_ops_profile(args.ops_profile)
@@ -240,18 +277,22 @@ def relax(args) -> Dict:
     try:
         check_output(args.output, args.resume, args.overwrite)  # after every check: --overwrite deletes the old one
         remove_stale_temporaries(os.path.dirname(os.path.abspath(args.output)), min_age=600.0)  # a killed summary's
-        check_run_settings(companion(args.output, "run.json"),
-                           run_settings(args, SETTINGS, model, data), args.resume, args.output,
-                           informational=("checkpoint",), may_grow=("steps",))
+        record = companion(args.output, "run.json")
+        earlier = read_output(args.output) if args.resume else {}
+        pending = check_run_settings(record, run_settings(args, SETTINGS, model, data), args.resume, args.output,
+                                     informational=("checkpoint",), may_grow=("steps",), said=SAID,
+                                     required=bool(earlier))
     except OSError as exc:  # a read-only folder
         raise OrbInputError(f"--output {args.output}: cannot write there ({exc.strerror or exc})") from None
-    done = _done_rows(args.output) if os.path.exists(args.output) else set()
+    done = set(earlier)
     todo = [i for i in range(len(data)) if int(data.ids[i]) not in done]
     uncertain = (UncertainFrames(os.path.dirname(os.path.abspath(args.output)),
                                  os.path.basename(companion(args.output, "uncertain.extxyz")))
                  if args.uncertain_above is not None else None)
     if uncertain is not None and args.resume:
-        uncertain.keep_rows(done)
+        uncertain.keep_rows(done)  # (read, and refused if it cannot be, before anything is written)
+    if pending is not None:
+        write_json(record, pending)
     dispersion = D3Dispersion(args.dispersion, args.xc, model.cfg.graph_settings()) if args.dispersion else None
     relaxer = BatchRelaxer(model, args.fmax, args.steps, args.cell, args.batch_size, dispersion)
     show = sys.stderr.isatty() if args.progress_bar == "auto" else args.progress_bar == "true"
@@ -291,7 +332,7 @@ def relax(args) -> Dict:
 
         relaxer.run(structures(), finish, stop=lambda: STOP.received is not None, on_failed=failed)
     seconds = time.perf_counter() - start
-    results = _written(args.output)
+    results = read_output(args.output)
     not_converged = sorted(row for row, (_, converged) in results.items() if not converged)
     summary = {"input": args.data, "output": os.path.abspath(args.output), "checkpoint": args.checkpoint,
                "fmax": args.fmax, "max_steps": args.steps, "cell": args.cell, "dispersion": args.dispersion or None,
@@ -350,7 +391,8 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     parser.add_argument("--fmax", type=float, default=0.05, help="converged when every force (and with --cell "
                         "every cell force) is below this, eV/Å")
     parser.add_argument("--steps", type=int, default=500, help="FIRE steps at most per structure")
-    parser.add_argument("--cell", action="store_true", help="relax the cell too (ASE's FrechetCellFilter)")
+    parser.add_argument("--cell", action="store_true", help="relax the cell too, along its periodic axes (ASE's "
+                        "FrechetCellFilter)")
     parser.add_argument("--batch_size", type=int, default=32, help="structures relaxing together")
     parser.add_argument("--resume", action="store_true", help="continue an existing output (skip its rows)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")

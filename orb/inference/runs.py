@@ -1,21 +1,33 @@
 """What orb-md and orb-relax share about the structures they start from and the runs they resume."""
 
 import os
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence
+
+import numpy as np
 
 from orb.errors import OrbInputError
 
 
 def run_settings(args, names: Sequence[str], model, data) -> Dict:
-    """What a resume must not change: the settings ``names`` of ``args``, the model's weights (their digest) and
-    the structures of ``data`` (their rows' ids, atom counts and elements, as a training resume compares them, and
-    their geometry: positions, cells, momenta). The checkpoint's path is recorded, not compared: a copy elsewhere
-    with the same weights continues the run."""
-    from orb.models import weights_digest
+    """What a resume must not change: the settings ``names`` of ``args``; what changes the arithmetic besides them:
+    the operator profile and device in force (resolved: ``auto`` is compared as what it chose), the model's
+    weights (their digest) and architecture; and the structures of ``data`` (their rows' ids, atom counts and
+    elements, as a training resume compares them, and their geometry: positions, cells, momenta). The
+    checkpoint's path is recorded, not compared: a copy elsewhere with the same weights continues the run."""
+    import hashlib
+    import json
 
+    import mindspore as ms
+
+    from orb.models import weights_digest
+    from orb.models.ops_profile import ops_profile
+
+    architecture = json.dumps(model.cfg.to_dict(), sort_keys=True, default=str)
     return {**{key: getattr(args, key) for key in names}, "checkpoint": os.path.abspath(args.checkpoint),
             "weights_digest": weights_digest(model), "data_fingerprint": data.content_fingerprint(),
-            "structures_fingerprint": data.structures_fingerprint()}
+            "structures_fingerprint": data.structures_fingerprint(), "ops_profile": ops_profile(),
+            "device_target": ms.get_context("device_target"),
+            "architecture": hashlib.sha256(architecture.encode()).hexdigest()[:16]}
 
 
 def total_charge_and_spin(data, index: int, required: bool) -> Dict[str, float]:
@@ -35,3 +47,13 @@ def first_line(exc: BaseException) -> str:
     """An unexpected error as the one line a structure's record or message holds."""
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def made_not_finite(atoms) -> Optional[str]:
+    """Which of a structure's positions, momenta and cell are no longer finite (None: all are). orb-md and orb-relax
+    check their input before the first step, so such values are the run's own arithmetic (an integrator, a
+    thermostat, FIRE): said so, where they were reported as the structure's "positions contain NaN or inf"."""
+    parts = (("positions", atoms.positions), ("momenta", atoms.arrays.get("momenta", np.zeros(1))),
+             ("cell", atoms.cell.array))
+    bad = [name for name, values in parts if not np.all(np.isfinite(values))]
+    return " and ".join(bad) or None

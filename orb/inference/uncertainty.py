@@ -11,7 +11,7 @@ DFT labelling and, labelled, for ``finetune.py`` (the active-learning loop in th
 
 import io
 import os
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
@@ -112,20 +112,34 @@ class UncertainFrames:
         or threads (orb-md's structures within a step) deliver them, an order that differed between runs."""
         self._keep(lambda info: True, key)
 
-    def _keep(self, wanted, order=None) -> None:
+    def frames(self) -> Tuple[list, str, str]:
+        """(the whole frames, their text, the file's text): a frame a kill cut short at the end is left out; a file
+        that cannot be read (changed by hand, another file of that name) is one line naming it."""
         import ase.io
 
+        if not os.path.exists(self.path):
+            return [], "", ""
+        try:
+            with open(self.path) as f:
+                text = f.read()
+            whole = whole_frames(text)  # without a frame a kill cut short, which the next append would follow
+            return (ase.io.read(io.StringIO(whole), index=":", format="extxyz") if whole else []), whole, text
+        except Exception as exc:  # ase.io's errors vary: one line, the reason
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise OrbInputError(f"{self.path}: cannot read its frames to continue it ({reason}); restore it, or move "
+                                "it away to start a new collection") from None
+
+    def _keep(self, wanted, order=None) -> None:
         from orb.io.files import write_atomically
 
-        if not os.path.exists(self.path):
+        frames, whole, text = self.frames()
+        if not text:
             return
-        with open(self.path) as f:
-            text = f.read()
-        whole = whole_frames(text)  # without a frame a kill cut short, which the next append would follow
-        frames = ase.io.read(io.StringIO(whole), index=":", format="extxyz") if whole else []
         kept = [f for f in frames if wanted(f.info)]
         if order is not None:
             kept.sort(key=lambda f: order(f.info))
         if len(kept) < len(frames) or len(whole) < len(text) or order is not None:
+            import ase.io
+
             write_atomically(self.path, lambda tmp: ase.io.write(tmp, kept, format="extxyz"))
         self.count = len(kept)

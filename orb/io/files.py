@@ -10,7 +10,10 @@
 * :func:`append_record`: one JSON line per call, complete or absent (a line cut short by a kill is skipped
   by :func:`read_records`).
 * :func:`check_run_settings`: the settings a resumable run (orb-md, orb-relax) started with, kept beside its
-  output, and a resume with other settings refused.
+  output, and a resume with other settings refused (read through :mod:`orb.io.records`, the one reader of what a
+  resume reads).
+* :func:`refuse_overwriting_inputs`: every command's outputs compared with its inputs (the same file through any
+  path) before anything is written.
 * :func:`free_port`: a free TCP port for a launcher's scheduler.
 """
 
@@ -22,7 +25,7 @@ import re
 import secrets
 import socket
 import time
-from typing import Callable, Dict, Iterable, Iterator, List
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 log = logging.getLogger("orb")
 _TEMPORARY = re.compile(r"^\..+\.tmp-(\d+)(?:@([0-9a-f]{8}))?(-[0-9a-f]+)?(\..*)?$")
@@ -215,34 +218,117 @@ def keep_records_up_to(path: str, step: int) -> int:
     return len(lines) - len(kept)
 
 
-def check_run_settings(path: str, settings: Dict, resume: bool, output: str,
-                       informational: Iterable[str] = (), may_grow: Iterable[str] = ()) -> None:
-    """``path`` (JSON): written by a fresh run of a command with ``--output`` and ``--resume`` (orb-md, orb-relax); a
-    resume whose ``settings`` differ from it is refused with one line naming each change (the keys in
-    ``informational``, such as a checkpoint's path, are recorded but not compared: the weights' digest is; those in
-    ``may_grow``, such as ``steps``, may grow, and the larger value is recorded, but not shrink: structures already
-    past it would keep longer runs than the output says). A setting the file lacks (an older version wrote it, or
-    none) cannot be compared: it is recorded for the next resume."""
+def check_run_settings(path: str, settings: Dict, resume: bool, output: str, informational: Iterable[str] = (),
+                       may_grow: Iterable[str] = (), said: Iterable[str] = (), required: bool = False
+                       ) -> Optional[Dict]:
+    """``path`` (JSON): the settings a fresh run of a command with ``--output`` and ``--resume`` (orb-md, orb-relax)
+    started with; a resume whose ``settings`` differ from it is refused with one line naming each change. Keys in
+    ``informational`` (a checkpoint's path) are recorded, not compared (the weights' digest is); those in
+    ``may_grow`` (``steps``) may grow, not shrink (structures already past it would keep longer runs than the output
+    says); those in ``said`` (what only rounds the work still to do otherwise, such as orb-relax's batch size) may
+    change, said in one line. A setting the file lacks (an older version wrote it) cannot be compared: it is recorded
+    for the next resume. ``required``: the output holds earlier work, so a resume without the record (deleted, never
+    written) is refused rather than continued with settings nobody compared. Returns what to record at ``path``
+    (None: as it is), which the caller writes once everything else a resume reads is checked."""
+    import sys
+
+    from orb.errors import OrbInputError
+    from orb.io.records import read_record
+
+    if not resume or not os.path.exists(path):
+        if resume and required:
+            raise OrbInputError(f"--resume {output}: its run's settings {path} are missing, so they cannot be "
+                                "compared with this run's: restore the file, or start a new run in another --output")
+        return settings
+    saved = read_record(path, {}, advice="; restore it, or start a new run in another --output")
+    skip, grow, note = set(informational), set(may_grow), set(said)
+
+    def differs(key) -> bool:
+        if key in grow and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                               for v in (saved[key], settings[key])):
+            return settings[key] < saved[key]
+        return saved[key] != settings[key]
+
+    changed = [k for k in settings if k not in skip and k in saved and differs(k)]
+    refused = [f"{k}: {saved[k]!r} -> {settings[k]!r}" + (" (it may grow, not shrink)" if k in grow else "")
+               for k in changed if k not in note]
+    if refused:
+        raise OrbInputError(f"--resume {output}: these settings differ from the run's: {'; '.join(refused)}. "
+                            "Restore them, or start a new run in another --output")
+    if changed:  # allowed: the work still to do rounds otherwise than the uninterrupted run's would have
+        print(f"note: --resume {output} continues with " + "; ".join(f"{k}: {saved[k]!r} -> {settings[k]!r}"
+                                                                      for k in changed)
+              + ": what is computed from now on rounds differently from an uninterrupted run", file=sys.stderr)
+    if all(k in saved and saved[k] == settings[k] for k in settings if k not in skip):
+        return None
+    return {**saved, **settings}  # the new values, and what an older version did not record
+
+
+# (flag, path, names): a file the command writes, replaces or deletes (names None), or a folder in which it does so to
+# the files whose path relative to it ``names(relative)`` accepts
+Output = Tuple[str, str, Optional[Callable[[str], bool]]]
+Input = Tuple[str, Union[str, Sequence[str], None]]  # (flag, a path or a list of paths; folders: the files in them)
+
+
+def same_path(a: str, b: str) -> bool:
+    """Whether two paths name one file or folder: through symlinks, ``./x``, absolute or relative, hard links."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet): the same place once every symlink is resolved
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _relative_inside(path: str, folder: str) -> Optional[str]:
+    """``path`` relative to ``folder`` when it lies inside it (through symlinks), else None."""
+    inner, outer = os.path.realpath(path), os.path.realpath(folder)
+    if inner == outer or not inner.startswith(outer.rstrip(os.sep) + os.sep):
+        return None
+    return os.path.relpath(inner, outer)
+
+
+def _collision(output: Output, flag: str, source: str) -> Optional[str]:
+    """Why writing ``output`` would change the input ``source`` (one file or folder a command reads), or None."""
+    out_flag, out, names = output
+    source_is_folder = os.path.isdir(source)
+    if names is None:  # one file
+        if same_path(out, source):
+            return f"{out_flag} {out} is {flag} {source}"
+        if source_is_folder and same_path(os.path.dirname(os.path.abspath(out)), source):
+            return f"{out_flag} {out} would be written into {flag} {source}, a folder whose files are read as input"
+        return None
+    if same_path(out, source):
+        return f"{out_flag} {out} is {flag} {source}" + (", a folder whose files are read as input"
+                                                           if source_is_folder else "")
+    inputs = [source]
+    if source_is_folder:  # its files, as the data readers list them (only those directly in it)
+        inputs = [os.path.join(source, name) for name in os.listdir(source)]
+    for path in inputs:
+        relative = _relative_inside(path, out)
+        if relative is not None and names(relative):
+            shown = f"{flag} {source}" + ("" if path == source else f" (its file {os.path.basename(path)})")
+            return f"{out_flag} {out} would write or remove {relative} there, which is {shown}"
+    return None
+
+
+def refuse_overwriting_inputs(outputs: Sequence[Output], inputs: Sequence[Input]) -> None:
+    """Before anything is written: refuse, in one line naming both paths, an output that is one of the command's
+    inputs however it is spelt (a symlink, ``./x``, an absolute or relative path, a hard link), a file it would
+    write into a folder of input files, or a file it would replace or delete in its output folder that is an input
+    (``--resume`` appended relaxed rows to the data read; ``--overwrite`` deleted the checkpoint a run started
+    from; an evaluation removed the ``uncertain.extxyz`` it read)."""
     from orb.errors import OrbInputError
 
-    if resume and os.path.exists(path):
-        try:
-            with open(path) as f:
-                saved = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise OrbInputError(f"--resume {output}: cannot read the run's settings {path} ({exc}); start a new run "
-                                "in another --output") from None
-        skip, grow = set(informational), set(may_grow)
-        changed = [f"{k}: {saved[k]!r} -> {settings[k]!r}" + (" (it may grow, not shrink)" if k in grow else "")
-                   for k in settings if k not in skip and k in saved
-                   and (settings[k] < saved[k] if k in grow else saved[k] != settings[k])]
-        if changed:
-            raise OrbInputError(f"--resume {output}: these settings differ from the run's: {'; '.join(changed)}. "
-                                "Restore them, or start a new run in another --output")
-        if all(k in saved and saved[k] == settings[k] for k in settings if k not in skip):
-            return
-        # written by an older version, which recorded less: what it lacks is recorded now, for the next resume
-    write_json(path, settings)
+    for flag, given in inputs:
+        for source in ([given] if isinstance(given, str) else list(given or [])):
+            if not source or not os.path.exists(source):
+                continue
+            for output in outputs:
+                if not output[1]:
+                    continue
+                why = _collision(output, flag, source)
+                if why is not None:
+                    flag_of = re.match(r"[-\w.]+", output[0]).group(0)  # ("--output's record": --output)
+                    raise OrbInputError(f"{why}: the command would write over its own input; choose another {flag_of}")
 
 
 def free_port() -> int:

@@ -10,7 +10,7 @@ from typing import Callable, List, Optional, Tuple
 from orb.bundled import printable_template, templates_line
 from orb.errors import ConfigError, OrbInputError, RunError
 from orb.training.config import TrainConfig, check_training_data, load_config
-from orb.training.outputs import discard_unstarted
+from orb.training.outputs import check_outputs_apart, discard_unstarted
 from orb.signals import STOP, Stopped, deliver_stop_signals, listen
 from orb.training.checkpointing import checkpoint_to_resume
 
@@ -92,6 +92,7 @@ def run(argv: Optional[List[str]], default_config: Optional[str],
             raise ConfigError(f"no --config: name your YAML config file or a packaged template ({templates_line()})")
         cfg = load_config(args.config, overrides)
         check_training_data(cfg)
+        check_outputs_apart(cfg)
         if args.resume == "auto":
             args.resume = checkpoint_to_resume(cfg.output_dir, args.resume, args.overwrite)
             args.overwrite = args.overwrite or not args.resume  # no checkpoint there: records of unsaved steps

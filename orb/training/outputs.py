@@ -43,6 +43,24 @@ def check_output_dir(output_dir: str, resume: bool, overwrite: bool) -> List[str
     return found
 
 
+def written_by_training(name: str) -> bool:
+    """Whether a run writes, replaces or deletes the file ``name`` (relative to its output_dir)."""
+    return (name in RUN_FILES or (name.startswith("batches_rank") and "/" not in name)
+            or (name.startswith("checkpoints/") and name.count("/") == 1 and name.endswith(".ckpt")))
+
+
+def check_outputs_apart(cfg) -> None:
+    """A run's output_dir never holds, as files it writes or deletes, its own data or starting checkpoint, and is
+    no data folder (``--overwrite`` deleted a checkpoint_path of checkpoints/last.ckpt before loading it)."""
+    from orb.io.files import refuse_overwriting_inputs
+
+    refuse_overwriting_inputs([("output_dir", cfg.output_dir, written_by_training)],
+                              [("train_data_path", cfg.train_data_path), ("val_data_path", cfg.val_data_path),
+                               ("replay.data_path", cfg.replay.data_path),
+                               ("replay.val_data_path", cfg.replay.val_data_path),
+                               ("checkpoint_path", cfg.checkpoint_path)])
+
+
 def _remove_unstarted(output_dir: str) -> None:
     """Delete what a run that never trained a step left (log, metrics, batch records, empty folders)."""
     for name in RUN_FILES:
