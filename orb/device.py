@@ -113,6 +113,7 @@ def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_thr
     starts. A process whose CPU kernel pool already has another size cannot become deterministic: refused.
     """
     from orb import precision as numerics
+    from orb.models import sums
 
     import_mindspore()
     import mindspore as ms
@@ -141,6 +142,7 @@ def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_thr
             raise
     set_matmul_precision(target, numerics.matmul_precision(precision))
     numerics.set_precision(precision)
+    sums.set_form(sums.form_for_device(target))
     return target
 
 

@@ -1,0 +1,107 @@
+"""Sums whose length grows with the structure or the data, accurate to the float32 rounding of their result.
+
+A float32 sum of n terms, accumulated one after another, rounds n times: its error grows with n (the mean of 8,000
+atoms' latents moved a cell's energy by 60 float32 ulps of its total) and with the order of the terms (the atoms'
+order). Every sum over a structure's atoms or edges into one value per structure, and every sum over a batch's
+structures or atoms (metrics, normaliser statistics), goes through :func:`segment_total` or :func:`total`:
+
+* where the device computes in float64 (the CPU; GPU), float32 values are summed in float64 and rounded once;
+* on Ascend, which has little float64, each value is split into a multiple of a power-of-two grid and a remainder
+  below half the grid (:func:`split_sum`): the grid parts sum exactly in float32 in any order (the device's
+  kernels choose their own), only the small remainders round.
+
+A float64 model sums in float64 as it is. Sums whose length is bounded (messages over one atom's edges, a 3 x 3
+product) stay plain. docs/numerics.md says what each sum does.
+"""
+
+import math
+
+import numpy as np
+from mindspore import Tensor, nn, ops
+import mindspore as ms
+
+# the form of the float32 sums: "float64" (CPU, GPU) or "split" (Ascend); set when the device is chosen and read
+# when a model's graph is compiled
+_FORM = {"name": "float64"}
+FORMS = ("float64", "split")
+_GRID_EXPONENTS = (-120, 120)  # float32 normal range, with room for the grid's margin
+_POWERS = Tensor(np.ldexp(np.float32(1.0), np.arange(_GRID_EXPONENTS[0], _GRID_EXPONENTS[1] + 1)).astype(np.float32))
+_INVERSE_POWERS = Tensor(np.ldexp(np.float32(1.0), -np.arange(_GRID_EXPONENTS[0],
+                                                               _GRID_EXPONENTS[1] + 1)).astype(np.float32))
+_INV_LN2 = 1.0 / math.log(2.0)
+
+
+def form_for_device(device_target: str) -> str:
+    """``split`` on Ascend (no float64 arithmetic to rely on), ``float64`` elsewhere."""
+    return "split" if device_target == "Ascend" else "float64"
+
+
+def set_form(name: str) -> None:
+    """The form of float32 sums in graphs compiled from now on (:func:`form_for_device`; tests force ``split``)."""
+    if name not in FORMS:
+        raise ValueError(f"sum form must be one of {FORMS}, got {name!r}")
+    _FORM["name"] = name
+
+
+def form() -> str:
+    return _FORM["name"]
+
+
+def segment_total(data: Tensor, segment_ids: Tensor, num_segments: int) -> Tensor:
+    """Rows of ``data`` summed per segment (``ops.unsorted_segment_sum``), accurate to the rounding of each result
+    whatever the number and order of the rows. Its gradient is the plain one (each row gets its segment's)."""
+    if data.dtype == ms.float64:
+        return ops.unsorted_segment_sum(data, segment_ids, num_segments)
+    if _FORM["name"] == "split":
+        return split_sum(data, segment_ids, num_segments)
+    return ops.unsorted_segment_sum(data.astype(ms.float64), segment_ids, num_segments).astype(data.dtype)
+
+
+def total(data: Tensor) -> Tensor:
+    """The sum of every element of ``data`` (a scalar), as :func:`segment_total`."""
+    flat = data.reshape(-1)
+    return segment_total(flat, ops.zeros(flat.shape, ms.int32), 1).reshape(())
+
+
+def column_totals(data: Tensor) -> Tensor:
+    """(rows, cols) -> (cols,): each column's sum, as :func:`segment_total`."""
+    return segment_total(data, ops.zeros(data.shape[:1], ms.int32), 1).reshape(-1)
+
+
+def split_sum(data: Tensor, segment_ids: Tensor, num_segments: int) -> Tensor:
+    """float32 segment sums whose grid parts are exact in any order (Ascend's form, tested on the CPU).
+
+    Per segment and column, with m the largest |value| and n the rows of ``data``: the grid is a power of two
+    g in (n m 2^-23, n m 2^-21], each value x splits exactly into q = g round(x / g) and x - q. Every partial sum of
+    the q is a multiple of g below 2^24 g, hence exact in any order; only the remainders (|x - q| <= g / 2) round:
+    at worst n^3 m 2^-46, typically n^2 m 2^-45 (3e-10 of n m at n = 10^4). The gradient flows through the
+    remainders (1 per row, as a plain sum's).
+    """
+    magnitude = ops.abs(ops.stop_gradient(data))
+    largest = ops.gather(ops.unsorted_segment_max(magnitude, segment_ids, num_segments), segment_ids, 0)
+    scale = ops.maximum(largest * float(data.shape[0]), 1e-30)
+    exponent = ops.floor(ops.log(scale) * _INV_LN2) - 21.0  # >= log2(scale) - 23 with log's rounding
+    index = (ops.clamp(exponent, float(_GRID_EXPONENTS[0]), float(_GRID_EXPONENTS[1]))
+             - float(_GRID_EXPONENTS[0])).astype(ms.int32)
+    grid = ops.gather(_POWERS, index, 0)
+    grid_parts = ops.stop_gradient(ops.round(data * ops.gather(_INVERSE_POWERS, index, 0)) * grid)
+    return (ops.unsorted_segment_sum(grid_parts, segment_ids, num_segments)
+            + ops.unsorted_segment_sum(data - grid_parts, segment_ids, num_segments))
+
+
+def segment_mean(data: Tensor, segment_ids: Tensor, counts: Tensor) -> Tensor:
+    """Mean of rows per segment (:func:`segment_total` divided by ``counts`` (S,) float); empty segments give 0."""
+    sums = segment_total(data, segment_ids, counts.shape[0])
+    denominator = ops.maximum(counts, 1.0)
+    return sums / denominator.reshape((-1,) + (1,) * (sums.ndim - 1))
+
+
+class GatherPerSegment(nn.Cell):
+    """``values[index]`` for per-structure ``values`` (a strain, a cell) read by every atom or edge: its gradient, a
+    sum over the structure's atoms or edges (a conservative model's virial), is :func:`segment_total`'s."""
+
+    def construct(self, values, index):
+        return ops.gather(values, index, 0)
+
+    def bprop(self, values, index, out, dout):
+        return segment_total(dout, index, values.shape[0]), ops.zeros_like(index)
