@@ -24,7 +24,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from orb.models import reference_energies
 from orb.models.blocks import MLP, segment_mean, segment_sum
 from orb.models.primitives import Broadcasts
-from orb.models.sums import GatherPerSegment, segment_total
+from orb.models.sums import gather_per_segment, segment_total
 from orb.models.repulsion import PairRepulsion, per_volume, voigt
 from orb.models.config import ModelConfig
 from orb.models.gns import (AtomEmbedding, AttentionInteraction, Decoder, Encoder, LinearReferenceEnergy, OrbModel,
@@ -411,17 +411,16 @@ class ConservativeRegressor(Orbv3):
         self.grad_forces_normalizer = ScalarNormalizer()
         self.grad_stress_normalizer = ScalarNormalizer()
         self.pair_repulsion = PairRepulsion()
-        self.per_graph = GatherPerSegment()  # the virial: an accurate sum over each structure's atoms and edges
 
     def strained_vectors(self, positions, displacement, generator, cell, unit_shifts, senders, receivers, node_graph):
         """Edge vectors from positions and cell after strain (eps + eps^T)/2 and rotation I + G - G^T."""
         eps = (displacement + displacement.transpose(0, 2, 1)) / 2.0
         rotation = ops.eye(3, 3, positions.dtype).reshape(1, 3, 3) + generator - generator.transpose(0, 2, 1)
         transform = ops.matmul(ops.eye(3, 3, positions.dtype).reshape(1, 3, 3) + eps, rotation)
-        moved = ops.matmul(positions.reshape(-1, 1, 3), self.per_graph(transform, node_graph)).reshape(-1, 3)
+        moved = ops.matmul(positions.reshape(-1, 1, 3), gather_per_segment(transform, node_graph)).reshape(-1, 3)
         moved_cell = ops.matmul(cell, transform)
         edge_graph = ops.gather(node_graph, senders, 0)
-        shifts = ops.matmul(unit_shifts.reshape(-1, 1, 3), self.per_graph(moved_cell, edge_graph)).reshape(-1, 3)
+        shifts = ops.matmul(unit_shifts.reshape(-1, 1, 3), gather_per_segment(moved_cell, edge_graph)).reshape(-1, 3)
         return ops.gather(moved, receivers, 0) - ops.gather(moved, senders, 0) + shifts
 
     def head_cells(self) -> dict:
@@ -476,4 +475,5 @@ class ConservativeRegressor(Orbv3):
         normalised = self.normalise_energy(energy, numbers, node_graph, n_node, head, mean, var)
         energy = self.denormalise_energy(normalised, numbers, node_graph, n_node, head, mean, var)
         return energy, forces, stress, ops.softmax(logits, -1)
+
 

@@ -17,7 +17,7 @@ product) stay plain. docs/numerics.md says what each sum does.
 import math
 
 import numpy as np
-from mindspore import Tensor, nn, ops
+from mindspore import Tensor, ops
 import mindspore as ms
 
 # the form of the float32 sums: "float64" (CPU, GPU) or "split" (Ascend); set when the device is chosen and read
@@ -96,12 +96,12 @@ def segment_mean(data: Tensor, segment_ids: Tensor, counts: Tensor) -> Tensor:
     return sums / denominator.reshape((-1,) + (1,) * (sums.ndim - 1))
 
 
-class GatherPerSegment(nn.Cell):
-    """``values[index]`` for per-structure ``values`` (a strain, a cell) read by every atom or edge: its gradient, a
-    sum over the structure's atoms or edges (a conservative model's virial), is :func:`segment_total`'s."""
 
-    def construct(self, values, index):
+def gather_per_segment(values: Tensor, index: Tensor) -> Tensor:
+    """``values[index]`` for per-structure ``values`` (a strain, a cell) that every atom or edge reads. Its gradient
+    is a sum over each structure's atoms or edges (a conservative model's virial): in float64 where the device has
+    it (the gather runs on float64 values, the result is the same float32). On Ascend the device's float32 sum
+    (a custom backward here breaks the double backward of training)."""
+    if values.dtype == ms.float64 or _FORM["name"] == "split":
         return ops.gather(values, index, 0)
-
-    def bprop(self, values, index, out, dout):
-        return segment_total(dout, index, values.shape[0]), ops.zeros_like(index)
+    return ops.gather(values.astype(ms.float64), index, 0).astype(values.dtype)
