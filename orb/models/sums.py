@@ -37,7 +37,9 @@ def form_for_device(device_target: str) -> str:
 
 
 def set_form(name: str) -> None:
-    """The form of float32 sums in graphs compiled from now on (:func:`form_for_device`; tests force ``split``)."""
+    """The form of float32 sums in graphs compiled from now on (:func:`form_for_device`; tests force ``split``). Set
+    it before a model is built and keep it while the model's graphs compile: a model records the form it was built
+    in (``sum_form``, which a compile cache sees among its constants)."""
     if name not in FORMS:
         raise ValueError(f"sum form must be one of {FORMS}, got {name!r}")
     _FORM["name"] = name
@@ -71,22 +73,26 @@ def column_totals(data: Tensor) -> Tensor:
 def split_sum(data: Tensor, segment_ids: Tensor, num_segments: int) -> Tensor:
     """float32 segment sums whose grid parts are exact in any order (Ascend's form, tested on the CPU).
 
-    Per segment and column, with m the largest |value| and n the rows of ``data``: the grid is a power of two
-    g in (n m 2^-23, n m 2^-21], each value x splits exactly into q = g round(x / g) and x - q. Every partial sum of
-    the q is a multiple of g below 2^24 g, hence exact in any order; only the remainders (|x - q| <= g / 2) round:
-    at worst n^3 m 2^-46, typically n^2 m 2^-45 (3e-10 of n m at n = 10^4). The gradient flows through the
-    remainders (1 per row, as a plain sum's).
+    Per segment and column, with m the largest |value| and n the rows of ``data``: a power of two g1 in
+    (n m 2^-23, n m 2^-21] splits each value x exactly into q1 = g1 round(x / g1) and a remainder below g1 / 2, which
+    g2 = g1 2^(ceil(log2 n) - 24) splits again. Every partial sum of the q1 (or of the q2) is a multiple of g1 (g2)
+    below 2^24 g1 (g2), hence exact in any order; only the last remainders (below n^2 m 2^-45 each) round. The three
+    sums are added smallest first. The gradient flows through the last remainders (1 per row, a plain sum's).
     """
     magnitude = ops.abs(ops.stop_gradient(data))
     largest = ops.gather(ops.unsorted_segment_max(magnitude, segment_ids, num_segments), segment_ids, 0)
-    scale = ops.maximum(largest * float(data.shape[0]), 1e-30)
-    exponent = ops.floor(ops.log(scale) * _INV_LN2) - 21.0  # >= log2(scale) - 23 with log's rounding
-    index = (ops.clamp(exponent, float(_GRID_EXPONENTS[0]), float(_GRID_EXPONENTS[1]))
-             - float(_GRID_EXPONENTS[0])).astype(ms.int32)
-    grid = ops.gather(_POWERS, index, 0)
-    grid_parts = ops.stop_gradient(ops.round(data * ops.gather(_INVERSE_POWERS, index, 0)) * grid)
-    return (ops.unsorted_segment_sum(grid_parts, segment_ids, num_segments)
-            + ops.unsorted_segment_sum(data - grid_parts, segment_ids, num_segments))
+    rows = ops.ones((), data.dtype) * float(data.shape[0])
+    exponent = ops.floor(ops.log(ops.maximum(largest * rows, 1e-30)) * _INV_LN2) - 21.0  # >= log2(n m) - 23
+    coarsening = ops.ceil(ops.log(rows) * _INV_LN2) - 24.0  # (a log2 rounded up only makes g2 coarser: still exact)
+    rest, parts = data, []
+    for level in (exponent, exponent + coarsening):
+        index = (ops.clamp(level, float(_GRID_EXPONENTS[0]), float(_GRID_EXPONENTS[1]))
+                 - float(_GRID_EXPONENTS[0])).astype(ms.int32)
+        on_grid = ops.stop_gradient(ops.round(rest * ops.gather(_INVERSE_POWERS, index, 0))
+                                    * ops.gather(_POWERS, index, 0))
+        parts.append(ops.unsorted_segment_sum(on_grid, segment_ids, num_segments))
+        rest = rest - on_grid
+    return (ops.unsorted_segment_sum(rest, segment_ids, num_segments) + parts[1]) + parts[0]
 
 
 def segment_mean(data: Tensor, segment_ids: Tensor, counts: Tensor) -> Tensor:
@@ -94,7 +100,6 @@ def segment_mean(data: Tensor, segment_ids: Tensor, counts: Tensor) -> Tensor:
     sums = segment_total(data, segment_ids, counts.shape[0])
     denominator = ops.maximum(counts, 1.0)
     return sums / denominator.reshape((-1,) + (1,) * (sums.ndim - 1))
-
 
 
 def gather_per_segment(values: Tensor, index: Tensor) -> Tensor:
