@@ -113,10 +113,11 @@ def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_thr
     starts. A process whose CPU kernel pool already has another size cannot become deterministic: refused.
     """
     from orb import precision as numerics
-    from orb.models import sums
 
     import_mindspore()
     import mindspore as ms
+
+    from orb.models import sums  # (after import_mindspore: it imports MindSpore)
 
     numerics.check_precision(precision)
     target = select_device(device_target)
