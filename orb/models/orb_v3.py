@@ -475,5 +475,3 @@ class ConservativeRegressor(Orbv3):
         normalised = self.normalise_energy(energy, numbers, node_graph, n_node, head, mean, var)
         energy = self.denormalise_energy(normalised, numbers, node_graph, n_node, head, mean, var)
         return energy, forces, stress, ops.softmax(logits, -1)
-
-
