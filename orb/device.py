@@ -117,6 +117,8 @@ def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_thr
     import_mindspore()
     import mindspore as ms
 
+    from orb.models import sums  # (after import_mindspore: it imports MindSpore)
+
     numerics.check_precision(precision)
     target = select_device(device_target)
     numerics.check_device(precision, target)
@@ -141,6 +143,7 @@ def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_thr
             raise
     set_matmul_precision(target, numerics.matmul_precision(precision))
     numerics.set_precision(precision)
+    sums.set_form(sums.form_for_device(target))
     return target
 
 

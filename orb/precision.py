@@ -9,10 +9,11 @@ Names as orb-models uses them (``precision=`` of its loaders), plus the two mixe
   rounded to bfloat16 / float16, products accumulated in float32 and their results rounded to the half
   type, as the NPU's cube unit computes; the gradients reaching them likewise. Everything else stays
   float32: parameters (master weights), optimizer state, EMA, normalisers, the loss, biases, activations
-  and layer/RMS-norm statistics, message aggregation and per-graph energy sums, edge vectors and
-  distances, pair repulsion and the conservative models' force and stress derivatives (all of them sums
-  or differences whose cancellation a half type would decide; measured in docs/benchmarks.md,
-  ``benchmark.py precision``). Checkpoints stay float32, interchangeable between modes.
+  and layer/RMS-norm statistics, message aggregation and per-graph energy sums (those over a structure's
+  atoms accumulated as in float32 mode: docs/numerics.md), edge vectors and distances, pair repulsion and
+  the conservative models' force and stress derivatives (all of them sums or differences whose
+  cancellation a half type would decide; measured in docs/benchmarks.md, ``benchmark.py precision``).
+  Checkpoints stay float32, interchangeable between modes.
 * ``float64``: parameters, inputs and every operation in float64 (CPU; phonons, elastic constants,
   tight relaxations).
 

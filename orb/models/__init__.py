@@ -88,14 +88,16 @@ MODEL_CODE = ("orb.models", "orb.data.graphs", "orb.data.neighbours", "orb.data.
 
 def model_identity(model, digest: Optional[str] = None) -> tuple:
     """Everything that determines what ``model`` computes on a structure: its architecture and graph settings, its
-    weights (``digest``, else hashed now), the operator profile, the numeric precision and the code that builds
-    its graphs and runs it. The key of every cached model output."""
+    weights (``digest``, else hashed now), the operator profile, the numeric precision, the form of its long sums
+    (:mod:`orb.models.sums`, the device's) and the code that builds its graphs and runs it. The key of every cached
+    model output."""
     from orb.cache import library_versions, source_digest
     from orb.models.ops_profile import ops_profile
     from orb.precision import precision
 
     return (tuple(sorted(model.cfg.to_dict().items())), repr(model.cfg.graph_settings()),
-            digest or weights_digest(model), ops_profile(), precision(), source_digest(*MODEL_CODE),
+            digest or weights_digest(model), ops_profile(), precision(), getattr(model, "sum_form", ""),
+            source_digest(*MODEL_CODE),
             library_versions("mindspore"))  # (its kernels: another release computes other last bits)
 
 

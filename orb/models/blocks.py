@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
+from orb.models import sums
 from orb.models.ops_profile import activation as profile_activation, ops_profile
 from orb.precision import half_rounding, is_float64, numpy_dtype
 from orb.models.primitives import MATMUL as _MATMUL
@@ -312,12 +313,12 @@ class MLPLayerNorm(nn.Cell):
 
 
 def segment_sum(data: Tensor, segment_ids: Tensor, num_segments: int) -> Tensor:
-    """Sum rows of ``data`` into ``num_segments`` buckets (correct gradients in every mode)."""
+    """Sum rows of ``data`` into ``num_segments`` buckets (correct gradients in every mode), in the data's float type:
+    for sums of bounded length (an atom's edges); a structure's atoms into one value: :mod:`orb.models.sums`."""
     return ops.unsorted_segment_sum(data, segment_ids, num_segments)
 
 
 def segment_mean(data: Tensor, segment_ids: Tensor, counts: Tensor) -> Tensor:
-    """Mean of rows per segment; ``counts`` (S,) float, empty segments give 0."""
-    total = ops.unsorted_segment_sum(data, segment_ids, counts.shape[0])
-    denom = ops.maximum(counts, 1.0)
-    return total / denom.reshape((-1,) + (1,) * (total.ndim - 1))
+    """Mean of rows per segment (a structure's atoms: accurately summed, :mod:`orb.models.sums`); ``counts`` (S,)
+    float, empty segments give 0."""
+    return sums.segment_mean(data, segment_ids, counts)

@@ -24,6 +24,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from orb.models import reference_energies
 from orb.models.blocks import MLP, segment_mean, segment_sum
 from orb.models.primitives import Broadcasts
+from orb.models.sums import gather_per_segment, segment_total
 from orb.models.repulsion import PairRepulsion, per_volume, voigt
 from orb.models.config import ModelConfig
 from orb.models.gns import (AtomEmbedding, AttentionInteraction, Decoder, Encoder, LinearReferenceEnergy, OrbModel,
@@ -331,11 +332,11 @@ class DirectRegressor(Orbv3):
         edge_energy = self.pair_repulsion(numbers, vectors, senders, receivers)
         dv = self.pair_grad(self.pair_energy_sum)(vectors, numbers, senders, receivers)
         num_graphs = cell.shape[0]
-        energy = segment_sum(segment_sum(edge_energy, senders, num_nodes), node_graph, num_graphs)
+        energy = segment_total(segment_sum(edge_energy, senders, num_nodes), node_graph, num_graphs)
         forces = segment_sum(dv, senders, num_nodes) - segment_sum(dv, receivers, num_nodes)
         edge_graph = ops.gather(node_graph, senders, 0)
         outer = (vectors.reshape(-1, 3, 1) * dv.reshape(-1, 1, 3)).reshape(-1, 9)
-        virial = segment_sum(outer, edge_graph, num_graphs).reshape(-1, 3, 3)
+        virial = segment_total(outer, edge_graph, num_graphs).reshape(-1, 3, 3)
         return energy, forces, voigt(per_volume(virial, cell, signed=True))
 
     def head_cells(self) -> dict:
@@ -416,10 +417,10 @@ class ConservativeRegressor(Orbv3):
         eps = (displacement + displacement.transpose(0, 2, 1)) / 2.0
         rotation = ops.eye(3, 3, positions.dtype).reshape(1, 3, 3) + generator - generator.transpose(0, 2, 1)
         transform = ops.matmul(ops.eye(3, 3, positions.dtype).reshape(1, 3, 3) + eps, rotation)
-        moved = ops.matmul(positions.reshape(-1, 1, 3), ops.gather(transform, node_graph, 0)).reshape(-1, 3)
+        moved = ops.matmul(positions.reshape(-1, 1, 3), gather_per_segment(transform, node_graph)).reshape(-1, 3)
         moved_cell = ops.matmul(cell, transform)
         edge_graph = ops.gather(node_graph, senders, 0)
-        shifts = ops.matmul(unit_shifts.reshape(-1, 1, 3), ops.gather(moved_cell, edge_graph, 0)).reshape(-1, 3)
+        shifts = ops.matmul(unit_shifts.reshape(-1, 1, 3), gather_per_segment(moved_cell, edge_graph)).reshape(-1, 3)
         return ops.gather(moved, receivers, 0) - ops.gather(moved, senders, 0) + shifts
 
     def head_cells(self) -> dict:
@@ -474,4 +475,3 @@ class ConservativeRegressor(Orbv3):
         normalised = self.normalise_energy(energy, numbers, node_graph, n_node, head, mean, var)
         energy = self.denormalise_energy(normalised, numbers, node_graph, n_node, head, mean, var)
         return energy, forces, stress, ops.softmax(logits, -1)
-

@@ -13,6 +13,7 @@ from mindspore import nn, ops
 from orb.metrics import BY_ELEMENT, ELEMENT_BINS, FORCE_THRESHOLD, forces_by_element, metrics_from_sums
 from orb.models.blocks import segment_sum
 from orb.models.primitives import Broadcasts
+from orb.models.sums import column_totals, segment_total
 from orb.precision import mindspore_dtype
 
 
@@ -116,7 +117,7 @@ class NormalisedLoss(nn.Cell):
         num_graphs = n_node.shape[0]
         force_abs = ops.abs(force_pred - forces)
         atom_error = force_abs.mean(1)
-        forces_mae = segment_sum(atom_error, node_graph, num_graphs) / atoms
+        forces_mae = segment_total(atom_error, node_graph, num_graphs) / atoms
         norms = ops.norm(force_pred, dim=1) * ops.norm(forces, dim=1)
         cosine = (force_pred * forces).sum(1) / ops.maximum(norms, 1e-8)
         within = (ops.amax(force_abs, 1) < FORCE_THRESHOLD).astype(forces.dtype)
@@ -126,8 +127,15 @@ class NormalisedLoss(nn.Cell):
     @staticmethod
     def with_element_sums(sums, atom_error, numbers, node_mask):
         """The metric sums followed by, per atomic number, the summed per-atom force error and the atom count."""
-        return ops.concat((sums, segment_sum(atom_error * node_mask, numbers, ELEMENT_BINS),
+        return ops.concat((sums, segment_total(atom_error * node_mask, numbers, ELEMENT_BINS),
                            segment_sum(node_mask, numbers, ELEMENT_BINS)))
+
+    @staticmethod
+    def metric_sums(per_graph, graph_mask, per_atom, node_mask):
+        """(sums of the ``per_graph`` (B,) values over real structures, sums of the ``per_atom`` (N,) values over real
+        atoms), each accurately summed (:mod:`orb.models.sums`: a batch's atoms are a long sum)."""
+        graphs = column_totals(ops.stack([value * graph_mask for value in per_graph], 1))
+        return graphs, column_totals(ops.stack([value * node_mask for value in per_atom], 1))
 
     def residual_per_atom(self, numbers, node_graph, n_node, energy, head):
         """(E - sum_i ref[Z_i]) / atoms: the per-atom energy the energy normaliser tracks."""

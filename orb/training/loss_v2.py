@@ -18,7 +18,7 @@ data-parallel reductions are exact; :func:`orb.metrics.metrics_from_sums` turns 
 
 from mindspore import ops
 
-from orb.models.blocks import segment_sum
+from orb.models.sums import segment_total, total
 from orb.training.loss_base import NormalisedLoss
 
 SUM_KEYS = ("loss", "loss_energy", "loss_forces", "loss_stress", "energy_mae", "energy_per_atom_mae", "forces_mae",
@@ -76,7 +76,7 @@ class OrbLoss(NormalisedLoss):
 
         f_std = ops.sqrt(f_var)
         force_err = ops.abs(f_raw - (forces - f_mean) / f_std).mean(1)
-        node_mae = segment_sum(force_err, node_graph, num_graphs) / atoms
+        node_mae = segment_total(force_err, node_graph, num_graphs) / atoms
 
         s_std = ops.sqrt(s_var)
         stress_err = ops.abs((stress - s_mean) / s_std - s_raw).mean(1)
@@ -84,27 +84,16 @@ class OrbLoss(NormalisedLoss):
         per_graph = self.energy_weight * energy_err + self.forces_weight * node_mae
         if self.has_stress:
             per_graph = per_graph + self.stress_weight * stress_err
-        loss = (per_graph * graph_weight).sum()
+        loss = total(per_graph * graph_weight)
 
         # Metrics, in physical units where not loss_*; no gradient flows through them.
         force_pred = ops.stop_gradient(f_raw * f_std + f_mean)
         forces_mae, cosine, all_within, atom_error = self.force_metrics(force_pred, forces, node_graph, n_node, atoms)
         stress_mae = ops.abs(ops.stop_gradient(s_raw * s_std + s_mean) - stress).mean(1)  # unreported without stress
         energy_abs = ops.abs(ops.stop_gradient(energy_pred) - energy)
-        m = graph_mask
-        sums = ops.stack((
-            (per_graph * m).sum(),
-            (energy_err * m).sum(),
-            (node_mae * m).sum(),
-            (stress_err * m).sum(),
-            (energy_abs * m).sum(),
-            (energy_abs / atoms * m).sum(),
-            (forces_mae * m).sum(),
-            (cosine * node_mask).sum(),
-            (all_within * m).sum(),
-            (stress_mae * m).sum(),
-            (ops.abs(target) * m).sum(),
-            m.sum(),
-            node_mask.sum(),
-        ))
+        g, a = self.metric_sums(
+            (per_graph, energy_err, node_mae, stress_err, energy_abs, energy_abs / atoms, forces_mae, all_within,
+             stress_mae, ops.abs(target), ops.ones_like(graph_mask)), graph_mask,
+            (cosine, ops.ones_like(node_mask)), node_mask)
+        sums = ops.concat((g[:7], a[:1], g[7:], a[1:]))  # in SUM_KEYS order
         return loss, ops.stop_gradient(self.with_element_sums(sums, atom_error, numbers, node_mask))

@@ -25,6 +25,7 @@ import numpy as np
 from mindspore import ops
 
 from orb.models.orb_v3 import CONFIDENCE_MAX_ERROR, six_components
+from orb.models.sums import total
 from orb.training.loss_base import NormalisedLoss
 
 SUM_KEYS = ("loss", "loss_energy", "loss_forces", "loss_stress", "loss_confidence", "loss_equigrad", "energy_mae",
@@ -127,14 +128,14 @@ class OrbV3Loss(NormalisedLoss):
 
         # energy
         energy_target = ((energy - reference) / atoms - e_mean_n) / ops.sqrt(e_var_n)
-        loss_energy = (huber(energy_pred, energy_target, HUBER_DELTA) * graph_weight).sum()
+        loss_energy = total(huber(energy_pred, energy_target, HUBER_DELTA) * graph_weight)
         energy_phys = (energy_pred * ops.sqrt(e_var_n) + e_mean_n) * n_node + reference
         energy_abs = ops.abs(ops.stop_gradient(energy_phys) - energy)
 
         # forces
         forces_target = (forces - f_mean_n) / f_std_n
         deltas = conditional_huber_deltas(forces_target, self.broadcasts)
-        loss_forces = (huber(forces_pred, forces_target, deltas) * weight3).sum() / (3.0 * atoms_total)
+        loss_forces = total(huber(forces_pred, forces_target, deltas) * weight3) / (3.0 * atoms_total)
         forces_phys = ops.stop_gradient(forces_pred * f_std_n + f_mean_n)
         forces_mae, cosine, all_within, atom_error = self.force_metrics(forces_phys, forces, node_graph, n_node, atoms)
 
@@ -146,35 +147,33 @@ class OrbV3Loss(NormalisedLoss):
         valid = valid * node_mask
         log_probs = ops.log_softmax(logits, -1)
         picked = (log_probs * ops.one_hot(bins, logits.shape[1], 1.0, 0.0)).sum(1)
-        loss_confidence = -(picked * valid * node_weight).sum() / ops.maximum(self._global(valid.sum()), 1.0)
+        loss_confidence = -total(picked * valid * node_weight) / ops.maximum(self._global(valid.sum()), 1.0)
         correct = (ops.argmax(logits, -1) == bins).astype(forces.dtype) * valid
 
         # equigrad
         rot_norm = ops.zeros_like(graph_mask)
         if self.conservative:
             rot_norm = ops.sqrt(ops.square(rotational).reshape(num_graphs, 9).sum(1) + 1e-30)
-        loss_equigrad = (rot_norm * graph_weight).sum()
+        loss_equigrad = total(rot_norm * graph_weight)
 
         w = self.weights
         loss = (w[0] * loss_energy + w[1] * loss_forces + w[2] * loss_stress + w[3] * loss_confidence
                 + w[4] * loss_equigrad)
         m = graph_mask
         scale = graphs_total  # step terms weighted by the structures of the step (epoch averages)
-        sums = ops.stack((
-            loss * scale, loss_energy * scale, loss_forces * scale, loss_stress * scale, loss_confidence * scale,
-            loss_equigrad * w[4] * scale,
-            (energy_abs * m).sum(), (energy_abs / atoms * m).sum(), (forces_mae * m).sum(), (cosine * node_mask).sum(),
-            (all_within * m).sum(), (stress_mae * m).sum(),
-            (ops.abs((energy - reference) / atoms) * m).sum(), correct.sum(), (rot_norm * m).sum(),
-            m.sum(), node_mask.sum(),
-        ))
+        steps = ops.stack((loss * scale, loss_energy * scale, loss_forces * scale, loss_stress * scale,
+                           loss_confidence * scale, loss_equigrad * w[4] * scale))
+        g, a = self.metric_sums(
+            (energy_abs, energy_abs / atoms, forces_mae, all_within, stress_mae, ops.abs((energy - reference) / atoms),
+             rot_norm, ops.ones_like(m)), m, (cosine, correct, ops.ones_like(node_mask)), node_mask)
+        sums = ops.concat((steps, g[:3], a[:1], g[3:6], a[1:2], g[6:], a[2:]))  # in SUM_KEYS order
         return loss, ops.stop_gradient(self.with_element_sums(sums, atom_error, numbers, node_mask))
 
     def _stress(self, outputs, stress, old, new, graph_weight, replay):
         """(stress loss term, per-structure stress MAE (B,))."""
         if not self.has_stress:
             zero = ops.zeros_like(graph_weight)
-            return zero.sum(), zero
+            return total(zero), zero
         weight6 = self.broadcasts.column(graph_weight.reshape(-1, 1), 6)
         if self.conservative:
             stress_raw = outputs[3]
@@ -183,7 +182,7 @@ class OrbV3Loss(NormalisedLoss):
             s_std_o, s_std_n = ops.sqrt(s_var_o), ops.sqrt(s_var_n)
             pred = (stress_raw - s_mean_o) / s_std_o
             target = (stress - s_mean_n) / s_std_n
-            loss = (huber(pred, target, HUBER_DELTA) * weight6).sum() / 6.0
+            loss = total(huber(pred, target, HUBER_DELTA) * weight6) / 6.0
             phys = pred * s_std_n + s_mean_n
         else:
             stress_head, pair_s = outputs[3], outputs[7]
@@ -197,7 +196,7 @@ class OrbV3Loss(NormalisedLoss):
             pred = stress_head + pair_s / std_o  # normalise(denormalise(head) + ZBL) with the old statistics
             target = (stress - mean_n) / std_n
             per = huber(pred, target, HUBER_DELTA) * weight6
-            loss = (per[:, :3].sum() + 0.1 * per[:, 3:].sum()) / 3.0
+            loss = (total(per[:, :3]) + 0.1 * total(per[:, 3:])) / 3.0
             phys = pred * std_n + mean_n
         stress_mae = ops.abs(ops.stop_gradient(phys) - stress).mean(1)
         return loss, stress_mae

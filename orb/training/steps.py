@@ -25,8 +25,8 @@ class TrainStep(nn.Cell):
     and is counted instead: ``nonfinite`` holds [such steps in a row now, the longest run of them
     since the last read, the number of the latest one, how many since the last read] (every rank
     decides alike: the gradient is the reduced one). Metric sums of the finite steps accumulate on
-    the device in ``metric_sums``. Both are read once per logging interval, so a step needs no host
-    synchronisation.
+    the device in ``metric_sums`` (float64 where the device has it: :func:`metric_sum_type`). Both are read
+    once per logging interval, so a step needs no host synchronisation.
     """
 
     def __init__(self, loss_cell: NormalisedLoss, optimizer: FlatAdam, grad_reducer: Optional[nn.Cell] = None,
@@ -38,8 +38,8 @@ class TrainStep(nn.Cell):
         scaled = loss_cell if loss_scale is None else ScaledLoss(loss_cell, loss_scale)
         self.grad_fn = ms.value_and_grad(scaled, None, optimizer.params, has_aux=True)
         self.grad_reducer = grad_reducer
-        self.metric_sums = Parameter(Tensor(np.zeros(loss_cell.num_sums, optimizer.real)), name="train_metric_sums",
-                                     requires_grad=False)
+        self.metric_sums = Parameter(Tensor(np.zeros(loss_cell.num_sums, metric_sum_type(optimizer.real))),
+                                     name="train_metric_sums", requires_grad=False)
         self.nonfinite = Parameter(Tensor(np.zeros(4, np.int32)), name="train_nonfinite_steps", requires_grad=False)
         self.steps_run = Parameter(Tensor(np.array(0, np.int32)), name="train_steps_run", requires_grad=False)
         self.after_finite_step = Tensor(np.array([0, 1, 1, 1], np.int32))  # a finite step ends the run in a row
@@ -64,7 +64,7 @@ class TrainStep(nn.Cell):
         if finite:
             loss = ops.depend(loss, self.loss_cell.commit(new, counts))
             loss = ops.depend(loss, self.optimizer.apply(grad, norm))
-            loss = ops.depend(loss, ops.assign_add(self.metric_sums, sums))
+            loss = ops.depend(loss, ops.assign_add(self.metric_sums, sums.astype(self.metric_sums.dtype)))
             loss = ops.depend(loss, ops.assign(self.nonfinite, self.nonfinite * self.after_finite_step))
             if self.loss_scale is not None:
                 loss = ops.depend(loss, self.loss_scale.after_finite())
@@ -75,6 +75,14 @@ class TrainStep(nn.Cell):
             loss = ops.depend(loss, ops.assign(self.nonfinite, ops.stack(
                 (row, ops.maximum(row, self.nonfinite[1]), self.steps_run, self.nonfinite[3] + 1))))
         return loss
+
+
+def metric_sum_type(real):
+    """The type the training metric sums accumulate in over a logging interval (many steps): float64 where the
+    device computes it (:mod:`orb.models.sums`), else the model's float type."""
+    from orb.models import sums
+
+    return np.float64 if sums.form() == "float64" else real
 
 
 class LossScale(nn.Cell):

@@ -304,9 +304,10 @@ class Trainer:
         """``last.ckpt`` after ``done`` steps of epoch ``epoch``, with the epoch's metric sums so far and every rank's
         sums of the open logging interval (all ranks call it: the gathers are collective)."""
         state = self.engine.optimizer_entries()
-        interval = self.dp.gather(self.engine.interval_sums()).reshape(self.dp.world_size, -1)
+        # bit for bit: the sums accumulate in float64 (orb.training.steps.metric_sum_type)
+        interval = self.dp.gather_float64(self.engine.interval_sums()).reshape(self.dp.world_size, -1)
         snapshot = dataclasses.replace(self.progress, step_in_epoch=done, epoch_sums=totals.copy(),
-                                       interval_sums=interval.astype(np.float64), skipped=skipped,
+                                       interval_sums=interval, skipped=skipped,
                                        nonfinite=self.engine.open_nonfinite())
         self.checkpointer.save_last(snapshot, state)
         self.guards.saved()
