@@ -118,12 +118,17 @@ def full_size_rows(torch_python: str) -> list:
     return rows
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line (the docs test parses its documented commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--torch-python", default="", help="python with torch and orb-models 0.4.2 (optional)")
     parser.add_argument("--families", default="orb_v2,orb_v3_direct_20_omat,orb_v3_conservative_20_omat")
     parser.add_argument("--no-full-size", action="store_true", help="only the reduced models")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     from orb.device import configure_mindspore
 
     configure_mindspore("CPU")
