@@ -145,22 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    stale = []
-    for page, make in PAGES.items():
-        path = os.path.join(ROOT, page)
-        text = make()
-        current = open(path, encoding="utf-8").read() if os.path.exists(path) else None
-        if current != text:
-            stale.append(page)
-            if not args.check:
-                with open(path, "w", encoding="utf-8") as f:
-                    f.write(text)
-    if args.check and stale:
-        print(f"pages differ from scripts/make_references.py: {', '.join(stale)}", file=sys.stderr)
-        return 1
-    for page in stale:
-        print(f"wrote {page}")
-    return 0
+    return make_templates.write_generated({os.path.join(ROOT, page): make() for page, make in PAGES.items()},
+                                          args.check, "scripts/make_references.py")
 
 
 if __name__ == "__main__":

@@ -300,25 +300,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    stale = []
-    for name in TEMPLATES:
-        text = render(name)
-        path = template_file(name)
-        current = open(path, encoding="utf-8").read() if os.path.exists(path) else None
-        if current == text:
-            continue
-        stale.append(path)
-        if not args.check:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text)
-    if args.check and stale:
-        print(f"templates differ from scripts/make_templates.py: {', '.join(stale)}", file=sys.stderr)
-        return 1
+def write_generated(texts: Dict[str, str], check: bool, source: str) -> int:
+    """Write each file of ``texts`` (path -> text) that differs; with ``check``, write nothing and exit 1 naming the
+    files that differ from what ``source`` writes."""
+    stale = [path for path, text in texts.items()
+             if not os.path.exists(path) or open(path, encoding="utf-8").read() != text]
+    if check:
+        if stale:
+            print(f"files differ from {source}: {', '.join(stale)}", file=sys.stderr)
+        return 1 if stale else 0
     for path in stale:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(texts[path])
         print(f"wrote {path}")
     return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return write_generated({template_file(name): render(name) for name in TEMPLATES}, args.check,
+                           "scripts/make_templates.py")
 
 
 if __name__ == "__main__":
