@@ -59,7 +59,7 @@ def pseudo(fraction: float, selection: bool = False) -> Dict[str, object]:
 
 
 FROZEN = {"online_normalisation": False}
-FIXED_REFERENCES = {"reference_energies.trainable": False}
+FIXED_REFERENCES = {"reference_energies.trainable": "false"}  # (auto, true or false)
 LORA = {"lora.rank": 8, "lora.alpha": 16}
 ANCHOR = {"anchor.weight": 10}
 STRATEGIES: Dict[str, Dict[str, object]] = {  # name -> config overrides (no foundation labels in any)
