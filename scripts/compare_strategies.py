@@ -269,6 +269,8 @@ def build_parser():
     parser.add_argument("--foundation", default=PRETRAIN_VAL, help="labelled held-out structures of the "
                         "foundation's distribution the drift is measured on (not in --replay)")
     parser.add_argument("--epochs", type=int, default=20, help="epochs of each run")
+    parser.add_argument("--run_seed", type=int, default=None, help="random_seed of every run (default: the "
+                        "config's): a second seed shows how much of a difference is the runs' own noise")
     parser.add_argument("--out", default="", help="folder of the runs (default: runs/strategies_<demo>_<target>)")
     parser.add_argument("--only", default="", help="comma-separated setting names (default: the frontier grid; "
                         "'all': every setting)")
@@ -284,7 +286,8 @@ def study_of(args, out: str) -> Dict[str, str]:
     config, checkpoint = DEMOS[args.demo]
     study = {"config": args.config or os.path.join(ROOT, "configs", config),
              "checkpoint": args.checkpoint or os.path.join(ROOT, "data", checkpoint),
-             "replay": os.path.abspath(args.replay), "foundation": os.path.abspath(args.foundation)}
+             "replay": os.path.abspath(args.replay), "foundation": os.path.abspath(args.foundation),
+             "run_seed": args.run_seed}
     if args.train:
         return dict(study, train=args.train, val=args.val, test=args.test or args.val)
     return dict(study, **narrow_target(out, args.target, args.seed, args.kind))
@@ -293,7 +296,8 @@ def study_of(args, out: str) -> Dict[str, str]:
 def run_setting(name: str, study: Dict[str, str], out: str, epochs: int) -> Dict[str, Dict]:
     """Fine-tune with setting ``name`` (continuing a killed run of it) and measure its best and final weights."""
     run = os.path.join(out, name.replace(" ", "_").replace(",", "").replace("+", "and"))
-    args = command_line({**RESET, **overrides(name, study["replay"])}) + ["--resume", "auto"]
+    seed = {"random_seed": study["run_seed"]} if study.get("run_seed") is not None else {}
+    args = command_line({**RESET, **seed, **overrides(name, study["replay"])}) + ["--resume", "auto"]
     seconds = fine_tune(study, args, run, epochs)
     return {f"{name}, {kind}": dict(measure(weights, study, os.path.join(run, f"eval_{kind}")), seconds=seconds)
             for kind, weights in (("best", os.path.join(run, "checkpoints", "best_weights.ckpt")),
@@ -330,7 +334,8 @@ def main(argv=None) -> int:
         write_json(record, results)
         print(f"{name}: done in {results[name + ', final']['seconds']:.0f} s", file=sys.stderr)
     title = (f"{os.path.basename(study['checkpoint'])} on {target}" +
-             ("" if args.train else f" (seed {args.seed})") + f", {args.epochs} epochs; changes against the "
+             ("" if args.train else f" (seed {args.seed})") + f", {args.epochs} epochs" +
+             ("" if args.run_seed is None else f", runs' random_seed {args.run_seed}") + "; changes against the "
              "starting model")
     write_table(results, out, title)
     write_frontier(results, out, title, study["replay"], args.tolerance, args.min_kept)

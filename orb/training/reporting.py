@@ -66,9 +66,11 @@ def format_trade_off(record: Dict) -> str:
         text = ("target " + ", ".join(f"{k + ' ' if names else ''}{v:+.1f} %" for k, v in target.items())
                 if target else "target: no validation set")
         if "foundation" in weights:
-            return text + "; foundation (replay_val) " + ", ".join(f"{v:+.1f} %" for v in weights["foundation"].values())
-        return text + "; foundation drift (replay_val against the starting model's predictions) " + ", ".join(
-            f"{v:.4g} {UNITS[k]}" for k, v in weights["foundation_drift"].items())
+            return text + f"; foundation{' (replay_val)' if names else ''} " + ", ".join(
+                f"{v:+.1f} %" for v in weights["foundation"].values())
+        return text + "; foundation drift" + (" (replay_val against the starting model's predictions) " if names
+                                              else " ") + ", ".join(f"{v:.4g} {UNITS[k]}"
+                                                                    for k, v in weights["foundation_drift"].items())
 
     best, final = record.get("best"), record["final"]
     first = f"best_weights.ckpt (epoch {best['epoch']}): {part(best, True)}; " if best else ""
