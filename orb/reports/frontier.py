@@ -101,7 +101,7 @@ def config_block(overrides: Dict[str, object]) -> str:
         node[leaf] = value
     if not nested:
         return "# plain fine-tuning: no protection keys (your config as it is)\n"
-    return yaml.safe_dump(nested, sort_keys=False, default_flow_style=None)
+    return yaml.safe_dump(nested, sort_keys=False, default_flow_style=False)
 
 
 def as_json(settings: Sequence[Setting], chosen: Optional[Setting], reason: str, tolerance: float,
