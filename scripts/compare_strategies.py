@@ -214,7 +214,7 @@ def write_frontier(results: Dict, out: str, title: str, replay: str, tolerance: 
     block = fr.config_block(overrides(chosen.name, replay)) if chosen else ""
     report = fr.as_json(settings, chosen, reason, tolerance, min_kept, block)
     write_json(os.path.join(out, "frontier.json"), report)
-    lines = [f"{title}\n", *fr.table(settings, chosen), "",
+    lines = [f"{title}\n", *fr.table(settings, chosen, tolerance, min_kept), "",
              f"Recommended: {chosen.name if chosen else '-'}: {reason}.", "", "```yaml", block.rstrip(), "```"]
     with open(os.path.join(out, "frontier.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -232,7 +232,8 @@ def plot_frontier(settings: List[fr.Setting], chosen, tolerance: float, title: s
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for s in settings:
         ax.scatter(s.gain, s.drift, color="tab:red" if s is chosen else "tab:blue", zorder=3)
-        ax.annotate(s.name, (s.gain, s.drift), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.annotate(s.name + (" (recommended)" if s is chosen else ""), (s.gain, s.drift), fontsize=7,
+                    xytext=(3, 3), textcoords="offset points")
     line = fr.frontier(settings)
     ax.plot([s.gain for s in line], [s.drift for s in line], color="grey", linestyle="--", label="frontier")
     ax.axhline(tolerance, color="tab:orange", linestyle=":", label=f"tolerance {tolerance:g} %")

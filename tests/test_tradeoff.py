@@ -101,6 +101,9 @@ def test_the_settings_are_judged_by_their_worst_weights_and_the_frontier_keeps_t
     assert a.changes["final"]["foundation"]["forces_mae"] == pytest.approx(2.0)
     assert a.energy_gain == pytest.approx(50.0)
     assert [s.name for s in fr.frontier(list(settings.values()))] == ["B", "A", "D", "none"]
+    rows = {line.split(" | ")[0][2:]: line for line in fr.table(list(settings.values()), a, 5.0, 80.0)[2:]}
+    assert rows["**A** (recommended)"].endswith("| +3.0 % | +2.0 % | +40.0 % | 89 % | +50.0 % | yes | yes |")
+    assert rows["B"].endswith("| 67 % | +50.0 % |  | yes |") and rows["C"].endswith("|  |  |")
 
 
 @pytest.mark.parametrize("tolerance, min_kept, chosen, said", [

@@ -112,14 +112,17 @@ def as_json(settings: Sequence[Setting], chosen: Optional[Setting], reason: str,
             "recommended": chosen.name if chosen else None, "reason": reason, "config": block}
 
 
-def table(settings: Sequence[Setting], chosen: Optional[Setting]) -> List[str]:
-    """The frontier table's markdown lines: one row per setting, frontier settings marked."""
+def table(settings: Sequence[Setting], chosen: Optional[Setting], tolerance: float, min_kept: float) -> List[str]:
+    """The frontier table's markdown lines: one row per setting (worst over best and final weights), whether it meets
+    both goals (foundation within ``tolerance``, ``min_kept`` of plain's gain) and whether it is on the frontier."""
     on = {s.name for s in frontier(settings)}
-    lines = ["| setting | foundation drift (worst, %) | target F gain (worst, %) | kept of plain's F gain | "
-             "target E/atom gain (worst, %) | on the frontier |", "|---|---|---|---|---|---|"]
+    lines = ["| setting | foundation E/atom | foundation F | target F gain | kept of plain's F gain | target E/atom gain "
+             "| both goals | frontier |", "|---|---|---|---|---|---|---|---|"]
     for s in sorted(settings, key=lambda s: s.drift):
         name = f"**{s.name}** (recommended)" if chosen is s else s.name
+        worst = [max(s.changes[kind]["foundation"][k] for kind in KINDS) for k in KEYS]
         kept = f"{s.kept:.0f} %" if s.kept is not None else ""
-        lines.append(f"| {name} | {s.drift:+.1f} | {s.gain:+.1f} | {kept} | {s.energy_gain:+.1f} | "
-                     f"{'yes' if s.name in on else ''} |")
+        both = s.drift <= tolerance and s.kept is not None and s.kept >= min_kept
+        lines.append(f"| {name} | {worst[0]:+.1f} % | {worst[1]:+.1f} % | {s.gain:+.1f} % | {kept} | "
+                     f"{s.energy_gain:+.1f} % | {'yes' if both else ''} | {'yes' if s.name in on else ''} |")
     return lines
