@@ -16,6 +16,8 @@ from orb.metrics import BY_ELEMENT, format_by_element
 
 log = logging.getLogger("orb")
 FORGETTING_KEYS = ("energy_per_atom_mae", "forces_mae", "stress_mae")  # the replay_val line of every epoch
+TRADE_OFF_KEYS = ("energy_per_atom_mae", "forces_mae")  # the end-of-run trade-off line
+UNITS = {"energy_per_atom_mae": "eV/atom", "forces_mae": "eV/Å"}
 
 
 def format_metrics(metrics: Dict[str, float]) -> str:
@@ -24,6 +26,55 @@ def format_metrics(metrics: Dict[str, float]) -> str:
 
 def change(now: float, start: float) -> str:
     return f"{100 * (now - start) / abs(start):+.1f} %" if start else f"{now - start:+.3g}"
+
+
+def percent(now: float, start: float) -> float:
+    return 100.0 * (now - start) / start
+
+
+def trade_off(records, best_epoch: int, final_epoch: int, pseudo_labels: bool) -> Optional[Dict]:
+    """What a run with replay gained on its target and cost its foundation, from ``metrics.jsonl``'s records: for
+    ``best_epoch`` (best_weights.ckpt; 0: none was written) and ``final_epoch``, the validation set's and
+    ``replay_val``'s MAEs against the starting model's (epoch 0), in %. Against pseudo-labels the starting model's
+    replay_val error is 0 by construction, so the foundation is given as the drift itself (MAE against the
+    starting model's predictions) instead of a change. None without a replay_val of the start and the final epoch."""
+    initial = next((r for r in records if r.get("type") == "initial"), None)
+    epochs = {r["epoch"]: r for r in records if r.get("type") == "epoch"}
+    if not initial or not initial.get("replay_val") or final_epoch not in epochs:
+        return None
+
+    def weights(epoch: int) -> Dict:
+        now = epochs[epoch]
+        out = {"epoch": epoch}
+        if initial.get("val") and now.get("val"):
+            out["target"] = {k: percent(now["val"][k], initial["val"][k]) for k in TRADE_OFF_KEYS}
+        replay = now["replay_val"]
+        out["foundation_drift" if pseudo_labels else "foundation"] = {
+            k: replay[k] if pseudo_labels else percent(replay[k], initial["replay_val"][k]) for k in TRADE_OFF_KEYS}
+        return out
+
+    record = {"type": "trade_off", "epoch": final_epoch, "final": weights(final_epoch)}
+    if best_epoch in epochs:
+        record["best"] = weights(best_epoch)
+    return record
+
+
+def format_trade_off(record: Dict) -> str:
+    """The trade-off record as one log line."""
+    def part(weights: Dict, names: bool) -> str:
+        target = weights.get("target")
+        text = ("target " + ", ".join(f"{k + ' ' if names else ''}{v:+.1f} %" for k, v in target.items())
+                if target else "target: no validation set")
+        if "foundation" in weights:
+            return text + f"; foundation{' (replay_val)' if names else ''} " + ", ".join(
+                f"{v:+.1f} %" for v in weights["foundation"].values())
+        return text + "; foundation drift" + (" (replay_val against the starting model's predictions) " if names
+                                              else " ") + ", ".join(f"{v:.4g} {UNITS[k]}"
+                                                                    for k, v in weights["foundation_drift"].items())
+
+    best, final = record.get("best"), record["final"]
+    first = f"best_weights.ckpt (epoch {best['epoch']}): {part(best, True)}; " if best else ""
+    return f"trade-off of {first}final weights (epoch {final['epoch']}): {part(final, not best)}"
 
 
 def progress_bars_shown(setting: str, is_main: bool) -> bool:
@@ -108,3 +159,12 @@ class Reporter:
             changes = [f"{k} {now[k]:.4g} ({change(now[k], start[k])})" for k in FORGETTING_KEYS
                        if k in now and k in start]
             log.info("replay_val against the starting model: %s", ", ".join(changes))
+
+    def trade_off(self, best_epoch: int, final_epoch: int, step: int, pseudo_labels: bool) -> None:
+        """At the end of a run with replay: the trade-off line (log) and record (metrics.jsonl), once."""
+        if not self.main or self.has_record("trade_off", step):
+            return
+        record = trade_off(read_records(self.metrics_path), best_epoch, final_epoch, pseudo_labels)
+        if record is not None:
+            log.info(format_trade_off(record))
+            self.record(dict(record, step=step))

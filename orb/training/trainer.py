@@ -94,8 +94,10 @@ class Trainer:
                     self._validate_starting_model()
                 epochs = self.reporter.progress(total=cfg.max_epochs, initial=progress.epochs_done,
                                                 desc="fine-tuning")
+                stopped = False
                 for epoch in range(progress.epochs_done, last_epoch):
-                    if self._stopped_early():
+                    stopped = self._stopped_early()
+                    if stopped:
                         break
                     history.append(self._epoch(epoch))
                     epochs.update(1)
@@ -111,6 +113,9 @@ class Trainer:
                            compiled.describe())
         self.reporter.info("checkpoints: %s (last.ckpt, best.ckpt, best_weights.ckpt); metrics: %s",
                            self.checkpointer.folder, self.reporter.metrics_path)
+        if cfg.replay.enabled and (stopped or progress.epochs_done >= cfg.max_epochs):
+            self.reporter.trade_off(progress.best_epoch, progress.epochs_done, progress.global_step,
+                                    cfg.replay.labels == "model")
         return {"history": history, "total_time": total, "compilations": len(compiled.seconds)}
 
     def _validate_starting_model(self) -> None:
