@@ -64,7 +64,7 @@ def test_a_resume_refuses_another_loss_labelling_or_graph(tmp_path):
     from orb.training.config import TrainConfig, config_from_dict
     from orb.training.state import CHECKPOINT_FORMAT, check_resume
 
-    saved = TrainConfig().to_dict()
+    saved = dict(TrainConfig().to_dict(), val_data_path="val.db")  # patience needs a validation set
     meta = {"format": CHECKPOINT_FORMAT, "config": saved, "train_rows": 64}
     changed = config_from_dict(dict(saved, loss_weights=dict(saved["loss_weights"], stress=0.0), energy_key="E2",
                                     patience=3, model=dict(saved["model"], radius=5.0, rbf_radius=7.0),

@@ -251,7 +251,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_runs_metrics_with_the_same_sp
     assert done.returncode == 0, done.stderr[-3000:]
     said = [line for line in (straight / "train.log").read_text().splitlines() if "held out" in line]
     assert len(said) == 1 and said[0].endswith(
-        "validation data: 16 of the 64 structures of data/demo_train.db held out, never trained on "
+        f"validation data: 16 of the 64 structures of {DEMO_TRAIN} held out, never trained on "
         f"(val_fraction 0.25, random_seed 1234); drawn, recorded in {straight / 'val_split.json'}"), said
     stopped = subprocess.run([sys.executable, "finetune.py", *args(killed), "--callbacks",
                               "[stop_callbacks:KillAtStep7]"], cwd=ROOT, capture_output=True, text=True, timeout=600,
@@ -306,7 +306,7 @@ def test_refusals_end_the_command_with_one_line_and_leave_nothing(tmp_path):
     stderr, exit 2, no traceback and no output folder."""
     for fraction, said in (("1", "config key 'val_fraction' must be in [0, 1)"),
                            ("0.005", "config key 'val_fraction' (0.005) holds out 0 of the 64 structures of "
-                                     "data/demo_train.db: none to validate")):
+                                     f"{DEMO_TRAIN}: none to validate")):
         out = tmp_path / f"run{fraction}"
         result = subprocess.run([sys.executable, "finetune.py", "--config", "configs/demo.yaml", "--device_target",
                                  "CPU", "--output_dir", str(out), "--val_data_path", "", "--val_fraction", fraction],
