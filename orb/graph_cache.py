@@ -24,6 +24,7 @@ keep a graph (a kind it cannot serialise), it is compiled each time, said once.
 import hashlib
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -37,6 +38,7 @@ KIND = "graphs"
 CODE = ("orb",)  # every module of the package: a graph's content is the code that builds its cells
 ENVIRONMENT = "ORB_COMPILE_CACHE"
 SWITCH = "MS_COMPILER_CACHE_ENABLE"
+GRAPH_FILE = re.compile(r"(.*)compile_cache_(\d+)\.mindir")  # MindSpore's name for a process's i-th kept graph
 VOLATILE = ("arguments_key", "current_phase", "sequence_modified", "phase_cache")  # what MindSpore sets per compilation
 
 
@@ -47,6 +49,7 @@ class GraphCache:
         self.enabled: Optional[bool] = None  # decided at the first compilation
         self.scratch: Optional[str] = None
         self.index = 0  # MindSpore's count of this process's cache-enabled compilations
+        self.prefix: Optional[str] = None  # MindSpore's file-name prefix, once seen
         self.loaded: List[str] = []
         self.kept: List[str] = []
         self._said = set()
@@ -138,11 +141,27 @@ class GraphCache:
             return found[0]
         return os.path.join(self.scratch, f"rank_{_rank()}", "graph_cache")
 
-    def _clear(self) -> None:
+    def _graph_files(self) -> List[Tuple[str, str, int]]:
+        """(folder, prefix, position) of every graph file MindSpore's folders hold: ``<prefix>compile_cache_<i>.mindir``,
+        the prefix the process's cluster role under msrun (``MS_WORKER``), else empty."""
+        found = []
         for folder in self._folders():
             for name in os.listdir(folder):
-                if name.startswith("compile_cache_"):
-                    os.remove(os.path.join(folder, name))
+                match = GRAPH_FILE.fullmatch(name)
+                if match:
+                    found.append((folder, match.group(1), int(match.group(2))))
+        return found
+
+    def _prefix(self) -> str:
+        """The prefix of MindSpore's file names here: the one it wrote before, else its role's (a staged file under a
+        wrong name is only not found, as in a wrong folder)."""
+        if self.prefix is None:
+            return _role()
+        return self.prefix
+
+    def _clear(self) -> None:
+        for folder, prefix, position in self._graph_files():
+            os.remove(os.path.join(folder, f"{prefix}compile_cache_{position}.mindir"))
 
     def _stage(self, mindir: Optional[bytes]) -> Optional[str]:
         """Leave only this compilation's graph (or none) where MindSpore looks; returns its digest."""
@@ -151,21 +170,19 @@ class GraphCache:
             return None
         folder = self._rank_folder()
         os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, "compile_dependency.hash"), "w"):
+        prefix = self._prefix()
+        with open(os.path.join(folder, f"{prefix}compile_dependency.hash"), "w"):
             pass  # the hash of no dependency files (see _enable)
-        with open(os.path.join(folder, f"compile_cache_{self.index}.mindir"), "wb") as f:
+        with open(os.path.join(folder, f"{prefix}compile_cache_{self.index}.mindir"), "wb") as f:
             f.write(mindir)
         return hashlib.sha256(mindir).hexdigest()
 
     def _written(self) -> List[Tuple[int, str]]:
         """(position, digest) of every graph file in the process's folder after a compilation."""
         found = []
-        for folder in self._folders():
-            for name in os.listdir(folder):
-                if name.startswith("compile_cache_") and name.endswith(".mindir"):
-                    with open(os.path.join(folder, name), "rb") as f:
-                        found.append((int(name[len("compile_cache_"):-len(".mindir")]),
-                                      hashlib.sha256(f.read()).hexdigest()))
+        for folder, prefix, position in self._graph_files():
+            with open(os.path.join(folder, f"{prefix}compile_cache_{position}.mindir"), "rb") as f:
+                found.append((position, hashlib.sha256(f.read()).hexdigest()))
         return sorted(found)
 
     def _keep(self, entry, fresh: List[Tuple[int, str]], kind: str) -> str:
@@ -177,14 +194,20 @@ class GraphCache:
             return "compiled"
         position, _ = fresh[-1]
         self.index = position + 1
-        path = next(os.path.join(folder, f"compile_cache_{position}.mindir") for folder in self._folders()
-                    if os.path.exists(os.path.join(folder, f"compile_cache_{position}.mindir")))
+        folder, self.prefix = next((folder, prefix) for folder, prefix, at in self._graph_files() if at == position)
+        path = os.path.join(folder, f"{self.prefix}compile_cache_{position}.mindir")
         with open(path, "rb") as f:
             mindir = np.frombuffer(f.read(), dtype=np.uint8)
         self._clear()
         if entry.write(lambda tmp: np.savez(tmp, mindir=mindir), f"compiled {kind} graph"):
             self.kept.append(kind)
         return "compiled"
+
+
+def _role() -> str:
+    """The prefix MindSpore 2.10 gives its cache files in a process msrun started (its cluster role, ``MS_WORKER``),
+    else none (measured: ``rank_1/graph_cache/MS_WORKERcompile_cache_0.mindir`` under msrun)."""
+    return os.environ.get("MS_ROLE", "") if os.environ.get("MS_WORKER_NUM") else ""
 
 
 def _rank() -> str:

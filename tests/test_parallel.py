@@ -32,8 +32,9 @@ def common_args(out, train, **extra):
                   checkpoint_path="", batch_size=4, max_epochs=2, lr=1e-3, lr_schedule="constant", num_buckets=3, log_every_n_steps=2,
                   record_batches="true", progress_bar="false", device_target="CPU", data_workers=0)
     values.update(extra)
+    # random weights of a small orb-v2 over the templates' published orb-v3, unless the test names another model
+    model = dict(SMALL_MODEL, name=values.pop("model.name", "orb_v2"))
     args = sum(([f"--{k}", str(v)] for k, v in values.items()), [])
-    model = dict(SMALL_MODEL, name="orb_v2")  # random weights of a small orb-v2 over the templates' published orb-v3
     return args + sum((["--model." + k, str(v)] for k, v in model.items()), [])
 
 
