@@ -172,7 +172,6 @@ def test_each_entry_point_handles_or_refuses_the_structure(tmp_path, monkeypatch
     from orb.errors import OrbInputError
     from orb.inference import evaluate, md, relax
 
-    monkeypatch.setenv("ORB_CACHE_DIR", str(tmp_path / "cache"))
     frames = STRUCTURES[name]()
     path = str(tmp_path / f"{name}.extxyz")
     ase.io.write(path, frames, format="extxyz")
@@ -278,7 +277,6 @@ def test_one_atom_runs_in_every_ensemble(tmp_path, monkeypatch, capsys, ensemble
 
     from orb.inference import md
 
-    monkeypatch.setenv("ORB_CACHE_DIR", str(tmp_path / "cache"))
     path = str(tmp_path / "one.extxyz")
     ase.io.write(path, [one_atom(), cubic_copper()], format="extxyz")
     status, lines = run_main(md.main, capsys, ["--checkpoint", MODELS["orb_v3"], "--data", path, "--output",

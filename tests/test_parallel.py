@@ -29,8 +29,8 @@ FAST_FAILURE = {"MS_NODE_TIMEOUT": "10"}
 
 def common_args(out, train, **extra):
     values = dict(train_data_path=train, val_data_path=DEMO_VAL, val_fraction=0, output_dir=str(out),
-                  checkpoint_path="", batch_size=4, max_epochs=2, lr=1e-3, lr_schedule="constant", num_buckets=3, log_every_n_steps=2,
-                  record_batches="true", progress_bar="false", device_target="CPU", data_workers=0)
+                  checkpoint_path="", batch_size=4, max_epochs=2, lr=1e-3, lr_schedule="constant", num_buckets=3,
+                  log_every_n_steps=2, record_batches="true", progress_bar="false", device_target="CPU", data_workers=0)
     values.update(extra)
     # random weights of a small orb-v2 over the templates' published orb-v3, unless the test names another model
     model = dict(SMALL_MODEL, name=values.pop("model.name", "orb_v2"))
