@@ -38,7 +38,9 @@ KIND = "graphs"
 CODE = ("orb",)  # every module of the package: a graph's content is the code that builds its cells
 ENVIRONMENT = "ORB_COMPILE_CACHE"
 SWITCH = "MS_COMPILER_CACHE_ENABLE"
-GRAPH_FILE = re.compile(r"(.*)compile_cache_(\d+)\.mindir")  # MindSpore's name for a process's i-th kept graph
+# MindSpore's name for a process's i-th kept graph: under msrun prefixed by the cluster role (MS_WORKER); never its
+# backend's kernel graphs (backend_compile_cache_<i>.mindir), which are not what it loads for a front-end graph
+GRAPH_FILE = re.compile(r"((?:MS_[A-Z_]+)?)compile_cache_(\d+)\.mindir")
 VOLATILE = ("arguments_key", "current_phase", "sequence_modified", "phase_cache")  # what MindSpore sets per compilation
 
 
@@ -115,12 +117,12 @@ class GraphCache:
             cell.compile(*inputs)
             return "uncached"
         written = self._written()
-        if stored is not None and written == [(self.index, staged)]:
+        if staged is not None and [item[:3] for item in written] == [staged]:
             self.index += 1
             self.loaded.append(kind)
             self._clear()
             return "cache"
-        return self._keep(entry, [item for item in written if item != (self.index, staged)], kind)
+        return self._keep(entry, [item for item in written if item[:3] != staged], kind)
 
     def _compile_enabled(self, cell, inputs) -> None:
         os.environ[SWITCH] = "1"  # (MindSpore reads it at every compilation; its context key is deprecated)
@@ -163,39 +165,42 @@ class GraphCache:
         for folder, prefix, position in self._graph_files():
             os.remove(os.path.join(folder, f"{prefix}compile_cache_{position}.mindir"))
 
-    def _stage(self, mindir: Optional[bytes]) -> Optional[str]:
-        """Leave only this compilation's graph (or none) where MindSpore looks; returns its digest."""
+    def _stage(self, mindir: Optional[bytes]) -> Optional[Tuple[str, int, str]]:
+        """Leave only this compilation's graph (or none) where MindSpore looks; returns its (prefix, position,
+        digest). MindSpore makes the files it writes read-only (0400): each is removed before it is written again."""
         self._clear()
         if mindir is None:
             return None
         folder = self._rank_folder()
         os.makedirs(folder, exist_ok=True)
         prefix = self._prefix()
-        with open(os.path.join(folder, f"{prefix}compile_dependency.hash"), "w"):
+        hash_file = os.path.join(folder, f"{prefix}compile_dependency.hash")
+        if os.path.lexists(hash_file):
+            os.remove(hash_file)
+        with open(hash_file, "w"):
             pass  # the hash of no dependency files (see _enable)
         with open(os.path.join(folder, f"{prefix}compile_cache_{self.index}.mindir"), "wb") as f:
             f.write(mindir)
-        return hashlib.sha256(mindir).hexdigest()
+        return prefix, self.index, hashlib.sha256(mindir).hexdigest()
 
-    def _written(self) -> List[Tuple[int, str]]:
-        """(position, digest) of every graph file in the process's folder after a compilation."""
+    def _written(self) -> List[Tuple[str, int, str, str]]:
+        """(prefix, position, digest, path) of every graph file in the process's folder after a compilation."""
         found = []
         for folder, prefix, position in self._graph_files():
-            with open(os.path.join(folder, f"{prefix}compile_cache_{position}.mindir"), "rb") as f:
-                found.append((position, hashlib.sha256(f.read()).hexdigest()))
-        return sorted(found)
+            path = os.path.join(folder, f"{prefix}compile_cache_{position}.mindir")
+            with open(path, "rb") as f:
+                found.append((prefix, position, hashlib.sha256(f.read()).hexdigest(), path))
+        return sorted(found, key=lambda item: (item[1], item[0]))
 
-    def _keep(self, entry, fresh: List[Tuple[int, str]], kind: str) -> str:
+    def _keep(self, entry, fresh: List[Tuple[str, int, str, str]], kind: str) -> str:
         """After a compilation MindSpore did itself: keep the graph it wrote (``fresh``: the files it wrote), and take
         its count from the file's position (it moves on by itself; a staged file it passed over stays unread)."""
         if not fresh:
             self._clear()
             self._say(f"unkept {kind}", f"MindSpore kept no {kind} graph: it is compiled in every process")
             return "compiled"
-        position, _ = fresh[-1]
+        self.prefix, position, _, path = fresh[-1]  # (the staged file, if MindSpore passed it over, is not in fresh)
         self.index = position + 1
-        folder, self.prefix = next((folder, prefix) for folder, prefix, at in self._graph_files() if at == position)
-        path = os.path.join(folder, f"{self.prefix}compile_cache_{position}.mindir")
         with open(path, "rb") as f:
             mindir = np.frombuffer(f.read(), dtype=np.uint8)
         self._clear()

@@ -99,6 +99,12 @@ def overrides(name: str, replay: str) -> Dict[str, object]:
     return {k: replay if v == REPLAY else v for k, v in STRATEGIES[name].items()}
 
 
+def measured(name: str, replay: str) -> Dict[str, object]:
+    """Every key a run of setting ``name`` set over the user's config (the replay reset included: a block without it,
+    pasted into a config with replay of its own, would be another setting than the one measured)."""
+    return {**RESET, **overrides(name, replay)}
+
+
 def command_line(settings: Dict[str, object]) -> List[str]:
     """Config overrides as finetune.py arguments (lists and mappings in YAML's flow style)."""
     import yaml
@@ -213,7 +219,7 @@ def write_frontier(results: Dict, out: str, title: str, replay: str, tolerance: 
 
     settings = fr.summarise(results)
     chosen, reason = fr.recommend(settings, tolerance, min_kept)
-    block = fr.config_block(overrides(chosen.name, replay)) if chosen else ""
+    block = fr.config_block(measured(chosen.name, replay)) if chosen else ""
     report = fr.as_json(settings, chosen, reason, tolerance, min_kept, block)
     write_json(os.path.join(out, "frontier.json"), report)
     lines = [f"{title}\n", *fr.table(settings, chosen, tolerance, min_kept), "",
@@ -300,11 +306,37 @@ def run_setting(name: str, study: Dict[str, str], out: str, epochs: int) -> Dict
     """Fine-tune with setting ``name`` (continuing a killed run of it) and measure its best and final weights."""
     run = os.path.join(out, name.replace(" ", "_").replace(",", "").replace("+", "and"))
     seed = {"random_seed": study["run_seed"]} if study.get("run_seed") is not None else {}
-    args = command_line({**RESET, **seed, **overrides(name, study["replay"])}) + ["--resume", "auto"]
+    args = command_line({**seed, **measured(name, study["replay"])}) + ["--resume", "auto"]
     seconds = fine_tune(study, args, run, epochs)
     return {f"{name}, {kind}": dict(measure(weights, study, os.path.join(run, f"eval_{kind}")), seconds=seconds)
             for kind, weights in (("best", os.path.join(run, "checkpoints", "best_weights.ckpt")),
                                   ("final", final_weights(run)))}
+
+
+STUDY_KEYS = ("demo", "kind", "target", "seed", "train", "val", "test", "config", "checkpoint", "replay",
+              "foundation", "epochs", "run_seed")
+
+
+def same_study_or_refusal(args, out: str) -> str:
+    """Keep what decides the study's numbers in ``out/study.json`` (a killed study continues only with the same),
+    and return the refusal of another study in the same folder (its results would be reported as this one's);
+    "" when it may go on."""
+    from orb.io.files import write_json
+
+    paths = ("train", "val", "test", "config", "checkpoint", "replay", "foundation")
+    identity = {k: os.path.abspath(getattr(args, k)) if k in paths and getattr(args, k) else getattr(args, k)
+                for k in STUDY_KEYS}
+    record = os.path.join(out, "study.json")
+    if os.path.exists(record):
+        with open(record) as f:
+            kept = json.load(f)
+        changed = [f"{k} {kept.get(k)!r} -> {identity[k]!r}" for k in STUDY_KEYS if kept.get(k) != identity[k]]
+        if changed:
+            return (f"{out} holds the results of another study ({'; '.join(changed)}): choose another --out, or "
+                    f"remove that folder to start again")
+        return ""
+    write_json(record, identity)
+    return ""
 
 
 def main(argv=None) -> int:
@@ -320,8 +352,13 @@ def main(argv=None) -> int:
         f"{args.kind} {args.target}".replace("fcc ", "")
     out = args.out or os.path.join(ROOT, "runs", f"strategies_{args.demo}_{target.replace(',', '').replace(' ', '_')}")
     os.makedirs(out, exist_ok=True)
-    from orb.device import configure_mindspore
     from orb.io.files import write_json
+
+    refusal = same_study_or_refusal(args, out)
+    if refusal:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
+    from orb.device import configure_mindspore
 
     configure_mindspore("CPU")
     study = study_of(args, out)

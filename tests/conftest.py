@@ -179,11 +179,9 @@ LIGHT = ("test_graphs", "test_optimizer", "test_blocks", "test_pieces", "test_fo
 # --no-loadscope-reorder: a file's module-scoped runs happen once, the data-parallel jobs one after another): the
 # full-size parity runs first, while both workers are small, the light files beside them on the other worker, then
 # the longest files, so that the two workers end together.
-LONGEST_FIRST = ("test_orb_v3",) + LIGHT + ("test_parallel", "test_smoke", "test_odd_structures", "test_replay",
-                                            "test_precision", "test_md", "test_preemption", "test_signals",
-                                            "test_training", "test_relax", "test_val_split", "test_sums", "test_use",
-                                            "test_properties", "test_tradeoff", "test_graph_cache", "test_model",
-                                            "test_strategies", "test_pretrained")  # (2026-11-28's durations)
+LONGEST_FIRST = ("test_orb_v3",) + LIGHT + ("test_parallel", "test_smoke", "test_preemption", "test_signals",
+                                            "test_replay", "test_precision", "test_training", "test_strategies",
+                                            "test_use", "test_relax", "test_md")
 
 
 def pytest_collection_modifyitems(config, items):

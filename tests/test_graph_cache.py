@@ -92,6 +92,34 @@ def test_graphs_compiled_in_another_order_load_their_own(cache_dir):
     assert len([n for n in os.listdir(cache_dir / "graphs") if n.startswith("graphs-")]) == 2
 
 
+def test_files_mindspore_made_read_only_are_replaced_as_a_user_who_is_not_root(cache_dir, monkeypatch):
+    """MindSpore writes its cache files read-only (0400); a user other than root cannot open them for writing, so the
+    first cached graph after a fresh compilation in the same process ended in PermissionError on every cluster (the
+    suite runs as root, which may: here the file system's rule for other users is applied to the module's writes;
+    measured as user nobody before the fix)."""
+    import builtins
+    import stat
+
+    from orb import graph_cache
+
+    def as_a_user(path, mode="r", *args, **kwargs):
+        if any(m in mode for m in "wa+") and os.path.exists(path) and not os.stat(path).st_mode & stat.S_IWUSR:
+            raise PermissionError(13, "Permission denied", path)
+        return builtins.open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(graph_cache, "open", as_a_user, raising=False)
+    first = model()
+    graphs = batches(first.cfg)
+    expected = uncached(first, graphs)
+    assert predict(first, graphs[:1])[1] == ["compiled"]  # MindSpore's own files, read-only, in the scratch folder
+    again, sources = predict(model(), graphs)
+    assert sources == ["cache", "compiled"]
+    assert_equal(again, expected)
+    last, sources = predict(model(), graphs[::-1])  # a staged file over the one MindSpore wrote for the second
+    assert sources == ["cache", "cache"]
+    assert_equal(last[::-1], expected)
+
+
 def test_another_setting_precision_or_code_compiles_afresh(cache_dir, monkeypatch):
     """A setting no tensor shape shows (the radial basis's radius), another precision, another version of the code:
     each compiles its own graph (and equals its fresh compilation); the first graph is still found after them."""

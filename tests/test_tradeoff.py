@@ -126,8 +126,9 @@ def test_the_recommendation_is_the_largest_gain_within_the_tolerance_else_a_comp
 
 
 def test_the_recommended_block_is_a_config_that_sets_the_setting(tmp_path):
-    """Each setting's YAML block passes the config checker and sets exactly its keys; its command-line form is
-    what finetune.py reads as the same values."""
+    """Each setting's YAML block passes the config checker and sets exactly the keys its runs set (replay reset
+    included: the block of 'anchor 10' pasted into a config with replay was anchor and replay); its command-line
+    form is what finetune.py reads as the same values."""
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import compare_strategies as cs
 
@@ -138,13 +139,15 @@ def test_the_recommended_block_is_a_config_that_sets_the_setting(tmp_path):
 
     template = read_yaml(open(template_path("finetune_orb_v3"), encoding="utf-8").read(), "template")
     for name in cs.STRATEGIES:
-        settings = cs.overrides(name, "replay.xyz")
+        settings = cs.measured(name, "replay.xyz")
         assert cs.REPLAY not in json.dumps(settings)
         pasted = flatten(config_from_dict(_merge(template, read_yaml(config_block(settings), name) or {})).to_dict())
         typed = flatten(load_config("finetune_orb_v3", cs.command_line(settings)).to_dict())
         for key, value in settings.items():
             assert pasted[key] == value == typed[key], (name, key)
     assert "no protection" in config_block({})
+    anchored = read_yaml(config_block(cs.measured("anchor 10", "replay.xyz")), "anchor 10")
+    assert anchored["replay"]["fraction"] == 0.0 and anchored["anchor"]["weight"] == 10
 
 
 def test_compare_strategies_on_a_users_target_recommends_and_continues(tmp_path):
@@ -180,3 +183,27 @@ def test_compare_strategies_on_a_users_target_recommends_and_continues(tmp_path)
     again = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert again.returncode == 0 and "done in" not in again.stderr
     assert os.path.getmtime(out / "none.log") == stamp
+    # another study in the same folder (its results were reported as this one's): refused, the results as they were
+    before = (out / "results.json").read_text()
+    other = subprocess.run(command[:-4] + ["--epochs", "2"] + command[-4:], capture_output=True, text=True,
+                           timeout=600, env=env)
+    lines = other.stderr.strip().splitlines()
+    assert other.returncode == 2 and len(lines) == 1 and "holds the results of another study (epochs 1 -> 2)" in \
+        lines[0], other.stderr
+    assert (out / "results.json").read_text() == before
+
+
+def test_a_foundation_error_of_zero_at_the_start_is_given_as_the_drift_itself():
+    """labels: data on replay structures whose labels are the starting model's own predictions: replay_val starts at
+    0, which has no % change (it ended the run with ZeroDivisionError after its last epoch, and every resume again)."""
+    from orb.training.reporting import format_trade_off, trade_off
+
+    zero = {"energy_per_atom_mae": 0.0, "forces_mae": 0.0}
+    records_ = [{"type": "initial", "val": {"energy_per_atom_mae": 0.1, "forces_mae": 0.2}, "replay_val": zero},
+                {"type": "epoch", "epoch": 1, "val": {"energy_per_atom_mae": 0.05, "forces_mae": 0.1},
+                 "replay_val": {"energy_per_atom_mae": 0.01, "forces_mae": 0.02}}]
+    record = trade_off(records_, 1, 1, pseudo_labels=False)
+    assert record["final"]["target"] == {"energy_per_atom_mae": -50.0, "forces_mae": -50.0}
+    assert record["final"]["foundation_drift"] == {"energy_per_atom_mae": 0.01, "forces_mae": 0.02}
+    assert "foundation drift (replay_val against the starting model's predictions) 0.01 eV/atom" in \
+        format_trade_off(record)

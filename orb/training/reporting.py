@@ -42,15 +42,17 @@ def trade_off(records, best_epoch: int, final_epoch: int, pseudo_labels: bool) -
     epochs = {r["epoch"]: r for r in records if r.get("type") == "epoch"}
     if not initial or not initial.get("replay_val") or final_epoch not in epochs:
         return None
+    # a starting error of 0 (labels that are the starting model's own predictions) has no % change: the drift itself
+    absolute = pseudo_labels or not all(initial["replay_val"].get(k) for k in TRADE_OFF_KEYS)
 
     def weights(epoch: int) -> Dict:
         now = epochs[epoch]
         out = {"epoch": epoch}
-        if initial.get("val") and now.get("val"):
+        if initial.get("val") and now.get("val") and all(initial["val"].get(k) for k in TRADE_OFF_KEYS):
             out["target"] = {k: percent(now["val"][k], initial["val"][k]) for k in TRADE_OFF_KEYS}
         replay = now["replay_val"]
-        out["foundation_drift" if pseudo_labels else "foundation"] = {
-            k: replay[k] if pseudo_labels else percent(replay[k], initial["replay_val"][k]) for k in TRADE_OFF_KEYS}
+        out["foundation_drift" if absolute else "foundation"] = {
+            k: replay[k] if absolute else percent(replay[k], initial["replay_val"][k]) for k in TRADE_OFF_KEYS}
         return out
 
     record = {"type": "trade_off", "epoch": final_epoch, "final": weights(final_epoch)}
