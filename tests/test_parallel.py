@@ -282,11 +282,12 @@ def test_killed_stopped_in_validation_and_by_the_scheduler_resumes_equal_the_uni
                  log_every_n_steps=4, save_every_n_steps=3, num_buckets=1)  # one compilation per launch
     callbacks = dict(FAST_FAILURE, PYTHONPATH=os.path.join(ROOT, "tests"))
     par = tmp_path / "par"
-    straight = launch(common_args(tmp_path / "straight", DEMO_TRAIN, **extra), tmp_path / "logs0", cwd=ROOT)
     killed = launch(common_args(par, DEMO_TRAIN, callbacks="[stop_callbacks:KillAtStep7]", **extra),
                     tmp_path / "logs1", cwd=ROOT, env_extra=callbacks)
     out, _ = killed.communicate(timeout=420)
     assert killed.returncode != 0, out[-3000:]
+    # the uninterrupted run loads the graphs the killed one kept (started together, both compiled them at once)
+    straight = launch(common_args(tmp_path / "straight", DEMO_TRAIN, **extra), tmp_path / "logs0", cwd=ROOT)
     from orb.io.checkpoint import load_checkpoint
 
     meta = load_checkpoint(str(par / "checkpoints" / "last.ckpt"))[2]
@@ -337,16 +338,20 @@ def test_killed_stopped_in_validation_and_by_the_scheduler_resumes_equal_the_uni
 def test_orb_v3_two_workers_stopped_and_resumed_equal_one_device(tmp_path, nine_rows, monkeypatch):
     """orb-v3: a small conservative model (forces and stress by autodiff, so its training step is a
     gradient of a gradient) on 2 workers with Adam's state sharded (optimizer_shard: each rank keeps half of it),
-    stopped after one epoch and resumed, ends with the weights, optimizer state and normalisers of one device's
-    uninterrupted, unsharded two epochs: the saved state is complete (gathered) and a resume continues it."""
+    stopped (SIGTERM) at the last step of the first epoch and resumed, ends with the weights, optimizer state and
+    normalisers of one device's uninterrupted, unsharded two epochs: the saved state is complete (gathered) and a
+    resume continues it, with every rank's graphs from the compile cache."""
     extra = {"model.name": "orb_v3_conservative_20_omat",
              "num_buckets": 1}  # one compilation of the double backward per process (bucket agreement: tests above)
-    cache = {"ORB_CACHE_DIR": str(tmp_path / "cache")}  # the ranks count the neighbours, then read them back
-    first = launch(common_args(tmp_path / "par", nine_rows, max_epochs=1, optimizer_shard="true", **extra),
-                   tmp_path / "logs1", cwd=ROOT, env_extra=cache)
+    # the ranks count the neighbours, then read them back; the resume loads the graphs the first job kept
+    cache = {"ORB_CACHE_DIR": str(tmp_path / "cache")}
+    stop = dict(cache, PYTHONPATH=os.path.join(ROOT, "tests"))
+    first = launch(common_args(tmp_path / "par", nine_rows, optimizer_shard="true",
+                               callbacks="[stop_callbacks:TermAtLastStepOfFirstEpoch]", **extra),
+                   tmp_path / "logs1", cwd=ROOT, env_extra=stop)
     one = single(common_args(tmp_path / "one", nine_rows, **extra), timeout=600)
     out, _ = first.communicate(timeout=600)
-    assert first.returncode == 0 and one.returncode == 0, out[-2000:] + one.stderr[-2000:]
+    assert first.returncode == 75 and one.returncode == 0, out[-2000:] + one.stderr[-2000:]
     for r in (0, 1):
         assert "neighbours of 9 structures counted for the batch shapes" in (
             tmp_path / "logs1" / f"worker_{r}.log").read_text()
@@ -354,13 +359,14 @@ def test_orb_v3_two_workers_stopped_and_resumed_equal_one_device(tmp_path, nine_
     trained = [k for k in saved if k.startswith("moment1.")]
     assert trained and all(saved[k].shape == saved["moment2." + k[8:]].shape for k in trained)  # gathered, whole
     resumed = launch(common_args(tmp_path / "par", nine_rows, optimizer_shard="true", **extra)
-                     + ["--resume", str(tmp_path / "par"), "--accept_config_changes"],
-                     tmp_path / "logs2", cwd=ROOT, env_extra=cache)
+                     + ["--resume", str(tmp_path / "par")], tmp_path / "logs2", cwd=ROOT, env_extra=cache)
     out, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0 and "resumed from" in out, out[-3000:]
     for r in (0, 1):
-        assert "neighbour counts of 9 structures for the batch shapes read from" in (
-            tmp_path / "logs2" / f"worker_{r}.log").read_text()
+        log = (tmp_path / "logs2" / f"worker_{r}.log").read_text()
+        assert "neighbour counts of 9 structures for the batch shapes read from" in log
+        compiled = len(re.findall(r"compiling the \w+ step for batch shape", log))
+        assert compiled and len(re.findall(r"the \w+ step's graph came from the compile cache", log)) == compiled, r
     from orb.data.dataset import AseDbDataset
     from orb.models.config import ModelConfig
 
