@@ -92,6 +92,26 @@ def test_graphs_compiled_in_another_order_load_their_own(cache_dir):
     assert len([n for n in os.listdir(cache_dir / "graphs") if n.startswith("graphs-")]) == 2
 
 
+def test_the_calculator_and_orb_md_load_each_others_graph_of_a_structure(cache_dir):
+    """The calculator's (and orb-relax's) first shape of a structure is orb-md's: the graph one of them compiled, the
+    other loads, computing the same bits."""
+    from orb.inference.predictor import Predictor
+
+    from ase.build import molecule
+
+    from orb.data.graphs import atoms_to_graph
+
+    first = model()
+    graph = atoms_to_graph(molecule("C2H4"), settings=first.cfg.graph_settings())
+    assert graph.num_edges == 30  # not on orb-md's grid of shapes (32): the calculator padded it to 40 before
+    calculator = Predictor(first)
+    expected = calculator(graph)
+    assert list(calculator.sources.values()) == ["compiled"]
+    out, sources = predict(model(), [graph])
+    assert sources == ["cache"]
+    assert_equal(out, [expected])
+
+
 def test_files_mindspore_made_read_only_are_replaced_as_a_user_who_is_not_root(cache_dir, monkeypatch):
     """MindSpore writes its cache files read-only (0400); a user other than root cannot open them for writing, so the
     first cached graph after a fresh compilation in the same process ended in PermissionError on every cluster (the

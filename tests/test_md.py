@@ -39,8 +39,7 @@ def start_frames(tmp_path):
 def orb_md(tmp_path, name, *args, timeout=900):
     return subprocess.run([sys.executable, "scripts/md.py", "--checkpoint", V3, "--output", str(tmp_path / name),
                            "--device_target", "CPU", "--progress_bar", "false", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, ORB_CACHE_DIR=str(tmp_path / "cache")))
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def last_frames(folder, count):
@@ -96,8 +95,7 @@ def test_a_stopped_or_killed_run_resumes_to_the_uninterrupted_end(tmp_path, how)
     assert orb_md(tmp_path, "straight", *common).returncode == 0
     process = subprocess.Popen([sys.executable, "scripts/md.py", "--checkpoint", V3, "--output",
                                 str(tmp_path / "broken"), "--device_target", "CPU", "--progress_bar", "false",
-                                *common], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=dict(os.environ, ORB_CACHE_DIR=str(tmp_path / "cache")))
+                                *common], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log = tmp_path / "broken" / f"log_{len(ROWS) - 1}.csv"
     deadline = time.time() + 600
     while not (log.exists() and len(open(log).read().splitlines()) >= 4):  # header + steps 0, 5, 10
@@ -252,8 +250,7 @@ def run_and_stop(tmp_path, name, args, lines=4):
     """orb-md stopped by SIGTERM once the last structure's log has ``lines`` lines; exits 75."""
     process = subprocess.Popen([sys.executable, "scripts/md.py", "--checkpoint", V3, "--output", str(tmp_path / name),
                                 "--device_target", "CPU", "--progress_bar", "false", *args], cwd=ROOT,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=dict(os.environ, ORB_CACHE_DIR=str(tmp_path / "cache")))
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log = tmp_path / name / f"log_{len(ROWS) - 1}.csv"
     deadline = time.time() + 600
     while not (log.exists() and len(open(log).read().splitlines()) >= lines):
@@ -396,7 +393,7 @@ def test_a_full_disk_is_one_line_and_a_resume_with_space_ends_as_the_uninterrupt
     disk = small_disk(64 * 1024)
     full = subprocess.run([sys.executable, "scripts/md.py", "--checkpoint", V3, "--output", str(disk / "md"),
                            "--device_target", "CPU", "--progress_bar", "false", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=900, env=dict(os.environ, ORB_CACHE_DIR=str(tmp_path / "cache")))
+                          text=True, timeout=900)
     lines = full.stderr.strip().splitlines()
     assert full.returncode == 1 and "Traceback" not in full.stderr, full.stderr[-3000:]
     assert "No space left on device" in lines[-1] and "--resume" in lines[-1], lines

@@ -184,8 +184,8 @@ def test_plot_metrics(tmp_path):
 
 def test_calculator_buckets_fit_a_repeated_size_closely():
     """An MD run repeats one size: its bucket holds it with at most 8 padding nodes (padding
-    is work at every step); a larger structure later gets headroom; a k-NN-saturated structure
-    (every atom at max_neighbors) gets exactly its edges, an unsaturated one 10 % spare."""
+    is work at every step), and is orb-md's shape of it (one compiled graph for both tools); a larger structure
+    later gets headroom (a k-NN-saturated structure, every atom at max_neighbors: exactly its edges)."""
     from orb.data.graphs import atoms_to_graph
     from orb.inference.predictor import Predictor
     from orb.models import create
@@ -199,8 +199,12 @@ def test_calculator_buckets_fit_a_repeated_size_closely():
     bigger = atoms_to_graph(bulk("Cu", "fcc", a=3.6, cubic=True).repeat((2, 4, 4)))  # 128 atoms
     grown = predictor.bucket_for(bigger)
     assert grown.num_nodes == 168 and grown.num_edges == int(1.25 * 128 * 20)  # 1.25 x (129 rounded up)
-    sparse = Predictor(predictor.model).bucket_for(atoms_to_graph(bulk("Cu", "fcc", a=3.6, cubic=True), radius=3.0))
-    assert sparse.num_edges == 56  # 4 atoms x 12 neighbours within 3 Å = 48, + 10 %, rounded up to 8
+    assert first == Predictor(predictor.model, reuse=False).shape_of(crystal)
+    sparse = atoms_to_graph(bulk("Cu", "fcc", a=3.6, cubic=True), radius=3.0)  # 4 atoms x 12 neighbours within 3 Å
+    sparse_predictor = Predictor(predictor.model)
+    assert sparse_predictor.bucket_for(sparse).num_edges == 48  # orb-md's shape: 48 is on its grid
+    larger = atoms_to_graph(bulk("Cu", "fcc", a=3.6, cubic=True).repeat((1, 1, 2)), radius=3.0)
+    assert sparse_predictor.bucket_for(larger).num_edges == 120  # grown: 96 edges x 1.25
 
 
 def test_without_reuse_a_batch_computes_the_same_bits_whatever_came_before():

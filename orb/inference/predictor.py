@@ -46,8 +46,10 @@ class Predictor:
         """The smallest known bucket that fits, else a new one.
 
         A first bucket fits the batch closely (an MD run or a relaxation repeats one structure size:
-        padding is work done at every step); once batches outgrow the known buckets, new ones get
-        ``growth`` headroom so that a growing workload compiles a few shapes. Edges: a structure in
+        padding is work done at every step): it is :meth:`shape_of` the batch, the shape orb-md gives it, so that
+        the calculator, orb-relax and orb-md load one another's graph of a structure from the compile cache. Once
+        batches outgrow the known buckets, new ones get ``growth`` headroom so that a growing workload compiles a
+        few shapes. Edges: a structure in
         which every atom has ``max_neighbors`` neighbours (orb-v2, orb-v3 "20" models in dense
         solids) cannot gain edges at the same atom count; otherwise (molecules, "inf" models) the
         count moves from step to step and gets 10 % headroom.
@@ -60,16 +62,18 @@ class Predictor:
         for bucket in self.buckets:
             if bucket.fits(batch):
                 return bucket
-        growth = self.growth if self.buckets else 1.0
+        if not self.buckets:  # the shape orb-md takes for it: one graph for every tool that meets this batch
+            self.buckets = [self.shape_of(batch)]
+            return self.buckets[0]
+        growth = self.growth
         max_nb = self.model.cfg.max_neighbors
         nodes = round_up(int(math.ceil((batch.num_nodes + 1) * growth)), self.multiple)
         saturated = batch.num_edges >= batch.num_nodes * max_nb
         edge_growth = growth if saturated else max(growth, 1.1)
         edges = min(nodes * max_nb, round_up(int(math.ceil(batch.num_edges * edge_growth)), self.multiple))
         bucket = Bucket(nodes, max(edges, self.multiple), batch.num_graphs + 1)
-        if self.buckets:
-            log.info("batch of %d atoms / %d edges outgrew the buckets: adding (nodes %d, edges %d, graphs %d)",
-                     batch.num_nodes, batch.num_edges, bucket.num_nodes, bucket.num_edges, bucket.num_graphs)
+        log.info("batch of %d atoms / %d edges outgrew the buckets: adding (nodes %d, edges %d, graphs %d)",
+                 batch.num_nodes, batch.num_edges, bucket.num_nodes, bucket.num_edges, bucket.num_graphs)
         self.buckets = sorted(self.buckets + [bucket])
         return bucket
 
