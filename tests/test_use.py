@@ -183,9 +183,10 @@ def test_plot_metrics(tmp_path):
 
 
 def test_calculator_buckets_fit_a_repeated_size_closely():
-    """An MD run repeats one size: its bucket holds it with at most 8 padding nodes (padding
-    is work at every step), and is orb-md's shape of it (one compiled graph for both tools); a larger structure
-    later gets headroom (a k-NN-saturated structure, every atom at max_neighbors: exactly its edges)."""
+    """An MD run repeats one size: its bucket holds it closely (on orb-md's grid of shapes, here 8 padding nodes;
+    padding is work at every step), and is orb-md's shape of it (one compiled graph for both tools); the same atoms
+    with more edges take orb-md's next shape, no more atoms; a larger structure gets headroom (a k-NN-saturated
+    structure, every atom at max_neighbors: exactly its edges)."""
     from orb.data.graphs import atoms_to_graph
     from orb.inference.predictor import Predictor
     from orb.models import create
@@ -203,6 +204,10 @@ def test_calculator_buckets_fit_a_repeated_size_closely():
     sparse = atoms_to_graph(bulk("Cu", "fcc", a=3.6, cubic=True), radius=3.0)  # 4 atoms x 12 neighbours within 3 Å
     sparse_predictor = Predictor(predictor.model)
     assert sparse_predictor.bucket_for(sparse).num_edges == 48  # orb-md's shape: 48 is on its grid
+    squeezed = atoms_to_graph(bulk("Cu", "fcc", a=3.6, cubic=True), radius=3.7)  # the same 4 atoms, 6 more neighbours
+    assert squeezed.num_edges > 48
+    assert sparse_predictor.bucket_for(squeezed) == Predictor(predictor.model, reuse=False).shape_of(squeezed)
+    assert sparse_predictor.bucket_for(squeezed).num_nodes == 8
     larger = atoms_to_graph(bulk("Cu", "fcc", a=3.6, cubic=True).repeat((1, 1, 2)), radius=3.0)
     assert sparse_predictor.bucket_for(larger).num_edges == 120  # grown: 96 edges x 1.25
 

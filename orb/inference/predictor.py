@@ -47,12 +47,12 @@ class Predictor:
 
         A first bucket fits the batch closely (an MD run or a relaxation repeats one structure size:
         padding is work done at every step): it is :meth:`shape_of` the batch, the shape orb-md gives it, so that
-        the calculator, orb-relax and orb-md load one another's graph of a structure from the compile cache. Once
-        batches outgrow the known buckets, new ones get ``growth`` headroom so that a growing workload compiles a
-        few shapes. Edges: a structure in
-        which every atom has ``max_neighbors`` neighbours (orb-v2, orb-v3 "20" models in dense
-        solids) cannot gain edges at the same atom count; otherwise (molecules, "inf" models) the
-        count moves from step to step and gets 10 % headroom.
+        the calculator, orb-relax and orb-md load one another's graph of a structure from the compile cache. A
+        batch whose atoms a bucket holds but whose edges outgrew it (molecules and "inf" models: the count moves
+        from step to step) takes orb-md's next shape too, never more atoms. Batches with more atoms get new buckets
+        with ``growth`` headroom, so that a growing workload compiles a few shapes; edges get it too, except in a
+        structure in which every atom has ``max_neighbors`` neighbours (orb-v2, orb-v3 "20" models in dense
+        solids), which cannot gain edges at the same atom count.
         """
         if not self.reuse:
             bucket = self.shape_of(batch)
@@ -62,9 +62,11 @@ class Predictor:
         for bucket in self.buckets:
             if bucket.fits(batch):
                 return bucket
-        if not self.buckets:  # the shape orb-md takes for it: one graph for every tool that meets this batch
-            self.buckets = [self.shape_of(batch)]
-            return self.buckets[0]
+        held = any(batch.num_nodes < b.num_nodes and batch.num_graphs < b.num_graphs for b in self.buckets)
+        if not self.buckets or held:  # a first batch, or the same atoms with more edges: orb-md's shape of it (one
+            bucket = self.shape_of(batch)  # graph for every tool that meets the batch; no atoms added for edges)
+            self.buckets = sorted(self.buckets + [bucket])
+            return bucket
         growth = self.growth
         max_nb = self.model.cfg.max_neighbors
         nodes = round_up(int(math.ceil((batch.num_nodes + 1) * growth)), self.multiple)
