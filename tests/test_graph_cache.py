@@ -95,11 +95,10 @@ def test_graphs_compiled_in_another_order_load_their_own(cache_dir):
 def test_the_calculator_and_orb_md_load_each_others_graph_of_a_structure(cache_dir):
     """The calculator's (and orb-relax's) first shape of a structure is orb-md's: the graph one of them compiled, the
     other loads, computing the same bits."""
-    from orb.inference.predictor import Predictor
-
     from ase.build import molecule
 
     from orb.data.graphs import atoms_to_graph
+    from orb.inference.predictor import Predictor
 
     first = model()
     graph = atoms_to_graph(molecule("C2H4"), settings=first.cfg.graph_settings())

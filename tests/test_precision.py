@@ -151,7 +151,7 @@ def training_gradient(name: str, mode: str) -> np.ndarray:
     configure_mindspore("CPU")  # graph mode, as training compiles it (whatever mode the test before left)
     data = structures()
     precision.set_precision(mode)
-    model = recipe_model(name, num_message_passing_steps=2)  # 2 of 5 layers: the same arithmetic, 60 % less to compile
+    model = recipe_model(name, num_message_passing_steps=2)  # 2 of 5 layers: the same arithmetic, less to compile
     model.set_train(True)
     graphs = []
     for n in ("s1", "s4"):

@@ -54,18 +54,15 @@ class Predictor:
         structure in which every atom has ``max_neighbors`` neighbours (orb-v2, orb-v3 "20" models in dense
         solids), which cannot gain edges at the same atom count.
         """
-        if not self.reuse:
-            bucket = self.shape_of(batch)
+        if self.reuse:
+            for bucket in self.buckets:
+                if bucket.fits(batch):
+                    return bucket
+        held = any(batch.num_nodes < b.num_nodes and batch.num_graphs < b.num_graphs for b in self.buckets)
+        if not self.reuse or not self.buckets or held:  # orb-md's shape of it: one graph for every tool that meets
+            bucket = self.shape_of(batch)  # the batch (a first batch, the same atoms with more edges: no atoms added)
             if bucket not in self.buckets:
                 self.buckets = sorted(self.buckets + [bucket])
-            return bucket
-        for bucket in self.buckets:
-            if bucket.fits(batch):
-                return bucket
-        held = any(batch.num_nodes < b.num_nodes and batch.num_graphs < b.num_graphs for b in self.buckets)
-        if not self.buckets or held:  # a first batch, or the same atoms with more edges: orb-md's shape of it (one
-            bucket = self.shape_of(batch)  # graph for every tool that meets the batch; no atoms added for edges)
-            self.buckets = sorted(self.buckets + [bucket])
             return bucket
         growth = self.growth
         max_nb = self.model.cfg.max_neighbors
