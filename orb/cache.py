@@ -4,7 +4,9 @@ Compiled native code (``orb.native``), each database's row census and neighbour 
 (``orb.data.dataset``), indexes of non-SQLite data (``orb.data.formats``) and the starting model's
 replay descriptors and pseudo-labels (``orb.training.replay``) live in ``ORB_CACHE_DIR`` (default
 ``~/.cache/orb_mindspore``), or in a per-user temporary folder when that is not writable (a
-read-only home on a cluster node).
+read-only home on a cluster node). Compiled code -- MindSpore's graphs (``orb.graph_cache``) and the native
+libraries -- goes to ``ORB_COMPILE_CACHE_DIR`` when it is set: it depends on the code, the machine and the model,
+never on a user's data, so one folder can serve runs whose data caches are apart (the test suite's private caches).
 
 Every entry is a :class:`CacheEntry`: named by a hash of **everything that determines its content**
 (its kind; the code that computes it: a digest of its source and the versions of the libraries that take
@@ -31,17 +33,21 @@ T = TypeVar("T")
 LAYOUT_VERSION = 3  # 3: <kind>-<identity>-<code>
 
 
-def cache_dirs(subfolder: str = "") -> List[str]:
-    """Candidate cache folders, preferred first."""
-    configured = os.environ.get("ORB_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "orb_mindspore")
+COMPILED_DIR = "ORB_COMPILE_CACHE_DIR"
+
+
+def cache_dirs(subfolder: str = "", compiled: bool = False) -> List[str]:
+    """Candidate cache folders, preferred first (``compiled``: of compiled code, :data:`COMPILED_DIR` first)."""
+    configured = ((compiled and os.environ.get(COMPILED_DIR)) or os.environ.get("ORB_CACHE_DIR")
+                  or os.path.join(os.path.expanduser("~"), ".cache", "orb_mindspore"))
     # $TMPDIR read now, not once per process as tempfile does: a job's own temporary folder (Slurm sets one per job)
     fallback = os.path.join(os.environ.get("TMPDIR") or tempfile.gettempdir(), f"orb_mindspore-{os.getuid()}")
     return [os.path.join(folder, subfolder) if subfolder else folder for folder in (configured, fallback)]
 
 
-def writable_dir(subfolder: str = "") -> Optional[str]:
+def writable_dir(subfolder: str = "", compiled: bool = False) -> Optional[str]:
     """The first cache folder that exists or can be made and is writable, or None."""
-    for folder in cache_dirs(subfolder):
+    for folder in cache_dirs(subfolder, compiled):
         try:
             os.makedirs(folder, exist_ok=True)
             if os.access(folder, os.W_OK):
@@ -110,14 +116,15 @@ class CacheEntry:
     upgrade of the project included, misses every entry an older version made; ``libraries``: the installed packages
     whose version does too (:func:`library_versions`). The name is ``<kind>-<identity's hash>-<code's hash>``. An
     entry of other code is not removed when a new one is written: another installation sharing the cache (two
-    virtual environments, two versions of the project on a cluster) may be reading it."""
+    virtual environments, two versions of the project on a cluster) may be reading it. ``compiled``: compiled code,
+    kept where :func:`cache_dirs` puts it."""
 
     def __init__(self, kind: str, code: Tuple[str, ...], identity: tuple, extension: str,
-                 libraries: Tuple[str, ...] = ()):
+                 libraries: Tuple[str, ...] = (), compiled: bool = False):
         if isinstance(code, str):
             raise TypeError("code is a tuple of module names")
         version = (source_digest(*code) if code else "", library_versions(*libraries))
-        self.kind, self.extension = kind, extension
+        self.kind, self.extension, self.compiled = kind, extension, compiled
         self.name = (f"{kind}-{digest(LAYOUT_VERSION, kind, identity)[:24]}-{digest(LAYOUT_VERSION, version)[:16]}"
                      f"{extension}")
         self.read_from: Optional[str] = None  # the file read back, when it was
@@ -126,7 +133,7 @@ class CacheEntry:
     def paths(self) -> List[str]:
         """The cached files of this entry, in the cache folders' order (but one found damaged that could not be
         removed: :func:`mark_damaged`)."""
-        return [path for path in (os.path.join(folder, self.name) for folder in cache_dirs(self.kind))
+        return [path for path in (os.path.join(folder, self.name) for folder in cache_dirs(self.kind, self.compiled))
                 if os.path.isfile(path) and not is_marked_damaged(path)]
 
     def path(self) -> Optional[str]:
@@ -167,10 +174,11 @@ class CacheEntry:
     def write(self, save: Callable[[str], None], what: str) -> Optional[str]:
         """``save(temporary)`` written atomically into the cache; the path, or None with one warning (``what`` names
         the content) when no cache folder is writable or the write fails (a full disk): the run goes on."""
-        folder = writable_dir(self.kind)
+        folder = writable_dir(self.kind, self.compiled)
         if folder is None:
-            log.warning("no writable folder to keep the %s (%s): computed again at the next start; set ORB_CACHE_DIR",
-                        what, " or ".join(cache_dirs(self.kind)))
+            log.warning("no writable folder to keep the %s (%s): computed again at the next start; set %s",
+                        what, " or ".join(cache_dirs(self.kind, self.compiled)),
+                        COMPILED_DIR if self.compiled and os.environ.get(COMPILED_DIR) else "ORB_CACHE_DIR")
             return None
         # a killed writer's copy (an index can be as large as its data); on a shared cache folder another node's
         # writer may have a process id that is not alive here, so only copies untouched for an hour go

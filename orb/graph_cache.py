@@ -98,7 +98,7 @@ class GraphCache:
         from orb.cache import CacheEntry, load_arrays
 
         identity = graph_identity(kind, cell, inputs, settings)
-        entry = CacheEntry(KIND, CODE, identity, ".npz", libraries=("mindspore",))
+        entry = CacheEntry(KIND, CODE, identity, ".npz", libraries=("mindspore",), compiled=True)
         stored = entry.read(load_arrays, valid=lambda arrays: "mindir" in arrays)
         staged = self._stage(stored["mindir"].tobytes() if stored is not None else None)
         try:

@@ -21,6 +21,19 @@ STATE_DICT_KEYS = os.path.join(DATA, "state_dict_keys.txt")
 DEMO_TRAIN = os.path.join(ROOT, "data", "demo_train.db")
 DEMO_VAL = os.path.join(ROOT, "data", "demo_val.db")
 
+# Compiled graphs and native libraries: one folder for the whole suite, the tests whose data caches are their own
+# (ORB_CACHE_DIR in tmp_path) included, so tests that compile the same graph load it; a test of compilation itself
+# gives it a folder of its own (own_compile_cache).
+os.environ.setdefault("ORB_COMPILE_CACHE_DIR", os.environ.get("ORB_CACHE_DIR")
+                      or os.path.join(os.path.expanduser("~"), ".cache", "orb_mindspore"))
+
+
+def own_compile_cache(folder) -> dict:
+    """The environment of a process whose data caches and compiled code are all in ``folder`` (empty at first): for
+    tests of what a first start compiles or builds."""
+    return {"ORB_CACHE_DIR": str(folder), "ORB_COMPILE_CACHE_DIR": str(folder)}
+
+
 # Small architecture for fast tests (the orb-v2 layout with fewer/smaller layers).
 SMALL_MODEL = dict(latent_dim=32, mlp_hidden_dim=64, num_message_passing_steps=2, head_mlp_hidden_dim=32)
 

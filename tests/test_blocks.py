@@ -4,6 +4,8 @@ gradient whatever the kernel's auxiliary outputs mean, the broadcasts and their 
 import numpy as np
 import pytest
 
+from conftest import own_compile_cache
+
 
 def layer_norm_np(x, w, b, eps=1e-5):
     mean = x.mean(-1, keepdims=True)
@@ -209,7 +211,8 @@ def test_kernel_cache_falls_back(monkeypatch, tmp_path):
 
     blocker = tmp_path / "not_a_folder"
     blocker.write_text("")  # a cache path below a file cannot be created, even by root
-    monkeypatch.setenv("ORB_CACHE_DIR", str(blocker / "cache"))
+    for key, value in own_compile_cache(blocker / "cache").items():
+        monkeypatch.setenv(key, value)
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     native.build.cache_clear()
     try:

@@ -302,6 +302,27 @@ def test_an_entry_of_other_code_is_kept_beside_the_new_one(cache_dir):
     np.testing.assert_array_equal(new.read(load_values), np.arange(4))
 
 
+def test_compiled_code_goes_to_its_own_folder_and_data_stays(cache_dir, tmp_path, monkeypatch):
+    """ORB_COMPILE_CACHE_DIR set: compiled graphs and native libraries are kept and found there, the data's entries
+    in ORB_CACHE_DIR; unset, both in ORB_CACHE_DIR (a folder of compiled code can serve runs whose data caches are
+    apart, as the test suite's do)."""
+    from orb.cache import CacheEntry, load_values
+
+    def keep(compiled):
+        entry = CacheEntry("demo", ("orb.cache",), ("data", compiled), ".npz", compiled=compiled)
+        entry.write(lambda tmp: np.savez(tmp, values=np.arange(3)), "demo values")
+        return entry
+
+    monkeypatch.delenv("ORB_COMPILE_CACHE_DIR")
+    assert all(keep(c).kept_in.startswith(str(cache_dir / "demo")) for c in (False, True))
+    monkeypatch.setenv("ORB_COMPILE_CACHE_DIR", str(tmp_path / "compiled"))
+    data, compiled = keep(False), keep(True)
+    assert data.kept_in.startswith(str(cache_dir / "demo"))
+    assert compiled.kept_in.startswith(str(tmp_path / "compiled" / "demo"))
+    np.testing.assert_array_equal(compiled.read(load_values), np.arange(3))
+    assert compiled.read_from == compiled.kept_in
+
+
 def test_an_index_cut_short_is_made_again(cache_dir, tmp_path):
     """A copy that lost rows (its metadata lists more frames than it holds) is indexed again."""
     import sqlite3
@@ -322,10 +343,11 @@ def test_an_index_cut_short_is_made_again(cache_dir, tmp_path):
     assert len(AseDbDataset(readable_database(str(tmp_path / "val.extxyz")))) == len(frames)
 
 
-def test_a_damaged_native_library_is_built_again(cache_dir):
+def test_a_damaged_native_library_is_built_again(cache_dir, monkeypatch):
     from orb import native
     from orb.models import kernels
 
+    monkeypatch.setenv("ORB_COMPILE_CACHE_DIR", str(cache_dir))
     native.build.cache_clear()
     try:
         path = kernels.library_path()

@@ -492,7 +492,8 @@ def test_graphs_build_without_a_compiler(monkeypatch, caplog):
     native_graph = atoms_to_graph(bulk("Cu", "fcc", a=3.6).repeat((2, 2, 2)))
     monkeypatch.setenv("PATH", "")
     monkeypatch.delenv("CXX", raising=False)
-    monkeypatch.setenv("ORB_CACHE_DIR", str(os.path.join(os.sep, "nonexistent", "cache")))
+    for key in ("ORB_CACHE_DIR", "ORB_COMPILE_CACHE_DIR"):
+        monkeypatch.setenv(key, str(os.path.join(os.sep, "nonexistent", "cache")))
     monkeypatch.setenv("TMPDIR", os.path.join(os.sep, "nonexistent", "tmp"))
     native.build.cache_clear()
     neighbours.native_search.cache_clear()

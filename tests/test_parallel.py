@@ -20,7 +20,7 @@ from ase.calculators.singlepoint import SinglePointCalculator
 import pytest
 
 from orb.io.files import free_port
-from conftest import DEMO_TRAIN, DEMO_VAL, ROOT, SMALL_MODEL, descendants
+from conftest import DEMO_TRAIN, DEMO_VAL, ROOT, SMALL_MODEL, descendants, own_compile_cache
 
 TIMING = ("train_time", "val_time", "compile_time", "data_wait")
 # MindSpore's cluster notices a vanished process after MS_NODE_TIMEOUT seconds (default 30): shorter in tests
@@ -556,7 +556,7 @@ def test_two_nodes_in_network_namespaces(tmp_path, runs, nine_rows):
 def test_a_second_job_loads_every_ranks_graphs_from_the_compile_cache(tmp_path, nine_rows):
     """Each rank keeps its graphs under its own place in the layout; a second job (a requeue) loads every one of them
     on every rank, and trains what the first trained, value for value."""
-    env = {"ORB_CACHE_DIR": str(tmp_path / "cache")}
+    env = own_compile_cache(tmp_path / "cache")
     for name in ("first", "second"):
         job = launch(common_args(tmp_path / name, nine_rows, max_epochs=1), tmp_path / f"logs-{name}", cwd=ROOT,
                      env_extra=env)

@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from conftest import DEMO_TRAIN, DEMO_VAL, ROOT, descendants, shm_left_behind, signal_every_process
+from conftest import (DEMO_TRAIN, DEMO_VAL, ROOT, descendants, own_compile_cache, shm_left_behind,
+                      signal_every_process)
 from test_parallel import common_args, launch, records_without_timing, weights
 from test_preemption import assert_same_run, last_weights, run_args, straight_run, wait_for_step_record  # noqa: F401
 
@@ -88,7 +89,7 @@ def test_helpers_ignore_stop_signals_from_their_first_moment(tmp_path):
     script.write_text(HELPERS.format(root=ROOT, db=DEMO_VAL))
     before = set(os.listdir("/dev/shm"))
     process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env=dict(os.environ, ORB_CACHE_DIR=str(tmp_path / "cache")))
+                               text=True, env=dict(os.environ, **own_compile_cache(tmp_path / "cache")))
     lines = []
     reader = threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")), daemon=True)
     reader.start()
