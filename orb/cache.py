@@ -37,12 +37,14 @@ COMPILED_DIR = "ORB_COMPILE_CACHE_DIR"
 
 
 def cache_dirs(subfolder: str = "", compiled: bool = False) -> List[str]:
-    """Candidate cache folders, preferred first (``compiled``: of compiled code, :data:`COMPILED_DIR` first)."""
-    configured = ((compiled and os.environ.get(COMPILED_DIR)) or os.environ.get("ORB_CACHE_DIR")
-                  or os.path.join(os.path.expanduser("~"), ".cache", "orb_mindspore"))
+    """Candidate cache folders, preferred first. ``compiled`` (compiled code): :data:`COMPILED_DIR` when set, then
+    the others (a read-only shared folder of graphs still lets a run keep what it lacks in the user's cache)."""
+    configured = os.environ.get("ORB_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "orb_mindspore")
     # $TMPDIR read now, not once per process as tempfile does: a job's own temporary folder (Slurm sets one per job)
     fallback = os.path.join(os.environ.get("TMPDIR") or tempfile.gettempdir(), f"orb_mindspore-{os.getuid()}")
-    return [os.path.join(folder, subfolder) if subfolder else folder for folder in (configured, fallback)]
+    folders = [os.environ.get(COMPILED_DIR) or configured] if compiled else []
+    return list(dict.fromkeys(os.path.join(folder, subfolder) if subfolder else folder
+                              for folder in folders + [configured, fallback]))
 
 
 def writable_dir(subfolder: str = "", compiled: bool = False) -> Optional[str]:
@@ -166,7 +168,7 @@ class CacheEntry:
             except FileNotFoundError:
                 pass
             except OSError:  # a read-only cache folder: skipped from now on, not read and warned of at every start
-                mark_damaged(path)
+                mark_damaged(path, self.compiled)
             return None
         self.read_from = path
         return value
@@ -201,12 +203,14 @@ def _marker(path: str, folder: str) -> str:
     return os.path.join(folder, digest(os.path.realpath(path))[:32] + ".json")
 
 
-def _marker_dirs() -> List[str]:
+def _marker_dirs(compiled: bool = False) -> List[str]:
     """Where markers are kept, stable places first: the configured cache, the user's own (``$TMPDIR`` is a job's
-    or a node's own, where the next job or another node's rank would not see a marker), the per-user fallback."""
+    or a node's own, where the next job or another node's rank would not see a marker), the per-user fallback. Of
+    compiled code: its own folder, then the user's own, which every run reading its entries sees whatever their
+    data caches."""
     home = os.path.join(os.path.expanduser("~"), ".cache", "orb_mindspore", DAMAGED)
-    configured, fallback = cache_dirs(DAMAGED)
-    return list(dict.fromkeys([configured, home, fallback]))
+    folders = cache_dirs(DAMAGED, compiled)
+    return list(dict.fromkeys(folders[:1] + [home] + folders[1:]))
 
 
 def _stamp(path: str) -> list:
@@ -216,13 +220,13 @@ def _stamp(path: str) -> list:
     return [os.path.realpath(path), stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns]
 
 
-def mark_damaged(path: str) -> None:
+def mark_damaged(path: str, compiled: bool = False) -> None:
     """Remember that the cache file ``path``, found damaged, could not be removed (a read-only cache folder): a marker
     in the first writable of :func:`_marker_dirs` holding the file's :func:`_stamp`, so every later start skips it
     and uses or makes a copy in another folder (it read the damaged copy, and failed or rebuilt, at every start)."""
     from orb.io.files import write_json
 
-    for folder in _marker_dirs():
+    for folder in _marker_dirs(compiled):
         try:
             os.makedirs(folder, exist_ok=True)
             write_json(_marker(path, folder), _stamp(path))
@@ -235,7 +239,7 @@ def is_marked_damaged(path: str) -> bool:
     """Whether ``path``, as it is now, was marked damaged (:func:`mark_damaged`)."""
     import json
 
-    for folder in _marker_dirs():
+    for folder in _marker_dirs(compiled=True):  # (every folder a marker of either kind of entry is kept in)
         marker = _marker(path, folder)
         if os.path.isfile(marker):
             try:

@@ -113,7 +113,7 @@ class GraphCache:
             try:
                 os.remove(entry.read_from)
             except OSError:
-                mark_damaged(entry.read_from)
+                mark_damaged(entry.read_from, compiled=True)
             cell.compile(*inputs)
             return "uncached"
         written = self._written()

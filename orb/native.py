@@ -2,8 +2,8 @@
 
 Used for the accurate CPU activations (``orb.models.kernels``) and the neighbour search that
 builds graphs on the host (``orb.data.neighbours``). A source is compiled with the system's
-g++ (or ``$CXX``) into the project's cache (``orb.cache``: ``ORB_CACHE_DIR``, default
-``~/.cache/orb_mindspore``), keyed by the source, the flags and the CPU's instruction-set flags
+g++ (or ``$CXX``) into the project's cache (``orb.cache``: ``ORB_COMPILE_CACHE_DIR`` or ``ORB_CACHE_DIR``,
+default ``~/.cache/orb_mindspore``), keyed by the source, the flags and the CPU's instruction-set flags
 (``-march=native`` code must never run on another CPU), written atomically. Without a compiler
 the caller falls back to its portable path.
 """

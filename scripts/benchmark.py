@@ -100,7 +100,8 @@ def build_parser():
     p.add_argument("--model", default="orb_v2")
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--cache-dir", default="", help="ORB_CACHE_DIR of the runs (default: a new temporary folder)")
+    p.add_argument("--cache-dir", default="",
+                   help="ORB_CACHE_DIR (and ORB_COMPILE_CACHE_DIR) of the runs (default: a new temporary folder)")
     p = sub.add_parser("relax")
     p.add_argument("--model", default="orb_v2")
     p.add_argument("--structures", type=int, default=50)

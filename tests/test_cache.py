@@ -428,3 +428,42 @@ def test_a_damaged_entry_in_a_read_only_cache_folder_is_rebuilt_once(tmp_path, m
     again = CacheEntry("demo", ("orb.cache",), ("data",), ".npz")
     np.testing.assert_array_equal(again.read(load_values), np.arange(4))
     assert again.read_from == kept
+
+
+def test_a_read_only_folder_of_compiled_code_is_read_and_what_it_lacks_is_kept_in_the_users_cache(
+        tmp_path, monkeypatch, small_disk, caplog):
+    """ORB_COMPILE_CACHE_DIR shared read-only (filled once for a group): its entries are read; an entry it lacks
+    is kept in the run's own ORB_CACHE_DIR and read back at the next start (not compiled again in every job's
+    $TMPDIR); a damaged one is marked where every run that reads the folder sees it, whatever its ORB_CACHE_DIR:
+    warned of once, not again by runs with other data caches."""
+    import subprocess
+
+    from orb.cache import CacheEntry, load_values
+
+    shared = small_disk(1 << 20)
+    monkeypatch.setenv("ORB_COMPILE_CACHE_DIR", str(shared))
+    monkeypatch.setenv("ORB_CACHE_DIR", str(tmp_path / "data_a"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp_a"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+
+    def graph(name):
+        return CacheEntry("demo", ("orb.cache",), (name,), ".npz", compiled=True)
+
+    for name in ("filled", "damaged"):
+        assert graph(name).write(lambda tmp: np.savez(tmp, values=np.arange(4)), "demo").startswith(str(shared))
+    spoil(graph("damaged").path(), "garbage")
+    result = subprocess.run(["mount", "-o", "remount,ro", str(shared)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    np.testing.assert_array_equal(graph("filled").read(load_values), np.arange(4))
+    lacking = graph("lacking")
+    assert lacking.write(lambda tmp: np.savez(tmp, values=np.arange(2)), "demo").startswith(str(tmp_path / "data_a"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp_next_job"))
+    again = graph("lacking")
+    np.testing.assert_array_equal(again.read(load_values), np.arange(2))
+    assert again.read_from == lacking.kept_in
+    with caplog.at_level("WARNING", logger="orb"):
+        assert graph("damaged").read(load_values) is None
+        for data in ("data_b", "data_c"):  # other runs with data caches of their own
+            monkeypatch.setenv("ORB_CACHE_DIR", str(tmp_path / data))
+            assert graph("damaged").path() is None
+    assert caplog.text.count("is damaged") == 1

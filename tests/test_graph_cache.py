@@ -18,12 +18,15 @@ def cache_dir(monkeypatch, tmp_path):
     """A cache of the test's own, in graph mode (where graphs are compiled, as every command runs)."""
     import mindspore as ms
 
+    from orb import native
+
     for key, value in own_compile_cache(tmp_path / "cache").items():
         monkeypatch.setenv(key, value)
     before = ms.get_context("mode")
     ms.set_context(mode=ms.GRAPH_MODE)
     yield tmp_path / "cache"
     ms.set_context(mode=before)
+    native.build.cache_clear()  # a kernel library built in this folder: its path is in every later graph's identity
 
 
 def batches(cfg, sizes=((0, 2), (2, 7))):

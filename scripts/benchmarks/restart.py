@@ -35,7 +35,7 @@ def _run(command, env, output_dir, first_step_file):
 def fine_tuning_case(name, arguments, cache, work):
     """First start, second start, and a run stopped by SIGTERM at its 2nd step then resumed (the requeue), each a
     fresh process on one cache."""
-    env = dict(os.environ, ORB_CACHE_DIR=cache, PYTHONPATH=CHILDREN + os.pathsep + ROOT)
+    env = dict(os.environ, ORB_CACHE_DIR=cache, ORB_COMPILE_CACHE_DIR=cache, PYTHONPATH=CHILDREN + os.pathsep + ROOT)
     command = [sys.executable, os.path.join(ROOT, "finetune.py"), *arguments, "--progress_bar", "false",
                "--callbacks", "[restart_callback:FirstStep]"]
     rows = {}
@@ -50,7 +50,7 @@ def fine_tuning_case(name, arguments, cache, work):
 
 
 def calculator_case(checkpoint, repeat, cache):
-    env = dict(os.environ, ORB_CACHE_DIR=cache, PYTHONPATH=ROOT)
+    env = dict(os.environ, ORB_CACHE_DIR=cache, ORB_COMPILE_CACHE_DIR=cache, PYTHONPATH=ROOT)
     out = []
     for _ in range(2):
         result = subprocess.run([sys.executable, child("calculator_first_call.py"), checkpoint, str(repeat)], env=env,

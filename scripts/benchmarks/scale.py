@@ -22,9 +22,8 @@ def bench_scale(args) -> None:
     train = mptrj_sized_database(args.rows, seed=0)
     val = mptrj_sized_database(max(args.rows // 100, 100), seed=1)
     with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, ORB_CACHE_DIR=os.path.join(tmp, "cache"))
-        if args.cache_dir:
-            env["ORB_CACHE_DIR"] = args.cache_dir
+        cache = args.cache_dir or os.path.join(tmp, "cache")
+        env = dict(os.environ, ORB_CACHE_DIR=cache, ORB_COMPILE_CACHE_DIR=cache)
         results = []
         for start in ("first", "second"):
             argv = ["--config", "finetune_orb_v2", "--max_epochs", "20",  # (the old configs/config.yaml's epochs)
