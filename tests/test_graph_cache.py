@@ -1,6 +1,7 @@
 """Compiled graphs kept between processes (orb.graph_cache): a graph is loaded only for the cell, shapes and settings
 it was compiled for, in any order, and equals a fresh compilation's numbers to the bit; anything else compiles."""
 
+import csv
 import json
 import os
 import signal
@@ -113,6 +114,32 @@ def test_the_calculator_and_orb_md_load_each_others_graph_of_a_structure(cache_d
     out, sources = predict(model(), [graph])
     assert sources == ["cache"]
     assert_equal(out, [expected])
+
+
+def test_orb_evaluate_of_one_structure_loads_the_graph_the_calculator_compiled(cache_dir, tmp_path, capsys):
+    """orb-evaluate gives a step the graph slots its structures fill: one structure takes the calculator's shape
+    and loads its graph (it padded to a batch's 33 slots and compiled a graph of its own), with the same energy."""
+    import ase.io
+    from ase.build import bulk
+
+    from orb import graph_cache
+    from orb.inference import evaluate
+    from orb.inference.calculator import ORBCalculator
+
+    checkpoint = os.path.join(ROOT, "data", "demo_pretrained.ckpt")
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat((2, 1, 1))
+    atoms.rattle(0.05, seed=3)
+    ase.io.write(tmp_path / "cu.extxyz", atoms, format="extxyz")
+    atoms.calc = ORBCalculator.from_checkpoint(checkpoint, device_target="CPU")
+    energy = atoms.get_potential_energy()
+    loaded, kept = len(graph_cache.GRAPHS.loaded), len(graph_cache.GRAPHS.kept)
+    assert kept >= 1  # the calculator's graph, compiled and kept
+    status = evaluate.main(["--checkpoint", checkpoint, "--data", str(tmp_path / "cu.extxyz"), "--output_dir",
+                            str(tmp_path / "eval"), "--device_target", "CPU", "--progress_bar", "false"])
+    assert status == 0, capsys.readouterr().err
+    assert (len(graph_cache.GRAPHS.loaded), len(graph_cache.GRAPHS.kept)) == (loaded + 1, kept)
+    with open(tmp_path / "eval" / "predictions.csv") as f:
+        assert float(next(csv.DictReader(f))["energy_pred"]) == pytest.approx(energy, rel=1e-6)
 
 
 def test_files_mindspore_made_read_only_are_replaced_as_a_user_who_is_not_root(cache_dir, monkeypatch):

@@ -175,9 +175,11 @@ def plan_steps(shards: Shards, natoms: np.ndarray, edges: np.ndarray, buckets: S
 def evaluation_plan(natoms: np.ndarray, edges: np.ndarray, limit: Bucket, world: int, max_buckets: int = 0,
                     passes: int = 1) -> Tuple[Shards, List[Bucket], StepTotals]:
     """An evaluation pass: every structure once, packed by size within ``limit``, and the buckets planned on
-    exactly those steps (``passes``: how often the run repeats them, to weigh compilations against padding)."""
+    exactly those steps (``passes``: how often the run repeats them, to weigh compilations against padding), with
+    the graph slots its steps fill (one structure: the calculator's and orb-md's shape, whose graph it then shares)."""
     shards = pack_by_size(natoms, edges, limit, world)
     totals = step_totals(shards, natoms, edges)
-    buckets = plan_buckets(totals.nodes, totals.edges, limit.num_graphs,
+    graphs = min(limit.num_graphs, int(totals.graphs.max(initial=0)) + 1)
+    buckets = plan_buckets(totals.nodes, totals.edges, graphs,
                            (int(totals.nodes.max()), int(totals.edges.max())), max_buckets, len(totals.nodes) * passes)
     return shards, buckets, totals
