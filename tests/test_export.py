@@ -112,3 +112,22 @@ def test_model_json_says_a_stressless_models_stress_output_is_no_prediction():
     omol = described_outputs(ModelConfig.from_dict({"name": "orb_v3_direct_omol"}))
     assert len(omol) == 4 and omol[2] == "stress (graphs, 6): zeros, not a prediction (orb_v3_direct_omol has no " \
                                          "stress head)"
+
+
+def test_shapes_from_data_keep_a_batch_of_small_structures_while_orb_evaluate_fills_its_steps():
+    """--data plans the shapes orb-evaluate packs, with a served batch's graph slots (4 batches' worth of structures
+    plus one padding graph): orb-evaluate's own steps have the slots their structures fill."""
+    from orb.data.dataset import AseDbDataset
+    from orb.inference.evaluate import packed_batches
+    from orb.inference.export import shapes_for
+    from orb.models import create
+
+    from conftest import SMALL_MODEL
+
+    model = create("orb_v2", **SMALL_MODEL)
+    shapes = shapes_for(DEMO_VAL, model, 2)
+    assert shapes and all(graphs == 4 * 2 + 1 for _, _, graphs in shapes)
+    data = AseDbDataset(DEMO_VAL, require_labels=False, settings=model.cfg.graph_settings())
+    batches, buckets = packed_batches(data, 2)
+    assert [(b.num_nodes, b.num_edges) for b in buckets] == [shape[:2] for shape in shapes]
+    assert {b.num_graphs for b in buckets} == {max(len(batch) for batch in batches) + 1}

@@ -173,13 +173,14 @@ def plan_steps(shards: Shards, natoms: np.ndarray, edges: np.ndarray, buckets: S
 
 
 def evaluation_plan(natoms: np.ndarray, edges: np.ndarray, limit: Bucket, world: int, max_buckets: int = 0,
-                    passes: int = 1) -> Tuple[Shards, List[Bucket], StepTotals]:
+                    passes: int = 1, fill_graphs: bool = True) -> Tuple[Shards, List[Bucket], StepTotals]:
     """An evaluation pass: every structure once, packed by size within ``limit``, and the buckets planned on
     exactly those steps (``passes``: how often the run repeats them, to weigh compilations against padding), with
-    the graph slots its steps fill (one structure: the calculator's and orb-md's shape, whose graph it then shares)."""
+    the graph slots its steps fill (``fill_graphs``; a small dense structure alone then has the calculator's and
+    orb-md's shape, whose graph it shares), else the limit's (an exported model serves batches of small ones)."""
     shards = pack_by_size(natoms, edges, limit, world)
     totals = step_totals(shards, natoms, edges)
-    graphs = min(limit.num_graphs, int(totals.graphs.max(initial=0)) + 1)
+    graphs = min(limit.num_graphs, int(totals.graphs.max(initial=0)) + 1) if fill_graphs else limit.num_graphs
     buckets = plan_buckets(totals.nodes, totals.edges, graphs,
                            (int(totals.nodes.max()), int(totals.edges.max())), max_buckets, len(totals.nodes) * passes)
     return shards, buckets, totals

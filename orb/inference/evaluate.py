@@ -217,13 +217,15 @@ def predict_dataset(checkpoint: str, args, keys, show: bool, out_dir: str = ""):
     return results, points
 
 
-def packed_batches(data, batch_size: int):
+def packed_batches(data, batch_size: int, fill_graphs: bool = True):
     """Batches of structures of similar size (:func:`orb.data.plan.pack_by_size`: little padding whatever the
-    rows' order) and the few bucket shapes planned on exactly them."""
+    rows' order) and the few bucket shapes planned on exactly them (``fill_graphs``: see
+    :func:`orb.data.plan.evaluation_plan`)."""
     from orb.data.plan import eval_limit, evaluation_plan
 
     edges = data.edge_capacities()
-    shards, buckets, _ = evaluation_plan(data.natoms, edges, eval_limit(data.natoms, edges, batch_size), 1)
+    shards, buckets, _ = evaluation_plan(data.natoms, edges, eval_limit(data.natoms, edges, batch_size), 1,
+                                         fill_graphs=fill_graphs)
     return [shards.part(s, 0) for s in range(len(shards))], buckets
 
 

@@ -49,14 +49,15 @@ def dimension(name: str, axis: int, size: int) -> object:
 
 
 def shapes_for(data_path, model, batch_size: int) -> List[tuple]:
-    """The bucket shapes orb-evaluate would plan for ``data_path`` (structures packed by size)."""
+    """The bucket shapes orb-evaluate would plan for ``data_path`` (structures packed by size), each with the graph
+    slots of a step of the smallest structures (a served batch may hold more of them than ``data_path``'s steps)."""
     from orb.data.dataset import AseDbDataset
     from orb.data.formats import readable_database
     from orb.inference.evaluate import packed_batches
 
     data = AseDbDataset(readable_database(data_path), require_labels=False, settings=model.cfg.graph_settings(),
                         charge_spin=model.cfg.omol)
-    _, buckets = packed_batches(data, batch_size)
+    _, buckets = packed_batches(data, batch_size, fill_graphs=False)
     return [(b.num_nodes, b.num_edges, b.num_graphs) for b in buckets]
 
 
