@@ -6,7 +6,7 @@ ASE calculator, data at MPtrj's size, batched relaxation.
     python scripts/benchmark.py parallel   [--config C] [--batch 8]
     python scripts/benchmark.py allreduce  [--steps 5]
     python scripts/benchmark.py pipeline   [--config C] [--batch 16]
-    python scripts/benchmark.py calculator [--model NAME] [--mode graph|pynative] [--torch-python PATH]
+    python scripts/benchmark.py calculator [--model NAME] [--mode graph|pynative] [--torch-python PATH] [--profile-ops]
     python scripts/benchmark.py gemm       [--repeats 9]
     python scripts/benchmark.py breakdown  [--model NAME] [--steps 6]
     python scripts/benchmark.py counts     [--model NAME] [--rows 20000] [--workers 2]
@@ -84,6 +84,8 @@ def build_parser():
                    "0.5.5's python for orb-v3)")
     p.add_argument("--torch-python", default="")
     p.add_argument("--rounds", type=int, default=1, help="rounds of both sides, alternated (medians are reported)")
+    p.add_argument("--profile-ops", action="store_true", help="then 3 more calls per size under MindSpore's profiler: "
+                   "each operator type's share of the kernels' time")
     p = sub.add_parser("breakdown")
     p.add_argument("--model", default="orb_v2", help="orb_v2 or an orb-v3 name (orb.models.MODEL_NAMES)")
     p.add_argument("--steps", type=int, default=6, help="instrumented and plain steps of each kind")

@@ -86,3 +86,43 @@ def bench_calculator(args) -> None:
         bound = rate / gflop[n]
         print(f"| {n} | {mine:.2f} | {f'{t:.2f}' if t else '-'} | {f'{mine / t:.2f}x' if t else '-'} | "
               f"{gflop[n]:.1f} | {bound:.2f} | {mine / bound:.2f} / {f'{t / bound:.2f}' if t else '-'} of it |")
+    if args.profile_ops:
+        print_op_shares(calc, sizes, rate, gflop)
+
+
+def op_type_times(calc, reps, calls: int = 3) -> dict:
+    """Milliseconds per call of each MindSpore operator type over ``calls`` calls on a Cu cell of ``reps`` (after one
+    call outside the profiler: its graph is compiled), from the profiler's CPU kernel records."""
+    import csv
+    import glob
+
+    from ase.build import bulk
+    from mindspore import Profiler
+
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(reps)
+    atoms.calc = calc
+    atoms.get_forces()
+    with tempfile.TemporaryDirectory() as folder:
+        profiler = Profiler(output_path=folder)
+        for i in range(calls):
+            atoms.rattle(0.01, seed=100 + i)
+            atoms.get_forces()
+        profiler.analyse()
+        (table,) = glob.glob(os.path.join(folder, "*", "FRAMEWORK", "cpu_op_type_info_0.csv"))
+        with open(table) as f:
+            return {row["op_type"]: float(row["total_compute_time"]) / calls for row in csv.DictReader(f)}
+
+
+def print_op_shares(calc, sizes, rate: float, gflop: dict) -> None:
+    """Where a call's kernel time goes, per operator type (the largest first), and the matrix products' rate."""
+    for reps in sizes:
+        n = str(4 * int(np.prod(reps)))
+        times = op_type_times(calc, reps)
+        total = sum(times.values())
+        top = sorted(times.items(), key=lambda kv: -kv[1])[:9]
+        matmul = times.get("MatMul", 0.0) + times.get("BatchMatMul", 0.0)
+        print(f"{n} atoms: kernels {total:.0f} ms per call; matrix products at {gflop[n] / max(matmul / 1e3, 1e-9):.0f} "
+              f"GFLOP/s (numpy: {rate:.0f})")
+        print("| operator | ms per call | share |\n|---|---|---|")
+        for name, ms in top:
+            print(f"| {name} | {ms:.1f} | {ms / total:.1%} |")
