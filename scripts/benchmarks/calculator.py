@@ -121,8 +121,9 @@ def print_op_shares(calc, sizes, rate: float, gflop: dict) -> None:
         total = sum(times.values())
         top = sorted(times.items(), key=lambda kv: -kv[1])[:9]
         matmul = times.get("MatMul", 0.0) + times.get("BatchMatMul", 0.0)
-        print(f"{n} atoms: kernels {total:.0f} ms per call; matrix products at {gflop[n] / max(matmul / 1e3, 1e-9):.0f} "
-              f"GFLOP/s (numpy: {rate:.0f})")
+        matmul_rate = gflop[n] / max(matmul / 1e3, 1e-9)
+        print(f"{n} atoms: kernels {total:.0f} ms per call; matrix products at {matmul_rate:.0f} GFLOP/s (numpy: "
+              f"{rate:.0f})")
         print("| operator | ms per call | share |\n|---|---|---|")
         for name, ms in top:
             print(f"| {name} | {ms:.1f} | {ms / total:.1%} |")
