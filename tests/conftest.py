@@ -192,7 +192,7 @@ LIGHT = ("test_graphs", "test_optimizer", "test_blocks", "test_pieces", "test_fo
 # --no-loadscope-reorder: a file's module-scoped runs happen once): the full-size parity runs first, while both
 # workers are small, the light files beside them on the other worker, then the others longest first (their test
 # time in a full run, 2026-11-28: parallel 650 s ... own_inputs 7 s), so that the two workers end together (the
-# longest file last but one, odd_structures, left one worker alone for minutes).
+# odd_structures, unlisted before, ran among the last and left one worker alone for minutes).
 LONGEST_FIRST = ("test_orb_v3",) + LIGHT + (
     "test_parallel", "test_replay", "test_odd_structures", "test_precision", "test_preemption", "test_md",
     "test_training", "test_sums", "test_relax", "test_properties", "test_use", "test_graph_cache", "test_smoke",

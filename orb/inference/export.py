@@ -49,8 +49,9 @@ def dimension(name: str, axis: int, size: int) -> object:
 
 
 def shapes_for(data_path, model, batch_size: int) -> List[tuple]:
-    """The bucket shapes orb-evaluate would plan for ``data_path`` (structures packed by size), each with the graph
-    slots of a step of the smallest structures (a served batch may hold more of them than ``data_path``'s steps)."""
+    """The bucket shapes orb-evaluate would plan for ``data_path`` (structures packed by size), each with the
+    limit's graph slots (4 x ``batch_size`` structures + 1 padding graph: the most a served batch of small structures
+    may need, more than ``data_path``'s own steps may hold)."""
     from orb.data.dataset import AseDbDataset
     from orb.data.formats import readable_database
     from orb.inference.evaluate import packed_batches

@@ -108,8 +108,11 @@ def op_type_times(calc, reps, calls: int = 3) -> dict:
             atoms.rattle(0.01, seed=100 + i)
             atoms.get_forces()
         profiler.analyse()
-        (table,) = glob.glob(os.path.join(folder, "*", "FRAMEWORK", "cpu_op_type_info_0.csv"))
-        with open(table) as f:
+        tables = glob.glob(os.path.join(folder, "**", "cpu_op_type_info_*.csv"), recursive=True)
+        if len(tables) != 1:  # (MindSpore's profiler swallows its own errors: a failed analysis leaves no table)
+            raise SystemExit(f"--profile-ops: MindSpore's profiler left {len(tables)} operator tables under {folder}, "
+                             "expected 1 (its analysis failed, or this MindSpore writes another layout)")
+        with open(tables[0]) as f:
             return {row["op_type"]: float(row["total_compute_time"]) / calls for row in csv.DictReader(f)}
 
 
