@@ -24,8 +24,9 @@ DEMO_VAL = os.path.join(ROOT, "data", "demo_val.db")
 # Compiled graphs and native libraries: one folder for the whole suite, the tests whose data caches are their own
 # (ORB_CACHE_DIR in tmp_path) included, so tests that compile the same graph load it; a test of compilation itself
 # gives it a folder of its own (own_compile_cache).
-os.environ.setdefault("ORB_COMPILE_CACHE_DIR", os.environ.get("ORB_CACHE_DIR")
-                      or os.path.join(os.path.expanduser("~"), ".cache", "orb_mindspore"))
+from orb.cache import cache_dirs  # noqa: E402  (once the checkout is on the path)
+
+os.environ.setdefault("ORB_COMPILE_CACHE_DIR", cache_dirs()[0])  # (the data caches' default folder)
 
 
 def own_compile_cache(folder) -> dict:
