@@ -243,30 +243,48 @@ def test_a_writer_killed_while_keeping_a_graph_leaves_nothing_loaded(cache_dir):
     assert_equal(out, uncached(model(), graphs))
 
 
+DEMO_RUN = ["--train_data_path", MPTRJ_DB, "--val_data_path", MPTRJ_DB, "--checkpoint_path", "", "--max_epochs", "2",
+            "--batch_size", "4", "--num_buckets", "2", "--device_target", "CPU", "--progress_bar", "false",
+            "--data_workers", "0", "--deterministic", "true",
+            *" ".join(f"--model.{k} {v}" for k, v in SMALL_MODEL.items()).split()]
+
+
+def fine_tune(out, cache: str, *overrides) -> str:
+    """finetune.py on the demo config with DEMO_RUN and ``overrides`` (ORB_COMPILE_CACHE=``cache``): its output."""
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), "--config",
+                             os.path.join(ROOT, "configs", "demo.yaml"), *DEMO_RUN, *overrides, "--output_dir",
+                             str(out)], env=dict(os.environ, ORB_COMPILE_CACHE=cache), capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    return result.stdout
+
+
+def from_cache(output: str) -> tuple:
+    """(graphs loaded from the compile cache, graphs compiled) as the run's last line says them."""
+    line = [ln for ln in output.splitlines() if "training finished" in ln][0]
+    count = int(line.split(" compilations")[0].rsplit("(", 1)[1])
+    return int(line.split(f" of {count} from the compile cache")[0].rsplit(" ", 1)[1]), count
+
+
+def metrics(run_dir) -> list:
+    """Every record of metrics.jsonl without its timings: what must equal, value by value."""
+    timing = ("train_time", "val_time", "compile_time", "data_wait", "time")
+    return [{part: {k: v for k, v in value.items() if k not in timing} if isinstance(value, dict) else value
+             for part, value in json.loads(line).items() if part not in timing}
+            for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
 def test_a_second_start_loads_every_graph_and_trains_the_same_bits(cache_dir, tmp_path):
     """The user's case: the same fine-tuning started again (a second start, a requeue) loads its graphs from the
-    cache, and its metrics equal those of a run that compiled everything afresh (ORB_COMPILE_CACHE=0)."""
-    overrides = ["--train_data_path", MPTRJ_DB, "--val_data_path", MPTRJ_DB, "--checkpoint_path", "",
-                 "--max_epochs", "2", "--batch_size", "4", "--num_buckets", "2", "--device_target", "CPU",
-                 "--progress_bar", "false", "--data_workers", "0", "--deterministic", "true"]
-    overrides += " ".join(f"--model.{k} {v}" for k, v in SMALL_MODEL.items()).split()
-    runs = {}
-    for name, cache in (("fresh", "0"), ("first", "1"), ("second", "1")):
-        result = subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), "--config",
-                                 os.path.join(ROOT, "configs", "demo.yaml"), *overrides, "--output_dir",
-                                 str(tmp_path / name)], env=dict(os.environ, ORB_COMPILE_CACHE=cache),
-                                capture_output=True, text=True, timeout=900)
-        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-        runs[name] = result.stdout
-    line = [ln for ln in runs["second"].splitlines() if "training finished" in ln][0]
-    count = int(line.split(" compilations")[0].rsplit("(", 1)[1])
-    assert f"{count} of {count} from the compile cache" in line
-    assert "0 of" in [ln for ln in runs["first"].splitlines() if "training finished" in ln][0]
-
-    def metrics(name):
-        timing = ("train_time", "val_time", "compile_time", "data_wait", "time")
-        return [{part: {k: v for k, v in value.items() if k not in timing} if isinstance(value, dict) else value
-                 for part, value in json.loads(line).items() if part not in timing}
-                for line in open(tmp_path / name / "metrics.jsonl")]
-
-    assert metrics("second") == metrics("first") == metrics("fresh")
+    cache, and its metrics equal those of a run that compiled everything afresh (ORB_COMPILE_CACHE=0). A run that
+    changes only the schedule (lr, lr_schedule, warmup_fraction, max_epochs: a sweep, a longer run) loads them too
+    and trains as its own fresh compilation: the schedule is in parameters of the step, not in its graph."""
+    runs = {name: fine_tune(tmp_path / name, cache) for name, cache in (("fresh", "0"), ("first", "1"), ("second", "1"))}
+    loaded, count = from_cache(runs["second"])
+    assert loaded == count and from_cache(runs["first"])[0] == 0
+    assert metrics(tmp_path / "second") == metrics(tmp_path / "first") == metrics(tmp_path / "fresh")
+    sweep = ["--lr", "3e-3", "--lr_schedule", "one_cycle", "--warmup_fraction", "0.3", "--max_epochs", "3"]
+    assert from_cache(fine_tune(tmp_path / "sweep", "1", *sweep)) == (count, count)
+    fine_tune(tmp_path / "sweep_fresh", "0", *sweep)
+    assert metrics(tmp_path / "sweep") == metrics(tmp_path / "sweep_fresh")
+    assert metrics(tmp_path / "sweep")[1]["loss"] != metrics(tmp_path / "fresh")[1]["loss"]  # (another schedule)

@@ -121,15 +121,21 @@ HOST_ONLY = ("train_data_path", "val_data_path", "checkpoint_path", "output_dir"
              "stress_key", "charge_key", "spin_key", "val_fraction", "compile_cache")
 
 
+# config keys that decide only the values in the optimizer's schedule tables, parameters of the compiled step (their
+# shape is in a graph's identity): a sweep over them, or a longer run, computes with the graphs of another run
+SCHEDULE_ONLY = ("lr", "lr_schedule", "warmup_fraction", "max_epochs")
+
+
 def graph_settings(cfg: TrainConfig, dp: DataParallel) -> Optional[tuple]:
     """What of a run decides its compiled graphs beyond the cells themselves (:func:`orb.graph_cache.graph_identity`):
-    every setting but the host's, and the rank's place in the data-parallel layout; None when the run keeps no
-    compiled graphs."""
+    every setting but the host's and the schedule's, and the rank's place in the data-parallel layout; None when the
+    run keeps no compiled graphs."""
     from orb.training.config import flatten
 
     if not getattr(cfg, "compile_cache", True):
         return None
-    settings = tuple(sorted((k, repr(v)) for k, v in flatten(cfg.to_dict()).items() if k not in HOST_ONLY))
+    settings = tuple(sorted((k, repr(v)) for k, v in flatten(cfg.to_dict()).items()
+                            if k not in HOST_ONLY + SCHEDULE_ONLY))
     return settings + (("data_parallel", dp.world_size, dp.rank, bool(dp.shard_optimizer)),)
 
 

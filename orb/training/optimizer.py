@@ -102,6 +102,16 @@ def _step_tables(schedule: Schedule, beta2: float, eps: float) -> Dict[str, np.n
     }
 
 
+MIN_TABLE = 1024  # steps: every shorter run's schedule has the same shape
+
+
+def padded_table(values: np.ndarray) -> np.ndarray:
+    """A per-step table padded with its last value to a power of two of at least :data:`MIN_TABLE` steps (the
+    step counter stops at the schedule's last step, so the padding is never read)."""
+    capacity = max(MIN_TABLE, 1 << max(len(values) - 1, 0).bit_length())
+    return np.concatenate([values, np.full(capacity - len(values), values[-1])])
+
+
 def clip(flat, mode: str, value: float, norm, broadcasts: Broadcasts):
     """The gradient clipped: ``value`` clamps each element, ``norm`` rescales ``flat`` so that the global norm
     (``norm``, over all ranks' slices) is at most ``value``, ``none`` leaves it."""
@@ -186,9 +196,14 @@ class FlatAdam(nn.Cell):
         self.offset = sharding.rank * self.local_size if sharding is not None else 0
         self.clip_mode, self.clip_value = clip_mode, float(clip_value)
         self.beta2 = float(beta2)
-        self.num_steps = len(schedule.lr)
+        # the schedule as parameters, not constants, at a capacity that runs of similar length share: a run that
+        # changes only lr, lr_schedule, warmup_fraction or max_epochs computes with the graphs another one compiled
+        num_steps = len(schedule.lr)
         for name, values in _step_tables(schedule, beta2, eps).items():
-            setattr(self, f"table_{name}", Tensor(values.astype(self.real)))
+            setattr(self, f"table_{name}", Parameter(Tensor(padded_table(values).astype(self.real)),
+                                                     name=f"optimizer_schedule_{name}", requires_grad=False))
+        self.last_step = Parameter(Tensor(np.array(num_steps - 1, np.int32)), name="optimizer_schedule_last_step",
+                                   requires_grad=False)
         self.beta2_tensor = Tensor(self.real(beta2))
         self.step = Parameter(Tensor(np.array(0, np.int32)), name="optimizer_step", requires_grad=False)
         zeros = np.zeros(self.local_size, self.real)
@@ -319,7 +334,7 @@ class FlatAdam(nn.Cell):
             if self.clip_mode == "norm":  # the penalty is part of the gradient whose norm is clipped
                 norm = self._global_norm(grad)
         grad = clip(grad, self.clip_mode, self.clip_value, norm, self.broadcasts)
-        step = ops.minimum(self.step, self.num_steps - 1)
+        step = ops.minimum(self.step, self.last_step)
         if self.scaled:  # the weights before the update, read before the update writes them
             before = self.master + 0.0
             grad = ops.depend(grad, before)
