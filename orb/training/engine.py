@@ -121,8 +121,9 @@ HOST_ONLY = ("train_data_path", "val_data_path", "checkpoint_path", "output_dir"
              "stress_key", "charge_key", "spin_key", "val_fraction", "compile_cache")
 
 
-# config keys that decide only the values in the optimizer's schedule tables, parameters of the compiled step (their
-# shape is in a graph's identity): a sweep over them, or a longer run, computes with the graphs of another run
+# config keys that decide the values in the optimizer's schedule tables, parameters of the compiled step (their shape
+# is in a graph's identity), and nothing else of a graph (max_epochs also sizes the automatic bucket plan: the shapes,
+# in the identity too): a sweep over them computes with the graphs of another run
 SCHEDULE_ONLY = ("lr", "lr_schedule", "warmup_fraction", "max_epochs")
 
 

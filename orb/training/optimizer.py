@@ -105,11 +105,14 @@ def _step_tables(schedule: Schedule, beta2: float, eps: float) -> Dict[str, np.n
 MIN_TABLE = 1024  # steps: every shorter run's schedule has the same shape
 
 
-def padded_table(values: np.ndarray) -> np.ndarray:
-    """A per-step table padded with its last value to a power of two of at least :data:`MIN_TABLE` steps (the
-    step counter stops at the schedule's last step, so the padding is never read)."""
+def padded_table(values: np.ndarray, dtype) -> np.ndarray:
+    """A per-step table in ``dtype``, padded with its last value to a power of two of at least :data:`MIN_TABLE`
+    steps (the step index is clamped to the schedule's last step, so the padding is never read)."""
     capacity = max(MIN_TABLE, 1 << max(len(values) - 1, 0).bit_length())
-    return np.concatenate([values, np.full(capacity - len(values), values[-1])])
+    table = np.empty(capacity, dtype)
+    table[:len(values)] = values
+    table[len(values):] = values[-1]
+    return table
 
 
 def clip(flat, mode: str, value: float, norm, broadcasts: Broadcasts):
@@ -200,7 +203,7 @@ class FlatAdam(nn.Cell):
         # changes only lr, lr_schedule, warmup_fraction or max_epochs computes with the graphs another one compiled
         num_steps = len(schedule.lr)
         for name, values in _step_tables(schedule, beta2, eps).items():
-            setattr(self, f"table_{name}", Parameter(Tensor(padded_table(values).astype(self.real)),
+            setattr(self, f"table_{name}", Parameter(Tensor(padded_table(values, self.real)),
                                                      name=f"optimizer_schedule_{name}", requires_grad=False))
         self.last_step = Parameter(Tensor(np.array(num_steps - 1, np.int32)), name="optimizer_schedule_last_step",
                                    requires_grad=False)

@@ -34,7 +34,9 @@ from orb.training.run_data import RunData, open_databases, survey, trains_stress
 from orb.training.trainer import Trainer
 
 log = logging.getLogger("orb")
-MAX_TOTAL_STEPS = 10 ** 8  # years of training at a step a second; its schedule tables take 1.6 GB
+# years of training at a step a second; its schedule takes 1.6 GB on the host and its per-step tables (5 values,
+# padded to a power of two of steps) 2.7 GB on the device (5.4 GB in float64)
+MAX_TOTAL_STEPS = 10 ** 8
 
 
 def build_model(cfg: TrainConfig):
@@ -230,7 +232,7 @@ def build_trainer(cfg: TrainConfig, data_parallel: Optional[DataParallel] = None
 
         data.plan(*replay_choice.choose(cfg, databases, outputs, model_key, data.has_stress, dp))
         total_steps = cfg.max_epochs * data.steps_per_epoch
-        if total_steps > MAX_TOTAL_STEPS:  # the schedule's per-step tables (16 bytes a step) would not fit
+        if total_steps > MAX_TOTAL_STEPS:  # the schedule's per-step tables would not fit
             raise ConfigError(f"config key 'max_epochs' ({cfg.max_epochs}) x {data.steps_per_epoch} steps per epoch is "
                               f"{total_steps} steps, more than {MAX_TOTAL_STEPS}")
         engine = Engine(model, cfg, dp, data.has_stress, total_steps, compiled)
