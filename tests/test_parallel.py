@@ -20,7 +20,7 @@ from ase.calculators.singlepoint import SinglePointCalculator
 import pytest
 
 from orb.io.files import free_port
-from conftest import DEMO_TRAIN, DEMO_VAL, ROOT, SMALL_MODEL, descendants
+from conftest import DEMO_TRAIN, DEMO_VAL, ROOT, SMALL_MODEL, descendants, own_compile_cache
 
 TIMING = ("train_time", "val_time", "compile_time", "data_wait")
 # MindSpore's cluster notices a vanished process after MS_NODE_TIMEOUT seconds (default 30): shorter in tests
@@ -86,16 +86,19 @@ def nine_rows(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, nine_rows):
-    """2-worker Adam job started from the user's own folder with a relative config path, and the single-device run."""
+    """2-worker Adam job started from the user's own folder with a relative config path, and the single-device run.
+    The job compiles into a cache of its own (``cache``: empty at first), which the module's later jobs of the same
+    settings load."""
     base = tmp_path_factory.mktemp("parallel")
     user_dir = base / "user"
     user_dir.mkdir()
     shutil.copy(os.path.join(ROOT, "configs", "config_parallel.yaml"), user_dir / "my.yaml")
-    job = launch(common_args("par", nine_rows), base / "logs", cwd=user_dir, config="my.yaml")
+    cache = own_compile_cache(base / "cache")
+    job = launch(common_args("par", nine_rows), base / "logs", cwd=user_dir, config="my.yaml", env_extra=cache)
     one = single(common_args(base / "single", nine_rows))
     out, _ = job.communicate(timeout=420)
     return {"base": base, "par": user_dir / "par", "single": base / "single", "status": job.returncode,
-            "output": out, "single_result": one}
+            "output": out, "single_result": one, "cache": cache}
 
 
 def test_parallel_job_matches_one_device(runs):
@@ -541,7 +544,7 @@ def test_two_nodes_in_network_namespaces(tmp_path, runs, nine_rows):
         env = dict(WORKER_NUM="2", LOCAL_WORKER_NUM="1", MASTER_ADDR=hosts.addresses[0], MASTER_PORT=port,
                    OMP_NUM_THREADS="1")
         nodes = [launch(common_args(out, nine_rows), tmp_path / f"logs{n}", cwd=ROOT, prefix=hosts.prefix(n),
-                        env_extra=dict(env, NODE_RANK=str(n))) for n in (0, 1)]
+                        env_extra=dict(env, NODE_RANK=str(n), **runs["cache"])) for n in (0, 1)]
         outputs = [node.communicate(timeout=480)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
     assert (tmp_path / "logs1" / "worker_1.log").exists()  # rank 1 ran on node 1
@@ -555,16 +558,18 @@ def test_two_nodes_in_network_namespaces(tmp_path, runs, nine_rows):
 
 def test_a_second_job_loads_every_ranks_graphs_from_the_compile_cache(tmp_path, runs, nine_rows):
     """Each rank keeps its graphs under its own place in the layout; a second job (a requeue) loads every one of them
-    on every rank, and trains what the first trained, value for value. The first job is the module's (its graphs
-    kept in the suite's compile cache, as every test's are), the second a job of the same settings started from
-    another folder."""
-    job = launch(common_args(tmp_path / "second", nine_rows), tmp_path / "logs-second", cwd=ROOT)
+    on every rank, and trains what the first trained, value for value. The first job is the module's (which compiled
+    every graph into its own cache), the second a job of the same settings started from another folder."""
+    assert runs["status"] == 0, runs["output"][-3000:]
+    job = launch(common_args(tmp_path / "second", nine_rows), tmp_path / "logs-second", cwd=ROOT,
+                 env_extra=runs["cache"])
     out, _ = job.communicate(timeout=600)
     assert job.returncode == 0, out[-3000:]
     for rank in (0, 1):
+        first = (runs["base"] / "logs" / f"worker_{rank}.log").read_text()
         second = (tmp_path / "logs-second" / f"worker_{rank}.log").read_text()
         compiled = len(re.findall(r"compiling the \w+ step for batch shape", second))
-        assert compiled >= 2
+        assert compiled >= 2 and "came from the compile cache" not in first
         assert len(re.findall(r"the \w+ step's graph came from the compile cache", second)) == compiled, rank
     assert records_without_timing(tmp_path / "second") == records_without_timing(runs["par"])
     (a, _), (b, _) = weights(tmp_path / "second"), weights(runs["par"])
