@@ -16,12 +16,14 @@ check: a damaged, empty or implausible file (a full disk, a power loss) is ignor
 computed again, never fatal.
 """
 
+import contextlib
 import hashlib
 import logging
 import os
 import sqlite3
 import tempfile
-from typing import Callable, List, Optional, Tuple, TypeVar
+import time
+from typing import Callable, Iterator, List, Optional, Tuple, TypeVar
 
 import numpy as np
 
@@ -194,6 +196,57 @@ class CacheEntry:
             return None
         self.kept_in = path
         return path
+
+
+LOCKS = "locks"  # the subfolder of the entries' build locks (empty files, never removed: removing one races a taker)
+WAIT_POLL = 0.2  # s between a waiting process's looks at a held build lock
+
+
+@contextlib.contextmanager
+def one_builder(entry: CacheEntry, what: str) -> Iterator[None]:
+    """Held by one process at a time among those sharing ``entry``'s cache folder, from before it builds the entry to
+    after it has written it: the others wait, then read the entry instead of building it too (on one host a
+    data-parallel job's ranks compiled the same graph at the same moment, each at a fraction of the cores, and each
+    wrote it). The caller reads the entry again inside the block: another process may have built it meanwhile.
+
+    An exclusive ``fcntl.flock`` on ``<cache>/locks/<entry>.lock``: the kernel (or the file server) releases it when
+    its holder ends, killed or not, so no lock outlives its process and no clock decides. Where no folder is
+    writable or the file system has no locks (or, as Lustre's ``localflock``, locks per node only), nobody waits:
+    each process builds it, as without the lock. ``what`` names the entry in the one line a waiting process logs."""
+    import fcntl
+
+    folder = writable_dir(os.path.join(entry.kind, LOCKS), entry.compiled)
+    handle = None
+    if folder is not None:
+        try:
+            handle = open(os.path.join(folder, entry.name + ".lock"), "a")
+        except OSError:
+            handle = None
+    try:
+        if handle is not None:
+            _take(handle, fcntl, what)
+        yield
+    finally:
+        if handle is not None:
+            handle.close()  # (releases the lock)
+
+
+def _take(handle, fcntl, what: str) -> None:
+    """The lock on ``handle``, waited for (polled, so that a signal's handler runs meanwhile); none where the file
+    system refuses locks."""
+    said = False
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if not said:
+                log.info("another process is building the %s (a rank of this job, or another run sharing the "
+                         "cache): waiting for it", what)
+                said = True
+            time.sleep(WAIT_POLL)
+        except OSError:  # ENOLCK, EINVAL: a file system without locks
+            return
 
 
 DAMAGED = "damaged"  # the subfolder of markers of damaged cache files that could not be removed

@@ -95,11 +95,20 @@ class GraphCache:
         if settings is None or not self.usable():
             cell.compile(*inputs)
             return "uncached"
-        from orb.cache import CacheEntry, load_arrays
+        from orb.cache import CacheEntry, load_arrays, one_builder
 
         identity = graph_identity(kind, cell, inputs, settings)
         entry = CacheEntry(KIND, CODE, identity, ".npz", libraries=("mindspore",), compiled=True)
-        stored = entry.read(load_arrays, valid=lambda arrays: "mindir" in arrays)
+        read = lambda: entry.read(load_arrays, valid=lambda arrays: "mindir" in arrays)  # noqa: E731
+        stored = read()
+        if stored is not None:
+            return self._compile_from(entry, stored, cell, inputs, kind)
+        with one_builder(entry, f"{kind} graph"):  # a job's other ranks load what one of them compiles
+            return self._compile_from(entry, read(), cell, inputs, kind)
+
+    def _compile_from(self, entry, stored: Optional[dict], cell, inputs, kind: str) -> str:
+        """Compile ``cell`` with ``stored`` (the cache's entry, or None) where MindSpore looks: loaded, else compiled
+        and kept."""
         staged = self._stage(stored["mindir"].tobytes() if stored is not None else None)
         try:
             self._compile_enabled(cell, inputs)

@@ -467,3 +467,63 @@ def test_a_read_only_folder_of_compiled_code_is_read_and_what_it_lacks_is_kept_i
             monkeypatch.setenv("ORB_CACHE_DIR", str(tmp_path / data))
             assert graph("damaged").path() is None
     assert caplog.text.count("is damaged") == 1
+
+
+HOLDER = """
+import sys, time
+import numpy as np
+from orb.cache import CacheEntry, one_builder
+entry = CacheEntry("demo", ("orb.cache",), ("built once",), ".npz")
+with one_builder(entry, "demo values"):
+    print("holding", flush=True)
+    time.sleep(float(sys.argv[1]))
+    if sys.argv[2] == "write":
+        entry.write(lambda tmp: np.savez(tmp, values=np.arange(7)), "demo values")
+"""
+
+
+def hold_the_build(seconds: float, then: str, env: dict):
+    """A process that takes ``one_builder`` of the entry ("built once"), holds it ``seconds``, then writes the entry
+    (``then`` "write") or not; returned once it holds it."""
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(seconds), then], env=env, stdout=subprocess.PIPE,
+                              text=True)
+    assert holder.stdout.readline().strip() == "holding"
+    return holder
+
+
+def test_one_process_builds_an_entry_and_the_others_wait_and_read_it_even_when_the_builder_is_killed(
+        cache_dir, caplog):
+    """``one_builder``: while one process builds an entry (a job's rank compiling a graph) another waits (one line
+    said), then reads what the first wrote instead of building it again; a builder killed while it holds the lock
+    (SIGKILL: nothing of it runs) leaves it free at once, and the waiter builds the entry itself."""
+    import time
+
+    from orb.cache import CacheEntry, load_values, one_builder
+
+    env = dict(os.environ, ORB_CACHE_DIR=str(cache_dir), PYTHONPATH=os.path.dirname(os.path.dirname(__file__)))
+    entry = CacheEntry("demo", ("orb.cache",), ("built once",), ".npz")
+    holder = hold_the_build(3.0, "write", env)
+    start = time.monotonic()
+    with caplog.at_level("INFO", logger="orb"), one_builder(entry, "demo values"):
+        waited = time.monotonic() - start
+        found = entry.read(load_values)
+    assert holder.wait(timeout=30) == 0
+    assert waited > 1.5 and found is not None and list(found) == list(range(7))
+    assert caplog.text.count("another process is building the demo values") == 1
+
+    os.remove(entry.path())
+    holder = hold_the_build(600.0, "write", env)
+    start = time.monotonic()
+    holder.kill()
+    with one_builder(entry, "demo values"):
+        waited = time.monotonic() - start
+        assert entry.read(load_values) is None  # the killed builder wrote nothing: this process builds it
+        entry.write(lambda tmp: np.savez(tmp, values=np.arange(3)), "demo values")
+    holder.wait(timeout=30)
+    assert waited < 10 and list(entry.read(load_values)) == [0, 1, 2]
+    lock_folder = os.path.join(str(cache_dir), "demo", "locks")
+    assert [name for name in os.listdir(os.path.join(str(cache_dir), "demo")) if name != "locks"] == [entry.name]
+    assert os.listdir(lock_folder) == [entry.name + ".lock"]  # no temporary beside the entry, one empty lock file

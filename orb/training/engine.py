@@ -129,15 +129,18 @@ SCHEDULE_ONLY = ("lr", "lr_schedule", "warmup_fraction", "max_epochs")
 
 def graph_settings(cfg: TrainConfig, dp: DataParallel) -> Optional[tuple]:
     """What of a run decides its compiled graphs beyond the cells themselves (:func:`orb.graph_cache.graph_identity`):
-    every setting but the host's and the schedule's, and the rank's place in the data-parallel layout; None when the
-    run keeps no compiled graphs."""
+    every setting but the host's and the schedule's, and the data-parallel layout; None when the run keeps no
+    compiled graphs. The rank is part of it only with a sharded optimizer (each rank's step updates its own slice);
+    otherwise every rank compiles the same graph, so one rank compiles it and the others load it
+    (:func:`orb.cache.one_builder`)."""
     from orb.training.config import flatten
 
     if not getattr(cfg, "compile_cache", True):
         return None
     settings = tuple(sorted((k, repr(v)) for k, v in flatten(cfg.to_dict()).items()
                             if k not in HOST_ONLY + SCHEDULE_ONLY))
-    return settings + (("data_parallel", dp.world_size, dp.rank, bool(dp.shard_optimizer)),)
+    rank = dp.rank if dp.shard_optimizer else "any"
+    return settings + (("data_parallel", dp.world_size, rank, bool(dp.shard_optimizer)),)
 
 
 class Compiled:
