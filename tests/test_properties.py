@@ -316,7 +316,11 @@ def test_same_pipeline_with_orb_models_calculator_gives_the_same_frequencies_and
           f"{np.abs(arrays['fine_tuned/frequencies'] - phonopy.mesh.frequencies).max():.2e} THz (of up to "
           f"{phonopy.mesh.frequencies.max():.2f}), B {abs(mine['eos']['bulk_modulus'] - b / GPa):.2e} GPa (of "
           f"{b / GPa:.1f}), Cij {np.abs(np.array(mine['elastic']['C']) - c).max():.2e} GPa")
-    np.testing.assert_allclose(arrays["fine_tuned/frequencies"], phonopy.mesh.frequencies, atol=5e-3)
+    ours, theirs_f = arrays["fine_tuned/frequencies"], phonopy.mesh.frequencies
+    worst = np.unravel_index(np.abs(ours - theirs_f).argmax(), ours.shape)  # (a rare failure: which side moved)
+    assert np.abs(ours - theirs_f).max() < 5e-3, (f"q {phonopy.mesh.qpoints[worst[0]]} mode {worst[1]}: ours "
+                                                  f"{ours[worst]}, orb-models' {theirs_f[worst]}; ours at q: "
+                                                  f"{ours[worst[0]]}, theirs: {theirs_f[worst[0]]}")
     assert mine["eos"]["bulk_modulus"] == pytest.approx(b / GPa, abs=0.05)
     np.testing.assert_allclose(np.array(mine["elastic"]["C"]), c, atol=0.05)
 
