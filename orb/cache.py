@@ -22,12 +22,11 @@ import logging
 import os
 import sqlite3
 import tempfile
-import time
 from typing import Callable, Iterator, List, Optional, Tuple, TypeVar
 
 import numpy as np
 
-from orb.io.files import remove_stale_temporaries, write_atomically
+from orb.io.files import exclusive, remove_stale_temporaries, write_atomically
 
 log = logging.getLogger("orb")
 T = TypeVar("T")
@@ -198,8 +197,7 @@ class CacheEntry:
         return path
 
 
-LOCKS = "locks"  # the subfolder of the entries' build locks (empty files, never removed: removing one races a taker)
-WAIT_POLL = 0.2  # s between a waiting process's looks at a held build lock
+LOCKS = "locks"  # the subfolder of the entries' build locks (orb.io.files.exclusive)
 
 
 @contextlib.contextmanager
@@ -208,45 +206,16 @@ def one_builder(entry: CacheEntry, what: str) -> Iterator[None]:
     after it has written it: the others wait, then read the entry instead of building it too (on one host a
     data-parallel job's ranks compiled the same graph at the same moment, each at a fraction of the cores, and each
     wrote it). The caller reads the entry again inside the block: another process may have built it meanwhile.
-
-    An exclusive ``fcntl.flock`` on ``<cache>/locks/<entry>.lock``: the kernel (or the file server) releases it when
-    its holder ends, killed or not, so no lock outlives its process and no clock decides. Where no folder is
-    writable or the file system has no locks (or, as Lustre's ``localflock``, locks per node only), nobody waits:
-    each process builds it, as without the lock. ``what`` names the entry in the one line a waiting process logs."""
-    import fcntl
-
+    :func:`orb.io.files.exclusive` on ``<cache>/<kind>/locks/<entry>.lock``: released when its holder ends, killed
+    or not; where no folder is writable or locks do not work, each process builds it, as without the lock. ``what``
+    names the entry in the one line a waiting process logs."""
     folder = writable_dir(os.path.join(entry.kind, LOCKS), entry.compiled)
-    handle = None
-    if folder is not None:
-        try:
-            handle = open(os.path.join(folder, entry.name + ".lock"), "a")
-        except OSError:
-            handle = None
-    try:
-        if handle is not None:
-            _take(handle, fcntl, what)
+    if folder is None:
         yield
-    finally:
-        if handle is not None:
-            handle.close()  # (releases the lock)
-
-
-def _take(handle, fcntl, what: str) -> None:
-    """The lock on ``handle``, waited for (polled, so that a signal's handler runs meanwhile); none where the file
-    system refuses locks."""
-    said = False
-    while True:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if not said:
-                log.info("another process is building the %s (a rank of this job, or another run sharing the "
-                         "cache): waiting for it", what)
-                said = True
-            time.sleep(WAIT_POLL)
-        except OSError:  # ENOLCK, EINVAL: a file system without locks
-            return
+        return
+    with exclusive(os.path.join(folder, entry.name + ".lock"), f"another process is building the {what} (a rank of "
+                   f"this job, or another run sharing the cache): waiting for it"):
+        yield
 
 
 DAMAGED = "damaged"  # the subfolder of markers of damaged cache files that could not be removed

@@ -29,11 +29,11 @@ import logging
 import os
 import sys
 import zipfile
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, List, Optional
 
 from orb.cache import cache_dirs, writable_dir
 from orb.errors import CheckpointError, RunError
-from orb.io.files import fsync_directory, fsync_file, write_json
+from orb.io.files import exclusive, fsync_directory, fsync_file, write_json
 from orb.models.config import MODEL_NAMES
 
 log = logging.getLogger("orb")
@@ -189,7 +189,8 @@ def fetch(name: str, progress: Optional[bool] = None) -> str:
                             f"{looked}); set ORB_CACHE_DIR to a writable folder, or fill it with `orb-download {name}` "
                             "where one is writable")
     target = os.path.join(folder, file_name(name))
-    with _locked(target):
+    lock = os.path.join(folder, f".{file_name(name)}.lock")
+    with exclusive(lock, f"{name}: another process is downloading it into {folder}: waiting for it", say):
         found = verified_file(name)  # another process may have fetched it meanwhile
         if found:
             return found
@@ -207,25 +208,6 @@ def say(message: str) -> None:
         log.info(message)
     else:
         print(message, file=sys.stderr)
-
-
-@contextlib.contextmanager
-def _locked(target: str) -> Iterator[None]:
-    """An exclusive lock on ``target``'s download (``fcntl.flock``); where the file system has no locks, none."""
-    import fcntl
-
-    lock_path = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.lock")
-    try:
-        handle = open(lock_path, "a")
-    except OSError:
-        yield
-        return
-    with handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        except OSError:  # ENOLCK: a file system without locks
-            pass
-        yield
 
 
 def download(url: str, target: str, name: str, progress: Optional[bool] = None) -> None:

@@ -15,8 +15,10 @@
 * :func:`refuse_overwriting_inputs`: every command's outputs compared with its inputs (the same file through any
   path) before anything is written.
 * :func:`free_port`: a free TCP port for a launcher's scheduler.
+* :func:`exclusive`: one process at a time through a block (a download, a cache entry's build).
 """
 
+import contextlib
 import errno
 import json
 import logging
@@ -336,3 +338,36 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+LOCK_POLL = 0.2  # s between a waiting process's looks at a held lock
+
+
+@contextlib.contextmanager
+def exclusive(lock_path: str, waiting: str, say: Callable[[str], None] = log.info) -> Iterator[None]:
+    """The block run by one process at a time among those that take ``lock_path`` (an empty file, made if missing,
+    never removed: removing one races a taker): an exclusive ``fcntl.flock``, which the kernel (or the file server)
+    releases when its holder ends, killed or not, so no lock outlives its process and no clock decides. A process
+    that waits says ``waiting`` once and polls, so that a signal's handler runs meanwhile. Where the file cannot be
+    made or the file system has no locks (or, as Lustre's ``localflock``, locks per node only), nobody waits."""
+    import fcntl
+
+    try:
+        handle = open(lock_path, "a")
+    except OSError:
+        yield
+        return
+    with handle:  # (closing it releases the lock)
+        said = False
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not said:
+                    say(waiting)
+                    said = True
+                time.sleep(LOCK_POLL)
+            except OSError:  # ENOLCK, EINVAL: a file system without locks
+                break
+        yield
