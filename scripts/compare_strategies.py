@@ -87,6 +87,8 @@ STRATEGIES: Dict[str, Dict[str, object]] = {  # name -> config overrides (no fou
     "anchor 10 + pseudo-label replay 0.5": {**ANCHOR, **pseudo(0.5)},
     "frozen normalisers + pseudo-label replay 0.25 + selection": {**FROZEN, **pseudo(0.25, True)},
     "frozen normalisers + pseudo-label replay 0.5 + selection": {**FROZEN, **pseudo(0.5, True)},
+    "pseudo-label replay 0.75 + selection": pseudo(0.75, True),
+    "anchor 10 + pseudo-label replay 0.5 + selection": {**ANCHOR, **pseudo(0.5, True)},
 }
 # the default grid: spans the frontier from plain fine-tuning to the strongest protection
 GRID = ["none", "pseudo-label replay 0.1", "pseudo-label replay 0.1 + selection", "pseudo-label replay 0.25",

@@ -18,18 +18,25 @@ FINISHED = re.compile(r"training finished in ([\d.]+) s \((\d+) compilations: (.
 
 
 def _run(command, env, output_dir, first_step_file):
-    start = time.time()
+    import resource
+
+    start, before = time.time(), resource.getrusage(resource.RUSAGE_CHILDREN)
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=7200)
-    wall = time.time() - start
+    wall, after = time.time() - start, resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)  # every process it started, summed
     if result.returncode not in (0, 75):
         raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     first = float(open(first_step_file).read()) - start if os.path.exists(first_step_file) else float("nan")
-    found = FINISHED.search(result.stdout)
+    return dict({"status": result.returncode, "wall": wall, "cpu": cpu, "first_step": first}, **_finished(result.stdout))
+
+
+def _finished(text):
+    """The compilations a run's closing line reports (its log or its output)."""
+    found = FINISHED.search(text)
     compile_seconds = sum(float(s) for s in re.findall(r" ([\d.]+)s(?: cached)?(?:,|$)", found.group(3))) if found else \
         float("nan")
-    return {"status": result.returncode, "wall": wall, "first_step": first, "compile": compile_seconds,
-            "graphs": int(found.group(2)) if found else 0, "cached": int(found.group(4)) if found else 0,
-            "mindspore": float(found.group(5)) if found else float("nan")}
+    return {"compile": compile_seconds, "graphs": int(found.group(2)) if found else 0,
+            "cached": int(found.group(4)) if found else 0, "mindspore": float(found.group(5)) if found else float("nan")}
 
 
 def fine_tuning_case(name, arguments, cache, work):
@@ -46,6 +53,37 @@ def fine_tuning_case(name, arguments, cache, work):
         marker = os.path.join(work, f"{name}-{case}.first".replace(" ", "_"))
         env.update(ORB_BENCH_FIRST_STEP=marker, ORB_BENCH_STOP_AT=str(stop_at))
         rows[case] = _run(command + ["--output_dir", output] + extra, env, output, marker)
+    return rows
+
+
+def parallel_case(name, arguments, cache, work, workers):
+    """A first and a second start of a data-parallel job (``run_parallel.sh``, ``workers`` ranks on this host) on one
+    fresh cache: each rank's compilations, from its log."""
+    from orb.io.files import free_port
+
+    config, rest = arguments[1], arguments[2:]  # (--config CONFIG ...: the launcher takes the config first)
+    rows = {}
+    for case in ("first start", "second start"):
+        output, logs = (os.path.join(work, f"{name}-x{workers}-{case}".replace(" ", "_") + suffix)
+                        for suffix in ("", "-logs"))
+        marker = output + ".first"
+        env = dict(os.environ, ORB_CACHE_DIR=cache, ORB_COMPILE_CACHE_DIR=cache, ORB_BENCH_FIRST_STEP=marker,
+                   ORB_BENCH_STOP_AT="0", PYTHONPATH=CHILDREN + os.pathsep + ROOT, WORKER_NUM=str(workers),
+                   MASTER_PORT=str(free_port()), LOG_DIR=logs,
+                   PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+        command = ["bash", os.path.join(ROOT, "run_parallel.sh"), config, *rest, "--output_dir", output,
+                   "--progress_bar", "false", "--callbacks", "[restart_callback:FirstStep]"]
+        job = _run(command, env, output, marker)
+        with open(os.path.join(logs, "worker_0.log")) as f:
+            job.update(_finished(f.read()))  # (rank 0 reports the run)
+        job["ranks"] = []
+        for rank in range(workers):
+            with open(os.path.join(logs, f"worker_{rank}.log")) as f:
+                text = f.read()
+            graphs = len(re.findall(r"compiling the [\w ]+ step for batch shape", text))
+            loaded = len(re.findall(r"the [\w ]+ step's graph came from the compile cache", text))
+            job["ranks"].append(f"{graphs - loaded} compiled, {loaded} loaded")
+        rows[case] = job
     return rows
 
 
@@ -80,6 +118,16 @@ def bench_restart(args) -> None:
     with tempfile.TemporaryDirectory(prefix="orb-bench-restart-") as work:
         for name, arguments in cases:
             cache = os.path.join(work, f"cache-{name}")
+            if args.workers > 1:
+                rows = parallel_case(name, arguments, cache, work, args.workers)
+                first = rows["first start"]
+                for case, row in rows.items():
+                    print(f"| {name}, {args.workers} workers (rank 0; each rank: {'; '.join(row['ranks'])}; CPU time "
+                          f"of the job {row['cpu']:.0f} s) | {case} | "
+                          f"{row['status']} | {row['wall']:.1f} | {row['first_step']:.1f} | {row['compile']:.1f} | "
+                          f"{row['mindspore']:.1f} | {row['cached']} of {row['graphs']} | "
+                          f"{row['compile'] / first['compile']:.2f} ({row['mindspore'] / first['mindspore']:.2f}) |")
+                continue
             rows = fine_tuning_case(name, arguments, cache, work)
             first = rows["first start"]
             for case, row in rows.items():
