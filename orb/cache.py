@@ -201,21 +201,25 @@ LOCKS = "locks"  # the subfolder of the entries' build locks (orb.io.files.exclu
 
 
 @contextlib.contextmanager
-def one_builder(entry: CacheEntry, what: str) -> Iterator[None]:
+def one_builder(entry: CacheEntry, what: str) -> Iterator[bool]:
     """Held by one process at a time among those sharing ``entry``'s cache folder, from before it builds the entry to
-    after it has written it: the others wait, then read the entry instead of building it too (on one host a
-    data-parallel job's ranks compiled the same graph at the same moment, each at a fraction of the cores, and each
-    wrote it). The caller reads the entry again inside the block: another process may have built it meanwhile.
-    :func:`orb.io.files.exclusive` on ``<cache>/<kind>/locks/<entry>.lock``: released when its holder ends, killed
-    or not; where no folder is writable or locks do not work, each process builds it, as without the lock. ``what``
-    names the entry in the one line a waiting process logs."""
+    after it has written it: the others wait (one line, ``what`` naming the entry), then read it instead of building
+    it too (on one host a data-parallel job's ranks compiled the same graph at the same moment, each at a fraction of
+    the cores, and each wrote it). Yields whether this process waited: it then reads the entry and leaves the block
+    before using it (the others' loads must not queue behind its own), and builds it outside the block if the other
+    made none (a full disk: the others must not build it one after another). :func:`orb.io.files.exclusive` on
+    ``<cache>/<kind>/locks/<entry>.lock``; a stop signal ends the wait. Where no folder is writable or locks do not
+    work, each process builds it, as without the lock."""
+    from orb.signals import STOP
+
     folder = writable_dir(os.path.join(entry.kind, LOCKS), entry.compiled)
     if folder is None:
-        yield
+        yield False
         return
     with exclusive(os.path.join(folder, entry.name + ".lock"), f"another process is building the {what} (a rank of "
-                   f"this job, or another run sharing the cache): waiting for it"):
-        yield
+                   f"this job, or another run sharing the cache): waiting for it",
+                   give_up=lambda: STOP.received is not None) as waited:
+        yield waited
 
 
 DAMAGED = "damaged"  # the subfolder of markers of damaged cache files that could not be removed

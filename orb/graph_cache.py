@@ -101,10 +101,12 @@ class GraphCache:
         entry = CacheEntry(KIND, CODE, identity, ".npz", libraries=("mindspore",), compiled=True)
         read = lambda: entry.read(load_arrays, valid=lambda arrays: "mindir" in arrays)  # noqa: E731
         stored = read()
-        if stored is not None:
-            return self._compile_from(entry, stored, cell, inputs, kind)
-        with one_builder(entry, f"{kind} graph"):  # a job's other ranks load what one of them compiles
-            return self._compile_from(entry, read(), cell, inputs, kind)
+        if stored is None:
+            with one_builder(entry, f"{kind} graph") as waited:  # a job's other ranks load what one of them compiles
+                if not waited:
+                    return self._compile_from(entry, read(), cell, inputs, kind)  # (compiled and kept under the lock)
+                stored = read()  # the other's graph, loaded after the lock (or, if it kept none, compiled here)
+        return self._compile_from(entry, stored, cell, inputs, kind)
 
     def _compile_from(self, entry, stored: Optional[dict], cell, inputs, kind: str) -> str:
         """Compile ``cell`` with ``stored`` (the cache's entry, or None) where MindSpore looks: loaded, else compiled

@@ -190,7 +190,8 @@ def fetch(name: str, progress: Optional[bool] = None) -> str:
                             "where one is writable")
     target = os.path.join(folder, file_name(name))
     lock = os.path.join(folder, f".{file_name(name)}.lock")
-    with exclusive(lock, f"{name}: another process is downloading it into {folder}: waiting for it", say):
+    with exclusive(lock, f"{name}: another process is downloading it into {folder}: waiting for it", say,
+                   max_wait=float("inf")):  # (two writers of one .part file: never)
         found = verified_file(name)  # another process may have fetched it meanwhile
         if found:
             return found

@@ -527,3 +527,36 @@ def test_one_process_builds_an_entry_and_the_others_wait_and_read_it_even_when_t
     lock_folder = os.path.join(str(cache_dir), "demo", "locks")
     assert [name for name in os.listdir(os.path.join(str(cache_dir), "demo")) if name != "locks"] == [entry.name]
     assert os.listdir(lock_folder) == [entry.name + ".lock"]  # no temporary beside the entry, one empty lock file
+
+
+def test_a_stop_signal_or_a_holder_that_never_lets_go_ends_the_wait_and_the_waiter_builds_it(cache_dir, monkeypatch):
+    """A process waiting for another's build stops waiting when a stop signal is noted (a requeue's SIGTERM must not
+    wait for another job's compilation) or after the longest wait (a suspended holder, a crashed NFSv3 client's
+    lock): it then builds the entry itself, without the lock."""
+    import threading
+    import time
+
+    from orb import io
+    from orb.cache import CacheEntry, one_builder
+    from orb.signals import STOP
+
+    env = dict(os.environ, ORB_CACHE_DIR=str(cache_dir), PYTHONPATH=os.path.dirname(os.path.dirname(__file__)))
+    entry = CacheEntry("demo", ("orb.cache",), ("built once",), ".npz")
+    holder = hold_the_build(600.0, "write", env)
+    try:
+        stop = threading.Timer(1.0, lambda: setattr(STOP, "received", "SIGTERM"))
+        start = time.monotonic()
+        stop.start()
+        try:
+            with one_builder(entry, "demo values") as waited:
+                assert waited and STOP.received == "SIGTERM" and time.monotonic() - start < 30
+        finally:
+            STOP.reset()
+        monkeypatch.setattr(io.files, "LOCK_MAX_WAIT", 1.5)
+        start = time.monotonic()
+        with one_builder(entry, "demo values") as waited:
+            assert waited and 1.5 <= time.monotonic() - start < 30
+        assert holder.poll() is None  # the holder still holds it: the waiter went on without the lock
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)

@@ -123,7 +123,7 @@ def test_parallel_job_matches_one_device(runs):
 def test_same_bucket_on_every_rank_and_one_compilation_each(runs):
     logs = {r: (runs["base"] / "logs" / f"worker_{r}.log").read_text() for r in (0, 1)}
     shapes = {r: re.findall(r"compiling the (train|eval) step for batch shape \((.*?)\)", logs[r]) for r in (0, 1)}
-    assert shapes[0] == shapes[1]  # same shapes, compiled in the same order: no rank waits for another's compile
+    assert shapes[0] == shapes[1]  # same shapes in the same order: a rank waits only for a graph it needs next
     train = [s for k, s in shapes[0] if k == "train"]
     assert len(train) == len(set(train)) >= 2  # several buckets used, each compiled once
     assert len(train) <= 3

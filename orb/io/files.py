@@ -341,33 +341,44 @@ def free_port() -> int:
 
 
 LOCK_POLL = 0.2  # s between a waiting process's looks at a held lock
+LOCK_MAX_WAIT = 1800.0  # s: then the block runs without the lock (a holder stopped, or a crashed NFSv3 client's lock)
 
 
 @contextlib.contextmanager
-def exclusive(lock_path: str, waiting: str, say: Callable[[str], None] = log.info) -> Iterator[None]:
+def exclusive(lock_path: str, waiting: str, say: Callable[[str], None] = log.info,
+              give_up: Callable[[], bool] = lambda: False, max_wait: Optional[float] = None) -> Iterator[bool]:
     """The block run by one process at a time among those that take ``lock_path`` (an empty file, made if missing,
     never removed: removing one races a taker): an exclusive ``fcntl.flock``, which the kernel (or the file server)
-    releases when its holder ends, killed or not, so no lock outlives its process and no clock decides. A process
-    that waits says ``waiting`` once and polls, so that a signal's handler runs meanwhile. Where the file cannot be
-    made or the file system has no locks (or, as Lustre's ``localflock``, locks per node only), nobody waits."""
+    releases when its holder ends, killed or not, so no clock decides. A process that waits says ``waiting`` once and
+    polls; it stops waiting and runs the block without the lock when ``give_up()`` (a stop signal noted meanwhile)
+    or after ``max_wait`` seconds (default :data:`LOCK_MAX_WAIT`: a holder suspended, or an NFSv3 lock of a crashed
+    node, kept until it reboots; infinite for a block two processes must never run at once).
+    Where the file cannot be opened or the file system has no locks (or, as Lustre's ``localflock``, locks per node
+    only), nobody waits. Yields whether this process waited for another (the caller looks again for what that one
+    made)."""
     import fcntl
 
     try:
         handle = open(lock_path, "a")
     except OSError:
-        yield
-        return
+        try:
+            handle = open(lock_path, "r")  # (another user's lock file in a shared folder: flock needs no write access)
+        except OSError:
+            yield False
+            return
     with handle:  # (closing it releases the lock)
-        said = False
+        waited, deadline = False, time.monotonic() + (LOCK_MAX_WAIT if max_wait is None else max_wait)
         while True:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                if not said:
+                if not waited:
                     say(waiting)
-                    said = True
+                    waited = True
+                if give_up() or time.monotonic() > deadline:
+                    break
                 time.sleep(LOCK_POLL)
             except OSError:  # ENOLCK, EINVAL: a file system without locks
                 break
-        yield
+        yield waited
