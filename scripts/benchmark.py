@@ -142,7 +142,7 @@ def build_parser():
                    "script's case (paths in the checkout; empty: none)")
     p.add_argument("--repeat", type=int, default=2, help="the calculator's Cu cell: the cubic cell repeated so")
     p.add_argument("--workers", type=int, default=1, help="data-parallel workers (msrun, run_parallel.sh) of each "
-                   "fine-tuning: above 1, a first and a second start, each rank's compilations")
+                   "fine-tuning: above 1, a first and a second start, each rank's compilations (default: 1)")
     p = sub.add_parser("gemm")
     p.add_argument("--repeats", type=int, default=9, help="alternated timings of each product")
     return parser

@@ -477,18 +477,17 @@ entry = CacheEntry("demo", ("orb.cache",), ("built once",), ".npz")
 with one_builder(entry, "demo values"):
     print("holding", flush=True)
     time.sleep(float(sys.argv[1]))
-    if sys.argv[2] == "write":
-        entry.write(lambda tmp: np.savez(tmp, values=np.arange(7)), "demo values")
+    entry.write(lambda tmp: np.savez(tmp, values=np.arange(7)), "demo values")
 """
 
 
-def hold_the_build(seconds: float, then: str, env: dict):
-    """A process that takes ``one_builder`` of the entry ("built once"), holds it ``seconds``, then writes the entry
-    (``then`` "write") or not; returned once it holds it."""
+def hold_the_build(seconds: float, env: dict):
+    """A process that takes ``one_builder`` of the entry ("built once"), holds it ``seconds``, then writes the entry;
+    returned once it holds it."""
     import subprocess
     import sys
 
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(seconds), then], env=env, stdout=subprocess.PIPE,
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(seconds)], env=env, stdout=subprocess.PIPE,
                               text=True)
     assert holder.stdout.readline().strip() == "holding"
     return holder
@@ -505,7 +504,7 @@ def test_one_process_builds_an_entry_and_the_others_wait_and_read_it_even_when_t
 
     env = dict(os.environ, ORB_CACHE_DIR=str(cache_dir), PYTHONPATH=os.path.dirname(os.path.dirname(__file__)))
     entry = CacheEntry("demo", ("orb.cache",), ("built once",), ".npz")
-    holder = hold_the_build(3.0, "write", env)
+    holder = hold_the_build(3.0, env)
     start = time.monotonic()
     with caplog.at_level("INFO", logger="orb"), one_builder(entry, "demo values"):
         waited = time.monotonic() - start
@@ -515,7 +514,7 @@ def test_one_process_builds_an_entry_and_the_others_wait_and_read_it_even_when_t
     assert caplog.text.count("another process is building the demo values") == 1
 
     os.remove(entry.path())
-    holder = hold_the_build(600.0, "write", env)
+    holder = hold_the_build(600.0, env)
     start = time.monotonic()
     holder.kill()
     with one_builder(entry, "demo values"):
@@ -542,7 +541,7 @@ def test_a_stop_signal_or_a_holder_that_never_lets_go_ends_the_wait_and_the_wait
 
     env = dict(os.environ, ORB_CACHE_DIR=str(cache_dir), PYTHONPATH=os.path.dirname(os.path.dirname(__file__)))
     entry = CacheEntry("demo", ("orb.cache",), ("built once",), ".npz")
-    holder = hold_the_build(600.0, "write", env)
+    holder = hold_the_build(600.0, env)
     try:
         stop = threading.Timer(1.0, lambda: setattr(STOP, "received", "SIGTERM"))
         start = time.monotonic()
