@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import MPTRJ_DB, ROOT, SMALL_MODEL, own_compile_cache
+from conftest import DEMO_VAL, MPTRJ_DB, ROOT, SMALL_MODEL, own_compile_cache
 
 
 @pytest.fixture
@@ -277,14 +277,23 @@ def metrics(run_dir) -> list:
 def test_a_second_start_loads_every_graph_and_trains_the_same_bits(cache_dir, tmp_path):
     """The user's case: the same fine-tuning started again (a second start, a requeue) loads its graphs from the
     cache, and its metrics equal those of a run that compiled everything afresh (ORB_COMPILE_CACHE=0). A run that
-    changes only the schedule (lr, lr_schedule, warmup_fraction, max_epochs: a sweep, a longer run) loads them too
-    and trains as its own fresh compilation: the schedule is in parameters of the step, not in its graph."""
+    changes only the schedule (lr, lr_schedule, warmup_fraction, max_epochs: a sweep, a longer run), or only what
+    decides values (the seed, augmentation, the replay mix, selection and weight, the reference fit: a strategy
+    comparison) loads them too and trains as its own fresh compilation: those are in parameters and inputs of the
+    step, not in its graph."""
     runs = {name: fine_tune(tmp_path / name, cache) for name, cache in (("fresh", "0"), ("first", "1"), ("second", "1"))}
     loaded, count = from_cache(runs["second"])
     assert loaded == count and from_cache(runs["first"])[0] == 0
     assert metrics(tmp_path / "second") == metrics(tmp_path / "first") == metrics(tmp_path / "fresh")
-    sweep = ["--lr", "3e-3", "--lr_schedule", "one_cycle", "--warmup_fraction", "0.3", "--max_epochs", "3"]
+    # with replay, in one bucket (the replay mix and selection decide the planned buckets' shapes: in the identity)
+    start = ["--buckets", "[[256, 5120]]", "--replay.data_path", DEMO_VAL, "--replay.fraction", "0.25",
+             "--replay.val_samples", "2", "--replay.selection", "random"]
+    count = from_cache(fine_tune(tmp_path / "start", "1", *start))[1]
+    sweep = [*start, "--lr", "3e-3", "--lr_schedule", "one_cycle", "--warmup_fraction", "0.3", "--max_epochs", "3",
+             "--random_seed", "7", "--augmentation", "false", "--replay.fraction", "0.5", "--replay.val_samples", "3",
+             "--replay.selection", "fps", "--replay.loss_weight", "2", "--replay.in_selection", "true",
+             "--reference_energies.fit", "least_squares"]
     assert from_cache(fine_tune(tmp_path / "sweep", "1", *sweep)) == (count, count)
     fine_tune(tmp_path / "sweep_fresh", "0", *sweep)
     assert metrics(tmp_path / "sweep") == metrics(tmp_path / "sweep_fresh")
-    assert metrics(tmp_path / "sweep")[1]["loss"] != metrics(tmp_path / "fresh")[1]["loss"]  # (another schedule)
+    assert metrics(tmp_path / "sweep")[1]["loss"] != metrics(tmp_path / "start")[1]["loss"]  # (other settings)

@@ -126,19 +126,28 @@ HOST_ONLY = ("train_data_path", "val_data_path", "checkpoint_path", "output_dir"
 # in the identity too): a sweep over them computes with the graphs of another run
 SCHEDULE_ONLY = ("lr", "lr_schedule", "warmup_fraction", "max_epochs")
 
+# config keys that decide only what the graph's identity already reads from the cells and inputs: parameter values
+# (random_seed's initial weights and adapters, the reference energies a fit or table sets), the rows of each batch and
+# their per-row weights, inputs (random_seed's sampling and rotations, augmentation, the replay mix and selection)
+# and the batch shapes (the bucket plan). A sweep over replay fractions or seeds, or a strategy comparison, loads the
+# graphs of its first run; a new input or parameter a key adds (replay.head: separate) is in the identity itself.
+VALUES_ONLY = ("random_seed", "augmentation", "num_buckets", "buckets", "reference_energies.fit",
+               "reference_energies.table", "replay.fraction", "replay.num_samples", "replay.selection",
+               "replay.val_samples", "replay.labels", "replay.loss_weight", "replay.in_selection")
+
 
 def graph_settings(cfg: TrainConfig, dp: DataParallel) -> Optional[tuple]:
     """What of a run decides its compiled graphs beyond the cells themselves (:func:`orb.graph_cache.graph_identity`):
-    every setting but the host's and the schedule's, and the data-parallel layout; None when the run keeps no
-    compiled graphs. The rank is part of it only with a sharded optimizer (each rank's step updates its own slice);
-    otherwise every rank compiles the same graph, so one rank compiles it and the others load it
-    (:func:`orb.cache.one_builder`)."""
+    every setting but the host's, the schedule's and those that decide only values (VALUES_ONLY), and the
+    data-parallel layout; None when the run keeps no compiled graphs. The rank is part of it only with a sharded
+    optimizer (each rank's step updates its own slice); otherwise every rank compiles the same graph, so one rank
+    compiles it and the others load it (:func:`orb.cache.one_builder`)."""
     from orb.training.config import flatten
 
     if not getattr(cfg, "compile_cache", True):
         return None
     settings = tuple(sorted((k, repr(v)) for k, v in flatten(cfg.to_dict()).items()
-                            if k not in HOST_ONLY + SCHEDULE_ONLY))
+                            if k not in HOST_ONLY + SCHEDULE_ONLY + VALUES_ONLY))
     rank = dp.rank if dp.shard_optimizer else "any"
     return settings + (("data_parallel", dp.world_size, rank, bool(dp.shard_optimizer)),)
 
