@@ -89,11 +89,17 @@ STRATEGIES: Dict[str, Dict[str, object]] = {  # name -> config overrides (no fou
     "frozen normalisers + pseudo-label replay 0.5 + selection": {**FROZEN, **pseudo(0.5, True)},
     "pseudo-label replay 0.75 + selection": pseudo(0.75, True),
     "anchor 10 + pseudo-label replay 0.5 + selection": {**ANCHOR, **pseudo(0.5, True)},
+    "pseudo-label replay 0.5 + selection + fixed references": {**pseudo(0.5, True), **FIXED_REFERENCES},
+    "frozen normalisers + pseudo-label replay 0.5 + selection + fixed references": {
+        **FROZEN, **pseudo(0.5, True), **FIXED_REFERENCES},
+    "frozen normalisers + pseudo-label replay 0.75 + selection": {**FROZEN, **pseudo(0.75, True)},
+    "frozen normalisers + pseudo-label replay 0.9 + selection": {**FROZEN, **pseudo(0.9, True)},
 }
 # the default grid: spans the frontier from plain fine-tuning to the strongest protection
 GRID = ["none", "pseudo-label replay 0.1", "pseudo-label replay 0.1 + selection", "pseudo-label replay 0.25",
         "pseudo-label replay 0.25 + selection", "pseudo-label replay 0.5", "pseudo-label replay 0.5 + selection",
-        "anchor 10", "lora 8", "lr x0.1 backbone"]
+        "frozen normalisers + pseudo-label replay 0.5 + selection",
+        "frozen normalisers + pseudo-label replay 0.75 + selection", "anchor 10", "lora 8", "lr x0.1 backbone"]
 
 
 def overrides(name: str, replay: str) -> Dict[str, object]:

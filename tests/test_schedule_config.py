@@ -188,7 +188,8 @@ def test_callbacks_are_made_from_their_names_or_refused_in_one_line():
 
 def test_every_shipped_config_loads_and_the_label_free_demo_protects_without_labels():
     """Every file in configs/ is a valid config (a key renamed in the code but left there would break a user's first
-    command); the label-free demo replays the foundation with pseudo-labels and picks its best epoch with them."""
+    command); the label-free demo replays the foundation with pseudo-labels, picks its best epoch with them and keeps
+    the foundation's normalisers."""
     import glob
 
     from orb.training.config import load_config
@@ -199,6 +200,7 @@ def test_every_shipped_config_loads_and_the_label_free_demo_protects_without_lab
                       ["--train_data_path", "t.db", "--val_data_path", "v.db", "--max_epochs", "20"])
     assert cfg.replay.labels == "model" and cfg.replay.fraction > 0 and cfg.replay.in_selection
     assert cfg.replay.val_samples > 0 and os.path.exists(os.path.join(ROOT, cfg.replay.data_path))
+    assert not cfg.online_normalisation  # (the normalisers keep the foundation's statistics)
 
 
 def test_settings_a_run_cannot_act_on_are_said_at_the_start():
