@@ -635,3 +635,31 @@ def test_a_full_disk_is_one_line_and_other_os_errors_keep_their_traceback(capsys
     with pytest.raises(OSError, match="cannot open shared object file"):
         run_command(fail(OSError("/tmp/x.so: cannot open shared object file")))
 
+
+
+@pytest.mark.parametrize("online", [True, False])
+def test_online_normalisation_off_keeps_the_starting_normalisers_through_a_step(online):
+    """The label-free template trains with online_normalisation: false: the energy, force and stress normalisers keep
+    the starting model's statistics bit for bit while the weights move; on (orb-models' way) they absorb the batch."""
+    import mindspore as ms
+
+    from orb.data.buckets import Bucket
+    from orb.data.tensors import loss_arrays
+    from orb.models import create
+    from orb.training.config import config_from_dict
+    from orb.training.distributed import DataParallel
+    from orb.training.engine import Engine
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    cfg = config_from_dict(dict(train_data_path=DEMO_TRAIN, device_target="CPU", model=dict(SMALL_MODEL),
+                                lr_schedule="constant", online_normalisation=online))
+    bucket = Bucket(64, 1280, 5)
+    engine = Engine(create("orb_v2", seed=1, **SMALL_MODEL), cfg, DataParallel(), True, 10)
+    before = {n: p.asnumpy().copy() for n, p in engine.model.parameters_and_names()}
+    engine.train(loss_arrays(small_batch((0, 1, 2, 3), bucket)), bucket)
+    after = {n: p.asnumpy() for n, p in engine.model.parameters_and_names()}
+    statistics = [n for n in before if ".normalizer." in n and n.endswith(("running_mean", "running_var"))]
+    assert {n.split(".normalizer")[0] for n in statistics} == {"graph_head", "node_head", "stress_head"}, statistics
+    moved = [n for n in statistics if not np.array_equal(before[n], after[n])]
+    assert any(not np.array_equal(before[n], after[n]) for n in before if n not in statistics)
+    assert moved == (statistics if online else []), moved
