@@ -297,3 +297,35 @@ def test_a_second_start_loads_every_graph_and_trains_the_same_bits(cache_dir, tm
     fine_tune(tmp_path / "sweep_fresh", "0", *sweep)
     assert metrics(tmp_path / "sweep") == metrics(tmp_path / "sweep_fresh")
     assert metrics(tmp_path / "sweep")[1]["loss"] != metrics(tmp_path / "start")[1]["loss"]  # (other settings)
+
+
+def test_only_settings_that_decide_values_inputs_or_shapes_leave_a_graphs_key():
+    """Each key of VALUES_ONLY, changed, leaves the graph settings as they were (the sweep above shows such a run
+    computes as its own fresh compilation); a setting that decides the graph (a loss weight, separate replay heads,
+    the normalisers' updates, the clipping) changes them."""
+    from orb.training.config import config_from_dict
+    from orb.training.distributed import DataParallel
+    from orb.training.engine import VALUES_ONLY, graph_settings
+
+    base = dict(train_data_path=MPTRJ_DB, checkpoint_path="start.ckpt",
+                replay=dict(data_path=DEMO_VAL, fraction=0.25, val_samples=2))
+    changed = {"random_seed": 7, "augmentation": False, "num_buckets": 3, "buckets": [[64, 1280]],
+               "reference_energies.fit": "least_squares", "reference_energies.table": "matpes-pbe",
+               "replay.fraction": 0.5, "replay.num_samples": 5, "replay.selection": "random",
+               "replay.val_samples": 4, "replay.labels": "model", "replay.loss_weight": 2.0,
+               "replay.in_selection": True}
+    assert set(changed) == set(VALUES_ONLY)
+
+    def settings(key=None, value=None):
+        values = json.loads(json.dumps(base))
+        if key:
+            section, _, name = key.rpartition(".")
+            (values.setdefault(section, {}) if section else values)[name] = value
+        return graph_settings(config_from_dict(values), DataParallel())
+
+    reference = settings()
+    for key, value in changed.items():
+        assert settings(key, value) == reference, key
+    for key, value in (("loss_weights.energy", 2.0), ("replay.head", "separate"), ("online_normalisation", False),
+                       ("gradient_clip_val", 1.0)):
+        assert settings(key, value) != reference, key

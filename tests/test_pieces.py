@@ -636,7 +636,6 @@ def test_a_full_disk_is_one_line_and_other_os_errors_keep_their_traceback(capsys
         run_command(fail(OSError("/tmp/x.so: cannot open shared object file")))
 
 
-
 @pytest.mark.parametrize("online", [True, False])
 def test_online_normalisation_off_keeps_the_starting_normalisers_through_a_step(online):
     """The label-free template trains with online_normalisation: false: the energy, force and stress normalisers keep
