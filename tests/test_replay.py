@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from ase.data import chemical_symbols
 
-from conftest import DEMO_TRAIN, DEMO_VAL, ROOT, SMALL_MODEL
+from conftest import DEMO_TRAIN, DEMO_VAL, ROOT, SMALL_MODEL, op_by_op
 
 PRETRAIN_TRAIN = os.path.join(ROOT, "data", "pretrain", "pretrain_train.db")
 PRETRAIN_VAL = os.path.join(ROOT, "data", "pretrain", "pretrain_val.db")
@@ -510,8 +510,21 @@ def test_bad_replay_input_stops_with_one_line_and_writes_nothing(tmp_path, small
 def test_replay_heads_start_as_copies_predict_their_rows_and_are_never_exported(name):
     """Replay heads: copies of the heads (same predictions for either head index); changed, they change only the
     structures whose head is 1; a training step on replay structures updates only the replay heads' normalisers;
-    exported weights hold the model's own heads only and load into a model without replay heads."""
+    exported weights hold the model's own heads only and load into a model without replay heads. What is checked is
+    which head and normaliser each structure reaches, not a compiled graph (the training tests run replay heads
+    compiled), so it runs op by op (a conservative model's graph, a gradient of a gradient, compiles in 40 s)
+    except for the OMol model, whose forces op by op differ in the last bit from one call to the next."""
     import mindspore as ms
+
+    if name.endswith("_omol"):
+        ms.set_context(mode=ms.GRAPH_MODE)
+        check_replay_heads(name)
+    else:
+        with op_by_op():
+            check_replay_heads(name)
+
+
+def check_replay_heads(name):
     from mindspore import Tensor
 
     from orb.data.dataset import AseDbDataset
@@ -525,7 +538,6 @@ def test_replay_heads_start_as_copies_predict_their_rows_and_are_never_exported(
     from orb.training.steps import TrainStep
     from orb.training.engine import make_loss
 
-    ms.set_context(mode=ms.GRAPH_MODE)
     cfg = config_from_dict(dict(model=dict(SMALL_MODEL, name=name), device_target="CPU"))
     data = AseDbDataset(DEMO_TRAIN, settings=cfg.model.graph_settings())
     graphs = [data[i] for i in range(4)]
