@@ -19,6 +19,7 @@ ASE calculator, data at MPtrj's size, batched relaxation.
     python scripts/benchmark.py precision  [--torch-python PATH] [--torch-v3-python PATH] [--finetune]
     python scripts/benchmark.py restart    [--configs demo,demo_v3] [--models orb_v2] [--calculator CKPT]
     python scripts/benchmark.py md         [--structures 32] [--steps 100] [--timestep 1] [--batch-sizes 32] [--torch-v3-python PATH]
+    python scripts/benchmark.py suite      [--tests tests] [--workers 2] [--cache-dir ""]
 
 With ``--torch-python`` pointing at a Python that has torch and orb-models 0.4.2 installed (never
 required), the same measurement is made with PyTorch orb-models in that interpreter right after
@@ -46,6 +47,7 @@ from benchmarks.relax import bench_relax
 from benchmarks.restart import bench_restart
 from benchmarks.save import bench_save
 from benchmarks.scale import bench_scale
+from benchmarks.suite import bench_suite
 
 
 def build_parser():
@@ -145,6 +147,10 @@ def build_parser():
                    "fine-tuning: above 1, a first and a second start, each rank's compilations (default: 1)")
     p = sub.add_parser("gemm")
     p.add_argument("--repeats", type=int, default=9, help="alternated timings of each product")
+    p = sub.add_parser("suite")
+    p.add_argument("--tests", default="tests", help="what pytest runs (space-separated paths or node ids)")
+    p.add_argument("--workers", type=int, default=2, help="pytest-xdist workers (-n), as the README's command")
+    p.add_argument("--cache-dir", default="", help="ORB_CACHE_DIR for the run (default: a new empty folder, as CI's)")
     return parser
 
 
@@ -154,7 +160,7 @@ def main() -> None:
      "allreduce": bench_allreduce, "pipeline": bench_pipeline, "gemm": bench_gemm,
      "breakdown": bench_breakdown, "counts": bench_counts, "rows": bench_rows,
      "save": bench_save, "formats": bench_formats, "scale": bench_scale, "relax": bench_relax,
-     "precision": bench_precision, "md": bench_md, "restart": bench_restart}[args.area](args)
+     "precision": bench_precision, "md": bench_md, "restart": bench_restart, "suite": bench_suite}[args.area](args)
 
 
 if __name__ == "__main__":  # not in the data workers (counts), which import this file as their main module

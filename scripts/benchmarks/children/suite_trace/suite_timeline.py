@@ -1,0 +1,49 @@
+"""pytest plugin for ``benchmark.py suite`` (``-p suite_timeline``): each test's start and end on its worker, and
+the host's busy share every 2 s (from the controller, Linux's /proc/stat), as JSON lines in
+``$ORB_SUITE_TRACE/timeline.jsonl``."""
+
+import json
+import os
+import threading
+import time
+
+FOLDER = os.environ.get("ORB_SUITE_TRACE", "")
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+_RECORD_TESTS = [bool(WORKER)]  # under pytest-xdist the workers record (the controller hears of each test too)
+
+
+def _write(record: dict) -> None:
+    with open(os.path.join(FOLDER, "timeline.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if FOLDER and _RECORD_TESTS[0]:
+        _write(dict(event="start", worker=WORKER or "main", test=nodeid, t=time.time()))
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    if FOLDER and _RECORD_TESTS[0]:
+        _write(dict(event="end", worker=WORKER or "main", test=nodeid, t=time.time()))
+
+
+def _busy(interval: float = 2.0) -> None:
+    before = None
+    while True:
+        try:
+            with open("/proc/stat") as f:
+                ticks = [int(x) for x in f.readline().split()[1:]]
+        except OSError:
+            return
+        idle, total = ticks[3] + ticks[4], sum(ticks)
+        if before is not None and total > before[1]:
+            _write(dict(event="cpu", t=time.time(), seconds=interval,
+                        busy=1.0 - (idle - before[0]) / (total - before[1])))
+        before = (idle, total)
+        time.sleep(interval)
+
+
+def pytest_configure(config):
+    if FOLDER and not WORKER:
+        _RECORD_TESTS[0] = not getattr(config.option, "numprocesses", None)  # no workers: this process runs them
+        threading.Thread(target=_busy, daemon=True).start()

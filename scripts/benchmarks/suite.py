@@ -1,0 +1,136 @@
+"""``benchmark.py suite``: the README's test command, timed as CI runs it (an empty cache folder), with where its
+time goes: each graph compiled, loaded from the compile cache or compiled outside it (in every process that keeps
+``PYTHONPATH``), and the host's idle core-seconds with the tests that ran meanwhile."""
+
+import collections
+import glob
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List
+
+from benchmarks.common import HERE, ROOT
+
+TRACER = os.path.join(HERE, "children", "suite_trace")  # sitecustomize.py and the pytest plugin suite_timeline.py
+
+
+def bench_suite(args) -> None:
+    folder = tempfile.mkdtemp(prefix="orb-suite-trace-")
+    cache = args.cache_dir or os.path.join(folder, "cache")  # empty, as on CI's fresh machine
+    env = dict(os.environ, ORB_SUITE_TRACE=folder, ORB_CACHE_DIR=cache,
+               PYTHONPATH=os.pathsep.join([TRACER] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    env.pop("ORB_COMPILE_CACHE_DIR", None)  # (tests/conftest.py puts it in ORB_CACHE_DIR's folder)
+    command = [sys.executable, "-m", "pytest", "-q", "-n", str(args.workers), "--dist", "loadfile",
+               "--no-loadscope-reorder", "-p", "suite_timeline", *args.tests.split()]
+    print("$", " ".join(command[1:]), f"  (ORB_NO_SKIP={env.get('ORB_NO_SKIP', '')!r}, "
+          f"PyTorch peers: {'set' if env.get('ORB_TORCH_PYTHON') and env.get('ORB_TORCH_V3_PYTHON') else 'not set'})")
+    start = time.time()
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.time() - start
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    lines = result.stdout.strip().splitlines()
+    print(f"pytest: {lines[-1] if lines else '(no output)'} (exit status {result.returncode})")
+    print(f"trace: {folder}\n")
+    print(report(load_trace(folder), wall, usage.ru_utime, usage.ru_stime, os.cpu_count() or 1))
+
+
+def load_trace(folder: str) -> Dict[str, List[dict]]:
+    records = {"compile": [], "timeline": []}
+    for path in glob.glob(os.path.join(folder, "compile-*.jsonl")):
+        records["compile"] += _lines(path)
+    timeline = os.path.join(folder, "timeline.jsonl")
+    if os.path.exists(timeline):
+        records["timeline"] = _lines(timeline)
+    return records
+
+
+def _lines(path: str) -> List[dict]:
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except ValueError:  # a process killed while writing its last line
+                pass
+    return out
+
+
+def graph_use(compile_records: List[dict]) -> Dict[str, list]:
+    """[count, seconds] of the graphs the compile cache compiled, loaded (and of those, loaded again in a process
+    that had loaded or compiled the same graph before), and of MindSpore compilations outside it (a cell compiled by
+    a test itself, or a graph the cache was not asked for): each ``Cell.compile`` of over 0.5 s less the cache's own
+    time in the same test and process."""
+    use = {name: [0, 0.0] for name in ("compiled", "loaded", "loaded again in the process", "outside the cache")}
+    seen = set()
+    inside = collections.defaultdict(float)
+    cells = collections.defaultdict(float)
+    for r in compile_records:
+        where = (r["pid"], r["test"])
+        if r["event"] == "graph":
+            inside[where] += r["seconds"]
+            name = {"cache": "loaded", "compiled": "compiled"}.get(r["source"], "outside the cache")
+            if name == "outside the cache":
+                continue  # (its Cell.compile is counted below)
+            use[name][0] += 1
+            use[name][1] += r["seconds"]
+            if (r["pid"], r["key"]) in seen and name == "loaded":
+                use["loaded again in the process"][0] += 1
+                use["loaded again in the process"][1] += r["seconds"]
+            seen.add((r["pid"], r["key"]))
+        elif r["seconds"] > 0.5:
+            cells[where] += r["seconds"]
+            use["outside the cache"][0] += 1
+    use["outside the cache"][1] = sum(max(0.0, cells[w] - inside[w]) for w in cells)
+    return use
+
+
+def idle_by_tests(timeline: List[dict], cores: int) -> (float, list):
+    """The host's idle core-seconds, and the pairs of tests running on the workers meanwhile, most idle first."""
+    runs = collections.defaultdict(list)  # worker -> [(start, end, test)]
+    open_runs = {}
+    for r in timeline:
+        if r["event"] == "start":
+            open_runs[(r["worker"], r["test"])] = r["t"]
+        elif r["event"] == "end" and (r["worker"], r["test"]) in open_runs:
+            runs[r["worker"]].append((open_runs.pop((r["worker"], r["test"])), r["t"], r["test"]))
+    workers = sorted(runs)
+    by_pair = collections.defaultdict(float)
+    total = 0.0
+    for r in timeline:
+        if r["event"] != "cpu":
+            continue
+        idle = (1.0 - r["busy"]) * cores * r["seconds"]
+        total += idle
+        now = [next((test.split("::")[-1] for s, e, test in runs[w] if s <= r["t"] < e), "(waiting or done)")
+               for w in workers]
+        by_pair[" | ".join(now)] += idle
+    return total, sorted(by_pair.items(), key=lambda item: -item[1])
+
+
+def test_seconds_by_file(timeline: List[dict]) -> list:
+    starts, seconds = {}, collections.defaultdict(float)
+    for r in timeline:
+        if r["event"] == "start":
+            starts[(r["worker"], r["test"])] = r["t"]
+        elif r["event"] == "end" and (r["worker"], r["test"]) in starts:
+            seconds[r["test"].split("::")[0]] += r["t"] - starts.pop((r["worker"], r["test"]))
+    return sorted(seconds.items(), key=lambda item: -item[1])
+
+
+def report(trace: Dict[str, List[dict]], wall: float, user: float, system: float, cores: int) -> str:
+    cpu = user + system
+    rows = [f"wall time {wall / 60:.1f} min; CPU time {cpu:.0f} s (user {user:.0f}, system {system:.0f}), "
+            f"{100 * cpu / wall:.0f} % of one core ({cores} cores)", "",
+            "| graphs | count | seconds |", "|---|---|---|"]
+    rows += [f"| {name} | {count} | {seconds:.0f} |" for name, (count, seconds) in graph_use(trace["compile"]).items()]
+    idle, pairs = idle_by_tests(trace["timeline"], cores)
+    rows += ["", f"idle core-seconds: {idle:.0f} (the tests running meanwhile, most idle first)", "",
+             "| idle core-s | tests on the workers |", "|---|---|"]
+    rows += [f"| {seconds:.0f} | {pair} |" for pair, seconds in pairs[:12]]
+    rows += ["", "| test file | test seconds |", "|---|---|"]
+    rows += [f"| {name} | {seconds:.0f} |" for name, seconds in test_seconds_by_file(trace["timeline"])]
+    return "\n".join(rows)

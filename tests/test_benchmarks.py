@@ -1,0 +1,57 @@
+"""The suite benchmark's accounting (scripts/benchmark.py suite): what it reports is what the processes did."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+
+def test_graphs_are_counted_by_where_they_came_from_and_idle_time_by_the_tests_running():
+    from benchmarks.suite import graph_use, idle_by_tests
+
+    def graph(pid, test, key, source, seconds):
+        return dict(event="graph", pid=pid, test=test, key=key, source=source, seconds=seconds)
+
+    def cell(pid, test, seconds):
+        return dict(event="cell", pid=pid, test=test, cell="C", seconds=seconds)
+
+    records = [cell(1, "a", 2.1), graph(1, "a", "k", "compiled", 2.0),  # compiled, then loaded again in pid 1
+               cell(1, "b", 0.6), graph(1, "b", "k", "cache", 0.5),
+               cell(2, "c", 0.7), graph(2, "c", "k", "cache", 0.6),  # loaded in another process: not again
+               cell(2, "d", 3.0), cell(2, "d", 0.01)]  # a test's own compilation (and a call's 0.01 s check)
+    use = graph_use(records)
+    assert use["compiled"] == [1, 2.0] and use["loaded"] == [2, pytest.approx(1.1)]
+    assert use["loaded again in the process"] == [1, 0.5]
+    assert use["outside the cache"][0] == 4 and use["outside the cache"][1] == pytest.approx(0.1 + 0.1 + 0.1 + 3.0)
+
+    timeline = [dict(event="start", worker="gw0", test="f.py::t1", t=0.0), dict(event="start", worker="gw1",
+                                                                                 test="g.py::t2", t=0.0),
+                dict(event="end", worker="gw1", test="g.py::t2", t=1.0),
+                dict(event="cpu", t=3.0, seconds=2.0, busy=0.25), dict(event="cpu", t=0.5, seconds=2.0, busy=1.0),
+                dict(event="end", worker="gw0", test="f.py::t1", t=4.0)]
+    idle, pairs = idle_by_tests(timeline, cores=2)
+    assert idle == pytest.approx(3.0) and pairs[0] == ("t1 | (waiting or done)", pytest.approx(3.0))
+
+
+def test_the_tracer_records_a_compilation_in_a_process_it_starts(tmp_path):
+    """The tracer on PYTHONPATH sees the compile cache compile a graph, then load it in a second process."""
+    from benchmarks.suite import TRACER, graph_use, load_trace
+
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from ase.build import bulk; "
+            "from orb.inference.calculator import ORBCalculator; "
+            "atoms = bulk('Cu', cubic=True); atoms.calc = ORBCalculator.from_checkpoint(sys.argv[2], "
+            "device_target='CPU'); atoms.get_potential_energy()")
+    env = dict(os.environ, ORB_SUITE_TRACE=str(tmp_path), ORB_CACHE_DIR=str(tmp_path / "cache"),
+               ORB_COMPILE_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=TRACER)
+    for _ in range(2):
+        subprocess.run([sys.executable, "-c", code, ROOT, os.path.join(ROOT, "data", "demo_pretrained.ckpt")],
+                       env=env, check=True, capture_output=True, timeout=300)
+    records = load_trace(str(tmp_path))["compile"]
+    use = graph_use(records)
+    assert use["compiled"][0] == 1 and use["loaded"][0] == 1 and use["loaded again in the process"][0] == 0
+    assert {r["cell"] for r in records if r["event"] == "cell"} == {"PredictCell"}
