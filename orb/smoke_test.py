@@ -222,7 +222,7 @@ def _sum_over_workers() -> None:
 
 
 def check_collectives(target: str) -> dict:
-    from orb.training.launch import find_msrun
+    from orb.training.launch import find_msrun, msrun_environment
 
     msrun = find_msrun()
     if msrun is None:
@@ -234,8 +234,7 @@ def check_collectives(target: str) -> dict:
         result = subprocess.run([msrun, "--worker_num=2", "--local_worker_num=2", f"--master_port={port}",
                                  f"--log_dir={tmp}", "--join=True", os.path.abspath(__file__), "_sum"],
                                 cwd=ROOT, capture_output=True, text=True, timeout=600,
-                                env=dict(os.environ, ORB_SMOKE_TARGET=target, PYTHONPATH=ROOT,
-                                         PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")))
+                                env=dict(msrun_environment(os.environ), ORB_SMOKE_TARGET=target, PYTHONPATH=ROOT))
         lines = []
         for rank in range(2):
             try:

@@ -447,6 +447,18 @@ def test_killed_worker_ends_the_job(tmp_path, nine_rows):
     assert "FAILED" in out
 
 
+def test_the_cluster_polls_its_peers_every_second_or_two_unless_the_user_chose():
+    """msrun's processes start with MindSpore's cluster retry intervals at 1-2 s (a job on one node starts and ends
+    4-6 s sooner, docs/benchmarks.md); a user's own values, and their log level, are kept."""
+    from orb.training.launch import msrun_environment
+
+    env = msrun_environment({"PATH": "/usr/bin"})
+    assert (env["MS_RETRY_INTERVAL_LOWER"], env["MS_RETRY_INTERVAL_UPPER"], env["GLOG_v"]) == ("1", "2", "3")
+    assert env["PATH"].split(os.pathsep) == [os.path.dirname(sys.executable), "/usr/bin"]
+    mine = msrun_environment({"MS_RETRY_INTERVAL_LOWER": "3", "MS_RETRY_INTERVAL_UPPER": "5", "GLOG_v": "1"})
+    assert (mine["MS_RETRY_INTERVAL_LOWER"], mine["MS_RETRY_INTERVAL_UPPER"], mine["GLOG_v"]) == ("3", "5", "1")
+
+
 def test_a_stop_before_any_worker_or_to_every_process_saves_and_exits_75(tmp_path, nine_rows):
     """1. SIGTERM to the launcher 0.3 s after it starts, before msrun has started a worker: it reached no worker
        (the run went on to the end, exit 0). The launcher passes it to the workers as they appear, and ends msrun's

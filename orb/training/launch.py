@@ -16,6 +16,9 @@ launch is set by environment variables:
   NODE_RANK         this node's rank                (default: 0)
   LOG_DIR           worker logs                     (default: msrun_logs/<date-time>)
   CLUSTER_TIME_OUT  seconds to wait for all workers (default: 600)
+  MS_RETRY_INTERVAL_LOWER, MS_RETRY_INTERVAL_UPPER
+                    seconds between the cluster's polls of its peers (default: 1 and 2; unset, MindSpore
+                                                    polls as slowly as at 3 and 5)
 
 msrun assigns each worker its device: the config's device_id is not used. On CPU each worker gets
 OMP_NUM_THREADS = cores / LOCAL_WORKER_NUM unless it is set. The console
@@ -365,9 +368,7 @@ def launch(argv: Optional[List[str]], prog: Optional[str] = None) -> int:
     except LaunchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    env = dict(os.environ)
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # workers run this python
-    env.setdefault("GLOG_v", "3")  # MindSpore's C++ log: errors only (no connection-retry chatter)
+    env = msrun_environment(os.environ)
     if not env.get("OMP_NUM_THREADS"):
         env["OMP_NUM_THREADS"] = str(max((os.cpu_count() or 1) // int(s["local_worker_num"]), 1))
     os.makedirs(s["log_dir"], exist_ok=True)
@@ -409,6 +410,25 @@ def launch(argv: Optional[List[str]], prog: Optional[str] = None) -> int:
         sys.stderr.write("".join(errors()))
         print(f"run_parallel: finished; logs in {s['log_dir']}")
     return status
+
+
+# MindSpore's cluster polls its peers (workers registering, the CPU collectives' start, the scheduler's wait for
+# the workers to leave) as slowly as with these at 3 and 5 s when they are unset; at 1-2 s a 2-worker job on one node
+# starts and ends 4-6 s sooner (docs/benchmarks.md, "A data-parallel job's start and end"), and 16 ranks polling
+# every second are no load. A user's own values are kept.
+RETRY_INTERVALS = {"MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "2"}
+
+
+def msrun_environment(environ) -> Dict[str, str]:
+    """The environment msrun and its processes start with: this Python's folder first on PATH (the workers run this
+    interpreter), MindSpore's C++ log at errors only (no connection-retry chatter) and its cluster's retry
+    intervals (RETRY_INTERVALS), each unless set."""
+    env = dict(environ)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env.setdefault("GLOG_v", "3")
+    for name, value in RETRY_INTERVALS.items():
+        env.setdefault(name, value)
+    return env
 
 
 def failed_workers_status(msrun_errors: List[str], status: int, logs: Sequence[str] = ()) -> int:
