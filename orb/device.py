@@ -1,6 +1,7 @@
 """MindSpore start-up for training and inference: device, execution mode, kernel threads, quiet logs."""
 
 import argparse
+import contextlib
 import ctypes
 import logging
 import os
@@ -227,6 +228,23 @@ def release_host_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+@contextlib.contextmanager
+def graph_mode():
+    """Graph mode inside the block, the caller's mode after it: a script that never set graph mode (PyNative is
+    MindSpore's default) still runs the compiled graph, and gets it from the compile cache."""
+    import mindspore as ms
+
+    before = ms.get_context("mode")
+    if before == ms.GRAPH_MODE:
+        yield
+        return
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        yield
+    finally:
+        ms.set_context(mode=before)
 
 
 def compile_cell(cell, *inputs, kind: str = "", settings=None) -> str:

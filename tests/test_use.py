@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from ase.build import bulk
 
-from conftest import DATA, DEMO_VAL, MPTRJ_DB, ROOT, reference_graph
+from conftest import DATA, DEMO_VAL, MPTRJ_DB, ROOT, own_compile_cache, reference_graph
 
 DEMO_PRETRAINED = os.path.join(ROOT, "data", "demo_pretrained.ckpt")
 
@@ -259,15 +259,17 @@ energy, forces = atoms.get_potential_energy(), atoms.get_forces()
 assert ms.get_context("mode") == ms.PYNATIVE_MODE  # the caller's mode is left alone
 np.testing.assert_allclose(energy, reference["s0/energy"][0], atol=1e-4, rtol=1e-6)
 np.testing.assert_allclose(forces, reference["s0/forces"], atol=2e-5)
-print("OK")
+print("OK", *atoms.calc.predictor.sources.values())
 """
 
 
-def test_calculator_from_a_model_object_in_pynative_mode():
-    """ORBCalculator(model) in a script left in PyNative mode runs the compiled forward (jit) and PyTorch's numbers."""
-    result = subprocess.run([sys.executable, "-c", PYNATIVE_CALCULATOR], cwd=ROOT, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-3000:]
+def test_calculator_from_a_model_object_in_pynative_mode(tmp_path):
+    """ORBCalculator(model) in a script left in PyNative mode runs the compiled forward and PyTorch's numbers, with
+    the graph from the compile cache in a second process."""
+    for expected in ("compiled", "cache"):
+        result = subprocess.run([sys.executable, "-c", PYNATIVE_CALCULATOR], cwd=ROOT, capture_output=True, text=True,
+                                timeout=600, env=dict(os.environ, **own_compile_cache(tmp_path)))
+        assert result.returncode == 0 and result.stdout.strip() == f"OK {expected}", result.stderr[-3000:]
 
 
 def test_evaluate_report_compares_two_checkpoints(reference_model, tmp_path):

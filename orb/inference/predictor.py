@@ -10,13 +10,12 @@ import math
 import time
 from typing import Dict, List, Optional, Sequence
 
-import mindspore as ms
 import numpy as np
 
 from orb.data.buckets import Bucket, round_up
 from orb.data.graphs import AtomGraphs, pad_batch
 from orb.data.tensors import model_inputs
-from orb.device import compile_cell
+from orb.device import compile_cell, graph_mode
 from orb.models.cells import PredictCell
 
 log = logging.getLogger("orb")
@@ -107,16 +106,17 @@ class Predictor:
         start = time.perf_counter()
         inputs = model_inputs(padded)
         first = bucket not in self.compiled
-        if first and ms.get_context("mode") == ms.GRAPH_MODE:  # in PyNative mode jit compiles at the first call
-            self.sources[bucket] = compile_cell(self.cell, *inputs, kind="predict", settings=("predict",))
-        outputs = self.cell(*inputs)
-        per_graph = lambda t: t.asnumpy()[: len(real)][real].astype(np.float64)  # noqa: E731
-        per_node = lambda t: t.asnumpy()[:n_real_nodes].astype(np.float64)  # noqa: E731
-        out = {"energy": per_graph(outputs[0]), "forces": per_node(outputs[1])}
-        if self.model.cfg.has_stress:
-            out["stress"] = per_graph(outputs[2])
-        if len(outputs) > 3:
-            out["confidence"] = per_node(outputs[3])
+        with graph_mode():  # (a caller in PyNative mode too: the compiled graph, from the compile cache)
+            if first:
+                self.sources[bucket] = compile_cell(self.cell, *inputs, kind="predict", settings=("predict",))
+            outputs = self.cell(*inputs)
+            per_graph = lambda t: t.asnumpy()[: len(real)][real].astype(np.float64)  # noqa: E731
+            per_node = lambda t: t.asnumpy()[:n_real_nodes].astype(np.float64)  # noqa: E731
+            out = {"energy": per_graph(outputs[0]), "forces": per_node(outputs[1])}
+            if self.model.cfg.has_stress:
+                out["stress"] = per_graph(outputs[2])
+            if len(outputs) > 3:
+                out["confidence"] = per_node(outputs[3])
         if first:
             self.compiled[bucket] = time.perf_counter() - start
             log.debug("compiled inference for %s in %.1f s (%s)", bucket, self.compiled[bucket],

@@ -64,6 +64,29 @@ def gemm_rate() -> float:
     return 2 * 1024 ** 3 / median_time(lambda: a @ a, 9) / 1e9
 
 
+def mindspore_gemm_rate(n: int = 2048) -> float:
+    """MindSpore's own float32 MatMul rate (GFLOP/s) on an n x n square, compiled as the models' products are, in the
+    process's kernel threads: beside :func:`gemm_rate` in each table, since the two can move apart."""
+    import mindspore as ms
+    from mindspore import nn, ops
+
+    from orb.device import graph_mode
+
+    class Product(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.matmul = ops.MatMul()
+
+        def construct(self, a):
+            return self.matmul(a, a)[0, 0]  # (one number back: no 16 MB copy in the timing)
+
+    a = ms.Tensor(np.random.default_rng(0).random((n, n), np.float32))
+    product = Product()
+    with graph_mode():
+        product(a).asnumpy()
+        return 2 * n ** 3 / median_time(lambda: product(a).asnumpy(), 9) / 1e9
+
+
 def calibration(before: float, after: float) -> str:
     """The host's GEMM rate before and after a run, flagging a run during which it moved by over 20 %."""
     change = after / before - 1

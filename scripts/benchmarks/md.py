@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from .common import DEMO, ROOT, calibration, gemm_rate, peak_memory_gb, run_torch
+from .common import DEMO, ROOT, calibration, gemm_rate, mindspore_gemm_rate, peak_memory_gb, run_torch
 
 V3_DEMO = os.path.join(ROOT, "data", "demo_v3_pretrained.ckpt")
 
@@ -126,5 +126,6 @@ def bench_md(args) -> None:
     print(f"\nmatrix-multiply work: {gflop:.2f} GFLOP per structure-step (forward and force/stress derivative, at "
           f"the starting positions); at the host's GEMM rate no implementation exceeds {bound:.1f} structure-steps/s "
           f"({bound / loop_rate:.1f}x ASE's loop here)")
-    print(f"peak memory of this process (both runs): {peak_memory_gb():.2f} GB; host calibration: "
-          f"{calibration(rate_before, rate_after)}")
+    print(f"peak memory of this process (both runs): {peak_memory_gb():.2f} GB; host calibration (numpy's BLAS, "
+          f"1024^3): {calibration(rate_before, rate_after)}; MindSpore's MatMul (2048^3) {mindspore_gemm_rate():.0f} "
+          "GFLOP/s")
