@@ -32,9 +32,11 @@ def bench_suite(args) -> None:
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     wall = time.time() - start
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with open(os.path.join(folder, "pytest.log"), "w") as f:
+        f.write(result.stdout + result.stderr)
     lines = result.stdout.strip().splitlines()
     print(f"pytest: {lines[-1] if lines else '(no output)'} (exit status {result.returncode})")
-    print(f"trace: {folder}\n")
+    print(f"trace and pytest's output: {folder}\n")
     print(report(load_trace(folder), wall, usage.ru_utime, usage.ru_stime, os.cpu_count() or 1))
 
 
