@@ -5,6 +5,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import threading
 from typing import Optional
 
 from orb.errors import ConfigError
@@ -230,21 +231,26 @@ def release_host_memory() -> None:
         pass
 
 
+_MODE = threading.RLock()  # the execution mode is process-wide: one block at a time switches it and runs in it
+
+
 @contextlib.contextmanager
 def graph_mode():
     """Graph mode inside the block, the caller's mode after it: a script that never set graph mode (PyNative is
-    MindSpore's default) still runs the compiled graph, and gets it from the compile cache."""
+    MindSpore's default) still runs the compiled graph, and gets it from the compile cache. Blocks in other threads
+    wait (one thread's return to PyNative mode must not land inside another's compilation)."""
     import mindspore as ms
 
-    before = ms.get_context("mode")
-    if before == ms.GRAPH_MODE:
-        yield
-        return
-    ms.set_context(mode=ms.GRAPH_MODE)
-    try:
-        yield
-    finally:
-        ms.set_context(mode=before)
+    with _MODE:
+        before = ms.get_context("mode")
+        if before == ms.GRAPH_MODE:
+            yield
+            return
+        ms.set_context(mode=ms.GRAPH_MODE)
+        try:
+            yield
+        finally:
+            ms.set_context(mode=before)
 
 
 def compile_cell(cell, *inputs, kind: str = "", settings=None) -> str:

@@ -8,7 +8,12 @@ import pytest
 
 from conftest import ROOT
 
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+@pytest.fixture(autouse=True)
+def _scripts_importable(monkeypatch):
+    """``benchmarks`` (scripts/benchmarks) importable within these tests only: scripts/ also holds md.py,
+    relax.py, ..., which must not shadow other modules for the tests after them."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
 
 
 def test_graphs_are_counted_by_where_they_came_from_and_idle_time_by_the_tests_running():
@@ -17,17 +22,18 @@ def test_graphs_are_counted_by_where_they_came_from_and_idle_time_by_the_tests_r
     def graph(pid, test, key, source, seconds):
         return dict(event="graph", pid=pid, test=test, key=key, source=source, seconds=seconds)
 
-    def cell(pid, test, seconds):
-        return dict(event="cell", pid=pid, test=test, cell="C", seconds=seconds)
+    def cell(pid, test, seconds, in_cache):
+        return dict(event="cell", pid=pid, test=test, cell="C", seconds=seconds, in_cache=in_cache)
 
-    records = [cell(1, "a", 2.1), graph(1, "a", "k", "compiled", 2.0),  # compiled, then loaded again in pid 1
-               cell(1, "b", 0.6), graph(1, "b", "k", "cache", 0.5),
-               cell(2, "c", 0.7), graph(2, "c", "k", "cache", 0.6),  # loaded in another process: not again
-               cell(2, "d", 3.0), cell(2, "d", 0.01)]  # a test's own compilation (and a call's 0.01 s check)
+    records = [cell(1, "a", 2.0, True), graph(1, "a", "k", "compiled", 2.1),  # compiled, then loaded again in pid 1
+               cell(1, "b", 0.5, True), graph(1, "b", "k", "cache", 0.6),
+               cell(2, "c", 0.6, True), graph(2, "c", "k", "cache", 0.7),  # loaded in another process: not again
+               cell(2, "d", 3.0, False),  # a test's own compilation
+               cell(2, "e", 1.5, True), graph(2, "e", None, "uncached", 1.6)]  # asked, but not to be kept
     use = graph_use(records)
-    assert use["compiled"] == [1, 2.0] and use["loaded"] == [2, pytest.approx(1.1)]
-    assert use["loaded again in the process"] == [1, 0.5]
-    assert use["outside the cache"][0] == 4 and use["outside the cache"][1] == pytest.approx(0.1 + 0.1 + 0.1 + 3.0)
+    assert use["compiled"] == [1, 2.1] and use["loaded"] == [2, pytest.approx(1.3)]
+    assert use["loaded again in the process"] == [1, 0.6]
+    assert use["outside the cache"] == [2, pytest.approx(4.6)]
 
     timeline = [dict(event="start", worker="gw0", test="f.py::t1", t=0.0), dict(event="start", worker="gw1",
                                                                                  test="g.py::t2", t=0.0),

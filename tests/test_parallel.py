@@ -448,8 +448,8 @@ def test_killed_worker_ends_the_job(tmp_path, nine_rows):
 
 
 def test_the_cluster_polls_its_peers_every_second_or_two_unless_the_user_chose():
-    """msrun's processes start with MindSpore's cluster retry intervals at 1-2 s (a job on one node starts and ends
-    4-6 s sooner, docs/benchmarks.md); a user's own values, and their log level, are kept."""
+    """msrun's processes start with MindSpore's cluster retry intervals at 1 and 2 s (a job on one node starts and
+    ends about 4 s sooner, docs/benchmarks.md); a user's own values, and their log level, are kept."""
     from orb.training.launch import msrun_environment
 
     env = msrun_environment({"PATH": "/usr/bin"})
@@ -457,6 +457,9 @@ def test_the_cluster_polls_its_peers_every_second_or_two_unless_the_user_chose()
     assert env["PATH"].split(os.pathsep) == [os.path.dirname(sys.executable), "/usr/bin"]
     mine = msrun_environment({"MS_RETRY_INTERVAL_LOWER": "3", "MS_RETRY_INTERVAL_UPPER": "5", "GLOG_v": "1"})
     assert (mine["MS_RETRY_INTERVAL_LOWER"], mine["MS_RETRY_INTERVAL_UPPER"], mine["GLOG_v"]) == ("3", "5", "1")
+    lower = msrun_environment({"MS_RETRY_INTERVAL_LOWER": "5"})  # one of the pair: MindSpore's rule for the other
+    assert lower["MS_RETRY_INTERVAL_LOWER"] == "5" and "MS_RETRY_INTERVAL_UPPER" not in lower
+    assert msrun_environment({})["PATH"] == os.path.dirname(sys.executable)  # no empty entry (the current folder)
 
 
 def test_a_stop_before_any_worker_or_to_every_process_saves_and_exits_75(tmp_path, nine_rows):

@@ -1,8 +1,9 @@
 """The model's compiled passes for use (not training): predictions in physical units, and descriptors.
 
-Both are compiled whatever the caller's execution mode (``jit``): a calculator made from a model object in a
-script that never set graph mode ran op by op in PyNative mode, 4x slower at 64 atoms. They live with the
-models because training (replay labels, the reference fit) runs them as much as inference does.
+Both are compiled whatever the caller's execution mode: :class:`orb.inference.predictor.Predictor` runs them in
+graph mode (:func:`orb.device.graph_mode`, through the compile cache), and ``jit`` compiles them for any other caller
+left in PyNative mode (op by op, a calculator ran 4x slower at 64 atoms). They live with the models because training
+(replay labels, the reference fit) runs them as much as inference does.
 """
 
 import mindspore as ms

@@ -17,8 +17,8 @@ launch is set by environment variables:
   LOG_DIR           worker logs                     (default: msrun_logs/<date-time>)
   CLUSTER_TIME_OUT  seconds to wait for all workers (default: 600)
   MS_RETRY_INTERVAL_LOWER, MS_RETRY_INTERVAL_UPPER
-                    seconds between the cluster's polls of its peers (default: 1 and 2; unset, MindSpore
-                                                    polls as slowly as at 3 and 5)
+                    seconds between the cluster's polls of its peers (default: 1 and 2, unless either
+                                                    is set; MindSpore's own polling is as slow as at 3 and 5)
 
 msrun assigns each worker its device: the config's device_id is not used. On CPU each worker gets
 OMP_NUM_THREADS = cores / LOCAL_WORKER_NUM unless it is set. The console
@@ -413,21 +413,21 @@ def launch(argv: Optional[List[str]], prog: Optional[str] = None) -> int:
 
 
 # MindSpore's cluster polls its peers (workers registering, the CPU collectives' start, the scheduler's wait for
-# the workers to leave) as slowly as with these at 3 and 5 s when they are unset; at 1-2 s a 2-worker job on one node
-# starts and ends 4-6 s sooner (docs/benchmarks.md, "A data-parallel job's start and end"), and 16 ranks polling
-# every second are no load. A user's own values are kept.
+# the workers to leave) as slowly when these are unset as with 3 and 5 s; at 1 and 2 s a 2-worker job on one node
+# starts and ends about 4 s sooner (docs/benchmarks.md, "A data-parallel job's start and end"), and 16 ranks
+# polling every second are no load. A user's own values are kept.
 RETRY_INTERVALS = {"MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "2"}
 
 
 def msrun_environment(environ) -> Dict[str, str]:
     """The environment msrun and its processes start with: this Python's folder first on PATH (the workers run this
-    interpreter), MindSpore's C++ log at errors only (no connection-retry chatter) and its cluster's retry
-    intervals (RETRY_INTERVALS), each unless set."""
+    interpreter), MindSpore's C++ log at errors only (no connection-retry chatter) unless set, and its cluster's
+    retry intervals (RETRY_INTERVALS) unless either is set."""
     env = dict(environ)
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env["PATH"] = os.pathsep.join(p for p in (os.path.dirname(sys.executable), env.get("PATH")) if p)
     env.setdefault("GLOG_v", "3")
-    for name, value in RETRY_INTERVALS.items():
-        env.setdefault(name, value)
+    if not any(name in env for name in RETRY_INTERVALS):  # (one of the two set: the user's pair, as MindSpore reads it)
+        env.update(RETRY_INTERVALS)
     return env
 
 

@@ -76,7 +76,7 @@ def bench_calculator(args) -> None:
     rate = (rate_before + rate_after) / 2
     v2 = args.model == "orb_v2"
     print(f"{args.model}, MindSpore in {args.mode} mode, {args.rounds} alternated round(s), medians; host "
-          f"calibration (numpy's BLAS, 1024^3) {calibration(rate_before, rate_after)}; MindSpore's MatMul (2048^3) "
+          f"calibration (numpy's BLAS, 1024^3) {calibration(rate_before, rate_after)}; MindSpore's MatMul (1024^3) "
           f"{mindspore_gemm_rate():.0f} GFLOP/s")
     print(f"| atoms | MindSpore steps/s | orb-models {'0.4.2' if v2 else '0.5.5'} ORBCalculator steps/s | ratio | "
           f"matrix-multiply work per call (GFLOP) | bound at the GEMM rate (steps/s) | MindSpore / PyTorch at |")

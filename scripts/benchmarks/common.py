@@ -64,9 +64,10 @@ def gemm_rate() -> float:
     return 2 * 1024 ** 3 / median_time(lambda: a @ a, 9) / 1e9
 
 
-def mindspore_gemm_rate(n: int = 2048) -> float:
-    """MindSpore's own float32 MatMul rate (GFLOP/s) on an n x n square, compiled as the models' products are, in the
-    process's kernel threads: beside :func:`gemm_rate` in each table, since the two can move apart."""
+def mindspore_gemm_rate(n: int = 1024) -> float:
+    """MindSpore's own float32 MatMul rate (GFLOP/s) on an n x n square (the size :func:`gemm_rate` times), compiled
+    as the models' products are, in the process's kernel threads: beside numpy's in each table, since the two
+    libraries' kernels are not equally fast on every processor."""
     import mindspore as ms
     from mindspore import nn, ops
 

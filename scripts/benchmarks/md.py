@@ -127,5 +127,5 @@ def bench_md(args) -> None:
           f"the starting positions); at the host's GEMM rate no implementation exceeds {bound:.1f} structure-steps/s "
           f"({bound / loop_rate:.1f}x ASE's loop here)")
     print(f"peak memory of this process (both runs): {peak_memory_gb():.2f} GB; host calibration (numpy's BLAS, "
-          f"1024^3): {calibration(rate_before, rate_after)}; MindSpore's MatMul (2048^3) {mindspore_gemm_rate():.0f} "
+          f"1024^3): {calibration(rate_before, rate_after)}; MindSpore's MatMul (1024^3) {mindspore_gemm_rate():.0f} "
           "GFLOP/s")

@@ -63,30 +63,23 @@ def _lines(path: str) -> List[dict]:
 
 def graph_use(compile_records: List[dict]) -> Dict[str, list]:
     """[count, seconds] of the graphs the compile cache compiled, loaded (and of those, loaded again in a process
-    that had loaded or compiled the same graph before), and of MindSpore compilations outside it (a cell compiled by
-    a test itself, or a graph the cache was not asked for): each ``Cell.compile`` of over 0.5 s less the cache's own
-    time in the same test and process."""
+    that had loaded or compiled the same graph before), and of MindSpore's compilations outside it: a cell compiled
+    by a test itself, or a graph the cache was asked for but could not keep (``uncached``)."""
     use = {name: [0, 0.0] for name in ("compiled", "loaded", "loaded again in the process", "outside the cache")}
     seen = set()
-    inside = collections.defaultdict(float)
-    cells = collections.defaultdict(float)
     for r in compile_records:
-        where = (r["pid"], r["test"])
         if r["event"] == "graph":
-            inside[where] += r["seconds"]
             name = {"cache": "loaded", "compiled": "compiled"}.get(r["source"], "outside the cache")
-            if name == "outside the cache":
-                continue  # (its Cell.compile is counted below)
-            use[name][0] += 1
-            use[name][1] += r["seconds"]
-            if (r["pid"], r["key"]) in seen and name == "loaded":
+            if name == "loaded" and (r["pid"], r["key"]) in seen:
                 use["loaded again in the process"][0] += 1
                 use["loaded again in the process"][1] += r["seconds"]
             seen.add((r["pid"], r["key"]))
-        elif r["seconds"] > 0.5:
-            cells[where] += r["seconds"]
-            use["outside the cache"][0] += 1
-    use["outside the cache"][1] = sum(max(0.0, cells[w] - inside[w]) for w in cells)
+        elif not r.get("in_cache", False):
+            name = "outside the cache"
+        else:
+            continue  # (the cache's own Cell.compile: its graph event counts it)
+        use[name][0] += 1
+        use[name][1] += r["seconds"]
     return use
 
 

@@ -1,7 +1,8 @@
 """Compile trace for ``benchmark.py suite``: imported by every Python process started with this folder on
 ``PYTHONPATH`` (the suite's workers and the commands they run), it times each MindSpore ``Cell.compile`` and each
 graph the compile cache serves (``orb.graph_cache``) and appends one JSON line per event to
-``$ORB_SUITE_TRACE/compile-<pid>.jsonl``. It changes nothing else; without ``ORB_SUITE_TRACE`` it does nothing."""
+``$ORB_SUITE_TRACE/compile-<pid>.jsonl``. It changes nothing else; without ``ORB_SUITE_TRACE`` it only runs the
+sitecustomize it hides, if any."""
 
 import importlib.abc
 import importlib.util
@@ -11,13 +12,18 @@ import sys
 import time
 
 FOLDER = os.environ.get("ORB_SUITE_TRACE")
+SHORTEST = 0.05  # s: MindSpore calls Cell.compile at every graph-mode call; a call that compiled nothing is not kept
+_inside_cache = [0]  # GraphCache.compile calls under way in this process (its own Cell.compile calls are its)
 
 
 def _write(record: dict) -> None:
     record.update(pid=os.getpid(), test=os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0],
                   program=os.path.basename(sys.argv[0]) if sys.argv else "")
-    with open(os.path.join(FOLDER, f"compile-{os.getpid()}.jsonl"), "a") as f:
-        f.write(json.dumps(record) + "\n")
+    try:
+        with open(os.path.join(FOLDER, f"compile-{os.getpid()}.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError:  # (the folder gone, a full disk: the traced process goes on untouched)
+        pass
 
 
 def _trace_cells(module) -> None:
@@ -28,7 +34,9 @@ def _trace_cells(module) -> None:
         try:
             return original(self, *args, **kwargs)
         finally:
-            _write(dict(event="cell", cell=type(self).__name__, seconds=time.perf_counter() - start))
+            seconds = time.perf_counter() - start
+            if seconds >= SHORTEST:
+                _write(dict(event="cell", cell=type(self).__name__, seconds=seconds, in_cache=_inside_cache[0] > 0))
 
     module.Cell.compile = compile
 
@@ -38,13 +46,18 @@ def _trace_graph_cache(module) -> None:
 
     def compile(self, cell, inputs, kind, settings):
         start = time.perf_counter()
-        source = original(self, cell, inputs, kind, settings)
+        _inside_cache[0] += 1
+        try:
+            source = original(self, cell, inputs, kind, settings)
+        finally:
+            _inside_cache[0] -= 1
+        seconds = time.perf_counter() - start
         key = None
         if settings is not None:
             import hashlib
 
             key = hashlib.sha256(repr(module.graph_identity(kind, cell, inputs, settings)).encode()).hexdigest()[:16]
-        _write(dict(event="graph", kind=kind, source=source, key=key, seconds=time.perf_counter() - start))
+        _write(dict(event="graph", kind=kind, source=source, key=key, seconds=seconds))
         return source
 
     module.GraphCache.compile = compile
@@ -76,5 +89,17 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _next_sitecustomize() -> None:
+    """Run the sitecustomize this one hides (the first further on sys.path), as Python would have."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for entry in sys.path:
+        path = os.path.join(os.path.abspath(entry or "."), "sitecustomize.py")
+        if os.path.dirname(path) != here and os.path.isfile(path):
+            with open(path) as f:
+                exec(compile(f.read(), path, "exec"), {"__name__": "sitecustomize", "__file__": path})
+            return
+
+
 if FOLDER:
     sys.meta_path.insert(0, _Finder())
+_next_sitecustomize()
