@@ -236,7 +236,11 @@ def pytest_runtest_protocol(item, nextitem):
             finally:
                 fcntl.flock(light, fcntl.LOCK_UN)
             return
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(turnstile, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # the other worker's alone test: this one's memory is handed back while it runs
+            release_memory()
+            fcntl.flock(turnstile, fcntl.LOCK_EX)
         alone = "alone" in item.keywords
         fcntl.flock(memory, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         if alone and "beside_light" not in item.keywords:
@@ -300,11 +304,11 @@ def _default_precision_for_each_test():
     precision.set_precision(precision.DEFAULT)
 
 
-@pytest.fixture(autouse=True)
-def _release_memory_after_each_test():
-    """One pytest process runs every test: hand back what each test's models and compiled steps held (MindSpore
-    keeps each compiled model's runtime memory until asked), so the suite's peak stays that of its largest test."""
-    yield
+def release_memory() -> None:
+    """Hand back what the finished tests' models and compiled steps held (MindSpore keeps each compiled model's
+    runtime memory until asked). It also drops every compiled graph still alive (measured: the next call of a kept
+    calculator compiles its graph again, 2-6 s, outside the compile cache), so it is done only where memory matters:
+    see pytest_runtest_teardown."""
     if "mindspore" in sys.modules:
         import gc
 
@@ -313,6 +317,37 @@ def _release_memory_after_each_test():
         from orb.device import release_host_memory
 
         release_host_memory()
+        _RELEASED_AT[0] = resident_gb()
+
+
+def is_alone(item) -> bool:
+    return item is not None and "alone" in item.keywords
+
+
+KEPT_GB = 1.0  # what a worker may keep, beyond its size after the last release, between two tests of a file
+_RELEASED_AT = [0.0]  # the worker's resident size after its last release_memory
+
+
+def resident_gb() -> float:
+    """This process's resident memory (VmRSS), in GB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1e6
+    return 0.0
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test of a file (its module-scoped fixtures gone), around a test marked ``alone``, at the end and
+    in a worker grown by KEPT_GB since its last release, the memory is handed back (release_memory), so the suite's
+    peak stays that of its largest test; otherwise, between two tests of one file, a module-scoped calculator or step
+    keeps its compiled graphs (which the release would drop: the suite compiled 150 s of graphs again). A worker about
+    to wait for the other's alone test releases first (pytest_runtest_protocol)."""
+    yield
+    if (nextitem is None or module_name(nextitem) != module_name(item) or is_alone(item) or is_alone(nextitem)
+            or resident_gb() > _RELEASED_AT[0] + KEPT_GB):
+        release_memory()
 
 
 @pytest.fixture

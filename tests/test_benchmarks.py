@@ -17,7 +17,7 @@ def _scripts_importable(monkeypatch):
 
 
 def test_graphs_are_counted_by_where_they_came_from_and_idle_time_by_the_tests_running():
-    from benchmarks.suite import graph_use, idle_by_tests
+    from benchmarks.suite import graph_use, idle_by_tests, peak_memory, processes_by_program
 
     def graph(pid, test, key, source, seconds):
         return dict(event="graph", pid=pid, test=test, key=key, source=source, seconds=seconds)
@@ -29,11 +29,14 @@ def test_graphs_are_counted_by_where_they_came_from_and_idle_time_by_the_tests_r
                cell(1, "b", 0.5, True), graph(1, "b", "k", "cache", 0.6),
                cell(2, "c", 0.6, True), graph(2, "c", "k", "cache", 0.7),  # loaded in another process: not again
                cell(2, "d", 3.0, False),  # a test's own compilation
-               cell(2, "e", 1.5, True), graph(2, "e", None, "uncached", 1.6)]  # asked, but not to be kept
+               cell(2, "e", 1.5, True), graph(2, "e", None, "uncached", 1.6),  # asked, but not to be kept
+               dict(event="process", pid=2, test="e", program="finetune.py", cpu=7.0, mindspore=True),
+               dict(event="process", pid=3, test="e", program="finetune.py", cpu=0.5, mindspore=False)]
     use = graph_use(records)
     assert use["compiled"] == [1, 2.1] and use["loaded"] == [2, pytest.approx(1.3)]
     assert use["loaded again in the process"] == [1, 0.6]
-    assert use["outside the cache"] == [2, pytest.approx(4.6)]
+    assert use["outside the cache"] == [2, pytest.approx(4.6)]  # (a process's exit is no compilation)
+    assert processes_by_program(records) == [("finetune.py", [2, 1, 7.5])]
 
     timeline = [dict(event="start", worker="gw0", test="f.py::t1", t=0.0), dict(event="start", worker="gw1",
                                                                                  test="g.py::t2", t=0.0),
@@ -42,6 +45,9 @@ def test_graphs_are_counted_by_where_they_came_from_and_idle_time_by_the_tests_r
                 dict(event="end", worker="gw0", test="f.py::t1", t=4.0)]
     idle, pairs = idle_by_tests(timeline, cores=2)
     assert idle == pytest.approx(3.0) and pairs[0] == ("t1 | (waiting or done)", pytest.approx(3.0))
+    assert peak_memory(timeline) is None  # (a trace from before memory was sampled)
+    timeline[3]["memory_gb"], timeline[4]["memory_gb"] = 1.5, 2.5
+    assert peak_memory(timeline) == (2.5, "t1 | t2")  # at t=0.5 both tests ran
 
 
 def test_the_tracer_records_a_compilation_in_a_process_it_starts(tmp_path):
@@ -61,3 +67,5 @@ def test_the_tracer_records_a_compilation_in_a_process_it_starts(tmp_path):
     use = graph_use(records)
     assert use["compiled"][0] == 1 and use["loaded"][0] == 1 and use["loaded again in the process"][0] == 0
     assert {r["cell"] for r in records if r["event"] == "cell"} == {"PredictCell"}
+    exits = [r for r in records if r["event"] == "process"]  # each of the two processes, with MindSpore imported
+    assert len(exits) == 2 and all(r["mindspore"] and r["cpu"] > 0.5 for r in exits)

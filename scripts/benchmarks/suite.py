@@ -74,10 +74,10 @@ def graph_use(compile_records: List[dict]) -> Dict[str, list]:
                 use["loaded again in the process"][0] += 1
                 use["loaded again in the process"][1] += r["seconds"]
             seen.add((r["pid"], r["key"]))
-        elif not r.get("in_cache", False):
+        elif r["event"] == "cell" and not r.get("in_cache", False):
             name = "outside the cache"
         else:
-            continue  # (the cache's own Cell.compile: its graph event counts it)
+            continue  # (the cache's own Cell.compile: its graph event counts it; a process's exit)
         use[name][0] += 1
         use[name][1] += r["seconds"]
     return use
@@ -106,6 +106,37 @@ def idle_by_tests(timeline: List[dict], cores: int) -> (float, list):
     return total, sorted(by_pair.items(), key=lambda item: -item[1])
 
 
+def processes_by_program(compile_records: List[dict]) -> list:
+    """(program, [processes, of them importing MindSpore, CPU seconds]) for every process whose exit the tracer saw,
+    most CPU first (``-c``: ``python -c``; the test workers under their own name)."""
+    by = collections.defaultdict(lambda: [0, 0, 0.0])
+    for r in compile_records:
+        if r["event"] == "process":
+            row = by[r["program"] or "(none)"]
+            row[0] += 1
+            row[1] += bool(r.get("mindspore"))
+            row[2] += r["cpu"]
+    return sorted(by.items(), key=lambda item: -item[1][2])
+
+
+def peak_memory(timeline: List[dict]):
+    """(GB, the tests on the workers then) at the largest sample of the host's memory in use above the run's start
+    (sampled every 2 s: a shorter peak can be missed), or None without samples."""
+    samples = [r for r in timeline if r["event"] == "cpu" and "memory_gb" in r]
+    if not samples:
+        return None
+    top = max(samples, key=lambda r: r["memory_gb"])
+    running, names = {}, []
+    for r in timeline:
+        if r["event"] in ("start", "end") and r["t"] <= top["t"]:
+            if r["event"] == "start":
+                running[r["worker"]] = r["test"].split("::")[-1]
+            else:
+                running.pop(r["worker"], None)
+    names = [running[w] for w in sorted(running)]
+    return top["memory_gb"], " | ".join(names) or "(none)"
+
+
 def test_seconds_by_file(timeline: List[dict]) -> list:
     starts, seconds = {}, collections.defaultdict(float)
     for r in timeline:
@@ -122,7 +153,15 @@ def report(trace: Dict[str, List[dict]], wall: float, user: float, system: float
             f"{100 * cpu / wall:.0f} % of one core ({cores} cores)", "",
             "| graphs | count | seconds |", "|---|---|---|"]
     rows += [f"| {name} | {count} | {seconds:.0f} |" for name, (count, seconds) in graph_use(trace["compile"]).items()]
+    processes = processes_by_program(trace["compile"])
+    if processes:
+        rows += ["", "| Python processes started (their exit recorded) | count | with MindSpore | CPU s |",
+                 "|---|---|---|---|"]
+        rows += [f"| {name} | {n} | {with_ms} | {cpu:.0f} |" for name, (n, with_ms, cpu) in processes[:12]]
     idle, pairs = idle_by_tests(trace["timeline"], cores)
+    peak = peak_memory(trace["timeline"])
+    if peak is not None:
+        rows += ["", f"memory in use above the start, at its peak: {peak[0]:.1f} GB (tests running then: {peak[1]})"]
     rows += ["", f"idle core-seconds: {idle:.0f} (the tests running meanwhile, most idle first)", "",
              "| idle core-s | tests on the workers |", "|---|---|"]
     rows += [f"| {seconds:.0f} | {pair} |" for pair, seconds in pairs[:12]]

@@ -1,7 +1,7 @@
 """Compile trace for ``benchmark.py suite``: imported by every Python process started with this folder on
 ``PYTHONPATH`` (the suite's workers and the commands they run), it times each MindSpore ``Cell.compile`` and each
-graph the compile cache serves (``orb.graph_cache``) and appends one JSON line per event to
-``$ORB_SUITE_TRACE/compile-<pid>.jsonl``. It changes nothing else; without ``ORB_SUITE_TRACE`` it only runs the
+graph the compile cache serves (``orb.graph_cache``), notes each process's CPU time at its exit, and appends one JSON
+line per event to ``$ORB_SUITE_TRACE/compile-<pid>.jsonl``. It changes nothing else; without ``ORB_SUITE_TRACE`` it only runs the
 sitecustomize it hides, if any."""
 
 import importlib.abc
@@ -100,6 +100,20 @@ def _next_sitecustomize() -> None:
             return
 
 
+def _trace_process() -> None:
+    """At the process's exit: its CPU time, and whether it imported MindSpore (a process killed or ended by os._exit
+    leaves no record)."""
+    import atexit
+    import resource
+
+    def record():
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        _write(dict(event="process", cpu=usage.ru_utime + usage.ru_stime, mindspore="mindspore" in sys.modules))
+
+    atexit.register(record)
+
+
 if FOLDER:
     sys.meta_path.insert(0, _Finder())
+    _trace_process()
 _next_sitecustomize()

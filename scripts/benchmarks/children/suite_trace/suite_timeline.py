@@ -1,6 +1,6 @@
 """pytest plugin for ``benchmark.py suite`` (``-p suite_timeline``): each test's start and end on its worker, and
-the host's busy share every 2 s (from the controller, Linux's /proc/stat), as JSON lines in
-``$ORB_SUITE_TRACE/timeline.jsonl``."""
+the host's busy share and memory in use every 2 s (from the controller, Linux's /proc/stat and /proc/meminfo), as
+JSON lines in ``$ORB_SUITE_TRACE/timeline.jsonl``."""
 
 import json
 import os
@@ -27,8 +27,20 @@ def pytest_runtest_logfinish(nodeid, location):
         _write(dict(event="end", worker=WORKER or "main", test=nodeid, t=time.time()))
 
 
+def memory_in_use_gb() -> float:
+    """The host's memory in use (MemTotal - MemAvailable), in GB: what a memory limit on the run would count, page
+    cache aside."""
+    fields = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, value = line.split(":", 1)
+            fields[key] = int(value.split()[0])
+    return (fields["MemTotal"] - fields["MemAvailable"]) / 1e6
+
+
 def _busy(interval: float = 2.0) -> None:
     before = None
+    baseline = memory_in_use_gb()
     while True:
         try:
             with open("/proc/stat") as f:
@@ -38,7 +50,7 @@ def _busy(interval: float = 2.0) -> None:
         idle, total = ticks[3] + ticks[4], sum(ticks)
         if before is not None and total > before[1]:
             _write(dict(event="cpu", t=time.time(), seconds=interval,
-                        busy=1.0 - (idle - before[0]) / (total - before[1])))
+                        busy=1.0 - (idle - before[0]) / (total - before[1]), memory_gb=memory_in_use_gb() - baseline))
         before = (idle, total)
         time.sleep(interval)
 
