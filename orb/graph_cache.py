@@ -93,7 +93,7 @@ class GraphCache:
         """Compile ``cell`` for ``inputs``: from the cache when it holds this graph (``"cache"``), else compiled and
         kept (``"compiled"``); without the cache ``"uncached"``."""
         if settings is None or not self.usable():
-            cell.compile(*inputs)
+            compile_cell_now(cell, inputs)
             return "uncached"
         from orb.cache import CacheEntry, load_arrays, one_builder
 
@@ -125,7 +125,7 @@ class GraphCache:
                 os.remove(entry.read_from)
             except OSError:
                 mark_damaged(entry.read_from, compiled=True)
-            cell.compile(*inputs)
+            compile_cell_now(cell, inputs)
             return "uncached"
         written = self._written()
         if staged is not None and [item[:3] for item in written] == [staged]:
@@ -138,7 +138,7 @@ class GraphCache:
     def _compile_enabled(self, cell, inputs) -> None:
         os.environ[SWITCH] = "1"  # (MindSpore reads it at every compilation; its context key is deprecated)
         try:
-            cell.compile(*inputs)
+            compile_cell_now(cell, inputs)
         finally:
             os.environ[SWITCH] = "0"
 
@@ -218,6 +218,21 @@ class GraphCache:
         if entry.write(lambda tmp: np.savez(tmp, mindir=mindir), f"compiled {kind} graph"):
             self.kept.append(kind)
         return "compiled"
+
+
+def compile_cell_now(cell, inputs) -> None:
+    """``cell.compile(*inputs)`` without the full garbage collection MindSpore runs before every compilation: it scans
+    every object of the process (0.07-0.1 s in a tool's process, more in a long one: the test suite's workers), and
+    its job, freeing what unreachable cells still hold, is done by a collection of the young generations, where such
+    garbage from this run's last steps sits; older garbage goes at Python's own next full collection."""
+    import gc
+
+    gc.collect(1)
+    gc.freeze()  # (MindSpore's gc.collect() then scans nothing; unfreeze puts every object back)
+    try:
+        cell.compile(*inputs)
+    finally:
+        gc.unfreeze()
 
 
 def _role() -> str:
