@@ -95,6 +95,7 @@ class GraphCache:
         if settings is None or not self.usable():
             compile_cell_now(cell, inputs)
             return "uncached"
+        object.__setattr__(cell, "_orb_graph", (kind, settings))  # (for CompiledThroughCache: not in its identity)
         from orb.cache import CacheEntry, load_arrays, one_builder
 
         identity = graph_identity(kind, cell, inputs, settings)
@@ -220,6 +221,41 @@ class GraphCache:
         return "compiled"
 
 
+class CompiledThroughCache:
+    """Mixin for the cells compiled through the cache (the training, evaluation, prediction and descriptor steps):
+    a compilation MindSpore starts by itself, at a call, goes through the cache too.
+
+    MindSpore 2.10 names a cell's graph by a number it gives each kind of arguments; freeing the first compiled cell
+    of a process (or ``ms_memory_recycle()``) renumbers them, and every other cell's next call then compiles its
+    graph afresh, outside the cache (measured: 2-14 s per graph; a calculator whose predecessor was freed, a
+    training run's steps after its labelling pass). Here such a call loads the graph the cache keeps instead."""
+
+    def compile(self, *args, **kwargs):
+        graph = getattr(self, "_orb_graph", None)
+        if graph is None or kwargs or _holds_graph(self, args):
+            return super().compile(*args, **kwargs)
+        GRAPHS._say("renumbered", "MindSpore let go of a compiled graph (a freed cell renumbered its graphs): "
+                                  "loading it again from the compile cache")
+        GRAPHS.compile(self, args, *graph)
+
+
+def _holds_graph(cell, args) -> bool:
+    """Whether MindSpore holds the graph of ``cell`` for ``args`` (its own test in ``Cell.compile``: the cell's phase
+    for the arguments' current key); True where it cannot be told, so that MindSpore decides."""
+    try:
+        from mindspore import Parameter
+        from mindspore.graph.api import _cell_graph_executor as executor
+
+        if any(isinstance(a, Parameter) for a in args):  # (MindSpore adds parameter ids to the key)
+            return True
+        key = executor._graph_executor.generate_arguments_key(cell, args, {}, getattr(cell, "enable_tuple_broaden",
+                                                                                    False))
+        phase = f"{cell.phase}.{cell.create_time}.{id(cell)}.{key}"
+        return phase in cell.compile_cache and bool(executor.has_compiled(phase))
+    except Exception:  # another MindSpore
+        return True
+
+
 def compile_cell_now(cell, inputs) -> None:
     """``cell.compile(*inputs)`` without the full garbage collection MindSpore runs before every compilation: it scans
     every object of the process (0.07-0.1 s in a tool's process, more in a long one: the test suite's workers), and
@@ -230,7 +266,9 @@ def compile_cell_now(cell, inputs) -> None:
     gc.collect(1)
     gc.freeze()  # (MindSpore's gc.collect() then scans nothing; unfreeze puts every object back)
     try:
-        cell.compile(*inputs)
+        compile_method = super(CompiledThroughCache, cell).compile if isinstance(cell, CompiledThroughCache) else \
+            cell.compile  # (the cache's own compilation: MindSpore's, not CompiledThroughCache's)
+        compile_method(*inputs)
     finally:
         gc.unfreeze()
 

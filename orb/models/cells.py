@@ -9,8 +9,10 @@ left in PyNative mode (op by op, a calculator ran 4x slower at 64 atoms). They l
 import mindspore as ms
 from mindspore import nn
 
+from orb.graph_cache import CompiledThroughCache
 
-class PredictCell(nn.Cell):
+
+class PredictCell(CompiledThroughCache, nn.Cell):
     """Forward pass returning (energy eV, forces eV/Å, stress eV/Å^3[, confidence]) of the model's family."""
 
     def __init__(self, model):
@@ -22,7 +24,7 @@ class PredictCell(nn.Cell):
         return self.model.predictions(*inputs)
 
 
-class DescriptorCell(nn.Cell):
+class DescriptorCell(CompiledThroughCache, nn.Cell):
     """Forward pass returning each structure's descriptor (mean node latent, (B, latent_dim))."""
 
     def __init__(self, model):

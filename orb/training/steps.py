@@ -6,6 +6,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
+from orb.graph_cache import CompiledThroughCache
 from orb.training.loss_base import NormalisedLoss
 from orb.training.optimizer import FlatAdam
 
@@ -15,7 +16,7 @@ from orb.training.optimizer import FlatAdam
 # session stayed in memory; a full-size orb-v2 calculator 110 MB each). Unpacking a tuple built inside is safe.
 
 
-class TrainStep(nn.Cell):
+class TrainStep(CompiledThroughCache, nn.Cell):
     """One optimisation step: the normalisers' new statistics, loss and gradients, the gradients summed over
     data-parallel ranks by ``grad_reducer`` (MindSpore's ``nn.DistributedGradReducer`` in a data-parallel run,
     the optimizer's reduce-scatter when it is sharded, none on one device), then -- if the gradient is finite --
@@ -130,7 +131,7 @@ class ScaledLoss(nn.Cell):
         return loss * ops.stop_gradient(self.loss_scale.scale), sums
 
 
-class EvalStep(nn.Cell):
+class EvalStep(CompiledThroughCache, nn.Cell):
     """Loss and metric sums with frozen normalisers; returns the sums of this batch."""
 
     def __init__(self, loss_cell: NormalisedLoss):
