@@ -226,51 +226,80 @@ class CompiledThroughCache:
     a compilation MindSpore starts by itself, at a call, goes through the cache too.
 
     MindSpore 2.10 names a cell's graph by a number it gives each kind of arguments; freeing the first compiled cell
-    of a process (or ``ms_memory_recycle()``) renumbers them, and every other cell's next call then compiles its
-    graph afresh, outside the cache (measured: 2-14 s per graph; a calculator whose predecessor was freed, a
-    training run's steps after its labelling pass). Here such a call loads the graph the cache keeps instead."""
+    of a process (or ``ms_memory_recycle()``) renumbers them, and every other cell's next call then compiled its
+    graph afresh, outside the cache (measured: 1.4 s for the demo model, 2-14 s per graph in the test suite). Here
+    such a call loads the graph the cache keeps instead, through :func:`orb.device.compile_cell` (a stop signal
+    meanwhile is honoured after it). Where the phase MindSpore will look for cannot be predicted (:func:`_phase`),
+    or a prediction proves wrong once, MindSpore decides alone, as without this mixin."""
 
     def compile(self, *args, **kwargs):
         graph = getattr(self, "_orb_graph", None)
-        if graph is None or kwargs or _holds_graph(self, args):
+        phase = _phase(self, args) if graph is not None and not kwargs else None
+        if phase is None or (phase in self.compile_cache and _executor().has_compiled(phase)):
             return super().compile(*args, **kwargs)
         GRAPHS._say("renumbered", "MindSpore let go of a compiled graph (a freed cell renumbered its graphs): "
                                   "loading it again from the compile cache")
-        GRAPHS.compile(self, args, *graph)
+        from orb.device import compile_cell
+
+        kind, settings = graph
+        compile_cell(self, *args, kind=kind, settings=settings)
+        if getattr(self, "compile_phase", None) != phase:  # MindSpore names graphs otherwise than predicted here
+            _PREDICTING[0] = False
+            GRAPHS._say("unpredicted", "MindSpore's graph names are not those expected: graphs it lets go of are "
+                                       "compiled again by MindSpore itself")
 
 
-def _holds_graph(cell, args) -> bool:
-    """Whether MindSpore holds the graph of ``cell`` for ``args`` (its own test in ``Cell.compile``: the cell's phase
-    for the arguments' current key); True where it cannot be told, so that MindSpore decides."""
+_PREDICTING = [True]  # False once a prediction of _phase proved wrong in this process
+
+
+def _executor():
+    from mindspore.graph.api import _cell_graph_executor
+
+    return _cell_graph_executor
+
+
+def _phase(cell, args) -> Optional[str]:
+    """The phase MindSpore's ``Cell.compile`` will look for (``_real_phase``: the cell's phase, creation time, id and
+    its key of the arguments), or None where that cannot be told here: parameters among the arguments (their ids
+    join the key), MindSpore's AST guard or dynamic-shape inputs, another MindSpore."""
+    if not _PREDICTING[0] or os.environ.get("MS_DEV_JIT_AST_ENABLE_GUARD") == "1":
+        return None
     try:
         from mindspore import Parameter
-        from mindspore.graph.api import _cell_graph_executor as executor
 
-        if any(isinstance(a, Parameter) for a in args):  # (MindSpore adds parameter ids to the key)
-            return True
-        key = executor._graph_executor.generate_arguments_key(cell, args, {}, getattr(cell, "enable_tuple_broaden",
-                                                                                    False))
-        phase = f"{cell.phase}.{cell.create_time}.{id(cell)}.{key}"
-        return phase in cell.compile_cache and bool(executor.has_compiled(phase))
+        if getattr(cell, "_dynamic_shape_inputs", None) is not None or any(isinstance(a, Parameter) for a in args):
+            return None
+        from mindspore.graph.dynamic_shape._auto_dynamic import is_auto_dynamic
+
+        if is_auto_dynamic():
+            return None
+        key = _executor()._graph_executor.generate_arguments_key(cell, args, {},
+                                                                 getattr(cell, "enable_tuple_broaden", False))
+        return f"{cell.phase}.{cell.create_time}.{id(cell)}.{key}"
     except Exception:  # another MindSpore
-        return True
+        return None
 
 
 def compile_cell_now(cell, inputs) -> None:
-    """``cell.compile(*inputs)`` without the full garbage collection MindSpore runs before every compilation: it scans
-    every object of the process (0.07-0.1 s in a tool's process, more in a long one: the test suite's workers), and
-    its job, freeing what unreachable cells still hold, is done by a collection of the young generations, where such
-    garbage from this run's last steps sits; older garbage goes at Python's own next full collection."""
+    """``cell.compile(*inputs)`` without the full garbage collection MindSpore runs before every compilation, which
+    scans every object of the process (0.07-0.1 s in a tool's process, 0.7 s in one of 2 M objects: the test suite's
+    workers): the heap is frozen meanwhile, after a collection of the young generations, where the garbage of the
+    last steps sits. Older cyclic garbage (a cell that survived earlier compilations) waits for Python's next full
+    collection instead. A heap the caller froze itself is left as it is (MindSpore's collection then scans what is
+    not frozen)."""
     import gc
 
-    gc.collect(1)
-    gc.freeze()  # (MindSpore's gc.collect() then scans nothing; unfreeze puts every object back)
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.collect(1)
+        gc.freeze()  # (MindSpore's gc.collect() then scans nothing; unfreeze puts every object back)
     try:
         compile_method = super(CompiledThroughCache, cell).compile if isinstance(cell, CompiledThroughCache) else \
             cell.compile  # (the cache's own compilation: MindSpore's, not CompiledThroughCache's)
         compile_method(*inputs)
     finally:
-        gc.unfreeze()
+        if freeze:
+            gc.unfreeze()
 
 
 def _role() -> str:

@@ -226,21 +226,17 @@ def pytest_runtest_protocol(item, nextitem):
     if "PYTEST_XDIST_WORKER" not in os.environ:
         yield
         return
-    run = os.path.join(tempfile.gettempdir(), f"orb-tests-{os.environ.get('PYTEST_XDIST_TESTRUNUID', 'run')}")
+    run = run_files()
     with open(run + ".turnstile", "a") as turnstile, open(run + ".memory", "a") as memory, \
             open(run + ".light", "a") as light:
         if module_name(item) in LIGHT:
-            fcntl.flock(light, fcntl.LOCK_SH)
+            lock_or_release_first(light, fcntl.LOCK_SH)  # (an alone test not beside_light holds it)
             try:
                 yield
             finally:
                 fcntl.flock(light, fcntl.LOCK_UN)
             return
-        try:
-            fcntl.flock(turnstile, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # the other worker's alone test: this one's memory is handed back while it runs
-            release_memory()
-            fcntl.flock(turnstile, fcntl.LOCK_EX)
+        lock_or_release_first(turnstile, fcntl.LOCK_EX)  # (the other worker's alone test holds it)
         alone = "alone" in item.keywords
         fcntl.flock(memory, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         if alone and "beside_light" not in item.keywords:
@@ -253,6 +249,21 @@ def pytest_runtest_protocol(item, nextitem):
             fcntl.flock(light, fcntl.LOCK_UN)
             fcntl.flock(memory, fcntl.LOCK_UN)
             fcntl.flock(turnstile, fcntl.LOCK_UN)
+
+
+def run_files() -> str:
+    """The prefix of this run's lock files (one run of pytest-xdist's workers)."""
+    return os.path.join(tempfile.gettempdir(), f"orb-tests-{os.environ.get('PYTEST_XDIST_TESTRUNUID', 'run')}")
+
+
+def lock_or_release_first(lock_file, mode) -> None:
+    """Take ``lock_file``; if the other worker holds it (its alone test runs or waits for this worker), hand this
+    worker's memory back before waiting."""
+    try:
+        fcntl.flock(lock_file, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        release_memory()
+        fcntl.flock(lock_file, mode)
 
 
 ISOLATED_CHILD = "ORB_TEST_ISOLATED_CHILD"
@@ -306,9 +317,9 @@ def _default_precision_for_each_test():
 
 def release_memory() -> None:
     """Hand back what the finished tests' models and compiled steps held (MindSpore keeps each compiled model's
-    runtime memory until asked). It also drops every compiled graph still alive (measured: the next call of a kept
-    calculator compiles its graph again, 2-6 s, outside the compile cache), so it is done only where memory matters:
-    see pytest_runtest_teardown."""
+    runtime memory until asked). MindSpore then lets go of every compiled graph still alive (the next call of a kept
+    calculator loads its graph again from the compile cache: orb.graph_cache.CompiledThroughCache), so it is done
+    only where memory matters: see pytest_runtest_teardown."""
     if "mindspore" in sys.modules:
         import gc
 
@@ -339,15 +350,31 @@ def resident_gb() -> float:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    """After the last test of a file (its module-scoped fixtures gone), around a test marked ``alone``, at the end and
-    in a worker grown by KEPT_GB since its last release, the memory is handed back (release_memory), so the suite's
-    peak stays that of its largest test; otherwise, between two tests of one file, a module-scoped calculator or step
-    keeps its compiled graphs (which the release would drop: the suite compiled 150 s of graphs again). A worker about
-    to wait for the other's alone test releases first (pytest_runtest_protocol)."""
+    """After the last test of a file (its module-scoped fixtures gone), around a test marked ``alone`` (this worker's,
+    or the other's, waiting for this test to end), at the end and in a worker grown by KEPT_GB since its last release,
+    the memory is handed back (release_memory), so the suite's peak stays that of its largest test; otherwise,
+    between two tests of one file, a module-scoped calculator or step keeps its compiled graphs (which the release
+    would drop: the suite compiled 150 s of graphs again, before they were loaded from the cache). A worker about to
+    wait for a lock the other's alone test holds releases first (lock_or_release_first)."""
     yield
     if (nextitem is None or module_name(nextitem) != module_name(item) or is_alone(item) or is_alone(nextitem)
-            or resident_gb() > _RELEASED_AT[0] + KEPT_GB):
+            or resident_gb() > _RELEASED_AT[0] + KEPT_GB or other_worker_waits_alone()):
         release_memory()
+
+
+def other_worker_waits_alone() -> bool:
+    """Whether the other worker holds the turnstile: about to run an alone test, it waits for this worker's test to
+    end (checked before this worker lets its turn go, so that its memory is handed back before the alone test
+    starts); a non-alone test holds it for an instant only."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return False
+    with open(run_files() + ".turnstile", "a") as turnstile:
+        try:
+            fcntl.flock(turnstile, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        return False
 
 
 @pytest.fixture

@@ -280,6 +280,26 @@ def test_a_graph_mindspore_lets_go_of_when_another_cell_is_freed_is_loaded_again
     assert result.stderr.count("loading it again from the compile cache") == 1
 
 
+def test_a_wrong_guess_of_mindspores_graph_names_leaves_mindspore_to_decide_from_then_on(cache_dir, monkeypatch):
+    """Where the phase MindSpore looks for is not the one predicted (another MindSpore), the call still computes the
+    same numbers, and later calls go to MindSpore alone (not through the cache at every call)."""
+    from orb import device, graph_cache
+    from orb.inference.predictor import Predictor
+
+    made = model()
+    graphs = batches(made.cfg)[:1]
+    predictor = Predictor(made, reuse=False)
+    expected = predictor(graphs[0])
+    monkeypatch.setattr(graph_cache, "_PREDICTING", [True])
+    monkeypatch.setattr(graph_cache, "_phase", lambda cell, args: "not MindSpore's name" if graph_cache._PREDICTING[0]
+                        else None)
+    routed, compile_cell = [], device.compile_cell
+    monkeypatch.setattr(device, "compile_cell", lambda *a, **k: routed.append(1) or compile_cell(*a, **k))
+    for _ in range(3):
+        assert_equal([predictor(graphs[0])], [expected])
+    assert graph_cache._PREDICTING == [False] and len(routed) == 1
+
+
 KILLED_WRITER = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
