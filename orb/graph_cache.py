@@ -230,7 +230,8 @@ class CompiledThroughCache:
     graph afresh, outside the cache (measured: 1.4 s for the demo model, 2-14 s per graph in the test suite). Here
     such a call loads the graph the cache keeps instead, through :func:`orb.device.compile_cell` (a stop signal
     meanwhile is honoured after it). Where the phase MindSpore will look for cannot be predicted (:func:`_phase`),
-    or a prediction proves wrong once, MindSpore decides alone, as without this mixin."""
+    or a prediction proves wrong once, MindSpore decides alone, as without this mixin. The prediction computes
+    MindSpore's key of the arguments, as its own call does again: about 40 us a call for a step's 13 inputs."""
 
     def compile(self, *args, **kwargs):
         graph = getattr(self, "_orb_graph", None)

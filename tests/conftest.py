@@ -256,12 +256,19 @@ def run_files() -> str:
     return os.path.join(tempfile.gettempdir(), f"orb-tests-{os.environ.get('PYTEST_XDIST_TESTRUNUID', 'run')}")
 
 
+def took(lock_file, mode) -> bool:
+    """Whether ``lock_file`` was taken at once (False: the other worker holds it)."""
+    try:
+        fcntl.flock(lock_file, mode | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
 def lock_or_release_first(lock_file, mode) -> None:
     """Take ``lock_file``; if the other worker holds it (its alone test runs or waits for this worker), hand this
     worker's memory back before waiting."""
-    try:
-        fcntl.flock(lock_file, mode | fcntl.LOCK_NB)
-    except BlockingIOError:
+    if not took(lock_file, mode):
         release_memory()
         fcntl.flock(lock_file, mode)
 
@@ -369,9 +376,7 @@ def other_worker_waits_alone() -> bool:
     if "PYTEST_XDIST_WORKER" not in os.environ:
         return False
     with open(run_files() + ".turnstile", "a") as turnstile:
-        try:
-            fcntl.flock(turnstile, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not took(turnstile, fcntl.LOCK_EX):
             return True
         fcntl.flock(turnstile, fcntl.LOCK_UN)
         return False

@@ -83,16 +83,26 @@ def graph_use(compile_records: List[dict]) -> Dict[str, list]:
     return use
 
 
-def idle_by_tests(timeline: List[dict], cores: int) -> (float, list):
-    """The host's idle core-seconds, and the pairs of tests running on the workers meanwhile, most idle first."""
-    runs = collections.defaultdict(list)  # worker -> [(start, end, test)]
+def test_runs(timeline: List[dict]) -> Dict[str, list]:
+    """worker -> [(start, end, test)] of every test that ended."""
+    runs = collections.defaultdict(list)
     open_runs = {}
     for r in timeline:
         if r["event"] == "start":
             open_runs[(r["worker"], r["test"])] = r["t"]
         elif r["event"] == "end" and (r["worker"], r["test"]) in open_runs:
             runs[r["worker"]].append((open_runs.pop((r["worker"], r["test"])), r["t"], r["test"]))
-    workers = sorted(runs)
+    return runs
+
+
+def running_at(runs: Dict[str, list], t: float) -> list:
+    """The test each worker ran at time ``t`` (its name), or None, by worker."""
+    return [next((test.split("::")[-1] for s, e, test in runs[w] if s <= t < e), None) for w in sorted(runs)]
+
+
+def idle_by_tests(timeline: List[dict], cores: int) -> (float, list):
+    """The host's idle core-seconds, and the pairs of tests running on the workers meanwhile, most idle first."""
+    runs = test_runs(timeline)
     by_pair = collections.defaultdict(float)
     total = 0.0
     for r in timeline:
@@ -100,9 +110,7 @@ def idle_by_tests(timeline: List[dict], cores: int) -> (float, list):
             continue
         idle = (1.0 - r["busy"]) * cores * r["seconds"]
         total += idle
-        now = [next((test.split("::")[-1] for s, e, test in runs[w] if s <= r["t"] < e), "(waiting or done)")
-               for w in workers]
-        by_pair[" | ".join(now)] += idle
+        by_pair[" | ".join(name or "(waiting or done)" for name in running_at(runs, r["t"]))] += idle
     return total, sorted(by_pair.items(), key=lambda item: -item[1])
 
 
@@ -126,14 +134,7 @@ def peak_memory(timeline: List[dict]):
     if not samples:
         return None
     top = max(samples, key=lambda r: r["memory_gb"])
-    running, names = {}, []
-    for r in timeline:
-        if r["event"] in ("start", "end") and r["t"] <= top["t"]:
-            if r["event"] == "start":
-                running[r["worker"]] = r["test"].split("::")[-1]
-            else:
-                running.pop(r["worker"], None)
-    names = [running[w] for w in sorted(running)]
+    names = [name for name in running_at(test_runs(timeline), top["t"]) if name]
     return top["memory_gb"], " | ".join(names) or "(none)"
 
 
