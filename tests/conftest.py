@@ -191,12 +191,13 @@ LIGHT = ("test_graphs", "test_optimizer", "test_blocks", "test_pieces", "test_fo
 
 # The README's command runs two pytest-xdist workers, each taking whole files in this order (--dist loadfile
 # --no-loadscope-reorder: a file's module-scoped runs happen once): the full-size parity runs first, while both
-# workers are small, the light files beside them on the other worker, then the others longest first (their test
+# workers are small, the light files beside them on the other worker, the smoke test (the suite's largest process,
+# 3.1 GB) while the workers are still small, then the others longest first (their test
 # time in a full run, 2026-11-28: parallel 650 s ... own_inputs 7 s), so that the two workers end together (the
 # odd_structures, unlisted before, ran among the last and left one worker alone for minutes).
-LONGEST_FIRST = ("test_orb_v3",) + LIGHT + (
+LONGEST_FIRST = ("test_orb_v3",) + LIGHT + ("test_smoke",) + (
     "test_parallel", "test_replay", "test_odd_structures", "test_precision", "test_preemption", "test_md",
-    "test_training", "test_sums", "test_relax", "test_properties", "test_use", "test_graph_cache", "test_smoke",
+    "test_training", "test_sums", "test_relax", "test_properties", "test_use", "test_graph_cache",
     "test_tradeoff", "test_val_split", "test_signals", "test_model", "test_strategies", "test_pretrained",
     "test_export", "test_model_names", "test_docs", "test_checkpoint", "test_resume_state", "test_uncertainty",
     "test_templates", "test_own_inputs")

@@ -52,12 +52,18 @@ def _trace_graph_cache(module) -> None:
         finally:
             _inside_cache[0] -= 1
         seconds = time.perf_counter() - start
-        key = None
+        key, parts, shapes = None, None, None
         if settings is not None:
             import hashlib
 
-            key = hashlib.sha256(repr(module.graph_identity(kind, cell, inputs, settings)).encode()).hexdigest()[:16]
-        _write(dict(event="graph", kind=kind, source=source, key=key, seconds=seconds))
+            digest = lambda value: hashlib.sha256(repr(value).encode()).hexdigest()[:16]  # noqa: E731
+            identity = module.graph_identity(kind, cell, inputs, settings)
+            key = digest(identity)
+            # (each part's own digest: graphs that differ in one part only, e.g. the shapes, are found in the trace)
+            parts = dict(zip(("kind", "specs", "parameters", "structure", "settings", "precision", "profile",
+                              "context"), map(digest, identity)))
+            shapes = [list(shape) for shape, _ in identity[1]][:4]
+        _write(dict(event="graph", kind=kind, source=source, key=key, parts=parts, shapes=shapes, seconds=seconds))
         return source
 
     module.GraphCache.compile = compile
