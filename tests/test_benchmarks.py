@@ -17,7 +17,7 @@ def _scripts_importable(monkeypatch):
 
 
 def test_graphs_are_counted_by_where_they_came_from_and_idle_time_by_the_tests_running():
-    from benchmarks.suite import graph_use, idle_by_tests, peak_memory, processes_by_program
+    from benchmarks.suite import graph_use, idle_by_tests, peak_memory, processes_by_program, shape_only_compilations
 
     def graph(pid, test, key, source, seconds):
         return dict(event="graph", pid=pid, test=test, key=key, source=source, seconds=seconds)
@@ -37,6 +37,15 @@ def test_graphs_are_counted_by_where_they_came_from_and_idle_time_by_the_tests_r
     assert use["loaded again in the process"] == [1, 0.6]
     assert use["outside the cache"] == [2, pytest.approx(4.6)]  # (a process's exit is no compilation)
     assert processes_by_program(records) == [("finetune.py", [2, 1, 7.5])]
+
+    # graphs that differ in their input shapes only: all but one of each group (the costliest kept) could be saved
+    parts = dict(kind="k1", specs="s1", parameters="p", structure="c", settings="x")
+    shaped = [dict(graph(5, "f", f"k{n}", "compiled", seconds), parts=dict(parts, **change))
+              for n, (seconds, change) in enumerate([(4.0, {}), (3.0, dict(specs="s2")), (2.0, dict(specs="s3")),
+                                                      (5.0, dict(settings="y")),
+                                                      (1.0, dict(settings="y", specs="s2"))])]
+    shaped.append(graph(5, "f", "k9", "compiled", 9.0))  # (no parts: a trace from before they were recorded)
+    assert shape_only_compilations(records + shaped) == [3, pytest.approx(6.0)]
 
     timeline = [dict(event="start", worker="gw0", test="f.py::t1", t=0.0), dict(event="start", worker="gw1",
                                                                                  test="g.py::t2", t=0.0),

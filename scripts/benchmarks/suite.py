@@ -83,6 +83,18 @@ def graph_use(compile_records: List[dict]) -> Dict[str, list]:
     return use
 
 
+def shape_only_compilations(compile_records: List[dict]) -> list:
+    """[count, seconds] of the graphs compiled while another graph compiled in the run differed from them in the
+    input shapes only (the tracer's digest of each part of a graph's identity: same kind, model, settings,
+    precision...): what pinning the tests' batch shapes to fewer buckets could save, at most."""
+    groups = collections.defaultdict(list)
+    for r in compile_records:
+        if r["event"] == "graph" and r["source"] == "compiled" and r.get("parts"):
+            groups[tuple(sorted((k, v) for k, v in r["parts"].items() if k != "specs"))].append(r["seconds"])
+    extra = [sorted(seconds)[:-1] for seconds in groups.values()]  # (the costliest one of each group is needed)
+    return [sum(map(len, extra)), sum(map(sum, extra))]
+
+
 def test_runs(timeline: List[dict]) -> Dict[str, list]:
     """worker -> [(start, end, test)] of every test that ended."""
     runs = collections.defaultdict(list)
@@ -154,6 +166,9 @@ def report(trace: Dict[str, List[dict]], wall: float, user: float, system: float
             f"{100 * cpu / wall:.0f} % of one core ({cores} cores)", "",
             "| graphs | count | seconds |", "|---|---|---|"]
     rows += [f"| {name} | {count} | {seconds:.0f} |" for name, (count, seconds) in graph_use(trace["compile"]).items()]
+    same = shape_only_compilations(trace["compile"])
+    rows += ["", f"of the graphs compiled, {same[0]} ({same[1]:.0f} s) differ from another compiled graph in their "
+                 f"input shapes only"]
     processes = processes_by_program(trace["compile"])
     if processes:
         rows += ["", "| Python processes started (their exit recorded) | count | with MindSpore | CPU s |",
