@@ -17,7 +17,8 @@ def _scripts_importable(monkeypatch):
 
 
 def test_graphs_are_counted_by_where_they_came_from_and_idle_time_by_the_tests_running():
-    from benchmarks.suite import graph_use, idle_by_tests, peak_memory, processes_by_program, shape_only_compilations
+    from benchmarks.suite import (graph_use, idle_by_tests, kept_by_workers, peak_memory, processes_by_program,
+                                  shape_only_compilations)
 
     def graph(pid, test, key, source, seconds):
         return dict(event="graph", pid=pid, test=test, key=key, source=source, seconds=seconds)
@@ -57,6 +58,11 @@ def test_graphs_are_counted_by_where_they_came_from_and_idle_time_by_the_tests_r
     assert peak_memory(timeline) is None  # (a trace from before memory was sampled)
     timeline[3]["memory_gb"], timeline[4]["memory_gb"] = 1.5, 2.5
     assert peak_memory(timeline) == (2.5, "t1 | t2")  # at t=0.5 both tests ran
+    assert kept_by_workers(timeline) == {}  # (a trace from before the workers' memory was recorded)
+    ends = [("gw0", "f.py::a", 1.0), ("gw1", "h.py::a", 0.5), ("gw0", "f.py::b", 1.4), ("gw0", "g.py::a", 2.5),
+            ("gw0", "g.py::b", 2.0), ("gw1", "h.py::b", 0.7)]
+    timeline = [dict(event="end", worker=w, test=test, t=1.0, resident_gb=gb) for w, test, gb in ends]
+    assert kept_by_workers(timeline) == {"gw0": [1.4, 2.0, 2.0], "gw1": [0.7, 0.7, 0.7]}  # each file's last test
 
 
 def test_the_tracer_records_a_compilation_in_a_process_it_starts(tmp_path):

@@ -150,6 +150,22 @@ def peak_memory(timeline: List[dict]):
     return top["memory_gb"], " | ".join(names) or "(none)"
 
 
+def kept_by_workers(timeline: List[dict]) -> Dict[str, list]:
+    """worker -> [resident GB after its first file, after its last file, the largest after any file]: what a worker
+    keeps between files, after handing memory back (tests/conftest.py's release_memory at a file's end)."""
+    ends = collections.defaultdict(list)
+    last = {}
+    for r in timeline:
+        if r["event"] == "end" and "resident_gb" in r:
+            name = r["test"].split("::")[0]
+            if last.get(r["worker"], (None,))[0] not in (None, name):
+                ends[r["worker"]].append(last[r["worker"]][1])  # the previous file's last test
+            last[r["worker"]] = (name, r["resident_gb"])
+    for worker, (_, gb) in last.items():
+        ends[worker].append(gb)
+    return {w: [gbs[0], gbs[-1], max(gbs)] for w, gbs in sorted(ends.items())}
+
+
 def test_seconds_by_file(timeline: List[dict]) -> list:
     starts, seconds = {}, collections.defaultdict(float)
     for r in timeline:
@@ -178,6 +194,11 @@ def report(trace: Dict[str, List[dict]], wall: float, user: float, system: float
     peak = peak_memory(trace["timeline"])
     if peak is not None:
         rows += ["", f"memory in use above the start, at its peak: {peak[0]:.1f} GB (tests running then: {peak[1]})"]
+    kept = kept_by_workers(trace["timeline"])
+    if kept:
+        rows += ["", "each worker's resident memory after a file (GB): " + "; ".join(
+            f"{w} {first:.1f} after its first, {final:.1f} after its last, at most {top:.1f}"
+            for w, (first, final, top) in kept.items())]
     rows += ["", f"idle core-seconds: {idle:.0f} (the tests running meanwhile, most idle first)", "",
              "| idle core-s | tests on the workers |", "|---|---|"]
     rows += [f"| {seconds:.0f} | {pair} |" for pair, seconds in pairs[:12]]

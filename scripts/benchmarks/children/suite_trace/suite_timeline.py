@@ -1,4 +1,5 @@
-"""pytest plugin for ``benchmark.py suite`` (``-p suite_timeline``): each test's start and end on its worker, and
+"""pytest plugin for ``benchmark.py suite`` (``-p suite_timeline``): each test's start and end on its worker (and the
+worker's resident memory after it), and
 the host's busy share and memory in use every 2 s (from the controller, Linux's /proc/stat and /proc/meminfo), as
 JSON lines in ``$ORB_SUITE_TRACE/timeline.jsonl``."""
 
@@ -23,8 +24,17 @@ def pytest_runtest_logstart(nodeid, location):
 
 
 def pytest_runtest_logfinish(nodeid, location):
-    if FOLDER and _RECORD_TESTS[0]:
-        _write(dict(event="end", worker=WORKER or "main", test=nodeid, t=time.time()))
+    if FOLDER and _RECORD_TESTS[0]:  # (after the test's teardown: what the worker keeps into the next test)
+        _write(dict(event="end", worker=WORKER or "main", test=nodeid, t=time.time(), resident_gb=resident_gb()))
+
+
+def resident_gb() -> float:
+    """This process's resident memory (VmRSS), in GB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1e6
+    return 0.0
 
 
 def memory_in_use_gb() -> float:
