@@ -46,7 +46,9 @@ def test_graphs_are_counted_by_where_they_came_from_and_idle_time_by_the_tests_r
                                                       (5.0, dict(settings="y")),
                                                       (1.0, dict(settings="y", specs="s2"))])]
     shaped.append(graph(5, "f", "k9", "compiled", 9.0))  # (no parts: a trace from before they were recorded)
-    assert shape_only_compilations(records + shaped) == [3, pytest.approx(6.0)]
+    shaped.append(dict(graph(6, "g", "k1", "cache", 0.5), parts=dict(parts, specs="s2")))  # a load: no compilation
+    shaped.append(dict(graph(6, "g", "k2", "compiled", 2.5), parts=dict(parts, specs="s3")))  # the same shapes again
+    assert shape_only_compilations(records + shaped) == [3, pytest.approx(6.5)]  # groups {4, 3, 2.5} and {5, 1}
 
     timeline = [dict(event="start", worker="gw0", test="f.py::t1", t=0.0), dict(event="start", worker="gw1",
                                                                                  test="g.py::t2", t=0.0),
@@ -59,10 +61,11 @@ def test_graphs_are_counted_by_where_they_came_from_and_idle_time_by_the_tests_r
     timeline[3]["memory_gb"], timeline[4]["memory_gb"] = 1.5, 2.5
     assert peak_memory(timeline) == (2.5, "t1 | t2")  # at t=0.5 both tests ran
     assert kept_by_workers(timeline) == {}  # (a trace from before the workers' memory was recorded)
-    ends = [("gw0", "f.py::a", 1.0), ("gw1", "h.py::a", 0.5), ("gw0", "f.py::b", 1.4), ("gw0", "g.py::a", 2.5),
-            ("gw0", "g.py::b", 2.0), ("gw1", "h.py::b", 0.7)]
+    ends = [("gw0", "f.py::a", 1.0), ("gw1", "h.py::a", 0.5), ("gw0", "f.py::b", 1.4), ("gw0", "g.py::a", 2.9),
+            ("gw0", "g.py::b", 2.5), ("gw0", "k.py::a", 2.0), ("gw1", "h.py::b", 0.7)]
     timeline = [dict(event="end", worker=w, test=test, t=1.0, resident_gb=gb) for w, test, gb in ends]
-    assert kept_by_workers(timeline) == {"gw0": [1.4, 2.0, 2.0], "gw1": [0.7, 0.7, 0.7]}  # each file's last test
+    timeline.append(dict(event="end", worker="gw1", test="m.py::a", t=2.0))  # (no resident_gb: not counted)
+    assert kept_by_workers(timeline) == {"gw0": [1.4, 2.0, 2.5], "gw1": [0.7, 0.7, 0.7]}  # each file's last test
 
 
 def test_the_tracer_records_a_compilation_in_a_process_it_starts(tmp_path):
@@ -82,5 +85,9 @@ def test_the_tracer_records_a_compilation_in_a_process_it_starts(tmp_path):
     use = graph_use(records)
     assert use["compiled"][0] == 1 and use["loaded"][0] == 1 and use["loaded again in the process"][0] == 0
     assert {r["cell"] for r in records if r["event"] == "cell"} == {"PredictCell"}
+    graphs = [r for r in records if r["event"] == "graph"]  # each part of the graph's identity, and its shapes
+    assert all(set(r["parts"]) == {"kind", "specs", "parameters", "structure", "settings", "precision", "profile",
+                                   "context"} and r["shapes"] and all(isinstance(s, list) for s in r["shapes"])
+               for r in graphs) and graphs[0]["parts"] == graphs[1]["parts"]  # (the same graph, compiled, then loaded)
     exits = [r for r in records if r["event"] == "process"]  # each of the two processes, with MindSpore imported
     assert len(exits) == 2 and all(r["mindspore"] and r["cpu"] > 0.5 for r in exits)

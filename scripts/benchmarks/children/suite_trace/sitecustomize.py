@@ -60,9 +60,10 @@ def _trace_graph_cache(module) -> None:
             identity = module.graph_identity(kind, cell, inputs, settings)
             key = digest(identity)
             # (each part's own digest: graphs that differ in one part only, e.g. the shapes, are found in the trace)
-            parts = dict(zip(("kind", "specs", "parameters", "structure", "settings", "precision", "profile",
-                              "context"), map(digest, identity)))
-            shapes = [list(shape) for shape, _ in identity[1]][:4]
+            names = ("kind", "specs", "parameters", "structure", "settings", "precision", "profile", "context")
+            if len(identity) == len(names):  # (else graph_identity changed: no parts, and the tracer's test says so)
+                parts = dict(zip(names, map(digest, identity)))
+                shapes = [list(shape) for shape, _ in identity[1]][:4]
         _write(dict(event="graph", kind=kind, source=source, key=key, parts=parts, shapes=shapes, seconds=seconds))
         return source
 
