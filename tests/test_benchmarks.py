@@ -17,8 +17,8 @@ def _scripts_importable(monkeypatch):
 
 
 def test_graphs_are_counted_by_where_they_came_from_and_idle_time_by_the_tests_running():
-    from benchmarks.suite import (graph_use, idle_by_tests, kept_by_workers, peak_memory, processes_by_program,
-                                  shape_only_compilations)
+    from benchmarks.suite import (graph_use, idle_by_tests, kept_by_workers, memory_peaks_by_tests, peak_memory,
+                                  processes_by_program, shape_only_compilations)
 
     def graph(pid, test, key, source, seconds):
         return dict(event="graph", pid=pid, test=test, key=key, source=source, seconds=seconds)
@@ -60,6 +60,8 @@ def test_graphs_are_counted_by_where_they_came_from_and_idle_time_by_the_tests_r
     assert peak_memory(timeline) is None  # (a trace from before memory was sampled)
     timeline[3]["memory_gb"], timeline[4]["memory_gb"] = 1.5, 2.5
     assert peak_memory(timeline) == (2.5, "t1 | t2")  # at t=0.5 both tests ran
+    timeline.append(dict(event="cpu", t=3.5, seconds=2.0, busy=0.5, memory_gb=1.0))  # t1 alone again, less
+    assert memory_peaks_by_tests(timeline) == [(2.5, "t1 | t2"), (1.5, "t1")]  # each set of tests' largest
     assert kept_by_workers(timeline) == {}  # (a trace from before the workers' memory was recorded)
     ends = [("gw0", "f.py::a", 1.0), ("gw1", "h.py::a", 0.5), ("gw0", "f.py::b", 1.4), ("gw0", "g.py::a", 2.9),
             ("gw0", "g.py::b", 2.5), ("gw0", "k.py::a", 2.0), ("gw1", "h.py::b", 0.7)]

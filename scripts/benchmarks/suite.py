@@ -141,6 +141,19 @@ def processes_by_program(compile_records: List[dict]) -> list:
     return sorted(by.items(), key=lambda item: -item[1][2])
 
 
+def memory_peaks_by_tests(timeline: List[dict], count: int = 3) -> list:
+    """[(GB, the tests on the workers then)]: the largest sample of the host's memory in use above the run's start
+    for each set of tests running at once, the ``count`` largest: a peak's runner-up pairs (the peak alone hides
+    what else comes close)."""
+    runs = test_runs(timeline)
+    best = {}
+    for r in timeline:
+        if r["event"] == "cpu" and "memory_gb" in r:
+            names = " | ".join(name for name in running_at(runs, r["t"]) if name) or "(none)"
+            best[names] = max(best.get(names, 0.0), r["memory_gb"])
+    return sorted(((gb, names) for names, gb in best.items()), reverse=True)[:count]
+
+
 def peak_memory(timeline: List[dict]):
     """(GB, the tests on the workers then) at the largest sample of the host's memory in use above the run's start
     (sampled every 2 s: a shorter peak can be missed), or None without samples."""
@@ -192,10 +205,14 @@ def report(trace: Dict[str, List[dict]], wall: float, user: float, system: float
         rows += ["", "| Python processes started (their exit recorded) | count | with MindSpore | CPU s |",
                  "|---|---|---|---|"]
         rows += [f"| {name} | {n} | {with_ms} | {cpu:.0f} |" for name, (n, with_ms, cpu) in processes[:12]]
+        totals = [sum(row[k] for _, row in processes) for k in range(3)]
+        rows += [f"| all {len(processes)} programs | {totals[0]} | {totals[1]} | {totals[2]:.0f} |"]
     idle, pairs = idle_by_tests(trace["timeline"], cores)
     peak = peak_memory(trace["timeline"])
     if peak is not None:
-        rows += ["", f"memory in use above the start, at its peak: {peak[0]:.1f} GB (tests running then: {peak[1]})"]
+        rows += ["", f"memory in use above the start, at its peak: {peak[0]:.1f} GB (tests running then: {peak[1]}); "
+                     "the largest with other tests: " + "; ".join(f"{gb:.1f} GB ({names})" for gb, names
+                                                                   in memory_peaks_by_tests(trace["timeline"])[1:])]
     kept = kept_by_workers(trace["timeline"])
     if kept:
         rows += ["", "each worker's resident memory after a file (GB): " + "; ".join(
