@@ -92,8 +92,7 @@ def float64_predictions():
     return out
 
 
-@pytest.mark.alone  # full-size float64 models in this worker (the fixture) and PyTorch's beside: the suite's peak
-@pytest.mark.parametrize("name", FAMILIES)  # (6.2-6.4 GB with another test beside, 2026-11-29)
+@pytest.mark.parametrize("name", FAMILIES)
 def test_float64_equals_pytorch_orb_models_in_float64(tmp_path, name, float64_predictions):
     """orb-models in float64 (0.5.5's precision="float64"; 0.4.2 as model.double() on float64 graphs) and ours agree
     to float64 rounding: 1e-8 eV/atom, 1e-7 eV/Å (float32 agrees to ~1e-5)."""
