@@ -218,6 +218,15 @@ def matmul_precision_in_force() -> Optional[str]:
     return _MATMUL["in_force"]
 
 
+def resident_gb() -> float:
+    """This process's resident memory now (VmRSS), in GB; 0 where /proc has none."""
+    try:
+        with open("/proc/self/status") as f:
+            return next((int(line.split()[1]) / 1e6 for line in f if line.startswith("VmRSS:")), 0.0)
+    except OSError:
+        return 0.0
+
+
 def release_host_memory() -> None:
     """Hand the C heap's freed pages back to the operating system (glibc's ``malloc_trim``).
 

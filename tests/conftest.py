@@ -25,6 +25,7 @@ DEMO_VAL = os.path.join(ROOT, "data", "demo_val.db")
 # (ORB_CACHE_DIR in tmp_path) included, so tests that compile the same graph load it; a test of compilation itself
 # gives it a folder of its own (own_compile_cache).
 from orb.cache import cache_dirs  # noqa: E402  (once the checkout is on the path)
+from orb.device import resident_gb  # noqa: E402
 
 os.environ.setdefault("ORB_COMPILE_CACHE_DIR", cache_dirs()[0])  # (the data caches' default folder)
 
@@ -345,15 +346,6 @@ def is_alone(item) -> bool:
 
 KEPT_GB = 1.0  # what a worker may keep, beyond its size after the last release, between two tests of a file
 _RELEASED_AT = [0.0]  # the worker's resident size after its last release_memory
-
-
-def resident_gb() -> float:
-    """This process's resident memory (VmRSS), in GB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1e6
-    return 0.0
 
 
 @pytest.hookimpl(hookwrapper=True)

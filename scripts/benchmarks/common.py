@@ -12,6 +12,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
+from orb.device import resident_gb  # noqa: E402,F401 -- the benchmarks' reading of their own memory
 DEMO = os.path.join(ROOT, "data", "demo_train.db")
 MPTRJ = os.path.join(ROOT, "tests", "data", "10_mptraj_systems.db")
 CHILDREN = os.path.join(HERE, "children")  # child programs run with this interpreter (they import orb)
@@ -40,12 +41,6 @@ def run_torch(torch_python: str, script: str, args: list, timeout: int = 3600) -
     if result.returncode != 0:
         raise RuntimeError(f"PyTorch benchmark failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-def resident_gb() -> float:
-    """This process's resident memory now (VmRSS)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) / 1e6 for line in f if line.startswith("VmRSS:"))
 
 
 def peak_memory_gb() -> float:

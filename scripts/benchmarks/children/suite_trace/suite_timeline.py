@@ -25,16 +25,9 @@ def pytest_runtest_logstart(nodeid, location):
 
 def pytest_runtest_logfinish(nodeid, location):
     if FOLDER and _RECORD_TESTS[0]:  # (after the test's teardown: what the worker keeps into the next test)
+        from orb.device import resident_gb  # (the tests import orb: it is on the workers' path)
+
         _write(dict(event="end", worker=WORKER or "main", test=nodeid, t=time.time(), resident_gb=resident_gb()))
-
-
-def resident_gb() -> float:
-    """This process's resident memory (VmRSS), in GB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1e6
-    return 0.0
 
 
 def memory_in_use_gb() -> float:
