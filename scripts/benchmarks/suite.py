@@ -157,12 +157,8 @@ def memory_peaks_by_tests(timeline: List[dict], count: int = 3) -> list:
 def peak_memory(timeline: List[dict]):
     """(GB, the tests on the workers then) at the largest sample of the host's memory in use above the run's start
     (sampled every 2 s: a shorter peak can be missed), or None without samples."""
-    samples = [r for r in timeline if r["event"] == "cpu" and "memory_gb" in r]
-    if not samples:
-        return None
-    top = max(samples, key=lambda r: r["memory_gb"])
-    names = [name for name in running_at(test_runs(timeline), top["t"]) if name]
-    return top["memory_gb"], " | ".join(names) or "(none)"
+    peaks = memory_peaks_by_tests(timeline, 1)
+    return peaks[0] if peaks else None
 
 
 def kept_by_workers(timeline: List[dict]) -> Dict[str, list]:
@@ -208,11 +204,11 @@ def report(trace: Dict[str, List[dict]], wall: float, user: float, system: float
         totals = [sum(row[k] for _, row in processes) for k in range(3)]
         rows += [f"| all {len(processes)} programs | {totals[0]} | {totals[1]} | {totals[2]:.0f} |"]
     idle, pairs = idle_by_tests(trace["timeline"], cores)
-    peak = peak_memory(trace["timeline"])
-    if peak is not None:
-        rows += ["", f"memory in use above the start, at its peak: {peak[0]:.1f} GB (tests running then: {peak[1]}); "
-                     "the largest with other tests: " + "; ".join(f"{gb:.1f} GB ({names})" for gb, names
-                                                                   in memory_peaks_by_tests(trace["timeline"])[1:])]
+    peaks = memory_peaks_by_tests(trace["timeline"])
+    if peaks:
+        rows += ["", f"memory in use above the start, at its peak: {peaks[0][0]:.1f} GB (tests running then: "
+                     f"{peaks[0][1]}); the largest with other tests: "
+                     + "; ".join(f"{gb:.1f} GB ({names})" for gb, names in peaks[1:])]
     kept = kept_by_workers(trace["timeline"])
     if kept:
         rows += ["", "each worker's resident memory after a file (GB): " + "; ".join(
