@@ -93,3 +93,21 @@ def test_the_tracer_records_a_compilation_in_a_process_it_starts(tmp_path):
                for r in graphs) and graphs[0]["parts"] == graphs[1]["parts"]  # (the same graph, compiled, then loaded)
     exits = [r for r in records if r["event"] == "process"]  # each of the two processes, with MindSpore imported
     assert len(exits) == 2 and all(r["mindspore"] and r["cpu"] > 0.5 for r in exits)
+
+
+def test_the_restart_benchmark_reads_the_compilations_a_run_reports():
+    """``benchmark.py restart`` parses the closing line the trainer writes (orb.training.engine.Compiled.describe):
+    the same seconds, including what compiling cost beyond the steps' second runs."""
+    from benchmarks.restart import _finished
+    from orb.data.buckets import Bucket
+    from orb.training.engine import Compiled
+
+    compiled = Compiled()
+    a, b = ("eval", Bucket(8, 16, 2)), ("train", Bucket(12, 24, 2))
+    compiled.seconds = {a: 2.3, b: 5.5}
+    compiled.graph_seconds = {a: 2.0, b: 4.5}
+    compiled.sources = {a: "compiled", b: "cache"}
+    compiled.later_seconds = {b: 0.7}
+    line = "training finished in 9.0 s (%d compilations: %s)" % (len(compiled.seconds), compiled.describe())
+    assert _finished("log\n" + line + "\n") == {"compile": 7.8, "graphs": 2, "cached": 1, "mindspore": 6.5,
+                                                "overhead": 7.1}
