@@ -664,9 +664,9 @@ def test_online_normalisation_off_keeps_the_starting_normalisers_through_a_step(
     assert moved == (statistics if online else []), moved
 
 
-def test_compiled_steps_time_their_second_run_once_and_report_what_compiling_cost():
+def test_compiled_steps_time_their_second_run_once_and_report_it():
     """A restart's overhead is each graph's first run beyond its second (the step's own work), not the first run:
-    the second run of each graph is timed once, later runs are not, and a graph run once counts whole."""
+    the second run of each graph is timed once (later runs are not) and reported beside the first."""
     import mindspore as ms
     from mindspore import nn, ops
 
@@ -689,6 +689,5 @@ def test_compiled_steps_time_their_second_run_once_and_report_what_compiling_cos
     assert set(compiled.later_seconds) == {("eval", small)}  # the large one ran once
     second = compiled.later_seconds[("eval", small)]
     assert 0 < second < compiled.seconds[("eval", small)]
-    assert compiled.overhead() == pytest.approx(sum(compiled.seconds.values()) - second, abs=1e-12)
-    assert f"{compiled.overhead():.1f} s more than the same steps' second runs (1 of 2 graphs ran twice)" \
-        in compiled.describe()
+    assert compiled.describe().startswith(f"eval 8x16 {compiled.seconds[('eval', small)]:.1f}s (then {second:.2f}s), "
+                                          f"eval 12x24 {compiled.seconds[('eval', large)]:.1f}s; 0 of 2 from the")

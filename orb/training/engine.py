@@ -195,19 +195,19 @@ class Compiled:
         return sum(self.seconds.values())
 
     def describe(self) -> str:
+        """Each graph's first run (compiling or loading it included) and, in parentheses, its second: what its first
+        run would have cost without compiling (``benchmark.py restart`` tells a restart's overhead by it)."""
         cached = sum(source == "cache" for source in self.sources.values())
-        each = ", ".join(f"{k[0]} {k[1].num_nodes}x{k[1].num_edges} {v:.1f}s"
-                         + (" cached" if self.sources.get(k) == "cache" else "") for k, v in self.seconds.items())
+        each = ", ".join(self._describe_graph(key, seconds) for key, seconds in self.seconds.items())
         graphs = sum(self.graph_seconds.values())
         return (f"{each}; {cached} of {len(self.seconds)} from the compile cache; {graphs:.1f} s of it MindSpore "
-                f"compiling or loading graphs, the rest their first runs; {self.overhead():.1f} s more than the same "
-                f"steps' second runs ({len(self.later_seconds)} of {len(self.seconds)} graphs ran twice)"
-                ) if self.seconds else each
+                "compiling or loading graphs, the rest their first runs") if self.seconds else each
 
-    def overhead(self) -> float:
-        """What compiling cost the run: each graph's first run beyond its second, which is the step's own work (a
-        graph run once: all of its first run)."""
-        return sum(first - self.later_seconds.get(key, 0.0) for key, first in self.seconds.items())
+    def _describe_graph(self, key, seconds: float) -> str:
+        kind, bucket = key
+        return (f"{kind} {bucket.num_nodes}x{bucket.num_edges} {seconds:.1f}s"
+                + (" cached" if self.sources.get(key) == "cache" else "")
+                + (f" (then {self.later_seconds[key]:.2f}s)" if key in self.later_seconds else ""))
 
 
 def _wait_for(out) -> None:

@@ -14,9 +14,8 @@ import time
 from benchmarks.common import CHILDREN, MPTRJ, ROOT, child
 
 FINISHED = re.compile(r"training finished in ([\d.]+) s \((\d+) compilations: (.*?); (\d+) of \d+ from the compile "
-                      r"cache; ([\d.]+) s of it MindSpore compiling or loading graphs, the rest their first runs; "
-                      r"(-?[\d.]+) s more than the same steps' second runs")
-
+                      r"cache; ([\d.]+) s of it MindSpore compiling or loading graphs")
+GRAPH = re.compile(r"([\w ]+?) (\d+x\d+) ([\d.]+)s(?: cached)?(?: \(then ([\d.]+)s\))?(?:, |$)")
 
 def _run(command, env, output_dir, first_step_file):
     import resource
@@ -32,13 +31,28 @@ def _run(command, env, output_dir, first_step_file):
 
 
 def _finished(text):
-    """The compilations a run's closing line reports (its log or its output)."""
+    """The compilations a run's closing line reports (its log or its output): each graph's first run and, where it
+    ran again, its second ({"eval 136x2720": [first, second or None]})."""
     found = FINISHED.search(text)
-    compile_seconds = sum(float(s) for s in re.findall(r" ([\d.]+)s(?: cached)?(?:,|$)", found.group(3))) if found else \
-        float("nan")
-    return {"compile": compile_seconds, "graphs": int(found.group(2)) if found else 0,
-            "cached": int(found.group(4)) if found else 0, "mindspore": float(found.group(5)) if found else float("nan"),
-            "overhead": float(found.group(6)) if found else float("nan")}
+    if not found:
+        return {"compile": float("nan"), "graphs": 0, "cached": 0, "mindspore": float("nan"), "each": {}}
+    each = {f"{kind} {shape}": [float(first), float(second) if second else None]
+            for kind, shape, first, second in GRAPH.findall(found.group(3))}
+    return {"compile": sum(first for first, _ in each.values()), "graphs": int(found.group(2)),
+            "cached": int(found.group(4)), "mindspore": float(found.group(5)), "each": each}
+
+
+def with_overheads(rows: dict) -> dict:
+    """Each row with "overhead": its graphs' first runs beyond their second runs, the step's own work. A graph
+    that ran once in a row (a resumed run's last steps) takes its second run from another row of the same case
+    set, which ran the same graph on the same shapes; one that ran once everywhere counts whole."""
+    second = {}
+    for row in rows.values():
+        second.update({graph: again for graph, (_, again) in row["each"].items() if again is not None})
+    for row in rows.values():
+        row["overhead"] = sum(first - (again if again is not None else second.get(graph, 0.0))
+                              for graph, (first, again) in row["each"].items()) if row["each"] else float("nan")
+    return rows
 
 
 def compilation_cells(row, first) -> str:
@@ -132,7 +146,7 @@ def bench_restart(args) -> None:
         for name, arguments in cases:
             cache = os.path.join(work, f"cache-{name}")
             if args.workers > 1:
-                rows = parallel_case(name, arguments, cache, work, args.workers)
+                rows = with_overheads(parallel_case(name, arguments, cache, work, args.workers))
                 first = rows["first start"]
                 for case, row in rows.items():
                     print(f"| {name}, {args.workers} workers (rank 0; each rank: {'; '.join(row['ranks'])}; CPU time "
@@ -140,7 +154,7 @@ def bench_restart(args) -> None:
                           f"{row['status']} | {row['wall']:.1f} | {row['first_step']:.1f} | "
                           + compilation_cells(row, first))
                 continue
-            rows = fine_tuning_case(name, arguments, cache, work)
+            rows = with_overheads(fine_tuning_case(name, arguments, cache, work))
             first = rows["first start"]
             for case, row in rows.items():
                 if case == "stopped":
