@@ -97,25 +97,33 @@ def test_the_tracer_records_a_compilation_in_a_process_it_starts(tmp_path):
 
 def test_the_restart_benchmark_reads_the_compilations_a_run_reports_and_tells_their_overhead():
     """``benchmark.py restart`` parses the closing line the trainer writes (orb.training.engine.Compiled.describe),
-    and a restart's overhead is each graph's first run beyond its second: a graph that ran once in a resumed run
+    and a restart's overhead is each graph's first run beyond its own second run; a graph that ran once in a run
     takes its second run from another run of the same graph; one that ran once everywhere counts whole."""
     from benchmarks.restart import _finished, with_overheads
     from orb.data.buckets import Bucket
     from orb.training.engine import Compiled
 
-    def closing_line(seconds, graph_seconds, sources, later):
+    def closing_line(seconds, graph_seconds, sources, second_runs):
         compiled = Compiled()
-        compiled.seconds, compiled.graph_seconds, compiled.sources, compiled.later_seconds = \
-            seconds, graph_seconds, sources, later
+        compiled.seconds, compiled.graph_seconds, compiled.sources, compiled.second_run_seconds = \
+            seconds, graph_seconds, sources, second_runs
         return "log\ntraining finished in 9.0 s (%d compilations: %s)\n" % (len(seconds), compiled.describe())
 
-    a, b, c = ("eval", Bucket(8, 16, 2)), ("train", Bucket(12, 24, 2)), ("labels pass", Bucket(8, 16, 2))
-    first = _finished(closing_line({a: 2.3, b: 5.5, c: 1.5}, {a: 2.0, b: 4.5, c: 1.0},
-                                   {a: "compiled", b: "compiled", c: "compiled"}, {b: 0.7}))
-    assert first == {"compile": 9.3, "graphs": 3, "cached": 0, "mindspore": 7.5,
-                     "each": {"eval 8x16": [2.3, None], "train 12x24": [5.5, 0.7], "labels pass 8x16": [1.5, None]}}
-    resumed = _finished(closing_line({a: 0.5, b: 1.25}, {a: 0.25, b: 0.5}, {a: "cache", b: "cache"}, {a: 0.1}))
-    assert resumed["cached"] == 2 and resumed["each"] == {"eval 8x16": [0.5, 0.1], "train 12x24": [1.2, None]}
+    a, b, c, d = (("eval", Bucket(8, 16, 2)), ("train", Bucket(12, 24, 2)), ("labels pass", Bucket(8, 16, 2)),
+                  ("train", Bucket(20, 40, 3)))
+    first = _finished(closing_line({a: 2.3, b: 5.5, c: 1.5, d: 3.0}, {a: 2.0, b: 4.5, c: 1.0, d: 2.5},
+                                   {a: "compiled", b: "compiled", c: "compiled", d: "compiled"}, {b: 0.7, d: 0.5}))
+    assert first == {"compile": pytest.approx(12.3), "graphs": 4, "cached": 0, "mindspore": 10.0,
+                     "each": [["eval 8x16", 2.3, None], ["train 12x24", 5.5, 0.7], ["labels pass 8x16", 1.5, None],
+                              ["train 20x40", 3.0, 0.5]]}
+    resumed = _finished(closing_line({a: 0.5, b: 1.25, d: 0.75}, {a: 0.25, b: 0.5, d: 0.5},
+                                     {a: "cache", b: "cache", d: "cache"}, {a: 0.1, d: 0.25}))
+    assert resumed["cached"] == 3 and resumed["each"] == [["eval 8x16", 0.5, 0.1], ["train 12x24", 1.25, None],
+                                                          ["train 20x40", 0.75, 0.25]]
     rows = with_overheads({"first start": first, "requeue": resumed})
-    assert rows["first start"]["overhead"] == pytest.approx(2.3 - 0.1 + 5.5 - 0.7 + 1.5)
-    assert rows["requeue"]["overhead"] == pytest.approx(0.5 - 0.1 + 1.2 - 0.7)
+    # each row's own second run where it has one (train 20x40: 0.5 in one, 0.25 in the other), else another's
+    assert rows["first start"]["overhead"] == pytest.approx((2.3 - 0.1) + (5.5 - 0.7) + 1.5 + (3.0 - 0.5))
+    assert rows["requeue"]["overhead"] == pytest.approx((0.5 - 0.1) + (1.25 - 0.7) + (0.75 - 0.25))
+    with pytest.raises(ValueError, match="2 graphs read from a line that reports 3"):
+        _finished("training finished in 9.0 s (3 compilations: eval 8x16 1.00s, train 8x16 2.00s; 0 of 3 from the "
+                  "compile cache; 2.0 s of it MindSpore compiling or loading graphs, the rest their first runs)")

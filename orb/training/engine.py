@@ -154,16 +154,16 @@ def graph_settings(cfg: TrainConfig, dp: DataParallel) -> Optional[tuple]:
 
 class Compiled:
     """Runs cells, compiling each (kind, bucket shape) once before its first run and logging it; remembers the
-    seconds each compilation took and whether its graph came from the compile cache (:mod:`orb.graph_cache`;
-    ``settings``: what of the run decides its graphs, None to compile every graph afresh)."""
+    seconds each compilation took with its first run, whether its graph came from the compile cache
+    (:mod:`orb.graph_cache`; ``settings``: what of the run decides its graphs, None to compile every graph afresh),
+    and each graph's second run, timed once: the step's own work, which tells a restart's overhead from the steps
+    it runs anyway (``benchmark.py restart``)."""
 
     def __init__(self, settings=None):
         self.seconds: Dict[Tuple[str, Bucket], float] = {}
         self.sources: Dict[Tuple[str, Bucket], str] = {}
         self.graph_seconds: Dict[Tuple[str, Bucket], float] = {}  # MindSpore's compilation (or load) alone
-        # each graph's second run, timed once: what its first run costs without compiling, so that a restart's
-        # overhead can be told from the step it runs anyway (docs/benchmarks.md, "Restarts")
-        self.later_seconds: Dict[Tuple[str, Bucket], float] = {}
+        self.second_run_seconds: Dict[Tuple[str, Bucket], float] = {}
         self.settings = settings
 
     def run(self, kind: str, cell, arrays, bucket: Bucket):
@@ -171,17 +171,17 @@ class Compiled:
 
         inputs = to_tensors(arrays)
         key = (kind, bucket)
-        if key in self.later_seconds:
+        if key in self.second_run_seconds:
             return cell(*inputs)
         if key in self.seconds:
-            start = time.perf_counter()
+            start = _after_queued_work()
             out = cell(*inputs)
             _wait_for(out)
-            self.later_seconds[key] = time.perf_counter() - start
+            self.second_run_seconds[key] = time.perf_counter() - start
             return out
         log.info("compiling the %s step for batch shape (nodes %d, edges %d, graphs %d), once per shape", kind,
                  bucket.num_nodes, bucket.num_edges, bucket.num_graphs)
-        start = time.perf_counter()
+        start = _after_queued_work()
         self.sources[key] = compile_cell(cell, *inputs, kind=kind, settings=self.settings)
         self.graph_seconds[key] = time.perf_counter() - start
         out = cell(*inputs)
@@ -195,8 +195,8 @@ class Compiled:
         return sum(self.seconds.values())
 
     def describe(self) -> str:
-        """Each graph's first run (compiling or loading it included) and, in parentheses, its second: what its first
-        run would have cost without compiling (``benchmark.py restart`` tells a restart's overhead by it)."""
+        """Each graph's first run (compiling or loading it included) and, in parentheses where it ran again, its
+        second run."""
         cached = sum(source == "cache" for source in self.sources.values())
         each = ", ".join(self._describe_graph(key, seconds) for key, seconds in self.seconds.items())
         graphs = sum(self.graph_seconds.values())
@@ -205,9 +205,18 @@ class Compiled:
 
     def _describe_graph(self, key, seconds: float) -> str:
         kind, bucket = key
-        return (f"{kind} {bucket.num_nodes}x{bucket.num_edges} {seconds:.1f}s"
+        second = self.second_run_seconds.get(key)
+        return (f"{kind} {bucket.num_nodes}x{bucket.num_edges} {seconds:.2f}s"
                 + (" cached" if self.sources.get(key) == "cache" else "")
-                + (f" (then {self.later_seconds[key]:.2f}s)" if key in self.later_seconds else ""))
+                + (f" (then {second:.2f}s)" if second is not None else ""))
+
+
+def _after_queued_work() -> float:
+    """The clock once the device has finished the steps queued before (their time is not the next graph's)."""
+    import mindspore as ms
+
+    ms.runtime.synchronize()
+    return time.perf_counter()
 
 
 def _wait_for(out) -> None:

@@ -17,6 +17,7 @@ FINISHED = re.compile(r"training finished in ([\d.]+) s \((\d+) compilations: (.
                       r"cache; ([\d.]+) s of it MindSpore compiling or loading graphs")
 GRAPH = re.compile(r"([\w ]+?) (\d+x\d+) ([\d.]+)s(?: cached)?(?: \(then ([\d.]+)s\))?(?:, |$)")
 
+
 def _run(command, env, output_dir, first_step_file):
     import resource
 
@@ -32,26 +33,27 @@ def _run(command, env, output_dir, first_step_file):
 
 def _finished(text):
     """The compilations a run's closing line reports (its log or its output): each graph's first run and, where it
-    ran again, its second ({"eval 136x2720": [first, second or None]})."""
+    ran again, its second (["eval 136x2720", first, second or None], in the line's order)."""
     found = FINISHED.search(text)
     if not found:
-        return {"compile": float("nan"), "graphs": 0, "cached": 0, "mindspore": float("nan"), "each": {}}
-    each = {f"{kind} {shape}": [float(first), float(second) if second else None]
-            for kind, shape, first, second in GRAPH.findall(found.group(3))}
-    return {"compile": sum(first for first, _ in each.values()), "graphs": int(found.group(2)),
-            "cached": int(found.group(4)), "mindspore": float(found.group(5)), "each": each}
+        return {"compile": float("nan"), "graphs": 0, "cached": 0, "mindspore": float("nan"), "each": []}
+    each = [[f"{kind} {shape}", float(first), float(second) if second else None]
+            for kind, shape, first, second in GRAPH.findall(found.group(3))]
+    if len(each) != int(found.group(2)):
+        raise ValueError(f"{len(each)} graphs read from a line that reports {found.group(2)}: {found.group(0)}")
+    return {"compile": sum(first for _, first, _ in each), "graphs": len(each), "cached": int(found.group(4)),
+            "mindspore": float(found.group(5)), "each": each}
 
 
 def with_overheads(rows: dict) -> dict:
     """Each row with "overhead": its graphs' first runs beyond their second runs, the step's own work. A graph
-    that ran once in a row (a resumed run's last steps) takes its second run from another row of the same case
-    set, which ran the same graph on the same shapes; one that ran once everywhere counts whole."""
-    second = {}
-    for row in rows.values():
-        second.update({graph: again for graph, (_, again) in row["each"].items() if again is not None})
+    that ran once in a row (a resumed run's last steps, a first start's last bucket) takes its second run from
+    another row of the same case set, which ran the same graph on the same shapes; one that ran once everywhere
+    counts whole."""
+    second = {graph: again for row in rows.values() for graph, _, again in row["each"] if again is not None}
     for row in rows.values():
         row["overhead"] = sum(first - (again if again is not None else second.get(graph, 0.0))
-                              for graph, (first, again) in row["each"].items()) if row["each"] else float("nan")
+                              for graph, first, again in row["each"]) if row["each"] else float("nan")
     return rows
 
 
