@@ -10,7 +10,7 @@ import ase.db
 import numpy as np
 import pytest
 
-from conftest import DEMO_VAL, ROOT
+from conftest import DEMO_VAL, ROOT, release_memory
 
 V3_NPZ = os.path.join(ROOT, "tests", "data", "orb_v3_parity.npz")
 FAMILIES = ("orb_v2", "orb_v3_direct_20_omat", "orb_v3_conservative_20_omat")
@@ -89,6 +89,7 @@ def float64_predictions():
         precision.set_precision("float64")
         out[name] = predictions(recipe_model(name), data)
     precision.set_precision(precision.DEFAULT)
+    release_memory()  # the full-size float64 models' memory, before each test's PyTorch peer adds its own
     return out
 
 
