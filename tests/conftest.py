@@ -328,7 +328,8 @@ def release_memory() -> None:
     """Hand back what the finished tests' models and compiled steps held (MindSpore keeps each compiled model's
     runtime memory until asked). MindSpore then lets go of every compiled graph still alive (the next call of a kept
     calculator loads its graph again from the compile cache: orb.graph_cache.CompiledThroughCache), so it is done
-    only where memory matters: see pytest_runtest_teardown."""
+    only where memory matters: see pytest_runtest_teardown, and a fixture that built full-size models before its
+    tests start processes of their own (tests/test_precision.py's float64 predictions)."""
     if "mindspore" in sys.modules:
         import gc
 
