@@ -11,7 +11,7 @@ never on a user's data, so one folder can serve runs whose data caches are apart
 Every entry is a :class:`CacheEntry`: named by a hash of **everything that determines its content**
 (its kind; the code that computes it: a digest of its source and the versions of the libraries that take
 part; and the caller's identity parts: the data's identity, the model's name, graph settings and weights,
-the operator profile, the precision), written atomically and synced (``orb.io.files``), and read through a
+the operator profile, the precision), written atomically and synced (``orb.files``), and read through a
 check: a damaged, empty or implausible file (a full disk, a power loss) is ignored with one warning and
 computed again, never fatal.
 """
@@ -26,7 +26,7 @@ from typing import Callable, Iterator, List, Optional, Tuple, TypeVar
 
 import numpy as np
 
-from orb.io.files import exclusive, remove_stale_temporaries, write_atomically
+from orb.files import exclusive, remove_stale_temporaries, write_atomically
 
 log = logging.getLogger("orb")
 T = TypeVar("T")
@@ -197,7 +197,7 @@ class CacheEntry:
         return path
 
 
-LOCKS = "locks"  # the subfolder of the entries' build locks (orb.io.files.exclusive)
+LOCKS = "locks"  # the subfolder of the entries' build locks (orb.files.exclusive)
 
 
 @contextlib.contextmanager
@@ -207,7 +207,7 @@ def one_builder(entry: CacheEntry, what: str) -> Iterator[bool]:
     it too (on one host a data-parallel job's ranks compiled the same graph at the same moment, each at a fraction of
     the cores, and each wrote it). Yields whether this process waited: it then reads the entry and leaves the block
     before using it (the others' loads must not queue behind its own), and builds it outside the block if the other
-    made none (a full disk: the others must not build it one after another). :func:`orb.io.files.exclusive` on
+    made none (a full disk: the others must not build it one after another). :func:`orb.files.exclusive` on
     ``<cache>/<kind>/locks/<entry>.lock``; a stop signal ends the wait. Where no folder is writable or locks do not
     work, each process builds it, as without the lock."""
     from orb.signals import STOP
@@ -250,7 +250,7 @@ def mark_damaged(path: str, compiled: bool = False) -> None:
     """Remember that the cache file ``path``, found damaged, could not be removed (a read-only cache folder): a marker
     in the first writable of :func:`_marker_dirs` holding the file's :func:`_stamp`, so every later start skips it
     and uses or makes a copy in another folder (it read the damaged copy, and failed or rebuilt, at every start)."""
-    from orb.io.files import write_json
+    from orb.files import write_json
 
     for folder in _marker_dirs(compiled):
         try:

@@ -96,6 +96,53 @@ def device_available(target: str) -> bool:
 MATMUL_PRECISIONS = ("highest", "high")
 
 
+OPS_PROFILES = ("auto", "portable", "cpu")  # how a few primitives are written (orb.models.ops_profile)
+OPS_PROFILE_VARIABLE = "ORB_OPS_PROFILE"
+_configured_profile: Optional[str] = None
+
+
+def _checked_profile(name: str, source: str) -> str:
+    if name not in OPS_PROFILES:
+        raise ConfigError(f"{source} must be one of {', '.join(OPS_PROFILES)}, got {name!r}")
+    return name
+
+
+def set_ops_profile(name: str) -> None:
+    """The configured operator profile for cells built from now on (``ORB_OPS_PROFILE``, if set, still wins)."""
+    global _configured_profile
+    _configured_profile = _checked_profile(name, "ops_profile")
+
+
+def requested_profile() -> str:
+    """``auto``, ``portable`` or ``cpu``: the environment's choice, else the configured one, else ``auto``."""
+    from_environment = os.environ.get(OPS_PROFILE_VARIABLE, "")
+    if from_environment:
+        return _checked_profile(from_environment, OPS_PROFILE_VARIABLE)
+    return _configured_profile or "auto"
+
+
+def choose_profile(requested: str, device_target: str) -> str:
+    """``portable`` or ``cpu`` for a requested profile on a device: ``auto`` is ``cpu`` on the CPU and ``portable``
+    elsewhere; ``cpu`` anywhere but the CPU is refused (its forms are measured on, and its custom kernels
+    compiled for, the CPU backend: they must never reach an NPU or a GPU)."""
+    if requested == "auto":
+        return "cpu" if device_target == "CPU" else "portable"
+    if requested == "cpu" and device_target != "CPU":
+        variable = os.environ.get(OPS_PROFILE_VARIABLE)
+        source = f"{OPS_PROFILE_VARIABLE}=cpu (environment)" if variable else "ops_profile: cpu"
+        unset = f" and unset {OPS_PROFILE_VARIABLE}" if variable else ""
+        raise ConfigError(f"{source} is for the CPU only, and this run is on {device_target}: use ops_profile auto "
+                          f"or portable{unset}")
+    return requested
+
+
+def ops_profile() -> str:
+    """The operator profile cells are built with now (:mod:`orb.models.ops_profile`): ``portable`` or ``cpu``."""
+    import mindspore as ms
+
+    return choose_profile(requested_profile(), ms.get_context("device_target"))
+
+
 def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_threads: int = 0,
                         parallel: bool = False, precision: str = "float32-high", deterministic: bool = False) -> str:
     """Graph mode on the device (in an msrun job each worker gets its local device); returns the target.
@@ -118,8 +165,6 @@ def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_thr
 
     import_mindspore()
     import mindspore as ms
-
-    from orb.models import sums  # (after import_mindspore: it imports MindSpore)
 
     numerics.check_precision(precision)
     target = select_device(device_target)
@@ -145,7 +190,7 @@ def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_thr
             raise
     set_matmul_precision(target, numerics.matmul_precision(precision))
     numerics.set_precision(precision)
-    sums.set_form(sums.form_for_device(target))
+    numerics.set_sum_form(numerics.sum_form_for_device(target))
     return target
 
 
@@ -260,19 +305,3 @@ def graph_mode():
             yield
         finally:
             ms.set_context(mode=before)
-
-
-def compile_cell(cell, *inputs, kind: str = "", settings=None) -> str:
-    """Compile ``cell`` for these inputs' shapes (once per shape) before its first run, then return
-    the compiler's freed memory, so that the run's activations reuse it instead of adding to it. A stop signal
-    meanwhile is noted and honoured after it (raised inside MindSpore's parser, it printed its error report and a
-    Python stack on stderr). With ``settings`` (what decides the graph beyond the cell, :mod:`orb.graph_cache`) the
-    graph is loaded from the compile cache when it holds it, else kept there; returns ``"cache"``, ``"compiled"``
-    or ``"uncached"``."""
-    from orb.graph_cache import compile_with_cache
-    from orb.signals import STOP
-
-    with STOP.held():
-        source = compile_with_cache(cell, inputs, kind, settings)
-        release_host_memory()
-    return source

@@ -10,7 +10,7 @@ shape's graph (measured: garbage numbers). So here the cache is never handed to 
   settings, the precision, operator profile and device, the code and MindSpore's version) as a
   :class:`orb.cache.CacheEntry`, an ``.npz`` whose CRC is checked when read (a damaged entry is rebuilt, never
   loaded);
-* MindSpore's cache is switched on only around the compilations made here (:func:`compile_with_cache`), in a
+* MindSpore's cache is switched on only around the compilations made here (:func:`compile_cell`), in a
   folder of this process's own, which holds, during each compilation, only the file staged for it at the position
   MindSpore will look at: it can load that graph or nothing. If its count is not where this module thinks, it finds
   nothing, compiles, and the file it writes says where the count is;
@@ -228,7 +228,7 @@ class CompiledThroughCache:
     MindSpore 2.10 names a cell's graph by a number it gives each kind of arguments; freeing the first compiled cell
     of a process (or ``ms_memory_recycle()``) renumbers them, and every other cell's next call then compiled its
     graph afresh, outside the cache (measured: 1.4 s for the demo model, 2-14 s per graph in the test suite). Here
-    such a call loads the graph the cache keeps instead, through :func:`orb.device.compile_cell` (a stop signal
+    such a call loads the graph the cache keeps instead, through :func:`compile_cell` (a stop signal
     meanwhile is honoured after it). Where the phase MindSpore will look for cannot be predicted (:func:`_phase`),
     or a prediction proves wrong once, MindSpore decides alone, as without this mixin. The prediction computes
     MindSpore's key of the arguments, as its own call does again: about 40 us a call for a step's 13 inputs."""
@@ -240,8 +240,6 @@ class CompiledThroughCache:
             return super().compile(*args, **kwargs)
         GRAPHS._say("renumbered", "MindSpore let go of a compiled graph (a freed cell renumbered its graphs): "
                                   "loading it again from the compile cache")
-        from orb.device import compile_cell
-
         kind, settings = graph
         compile_cell(self, *args, kind=kind, settings=settings)
         if getattr(self, "compile_phase", None) != phase:  # MindSpore names graphs otherwise than predicted here
@@ -327,7 +325,7 @@ SCRATCH = "orb-graphs-"  # a process's folder for MindSpore's cache files: <temp
 
 def remove_stale_scratch(folder: str) -> None:
     """The folders of processes that were killed (their pid is gone), left in this node's temporary folder."""
-    from orb.io.files import _alive
+    from orb.files import _alive
 
     try:
         names = os.listdir(folder)
@@ -339,17 +337,27 @@ def remove_stale_scratch(folder: str) -> None:
             shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
 
 
-def compile_with_cache(cell, inputs, kind: str, settings) -> str:
-    """:meth:`GraphCache.compile` of the process's cache; ``settings``: what the owner knows decides the graph beyond
-    what :func:`graph_identity` reads from the cell (a run's config), or None for a graph not to be cached."""
-    return GRAPHS.compile(cell, inputs, kind, settings)
+def compile_cell(cell, *inputs, kind: str = "", settings=None) -> str:
+    """Compile ``cell`` for these inputs' shapes (once per shape) before its first run, then return
+    the compiler's freed memory, so that the run's activations reuse it instead of adding to it. A stop signal
+    meanwhile is noted and honoured after it (raised inside MindSpore's parser, it printed its error report and a
+    Python stack on stderr). With ``settings`` (what the owner knows decides the graph beyond what
+    :func:`graph_identity` reads from the cell: a run's config) the graph is loaded from the compile cache when it
+    holds it, else kept there; returns ``"cache"``, ``"compiled"`` or ``"uncached"``."""
+    from orb.device import release_host_memory
+    from orb.signals import STOP
+
+    with STOP.held():
+        source = GRAPHS.compile(cell, inputs, kind, settings)
+        release_host_memory()
+    return source
 
 
 def graph_identity(kind: str, cell, inputs, settings) -> tuple:
     """Everything that decides the graph MindSpore compiles for ``cell`` on ``inputs`` (see the module's docstring)."""
     import mindspore as ms
 
-    from orb.models.ops_profile import ops_profile
+    from orb.device import ops_profile
     from orb.precision import precision
 
     specs = tuple((tuple(t.shape), str(t.dtype)) for t in inputs)

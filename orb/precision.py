@@ -80,6 +80,30 @@ def in_force(name: str):
         set_precision(before)
 
 
+# the form of long float32 sums (:mod:`orb.models.sums`): "float64" (CPU, GPU) or "split" (Ascend); set when the
+# device is chosen (:func:`orb.device.configure_mindspore`) and read when a model is built and its graphs compiled
+SUM_FORMS = ("float64", "split")
+_sum_form = {"name": "float64"}
+
+
+def sum_form_for_device(device_target: str) -> str:
+    """``split`` on Ascend (no float64 arithmetic to rely on), ``float64`` elsewhere."""
+    return "split" if device_target == "Ascend" else "float64"
+
+
+def set_sum_form(name: str) -> None:
+    """The form of float32 sums in graphs compiled from now on (:func:`sum_form_for_device`; tests force ``split``).
+    Set it before a model is built and keep it while the model's graphs compile: a model records the form it was
+    built in (``sum_form``, which a compile cache sees among its constants)."""
+    if name not in SUM_FORMS:
+        raise ValueError(f"sum form must be one of {SUM_FORMS}, got {name!r}")
+    _sum_form["name"] = name
+
+
+def sum_form() -> str:
+    return _sum_form["name"]
+
+
 def is_mixed(name: Optional[str] = None) -> bool:
     return (name or precision()) in ("bf16-mixed", "fp16-mixed")
 

@@ -33,7 +33,7 @@ from typing import Dict, List, Optional
 
 from orb.cache import cache_dirs, writable_dir
 from orb.errors import CheckpointError, RunError
-from orb.io.files import exclusive, fsync_directory, fsync_file, write_json
+from orb.files import exclusive, fsync_directory, fsync_file, write_json
 from orb.models.config import MODEL_NAMES
 
 log = logging.getLogger("orb")

@@ -80,7 +80,7 @@ def reference_graph(reference, i):
 def check_predictions(model=None) -> dict:
     """orb-v2's energies, forces and stresses against PyTorch orb-models 0.4.2's (worst error / tolerance);
     ``model``: the one to check (default: the reference weights built here, :func:`reference_model`)."""
-    from orb.data.graphs import batch_graphs
+    from orb.data.batching import batch_graphs
     from orb.inference.predictor import Predictor
 
     reference = np.load(REFERENCE)
@@ -110,7 +110,7 @@ def training_step(target: str) -> dict:
     """One SGD step of full orb-v2 on the first 8 demo structures (fixed weights, no augmentation): what it
     returned and changed, with its compile and step times."""
     from orb.data.dataset import AseDbDataset
-    from orb.data.graphs import batch_graphs, pad_batch
+    from orb.data.batching import batch_graphs, pad_batch
     from orb.data.tensors import loss_inputs
     from orb.training.config import config_from_dict
     from orb.training.optimizer import FlatAdam
@@ -227,7 +227,7 @@ def check_collectives(target: str) -> dict:
     msrun = find_msrun()
     if msrun is None:
         return {"passed": False, "error": "msrun not found (is MindSpore installed in this environment?)"}
-    from orb.io.files import free_port
+    from orb.files import free_port
 
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:

@@ -223,7 +223,7 @@ def write_table(results: Dict, out: str, title: str) -> None:
 def write_frontier(results: Dict, out: str, title: str, replay: str, tolerance: float, min_kept: float) -> Dict:
     """frontier.json, frontier.md and frontier.png: the settings' foundation drift against target gain, the
     frontier and the recommended setting with its config block (printed too)."""
-    from orb.io.files import write_json
+    from orb.files import write_json
 
     settings = fr.summarise(results)
     chosen, reason = fr.recommend(settings, tolerance, min_kept)
@@ -329,7 +329,7 @@ def same_study_or_refusal(args, out: str) -> str:
     """Keep what decides the study's numbers in ``out/study.json`` (a killed study continues only with the same),
     and return the refusal of another study in the same folder (its results would be reported as this one's);
     "" when it may go on."""
-    from orb.io.files import write_json
+    from orb.files import write_json
 
     paths = ("train", "val", "test", "config", "checkpoint", "replay", "foundation")
     identity = {k: os.path.abspath(getattr(args, k)) if k in paths and getattr(args, k) else getattr(args, k)
@@ -360,7 +360,7 @@ def main(argv=None) -> int:
         f"{args.kind} {args.target}".replace("fcc ", "")
     out = args.out or os.path.join(ROOT, "runs", f"strategies_{args.demo}_{target.replace(',', '').replace(' ', '_')}")
     os.makedirs(out, exist_ok=True)
-    from orb.io.files import write_json
+    from orb.files import write_json
 
     refusal = same_study_or_refusal(args, out)
     if refusal:

@@ -160,7 +160,7 @@ def write_db(path: str, structures: List[Atoms]) -> None:
     """The database written aside and renamed into place: an earlier one stays whole until then."""
     import ase.db
 
-    from orb.io.files import write_atomically
+    from orb.files import write_atomically
 
     def write(tmp: str) -> None:
         with ase.db.connect(tmp, type="db") as db:

@@ -58,11 +58,11 @@ class RstdLayerNorm:
 
 @pytest.fixture(params=["cpu", "portable"])
 def profile(request):
-    from orb.models import ops_profile
+    from orb.device import set_ops_profile
 
-    ops_profile.set_ops_profile(request.param)
+    set_ops_profile(request.param)
     yield request.param
-    ops_profile.set_ops_profile("auto")
+    set_ops_profile("auto")
 
 
 @pytest.mark.parametrize("kernel", ["cpu", "rstd"])
@@ -157,6 +157,7 @@ def test_ops_profile_switch(monkeypatch):
     import mindspore as ms
     from mindspore import Tensor, ops
 
+    from orb import device
     from orb.errors import ConfigError
     from orb.models import kernels, ops_profile
     from orb.models.blocks import Linear
@@ -164,9 +165,9 @@ def test_ops_profile_switch(monkeypatch):
     ms.set_context(mode=ms.GRAPH_MODE)
     x = np.linspace(-30, 30, 4001).astype(np.float32)
     exact = np.logaddexp(0.0, x.astype(np.float64)) - np.log(2.0)
-    ops_profile.set_ops_profile("cpu")
+    device.set_ops_profile("cpu")
     monkeypatch.setenv("ORB_OPS_PROFILE", "portable")  # the environment wins
-    assert ops_profile.ops_profile() == "portable" and not ops_profile.uses_custom_kernels()
+    assert device.ops_profile() == "portable" and not ops_profile.uses_custom_kernels()
     assert type(Linear(4, 3, np.random.default_rng(0)).function).__name__ == "_PortableLinear"
     builtin = ops_profile.activation("ssp")
     assert not isinstance(builtin, ops.Custom)
@@ -174,7 +175,7 @@ def test_ops_profile_switch(monkeypatch):
     monkeypatch.setenv("ORB_OPS_PROFILE", "auto")
     if kernels.library_path() is None:
         pytest.fail("the custom kernels could not be built (a C++ compiler is part of the test environment)")
-    assert ops_profile.ops_profile() == "cpu"  # auto on the CPU
+    assert device.ops_profile() == "cpu"  # auto on the CPU
     assert type(Linear(4, 3, np.random.default_rng(0)).function).__name__ == "_CpuLinear"
     custom = ops_profile.activation("ssp")
     assert isinstance(custom, ops.Custom) and ops_profile.uses_custom_kernels()
@@ -183,15 +184,15 @@ def test_ops_profile_switch(monkeypatch):
     assert custom_err <= builtin_err
     monkeypatch.setenv("ORB_OPS_PROFILE", "fast")
     with pytest.raises(ConfigError, match="ORB_OPS_PROFILE must be one of auto, portable, cpu"):
-        ops_profile.ops_profile()
-    ops_profile.set_ops_profile("auto")
+        device.ops_profile()
+    device.set_ops_profile("auto")
 
 
 def test_cpu_profile_is_refused_off_the_cpu(monkeypatch):
     """The cpu profile's forms and custom kernels must never reach an NPU or a GPU: configured or left in the
     environment, it is one line naming where it came from; auto is portable there."""
     from orb.errors import ConfigError
-    from orb.models.ops_profile import choose_profile
+    from orb.device import choose_profile
 
     monkeypatch.delenv("ORB_OPS_PROFILE", raising=False)
     for device in ("Ascend", "GPU"):
@@ -230,7 +231,7 @@ def test_compile_cell_compiles_the_phase_the_run_uses():
     import mindspore as ms
     from mindspore import Tensor, nn
 
-    from orb.device import compile_cell
+    from orb.graph_cache import compile_cell
 
     ms.set_context(mode=ms.GRAPH_MODE)
     cell = nn.Dense(4, 3)

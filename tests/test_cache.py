@@ -388,7 +388,7 @@ def test_a_cache_that_cannot_be_written_names_the_folder_and_the_run_goes_on(cac
     entry = CacheEntry("demo", ("orb.cache",), ("data",), ".npz")
     folder = cache_dir / "demo"
     os.makedirs(folder / entry.name)  # a folder where the file should go: the rename fails
-    from orb.io.files import temporary_prefix
+    from orb.files import temporary_prefix
 
     dead = 2 ** 22 + 12345  # above any pid_max default: no such process
     old, recent = folder / f".x.npy.tmp-{dead}-ab12.npy", folder / f".y.npy.tmp-{dead}-cd34.npy"
@@ -535,7 +535,7 @@ def test_a_stop_signal_or_a_holder_that_never_lets_go_ends_the_wait_and_the_wait
     import threading
     import time
 
-    from orb import io
+    from orb import files
     from orb.cache import CacheEntry, one_builder
     from orb.signals import STOP
 
@@ -551,7 +551,7 @@ def test_a_stop_signal_or_a_holder_that_never_lets_go_ends_the_wait_and_the_wait
                 assert waited and STOP.received == "SIGTERM" and time.monotonic() - start < 30
         finally:
             STOP.reset()
-        monkeypatch.setattr(io.files, "LOCK_MAX_WAIT", 1.5)
+        monkeypatch.setattr(files, "LOCK_MAX_WAIT", 1.5)
         start = time.monotonic()
         with one_builder(entry, "demo values") as waited:
             assert waited and 1.5 <= time.monotonic() - start < 30

@@ -16,7 +16,7 @@ from conftest import DEMO_VAL, ROOT
 @pytest.mark.parametrize("checkpoint", ["demo_pretrained.ckpt", "demo_v3_pretrained.ckpt"])
 def test_an_exported_model_predicts_what_the_checkpoint_predicts(tmp_path, checkpoint):
     from orb.data.dataset import AseDbDataset
-    from orb.data.graphs import batch_graphs, pad_batch
+    from orb.data.batching import batch_graphs, pad_batch
     from orb.data.tensors import model_inputs
     from orb.inference.export import load_exported, predictions_of
     from orb.inference.predictor import Predictor

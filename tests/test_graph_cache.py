@@ -34,7 +34,8 @@ def batches(cfg, sizes=((0, 2), (2, 7))):
     """Batches of MPtrj structures of different sizes (each compiles its own shape)."""
     from ase.db import connect
 
-    from orb.data.graphs import atoms_to_graph, batch_graphs
+    from orb.data.batching import batch_graphs
+    from orb.data.graphs import atoms_to_graph
 
     atoms = [row.toatoms() for row in connect(MPTRJ_DB).select()]
     return [batch_graphs([atoms_to_graph(a, settings=cfg.graph_settings()) for a in atoms[lo:hi]]) for lo, hi in sizes]
@@ -283,7 +284,7 @@ def test_a_graph_mindspore_lets_go_of_when_another_cell_is_freed_is_loaded_again
 def test_a_wrong_guess_of_mindspores_graph_names_leaves_mindspore_to_decide_from_then_on(cache_dir, monkeypatch):
     """Where the phase MindSpore looks for is not the one predicted (another MindSpore), the call still computes the
     same numbers, and later calls go to MindSpore alone (not through the cache at every call)."""
-    from orb import device, graph_cache
+    from orb import graph_cache
     from orb.inference.predictor import Predictor
 
     made = model()
@@ -293,8 +294,8 @@ def test_a_wrong_guess_of_mindspores_graph_names_leaves_mindspore_to_decide_from
     monkeypatch.setattr(graph_cache, "_PREDICTING", [True])
     monkeypatch.setattr(graph_cache, "_phase", lambda cell, args: "not MindSpore's name" if graph_cache._PREDICTING[0]
                         else None)
-    routed, compile_cell = [], device.compile_cell
-    monkeypatch.setattr(device, "compile_cell", lambda *a, **k: routed.append(1) or compile_cell(*a, **k))
+    routed, compile_cell = [], graph_cache.compile_cell
+    monkeypatch.setattr(graph_cache, "compile_cell", lambda *a, **k: routed.append(1) or compile_cell(*a, **k))
     for _ in range(3):
         assert_equal([predictor(graphs[0])], [expected])
     assert graph_cache._PREDICTING == [False] and len(routed) == 1

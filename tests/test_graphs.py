@@ -12,8 +12,8 @@ from ase.neighborlist import neighbor_list
 from orb.data.samplers import EpochSampler
 from orb.data.buckets import Bucket, assign_buckets, check_buckets, largest_batch, pad_to_bucket, plan_buckets
 from orb.errors import ConfigError, StructureError
-from orb.data.graphs import (PADDING_EDGE_LENGTH, atoms_to_graph, batch_graphs, graph_from_arrays, pad_batch,
-                        split_batch, unpad_batch, wrap_positions)
+from orb.data.batching import batch_graphs, pad_batch, split_batch, unpad_batch
+from orb.data.graphs import PADDING_EDGE_LENGTH, atoms_to_graph, graph_from_arrays, wrap_positions
 
 
 def edge_sets(senders, receivers, vectors, atom):

@@ -29,11 +29,11 @@ TOLERANCES = {
 
 @pytest.fixture(scope="module", params=["cpu", "portable"])
 def profile(request):
-    from orb.models import ops_profile
+    from orb.device import set_ops_profile
 
-    ops_profile.set_ops_profile(request.param)
+    set_ops_profile(request.param)
     yield request.param
-    ops_profile.set_ops_profile("auto")
+    set_ops_profile("auto")
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def run_model(model, batch):
 
 
 def test_single_structure_predictions(model, reference, TOL):
-    from orb.data.graphs import pad_batch
+    from orb.data.batching import pad_batch
 
     for i in range(8):  # each padded to one shape: one compilation (padding changes nothing, tested below)
         padded = pad_batch(reference_graph(reference, i), 83, 1640, 2)
@@ -123,7 +123,7 @@ def test_single_structure_predictions(model, reference, TOL):
 
 def test_batched_and_padded_predictions(model, reference, TOL):
     """The 8-structure batch (periodic and non-periodic mixed) and the same batch padded."""
-    from orb.data.graphs import batch_graphs, pad_batch
+    from orb.data.batching import batch_graphs, pad_batch
 
     batch = batch_graphs([reference_graph(reference, i) for i in range(8)])
     (e_raw, f_raw, s_raw), (energy, forces, stress) = run_model(model, batch)
@@ -167,7 +167,7 @@ def test_training_loss_normalisers_and_gradients(reference, TOL):
     from mindspore import nn
 
     from orb.io.checkpoint import load_torch_state_dict
-    from orb.data.graphs import batch_graphs
+    from orb.data.batching import batch_graphs
     from orb.training.loss_v2 import OrbLoss
     from orb.training.steps import EvalStep
     from orb.models.orb_v2 import orb_v2

@@ -19,7 +19,7 @@ import numpy as np
 from ase.calculators.singlepoint import SinglePointCalculator
 import pytest
 
-from orb.io.files import free_port
+from orb.files import free_port
 from conftest import DEMO_TRAIN, DEMO_VAL, ROOT, SMALL_MODEL, descendants, own_compile_cache
 
 TIMING = ("train_time", "val_time", "compile_time", "data_wait")

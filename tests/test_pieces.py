@@ -370,7 +370,7 @@ def test_reporter_writes_records_on_rank_0_and_forgets_those_after_a_checkpoint(
 
 def small_batch(rows, bucket):
     from orb.data.dataset import AseDbDataset
-    from orb.data.graphs import batch_graphs, pad_batch
+    from orb.data.batching import batch_graphs, pad_batch
 
     data = AseDbDataset(DEMO_TRAIN)
     return pad_batch(batch_graphs([data.get(i) for i in rows]), bucket.num_nodes, bucket.num_edges,
@@ -421,7 +421,7 @@ def test_model_pass_alone_fills_every_structure_in_the_sources_order():
 
     from orb.data.buckets import Bucket
     from orb.data.dataset import AseDbDataset
-    from orb.data.graphs import batch_graphs
+    from orb.data.batching import batch_graphs
     from orb.data.mixture import Source
     from orb.data.tensors import loss_arrays
     from orb.inference.predictor import Predictor
@@ -473,7 +473,8 @@ def test_replay_choice_alone_selects_spread_rows_and_labels_them_once(tmp_path, 
     chosen rows over the descriptor line; held-out rows are never chosen; every chosen and held-out row
     carries the model's labels, predicted by the heads that will predict it; a second choice with the same
     model reads both from the cache, another model's identity computes them again."""
-    from orb.data.dataset import ONE_PROCESS, AseDbDataset
+    from orb.data.dataset import AseDbDataset
+    from orb.data.row_results import ONE_PROCESS
     from orb.training import replay
     from orb.training.config import config_from_dict
 

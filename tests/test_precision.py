@@ -143,7 +143,8 @@ def training_gradient(name: str, mode: str) -> np.ndarray:
     import mindspore as ms
 
     from orb import precision
-    from orb.data.graphs import batch_graphs, graph_from_arrays
+    from orb.data.batching import batch_graphs
+    from orb.data.graphs import graph_from_arrays
     from orb.data.tensors import loss_inputs
     from orb.device import configure_mindspore
     from orb.training.config import config_from_dict
@@ -204,7 +205,8 @@ def test_float64_training_gradient_equals_finite_differences(name):
     import mindspore as ms
 
     from orb import precision
-    from orb.data.graphs import batch_graphs, graph_from_arrays
+    from orb.data.batching import batch_graphs
+    from orb.data.graphs import graph_from_arrays
     from orb.data.tensors import loss_inputs
     from orb.device import configure_mindspore
     from orb.training.config import config_from_dict

@@ -196,7 +196,7 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run_naming_them(tmp_p
     import mindspore as ms
 
     from orb.data.dataset import AseDbDataset
-    from orb.data.graphs import batch_graphs, pad_batch
+    from orb.data.batching import batch_graphs, pad_batch
     from orb.data.tensors import loss_inputs
     from orb.errors import DivergedError
     from orb.models.orb_v2 import orb_v2
@@ -669,10 +669,12 @@ COMPILE_AND_STOP = """
 import os, signal, threading
 from orb.signals import listen, Stopped
 listen()
-from orb.device import configure_mindspore, compile_cell
+from orb.device import configure_mindspore
+from orb.graph_cache import compile_cell
 configure_mindspore("CPU")
 from ase.build import bulk
-from orb.data.graphs import graph_from_arrays, pad_batch
+from orb.data.batching import pad_batch
+from orb.data.graphs import graph_from_arrays
 from orb.data.tensors import model_inputs
 from orb.models import create
 from orb.models.cells import PredictCell

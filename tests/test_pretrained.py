@@ -92,7 +92,7 @@ def serve(mirror, name: str, path: str) -> bytes:
 
 def unreachable(monkeypatch):
     """No network from now on: a mirror nothing listens at."""
-    from orb.io.files import free_port
+    from orb.files import free_port
 
     monkeypatch.setenv("ORB_WEIGHTS_URL", f"http://127.0.0.1:{free_port()}")
 

@@ -206,7 +206,7 @@ def test_a_structure_counts_in_the_loss_by_its_weight(name):
     import mindspore as ms
 
     from orb.data.dataset import AseDbDataset
-    from orb.data.graphs import batch_graphs, pad_batch
+    from orb.data.batching import batch_graphs, pad_batch
     from orb.data.tensors import loss_inputs
     from orb.models import create
     from orb.training.config import config_from_dict
@@ -343,7 +343,7 @@ def test_pseudo_labels_are_the_starting_models_predictions_chosen_by_fps_and_cac
     descriptors chooses; a second start reads both from the cache."""
     import logging
 
-    from orb.data.graphs import batch_graphs
+    from orb.data.batching import batch_graphs
     from orb.data.selection import farthest_point_sampling
     from orb.inference.predictor import Predictor
     from orb.models.cells import DescriptorCell
@@ -369,7 +369,7 @@ def test_pseudo_labels_are_the_starting_models_predictions_chosen_by_fps_and_cac
         np.testing.assert_allclose(table.stress[k], out["stress"][0], atol=2e-6)
         assert abs(out["energy"][0] - graph.energy[0]) > 1e-3  # not the DFT labels
     # farthest-point sampling over the descriptors of the candidates (the rows not held out)
-    from orb.data.graphs import pad_batch
+    from orb.data.batching import pad_batch
     from orb.data.selection import hold_out
     from orb.data.tensors import model_inputs
 
@@ -528,7 +528,7 @@ def check_replay_heads(name):
     from mindspore import Tensor
 
     from orb.data.dataset import AseDbDataset
-    from orb.data.graphs import batch_graphs, pad_batch
+    from orb.data.batching import batch_graphs, pad_batch
     from orb.data.tensors import loss_inputs, model_inputs
     from orb.io.checkpoint import load_torch_state_dict, to_torch_state_dict
     from orb.models import create
@@ -619,7 +619,7 @@ def test_pseudo_labels_of_one_model_are_never_read_back_for_another(tmp_path, mo
     """orb_v3_conservative_20_omat and _inf_omat share their weights (one checkpoint: equal digests) but not their
     graphs. A _20_ run then an _inf_ run each train on their own model's predictions; the cache was keyed by
     the weights alone and gave the _inf_ run the _20_ model's energies."""
-    from orb.data.graphs import batch_graphs
+    from orb.data.batching import batch_graphs
     from orb.inference.predictor import Predictor
 
     monkeypatch.setenv("ORB_CACHE_DIR", str(tmp_path / "cache"))

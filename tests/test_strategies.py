@@ -72,7 +72,7 @@ def test_lora_trains_only_adapters_exports_merged_weights_and_resumes_exactly(tm
     uninterrupted run does; the calculator reads last.ckpt as merged weights too."""
     import ase.db
 
-    from orb.data.graphs import batch_graphs
+    from orb.data.batching import batch_graphs
     from orb.data.dataset import AseDbDataset
     from orb.inference.calculator import ORBCalculator
     from orb.inference.predictor import Predictor

@@ -96,10 +96,10 @@ def test_energy_and_stress_do_not_depend_on_the_order_of_the_atoms(name):
 def test_ascend_form_of_the_sums_keeps_the_supercell_energy():
     """The grid split Ascend runs (forced here on the CPU): the same bound at 8,192 atoms."""
     from orb.device import configure_mindspore
-    from orb.models import sums
+    from orb.precision import set_sum_form
 
     configure_mindspore("CPU")
-    sums.set_form("split")
+    set_sum_form("split")
     try:
         calculator = small_calculator("orb_v2", configure=False)
         assert calculator.model.sum_form == "split"
@@ -108,7 +108,7 @@ def test_ascend_form_of_the_sums_keeps_the_supercell_energy():
         e_cell, energy = predict(calculator, cell)[0], predict(calculator, big)[0]
         e_order = predict(calculator, big[np.argsort(big.numbers, kind="stable")])[0]
     finally:
-        sums.set_form("float64")
+        set_sum_form("float64")
     assert abs(energy - 512 * e_cell) <= ULPS * ulp(energy), (energy - 512 * e_cell, ulp(energy))
     assert abs(e_order - energy) <= ULPS * ulp(energy), (e_order - energy, ulp(energy))
 
@@ -138,6 +138,7 @@ def test_segment_total_is_the_exact_sum_rounded_once_in_any_order(form):
     from mindspore import Tensor
 
     from orb.models import sums
+    from orb.precision import set_sum_form
 
     rng = np.random.default_rng(3)
     rows = 10_000
@@ -149,7 +150,7 @@ def test_segment_total_is_the_exact_sum_rounded_once_in_any_order(form):
     data = data.astype(np.float32)
     exact = np.zeros((4, 3))
     np.add.at(exact, ids, data.astype(np.float64))
-    sums.set_form(form)
+    set_sum_form(form)
     try:
         ms.set_context(mode=ms.GRAPH_MODE)
         got = sums.segment_total(Tensor(data), Tensor(ids), 4).asnumpy()
@@ -157,7 +158,7 @@ def test_segment_total_is_the_exact_sum_rounded_once_in_any_order(form):
         again = sums.segment_total(Tensor(data[order]), Tensor(ids[order]), 4).asnumpy()
         grad = ms.grad(weighted_totals(ids))(Tensor(data))
     finally:
-        sums.set_form("float64")
+        set_sum_form("float64")
     np.testing.assert_array_equal(got[2], 0.0)
     error = np.abs(got - exact) / np.spacing(np.abs(exact).astype(np.float32))  # in ulps of each result
     assert error.max() <= 1.0, error

@@ -56,7 +56,7 @@ def test_loss_falls_on_a_fixed_batch():
     import mindspore as ms
 
     from orb.data.dataset import AseDbDataset
-    from orb.data.graphs import batch_graphs, pad_batch
+    from orb.data.batching import batch_graphs, pad_batch
     from orb.data.tensors import loss_inputs
     from orb.models.orb_v2 import orb_v2
     from orb.training.loss_v2 import OrbLoss
@@ -82,7 +82,7 @@ def test_train_step_updates_the_normalisers():
     import mindspore as ms
 
     from orb.data.dataset import AseDbDataset
-    from orb.data.graphs import batch_graphs, pad_batch
+    from orb.data.batching import batch_graphs, pad_batch
     from orb.data.tensors import loss_inputs
     from orb.models.orb_v2 import orb_v2
     from orb.training.loss_v2 import OrbLoss
@@ -266,7 +266,7 @@ while True:
 def test_killed_while_saving_never_leaves_a_broken_checkpoint(tmp_path):
     from orb.io.checkpoint import load_checkpoint, save_checkpoint
     from orb.models.orb_v2 import orb_v2
-    from orb.io.files import remove_stale_temporaries
+    from orb.files import remove_stale_temporaries
 
     path = str(tmp_path / "last.ckpt")
     save_checkpoint(path, orb_v2(**SMALL_MODEL), {"i": 0})

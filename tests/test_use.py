@@ -216,7 +216,8 @@ def test_without_reuse_a_batch_computes_the_same_bits_whatever_came_before():
     """A resumed orb-md run differed from the uninterrupted one in the last bits (kinetic energy 0.5711938863 vs
     ...867): the padded shape, hence the float32 products' blocking, came from the batches this process had seen
     before. Without reuse (orb-md, the calculator) a batch's shape is its own."""
-    from orb.data.graphs import atoms_to_graph, batch_graphs
+    from orb.data.batching import batch_graphs
+    from orb.data.graphs import atoms_to_graph
     from orb.inference.predictor import Predictor
     from orb.models import create
 
@@ -366,7 +367,8 @@ def test_the_calculator_recomputes_for_a_new_charge_and_refuses_what_its_model_c
     from ase.build import molecule
     from ase.calculators.calculator import PropertyNotImplementedError
 
-    from orb.data.graphs import atoms_to_graph, batch_graphs
+    from orb.data.batching import batch_graphs
+    from orb.data.graphs import atoms_to_graph
     from orb.errors import StructureError
     from orb.inference.calculator import ORBCalculator
     from orb.inference.predictor import Predictor

@@ -325,7 +325,7 @@ def test_a_kill_while_recording_leaves_no_partial_file(tmp_path):
     out = tmp_path / "run"
     code = ("import os, signal, sys, numpy as np\n"
             f"sys.path.insert(0, {ROOT!r})\n"
-            "import orb.io.files as files\n"
+            "import orb.files as files\n"
             "from orb.training import val_split\n"
             "from orb.training.distributed import DataParallel\n"
             "files.fsync_file = lambda path: os.kill(os.getpid(), signal.SIGKILL)\n"

@@ -78,7 +78,7 @@ def stress_in_055(cfg) -> bool:
     return not cfg.omol
 
 def check_predict(model, short, k, report):
-    from orb.data.graphs import batch_graphs
+    from orb.data.batching import batch_graphs
     from orb.data.tensors import model_inputs
 
     model.set_train(False)
@@ -162,7 +162,7 @@ def check_loss(model, short, k, report, modes=None):
     import mindspore as ms
     from mindspore import nn
 
-    from orb.data.graphs import batch_graphs
+    from orb.data.batching import batch_graphs
     from orb.data.tensors import loss_inputs
     from orb.training.loss_v3 import OrbV3Loss
 

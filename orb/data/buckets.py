@@ -14,7 +14,8 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from orb.data.graphs import AtomGraphs, pad_batch
+from orb.data.batching import pad_batch
+from orb.data.graphs import AtomGraphs
 from orb.errors import ConfigError
 
 MAX_BUCKETS = 16

@@ -61,6 +61,20 @@ def is_sqlite(path: str) -> bool:
         raise DatasetError(path, f"cannot read it ({exc.strerror or exc})") from None
 
 
+def check_sqlite_file(path: str) -> None:
+    """Raise DatasetError unless ``path`` is an existing SQLite file."""
+    if not path:
+        raise DatasetError("<empty path>", "no database path given")
+    if not os.path.exists(path):
+        raise DatasetError(path, "database file does not exist")
+    if os.path.isdir(path):
+        raise DatasetError(path, "is a directory, expected an ASE SQLite database file")
+    with open(path, "rb") as f:
+        head = f.read(len(SQLITE_MAGIC))
+    if head != SQLITE_MAGIC:
+        raise DatasetError(path, "is not an SQLite database (an ASE db written with ase.db.connect('x.db'))")
+
+
 def describe_path(path: Union[str, Sequence[str]]) -> str:
     """A data path as a log line or an error names it: the path, or the listed paths joined."""
     return path if isinstance(path, str) else ", ".join(path)

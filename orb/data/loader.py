@@ -21,8 +21,9 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 import numpy as np
 
 from orb.data.buckets import pad_to_bucket
-from orb.data.dataset import AseDbDataset, Ranks
-from orb.data.graphs import batch_graphs, empty_batch
+from orb.data.dataset import AseDbDataset
+from orb.data.row_results import Ranks
+from orb.data.batching import batch_graphs, empty_batch
 from orb.data.neighbours import native_search
 from orb.data.plan import Step
 from orb.data.tensors import loss_arrays

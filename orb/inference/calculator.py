@@ -139,7 +139,7 @@ class ORBCalculator(Calculator):
         from orb.device import configure_mindspore
         from orb.inference.dispersion import check_dispersion
         from orb.io.checkpoint import model_from_checkpoint
-        from orb.models.ops_profile import set_ops_profile
+        from orb.device import set_ops_profile
 
         if "matmul_precision" in kwargs:  # the old spelling
             given = kwargs.pop("matmul_precision")

@@ -114,7 +114,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """orb-evaluate's options."""
     from orb.commands import HelpFormatter
     from orb.device import add_device_argument
-    from orb.models.ops_profile import PROFILES
+    from orb.device import OPS_PROFILES
     from orb.precision import PRECISIONS
 
     parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=__doc__, formatter_class=HelpFormatter)
@@ -137,7 +137,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
                         "(needs pip install .[d3])")
     parser.add_argument("--xc", default="pbe", help="the functional of the training data, for --dispersion")
     add_device_argument(parser)
-    parser.add_argument("--ops_profile", default="auto", choices=PROFILES,
+    parser.add_argument("--ops_profile", default="auto", choices=OPS_PROFILES,
                         help="operators the model is built with (ORB_OPS_PROFILE overrides; see docs/ascend.md)")
     parser.add_argument("--precision", default="float32-high", choices=PRECISIONS,
                         help="what the model computes in (orb.precision): float32-high (HF32/TF32 products on "
@@ -160,7 +160,7 @@ def predict_dataset(checkpoint: str, args, keys, show: bool, out_dir: str = ""):
 
     from orb.data.dataset import AseDbDataset
     from orb.data.formats import readable_database
-    from orb.data.graphs import batch_graphs
+    from orb.data.batching import batch_graphs
     from orb.inference.dispersion import D3Dispersion, check_dispersion_elements, check_dispersion_for
     from orb.inference.predictor import Predictor, per_structure
     from orb.inference.uncertainty import UncertainFrames, check_threshold, frame_error, per_atom_error
@@ -237,9 +237,10 @@ def evaluate(args) -> int:
     from orb.device import configure_mindspore
     from orb.inference.dispersion import check_dispersion
     from orb.io.checkpoint import check_checkpoint_file
-    from orb.io.files import refuse_overwriting_inputs
+    from orb.files import refuse_overwriting_inputs
     from orb.reports.evaluation import errors_by_element, print_element_table
-    from orb.models.ops_profile import describe_profile, set_ops_profile
+    from orb.device import set_ops_profile
+    from orb.models.ops_profile import describe_profile
     from orb.precision import describe as describe_precision
     from orb.signals import STOP
 
@@ -305,7 +306,7 @@ def writable_folder(out_dir: str) -> None:
 
 def summarise_and_write(args, names, runs, out_dir: str, target: str):
     """(the summary, the files written) of an evaluation's ``runs``."""
-    from orb.models.ops_profile import ops_profile
+    from orb.device import ops_profile
 
     results = runs[names[0]][0]
     summary = summarise(results)
@@ -331,7 +332,7 @@ def write_outputs(out_dir: str, results: List[Dict], summary: Dict, runs: Dict) 
     or a full disk leaves every file whole or absent, never a table cut short); the files written."""
     from orb.reports.evaluation import (errors_by_element, write_confidence_plot, write_element_table,
                                         write_parity_plots)
-    from orb.io.files import remove_stale_temporaries, write_csv, write_json
+    from orb.files import remove_stale_temporaries, write_csv, write_json
 
     os.makedirs(out_dir, exist_ok=True)
     remove_stale_temporaries(out_dir, min_age=600.0)  # those of an evaluation killed while it wrote
@@ -354,7 +355,7 @@ def publish_uncertain(out_dir: str) -> List[str]:
     """This evaluation's uncertain frames (collected in COLLECTING) as ``uncertain.extxyz``, in one rename: until
     then the earlier collection stays, so a stopped or killed evaluation loses no frames gathered for labelling;
     none found, none kept (the file would describe another evaluation)."""
-    from orb.io.files import fsync_directory
+    from orb.files import fsync_directory
 
     from orb.inference.uncertainty import UncertainFrames
 

@@ -7,7 +7,7 @@ A MindIR graph has fixed input shapes, as the compiled steps here do: one file p
 ``--data`` (the few bucket shapes that hold its structures packed by size, as orb-evaluate plans them) or given
 with ``--shape``. Each is the model's whole prediction (graph in, energy, forces, stress and, for orb-v3,
 confidence out, in physical units; conservative models differentiate inside it). ``model.json`` beside them says
-how to fill the inputs (names, types, shapes, the padding convention of :func:`orb.data.graphs.pad_batch`) and
+how to fill the inputs (names, types, shapes, the padding convention of :func:`orb.data.batching.pad_batch`) and
 what the outputs are; :func:`load_exported` loads a file back with MindSpore's own loader.
 """
 
@@ -30,7 +30,7 @@ EDGE_INPUTS = ("vectors", "senders", "receivers", "unit_shifts")
 def example_inputs(model, nodes: int, edges: int, graphs: int):
     """Inputs of a padded batch of this shape (one padding graph holding every node and edge), in the model's float
     type: what the export traces, shapes and types only."""
-    from orb.data.graphs import empty_batch, pad_batch
+    from orb.data.batching import empty_batch, pad_batch
     from orb.data.tensors import model_arrays, to_tensors
     from orb.models import is_float64_model
 
@@ -63,7 +63,7 @@ def shapes_for(data_path, model, batch_size: int) -> List[tuple]:
 
 
 def outputs_of(output: str) -> list:
-    """What an export to ``output`` may write or remove (:func:`orb.io.files.refuse_overwriting_inputs`): the file,
+    """What an export to ``output`` may write or remove (:func:`orb.files.refuse_overwriting_inputs`): the file,
     its description ``<stem>.json`` and the files of other shapes ``<stem>_<nodes>x<edges>x<graphs>.mindir``."""
     stem = os.path.basename(output[:-len(".mindir")] if output.endswith(".mindir") else output)
     return [("--output", output, None),
@@ -81,7 +81,7 @@ def export(model, output: str, shapes: Sequence[tuple]) -> List[str]:
     import mindspore as ms
 
     from orb.data.tensors import MODEL_INPUTS
-    from orb.io.files import fsync_directory, remove_stale_temporaries, temporary_prefix, write_atomically, write_json
+    from orb.files import fsync_directory, remove_stale_temporaries, temporary_prefix, write_atomically, write_json
     from orb.models.cells import PredictCell
     from orb.precision import precision
     from orb.signals import STOP, STOPPED_STATUS, Stopped
@@ -125,7 +125,7 @@ def export(model, output: str, shapes: Sequence[tuple]) -> List[str]:
                 "inputs": [{"name": n, "dtype": str(t.dtype), "shape": [dimension(n, axis, size)
                                                                         for axis, size in enumerate(t.shape)]}
                            for n, t in zip(MODEL_INPUTS, inputs)],
-                "padding": "orb.data.graphs.pad_batch: the real graphs first, then one padding graph holding every "
+                "padding": "orb.data.batching.pad_batch: the real graphs first, then one padding graph holding every "
                            "padding node (atomic number 0) and edge (a self-edge of length 10 Å), then empty graphs; "
                            "outputs of padding rows are to be ignored",
                 "outputs": described_outputs(model.cfg)})
@@ -216,7 +216,7 @@ def run(args) -> List[str]:
     import_mindspore()  # first: what the other imports need, with a stop signal honoured after it
     from orb.device import configure_mindspore
     from orb.io.checkpoint import model_from_checkpoint
-    from orb.io.files import refuse_overwriting_inputs
+    from orb.files import refuse_overwriting_inputs
 
     shapes = [parse_shape(s) for s in args.shape]
     if not shapes and not args.data:

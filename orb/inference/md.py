@@ -61,7 +61,8 @@ class Dynamics:
     def evaluate(self, batch: Dict[int, object]) -> Dict[int, object]:
         """Every requesting structure's results from one model call; a structure whose graph cannot be built gets
         its error instead (the others are computed)."""
-        from orb.data.graphs import atoms_to_graph, batch_graphs, model_sees_periodic
+        from orb.data.batching import batch_graphs
+        from orb.data.graphs import atoms_to_graph, model_sees_periodic
         from orb.errors import StructureError
         from orb.inference.predictor import per_structure
         from orb.inference.runs import first_line, made_not_finite
@@ -129,7 +130,7 @@ class Dynamics:
             cut_to(run.path("traj"), files["traj_bytes"])
             cut_to(run.path("log"), files["log_bytes"])
             if files is not state:  # the state says so before anything is appended (a kill then resumes alike)
-                from orb.io.files import write_json
+                from orb.files import write_json
 
                 write_json(run.path("state"), as_json(dict(state, **files, last_frame_only=None)))
             run.uncertain = int(files.get("uncertain", 0))
@@ -190,7 +191,7 @@ class Dynamics:
         keeps the previous one, and a resume cuts the frame and line written after it). ``last_only``: a frame off
         the --write_every grid, there because the run ends; the state keeps the files' lengths before it, which a
         resume with more --steps cuts back to (an uninterrupted longer run has no frame there)."""
-        from orb.io.files import write_json
+        from orb.files import write_json
 
         def files() -> Dict:
             return {"traj_bytes": size(run.path("traj")), "log_bytes": size(run.path("log")),
@@ -287,8 +288,8 @@ def md(args) -> Dict:
     from orb.inference.runs import run_settings
     from orb.inference.uncertainty import UncertainFrames, check_threshold
     from orb.io.checkpoint import model_from_checkpoint
-    from orb.io.files import check_run_settings, refuse_overwriting_inputs, remove_stale_temporaries, write_json
-    from orb.models.ops_profile import set_ops_profile
+    from orb.files import check_run_settings, refuse_overwriting_inputs, remove_stale_temporaries, write_json
+    from orb.device import set_ops_profile
     from orb.signals import RESUME_FLAG, STOP, STOPPED_STATUS, Stopped
 
     check_args(args)
@@ -362,7 +363,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """orb-md's options."""
     from orb.commands import HelpFormatter
     from orb.device import add_device_argument
-    from orb.models.ops_profile import PROFILES
+    from orb.device import OPS_PROFILES
     from orb.precision import PRECISIONS
 
     parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=__doc__.split("\n\n")[0],
@@ -403,7 +404,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     parser.add_argument("--precision", default="float32-high", choices=PRECISIONS,
                         help="what the model computes in (orb.precision)")
     add_device_argument(parser)
-    parser.add_argument("--ops_profile", default="auto", choices=PROFILES,
+    parser.add_argument("--ops_profile", default="auto", choices=OPS_PROFILES,
                         help="operators the model is built with (ORB_OPS_PROFILE overrides; see docs/ascend.md)")
     parser.add_argument("--progress_bar", choices=("auto", "true", "false"), default="auto",
                         help="auto: when the output is a terminal")

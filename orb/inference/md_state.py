@@ -1,5 +1,5 @@
 """orb-md's state of each structure: its integrator, and ``state_k.json``, written atomically with each frame and read
-back by ``--resume`` through one validated reader (:mod:`orb.io.records`).
+back by ``--resume`` through one validated reader (:mod:`orb.records`).
 
 A resume reads every structure's state, and checks its trajectory and log against it, before anything is cut back
 or written: an empty, cut short, partial or hand-edited state (a key missing, a value of another type or shape, an
@@ -13,7 +13,7 @@ from typing import Dict, Optional
 import numpy as np
 
 from orb.errors import OrbInputError
-from orb.io.records import (RecordError, array, integer, mapping, number, optional, read_record, record_of, text)
+from orb.records import (RecordError, array, integer, mapping, number, optional, read_record, record_of, text)
 
 FILES = {"traj_bytes": integer(0), "log_bytes": integer(0), "uncertain": integer(0),
          "last_total_energy": optional(number)}  # where the files were at a state (and before an off-grid frame)

@@ -48,7 +48,8 @@ class SinglePoints:
         """Each structure's ``energy`` (eV), ``forces`` (eV/Å) and ``stress`` (eV/Å³, ASE's Voigt order); with
         ``keys`` also ``neighbours``, the fingerprint of the neighbour sets of its graph (:func:`neighbour_key`).
         ``stop()`` is called between calls (a stop signal), ``progress(n)`` after each."""
-        from orb.data.graphs import atoms_to_graph, batch_graphs
+        from orb.data.batching import batch_graphs
+        from orb.data.graphs import atoms_to_graph
         from orb.inference.crystals import neighbour_key
         from orb.inference.predictor import per_structure
 

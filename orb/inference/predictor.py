@@ -13,9 +13,11 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from orb.data.buckets import Bucket, round_up
-from orb.data.graphs import AtomGraphs, pad_batch
+from orb.data.batching import pad_batch
+from orb.data.graphs import AtomGraphs
 from orb.data.tensors import model_inputs
-from orb.device import compile_cell, graph_mode
+from orb.device import graph_mode
+from orb.graph_cache import compile_cell
 from orb.models.cells import PredictCell
 
 log = logging.getLogger("orb")

@@ -279,7 +279,7 @@ def run(args) -> Dict:
     check_arguments(args)  # phonopy first: before any work
     staging = prepare_output(args)
     import_mindspore()
-    from orb.models.ops_profile import set_ops_profile
+    from orb.device import set_ops_profile
     from orb.reports.properties import read_dft, report, write_outputs
     from orb.signals import STOP
 
@@ -335,7 +335,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """orb-properties' options."""
     from orb.commands import HelpFormatter
     from orb.device import add_device_argument
-    from orb.models.ops_profile import PROFILES
+    from orb.device import OPS_PROFILES
     from orb.precision import PRECISIONS
 
     parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=__doc__.split("\n\n")[0],
@@ -382,7 +382,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
                         "neighbours (the cap's) are closer than this is reported as tied")
     parser.add_argument("--batch_size", type=int, default=16, help="cells per compiled model call")
     add_device_argument(parser)
-    parser.add_argument("--ops_profile", default="auto", choices=PROFILES,
+    parser.add_argument("--ops_profile", default="auto", choices=OPS_PROFILES,
                         help="operators the model is built with (ORB_OPS_PROFILE overrides; see docs/ascend.md)")
     parser.add_argument("--precision", default="float32-high", choices=PRECISIONS,
                         help="what the models compute in (orb.precision; float64 on the CPU for phonons)")

@@ -147,7 +147,8 @@ class BatchRelaxer:
         """The model (and dispersion) on every active structure at once; the results attached to each."""
         from ase.calculators.singlepoint import SinglePointCalculator
 
-        from orb.data.graphs import atoms_to_graph, batch_graphs, model_sees_periodic
+        from orb.data.batching import batch_graphs
+        from orb.data.graphs import atoms_to_graph, model_sees_periodic
         from orb.inference.predictor import per_structure
         from orb.inference.runs import first_line, made_not_finite
         from orb.inference.uncertainty import per_atom_error
@@ -253,8 +254,8 @@ def relax(args) -> Dict:
                                           check_dispersion_for)
     from orb.inference.uncertainty import UncertainFrames, check_threshold
     from orb.io.checkpoint import model_from_checkpoint
-    from orb.io.files import check_run_settings, refuse_overwriting_inputs, remove_stale_temporaries, write_json
-    from orb.models.ops_profile import set_ops_profile
+    from orb.files import check_run_settings, refuse_overwriting_inputs, remove_stale_temporaries, write_json
+    from orb.device import set_ops_profile
     from orb.signals import RESUME_FLAG, STOP, STOPPED_STATUS, Stopped
 
     if args.fmax <= 0 or args.steps < 0 or args.batch_size < 1 or not np.isfinite(args.fmax):
@@ -379,7 +380,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """orb-relax's options."""
     from orb.commands import HelpFormatter
     from orb.device import add_device_argument
-    from orb.models.ops_profile import PROFILES
+    from orb.device import OPS_PROFILES
     from orb.precision import PRECISIONS
 
     parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=__doc__.split("\n\n")[0],
@@ -401,7 +402,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     parser.add_argument("--dispersion", default="", help="add DFT-D3 dispersion: d3bj or d3zero (pip install .[d3])")
     parser.add_argument("--xc", default="pbe", help="the functional of the training data, for --dispersion")
     add_device_argument(parser)
-    parser.add_argument("--ops_profile", default="auto", choices=PROFILES,
+    parser.add_argument("--ops_profile", default="auto", choices=OPS_PROFILES,
                         help="operators the model is built with (ORB_OPS_PROFILE overrides; see docs/ascend.md)")
     parser.add_argument("--precision", default="float32-high", choices=PRECISIONS,
                         help="what the model computes in (orb.precision; float64 for tight relaxations, CPU)")

@@ -20,7 +20,7 @@ def run_settings(args, names: Sequence[str], model, data) -> Dict:
     import mindspore as ms
 
     from orb.models import weights_digest
-    from orb.models.ops_profile import ops_profile
+    from orb.device import ops_profile
 
     architecture = json.dumps(model.cfg.to_dict(), sort_keys=True, default=str)
     return {**{key: getattr(args, key) for key in names}, "checkpoint": os.path.abspath(args.checkpoint),

@@ -130,7 +130,7 @@ class UncertainFrames:
                                 "it away to start a new collection") from None
 
     def _keep(self, wanted, order=None) -> None:
-        from orb.io.files import write_atomically
+        from orb.files import write_atomically
 
         frames, whole, text = self.frames()
         if not text:

@@ -19,7 +19,7 @@ from orb.models import build, config_from_state_dict
 from orb.models.adapters import merge_arrays, merged_state
 from orb.models.config import ModelConfig
 from orb.models.gns import REPLAY_HEADS
-from orb.io.files import write_atomically
+from orb.files import write_atomically
 from orb.io.torch_format import is_torch_zip, read_torch_checkpoint, write_torch_checkpoint
 from orb.pretrained import PUBLISHED, published_name
 from orb.signals import STOP

@@ -56,7 +56,7 @@ def convert(source: str, target: str, to=None, name=None) -> int:
     from orb.io.checkpoint import (architecture, describe, load_torch_state_dict, read_weights, save_checkpoint,
                                    settings_a_state_dict_loses, stored_architecture, to_torch_state_dict)
     from orb.errors import RunError
-    from orb.io.files import refuse_overwriting_inputs
+    from orb.files import refuse_overwriting_inputs
     from orb.io.torch_format import is_torch_zip, write_torch_checkpoint
     from orb.models import build
     from orb.models.config import ModelConfig

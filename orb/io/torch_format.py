@@ -19,7 +19,7 @@ from typing import Dict
 import numpy as np
 
 from orb.errors import CheckpointError
-from orb.io.files import write_atomically
+from orb.files import write_atomically
 
 _STORAGE_DTYPES = {
     "FloatStorage": np.dtype("<f4"), "DoubleStorage": np.dtype("<f8"), "HalfStorage": np.dtype("<f2"),

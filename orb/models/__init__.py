@@ -82,8 +82,8 @@ def weights_digest(model) -> str:
 
 
 # what a prediction runs: the networks, their graphs (the native search and how it is compiled), the precision
-MODEL_CODE = ("orb.models", "orb.data.graphs", "orb.data.neighbours", "orb.data.tensors", "orb.precision",
-              "orb.native")
+MODEL_CODE = ("orb.models", "orb.data.graphs", "orb.data.batching", "orb.data.neighbours", "orb.data.tensors",
+              "orb.precision", "orb.native")
 
 
 def model_identity(model, digest: Optional[str] = None) -> tuple:
@@ -92,7 +92,7 @@ def model_identity(model, digest: Optional[str] = None) -> tuple:
     (:mod:`orb.models.sums`, the device's) and the code that builds its graphs and runs it. The key of every cached
     model output."""
     from orb.cache import library_versions, source_digest
-    from orb.models.ops_profile import ops_profile
+    from orb.device import ops_profile
     from orb.precision import precision
 
     return (tuple(sorted(model.cfg.to_dict().items())), repr(model.cfg.graph_settings()),

@@ -13,7 +13,8 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from orb.models import sums
-from orb.models.ops_profile import activation as profile_activation, ops_profile
+from orb.device import ops_profile
+from orb.models.ops_profile import activation as profile_activation
 from orb.precision import half_rounding, is_float64, numpy_dtype
 from orb.models.primitives import MATMUL as _MATMUL
 from orb.models.primitives import cpu_column as _cpu_column

@@ -17,8 +17,8 @@ from mindspore import Parameter, Tensor, lazy_inline, nn, ops
 from orb.models.blocks import Linear, MLP, MLPLayerNorm, ScaleRows, segment_mean, segment_sum
 from orb.models.config import ModelConfig
 from orb.models.primitives import Broadcasts
-from orb.models import sums
 from orb.models.sums import segment_total, total
+from orb.precision import sum_form
 
 
 def polynomial_envelope(r: Tensor, r_max: float, p: int) -> Tensor:
@@ -305,7 +305,7 @@ class OrbModel(nn.Cell):
     def __init__(self):
         super().__init__()
         self.replay_heads = None
-        self.sum_form = sums.form()  # how its long sums are compiled (orb.models.sums): part of its graphs' identity
+        self.sum_form = sum_form()  # how its long sums are compiled (orb.models.sums): part of its graphs' identity
 
     def head_cells(self) -> dict:
         """{name: cell} of the heads a replay copy duplicates."""

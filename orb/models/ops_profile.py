@@ -13,57 +13,13 @@ One model definition; a profile swaps only these primitives, when a cell is buil
   slow), and the accurate custom activation kernels (``orb.models.kernels``).
 
 ``auto`` is ``cpu`` on CPU and ``portable`` elsewhere. The environment variable
-``ORB_OPS_PROFILE`` overrides the configured choice (config key ``ops_profile``).
+``ORB_OPS_PROFILE`` overrides the configured choice (config key ``ops_profile``); the choice is made with the device
+(:func:`orb.device.ops_profile`), below the models, so that what decides a compiled graph is read without them.
 """
 
-import os
 from typing import Optional
 
-from orb.errors import ConfigError
-
-PROFILES = ("auto", "portable", "cpu")
-ENVIRONMENT = "ORB_OPS_PROFILE"
-_configured: Optional[str] = None
-
-
-def _check(name: str, source: str) -> str:
-    if name not in PROFILES:
-        raise ConfigError(f"{source} must be one of {', '.join(PROFILES)}, got {name!r}")
-    return name
-
-
-def set_ops_profile(name: str) -> None:
-    """The configured profile for cells built from now on (``ORB_OPS_PROFILE``, if set, still wins)."""
-    global _configured
-    _configured = _check(name, "ops_profile")
-
-
-def requested_profile() -> str:
-    """``auto``, ``portable`` or ``cpu``: the environment's choice, else the configured one, else ``auto``."""
-    from_environment = os.environ.get(ENVIRONMENT, "")
-    if from_environment:
-        return _check(from_environment, ENVIRONMENT)
-    return _configured or "auto"
-
-
-def choose_profile(requested: str, device_target: str) -> str:
-    """``portable`` or ``cpu`` for a requested profile on a device: ``auto`` is ``cpu`` on the CPU and ``portable``
-    elsewhere; ``cpu`` anywhere but the CPU is refused (its forms are measured on, and its custom kernels
-    compiled for, the CPU backend: they must never reach an NPU or a GPU)."""
-    if requested == "auto":
-        return "cpu" if device_target == "CPU" else "portable"
-    if requested == "cpu" and device_target != "CPU":
-        source = f"{ENVIRONMENT}=cpu (environment)" if os.environ.get(ENVIRONMENT) else "ops_profile: cpu"
-        raise ConfigError(f"{source} is for the CPU only, and this run is on {device_target}: use ops_profile auto "
-                          f"or portable{' and unset ' + ENVIRONMENT if os.environ.get(ENVIRONMENT) else ''}")
-    return requested
-
-
-def ops_profile() -> str:
-    """The profile cells are built with now: ``portable`` or ``cpu``."""
-    import mindspore as ms
-
-    return choose_profile(requested_profile(), ms.get_context("device_target"))
+from orb.device import ops_profile
 
 
 def custom_kernel_library() -> Optional[str]:

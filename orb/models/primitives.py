@@ -3,7 +3,7 @@ reductions of 2-D tensors, as a cell each model part builds, and the ``cpu`` pro
 
 from mindspore import Tensor, nn, ops
 
-from orb.models.ops_profile import ops_profile
+from orb.device import ops_profile
 
 # The ``cpu`` profile's primitives -- MindSpore 2.10's CPU kernels, measured:
 # reductions (ReduceSum/ReduceMean) and binary operators that broadcast (x + bias, x * column) each

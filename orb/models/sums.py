@@ -20,10 +20,8 @@ import numpy as np
 from mindspore import Tensor, ops
 import mindspore as ms
 
-# the form of the float32 sums: "float64" (CPU, GPU) or "split" (Ascend); set when the device is chosen and read
-# when a model's graph is compiled
-_FORM = {"name": "float64"}
-FORMS = ("float64", "split")
+from orb.precision import sum_form
+
 _GRID_EXPONENTS = (-120, 120)  # float32 normal range, with room for the grid's margin
 _POWERS = Tensor(np.ldexp(np.float32(1.0), np.arange(_GRID_EXPONENTS[0], _GRID_EXPONENTS[1] + 1)).astype(np.float32))
 _INVERSE_POWERS = Tensor(np.ldexp(np.float32(1.0), -np.arange(_GRID_EXPONENTS[0],
@@ -31,30 +29,12 @@ _INVERSE_POWERS = Tensor(np.ldexp(np.float32(1.0), -np.arange(_GRID_EXPONENTS[0]
 _INV_LN2 = 1.0 / math.log(2.0)
 
 
-def form_for_device(device_target: str) -> str:
-    """``split`` on Ascend (no float64 arithmetic to rely on), ``float64`` elsewhere."""
-    return "split" if device_target == "Ascend" else "float64"
-
-
-def set_form(name: str) -> None:
-    """The form of float32 sums in graphs compiled from now on (:func:`form_for_device`; tests force ``split``). Set
-    it before a model is built and keep it while the model's graphs compile: a model records the form it was built
-    in (``sum_form``, which a compile cache sees among its constants)."""
-    if name not in FORMS:
-        raise ValueError(f"sum form must be one of {FORMS}, got {name!r}")
-    _FORM["name"] = name
-
-
-def form() -> str:
-    return _FORM["name"]
-
-
 def segment_total(data: Tensor, segment_ids: Tensor, num_segments: int) -> Tensor:
     """Rows of ``data`` summed per segment (``ops.unsorted_segment_sum``), accurate to the rounding of each result
     whatever the number and order of the rows. Its gradient is the plain one (each row gets its segment's)."""
     if data.dtype == ms.float64:
         return ops.unsorted_segment_sum(data, segment_ids, num_segments)
-    if _FORM["name"] == "split":
+    if sum_form() == "split":
         return split_sum(data, segment_ids, num_segments)
     return ops.unsorted_segment_sum(data.astype(ms.float64), segment_ids, num_segments).astype(data.dtype)
 
@@ -107,6 +87,6 @@ def gather_per_segment(values: Tensor, index: Tensor) -> Tensor:
     is a sum over each structure's atoms or edges (a conservative model's virial): in float64 where the device has
     it (the gather runs on float64 values, the result is the same float32). On Ascend the device's float32 sum
     (a custom backward here breaks the double backward of training)."""
-    if values.dtype == ms.float64 or _FORM["name"] == "split":
+    if values.dtype == ms.float64 or sum_form() == "split":
         return ops.gather(values, index, 0)
     return ops.gather(values.astype(ms.float64), index, 0).astype(values.dtype)

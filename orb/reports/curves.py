@@ -15,7 +15,7 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from orb.errors import OrbInputError
-from orb.io.files import write_atomically
+from orb.files import write_atomically
 
 PANELS = (("loss", "loss (normalised)"), ("energy_mae", "energy MAE (eV)"),
           ("forces_mae", "force MAE (eV/Å)"), ("stress_mae", "stress MAE (eV/Å³)"))

@@ -8,7 +8,7 @@ from typing import Dict, List, Optional
 import numpy as np
 from ase.data import chemical_symbols
 
-from orb.io.files import write_atomically, write_csv
+from orb.files import write_atomically, write_csv
 
 MAX_PLOTTED_ATOMS = 200_000  # force components of the first this many labelled atoms are drawn (all are counted)
 

@@ -9,7 +9,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from orb.errors import OrbInputError
-from orb.io.files import write_atomically
+from orb.files import write_atomically
 
 VOIGT = "123456"
 PRINCIPAL = ("C11", "C22", "C33", "C12", "C13", "C23", "C44", "C55", "C66")
@@ -242,7 +242,7 @@ def plain(value):
 
 def write_outputs(folder: str, entries: List[Dict], run: Dict) -> None:
     """properties.json, each structure's phonon arrays and its plots, every file written atomically."""
-    from orb.io.files import write_json
+    from orb.files import write_json
 
     for entry in entries:
         models = entry["models"]

@@ -13,7 +13,7 @@ Checkpointer alone knows file names, retention, atomic writes and which rank wri
   the validation loss improves; ``epoch_XXXX.ckpt`` every ``save_every_x_epochs``, the newest
   ``keep_checkpoints`` kept.
 
-Every file is written atomically (``orb.io.files``) and never holds a NaN or inf: the last good one stays.
+Every file is written atomically (``orb.files``) and never holds a NaN or inf: the last good one stays.
 In a data-parallel run every rank takes part in gathering sharded state; rank 0 writes, and on resume
 rank 0 reads the file and shares it with the others through the collective (one read of a shared file
 system, not one per rank).

@@ -18,7 +18,7 @@ from orb.data.mixture import replay_per_step
 from orb.device import device_name
 from orb.errors import ConfigError
 from orb.models.config import MODEL_NAMES, ModelConfig
-from orb.models.ops_profile import PROFILES
+from orb.device import OPS_PROFILES
 from orb.precision import PRECISIONS
 from orb.training.config_files import TypedNumber, merged_settings, parse_overrides, read_yaml  # noqa: F401
 from orb.training.schedule import SCHEDULES
@@ -148,7 +148,7 @@ class TrainConfig:
 
 CHOICES = {
     "lr_schedule": SCHEDULES,
-    "ops_profile": PROFILES,
+    "ops_profile": OPS_PROFILES,
     "precision": PRECISIONS,
     "optimizer": ALGORITHMS,
     "reference_energies.trainable": ("auto", "true", "false"),

@@ -15,8 +15,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 
 from orb.data.buckets import Bucket
-from orb.device import compile_cell
 from orb.errors import ConfigError
+from orb.graph_cache import compile_cell
 from orb.models.adapters import LORA_KEYS
 from orb.models.groups import in_group
 from orb.training import state as training_state

@@ -49,7 +49,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from orb.bundled import find_config
 from orb.errors import ConfigError
-from orb.io.files import free_port
+from orb.files import free_port
 from orb.signals import RESUME_HINT, STOP, STOP_SIGNALS, STOPPED_STATUS, children_start_blocked, run_command
 
 DEFAULT_CONFIG = os.path.join("configs", "config_parallel.yaml")

@@ -6,7 +6,7 @@ import sys
 from typing import List
 
 from orb.errors import ConfigError
-from orb.io.files import remove_stale_temporaries
+from orb.files import remove_stale_temporaries
 
 log = logging.getLogger("orb")
 RUN_FILES = ("metrics.jsonl", "train.log", "val_split.json")  # (the last: orb.training.val_split.RECORD)
@@ -52,7 +52,7 @@ def written_by_training(name: str) -> bool:
 def check_outputs_apart(cfg) -> None:
     """A run's output_dir never holds, as files it writes or deletes, its own data or starting checkpoint, and is
     no data folder (``--overwrite`` deleted a checkpoint_path of checkpoints/last.ckpt before loading it)."""
-    from orb.io.files import refuse_overwriting_inputs
+    from orb.files import refuse_overwriting_inputs
 
     refuse_overwriting_inputs([("output_dir", cfg.output_dir, written_by_training)],
                               [("train_data_path", cfg.train_data_path), ("val_data_path", cfg.val_data_path),

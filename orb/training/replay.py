@@ -27,7 +27,8 @@ from typing import Callable, Dict, Optional, Protocol, Tuple
 import numpy as np
 
 from orb import cache
-from orb.data.dataset import AseDbDataset, LabelTable, Ranks
+from orb.data.dataset import AseDbDataset
+from orb.data.row_results import LabelTable, Ranks
 from orb.data.mixture import Source
 from orb.data.selection import farthest_point_sampling, hold_out, random_sample
 from orb.errors import ClusterError, ConfigError

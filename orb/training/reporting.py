@@ -11,7 +11,7 @@ import sys
 from typing import Dict, Optional
 
 from orb.errors import SaveError
-from orb.io.files import append_record, keep_records_up_to, read_records
+from orb.files import append_record, keep_records_up_to, read_records
 from orb.metrics import BY_ELEMENT, format_by_element
 
 log = logging.getLogger("orb")

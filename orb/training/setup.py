@@ -164,7 +164,7 @@ def build_trainer(cfg: TrainConfig, data_parallel: Optional[DataParallel] = None
 
     from orb.models import model_identity, weights_digest
     from orb.models.ops_profile import describe_profile
-    from orb.models.ops_profile import set_ops_profile
+    from orb.device import set_ops_profile
     from orb.precision import check_device, describe as describe_precision, set_precision
 
     check_training_data(cfg)

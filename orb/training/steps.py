@@ -80,10 +80,10 @@ class TrainStep(CompiledThroughCache, nn.Cell):
 
 def metric_sum_type(real):
     """The type the training metric sums accumulate in over a logging interval (many steps): float64 where the
-    device computes it (:mod:`orb.models.sums`), else the model's float type."""
-    from orb.models import sums
+    device computes it (:func:`orb.precision.sum_form`), else the model's float type."""
+    from orb.precision import sum_form
 
-    return np.float64 if sums.form() == "float64" else real
+    return np.float64 if sum_form() == "float64" else real
 
 
 class LossScale(nn.Cell):

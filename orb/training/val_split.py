@@ -28,7 +28,7 @@ from orb.data.dataset import AseDbDataset
 from orb.data.formats import describe_path
 from orb.data.selection import hold_out
 from orb.errors import ConfigError, OrbInputError
-from orb.io.files import write_json
+from orb.files import write_json
 from orb.training.checkpointing import resolve
 from orb.training.config import TrainConfig
 from orb.training.distributed import DataParallel

@@ -45,7 +45,7 @@ class Setup:
         import mindspore as ms
 
         from orb.data.dataset import AseDbDataset
-        from orb.data.graphs import batch_graphs, pad_batch
+        from orb.data.batching import batch_graphs, pad_batch
         from orb.data.tensors import loss_inputs
         from orb.models import create
         from orb.training.config import config_from_dict
@@ -85,7 +85,7 @@ class Setup:
 
     def run(self, kind: str, i: int) -> float:
         """One step of ``kind`` on batch ``i`` (compiled at its first call, as the trainer does); seconds."""
-        from orb.device import compile_cell
+        from orb.graph_cache import compile_cell
 
         step, inputs = self.steps[kind], self.inputs[i % len(self.inputs)]
         start = time.perf_counter()

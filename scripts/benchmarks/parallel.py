@@ -14,7 +14,7 @@ from .common import ROOT, child
 
 def bench_parallel(args) -> None:
     """Weak scaling: 2 workers x 1 thread vs 1 worker x 1 thread, same per-worker batch."""
-    from orb.io.files import free_port
+    from orb.files import free_port
 
     per_worker = args.batch
     common = ["--max_epochs", "3", "--val_data_path", "", "--progress_bar", "false", "--num_buckets", "1",
@@ -57,7 +57,7 @@ def bench_parallel(args) -> None:
 
 def bench_allreduce(args) -> None:
     """Gradient all-reduce on 2 CPU workers (msrun): one call per tensor vs one flat buffer."""
-    from orb.io.files import free_port
+    from orb.files import free_port
     from orb.training.launch import find_msrun
 
     rows = []

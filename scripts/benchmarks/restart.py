@@ -90,7 +90,7 @@ def fine_tuning_case(name, arguments, cache, work):
 def parallel_case(name, arguments, cache, work, workers):
     """A first and a second start of a data-parallel job (``run_parallel.sh``, ``workers`` ranks on this host) on one
     fresh cache: each rank's compilations, from its log."""
-    from orb.io.files import free_port
+    from orb.files import free_port
 
     config, rest = arguments[1], arguments[2:]  # (--config CONFIG ...: the launcher takes the config first)
     rows = {}

@@ -10,7 +10,7 @@
 * :func:`append_record`: one JSON line per call, complete or absent (a line cut short by a kill is skipped
   by :func:`read_records`).
 * :func:`check_run_settings`: the settings a resumable run (orb-md, orb-relax) started with, kept beside its
-  output, and a resume with other settings refused (read through :mod:`orb.io.records`, the one reader of what a
+  output, and a resume with other settings refused (read through :mod:`orb.records`, the one reader of what a
   resume reads).
 * :func:`refuse_overwriting_inputs`: every command's outputs compared with its inputs (the same file through any
   path) before anything is written.
@@ -235,7 +235,7 @@ def check_run_settings(path: str, settings: Dict, resume: bool, output: str, inf
     import sys
 
     from orb.errors import OrbInputError
-    from orb.io.records import read_record
+    from orb.records import read_record
 
     if not resume or not os.path.exists(path):
         if resume and required:
