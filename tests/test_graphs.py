@@ -522,6 +522,8 @@ class _ThreadRanks:
         self.barrier.wait()  # nobody deposits the next values before all have read these
         return total
 
+    sum_shares = sum
+
 
 def test_ranks_share_the_neighbour_count(monkeypatch, tmp_path):
     """In a data-parallel run each rank counts only its share of the rows, and every rank ends with the

@@ -180,6 +180,50 @@ class ThreadRanks:
         return reduce
 
 
+def on_thread_ranks(world: int, work):
+    """``work(DataParallel of rank r)`` on ``world`` ranks as threads, their all-reduce adding the ranks' float32 values
+    one after another (a ring's order); each rank's result."""
+    import threading
+
+    from orb.training.distributed import DataParallel
+
+    ranks, results = ThreadRanks(world), {}
+
+    def run(rank):
+        results[rank] = work(DataParallel(rank, world, all_reduce=ranks.all_reduce(rank)))
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    return [results[rank] for rank in range(world)]
+
+
+def test_sums_over_ranks_are_float64_sums_whatever_the_number_of_ranks():
+    """A float32 all-reduce adds the ranks' values in float32: 8 ranks' equal sums of chosen row positions (7.5e9,
+    the replay's check that every rank chose the same rows) came back 4,096 off, and metric totals to float32's 7
+    digits. The sum over ranks is now the float64 sum in rank order, the same bits on every rank; shares (each element
+    from one rank: a rank's rows) stay one all-reduce, exact."""
+    world = 8
+    positions = np.array([7_472_331_419.0])
+    metrics = np.random.default_rng(0).uniform(0.0, 1e4, (world, 5))  # each rank's own interval sums
+    shares = np.zeros((world, world * 3))
+    for rank in range(world):
+        shares[rank, rank * 3:rank * 3 + 3] = np.random.default_rng(rank).uniform(-1e9, 1e9, 3)
+
+    def work(dp):
+        return dp.sum(positions), dp.sum(metrics[dp.rank]), dp.sum_shares(shares[dp.rank])
+
+    expected_metrics = np.zeros(5)
+    for row in metrics:  # float64, rank order
+        expected_metrics += row
+    for summed, metric, share in on_thread_ranks(world, work):
+        assert summed[0] == world * positions[0]
+        np.testing.assert_array_equal(metric, expected_metrics)
+        np.testing.assert_array_equal(share, shares.sum(axis=0))
+
+
 def test_every_rank_leaves_a_save_only_once_rank_0_has_written_it(tmp_path):
     """msrun SIGKILLs the other workers as soon as one exits non-zero: a rank that left a stop's save at once and
     exited 75 killed rank 0 in the middle of writing it (a full-size checkpoint on a shared file system takes
@@ -266,6 +310,8 @@ def test_a_bad_row_one_rank_finds_makes_every_rank_exit_as_for_bad_input(tmp_pat
             total = values[0] + values[1]
             barrier.wait()
             return total
+
+        sum_shares = sum
 
     raised = {}
 

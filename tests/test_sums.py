@@ -227,3 +227,58 @@ def test_1024_atoms_agree_with_pytorch_orb_models(tmp_path):
     # seen): ours is never further from it than that error plus our 4 ulps
     their_error = abs(theirs["float32-highest"] - exact)
     assert abs(ours - theirs["float32-highest"]) <= their_error + 4 * ulp(exact), (ours, theirs, ulp(exact))
+
+
+@pytest.mark.parametrize("form", ["float64", "split"])
+def test_the_normalisers_running_statistics_do_not_drift_over_many_steps(form):
+    """The normalisers' statistics are a mean over every training step. Updated as (1 - f) mean + f batch_mean in
+    float32, ``1 - f`` rounded near 1 moved a mean counted over 2e7 batches by one float32 step per batch, even for
+    batches equal to it (0.5 eV/atom per million steps). Now mean + f (batch_mean - mean), in float64 where the
+    device has it (``float64`` form) and in float32 on Ascend (``split``): batches equal to the mean leave it, and
+    200 random batches at a count of 3e6 end within a few float32 steps of the float64 cumulative mean."""
+    import mindspore as ms
+
+    from orb.models.gns import ScalarNormalizer
+    from orb.precision import set_sum_form
+
+    set_sum_form(form)
+    try:
+        steady = ScalarNormalizer(4.29, 0.3, count=20_000_000)
+        walking = ScalarNormalizer(4.29, 0.3, count=3_000_000)
+    finally:
+        set_sum_form("float64")
+    before = ms.get_context("mode")
+    ms.set_context(mode=ms.PYNATIVE_MODE)  # (op by op: the update's arithmetic as a compiled step runs it)
+    try:
+        steady_means, walking_mean, exact = run_normalisers(steady, walking)
+    finally:
+        ms.set_context(mode=before)
+    assert steady_means == {4.289999961853027}
+    assert abs(walking_mean - exact) <= 8 * np.spacing(np.float32(4.29)), (walking_mean - exact)
+
+
+def run_normalisers(steady, walking):
+    """50 batches equal to ``steady``'s mean, and 200 random ones into ``walking``: steady's means after each, walking's
+    mean at the end, and the float64 cumulative mean of walking's batches."""
+    from mindspore import Tensor
+
+    def step(normalizer, values):
+        values = np.asarray(values, np.float32)
+        sums = normalizer.batch_sums(Tensor(values), Tensor(np.ones(values.shape, np.float32)))
+        normalizer.commit(*normalizer.updated_stats(sums))
+
+    def mean_of(normalizer) -> float:
+        return float(normalizer.stats()[0].asnumpy()[0])
+
+    steady_means = set()
+    for _ in range(50):
+        step(steady, [mean_of(steady)] * 8)
+        steady_means.add(mean_of(steady))
+    rng = np.random.default_rng(5)
+    exact, count = float(np.float32(4.29)), 3_000_000
+    for _ in range(200):
+        batch = rng.normal(4.29, 0.3, 16).astype(np.float32)
+        step(walking, batch)
+        count += 1
+        exact += (float(batch.astype(np.float64).mean()) - exact) / count
+    return steady_means, mean_of(walking), exact

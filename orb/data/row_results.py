@@ -18,7 +18,10 @@ class Ranks(Protocol):
     world_size: int
 
     def sum(self, values: np.ndarray) -> np.ndarray:
-        """Element-wise sum over all ranks (float64)."""
+        """Element-wise sum over all ranks of a small array (float64, the same bits on every rank)."""
+
+    def sum_shares(self, values: np.ndarray) -> np.ndarray:
+        """Element-wise sum over all ranks of an array each of whose elements at most one rank makes non-zero."""
 
 
 class _OneProcess:
@@ -27,6 +30,8 @@ class _OneProcess:
     @staticmethod
     def sum(values: np.ndarray) -> np.ndarray:
         return np.asarray(values, np.float64)
+
+    sum_shares = sum
 
 
 ONE_PROCESS: Ranks = _OneProcess()
@@ -77,8 +82,8 @@ class RowPass:
         # (the last two: ranks that found bad input, and other faults: every rank then exits with the status of
         # bad input, 2, even if msrun ends the rank that found it before that rank says so)
         bad_input = isinstance(failure, OrbInputError)
-        total = ranks.sum(np.concatenate([share.reshape(-1), [float(bad_input),
-                                                              float(failure is not None and not bad_input)]]))
+        total = ranks.sum_shares(np.concatenate([share.reshape(-1), [float(bad_input),  # (flags: small counts)
+                                                                     float(failure is not None and not bad_input)]]))
         if failure is not None:
             raise failure
         if total[-2]:  # every rank stops now, not when the cluster notices the failed one

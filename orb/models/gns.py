@@ -12,6 +12,7 @@ import math
 from typing import Optional
 
 import numpy as np
+import mindspore as ms
 from mindspore import Parameter, Tensor, lazy_inline, nn, ops
 
 from orb.models.blocks import Linear, MLP, MLPLayerNorm, ScaleRows, segment_mean, segment_sum
@@ -155,6 +156,9 @@ class ScalarNormalizer(nn.Cell):
     def __init__(self, mean: float = 0.0, std: float = 1.0, count: int = 0, count_shape: tuple = ()):
         super().__init__()
         self.bn = RunningStats(mean, std * std, count, count_shape)
+        # the statistics' update is a mean over every training step: computed in float64 where the device has it
+        # (the sums' form, orb.models.sums), in the statistics' own type elsewhere
+        self.update_in_float64 = sum_form() == "float64"
 
     def stats(self):
         return self.bn.running_mean, self.bn.running_var
@@ -169,20 +173,22 @@ class ScalarNormalizer(nn.Cell):
     def updated_stats(self, sums: Tensor):
         """Statistics after one training batch from its :meth:`batch_sums` (summed over ranks), and the new count.
 
-        With ``f = 1 / (count + 1)``: mean <- (1 - f) mean + f batch_mean and var <- (1 - f) var +
-        f batch_var_unbiased (the first batch replaces the statistics exactly). A batch with fewer
-        than two values leaves the statistics unchanged (PyTorch raises there).
+        With ``f = 1 / (count + 1)``: mean <- mean + f (batch_mean - mean) and var <- var + f (batch_var_unbiased -
+        var), PyTorch's cumulative average (the first batch replaces the statistics exactly), computed in float64
+        and rounded once where the device has float64, as PyTorch's CPU kernel does: in float32, ``1 - f`` rounded
+        near 1 moved a mean counted over 2e7 batches by one float32 step per batch whatever the batch (0.5 eV/atom
+        per million steps). A batch with fewer than two values leaves the statistics unchanged (PyTorch raises).
         """
-        n, shifted_sum, shifted_square_sum = sums[0], sums[1], sums[2]
         mean, var = self.bn.running_mean, self.bn.running_var
-        offset = shifted_sum / ops.maximum(n, 1.0)
-        batch_mean = mean + offset
-        batch_var = (shifted_square_sum - offset * shifted_sum) / ops.maximum(n - 1.0, 1.0)
         old_count = self.bn.num_batches_tracked
-        factor = 1.0 / (old_count.astype(mean.dtype) + 1.0).reshape(-1)
+        wide = ms.float64 if self.update_in_float64 else mean.dtype
+        n, shifted_sum, shifted_square_sum = sums[0].astype(wide), sums[1].astype(wide), sums[2].astype(wide)
+        offset = shifted_sum / ops.maximum(n, 1.0)  # batch_mean - mean
+        batch_var = (shifted_square_sum - offset * shifted_sum) / ops.maximum(n - 1.0, 1.0)
+        factor = 1.0 / (old_count.astype(wide) + 1.0).reshape(-1)
         valid = n > 1.5
-        new_mean = ops.where(valid, (1.0 - factor) * mean + factor * batch_mean, mean)
-        new_var = ops.where(valid, (1.0 - factor) * var + factor * batch_var, var)
+        new_mean = ops.where(valid, (mean.astype(wide) + factor * offset).astype(mean.dtype), mean)
+        new_var = ops.where(valid, (var.astype(wide) + factor * (batch_var - var.astype(wide))).astype(var.dtype), var)
         new_count = old_count + valid.astype(old_count.dtype)
         return new_mean, new_var, new_count
 

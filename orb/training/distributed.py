@@ -39,17 +39,37 @@ class DataParallel:
         return self.world_size > 1
 
     def sum(self, values: np.ndarray) -> np.ndarray:
-        """Element-wise sum of a host array over all ranks (float64 in, float64 out)."""
+        """Element-wise sum of a small host array over all ranks (metrics, flags, checksums; float64 in and out), the
+        same bits on every rank whatever the number of ranks and however the collective adds: each rank's values
+        travel in a row of their own (:meth:`sum_shares`, exact) and the rows are added here in float64, in rank
+        order. (A float32 all-reduce adds the ranks' values in float32: 8 equal sums of row positions near 7.5e9
+        came back 4,096 off, and the replay check refused identical choices.) Its message is ``world_size`` times
+        the array: for an array each of whose elements one rank fills, :meth:`sum_shares`."""
+        values = np.asarray(values, dtype=np.float64)
+        if not self.parallel:
+            return values
+        rows = np.zeros((self.world_size,) + values.shape, np.float64)
+        rows[self.rank] = values
+        total = np.zeros(values.shape, np.float64)
+        for row in self.sum_shares(rows):
+            total += row
+        return total
+
+    def sum_shares(self, values: np.ndarray) -> np.ndarray:
+        """Element-wise sum over all ranks of a host array each of whose elements at most one rank makes non-zero (a
+        rank's share of the rows, rank 0's arrays, small whole numbers), exact (float64 in and out): each value
+        travels as three float32 parts (24 bits each, float64 has 53), and a value plus zeros is exact."""
         values = np.asarray(values, dtype=np.float64)
         if not self.parallel:
             return values
         from mindspore import Tensor
 
-        # float32 all-reduce of values split into a high and a low part keeps ~float64 precision
-        high = values.astype(np.float32)
-        low = (values - high.astype(np.float64)).astype(np.float32)
-        both = self.all_reduce(Tensor(np.stack([high, low]))).asnumpy().astype(np.float64)
-        return both[0] + both[1]
+        parts, rest = [], values
+        for _ in range(3):
+            parts.append(rest.astype(np.float32))
+            rest = rest - parts[-1].astype(np.float64)  # (exact in float64)
+        summed = self.all_reduce(Tensor(np.stack(parts))).asnumpy().astype(np.float64)
+        return (summed[0] + summed[1]) + summed[2]
 
     def on_main_for_all(self, action: Callable[[], object], what: str):
         """``action()`` on rank 0 (a save, a read of the run folder), and its result there, returned on every rank only
@@ -85,9 +105,9 @@ class DataParallel:
             return dict(arrays)
         layout = json.dumps([[k, list(v.shape), str(v.dtype)] for k, v in arrays.items()]).encode() \
             if self.is_main else b""
-        size = int(self.sum(np.array([len(layout)], np.float64))[0])
+        size = int(self.sum_shares(np.array([len(layout)], np.float64))[0])
         raw = np.frombuffer(layout, np.uint8).astype(np.float64) if self.is_main else np.zeros(size)
-        entries = json.loads(bytes(np.rint(self.sum(raw)).astype(np.uint8)).decode())
+        entries = json.loads(bytes(np.rint(self.sum_shares(raw)).astype(np.uint8)).decode())
         out = {}
         floats = [e for e in entries if e[2] == "float32"]
         flat = (np.concatenate([arrays[k].reshape(-1) for k, _, _ in floats]) if self.is_main and floats
@@ -102,8 +122,8 @@ class DataParallel:
         for name, shape, dtype in entries:
             if dtype != "float32":
                 values = arrays[name].astype(np.float64) if self.is_main else np.zeros(shape)
-                out[name] = np.rint(self.sum(values)).astype(dtype) if np.issubdtype(np.dtype(dtype), np.integer) \
-                    else self.sum(values).astype(dtype)
+                out[name] = np.rint(self.sum_shares(values)).astype(dtype) \
+                    if np.issubdtype(np.dtype(dtype), np.integer) else self.sum_shares(values).astype(dtype)
         return out
 
     def gather(self, values: np.ndarray) -> np.ndarray:

@@ -422,4 +422,4 @@ class ModelPass:
             result = self.compiled.run(f"{kind} pass", cell, arrays[:len(MODEL_INPUTS)], step.bucket)
             fill(np.asarray(step.indices, np.int64), result)
         log.info("%s: %s of %d structures in %.1f s", source.name, kind, len(source), time.perf_counter() - start)
-        return {key: self.dp.sum(value) for key, value in out.items()}
+        return {key: self.dp.sum_shares(value) for key, value in out.items()}  # (each structure on one rank)
