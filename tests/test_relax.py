@@ -243,6 +243,36 @@ def small_omol_checkpoint(tmp_path):
     return checkpoint
 
 
+def test_relax_and_md_read_charge_and_spin_under_the_users_keys(tmp_path):
+    """Fine-tuning and orb-evaluate read each structure's total charge and spin under the user's keys (charge_key,
+    --charge_key); orb-relax and orb-md read only ``charge`` and ``spin``, and refused the same structures."""
+    import ase.io
+    from ase.build import molecule
+
+    checkpoint = small_omol_checkpoint(tmp_path)
+    frames = []
+    for name, charge, multiplicity in (("H2O", 0, 1), ("NH3", 1, 2)):
+        atoms = molecule(name)
+        atoms.info.update(q=charge, mult=multiplicity)
+        frames.append(atoms)
+    data = tmp_path / "molecules.extxyz"
+    ase.io.write(data, frames, format="extxyz")
+    keys = ["--charge_key", "q", "--spin_key", "mult"]
+    runs = {"relax.py": ["--output", str(tmp_path / "relaxed.db"), "--steps", "2"],
+            "md.py": ["--output", str(tmp_path / "md"), "--timestep", "1", "--steps", "2", "--write_every", "1"]}
+    for script, args in runs.items():
+        command = [sys.executable, os.path.join(ROOT, "scripts", script), "--checkpoint", str(checkpoint),
+                   "--device_target", "CPU", "--data", str(data), *args]
+        refused = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1] == (
+            f"error: {data}, frame 0, key 'charge': frame has no total charge, which OMol models need (set "
+            "info['charge'] and info['spin'] on each structure)"), (script, refused.stderr[-2000:])
+        done = subprocess.run(command + keys, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert done.returncode == 0, (script, done.stderr[-3000:])
+    assert len(rows_in(tmp_path / "relaxed.db")) == 2
+    assert sorted(os.listdir(tmp_path / "md"))[:2] == ["log_0.csv", "log_1.csv"]
+
+
 def test_relaxing_with_an_omol_model_names_a_row_without_charge(tmp_path):
     """OMol models need each structure's total charge and spin: a row without them is one line naming the file,
     row and key, before any structure is relaxed (it was a TypeError traceback); the relaxed rows keep them (and

@@ -84,7 +84,8 @@ class AseDbDataset:
         check_sqlite_file(self.path)
         self.rows = RowReader(self.path)
         self.sources: list = self.rows.sources()
-        self.charge_spin_keys = tuple(charge_spin_keys) if not self.sources else ("charge", "spin")
+        self.charge_spin_keys = tuple(charge_spin_keys) if not self.sources else ("charge", "spin")  # where read
+        self.charge_spin_names = tuple(charge_spin_keys)  # what the user calls them (for messages)
         self._fingerprint: Optional[str] = None
         self.ids, self.natoms = self._scan()
         self.capacity_pass = RowPass(self, CAPACITY_CACHE, CAPACITY_CODE, (EDGE_CAPACITY_MARGIN, repr(self.settings)),
@@ -123,6 +124,7 @@ class AseDbDataset:
                     check_no_overlap_before_graphs(row.positions, row.cell, periodic)  # it when they reach it)
             except StructureError as exc:
                 raise self._structure_error(row, exc) from None
+            row.decoded_constraints()  # (what orb-relax and orb-md fix: a row ASE cannot make refused now, by name)
             in_data = "weight" not in row.key_value_pairs and row.data.get("weight") is not None
             stored[k] = [value is not None for value in self._stored_labels(row)] + [in_data]
             if self.charge_spin:
@@ -146,10 +148,10 @@ class AseDbDataset:
                         raise self.error_at("row has no label (store it with a SinglePointCalculator)", row,
                                            key)
                 if stored[:, 2].any() and not stored[:, 2].all():
-                    row = int(self.ids[np.argmin(stored[:, 2])])
-                    raise DatasetError(
-                        self.path, "row has no stress while other rows have one; store stress for every row "
-                        "or for none (then training runs without the stress loss)", row, "stress")
+                    row, other = int(self.ids[np.argmin(stored[:, 2])]), int(self.ids[np.argmax(stored[:, 2])])
+                    raise self.error_at(f"row has no stress while {self.where(other)} has one; store stress for every "
+                                        "structure or for none (then training runs without the stress loss)", row,
+                                        "stress")
             self._labels_stored = stored
             self._all_labelled = bool(stored[:, :2].all())  # asked for every structure read: not O(rows) each time
             self._all_stress = bool(stored[:, 2].all())
@@ -186,6 +188,10 @@ class AseDbDataset:
             path, frame = frame_of(self.sources, row)
             return DatasetError(path, message.replace("row has", "frame has"), frame, key, unit="frame")
         return DatasetError(self.path, message, row, key)
+
+    def where(self, row: int) -> str:
+        """Row ``row`` as the user finds it: this database's row, or the original file and frame."""
+        return "{}, frame {}".format(*frame_of(self.sources, row)) if self.sources else f"row {row}"
 
     def check_elements_up_to(self, z_max: int, why: str) -> None:
         """Refuse, in one line naming the first such row, a structure holding an element above ``z_max`` (read from
@@ -332,18 +338,19 @@ class AseDbDataset:
         """The row's total charge and spin (key-value pairs or ``row.data``); required for OMol models, and for the others
         kept where they are numbers (they reach orb-md's and orb-relax's outputs)."""
         values = []
-        for name, key in zip(("charge", "spin"), self.charge_spin_keys):
+        charge_key, spin_key = self.charge_spin_names
+        advice = (f"set info['{charge_key}'] and info['{spin_key}'] on each structure" if self.sources else
+                  f"store it with db.write(atoms, {charge_key}=..., {spin_key}=...)")
+        for name, key, named in zip(("charge", "spin"), self.charge_spin_keys, self.charge_spin_names):
             value = row.key_value_pairs.get(key, (row.data or {}).get(key))
             if value is None and self.charge_spin:
-                raise self.error_at(f"row has no total {name}, which OMol models need (store it with "
-                                   f"db.write(atoms, {self.charge_spin_keys[0]}=..., {self.charge_spin_keys[1]}=...))",
-                                  row.id, key)
+                raise self.error_at(f"row has no total {name}, which OMol models need ({advice})", row.id, named)
             if value is not None:
                 try:
                     value = np.array([total_charge_or_spin(value)], np.float32)
                 except ValueError as exc:
                     if self.charge_spin:  # (the census checks every row before training)
-                        raise self.error_at(str(exc), row.id, key) from None
+                        raise self.error_at(str(exc), row.id, named) from None
                     value = None  # a model without charge and spin: an extra key like any other, ignored
             values.append(value)
         return values[0], values[1]
@@ -385,14 +392,15 @@ class AseDbDataset:
         return graph
 
     def check_structures(self) -> None:
-        """Every row's structure (positions, numbers, cell), not its labels, checked; the first bad one named by row
-        and key: for commands that start from the structures and discard the labels (orb-md)."""
+        """Every row's structure (positions, numbers, cell, constraints), not its labels, checked; the first bad one
+        named by row and key: for commands that start from the structures and discard the labels (orb-md)."""
         for start in range(0, len(self), 256):
             for row in self.rows.read_many(self.ids[start:start + 256]):
                 try:
                     structure_periodicity(row.positions, row.numbers, row.cell, row.pbc, self.settings)
                 except StructureError as exc:
                     raise self._structure_error(row, exc) from None
+                row.decoded_constraints()
 
     def _structure_error(self, row, exc: StructureError) -> DatasetError:
         key = ("numbers" if "atomic number" in str(exc) else "pbc" if "pbc" in str(exc)

@@ -53,6 +53,12 @@ class LabelKeys:
     spin: str = "spin"
 
 
+def is_ase_database(path: str) -> bool:
+    """Whether ``path`` is read as an ASE database (its labels are its rows' calculator results): an SQLite file, or
+    a file named ``.aselmdb`` or ``.json`` (ASE's LMDB and JSON backends)."""
+    return path.endswith((".aselmdb", ".json")) or is_sqlite(path)
+
+
 def is_sqlite(path: str) -> bool:
     try:
         with open(path, "rb") as f:
@@ -147,13 +153,13 @@ def readable_database(path: Union[str, Sequence[str]], keys: LabelKeys = LabelKe
 
 def label_keys_apply(paths: Sequence) -> bool:
     """Whether energy_key/forces_key/stress_key reach any file of these data paths: only files that are not ASE
-    SQLite databases read them (:func:`database_keys`)."""
-    return any(not is_sqlite(f) for path in paths if path for f in source_files(path))
+    databases read them (:func:`database_keys`)."""
+    return any(not is_ase_database(f) for path in paths if path for f in source_files(path))
 
 
 def database_keys(path: str, keys: LabelKeys) -> LabelKeys:
-    """The label keys that apply to an ASE SQLite database of the user's: its labels are its rows' calculator
-    results, alone or in a list (in a list the configured keys were applied to it, and refused it: its rows had no
+    """The label keys that apply to an ASE database of the user's (SQLite, LMDB or JSON): its labels are its rows'
+    calculator results, alone or in a list (in a list the configured keys were applied to it, and refused it: its rows had no
     such info entries); the energy, forces and stress keys, which apply to the other formats of the run, said not
     to be used here, not silently left out."""
     named = {k: getattr(keys, k) for k in ("energy", "forces", "stress") if getattr(keys, k)}
@@ -193,10 +199,10 @@ def _frames(path: str) -> Iterator:
         except ImportError:
             raise DatasetError(path, "reading .aselmdb needs the ase-db-backends package: pip install "
                                      "ase-db-backends (or pip install .[lmdb])") from None
-    if path.endswith((".aselmdb", ".json")) or is_sqlite(path):
+    if is_ase_database(path):
         from ase.db import connect
 
-        row_id = None
+        row_id, reading = None, False
         try:
             if path.endswith(".aselmdb"):
                 _check_lmdb(path)
@@ -207,18 +213,22 @@ def _frames(path: str) -> Iterator:
                 _check_ase_sqlite(path)
                 database = connect(path, type="db", use_lock_file=False)
             for row in database.select():
-                row_id = row.id
+                row_id, reading = row.id, True
+                magmoms = row.get("initial_magmoms")  # non-collinear moments: ase 3.29's row.toatoms refuses its own
+                if magmoms is not None and np.ndim(magmoms) == 1 and row.natoms and len(magmoms) == 3 * row.natoms:
+                    row.initial_magmoms = np.reshape(magmoms, (-1, 3))  # (it keeps them flat, n x 3 values)
                 atoms = row.toatoms()
                 atoms.info.update(row.data or {})
                 # the stored values: ase's row.key_value_pairs gives a key named like one of its row properties
                 # (``charge``: the sum of the initial charges) that property's value instead
                 atoms.info.update({key: vars(row).get(key) for key in row.key_value_pairs})
+                reading = False
                 yield atoms
         except DatasetError:
             raise
         except Exception as exc:  # sqlite3's, lmdb's or ase's error on a damaged file: one line, the reason
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            where = "" if row_id is None else f" after row {row_id}"
+            where = "" if row_id is None else f" {'at' if reading else 'after'} row {row_id}"
             raise DatasetError(path, f"cannot read it as an ASE database{where} ({reason})") from None
         return
     import ase.io
@@ -298,13 +308,13 @@ def _convert(files: List[str], keys: LabelKeys, target: str, progress: bool) -> 
     from ase.db import connect
     from tqdm import tqdm
 
-    count, stressed, first_stress = 0, None, None
+    count = 0
     sources = []
     with connect(target, type="db", use_lock_file=False) as db, \
             tqdm(desc="indexing structures", unit=" frames", disable=not progress) as bar:
         for path in files:
             frames = 0
-            own = database_keys(path, keys) if is_sqlite(path) else keys
+            own = database_keys(path, keys) if is_ase_database(path) else keys
             for frame, atoms in enumerate(_frames(path)):
                 n = len(atoms)
                 if n == 0:  # (ASE's write of its labels failed with a traceback)
@@ -322,18 +332,10 @@ def _convert(files: List[str], keys: LabelKeys, target: str, progress: bool) -> 
                     stress = _checked(stress, lambda s: s in ((6,), (3, 3), (9,)), stress_key, path, frame,
                                       "(6,) or (3, 3)")
                     results["stress"] = stress.reshape(3, 3) if stress.size == 9 else stress
-                has_stress = stress is not None
-                if energy is None and forces is None and stress is None:
-                    pass  # an unlabelled frame (predicted only; training names it)
-                elif stressed is None:
-                    stressed, first_stress = has_stress, (path, frame)
-                elif has_stress != stressed:
-                    with_it, without = ((first_stress, (path, frame)) if stressed else ((path, frame), first_stress))
-                    raise DatasetError(without[0], f"frame {without[1]} has no stress while {with_it[0]} frame "
-                                                   f"{with_it[1]} has one: give every structure a stress or none",
-                                       key="stress")
+                # (frames with and without stress: indexed as they are, as an ASE database holds them; training
+                # refuses the mixture naming a frame, orb-evaluate scores stress where there is one)
                 pairs = _structure_attributes(atoms, keys, path, frame)
-                pairs.update(_other_attributes(atoms, keys, pairs))
+                pairs.update(_other_attributes(atoms, keys, pairs, path))
                 clean = atoms.copy()
                 clean.info = {}
                 for extra in list(clean.arrays):
@@ -361,33 +363,49 @@ def _structure_attributes(atoms, keys: LabelKeys, path: str, frame: int) -> dict
     pairs = {}
     for name, key in (("weight", "weight"), ("charge", keys.charge), ("spin", keys.spin)):
         if key and atoms.info.get(key) is not None:
-            if name != "weight" and isinstance(atoms.info[key], str) and not _reads_as_number(atoms.info[key]):
-                # text: kept as it is (an extra key to a model without charge and spin; an OMol model's census
-                # refuses it naming the row)
-                pairs.update(storable_pairs({name: atoms.info[key]}))
+            value = atoms.info[key]
+            if name != "weight" and _not_a_finite_number(value):
+                # text, NaN or inf: kept as text (an extra key to a model without charge and spin, as an ASE
+                # database's row keeps it; an OMol model's census refuses it naming the frame)
+                pairs.update(storable_pairs({name: value if isinstance(value, str) else str(value)}))
                 continue
-            value = float(_checked(atoms.info[key], lambda s: int(np.prod(s)) == 1, key, path, frame,
-                                   "a number").reshape(-1)[0])
+            value = float(_checked(value, lambda s: int(np.prod(s)) == 1, key, path, frame, "a number").reshape(-1)[0])
             if name == "weight" and value < 0:
                 raise DatasetError(path, f"frame {frame}: weight must be >= 0, got {value}", key=key)
             pairs[name] = value
     return pairs
 
 
-def _reads_as_number(text: str) -> bool:
-    try:
-        float(text)
-        return True
-    except ValueError:
-        return False
+def _not_a_finite_number(value) -> bool:
+    """Text that does not read as a number, or one number that is NaN or inf (an array is checked by its shape)."""
+    if isinstance(value, str):
+        try:
+            return not np.isfinite(float(value))
+        except ValueError:
+            return True
+    return isinstance(value, (float, np.floating)) and not np.isfinite(value)
 
 
-def _other_attributes(atoms, keys: LabelKeys, pairs: dict) -> dict:
+def _other_attributes(atoms, keys: LabelKeys, pairs: dict, path: str) -> dict:
     """The frame's other per-structure attributes in ``info`` (its ``config_type``, a source id, a flag) that a row
     of an ASE database can hold, so that an extxyz frame reaches orb-md's trajectories and orb-relax's rows as a
-    database row does; its labels are not among them."""
-    labels = {keys.energy, keys.forces, keys.stress, *(name for names in AUTO.values() for name in names)}
-    return storable_pairs(atoms.info, skip=set(pairs) | labels | {"weight", "charge", "spin"})
+    database row does; its labels are not among them. A single value a row cannot hold (text that reads as a
+    number, ``000123``; a name ASE reserves, ``id``; a name that reads as a formula, ``CO``) is said once per key,
+    not left out silently."""
+    skip = set(pairs) | {keys.energy, keys.forces, keys.stress, *(name for names in AUTO.values() for name in names),
+                         "weight", "charge", "spin"}
+    kept = storable_pairs(atoms.info, skip=skip)
+    for key, value in atoms.info.items():
+        if key not in kept and key not in skip and isinstance(value, (str, bool, int, float, np.generic)) \
+                and (path, key) not in _NOT_CARRIED_SAID:
+            _NOT_CARRIED_SAID.add((path, key))
+            log.warning("%s: info key %r (%r) is not carried to orb-relax's and orb-md's outputs: an ASE database row "
+                        "cannot hold it (text that reads as a number, a name ASE reserves or one that reads as a "
+                        "chemical formula); rename it or store the text otherwise", path, key, value)
+    return kept
+
+
+_NOT_CARRIED_SAID: set = set()
 
 
 def storable_pairs(info: dict, skip=()) -> dict:

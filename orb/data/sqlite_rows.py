@@ -201,6 +201,31 @@ class Row:
 
         return Formula("".join(chemical_symbols[z] for z in self.numbers)).format("metal")
 
+    def decoded_constraints(self) -> list:
+        """The row's constraints as ASE's objects (fixed atoms, ...); one line naming the row and key where ASE cannot
+        make them (a constraint this ASE does not know, or damaged bytes), not ASE's bare error mid-run."""
+        if not self.constraints:
+            return []
+        from ase.constraints import dict2constraint
+        from ase.io.jsonio import decode
+
+        try:
+            stored = decode(self.constraints)
+        except Exception as exc:  # json's error on damaged bytes
+            raise DatasetError(self.path, f"cannot decode its constraints ({str(exc).strip()[:120]}): the file may "
+                               "be damaged", self.id, "constraints") from None
+        made = []
+        for constraint in stored if isinstance(stored, list) else [stored]:
+            try:
+                made.append(dict2constraint(constraint))
+            except Exception as exc:  # ase's bare ValueError (an unknown name), KeyError or TypeError (its arguments)
+                name = constraint.get("name") if isinstance(constraint, dict) else None
+                reason = str(exc).strip()[:120] or type(exc).__name__
+                raise DatasetError(self.path, f"ASE cannot make its constraints ({name or 'unnamed'}: {reason}): a "
+                                   f"constraint this ASE ({_ase_version()}) does not know, or a damaged file",
+                                   self.id, "constraints") from None
+        return made
+
     def toatoms(self):
         """The structure as ``ase.Atoms``, its labels as a single-point calculator."""
         from ase import Atoms
@@ -210,10 +235,7 @@ class Row:
                       momenta=self.momenta, masses=self.masses, tags=self.tags, magmoms=self.initial_magmoms,
                       charges=self.initial_charges, info=dict(self.key_value_pairs))
         if self.constraints:
-            from ase.constraints import dict2constraint
-            from ase.io.jsonio import decode
-
-            atoms.set_constraint([dict2constraint(c) for c in decode(self.constraints)])
+            atoms.set_constraint(self.decoded_constraints())
         results = {k: v for k, v in (("energy", self.energy), ("forces", self.forces), ("stress", self.stress))
                    if v is not None}
         if results:
@@ -221,6 +243,12 @@ class Row:
         return atoms
 
 
+
+
+def _ase_version() -> str:
+    import ase
+
+    return ase.__version__
 
 
 class RowReader:

@@ -136,10 +136,9 @@ class ORBCalculator(Calculator):
         ``precision`` and ``ops_profile`` as the training config's keys of those names (``matmul_precision`` high |
         highest: the old spelling of precision float32-high | float32-highest); ``dispersion`` and ``xc`` as the
         constructor's)."""
-        from orb.device import configure_mindspore
+        from orb.device import configure_mindspore, set_ops_profile
         from orb.inference.dispersion import check_dispersion
         from orb.io.checkpoint import model_from_checkpoint
-        from orb.device import set_ops_profile
 
         if "matmul_precision" in kwargs:  # the old spelling
             given = kwargs.pop("matmul_precision")

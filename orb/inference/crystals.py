@@ -93,8 +93,8 @@ def read_structures(paths: Sequence[str]) -> List[Structure]:
         atoms.calc = None
         name = atoms.info.get("name") or f"{atoms.get_chemical_formula()}_{int(data.ids[i])}"
         if not atoms.cell.rank == 3 or not atoms.pbc.all():
-            raise OrbInputError(f"--structures {where}, structure {int(data.ids[i])} ({name}): not a 3D periodic "
-                                "crystal (cell and pbc on all three axes); orb-properties needs crystals")
+            raise data.error_at(f"{atoms.info.get('name') or atoms.get_chemical_formula()} is not a 3D periodic crystal (cell and pbc on all three axes); "
+                                "orb-properties needs crystals", int(data.ids[i]), "pbc")
         atoms.info = {}
         structures.append(Structure(str(name), atoms, f"{where} #{int(data.ids[i])}"))
     names = [s.name for s in structures]

@@ -113,8 +113,8 @@ def parse_and_evaluate(argv) -> int:
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """orb-evaluate's options."""
     from orb.commands import HelpFormatter
-    from orb.device import add_device_argument
-    from orb.device import OPS_PROFILES
+    from orb.device import OPS_PROFILES, add_device_argument
+    from orb.inference.runs import add_charge_spin_keys
     from orb.precision import PRECISIONS
 
     parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=__doc__, formatter_class=HelpFormatter)
@@ -123,10 +123,10 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
                         "beside the first (e.g. the starting model and the fine-tuned one)")
     parser.add_argument("--data", required=True, nargs="+", help="ASE SQLite database, extxyz or any ase.io file, "
                         ".aselmdb, a folder of them, or several of these (read as one data set)")
-    for name, default in (("energy", ""), ("forces", ""), ("stress", ""), ("charge", "charge"), ("spin", "spin")):
-        parser.add_argument(f"--{name}_key", default=default, help=f"where other formats keep the {name} "
-                            "(orb.data.formats)" + ("" if default else f" (default: the stored results, then "
-                                                                       f"REF_{name}, then {name})"))
+    for name in ("energy", "forces", "stress"):
+        parser.add_argument(f"--{name}_key", default="", help=f"where other formats keep the {name} (orb.data.formats)"
+                            f" (default: the stored results, then REF_{name}, then {name})")
+    add_charge_spin_keys(parser)
     parser.add_argument("--output_dir", default="", help="where to write predictions.csv and summary.json "
                         "(default: evaluation/<database name>)")
     parser.add_argument("--model", default=None, help="model name, when the checkpoint cannot tell (a published "
@@ -234,12 +234,11 @@ def evaluate(args) -> int:
 
     import_mindspore()  # first: what the other imports need, with a stop signal honoured after it
     from orb.data.formats import LabelKeys
-    from orb.device import configure_mindspore
+    from orb.device import configure_mindspore, set_ops_profile
+    from orb.files import refuse_overwriting_inputs
     from orb.inference.dispersion import check_dispersion
     from orb.io.checkpoint import check_checkpoint_file
-    from orb.files import refuse_overwriting_inputs
     from orb.reports.evaluation import errors_by_element, print_element_table
-    from orb.device import set_ops_profile
     from orb.models.ops_profile import describe_profile
     from orb.precision import describe as describe_precision
     from orb.signals import STOP

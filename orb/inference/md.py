@@ -283,13 +283,12 @@ def md(args) -> Dict:
     from orb.device import import_mindspore
 
     import_mindspore()  # first: what the other imports need, with a stop signal honoured after it
-    from orb.device import configure_mindspore
+    from orb.device import configure_mindspore, set_ops_profile
+    from orb.files import check_run_settings, refuse_overwriting_inputs, remove_stale_temporaries, write_json
     from orb.inference.dispersion import D3Dispersion, check_dispersion, check_dispersion_for
     from orb.inference.runs import run_settings
     from orb.inference.uncertainty import UncertainFrames, check_threshold
     from orb.io.checkpoint import model_from_checkpoint
-    from orb.files import check_run_settings, refuse_overwriting_inputs, remove_stale_temporaries, write_json
-    from orb.device import set_ops_profile
     from orb.signals import RESUME_FLAG, STOP, STOPPED_STATUS, Stopped
 
     check_args(args)
@@ -362,8 +361,8 @@ def md(args) -> Dict:
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """orb-md's options."""
     from orb.commands import HelpFormatter
-    from orb.device import add_device_argument
-    from orb.device import OPS_PROFILES
+    from orb.device import OPS_PROFILES, add_device_argument
+    from orb.inference.runs import add_charge_spin_keys
     from orb.precision import PRECISIONS
 
     parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=__doc__.split("\n\n")[0],
@@ -371,6 +370,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint", required=True, help="PyTorch or MindSpore orb checkpoint")
     parser.add_argument("--data", required=True, nargs="+", help="starting structures (any format orb-evaluate "
                         "reads; their momenta, when stored, are the initial velocities)")
+    add_charge_spin_keys(parser)
     parser.add_argument("--output", required=True, help="folder for traj_k.extxyz, log_k.csv, state_k.json, "
                         "summary.json")
     parser.add_argument("--ensemble", choices=ENSEMBLES, default="nve", help="nve: constant energy, no thermostat "

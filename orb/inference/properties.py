@@ -274,12 +274,11 @@ def check_arguments(args) -> None:
 
 
 def run(args) -> Dict:
-    from orb.device import configure_mindspore, import_mindspore
+    from orb.device import configure_mindspore, import_mindspore, set_ops_profile
 
     check_arguments(args)  # phonopy first: before any work
     staging = prepare_output(args)
     import_mindspore()
-    from orb.device import set_ops_profile
     from orb.reports.properties import read_dft, report, write_outputs
     from orb.signals import STOP
 
@@ -334,8 +333,7 @@ def parse_and_run(argv: Optional[List[str]]) -> int:
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """orb-properties' options."""
     from orb.commands import HelpFormatter
-    from orb.device import add_device_argument
-    from orb.device import OPS_PROFILES
+    from orb.device import OPS_PROFILES, add_device_argument
     from orb.precision import PRECISIONS
 
     parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=__doc__.split("\n\n")[0],

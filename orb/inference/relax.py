@@ -248,14 +248,13 @@ def relax(args) -> Dict:
 
     from orb.data.dataset import AseDbDataset
     from orb.data.formats import LabelKeys, readable_database, storable_pairs, without_labels
-    from orb.device import configure_mindspore
+    from orb.device import configure_mindspore, set_ops_profile
+    from orb.files import check_run_settings, refuse_overwriting_inputs, remove_stale_temporaries, write_json
     from orb.inference.runs import run_settings, total_charge_and_spin
     from orb.inference.dispersion import (D3Dispersion, check_dispersion, check_dispersion_elements,
                                           check_dispersion_for)
     from orb.inference.uncertainty import UncertainFrames, check_threshold
     from orb.io.checkpoint import model_from_checkpoint
-    from orb.files import check_run_settings, refuse_overwriting_inputs, remove_stale_temporaries, write_json
-    from orb.device import set_ops_profile
     from orb.signals import RESUME_FLAG, STOP, STOPPED_STATUS, Stopped
 
     if args.fmax <= 0 or args.steps < 0 or args.batch_size < 1 or not np.isfinite(args.fmax):
@@ -269,8 +268,9 @@ def relax(args) -> Dict:
     model = model_from_checkpoint(args.checkpoint, args.model)
     if args.cell and not model.cfg.has_stress:  # its stress would be zeros: the cell would never move
         raise OrbInputError(f"--cell needs stress, and {model.cfg.name} predicts none (no stress head)")
-    data = AseDbDataset(readable_database(args.data, LabelKeys()), require_labels=False,
-                        settings=model.cfg.graph_settings(), charge_spin=model.cfg.omol)
+    keys = LabelKeys(charge=args.charge_key, spin=args.spin_key)
+    data = AseDbDataset(readable_database(args.data, keys), require_labels=False, settings=model.cfg.graph_settings(),
+                        charge_spin=model.cfg.omol, charge_spin_keys=(keys.charge, keys.spin))
     data.census()  # every row checked before the first step (OMol models: each row's charge and spin), named if bad
     check_dispersion_for(model.cfg, args.dispersion)
     check_dispersion_elements(data, args.dispersion)
@@ -379,8 +379,8 @@ def parse_and_relax(argv: Optional[List[str]]) -> int:
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """orb-relax's options."""
     from orb.commands import HelpFormatter
-    from orb.device import add_device_argument
-    from orb.device import OPS_PROFILES
+    from orb.device import OPS_PROFILES, add_device_argument
+    from orb.inference.runs import add_charge_spin_keys
     from orb.precision import PRECISIONS
 
     parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=__doc__.split("\n\n")[0],
@@ -388,6 +388,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint", required=True, help="PyTorch or MindSpore orb checkpoint")
     parser.add_argument("--data", required=True, nargs="+", help="structures to relax: ASE SQLite, extxyz or any "
                         "ase.io file, .aselmdb, a folder, or several of these")
+    add_charge_spin_keys(parser)
     parser.add_argument("--output", required=True, help="ASE SQLite database of the relaxed structures")
     parser.add_argument("--fmax", type=float, default=0.05, help="converged when every force (and with --cell "
                         "every cell force) is below this, eV/Å")

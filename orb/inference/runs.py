@@ -8,6 +8,15 @@ import numpy as np
 from orb.errors import OrbInputError
 
 
+def add_charge_spin_keys(parser) -> None:
+    """``--charge_key`` and ``--spin_key``: where each structure keeps its total charge and spin (an ``info`` entry,
+    or an ASE database row's key-value pair or data), which OMol models read; the same options for every command
+    that reads structures (orb-evaluate, orb-relax, orb-md) as ``charge_key``/``spin_key`` for fine-tuning."""
+    for name in ("charge", "spin"):
+        parser.add_argument(f"--{name}_key", default=name, help=f"where each structure keeps its total {name} (an "
+                            "info entry, or an ASE database row's key-value pair or data; OMol models read it)")
+
+
 def run_settings(args, names: Sequence[str], model, data) -> Dict:
     """What a resume must not change: the settings ``names`` of ``args``; what changes the arithmetic besides them:
     the operator profile and device in force (resolved: ``auto`` is compared as what it chose), the model's

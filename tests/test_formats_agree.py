@@ -1,0 +1,177 @@
+"""Every input format gives the same answer for the same structures (a review of the formats found these differ):
+a stress on some structures only, label keys given beside an ASE database of any backend, non-collinear magnetic
+moments, a charge or spin that is NaN, a constraint ASE cannot make, info a database row cannot hold, and the key
+a message names."""
+
+import logging
+import sqlite3
+
+import numpy as np
+import pytest
+
+from test_formats import ATTRIBUTES, cache, demo_frames, write_with_attributes  # noqa: F401 (cache: a fixture)
+
+KINDS = ["sqlite", "list", "extxyz", "folder", "aselmdb", "json"]
+
+
+def without_stress(frames, k):
+    """``frames`` with structure ``k``'s stress dropped from its labels (energy and forces kept)."""
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    atoms = frames[k]
+    atoms.calc = SinglePointCalculator(atoms, energy=atoms.get_potential_energy(), forces=atoms.get_forces())
+    return frames
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_stress_on_some_structures_is_read_for_prediction_and_refused_for_training(tmp_path, cache, kind):
+    """Molecules beside crystals: orb-evaluate, orb-relax and orb-md read them in every format (an extxyz, a folder
+    or a list of databases was refused when indexed, the same rows as one database were read); training refuses
+    the mixture naming the file, the frame or row, the key and a structure that has a stress."""
+    from orb.data.dataset import AseDbDataset
+    from orb.data.formats import readable_database
+    from orb.errors import DatasetError
+
+    frames = without_stress(demo_frames()[:len(ATTRIBUTES)], 2)
+    path = readable_database(write_with_attributes(kind, tmp_path, frames, [{}] * len(frames)))
+    stored = AseDbDataset(path, require_labels=False).census()
+    np.testing.assert_array_equal(stored[:, 2], [1, 1, 0, 1])
+    with pytest.raises(DatasetError, match=r"(row 3|frame [012]), key 'stress': (row|frame) has no stress while "
+                                           r".*(row|frame) [01] has one; store stress for every structure or for none"):
+        AseDbDataset(path).census()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "json", "aselmdb"])
+def test_label_keys_never_reach_an_ase_database_of_any_backend(tmp_path, cache, kind, caplog):
+    """An ASE database's labels are its rows' calculator results whatever its backend: energy_key given for the other
+    files of a run was applied to an ASE-LMDB or JSON database (and refused it: no such info entry), not to SQLite."""
+    from orb.data.dataset import AseDbDataset
+    from orb.data.formats import LabelKeys, label_keys_apply, readable_database
+
+    frames = demo_frames()[:len(ATTRIBUTES)]
+    written = write_with_attributes(kind, tmp_path, frames, [{}] * len(frames))
+    assert not label_keys_apply([written])
+    with caplog.at_level(logging.WARNING, logger="orb"):
+        data = AseDbDataset(readable_database([written], LabelKeys(energy="dft_energy")))
+    assert "energy_key 'dft_energy' not used" in caplog.text
+    np.testing.assert_allclose(data.energies(), [a.get_potential_energy() for a in frames], rtol=1e-12)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_non_collinear_magnetic_moments_survive_every_format(tmp_path, cache, kind):
+    """(n, 3) initial magnetic moments, which a DFT relabelling of uncertain frames starts from: an SQLite database
+    in a list was refused (ase's own row reader cannot make them), alone it was read."""
+    from orb.data.dataset import AseDbDataset
+    from orb.data.formats import readable_database
+
+    frames = demo_frames()[:len(ATTRIBUTES)]
+    for k, atoms in enumerate(frames):
+        calc = atoms.calc
+        atoms.set_initial_magnetic_moments(np.arange(3 * len(atoms)).reshape(-1, 3) * 0.25 - k)  # exact in text
+        atoms.calc = calc
+    data = AseDbDataset(readable_database(write_with_attributes(kind, tmp_path, frames, [{}] * len(frames))))
+    for i, atoms in enumerate(frames):
+        np.testing.assert_array_equal(data.get_atoms(i).get_initial_magnetic_moments(),
+                                      atoms.get_initial_magnetic_moments())
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "list", "extxyz"])
+def test_a_charge_that_is_nan_is_an_extra_key_to_models_without_charge_and_named_for_omol(tmp_path, cache, kind):
+    """A NaN charge under the user's own key: a model without charge reads the structure (an extxyz, or a database in
+    a list, was refused when indexed; the database alone was read); an OMol model's census names the frame or row
+    and the user's key, not the indexed copy's ``charge``."""
+    from orb.data.dataset import AseDbDataset
+    from orb.data.formats import LabelKeys, readable_database
+    from orb.errors import DatasetError
+
+    frames = demo_frames()[:len(ATTRIBUTES)]
+    stored = [dict(q=float("nan") if i == 1 else float(i), mult=1.0) for i in range(len(frames))]
+    keys = LabelKeys(charge="q", spin="mult")
+    path = readable_database(write_with_attributes(kind, tmp_path, frames, stored), keys)
+    plain = AseDbDataset(path, charge_spin_keys=("q", "mult"))
+    plain.census()
+    assert [plain.charge_and_spin(i) for i in range(len(frames))] == [(0.0, 1.0), (None, 1.0), (2.0, 1.0), (3.0, 1.0)]
+    with pytest.raises(DatasetError, match=r"(row 2|frame [01]), key 'q': "):
+        AseDbDataset(path, charge_spin=True, charge_spin_keys=("q", "mult")).census()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "extxyz"])
+def test_a_missing_charge_is_named_by_the_users_key_with_advice_for_its_format(tmp_path, cache, kind):
+    from orb.data.dataset import AseDbDataset
+    from orb.data.formats import LabelKeys, readable_database
+    from orb.errors import DatasetError
+
+    frames = demo_frames()[:2]
+    stored = [dict(q=0.0, mult=1.0), dict(mult=1.0)]
+    path = readable_database(write_with_attributes(kind, tmp_path, frames, stored), LabelKeys(charge="q", spin="mult"))
+    advice = ("store it with db.write(atoms, q=..., mult=...)" if kind == "sqlite"
+              else "set info['q'] and info['mult'] on each structure")
+    with pytest.raises(DatasetError) as raised:
+        AseDbDataset(path, charge_spin=True, charge_spin_keys=("q", "mult")).census()
+    where = "all.db, row 2" if kind == "sqlite" else "all.extxyz, frame 1"
+    assert str(raised.value).endswith(f"{where}, key 'q': {'row' if kind == 'sqlite' else 'frame'} has no total "
+                                      f"charge, which OMol models need ({advice})"), str(raised.value)
+
+
+def unknown_constraint(path, row: int) -> None:
+    """Row ``row`` of the ASE database ``path`` given a constraint no ASE knows (a newer ASE's, or edited bytes)."""
+    connection = sqlite3.connect(str(path))
+    connection.execute("UPDATE systems SET constraints = ? WHERE id = ?",
+                       ('[{"name": "FixSomethingNew", "kwargs": {"indices": [0]}}]', row))
+    connection.commit()
+    connection.close()
+
+
+def test_a_constraint_ase_cannot_make_is_one_line_naming_the_row(tmp_path, cache):
+    """It passed every check, then stopped orb-md's start and orb-relax mid-run with ASE's bare ValueError and a
+    traceback; now every check names the row and key, and so does reading the structure."""
+    from ase.constraints import FixAtoms
+
+    from orb.data.dataset import AseDbDataset
+    from orb.data.formats import readable_database
+    from orb.errors import DatasetError
+
+    frames = demo_frames()[:3]
+    for atoms in frames:
+        atoms.set_constraint(FixAtoms(indices=[0]))
+    path = write_with_attributes("sqlite", tmp_path, frames, [{}] * 3)
+    unknown_constraint(path, 2)
+    pattern = r"all.db, row 2, key 'constraints': ASE cannot make its constraints .*FixSomethingNew"
+    for check in (lambda d: d.census(), lambda d: d.check_structures(), lambda d: d.get_atoms(1)):
+        with pytest.raises(DatasetError, match=pattern):
+            check(AseDbDataset(readable_database(path), require_labels=False))
+    assert AseDbDataset(path, require_labels=False).get_atoms(0).constraints[0].index.tolist() == [0]
+    with pytest.raises(DatasetError, match=r"all.db: cannot read it as an ASE database at row 2 "):
+        readable_database([path, path])  # (a list is indexed through ase's own reader)
+
+
+def test_info_a_database_row_cannot_hold_is_said_once_per_key(tmp_path, cache, caplog):
+    """Text that reads as a number (an id ``000123``), a reserved name (``id``) and a formula-like name (``CO``)
+    cannot be a row's key-value pair: it was dropped silently; now said once per file and key."""
+    import ase.io
+
+    from orb.data.dataset import AseDbDataset
+    from orb.data.formats import readable_database
+
+    frames = demo_frames()[:3]
+    for k, atoms in enumerate(frames):
+        atoms.info.update(structure_id=["000123", "mp-149", "1e3"][k], CO="x", name=f"w{k}")
+    ase.io.write(tmp_path / "ids.traj", frames)
+    with caplog.at_level(logging.WARNING, logger="orb"):
+        data = AseDbDataset(readable_database(str(tmp_path / "ids.traj")))
+    said = [r.getMessage() for r in caplog.records if "is not carried" in r.getMessage()]
+    assert len(said) == 2 and "'structure_id' ('000123')" in said[0] and "'CO' ('x')" in said[1], said
+    assert [data.get_atoms(i).info.get("structure_id") for i in range(3)] == [None, "mp-149", None]
+
+
+def test_orb_properties_names_a_structure_that_is_no_crystal_by_its_file_and_frame(tmp_path, cache):
+    import ase.io
+    from ase.build import bulk, molecule
+
+    from orb.errors import DatasetError
+    from orb.inference.crystals import read_structures
+
+    ase.io.write(tmp_path / "cu.extxyz", [bulk("Cu", cubic=True), bulk("Cu")])
+    ase.io.write(tmp_path / "water.extxyz", [molecule("H2O")])
+    with pytest.raises(DatasetError, match=r"water.extxyz, frame 0, key 'pbc': H2O is not a 3D periodic crystal"):
+        read_structures([str(tmp_path / "cu.extxyz"), str(tmp_path / "water.extxyz")])
