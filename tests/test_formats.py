@@ -156,20 +156,32 @@ def test_a_database_in_a_list_keeps_its_labels_when_label_keys_name_the_other_fi
 
 
 def test_orb_evaluate_gives_the_same_metrics_on_extxyz(tmp_path, cache):
+    """The same metrics from two extxyz files as from the database they came from; predictions.csv names each
+    structure's file and frame (its row_id alone was a position across all the files)."""
+    import csv
+
     import ase.io
 
-    ase.io.write(tmp_path / "val.extxyz", demo_frames(), format="extxyz")
-    summaries = []
-    for data in (DEMO_VAL, str(tmp_path / "val.extxyz")):
-        out = tmp_path / ("eval_" + os.path.basename(data))
+    frames = demo_frames()
+    ase.io.write(tmp_path / "a.extxyz", frames[:3], format="extxyz")
+    ase.io.write(tmp_path / "b.extxyz", frames[3:], format="extxyz")
+    summaries, tables = [], []
+    for data in ([DEMO_VAL], [str(tmp_path / "a.extxyz"), str(tmp_path / "b.extxyz")]):
+        out = tmp_path / ("eval_" + os.path.basename(data[0]))
         result = subprocess.run([sys.executable, "scripts/evaluate.py", "--checkpoint", "data/demo_pretrained.ckpt",
-                                 "--data", data, "--output_dir", str(out), "--progress_bar", "false"],
+                                 "--data", *data, "--output_dir", str(out), "--progress_bar", "false"],
                                 cwd=ROOT, capture_output=True, text=True, timeout=600,
                                 env=dict(os.environ, ORB_CACHE_DIR=str(cache)))
         assert result.returncode == 0, result.stderr[-2000:]
         summaries.append(json.load(open(out / "summary.json")))
+        with open(out / "predictions.csv") as f:
+            tables.append(list(csv.DictReader(f)))
     for key in ("energy_mae", "forces_mae", "stress_mae", "energy_per_atom_mae"):
         assert summaries[0][key] == pytest.approx(summaries[1][key], rel=1e-6), key
+    assert "source" not in tables[0][0]  # (a database's own row ids name its rows)
+    assert [(os.path.basename(r["source"]), int(r["frame"])) for r in tables[1]] == (
+        [("a.extxyz", k) for k in range(3)] + [("b.extxyz", k) for k in range(len(frames) - 3)])
+    assert [r["formula"] for r in tables[1]] == [r["formula"] for r in tables[0]]
 
 
 def test_bad_input_is_one_line_naming_file_frame_and_key(tmp_path, cache):
