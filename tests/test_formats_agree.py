@@ -36,9 +36,20 @@ def test_a_stress_on_some_structures_is_read_for_prediction_and_refused_for_trai
     path = readable_database(write_with_attributes(kind, tmp_path, frames, [{}] * len(frames)))
     stored = AseDbDataset(path, require_labels=False).census()
     np.testing.assert_array_equal(stored[:, 2], [1, 1, 0, 1])
-    with pytest.raises(DatasetError, match=r"(row 3|frame [012]), key 'stress': (row|frame) has no stress while "
-                                           r".*(row|frame) [01] has one; store stress for every structure or for none"):
+    # a database's rows by their ids (alone, in a list, any backend), other files' structures by their frames
+    without, other = {"sqlite": ("all.db, row 3", "row 1"), "list": ("p2.db, row 2", "p1.db, row 1"),
+                      "extxyz": ("all.extxyz, frame 2", "all.extxyz, frame 0"),
+                      "folder": ("b.extxyz, frame 0", "a.extxyz, frame 0"),
+                      "aselmdb": ("all.aselmdb, row 3", "all.aselmdb, row 1"),
+                      "json": ("all.json, row 3", "all.json, row 1")}[kind]
+    with pytest.raises(DatasetError) as raised:
         AseDbDataset(path).census()
+    unit = without.split(", ")[1].split()[0]
+    assert str(raised.value).endswith(f"{without}, key 'stress': {unit} has no stress while "
+                                      f"{'' if kind == 'sqlite' else str(tmp_path) + '/'}"
+                                      f"{other if kind != 'folder' else 'parts/' + other} has one; store stress for "
+                                      "every structure or for none (then training runs without the stress loss)"), \
+        str(raised.value)
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "json", "aselmdb"])
@@ -91,7 +102,8 @@ def test_a_charge_that_is_nan_is_an_extra_key_to_models_without_charge_and_named
     plain = AseDbDataset(path, charge_spin_keys=("q", "mult"))
     plain.census()
     assert [plain.charge_and_spin(i) for i in range(len(frames))] == [(0.0, 1.0), (None, 1.0), (2.0, 1.0), (3.0, 1.0)]
-    with pytest.raises(DatasetError, match=r"(row 2|frame [01]), key 'q': "):
+    where = {"sqlite": "all.db, row 2", "list": "p2.db, row 1", "extxyz": "all.extxyz, frame 1"}[kind]
+    with pytest.raises(DatasetError, match=rf"{where}, key 'q': must be finite, got nan$"):
         AseDbDataset(path, charge_spin=True, charge_spin_keys=("q", "mult")).census()
 
 
@@ -111,6 +123,32 @@ def test_a_missing_charge_is_named_by_the_users_key_with_advice_for_its_format(t
     where = "all.db, row 2" if kind == "sqlite" else "all.extxyz, frame 1"
     assert str(raised.value).endswith(f"{where}, key 'q': {'row' if kind == 'sqlite' else 'frame'} has no total "
                                       f"charge, which OMol models need ({advice})"), str(raised.value)
+
+
+def test_a_database_in_a_list_is_named_by_its_own_row_ids(tmp_path, cache):
+    """A database whose ids are not 1, 2, 3 (a row deleted): in a list its row was named by its position ("frame 2")
+    while alone by its id ("row 4"); now by its id either way, and so in orb-evaluate's predictions.csv."""
+    import ase.db
+
+    from orb.data.dataset import AseDbDataset
+    from orb.data.formats import readable_database
+    from orb.errors import DatasetError
+
+    frames = without_stress(demo_frames()[:6], 5)
+    with ase.db.connect(str(tmp_path / "p1.db")) as db:
+        for atoms in frames[:2]:
+            db.write(atoms)
+    with ase.db.connect(str(tmp_path / "p2.db")) as db:
+        for atoms in frames[2:]:
+            db.write(atoms)
+    with ase.db.connect(str(tmp_path / "p2.db")) as db:
+        db.delete([2])  # p2.db's ids: 1, 3, 4 (row 4 without stress)
+    for data in (str(tmp_path / "p2.db"), [str(tmp_path / "p1.db"), str(tmp_path / "p2.db")]):
+        with pytest.raises(DatasetError, match=r"p2.db, row 4, key 'stress': row has no stress while .*row [13] "):
+            AseDbDataset(readable_database(data)).census()
+    listed = AseDbDataset(readable_database([str(tmp_path / "p1.db"), str(tmp_path / "p2.db")]), require_labels=False)
+    locate = listed.rows.origin_locator()
+    assert [locate(i)[1:] for i in range(1, 6)] == [("row", 1), ("row", 2), ("row", 1), ("row", 3), ("row", 4)]
 
 
 def unknown_constraint(path, row: int) -> None:
@@ -143,6 +181,16 @@ def test_a_constraint_ase_cannot_make_is_one_line_naming_the_row(tmp_path, cache
     assert AseDbDataset(path, require_labels=False).get_atoms(0).constraints[0].index.tolist() == [0]
     with pytest.raises(DatasetError, match=r"all.db: cannot read it as an ASE database at row 2 "):
         readable_database([path, path])  # (a list is indexed through ase's own reader)
+    # one ASE makes but that does not fit the atoms (an index past the last): orb-relax stopped with numpy's
+    # IndexError and a traceback at its first step; now refused by every check, by file, row or frame, and key
+    (tmp_path / "beyond").mkdir()
+    plain = [atoms.copy() for atoms in frames]  # (unlabelled: ASE's write of forces applies the constraint itself)
+    plain[1].set_constraint(FixAtoms(indices=[len(plain[1]) + 5]))
+    beyond = write_with_attributes("sqlite", tmp_path / "beyond", plain, [{}] * 3)
+    for data in (beyond, [beyond, beyond]):
+        with pytest.raises(DatasetError, match=r"all.db, row 2, key 'constraints': its constraint FixAtoms does not fit "
+                                               rf"its {len(plain[1])} atoms"):
+            AseDbDataset(readable_database(data), require_labels=False).census()
 
 
 def test_info_a_database_row_cannot_hold_is_said_once_per_key(tmp_path, cache, caplog):

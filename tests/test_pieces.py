@@ -224,6 +224,32 @@ def test_sums_over_ranks_are_float64_sums_whatever_the_number_of_ranks():
         np.testing.assert_array_equal(share, shares.sum(axis=0))
 
 
+def test_shares_travel_in_as_few_float32_parts_as_every_ranks_values_need_and_in_chunks():
+    """Shares of float32 values (a float32 model's pseudo-labels and descriptors, counts) travel as one float32 part,
+    float64 ones as three, exact either way, in all-reduces of at most ``chunk`` values: three parts of every
+    value in one message made a replay's 1.5 M descriptors a 4.6 GB all-reduce per rank."""
+    world, size = 3, 10
+    rng = np.random.default_rng(1)
+    single = np.zeros((world, size))
+    double = np.zeros((world, size))
+    for rank in range(world):
+        single[rank, rank::world] = rng.standard_normal(len(range(rank, size, world))).astype(np.float32)
+        double[rank, rank::world] = rng.standard_normal(len(range(rank, size, world)))
+    sizes = {}
+
+    def work(dp):
+        reduce = dp.all_reduce
+        seen = sizes.setdefault(dp.rank, [])
+        dp.all_reduce = lambda tensor: (seen.append(tensor.shape), reduce(tensor))[1]
+        return dp.sum_shares(single[dp.rank], chunk=4), dp.sum_shares(double[dp.rank], chunk=4)
+
+    for got_single, got_double in on_thread_ranks(world, work):
+        np.testing.assert_array_equal(got_single, single.sum(axis=0))
+        np.testing.assert_array_equal(got_double, double.sum(axis=0))
+    # each: a vote on the parts (3 values), then the parts in chunks of at most 4 values
+    assert sizes[0] == [(3,), (4,), (4,), (2,)] + [(3,)] + [(4,), (4,), (2,)] * 3, sizes[0]
+
+
 def test_every_rank_leaves_a_save_only_once_rank_0_has_written_it(tmp_path):
     """msrun SIGKILLs the other workers as soon as one exits non-zero: a rank that left a stop's save at once and
     exited 75 killed rank 0 in the middle of writing it (a full-size checkpoint on a shared file system takes

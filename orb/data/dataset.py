@@ -19,15 +19,13 @@ import numpy as np
 from orb.data.row_results import ONE_PROCESS, LabelTable, Ranks, RowPass
 from orb.errors import DatasetError, StructureError
 from orb.data.formats import check_sqlite_file, storable_pairs
-from orb.data.sqlite_rows import TABLE_QUERIES, RowReader, frame_of
+from orb.data.sqlite_rows import TABLE_QUERIES, RowReader, structures_digest
 from orb.data.augmentation import matrix_to_voigt, random_rotation, rotate_structure
 from orb.data.graphs import (EDGE_CAPACITY_MARGIN, AtomGraphs, GraphSettings, capacity_is_counted,
                              check_no_overlap_before_graphs, edge_capacity, graph_from_arrays, structure_periodicity,
                              total_charge_or_spin)
 
 log = logging.getLogger("orb")
-
-
 
 GRAPH_CODE = ("orb.data.graphs", "orb.data.neighbours", "orb.native")  # the code that builds graphs
 # what the neighbour counts' cache is computed by (orb.cache), and the row census's: the rows' reader and decoder
@@ -41,7 +39,7 @@ CENSUS_CACHE = "row_census"
 LABELS = ("energy", "forces", "stress")
 
 
-def _plausible_flags(flags: np.ndarray) -> bool:
+def _plausible_flags(flags: np.ndarray) -> bool:  # (a function: datasets travel to the data workers pickled)
     return bool(np.isin(flags, (0, 1)).all())
 
 
@@ -92,7 +90,7 @@ class AseDbDataset:
                                      1, "counting neighbours", self._plausible_capacities)
         self.census_pass = RowPass(self, CENSUS_CACHE, CENSUS_CODE, (charge_spin, self.charge_spin_keys,
                                                         require_labels, self.settings.minimal_supercell),
-                                   len(LABELS) + 1, "checking the rows", _plausible_flags,  # (the last: periodicity)
+                                   len(LABELS) + 1, "checking the rows", _plausible_flags,  # (the last: weight in data)
                                    CENSUS_LIBRARIES)
         self.weights = self._weights()
 
@@ -124,7 +122,7 @@ class AseDbDataset:
                     check_no_overlap_before_graphs(row.positions, row.cell, periodic)  # it when they reach it)
             except StructureError as exc:
                 raise self._structure_error(row, exc) from None
-            row.decoded_constraints()  # (what orb-relax and orb-md fix: a row ASE cannot make refused now, by name)
+            self._check_constraints(row)  # (what orb-relax and orb-md fix: refused now, by name, if ASE cannot)
             in_data = "weight" not in row.key_value_pairs and row.data.get("weight") is not None
             stored[k] = [value is not None for value in self._stored_labels(row)] + [in_data]
             if self.charge_spin:
@@ -182,16 +180,16 @@ class AseDbDataset:
         return files[0] if len(files) == 1 else f"{files[0]} and {len(files) - 1} more file(s)"
 
     def error_at(self, message: str, row: Optional[int] = None, key: Optional[str] = None) -> DatasetError:
-        """A bad row named where the user can find it: this database's row, or for a database indexed from
-        another format (``orb.data.formats``) the original file and frame."""
+        """A bad row named where the user can find it: this database's row, or for a database indexed from other
+        files (``orb.data.formats``) the original file and frame, or its row in an ASE database of the user's."""
         if self.sources and row is not None:
-            path, frame = frame_of(self.sources, row)
-            return DatasetError(path, message.replace("row has", "frame has"), frame, key, unit="frame")
+            path, unit, number = self.rows.origin_locator()(row)
+            return DatasetError(path, message.replace("row has", f"{unit} has"), number, key, unit=unit)
         return DatasetError(self.path, message, row, key)
 
     def where(self, row: int) -> str:
-        """Row ``row`` as the user finds it: this database's row, or the original file and frame."""
-        return "{}, frame {}".format(*frame_of(self.sources, row)) if self.sources else f"row {row}"
+        """Row ``row`` as :meth:`error_at` names it."""
+        return "{}, {} {}".format(*self.rows.origin_locator()(row)) if self.sources else f"row {row}"
 
     def check_elements_up_to(self, z_max: int, why: str) -> None:
         """Refuse, in one line naming the first such row, a structure holding an element above ``z_max`` (read from
@@ -400,7 +398,13 @@ class AseDbDataset:
                     structure_periodicity(row.positions, row.numbers, row.cell, row.pbc, self.settings)
                 except StructureError as exc:
                     raise self._structure_error(row, exc) from None
-                row.decoded_constraints()
+                self._check_constraints(row)
+
+    def _check_constraints(self, row) -> None:
+        try:
+            row.decoded_constraints()
+        except DatasetError as exc:  # named where the user finds the row (not the cached copy of other files)
+            raise self.error_at(exc.message, row.id, "constraints") from None
 
     def _structure_error(self, row, exc: StructureError) -> DatasetError:
         key = ("numbers" if "atomic number" in str(exc) else "pbc" if "pbc" in str(exc)
@@ -480,18 +484,7 @@ class AseDbDataset:
         and another charge mixed two charge states in one OMol trajectory). Reads every row once (~40,000 a
         second)."""
         digest = hashlib.sha256(self.content_fingerprint().encode())
-        for start in range(0, len(self.ids), 4096):
-            for row in self.rows.read_many(self.ids[start:start + 4096]):
-                for values in (row.numbers, row.positions, row.cell, row.pbc, row.momenta, row.masses, row.tags):
-                    digest.update(b"-" if values is None else np.ascontiguousarray(values).tobytes())
-                digest.update(str(row.constraints or "-").encode())  # fixed atoms: what relaxes or moves
-                for key in self.charge_spin_keys:  # as stored: what an OMol model reads; hashed only where present,
-                    value = row.key_value_pairs.get(key)  # so an input without them fingerprints as it did before
-                    if value is None and self.charge_spin and row.raw_data:  # (row.data: decoded for OMol only)
-                        value = row.data.get(key)
-                    if value is not None:
-                        digest.update(f"{key}={value!r}".encode())
-        return digest.hexdigest()
+        return structures_digest(self.rows, self.ids, digest, self.charge_spin_keys, self.charge_spin)
 
     def __getitem__(self, index: int) -> AtomGraphs:
         return self.get(index)

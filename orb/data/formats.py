@@ -159,9 +159,9 @@ def label_keys_apply(paths: Sequence) -> bool:
 
 def database_keys(path: str, keys: LabelKeys) -> LabelKeys:
     """The label keys that apply to an ASE database of the user's (SQLite, LMDB or JSON): its labels are its rows'
-    calculator results, alone or in a list (in a list the configured keys were applied to it, and refused it: its rows had no
-    such info entries); the energy, forces and stress keys, which apply to the other formats of the run, said not
-    to be used here, not silently left out."""
+    calculator results, alone or in a list (in a list the configured keys were applied to it, and refused it: its rows
+    had no such info entries); the energy, forces and stress keys, which apply to the other formats of the run, said
+    not to be used here, not silently left out."""
     named = {k: getattr(keys, k) for k in ("energy", "forces", "stress") if getattr(keys, k)}
     if named:
         log.warning("%s: %s not used: an ASE database's labels are its rows' calculator results", path,
@@ -191,8 +191,8 @@ def _complete_index(path: str) -> bool:
     return rows == checksums == sum(frames for _, frames in json.loads(meta)["orb_sources"])
 
 
-def _frames(path: str) -> Iterator:
-    """The structures of one file (ASE database rows or ``ase.io`` frames)."""
+def _frames(path: str) -> Iterator[Tuple[object, Optional[int]]]:
+    """The structures of one file, each with its row id in an ASE database (None for an ``ase.io`` frame)."""
     if path.endswith(".aselmdb"):
         try:
             import ase_db_backends  # noqa: F401  (registers the lmdb backend with ase.db)
@@ -223,7 +223,7 @@ def _frames(path: str) -> Iterator:
                 # (``charge``: the sum of the initial charges) that property's value instead
                 atoms.info.update({key: vars(row).get(key) for key in row.key_value_pairs})
                 reading = False
-                yield atoms
+                yield atoms, row_id
         except DatasetError:
             raise
         except Exception as exc:  # sqlite3's, lmdb's or ase's error on a damaged file: one line, the reason
@@ -235,7 +235,7 @@ def _frames(path: str) -> Iterator:
 
     try:
         for atoms in ase.io.iread(path, index=":"):
-            yield atoms
+            yield atoms, None
     except Exception as exc:  # ase.io's errors vary by format: one line, the reason
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DatasetError(path, f"ase.io cannot read it ({reason})") from None
@@ -309,13 +309,13 @@ def _convert(files: List[str], keys: LabelKeys, target: str, progress: bool) -> 
     from tqdm import tqdm
 
     count = 0
-    sources = []
+    sources, source_rows = [], {}
     with connect(target, type="db", use_lock_file=False) as db, \
             tqdm(desc="indexing structures", unit=" frames", disable=not progress) as bar:
         for path in files:
-            frames = 0
+            frames, ids = 0, []
             own = database_keys(path, keys) if is_ase_database(path) else keys
-            for frame, atoms in enumerate(_frames(path)):
+            for frame, (atoms, row_id) in enumerate(_frames(path)):
                 n = len(atoms)
                 if n == 0:  # (ASE's write of its labels failed with a traceback)
                     raise DatasetError(path, f"frame {frame}: structure has no atoms")
@@ -345,15 +345,31 @@ def _convert(files: List[str], keys: LabelKeys, target: str, progress: bool) -> 
                     clean.calc = SinglePointCalculator(clean, **results)
                 db.write(clean, key_value_pairs=pairs)
                 frames += 1
+                if row_id is not None:
+                    ids.append(row_id)
                 bar.update(1)
+            if ids:  # an ASE database's rows: named by their ids, which need not be 1, 2, 3, ...
+                source_rows[str(len(sources))] = id_runs(ids)
             sources.append([os.path.abspath(path), frames])
             count += frames
-        db.metadata = {"orb_sources": sources, "orb_label_keys": json.dumps(keys.__dict__)}
+        db.metadata = {"orb_sources": sources, "orb_source_rows": source_rows,
+                       "orb_label_keys": json.dumps(keys.__dict__)}
     if count == 0:
         raise DatasetError(files[0] if len(files) == 1 else os.path.dirname(files[0]),
                            "holds no structures: not an ASE database, and ase.io reads no frames from it")
     add_checksums(target)
     return count
+
+
+def id_runs(ids: List[int]) -> List[List[int]]:
+    """Row ids as runs ``[first id, count]`` (a database's ids, 1 to n but for deleted rows: a few runs, not n ids)."""
+    runs: List[List[int]] = []
+    for row_id in ids:
+        if runs and row_id == runs[-1][0] + runs[-1][1]:
+            runs[-1][1] += 1
+        else:
+            runs.append([int(row_id), 1])
+    return runs
 
 
 def _structure_attributes(atoms, keys: LabelKeys, path: str, frame: int) -> dict:
@@ -365,9 +381,9 @@ def _structure_attributes(atoms, keys: LabelKeys, path: str, frame: int) -> dict
         if key and atoms.info.get(key) is not None:
             value = atoms.info[key]
             if name != "weight" and _not_a_finite_number(value):
-                # text, NaN or inf: kept as text (an extra key to a model without charge and spin, as an ASE
-                # database's row keeps it; an OMol model's census refuses it naming the frame)
-                pairs.update(storable_pairs({name: value if isinstance(value, str) else str(value)}))
+                # text, NaN or inf: kept as it is, as an ASE database's row keeps it (an extra key to a model
+                # without charge and spin; an OMol model's census refuses it naming the frame)
+                pairs.update({name: float(value)} if not isinstance(value, str) else storable_pairs({name: value}))
                 continue
             value = float(_checked(value, lambda s: int(np.prod(s)) == 1, key, path, frame, "a number").reshape(-1)[0])
             if name == "weight" and value < 0:
@@ -396,8 +412,8 @@ def _other_attributes(atoms, keys: LabelKeys, pairs: dict, path: str) -> dict:
                          "weight", "charge", "spin"}
     kept = storable_pairs(atoms.info, skip=skip)
     for key, value in atoms.info.items():
-        if key not in kept and key not in skip and isinstance(value, (str, bool, int, float, np.generic)) \
-                and (path, key) not in _NOT_CARRIED_SAID:
+        if key not in kept and key not in skip | {keys.charge, keys.spin} \
+                and isinstance(value, (str, bool, int, float, np.generic)) and (path, key) not in _NOT_CARRIED_SAID:
             _NOT_CARRIED_SAID.add((path, key))
             log.warning("%s: info key %r (%r) is not carried to orb-relax's and orb-md's outputs: an ASE database row "
                         "cannot hold it (text that reads as a number, a name ASE reserves or one that reads as a "

@@ -92,20 +92,23 @@ def add_checksums(path: str) -> None:
         connection.close()
 
 
-def frame_of(sources: List[Tuple[str, int]], row_id: int) -> Tuple[str, int]:
-    """The file and frame a converted database's row (ids 1, 2, ... in file order) came from."""
-    return frame_locator(sources)(row_id)
-
-
-def frame_locator(sources: List[Tuple[str, int]]):
-    """:func:`frame_of` for many rows: each file's first row found once, then a bisection per row (every row of an
-    evaluation over a folder of thousands of files)."""
+def origin_locator(sources: List[Tuple[str, int]], source_rows: Optional[Dict[str, list]] = None):
+    """row id of a converted database (1, 2, ... in file order) -> ``(file, unit, number)``: where the user finds it,
+    ``"row"`` and its id in an ASE database of theirs (``source_rows``: each such source's ids as runs
+    ``[first id, count]``), else ``"frame"`` and its 0-based frame. Each file's first row found once, then bisections
+    (every row of an evaluation over a folder of thousands of files)."""
     starts = np.cumsum([0] + [int(frames) for _, frames in sources])
+    runs = {int(k): np.asarray(v, np.int64).reshape(-1, 2) for k, v in (source_rows or {}).items()}
+    run_starts = {k: np.cumsum(np.concatenate([[0], v[:, 1]])) for k, v in runs.items()}
 
-    def locate(row_id: int) -> Tuple[str, int]:
+    def locate(row_id: int) -> Tuple[str, str, int]:
         position = int(row_id) - 1
         k = min(int(np.searchsorted(starts, position, side="right")) - 1, len(sources) - 1)
-        return sources[k][0], position - int(starts[k])
+        index = position - int(starts[k])
+        if k not in runs:
+            return sources[k][0], "frame", index
+        j = min(int(np.searchsorted(run_starts[k], index, side="right")) - 1, len(runs[k]) - 1)
+        return sources[k][0], "row", int(runs[k][j, 0]) + index - int(run_starts[k][j])
 
     return locate
 
@@ -210,8 +213,9 @@ class Row:
         return Formula("".join(chemical_symbols[z] for z in self.numbers)).format("metal")
 
     def decoded_constraints(self) -> list:
-        """The row's constraints as ASE's objects (fixed atoms, ...); one line naming the row and key where ASE cannot
-        make them (a constraint this ASE does not know, or damaged bytes), not ASE's bare error mid-run."""
+        """The row's constraints as ASE's objects (fixed atoms, ...), each tried on the row's atoms; one line naming
+        the row and key where ASE cannot make them (a constraint this ASE does not know, or damaged bytes) or they do
+        not fit the atoms (an index past the last atom), not ASE's bare error mid-run."""
         if not self.constraints:
             return []
         from ase.constraints import dict2constraint
@@ -232,6 +236,17 @@ class Row:
                 raise DatasetError(self.path, f"ASE cannot make its constraints ({name or 'unnamed'}: {reason}): a "
                                    f"constraint this ASE ({_ase_version()}) does not know, or a damaged file",
                                    self.id, "constraints") from None
+        from ase import Atoms
+
+        probe = Atoms(numbers=self.numbers, positions=self.positions, cell=self.cell, pbc=self.pbc)
+        for constraint in made:
+            try:
+                constraint.adjust_positions(probe, np.array(self.positions, np.float64))
+                constraint.adjust_forces(probe, np.zeros((self.natoms, 3)))
+            except Exception as exc:  # numpy's IndexError of an index past the last atom, ...
+                reason = str(exc).strip()[:120] or type(exc).__name__
+                raise DatasetError(self.path, f"its constraint {type(constraint).__name__} does not fit its "
+                                   f"{self.natoms} atoms ({reason})", self.id, "constraints") from None
         return made
 
     def toatoms(self):
@@ -267,9 +282,10 @@ class RowReader:
         self._connection: Optional[sqlite3.Connection] = None
         self._checked: Optional[bool] = None  # whether its rows have checksums (an index's), known once connected
         self._sources: Optional[list] = None
+        self._source_rows: Dict[str, list] = {}
 
     def __getstate__(self):  # each process (data worker) opens its own
-        return {"path": self.path, "_connection": None, "_checked": None, "_sources": None}
+        return {"path": self.path, "_connection": None, "_checked": None, "_sources": None, "_source_rows": {}}
 
     @property
     def immutable(self) -> bool:
@@ -323,10 +339,16 @@ class RowReader:
         if self._sources is None:
             found = self.query("SELECT value FROM information WHERE name = 'metadata'")
             try:
-                self._sources = json.loads(found[0][0]).get("orb_sources", []) if found else []
+                metadata = json.loads(found[0][0]) if found else {}
+                self._sources = metadata.get("orb_sources", [])
+                self._source_rows = metadata.get("orb_source_rows", {})
             except (ValueError, AttributeError):
-                self._sources = []
+                self._sources, self._source_rows = [], {}
         return self._sources
+
+    def origin_locator(self):
+        """:func:`origin_locator` of this database's sources: row id -> (file, "row" or "frame", number)."""
+        return origin_locator(self.sources(), self._source_rows)
 
     def _damaged(self, row_id: Optional[int], what: str = "its checksum does not match") -> RunError:
         """Values of a cached index that are not those it was made with: the index is removed (in a read-only cache
@@ -346,7 +368,7 @@ class RowReader:
         if row_id is None:
             where = ", ".join(path for path, _ in sources) or self.path
         else:
-            where = "{}, frame {}".format(*frame_of(sources, row_id)) if sources else f"{self.path}, row {row_id}"
+            where = "{}, {} {}".format(*self.origin_locator()(row_id)) if sources else f"{self.path}, row {row_id}"
         return RunError(f"{where}: its copy in the cached index {self.path} is damaged ({what}); {then}: run the "
                         "command again, continuing what it had done (resume: true for training, --resume for "
                         "orb-relax and orb-md)")
@@ -387,3 +409,21 @@ class RowReader:
         if self._connection is not None:
             self._connection.close()
             self._connection = None
+
+
+def structures_digest(rows: RowReader, ids, digest, charge_spin_keys, with_data: bool) -> str:
+    """``digest`` (hashlib's) updated with rows ``ids``' structures (atomic numbers, positions, cell, periodicity,
+    momenta, masses, tags, constraints, and the values under ``charge_spin_keys``, from ``row.data`` too when
+    ``with_data``): :meth:`orb.data.dataset.AseDbDataset.structures_fingerprint`."""
+    for start in range(0, len(ids), 4096):
+        for row in rows.read_many(ids[start:start + 4096]):
+            for values in (row.numbers, row.positions, row.cell, row.pbc, row.momenta, row.masses, row.tags):
+                digest.update(b"-" if values is None else np.ascontiguousarray(values).tobytes())
+            digest.update(str(row.constraints or "-").encode())  # fixed atoms: what relaxes or moves
+            for key in charge_spin_keys:  # as stored: what an OMol model reads; hashed only where present,
+                value = row.key_value_pairs.get(key)  # so an input without them fingerprints as it did before
+                if value is None and with_data and row.raw_data:  # (row.data: decoded for OMol only)
+                    value = row.data.get(key)
+                if value is not None:
+                    digest.update(f"{key}={value!r}".encode())
+    return digest.hexdigest()

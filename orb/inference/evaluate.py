@@ -2,13 +2,13 @@
 
     orb-evaluate --checkpoint outputs/run/checkpoints/best_weights.ckpt --data data/demo_val.db [--compare START.ckpt]
 
-Writes ``<output_dir>/predictions.csv`` (one row per structure: row id, for files other than an ASE database the
-file and frame, formula, atoms, predicted energy, and where the row has labels its errors), ``<output_dir>/summary.json``, parity plots
-(``parity_energy_per_atom.png``, ``parity_forces.png``, ``parity_stress.png``) and
-``errors_by_element.csv``, and prints the summary and the errors by element. ``--compare`` evaluates a
-second checkpoint on the same data and shows both side by side (its metrics under ``compare`` in the
-summary, both series in the plots and the table). The metrics are those of the training log (same names, units and averaging,
-``orb.metrics``), computed over the rows that carry each label; rows without labels are
+Writes ``<output_dir>/predictions.csv`` (one row per structure: row id, for data other than one ASE database the
+file and the frame or row there, formula, atoms, predicted energy, and where the row has labels its errors),
+``<output_dir>/summary.json``, parity plots (``parity_energy_per_atom.png``, ``parity_forces.png``,
+``parity_stress.png``) and ``errors_by_element.csv``, and prints the summary and the errors by element.
+``--compare`` evaluates a second checkpoint on the same data and shows both side by side (its metrics under
+``compare`` in the summary, both series in the plots and the table). The metrics are those of the training log (same
+names, units and averaging, ``orb.metrics``), computed over the rows that carry each label; rows without labels are
 predicted only. The checkpoint may be PyTorch or MindSpore; its architecture is read from it.
 """
 
@@ -26,8 +26,8 @@ COLLECTING = ".uncertain.extxyz.collecting"  # this evaluation's uncertain frame
 from orb.metrics import (BY_ELEMENT, BY_ELEMENT_MEANING, METRICS, add_sums, element_sums,
                          forces_by_element, metrics_from_sums, structure_sums)
 
-CSV_FIELDS = ("row_id", "source", "frame", "formula", "natoms", "energy_pred", "energy_true", "energy_abs_error",
-              "energy_per_atom_abs_error", "forces_mae", "forces_cosine", "forces_within_0.03", "stress_mae",
+CSV_FIELDS = ("row_id", "source", "frame", "source_row", "formula", "natoms", "energy_pred", "energy_true",
+              "energy_abs_error", "energy_per_atom_abs_error", "forces_mae", "forces_cosine", "forces_within_0.03", "stress_mae",
               "predicted_force_error_max", "predicted_force_error_mean")
 
 
@@ -161,7 +161,6 @@ def predict_dataset(checkpoint: str, args, keys, show: bool, out_dir: str = ""):
     from orb.data.batching import batch_graphs
     from orb.data.dataset import AseDbDataset
     from orb.data.formats import readable_database
-    from orb.data.sqlite_rows import frame_locator
     from orb.inference.dispersion import D3Dispersion, check_dispersion_elements, check_dispersion_for
     from orb.inference.predictor import Predictor, per_structure
     from orb.inference.uncertainty import UncertainFrames, check_threshold, frame_error, per_atom_error
@@ -189,7 +188,7 @@ def predict_dataset(checkpoint: str, args, keys, show: bool, out_dir: str = ""):
                 os.remove(uncertain.path)
         except OSError as exc:
             raise OrbInputError(f"--output_dir {out_dir}: cannot write there ({exc.strerror or exc})") from None
-    results, points, locate = [None] * len(data), ParityPoints(), frame_locator(data.sources)
+    results, points, locate = [None] * len(data), ParityPoints(), data.rows.origin_locator()
     with tqdm(total=len(data), desc=f"evaluating {os.path.basename(checkpoint)}", disable=not show) as bar:
         for indices in batches:
             graphs = [data[int(i)] for i in indices]
@@ -203,8 +202,9 @@ def predict_dataset(checkpoint: str, args, keys, show: bool, out_dir: str = ""):
                     one = {key: one[key] + d3[key] for key in one}
                 row = data.row(int(i))
                 record = structure_record(int(row.id), row.formula, graph, one)
-                if data.sources:  # structures indexed from other files: the file and frame each came from
-                    record["row"]["source"], record["row"]["frame"] = locate(int(row.id))
+                if data.sources:  # structures indexed from other files: the file, and the frame or row, each came from
+                    path, unit, number = locate(int(row.id))
+                    record["row"].update(source=path, **{"frame" if unit == "frame" else "source_row": number})
                 record["numbers"] = np.asarray(graph.numbers)
                 if per_atom is not None:  # the confidence head's (orb-v3): max over atoms and mean, eV/Å
                     predicted = frame_error(per_atom)
