@@ -153,7 +153,7 @@ def remove_stale_temporaries(folder: str, min_age: float = 0.0) -> List[str]:
     now = time.time()
     for name in names:
         match = _TEMPORARY.match(name)
-        if match and int(match.group(1)) != os.getpid() and not _alive(int(match.group(1))):
+        if match and int(match.group(1)) != os.getpid() and not process_alive(int(match.group(1))):
             path = os.path.join(folder, name)
             try:
                 if min_age and match.group(2) != _HOST and now - os.path.getmtime(path) < min_age:
@@ -167,7 +167,19 @@ def remove_stale_temporaries(folder: str, min_age: float = 0.0) -> List[str]:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def owner_tag() -> str:
+    """This process as a folder's or file's name carries it (``<pid>@<host>``, :func:`owner_gone`)."""
+    return f"{os.getpid()}@{_HOST}"
+
+
+def owner_gone(tag: str) -> bool:
+    """Whether the process an :func:`owner_tag` names is surely gone: this host's, and not alive (another node's
+    process, on a shared file system, may be)."""
+    pid, _, host = tag.partition("@")
+    return host == _HOST and pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid))
+
+
+def process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

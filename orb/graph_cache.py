@@ -325,7 +325,7 @@ SCRATCH = "orb-graphs-"  # a process's folder for MindSpore's cache files: <temp
 
 def remove_stale_scratch(folder: str) -> None:
     """The folders of processes that were killed (their pid is gone), left in this node's temporary folder."""
-    from orb.files import _alive
+    from orb.files import process_alive
 
     try:
         names = os.listdir(folder)
@@ -333,7 +333,7 @@ def remove_stale_scratch(folder: str) -> None:
         return
     for name in names:
         pid = name[len(SCRATCH):].split("-")[0]
-        if name.startswith(SCRATCH) and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        if name.startswith(SCRATCH) and pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
             shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
 
 

@@ -173,16 +173,25 @@ def run_command(body: Callable[[], int], resume_hint: str = "") -> int:
     except RunError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except OSError as exc:  # a full disk, a quota, a failing or read-only file system: one line, not a traceback
-        import errno
-
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS):
+    except OSError as exc:
+        line = file_system_failure(exc, resume_hint)
+        if line is None:
             raise  # anything else is a fault the traceback must show
-        where = f" ({exc.filename})" if exc.filename else ""
-        advice = ("free space, then run the same command again" + (f" ({resume_hint})" if resume_hint else "")
-                  if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "")
-        print(f"error: {exc.strerror or exc}{where}" + (f": {advice}" if advice else ""), file=sys.stderr)
+        print(line, file=sys.stderr)
         return 1
+
+
+def file_system_failure(exc: OSError, resume_hint: str = "") -> Optional[str]:
+    """The one line (``error: ...``) for a full disk, a quota, a failing or read-only file system; None for another
+    OSError (a fault whose traceback must show)."""
+    import errno
+
+    if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS):
+        return None
+    where = f" ({exc.filename})" if exc.filename else ""
+    advice = ("free space, then run the same command again" + (f" ({resume_hint})" if resume_hint else "")
+              if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "")
+    return f"error: {exc.strerror or exc}{where}" + (f": {advice}" if advice else "")
 
 
 def ignore_stop_signals() -> None:

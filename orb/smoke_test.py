@@ -141,10 +141,28 @@ def training_step(target: str) -> dict:
             "weights": after[::997].tolist(), "compile_s": round(compile_s, 2), "step_s": round(step_s, 3)}
 
 
+def run_child(command, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``command`` run to its end in a process group of its own, started with the stop signals blocked (a job's
+    signal to every process is this process's to handle: 75); a stop meanwhile ends the group, then stops here."""
+    import signal
+
+    from orb.signals import children_start_blocked
+
+    with children_start_blocked():
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   start_new_session=True, **kwargs)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except BaseException:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
 def _step_in_subprocess(target: str, profile: str, precision: str = "float32-highest") -> dict:
-    result = subprocess.run([sys.executable, "-m", "orb.smoke_test", "_step", target, precision],
-                            cwd=ROOT, capture_output=True, text=True, timeout=1800,
-                            env=dict(os.environ, ORB_OPS_PROFILE=profile))
+    result = run_child([sys.executable, "-m", "orb.smoke_test", "_step", target, precision], 1800, cwd=ROOT,
+                       env=dict(os.environ, ORB_OPS_PROFILE=profile))
     if result.returncode != 0:
         raise RuntimeError(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "no output")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -231,10 +249,9 @@ def check_collectives(target: str) -> dict:
 
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        result = subprocess.run([msrun, "--worker_num=2", "--local_worker_num=2", f"--master_port={port}",
-                                 f"--log_dir={tmp}", "--join=True", os.path.abspath(__file__), "_sum"],
-                                cwd=ROOT, capture_output=True, text=True, timeout=600,
-                                env=dict(msrun_environment(os.environ), ORB_SMOKE_TARGET=target, PYTHONPATH=ROOT))
+        result = run_child([msrun, "--worker_num=2", "--local_worker_num=2", f"--master_port={port}",
+                            f"--log_dir={tmp}", "--join=True", os.path.abspath(__file__), "_sum"], 600, cwd=ROOT,
+                           env=dict(msrun_environment(os.environ), ORB_SMOKE_TARGET=target, PYTHONPATH=ROOT))
         lines = []
         for rank in range(2):
             try:
@@ -275,7 +292,21 @@ def main(argv=None) -> int:
     if argv is None and len(sys.argv) == 2 and sys.argv[1] == "_sum":
         _sum_over_workers()
         return 0
+    from orb.signals import run_command
+
+    return run_command(lambda: smoke_test(argv))  # (a stop signal in any phase: one line and 75)
+
+
+def smoke_test(argv) -> int:
+    """The checks of :func:`main`, their report, and the exit status (1 if one failed)."""
+    from orb.errors import OrbInputError
+    from orb.precision import PRECISIONS
+
     args = build_parser().parse_args(argv)
+    modes = [m.strip() for m in args.precisions.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in PRECISIONS]
+    if unknown:  # (a misspelt mode was reported as not run, and every check passed)
+        raise OrbInputError(f"--precisions: {', '.join(unknown)} not among {', '.join(PRECISIONS)}")
     from orb.device import configure_mindspore
 
     target = configure_mindspore(args.device_target, precision="float32-highest")
@@ -285,7 +316,6 @@ def main(argv=None) -> int:
     print("  predictions: " + ("ok" if report["predictions_vs_pytorch"]["passed"] else "FAILED"), flush=True)
     report["training_step_vs_cpu"] = compare_steps(target)
     print("  training step: " + ("ok" if report["training_step_vs_cpu"]["passed"] else "FAILED"), flush=True)
-    modes = [m.strip() for m in args.precisions.split(",") if m.strip()]
     if modes:
         report["training_step_by_precision"] = time_precisions(target, modes, report["training_step_vs_cpu"]["cpu"])
         print("  training step by precision: " + ", ".join(

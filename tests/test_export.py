@@ -50,7 +50,10 @@ def test_an_exported_model_predicts_what_the_checkpoint_predicts(tmp_path, check
     (["--checkpoint", "data/demo_pretrained.ckpt", "--shape", "64,x,5"], "--shape '64,x,5': expected NODES,EDGES,GRAPHS"),
     (["--checkpoint", "README.md", "--shape", "64,1280,5"], "README.md: cannot read MindSpore checkpoint"),
     (["--checkpoint", "data/demo_pretrained.ckpt", "--data", "data/demo_val.db", "--batch_size", "0"],
-     "--batch_size must be at least 1, got 0"),
+     "--batch_size must be within 1 and 100000, got 0"),
+    # (a shape of 1e11 nodes was numpy's 1.1 TiB allocation error and a traceback)
+    (["--checkpoint", "data/demo_pretrained.ckpt", "--shape", "100000000000,16,2"],
+     "--shape 100000000000,16,2: at most 10000000 nodes, 128 edges a node and a graph a node"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message):
     out = tmp_path / "model.mindir"

@@ -194,7 +194,7 @@ def test_bad_input_is_one_line_naming_file_frame_and_key(tmp_path, cache):
     frames = demo_frames()
     garbage = tmp_path / "garbage.xyz"
     garbage.write_text("this is not\na structure file\n")
-    with pytest.raises(DatasetError, match=r"garbage.xyz: ase.io cannot read it"):
+    with pytest.raises(DatasetError, match=r"garbage.xyz, frame 0: ase.io cannot read it"):
         readable_database(str(garbage))
     write_ref_keys(tmp_path / "ref.xyz", frames)
     with pytest.raises(DatasetError, match=r"ref.xyz, key 'energy_key': frame 0 has no energy under the configured "
@@ -572,7 +572,8 @@ def test_a_charge_or_spin_that_is_text_is_an_extra_key_to_models_without_them(tm
     for i, attributes in enumerate(ATTRIBUTES):
         plain.get(i)
         assert plain.charge_and_spin(i) == (attributes["charge"], None if i == 1 else attributes["spin"]), i
-    with pytest.raises(DatasetError, match=r"(row 2|frame [01]), key 'spin': must be a number, got 'high'"):
+    with pytest.raises(DatasetError, match=r"(all.db, row 2|p2.db, row 1|all.aselmdb, row 2|extxyz, frame 1), "
+                                           r"key 'spin': must be a number, got 'high'"):
         AseDbDataset(path, charge_spin=True).census()
 
 

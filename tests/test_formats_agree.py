@@ -188,8 +188,8 @@ def test_a_constraint_ase_cannot_make_is_one_line_naming_the_row(tmp_path, cache
     plain[1].set_constraint(FixAtoms(indices=[len(plain[1]) + 5]))
     beyond = write_with_attributes("sqlite", tmp_path / "beyond", plain, [{}] * 3)
     for data in (beyond, [beyond, beyond]):
-        with pytest.raises(DatasetError, match=r"all.db, row 2, key 'constraints': its constraint FixAtoms does not fit "
-                                               rf"its {len(plain[1])} atoms"):
+        with pytest.raises(DatasetError, match=r"all.db, row 2, key 'constraints': its constraint FixAtoms does not "
+                                               rf"fit its {len(plain[1])} atoms"):
             AseDbDataset(readable_database(data), require_labels=False).census()
 
 
@@ -223,3 +223,21 @@ def test_orb_properties_names_a_structure_that_is_no_crystal_by_its_file_and_fra
     ase.io.write(tmp_path / "water.extxyz", [molecule("H2O")])
     with pytest.raises(DatasetError, match=r"water.extxyz, frame 0, key 'pbc': H2O is not a 3D periodic crystal"):
         read_structures([str(tmp_path / "cu.extxyz"), str(tmp_path / "water.extxyz")])
+
+
+def test_a_frame_ase_cannot_read_is_named(tmp_path, cache):
+    """A damaged frame of an extxyz was ``ase.io cannot read it`` with no frame: in a file of 100,000 frames."""
+    import ase.io
+
+    from orb.data.formats import readable_database
+    from orb.errors import DatasetError
+
+    ase.io.write(tmp_path / "bad.extxyz", demo_frames()[:3], format="extxyz")
+    lines = (tmp_path / "bad.extxyz").read_text().splitlines()
+    starts = [k for k, line in enumerate(lines) if line.strip().isdigit()]
+    fields = lines[starts[2] + 2].split()
+    fields[1] = "1.2.3"  # frame 2's first atom's x
+    lines[starts[2] + 2] = " ".join(fields)
+    (tmp_path / "bad.extxyz").write_text("\n".join(lines) + "\n")
+    with pytest.raises(DatasetError, match=r"bad.extxyz, frame 2: ase.io cannot read it \(.*1\.2\.3"):
+        readable_database(str(tmp_path / "bad.extxyz"))

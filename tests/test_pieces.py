@@ -440,6 +440,24 @@ def test_reporter_writes_records_on_rank_0_and_forgets_those_after_a_checkpoint(
     assert [json.loads(line)["step"] for line in open(tmp_path / "batches_rank1.jsonl")] == [4, 8]
 
 
+def test_a_full_disk_under_a_record_is_one_line_for_every_record(tmp_path, monkeypatch):
+    """metrics.jsonl's lines said a full disk in one line; record_batches' file was a traceback (and the run's data
+    workers then kept the process from ending)."""
+    import errno
+
+    from orb.errors import SaveError
+    from orb.training import reporting
+
+    def full(path, record):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr(reporting, "append_record", full)
+    reporter = reporting.Reporter(str(tmp_path), 0, "false", record_batches=True)
+    for write in (lambda: reporter.record({"type": "step", "step": 4}), lambda: reporter.batch(1, 4, [1, 2])):
+        with pytest.raises(SaveError, match=r"could not append to .*(metrics|batches_rank0).jsonl \(No space left"):
+            write()
+
+
 def small_batch(rows, bucket):
     from orb.data.dataset import AseDbDataset
     from orb.data.batching import batch_graphs, pad_batch

@@ -291,6 +291,36 @@ if __name__ == "__main__":
 """
 
 
+CLOSE_WHILE_SENDING = """
+import sys, time
+import numpy as np
+from orb.data.loader import BatchLoader
+
+def block(n):
+    return np.ones(n, np.uint8)
+
+if __name__ == "__main__":
+    loader = BatchLoader({}, workers=1)
+    pool = loader._ensure_pool()
+    results = [pool.submit(block, 150_000_000) for _ in range(3)]
+    results[0].result()  # the next is being made or sent
+    time.sleep(float(sys.argv[1]))
+    loader.close()
+"""
+
+
+def test_a_process_whose_data_workers_are_stopped_while_sending_a_batch_ends(tmp_path):
+    """Closing the data workers (a failed or stopped run) killed a worker halfway through sending a batch: the pool's
+    thread reading the results waited for the rest of it for ever, and the interpreter's exit for that thread, so the
+    process never ended (4 of these 6 moments hung). Each now ends at once."""
+    script = tmp_path / "close_while_sending.py"
+    script.write_text(CLOSE_WHILE_SENDING)
+    for delay in ("0.05", "0.1", "0.15", "0.2", "0.25", "0.3"):
+        result = subprocess.run([sys.executable, str(script), delay], cwd=ROOT, capture_output=True, text=True,
+                                timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
+        assert result.returncode == 0, (delay, result.stderr[-2000:])
+
+
 def test_data_workers_die_with_a_killed_training_process(tmp_path):
     """SIGKILL (the out-of-memory killer, scancel -s KILL) gives the training process no chance to stop its data
     workers: they go with it instead of lingering with its pipes and memory."""
@@ -328,6 +358,12 @@ def test_launcher_settings_are_checked_and_scheduler_devices_counted(monkeypatch
     result = subprocess.run(["bash", os.path.join(ROOT, "run_parallel.sh")], env=dict(os.environ, WORKER_NUM="0"),
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 2 and result.stderr.strip() == "error: WORKER_NUM must be a whole number >= 1, got '0'"
+    not_a_folder = os.path.join(ROOT, "README.md")  # (a file where the worker logs' folder goes: a traceback)
+    result = subprocess.run(["bash", os.path.join(ROOT, "run_parallel.sh"), "configs/demo.yaml"], cwd=ROOT,
+                            env=dict(os.environ, WORKER_NUM="2", LOG_DIR=not_a_folder), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip() == (
+        f"error: LOG_DIR {not_a_folder}: cannot make the worker logs' folder (File exists)"), result.stderr[-2000:]
 
 
 def test_a_reused_log_dir_does_not_decide_how_a_launch_ended(tmp_path):

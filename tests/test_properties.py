@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 from ase import Atoms
+from ase.io import write as ase_write
 from ase.build import bulk
 
 from conftest import ROOT
@@ -362,6 +363,42 @@ def test_an_existing_output_is_refused_and_overwrite_replaces_it_whole(tmp_path)
     assert report["structures"][0]["models"]["fine_tuned"]["phonons"] is None
     holding = run(*common[:5], str(tmp_path), *common[6:], "--overwrite")  # the output would hold an input
     assert holding.returncode == 2 and "holds the input" in holding.stderr
+
+
+def test_bad_numbers_and_a_crowded_structure_are_one_line_before_any_work(tmp_path):
+    """A negative --symprec crashed phonopy's process (a segmentation fault) after every relaxation, --fmax nan was
+    taken, and atoms on top of each other were found relaxing, named by formula only."""
+    crowded = bulk("Cu", cubic=True)
+    crowded.positions[1] = crowded.positions[0] + 0.01
+    structures = tmp_path / "cu.extxyz"
+    ase_write(structures, [bulk("Cu", cubic=True), crowded])
+    common = ["--checkpoint", DEMO_V2, "--output", str(tmp_path / "out"), "--no-phonons", *SMALL]
+    for extra, line in ((["--elements", "Cu", "--symprec", "-1"], "error: --symprec must be within (0, 1) Å, got -1.0"),
+                        (["--elements", "Cu", "--fmax", "nan"], "error: --displacement within (0, 0.5) Å, --mesh and "
+                         "--batch_size at least 1, --steps >= 0 and --fmax a finite number > 0"),
+                        (["--structures", str(structures)], f"error: {structures}, frame 1, key 'positions': atoms 0 "
+                         "and 1 are 0.017 Å apart (on top of each other)")):
+        result = run_without_phonopy(*common, *extra)
+        assert result.returncode == 2 and result.stderr.strip().splitlines() == [line], result.stderr[-2000:]
+    assert sorted(os.listdir(tmp_path)) == ["cu.extxyz"]
+
+
+def test_a_killed_runs_staging_folders_are_removed_and_a_replaced_output_put_back(tmp_path):
+    """A kill left ``.out.partial-<pid>`` for good, and one between publishing's two renames left the earlier output
+    only as ``.out.old-<pid>``: folders of this host's dead processes are removed, an output without its replacement
+    is put back, another node's (on a shared file system) are left."""
+    from orb.files import owner_tag
+    from orb.inference.properties import remove_stale_staging
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = owner_tag().replace(str(os.getpid()), dead.stdout.strip(), 1)
+    other_node = dead.stdout.strip() + "@00000000"
+    for name in (f".out.partial-{gone}", f".out.old-{gone}", f".out.partial-{other_node}"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "properties.json").write_text(name)
+    remove_stale_staging(str(tmp_path / "out"))
+    assert sorted(os.listdir(tmp_path)) == [f".out.partial-{other_node}", "out"]
+    assert (tmp_path / "out" / "properties.json").read_text() == f".out.old-{gone}"
 
 
 def test_default_elements_are_those_of_the_training_data_the_checkpoint_records(monkeypatch):

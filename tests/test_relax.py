@@ -220,8 +220,12 @@ def test_a_killed_or_stopped_relaxation_keeps_every_finished_structure(tmp_path,
         assert f"the {kept} finished ones are kept in {out}: continue with --resume" in output
     else:
         assert process.returncode == -signal.SIGKILL
+        # a kill inside a row's write left ASE's lock file beside the output: every later start waited for it
+        # forever (a stop signal deferred meanwhile); the output is SQLite's to lock
+        (tmp_path / "relaxed.db.lock").write_text("")
     resumed = relax_cli(*args, "--output", str(out), "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert not (tmp_path / "relaxed.db.lock").exists()
     summary = json.load(open(tmp_path / "relaxed.summary.json"))
     assert summary["already_done"] == kept and summary["relaxed_now"] == 12 - kept and summary["structures"] == 12
     got, expected = energies(out), twelve_relaxed

@@ -52,3 +52,25 @@ def test_only_the_float32_modes_reuse_the_cpu_step():
     out = smoke_test.time_precisions("CPU", ["float32-high", "float32-hihg"], cpu_step=step)
     assert out["float32-high"]["step_s"] == 0.5 and out["float32-high"]["loss"] == 1.5
     assert "step_s" not in out["float32-hihg"] and "float32-hihg" in out["float32-hihg"]["error"]
+
+
+def test_a_misspelt_precision_and_a_stop_signal_are_one_line():
+    """orb-smoke-test took no part in the stop protocol (a stop signal was a traceback and exit 1, or 143) and reported
+    a misspelt --precisions as not run, every check passing."""
+    import signal
+
+    from conftest import wait_until_handling
+
+    script = os.path.join(ROOT, "scripts", "smoke_test.py")
+    refused = subprocess.run([sys.executable, script, "--precisions", "float32-high,fp16-mixd"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        "error: --precisions: fp16-mixd not among float32-high, float32-highest, bf16-mixed, fp16-mixed, float64"], \
+        refused.stderr[-2000:]
+    process = subprocess.Popen([sys.executable, script, "--precisions", ""], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    wait_until_handling(process, signal.SIGUSR1)
+    process.send_signal(signal.SIGUSR1)
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 75 and "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("stopped by SIGUSR1"), err[-2000:]

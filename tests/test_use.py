@@ -497,3 +497,21 @@ def test_a_stop_while_the_results_are_written_writes_them_all(tmp_path):
     assert "demo_v3_pretrained" in json.load(open(out / "summary.json"))["checkpoint"]
     for name in os.listdir(out):  # every file there is this evaluation's
         assert name not in before or os.stat(out / name).st_mtime_ns != before[name], name
+
+
+def test_orb_plot_ends_on_a_stop_signal_with_one_line_and_75(tmp_path):
+    """It listened to no stop signal: a job's SIGUSR1 ended it with 138 and no word (Ctrl-C during matplotlib's import
+    was a KeyboardInterrupt traceback)."""
+    import signal
+
+    from conftest import wait_until_handling
+
+    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "scripts", "plot_metrics.py"),
+                                os.path.join(ROOT, "tests", "data", "demo_metrics.jsonl"), "-o",
+                                str(tmp_path / "curves.png")], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    wait_until_handling(process, signal.SIGUSR1)
+    process.send_signal(signal.SIGUSR1)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 75 and err.strip().splitlines()[-1].startswith("stopped by SIGUSR1"), err[-2000:]
+    assert os.listdir(tmp_path) == []

@@ -233,12 +233,14 @@ def _frames(path: str) -> Iterator[Tuple[object, Optional[int]]]:
         return
     import ase.io
 
+    frame = 0
     try:
         for atoms in ase.io.iread(path, index=":"):
             yield atoms, None
-    except Exception as exc:  # ase.io's errors vary by format: one line, the reason
+            frame += 1
+    except Exception as exc:  # ase.io's errors vary by format: one line, the reason and the frame
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DatasetError(path, f"ase.io cannot read it ({reason})") from None
+        raise DatasetError(path, f"ase.io cannot read it ({reason})", frame, unit="frame") from None
 
 
 def _check_ase_sqlite(path: str) -> None:

@@ -202,12 +202,18 @@ class BatchLoader:
             yield pending.popleft()[0], arrays
 
     def close(self) -> None:
-        """Stop the workers now (they ignore stop signals, so they are killed, not asked)."""
+        """Stop the workers now (they ignore stop signals, so they are killed, not asked). A worker killed while it
+        sent a batch leaves part of one in the results' pipe, and the pool's thread reading it waited for the rest for
+        ever, and the interpreter's exit for that thread (a failed run never ended): this process's end of the pipe is
+        closed once the workers are gone, so that the read ends and the thread with it."""
         if self._pool is not None:
             processes = list((getattr(self._pool, "_processes", None) or {}).values())
+            results = getattr(self._pool, "_result_queue", None)  # (the pool lets go of it at its shutdown)
             for process in processes:
                 process.kill()
-            self._pool.shutdown(wait=False, cancel_futures=True)
             for process in processes:
                 process.join()
+            if results is not None:
+                results._writer.close()
+            self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None

@@ -7,6 +7,7 @@ no journal shows that something is writing the file, so SQLite takes no locks at
 only what a graph and its labels need, decoded as ASE encodes them (schema version 6 and later).
 """
 
+import functools
 import json
 import os
 import sqlite3
@@ -125,12 +126,23 @@ def _array(blob, dtype=np.float64, shape=None) -> Optional[np.ndarray]:
 
 def _decode(value) -> Any:
     """ASE's encoding of key-value pairs and data: JSON text, or its binary object format."""
-    from ase.db.core import bytes_to_object
-    from ase.io.jsonio import decode
-
     if value is None:
         return {}
+    decode, bytes_to_object = _ase_decoders()
     return decode(value) if isinstance(value, str) else bytes_to_object(value)
+
+
+@functools.lru_cache(maxsize=None)
+def _ase_decoders():
+    """ASE's decoders, imported once with stop signals held: the import (~235 modules, scipy's extensions among them)
+    turned a stop signal landing in an extension's initialisation into its ImportError, which the caller reported as
+    a damaged row (exit 2, not 75)."""
+    from orb.signals import STOP
+
+    with STOP.held():
+        from ase.db.core import bytes_to_object
+        from ase.io.jsonio import decode
+    return decode, bytes_to_object
 
 
 def _pbc_flags(bits: int) -> np.ndarray:

@@ -83,9 +83,12 @@ def read_structures(paths: Sequence[str]) -> List[Structure]:
     phonons)."""
     from orb.data.dataset import AseDbDataset
     from orb.data.formats import LabelKeys, describe_path, readable_database
+    from orb.data.graphs import check_no_overlap_before_graphs
+    from orb.errors import StructureError
 
     data = AseDbDataset(readable_database(list(paths) if len(paths) > 1 else paths[0], LabelKeys()),
                         require_labels=False)
+    data.check_structures()
     where = describe_path(list(paths))
     structures = []
     for i in range(len(data)):
@@ -93,8 +96,13 @@ def read_structures(paths: Sequence[str]) -> List[Structure]:
         atoms.calc = None
         name = atoms.info.get("name") or f"{atoms.get_chemical_formula()}_{int(data.ids[i])}"
         if not atoms.cell.rank == 3 or not atoms.pbc.all():
-            raise data.error_at(f"{atoms.info.get('name') or atoms.get_chemical_formula()} is not a 3D periodic crystal (cell and pbc on all three axes); "
-                                "orb-properties needs crystals", int(data.ids[i]), "pbc")
+            raise data.error_at(f"{atoms.info.get('name') or atoms.get_chemical_formula()} is not a 3D periodic "
+                                "crystal (cell and pbc on all three axes); orb-properties needs crystals",
+                                int(data.ids[i]), "pbc")
+        try:  # (atoms on top of each other were found relaxing, after others' work, named by formula only)
+            check_no_overlap_before_graphs(atoms.positions, atoms.cell.array, True)
+        except StructureError as exc:
+            raise data.error_at(str(exc), int(data.ids[i]), "positions") from None
         atoms.info = {}
         structures.append(Structure(str(name), atoms, f"{where} #{int(data.ids[i])}"))
     names = [s.name for s in structures]

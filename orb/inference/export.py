@@ -207,7 +207,12 @@ def parse_shape(text: str) -> tuple:
     if nodes < 2 or edges < 1 or graphs < 2:
         raise OrbInputError(f"--shape {text}: a padded batch needs at least 2 nodes, 1 edge and 2 graphs (one "
                             "real, one for the padding)")
+    if nodes > MAX_NODES or edges > MAX_NODES * 128 or graphs > nodes:  # (1e11 nodes: a 1.1 TiB allocation)
+        raise OrbInputError(f"--shape {text}: at most {MAX_NODES} nodes, 128 edges a node and a graph a node")
     return nodes, edges, graphs
+
+
+MAX_NODES = 10 ** 7  # atoms of one exported batch shape (a served batch: 10,000 structures of 1,000 atoms)
 
 
 def run(args) -> List[str]:
@@ -222,8 +227,8 @@ def run(args) -> List[str]:
     if not shapes and not args.data:
         raise OrbInputError("give the batch shapes to export: --data STRUCTURES (planned on them) or --shape "
                             "NODES,EDGES,GRAPHS")
-    if args.batch_size < 1:
-        raise OrbInputError(f"--batch_size must be at least 1, got {args.batch_size}")
+    if not 1 <= args.batch_size <= 10 ** 5:
+        raise OrbInputError(f"--batch_size must be within 1 and 100000, got {args.batch_size}")
     if not args.output.endswith(".mindir"):
         raise OrbInputError(f"--output {args.output}: a MindIR file name ends with .mindir")
     folder = os.path.dirname(os.path.abspath(args.output))

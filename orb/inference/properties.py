@@ -16,6 +16,7 @@ neighbours are chosen.
 """
 
 import argparse
+import math
 import os
 import shutil
 import sys
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from orb.errors import OrbInputError
+from orb.files import owner_gone, owner_tag
 
 
 @dataclass
@@ -216,6 +218,20 @@ def compute(engine: Engine, structures, args, show: bool) -> List[Dict]:
     return out
 
 
+def remove_stale_staging(output: str) -> None:
+    """The staging and replaced folders of runs killed on this host (their process gone): a kill left them for good. A
+    replaced output whose replacement never arrived (killed between :func:`publish`'s two renames) is put back."""
+    folder, prefix = os.path.dirname(output), f".{os.path.basename(output)}."
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        kind, _, owner = name[len(prefix):].partition("-")
+        if not name.startswith(prefix) or kind not in ("partial", "old") or not owner_gone(owner):
+            continue
+        if kind == "old" and not os.path.exists(output):
+            os.rename(os.path.join(folder, name), output)
+        else:
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+
+
 def prepare_output(args) -> str:
     """A fresh staging folder beside ``--output`` (renamed into place when everything is written, so that an output
     is whole or absent); an existing output is refused unless ``--overwrite``, and never one holding an input."""
@@ -228,7 +244,8 @@ def prepare_output(args) -> str:
     for path in filter(None, inputs):
         if os.path.exists(path) and os.path.commonpath([output, os.path.abspath(path)]) == output:
             raise OrbInputError(f"--output {args.output} holds the input {path}: choose another folder")
-    staging = os.path.join(os.path.dirname(output), f".{os.path.basename(output)}.partial-{os.getpid()}")
+    staging = os.path.join(os.path.dirname(output), f".{os.path.basename(output)}.partial-{owner_tag()}")
+    remove_stale_staging(output)
     try:
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
@@ -242,7 +259,7 @@ def publish(staging: str, output: str) -> None:
     output = os.path.abspath(output)
     old = None
     if os.path.exists(output):
-        old = os.path.join(os.path.dirname(output), f".{os.path.basename(output)}.old-{os.getpid()}")
+        old = os.path.join(os.path.dirname(output), f".{os.path.basename(output)}.old-{owner_tag()}")
         os.rename(output, old)
     os.rename(staging, output)
     if old:
@@ -262,9 +279,12 @@ def check_arguments(args) -> None:
         raise OrbInputError("--strains must be distinct amplitudes within (0, 0.1)")
     if args.supercell and (len(args.supercell) not in (1, 3) or min(args.supercell) < 1):
         raise OrbInputError("--supercell takes one or three positive integers")
-    if not 0 < args.displacement < 0.5 or args.mesh < 1 or args.batch_size < 1 or args.steps < 0 or args.fmax <= 0:
+    if not 0 < args.displacement < 0.5 or args.mesh < 1 or args.batch_size < 1 or args.steps < 0 \
+            or not 0 < args.fmax < math.inf:
         raise OrbInputError("--displacement within (0, 0.5) Å, --mesh and --batch_size at least 1, --steps >= 0 and "
-                            "--fmax > 0")
+                            "--fmax a finite number > 0")
+    if not 0 < args.symprec < 1:  # (phonopy crashed the process on a negative one, after every relaxation)
+        raise OrbInputError(f"--symprec must be within (0, 1) Å, got {args.symprec}")
     check_checkpoint_file(args.checkpoint, "--checkpoint")
     if args.reference:
         check_checkpoint_file(args.reference, "--reference")
@@ -276,9 +296,9 @@ def check_arguments(args) -> None:
 def run(args) -> Dict:
     from orb.device import configure_mindspore, import_mindspore, set_ops_profile
 
-    check_arguments(args)  # phonopy first: before any work
+    import_mindspore()  # first, a stop signal held: the checks import the checkpoint reader, which imports MindSpore
+    check_arguments(args)  # phonopy before any work
     staging = prepare_output(args)
-    import_mindspore()
     from orb.reports.properties import read_dft, report, write_outputs
     from orb.signals import STOP
 

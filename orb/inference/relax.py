@@ -117,6 +117,8 @@ def check_output(output: str, resume: bool, overwrite: bool) -> None:
         raise OrbInputError(f"--output {output} is a folder: name an ASE database file (relaxed.db)")
     if os.path.exists(output) and not resume and not overwrite:
         raise OrbInputError(f"--output {output} exists: pass --resume to continue it or --overwrite to replace it")
+    if os.path.exists(output + ".lock"):  # ASE's lock file of an earlier version's run killed mid-write: no one's
+        os.remove(output + ".lock")
     if resume:
         return
     for path in [output] + [companion(output, kind) for kind in COMPANIONS]:
@@ -307,7 +309,9 @@ def relax(args) -> Dict:
             yield int(data.ids[i]), atoms
 
     start = time.perf_counter()
-    db = ase.db.connect(args.output, type="db")  # outside a `with` block every write is its own transaction
+    # outside a `with` block every write is its own transaction; SQLite's own locking only (ASE's lock file, left by a
+    # kill mid-write, made every later start wait for it forever, a stop signal deferred meanwhile)
+    db = ase.db.connect(args.output, type="db", use_lock_file=False)
     written, failures = [], {}
     with STOP.deferred(), tqdm(total=len(todo), desc="relaxing", disable=not show) as bar:
         def finish(r: Relaxing, converged: bool) -> None:

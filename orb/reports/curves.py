@@ -128,6 +128,12 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from orb.signals import run_command
+
+    return run_command(lambda: plot_command(argv))  # (a stop signal: one line and 75, whatever the phase)
+
+
+def plot_command(argv) -> int:
     args = build_parser().parse_args(argv)
     labels = args.labels or [os.path.basename(os.path.dirname(os.path.abspath(m))) for m in args.metrics]
     if len(labels) != len(args.metrics):

@@ -11,7 +11,7 @@ from orb.bundled import printable_template, templates_line
 from orb.errors import ConfigError, OrbInputError, RunError
 from orb.training.config import TrainConfig, check_training_data, load_config
 from orb.training.outputs import check_outputs_apart, discard_unstarted
-from orb.signals import STOP, Stopped, deliver_stop_signals, listen
+from orb.signals import STOP, Stopped, deliver_stop_signals, file_system_failure, listen
 from orb.training.checkpointing import checkpoint_to_resume
 
 USAGE = """%(prog)s --config FILE_OR_TEMPLATE [--resume DIR_OR_FILE|auto] [--overwrite] [--accept_config_changes]
@@ -113,5 +113,11 @@ def run(argv: Optional[List[str]], default_config: Optional[str],
         return 2
     except RunError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # the file system's failure outside a save (which says so itself): one line
+        line = file_system_failure(exc, "continue with --resume auto")
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
         return 1
     return 0

@@ -371,7 +371,12 @@ def launch(argv: Optional[List[str]], prog: Optional[str] = None) -> int:
     env = msrun_environment(os.environ)
     if not env.get("OMP_NUM_THREADS"):
         env["OMP_NUM_THREADS"] = str(max((os.cpu_count() or 1) // int(s["local_worker_num"]), 1))
-    os.makedirs(s["log_dir"], exist_ok=True)
+    try:
+        os.makedirs(s["log_dir"], exist_ok=True)
+    except OSError as exc:  # (a file of that name, no permission: it was a traceback)
+        print(f"error: LOG_DIR {s['log_dir']}: cannot make the worker logs' folder ({exc.strerror or exc})",
+              file=sys.stderr)
+        return 2
     print(f"run_parallel: {s['worker_num']} worker(s) ({s['local_worker_num']} on this node, node rank "
           f"{s['node_rank']}), master {s['master_addr']}:{s['master_port']}")
     print(f"run_parallel: config {config} {' '.join(args)}".rstrip())

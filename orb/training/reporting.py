@@ -115,11 +115,15 @@ class Reporter:
         """One line of ``metrics.jsonl`` (written after the checkpoint it describes: a full disk here loses nothing
         a resume cannot redo)."""
         if self.main:
-            try:
-                append_record(self.metrics_path, record)
-            except OSError as exc:
-                raise SaveError(f"could not append to {self.metrics_path} ({exc.strerror or exc}); the checkpoints "
-                                "hold the run: free space, then continue with --resume auto") from None
+            self._append(self.metrics_path, record)
+
+    @staticmethod
+    def _append(path: str, record: Dict) -> None:
+        try:
+            append_record(path, record)
+        except OSError as exc:  # a full disk: one line (it was a traceback from record_batches' file)
+            raise SaveError(f"could not append to {path} ({exc.strerror or exc}); the checkpoints hold the run: "
+                            "free space, then continue with --resume auto") from None
 
     def has_record(self, kind: str, step: int) -> bool:
         """Whether metrics.jsonl holds a record of type ``kind`` at global step ``step`` (rank 0; False elsewhere)."""
@@ -129,8 +133,8 @@ class Reporter:
     def batch(self, epoch: int, global_step: int, row_ids) -> None:
         """With ``record_batches``: the database rows this rank trains on at a step."""
         if self.record_batches:
-            append_record(os.path.join(self.output_dir, f"batches_rank{self.rank}.jsonl"),
-                          {"epoch": epoch, "step": global_step, "row_ids": row_ids})
+            self._append(os.path.join(self.output_dir, f"batches_rank{self.rank}.jsonl"),
+                         {"epoch": epoch, "step": global_step, "row_ids": row_ids})
 
     def forget_after(self, global_step: int, epoch_record: Optional[Dict] = None) -> None:
         """A resume drops the records written after its checkpoint (those steps run again), and writes the
