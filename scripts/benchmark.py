@@ -21,6 +21,7 @@ ASE calculator, data at MPtrj's size, batched relaxation.
     python scripts/benchmark.py restart    [--configs demo,demo_v3] [--models orb_v2] [--calculator CKPT]
     python scripts/benchmark.py md         [--structures 32] [--steps 100] [--timestep 1] [--batch-sizes 32] [--torch-v3-python PATH]
     python scripts/benchmark.py suite      [--tests tests] [--workers 2] [--cache-dir ""]
+    python scripts/benchmark.py compile-options [--options SINGLE_EVAL=1,...] [--rounds 2]
 
 With ``--torch-python`` pointing at a Python that has torch and orb-models 0.4.2 installed (never
 required), the same measurement is made with PyTorch orb-models in that interpreter right after
@@ -36,6 +37,7 @@ import argparse
 import os
 
 from benchmarks.calculator import bench_calculator
+from benchmarks.compile_options import bench_compile_options
 from benchmarks.common import ROOT
 from benchmarks.formats import bench_counts, bench_formats, bench_rows
 from benchmarks.graphs import bench_graphs
@@ -150,6 +152,11 @@ def build_parser():
                    "fine-tuning: above 1, a first and a second start, each rank's compilations (default: 1)")
     p = sub.add_parser("gemm")
     p.add_argument("--repeats", type=int, default=9, help="alternated timings of each product")
+    p = sub.add_parser("compile-options")
+    p.add_argument("--options", default="SINGLE_EVAL=1,ENABLE_FIX_CODE_LINE=1,RECURSIVE_EVAL=1,"
+                   "TRAVERSE_SUBSTITUTIONS_MODE=1,COMPILE_DEBUG_MODE=release,PRE_LIFT=1,GREED_PARSE=1",
+                   help="NAME=VALUE options of mindspore.graph._parse.compile_config, comma-separated")
+    p.add_argument("--rounds", type=int, default=2, help="alternations of the options")
     p = sub.add_parser("suite")
     p.add_argument("--tests", default="tests", help="what pytest runs (space-separated paths or node ids)")
     p.add_argument("--workers", type=int, default=2, help="pytest-xdist workers (-n), as the README's command")
@@ -164,7 +171,7 @@ def main() -> None:
      "breakdown": bench_breakdown, "counts": bench_counts, "rows": bench_rows,
      "save": bench_save, "formats": bench_formats, "scale": bench_scale, "relax": bench_relax,
      "precision": bench_precision, "md": bench_md, "restart": bench_restart, "suite": bench_suite,
-     "startup": bench_startup}[args.area](args)
+     "startup": bench_startup, "compile-options": bench_compile_options}[args.area](args)
 
 
 if __name__ == "__main__":  # not in the data workers (counts), which import this file as their main module
