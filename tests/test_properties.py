@@ -373,9 +373,15 @@ def test_bad_numbers_and_a_crowded_structure_are_one_line_before_any_work(tmp_pa
     structures = tmp_path / "cu.extxyz"
     ase_write(structures, [bulk("Cu", cubic=True), crowded])
     common = ["--checkpoint", DEMO_V2, "--output", str(tmp_path / "out"), "--no-phonons", *SMALL]
-    for extra, line in ((["--elements", "Cu", "--symprec", "-1"], "error: --symprec must be within (0, 1) Å, got -1.0"),
-                        (["--elements", "Cu", "--fmax", "nan"], "error: --displacement within (0, 0.5) Å, --mesh and "
-                         "--batch_size at least 1, --steps >= 0 and --fmax a finite number > 0"),
+    for extra, line in ((["--elements", "Cu", "--symprec", "-1"],
+                         "error: --symprec must be within (0, 1) Å, got -1.0"),
+                        (["--elements", "Cu", "--fmax", "nan"],
+                         "error: --displacement within (0, 0.5) Å, --batch_size at least 1, --steps >= 0 and --fmax a "
+                         "finite number > 0"),
+                        (["--elements", "Cu", "--mesh", "100000"],
+                         "error: --mesh must be from 1 to 100 and --band_points from 2 to 10000"),
+                        (["--elements", "Cu", "--supercell", "1000"],
+                         "error: --supercell takes one or three integers from 1 to 16"),
                         (["--structures", str(structures)], f"error: {structures}, frame 1, key 'positions': atoms 0 "
                          "and 1 are 0.017 Å apart (on top of each other)")):
         result = run_without_phonopy(*common, *extra)

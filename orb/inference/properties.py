@@ -277,12 +277,14 @@ def check_arguments(args) -> None:
         raise OrbInputError("--eos_points must be at least 5 and --eos_span within (0, 0.5)")
     if not args.strains or any(not 0 < s < 0.1 for s in args.strains) or len(set(args.strains)) < len(args.strains):
         raise OrbInputError("--strains must be distinct amplitudes within (0, 0.1)")
-    if args.supercell and (len(args.supercell) not in (1, 3) or min(args.supercell) < 1):
-        raise OrbInputError("--supercell takes one or three positive integers")
-    if not 0 < args.displacement < 0.5 or args.mesh < 1 or args.batch_size < 1 or args.steps < 0 \
+    if args.supercell and (len(args.supercell) not in (1, 3) or min(args.supercell) < 1 or max(args.supercell) > 16):
+        raise OrbInputError("--supercell takes one or three integers from 1 to 16")
+    if not 1 <= args.mesh <= 100 or not 2 <= args.band_points <= 10 ** 4:  # (N^3 q-points: bounded memory)
+        raise OrbInputError("--mesh must be from 1 to 100 and --band_points from 2 to 10000")
+    if not 0 < args.displacement < 0.5 or args.batch_size < 1 or args.steps < 0 \
             or not 0 < args.fmax < math.inf:
-        raise OrbInputError("--displacement within (0, 0.5) Å, --mesh and --batch_size at least 1, --steps >= 0 and "
-                            "--fmax a finite number > 0")
+        raise OrbInputError("--displacement within (0, 0.5) Å, --batch_size at least 1, --steps >= 0 and --fmax a "
+                            "finite number > 0")
     if not 0 < args.symprec < 1:  # (phonopy crashed the process on a negative one, after every relaxation)
         raise OrbInputError(f"--symprec must be within (0, 1) Å, got {args.symprec}")
     check_checkpoint_file(args.checkpoint, "--checkpoint")
