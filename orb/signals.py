@@ -158,8 +158,8 @@ def run_command(body: Callable[[], int], resume_hint: str = "") -> int:
     (75), bad input (2), a failure of the run or of the file system (1; what it wrote stays whole)."""
     from orb.errors import OrbInputError, RunError
 
-    listen(resume_hint)
     try:
+        listen(resume_hint)  # (inside: a signal landing while the handlers are installed raised past this, status 1)
         deliver_stop_signals()
         status = body()
         STOP.stand_down()

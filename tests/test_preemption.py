@@ -750,3 +750,32 @@ def test_a_signal_while_compiling_stops_after_the_compilation_without_mindspores
     assert result.stdout.splitlines()[-1] == "compiled again"  # (every later compilation stopped again)
     assert "ERROR" not in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert not os.path.exists(tmp_path / "rank_0")
+
+
+SIGNAL_WHILE_LISTENING = """
+import os, signal, sys
+real = signal.signal
+
+def install_then_receive(number, handler):  # a job's signal landing while the handlers are being installed
+    previous = real(number, handler)
+    if number == signal.SIGTERM:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return previous
+
+signal.signal = install_then_receive
+if sys.argv[1] == "command":
+    from orb.signals import run_command
+    sys.exit(run_command(lambda: 0))
+from orb.training.cli import run
+sys.exit(run(["configs/demo.yaml"], None, lambda cfg, args: None))
+"""
+
+
+@pytest.mark.parametrize("entry", ["command", "training"])
+def test_a_signal_while_the_listener_installs_is_a_stop(entry):
+    """A SIGTERM between two handlers' installation (the orb-properties stop test caught it once) raised its Stopped
+    before the command's handling began: a traceback and status 1. Now the start-up line and 75."""
+    result = subprocess.run([sys.executable, "-c", SIGNAL_WHILE_LISTENING, entry], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode == 75 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1].startswith("stopped by SIGTERM during start-up"), result.stderr

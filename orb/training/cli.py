@@ -84,9 +84,9 @@ def run(argv: Optional[List[str]], default_config: Optional[str],
     if args.print_config is not None:
         return print_template(args.print_config, overrides)
     log = logging.getLogger("orb")
-    listen()  # a stop signal during start-up exits 75 at once; the training loop saves first
     cfg = None
     try:
+        listen()  # a stop signal during start-up exits 75 at once (also while this installs); the loop saves first
         deliver_stop_signals()  # (msrun's workers start with them blocked: one that came before is handled now)
         if args.config is None:
             raise ConfigError(f"no --config: name your YAML config file or a packaged template ({templates_line()})")
