@@ -27,6 +27,7 @@ from typing import Callable, Iterator, List, Optional, Tuple, TypeVar
 import numpy as np
 
 from orb.files import exclusive, remove_stale_temporaries, write_atomically
+from orb.signals import STOP
 
 log = logging.getLogger("orb")
 T = TypeVar("T")
@@ -162,6 +163,7 @@ class CacheEntry:
             if not valid(value):
                 raise ValueError("implausible content")
         except Exception as exc:  # any failure to read a cache file means: compute it again
+            STOP.raise_if_raised()  # (a stop that landed in the read, as an extension's ImportError: the file stays)
             log.warning("cache file %s is damaged (%s): computing it again", path, str(exc).strip()[:120] or
                         type(exc).__name__)
             try:

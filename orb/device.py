@@ -9,6 +9,7 @@ import threading
 from typing import Optional
 
 from orb.errors import ConfigError
+from orb.signals import STOP
 
 log = logging.getLogger("orb")
 
@@ -90,6 +91,7 @@ def device_available(target: str) -> bool:
     try:
         return bool(ms.hal.is_available(target))
     except Exception:  # a backend plug-in that fails to load counts as unavailable
+        STOP.raise_if_raised()  # (not a stop that landed in its loading)
         return False
 
 

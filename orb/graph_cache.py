@@ -32,6 +32,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from orb.signals import STOP
+
 log = logging.getLogger("orb")
 
 KIND = "graphs"
@@ -77,6 +79,7 @@ class GraphCache:
             os.environ[SWITCH] = "0"  # (a user's MS_COMPILER_CACHE_ENABLE=1 would load graphs by position)
             ms.set_context(compile_cache_path=self.scratch)
         except Exception as exc:  # another MindSpore: compile as without the cache
+            STOP.raise_if_raised()
             self._say("cache", f"compiled graphs are not kept: this MindSpore's compile cache cannot be driven ({exc})")
             return False
         import atexit
@@ -116,6 +119,7 @@ class GraphCache:
         try:
             self._compile_enabled(cell, inputs)
         except Exception:
+            STOP.raise_if_raised()  # (a stop, not a damaged graph: the entry stays)
             if stored is None:
                 raise
             log.warning("the cached graph %s could not be loaded: compiling it again", entry.read_from)
@@ -345,7 +349,6 @@ def compile_cell(cell, *inputs, kind: str = "", settings=None) -> str:
     :func:`graph_identity` reads from the cell: a run's config) the graph is loaded from the compile cache when it
     holds it, else kept there; returns ``"cache"``, ``"compiled"`` or ``"uncached"``."""
     from orb.device import release_host_memory
-    from orb.signals import STOP
 
     with STOP.held():
         source = GRAPHS.compile(cell, inputs, kind, settings)

@@ -58,13 +58,15 @@ class StopSignals:
         self._depth = 0  # nesting of deferred() phases
         self._installed = False
         self.resume_hint = RESUME_HINT  # how this command continues a run (orb-md, orb-relax: a bare --resume)
+        self.raised: Optional[str] = None  # a start-up stop raised and not yet reported (:meth:`raise_if_raised`)
 
     def _note(self, number, _frame):
         name = signal.Signals(number).name
         if name == "SIGINT" and self.received is not None and time.monotonic() - self._when > 1.0:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             raise KeyboardInterrupt
-        if self._depth == 0:  # the exception carries it; nothing is kept (a session that catches it goes on clean)
+        if self._depth == 0:  # the exception carries it, and :attr:`raised` until a command reports it
+            self.raised = name
             raise Stopped(self.startup_message(name))
         if self.received is None:
             self.received, self._when = name, time.monotonic()
@@ -82,13 +84,31 @@ class StopSignals:
             name, self.received = self.received, None
             raise Stopped(self.startup_message(name))
 
+    def raise_if_raised(self) -> None:
+        """For code that turns any ``Exception`` into its own handling (a cache file read as damaged and removed, a
+        file reported unreadable, a backend counted as unavailable, a command's traceback): a start-up stop that
+        landed inside it, which an extension's initialisation turns into its own ``ImportError`` or
+        ``SystemError`` (the :class:`Stopped` itself is lost), is the stop, not that error."""
+        if self.raised is not None:
+            raise Stopped(self.startup_message(self.raised))
+
+    def reported(self) -> None:
+        """The start-up stop was reported (a command's last line): code run afterwards in this process (a test's,
+        a notebook's) is not stopping."""
+        self.raised = None
+
     @contextmanager
     def exit_on_stop(self):
         """For an entry script's module-level imports, which run before its main catches anything: a stop signal
         there is the start-up line and exit status 75 (it was an uncaught exception: a traceback, status 1)."""
         try:
-            yield
+            try:
+                yield
+            except Exception:
+                self.raise_if_raised()  # (an extension's ImportError for it)
+                raise
         except Stopped as stop:
+            self.reported()
             print(str(stop), file=sys.stderr)
             sys.exit(stop.status)
 
@@ -97,7 +117,7 @@ class StopSignals:
         if threading.current_thread() is not threading.main_thread():
             return {}
         previous = {name: signal.signal(getattr(signal, name), self._note) for name in STOP_SIGNALS}
-        self._installed = True
+        self._installed, self.raised = True, None
         return previous
 
     @contextmanager
@@ -137,7 +157,7 @@ class StopSignals:
 
     def reset(self) -> None:
         """Forget a signal that was handled (another run in the same process starts clean)."""
-        self.received = None
+        self.received = self.raised = None
 
 
 STOP = StopSignals()
@@ -159,12 +179,17 @@ def run_command(body: Callable[[], int], resume_hint: str = "") -> int:
     from orb.errors import OrbInputError, RunError
 
     try:
-        listen(resume_hint)  # (inside: a signal landing while the handlers are installed raised past this, status 1)
-        deliver_stop_signals()
-        status = body()
-        STOP.stand_down()
-        return status
+        try:
+            listen(resume_hint)  # (inside: a signal landing while the handlers are installed raised past this, status 1)
+            deliver_stop_signals()
+            status = body()
+            STOP.stand_down()
+            return status
+        except Exception:
+            STOP.raise_if_raised()  # a start-up stop an extension's import turned into its error: the stop
+            raise
     except Stopped as stop:
+        STOP.reported()
         print(str(stop), file=sys.stderr)
         return stop.status
     except OrbInputError as exc:

@@ -266,3 +266,70 @@ def test_a_stop_while_mindspore_reads_a_checkpoint_is_a_stop():
     assert result.returncode == 75 and "going on" not in result.stdout, result.stdout + result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1].startswith("stopped by SIGTERM during start-up"), result.stderr
     assert_quiet(result.stderr)
+
+
+EXTENSION_LIKE = '''
+import os, signal, time
+try:
+    os.kill(os.getpid(), signal.SIGTERM)  # a job's stop landing during this module's initialisation
+    time.sleep(30)
+except BaseException:  # what an extension's initialisation made of it (scipy's, under ASE's row decoders): its error
+    raise ImportError("initialization of extension_like raised unreported exception") from None
+'''
+
+CONVERTED_STOP = """
+import os, sys
+import numpy as np
+from orb.cache import CacheEntry, load_values
+from orb.errors import DatasetError
+from orb.signals import run_command
+
+entry = CacheEntry("demo", ("orb.cache",), ("a stop in a read",), ".npz")
+path = entry.write(lambda tmp: np.savez(tmp, values=np.arange(5)), "demo values")
+
+def body():
+    if sys.argv[1] == "import":
+        import extension_like
+    elif sys.argv[1] == "bad input":  # (a row decoder's import, reported as a damaged row)
+        try:
+            import extension_like
+        except Exception as exc:
+            raise DatasetError("rows.db", f"cannot decode it ({exc})", 3) from None
+    elif sys.argv[1] == "cache":
+        def load(path):
+            import extension_like
+            return load_values(path)
+        entry.read(load)
+    print("went on")
+    return 0
+
+if sys.argv[1] == "entry imports":  # (an entry script's module-level imports: finetune.py's)
+    from orb.signals import listen
+    with listen().exit_on_stop():
+        import extension_like
+if sys.argv[1] == "training":
+    from orb.training.cli import run
+    def fine_tune(cfg, args):
+        import extension_like
+    status = run(["--config", "configs/demo.yaml"], None, fine_tune)
+else:
+    status = run_command(body)
+print("cache file kept" if os.path.exists(path) else "cache file removed")
+sys.exit(status)
+"""
+
+
+@pytest.mark.parametrize("case", ["import", "bad input", "cache", "training", "entry imports"])
+def test_a_stop_an_extensions_initialisation_turns_into_its_error_is_still_the_stop(tmp_path, case):
+    """A stop landing while an extension initialises comes back as the extension's ImportError (the Stopped is lost).
+    It was a traceback and status 1 (a command, fine-tuning), a damaged row (status 2), or a cache file removed as
+    damaged, after which the command went on as if no signal had come. Now each is the start-up line and status 75,
+    with the cache file kept."""
+    (tmp_path / "extension_like.py").write_text(EXTENSION_LIKE)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, str(tmp_path)]), ORB_CACHE_DIR=str(tmp_path / "cache"))
+    result = subprocess.run([sys.executable, "-c", CONVERTED_STOP, case], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120, env=env)
+    assert result.returncode == 75 and "went on" not in result.stdout, result.stdout + result.stderr[-3000:]
+    assert case == "entry imports" or result.stdout.strip().splitlines()[-1] == "cache file kept", result.stdout
+    assert result.stderr.strip().splitlines()[-1].startswith("stopped by SIGTERM during start-up"), result.stderr
+    assert_quiet(result.stderr)

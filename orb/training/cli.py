@@ -86,19 +86,25 @@ def run(argv: Optional[List[str]], default_config: Optional[str],
     log = logging.getLogger("orb")
     cfg = None
     try:
-        listen()  # a stop signal during start-up exits 75 at once (also while this installs); the loop saves first
-        deliver_stop_signals()  # (msrun's workers start with them blocked: one that came before is handled now)
-        if args.config is None:
-            raise ConfigError(f"no --config: name your YAML config file or a packaged template ({templates_line()})")
-        cfg = load_config(args.config, overrides)
-        check_training_data(cfg)
-        check_outputs_apart(cfg)
-        if args.resume == "auto":
-            args.resume = checkpoint_to_resume(cfg.output_dir, args.resume, args.overwrite)
-            args.overwrite = args.overwrite or not args.resume  # no checkpoint there: records of unsaved steps
-        fine_tune(cfg, args)
-        STOP.stand_down()  # finished: a signal now (a scheduler's, as the job ends) is no stop to report
+        try:
+            listen()  # a stop signal during start-up exits 75 at once (also while this installs); the loop saves first
+            deliver_stop_signals()  # (msrun's workers start with them blocked: one that came before is handled now)
+            if args.config is None:
+                raise ConfigError(f"no --config: name your YAML config file or a packaged template "
+                                  f"({templates_line()})")
+            cfg = load_config(args.config, overrides)
+            check_training_data(cfg)
+            check_outputs_apart(cfg)
+            if args.resume == "auto":
+                args.resume = checkpoint_to_resume(cfg.output_dir, args.resume, args.overwrite)
+                args.overwrite = args.overwrite or not args.resume  # no checkpoint there: records of unsaved steps
+            fine_tune(cfg, args)
+            STOP.stand_down()  # finished: a signal now (a scheduler's, as the job ends) is no stop to report
+        except Exception:
+            STOP.raise_if_raised()  # a start-up stop an extension's import turned into its error (a "bad row"): 75
+            raise
     except Stopped as stop:
+        STOP.reported()
         print(f"{stop}", file=sys.stderr)
         return stop.status
     except OrbInputError as exc:
