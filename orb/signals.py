@@ -82,6 +82,8 @@ class StopSignals:
         computes on (every later compilation stopped again)."""
         if self.received is not None and self._depth == 0:
             name, self.received = self.received, None
+            if self._installed:  # a command's listener (a notebook that catches the stop computes on clean)
+                self.raised = name
             raise Stopped(self.startup_message(name))
 
     def raise_if_raised(self) -> None:
