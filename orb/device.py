@@ -253,6 +253,7 @@ def set_matmul_precision(target: str, precision: str) -> None:
             op_precision.matmul_allow_tf32(precision == "high")
         _MATMUL["in_force"] = precision
     except RuntimeError as err:  # configured differently earlier in this process (by the caller)
+        STOP.raise_if_raised()
         log.warning("%s matrix-product precision was already set elsewhere and is kept (%s)", target, err)
 
 

@@ -79,7 +79,6 @@ class GraphCache:
             os.environ[SWITCH] = "0"  # (a user's MS_COMPILER_CACHE_ENABLE=1 would load graphs by position)
             ms.set_context(compile_cache_path=self.scratch)
         except Exception as exc:  # another MindSpore: compile as without the cache
-            STOP.raise_if_raised()
             self._say("cache", f"compiled graphs are not kept: this MindSpore's compile cache cannot be driven ({exc})")
             return False
         import atexit
@@ -119,7 +118,6 @@ class GraphCache:
         try:
             self._compile_enabled(cell, inputs)
         except Exception:
-            STOP.raise_if_raised()  # (a stop, not a damaged graph: the entry stays)
             if stored is None:
                 raise
             log.warning("the cached graph %s could not be loaded: compiling it again", entry.read_from)
@@ -280,6 +278,7 @@ def _phase(cell, args) -> Optional[str]:
                                                                  getattr(cell, "enable_tuple_broaden", False))
         return f"{cell.phase}.{cell.create_time}.{id(cell)}.{key}"
     except Exception:  # another MindSpore
+        STOP.raise_if_raised()  # (not a stop that landed in it: every step call asks, outside any held phase)
         return None
 
 

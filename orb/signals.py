@@ -59,6 +59,7 @@ class StopSignals:
         self._installed = False
         self.resume_hint = RESUME_HINT  # how this command continues a run (orb-md, orb-relax: a bare --resume)
         self.raised: Optional[str] = None  # a start-up stop raised and not yet reported (:meth:`raise_if_raised`)
+        self.commands = 0  # run_command's nesting: a command run inside another (a study's in-process evaluations)
 
     def _note(self, number, _frame):
         name = signal.Signals(number).name
@@ -109,6 +110,7 @@ class StopSignals:
             except Exception:
                 self.raise_if_raised()  # (an extension's ImportError for it)
                 raise
+            self.raise_if_raised()  # (one swallowed by the imported code)
         except Stopped as stop:
             self.reported()
             print(str(stop), file=sys.stderr)
@@ -118,24 +120,32 @@ class StopSignals:
         """Listen from now on (main thread only: Python delivers signals there); returns the handlers replaced."""
         if threading.current_thread() is not threading.main_thread():
             return {}
+        if not self._installed:  # (a second listen() of the same command keeps a stop raised under the first)
+            self.raised = None
         previous = {name: signal.signal(getattr(signal, name), self._note) for name in STOP_SIGNALS}
-        self._installed, self.raised = True, None
+        self._installed = True
         return previous
 
     @contextmanager
     def deferred(self):
         """A phase that saves before it stops: signals are only noted while it runs. Used without :func:`listen`
         (a script or a notebook driving a trainer), the listener is installed for the phase only."""
-        previous = {} if self._installed else self.install()
-        self._depth += 1
+        if self._depth == 0:
+            self.raise_if_raised()  # a start-up stop that code before this phase swallowed: no phase begins after it
+        self._depth += 1  # (first: a signal landing while a phase's own listener installs is noted, not raised)
+        try:
+            previous = {} if self._installed else self.install()
+        except BaseException:
+            self._depth -= 1
+            raise
         try:
             yield self
         finally:
-            self._depth -= 1
-            if previous:
+            if previous:  # (before the depth falls: a signal meanwhile is noted, not raised)
                 for name, handler in previous.items():
                     signal.signal(getattr(signal, name), handler)
                 self._installed = False
+            self._depth -= 1
 
     @contextmanager
     def held(self):
@@ -158,8 +168,9 @@ class StopSignals:
         self._installed = False
 
     def reset(self) -> None:
-        """Forget a signal that was handled (another run in the same process starts clean)."""
-        self.received = self.raised = None
+        """Forget a signal that was handled (another run in the same process starts clean). Not a start-up stop
+        raised and not yet reported (:attr:`raised`): that one is the command's, still to end it."""
+        self.received = None
 
 
 STOP = StopSignals()
@@ -180,17 +191,24 @@ def run_command(body: Callable[[], int], resume_hint: str = "") -> int:
     (75), bad input (2), a failure of the run or of the file system (1; what it wrote stays whole)."""
     from orb.errors import OrbInputError, RunError
 
+    inner = STOP.commands > 0  # a command run inside another (a study's evaluations): the outer one listens, stops
+    STOP.commands += 1
     try:
         try:
-            listen(resume_hint)  # (inside: a signal landing while the handlers are installed raised past this, status 1)
-            deliver_stop_signals()
+            if not inner:
+                listen(resume_hint)  # (inside: a signal landing while the handlers install raised past this, status 1)
+                deliver_stop_signals()
             status = body()
-            STOP.stand_down()
+            STOP.raise_if_raised()  # (a start-up stop some code swallowed: still a stop, what was done kept)
+            if not inner:
+                STOP.stand_down()
             return status
         except Exception:
             STOP.raise_if_raised()  # a start-up stop an extension's import turned into its error: the stop
             raise
     except Stopped as stop:
+        if inner:
+            raise
         STOP.reported()
         print(str(stop), file=sys.stderr)
         return stop.status
@@ -206,6 +224,8 @@ def run_command(body: Callable[[], int], resume_hint: str = "") -> int:
             raise  # anything else is a fault the traceback must show
         print(line, file=sys.stderr)
         return 1
+    finally:
+        STOP.commands -= 1
 
 
 def file_system_failure(exc: OSError, resume_hint: str = "") -> Optional[str]:
@@ -234,6 +254,32 @@ def deliver_stop_signals() -> None:
     starts msrun and so its workers with them blocked) are received from now on; one that came meanwhile is
     handled now (:class:`Stopped` at start-up), not lost."""
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_NUMBERS)
+
+
+def run_to_its_end(command, what: str, **popen) -> int:
+    """``command``, a step of this command that saves on a stop itself (a fine-tuning), run to its end; its exit
+    status. It starts with the stop signals blocked (it listens for itself); a stop meanwhile is forwarded to it once,
+    and once it has ended, having saved, is this command's stop (75): running the same command again continues it."""
+    import subprocess
+
+    with STOP.deferred():
+        with children_start_blocked():
+            process = subprocess.Popen(command, **popen)
+        forwarded = None
+        try:
+            while process.poll() is None:
+                if STOP.received is not None and forwarded is None:
+                    forwarded = STOP.received
+                    process.send_signal(getattr(signal, forwarded))
+                time.sleep(0.1)
+        except BaseException:  # (Ctrl-C twice: at once)
+            process.kill()
+            process.wait()
+            raise
+        if STOP.received is not None:
+            raise Stopped(f"stopped by {STOP.received}: {what} saved what it had; run the same command again to "
+                          f"continue (exit status {STOPPED_STATUS})")
+    return process.returncode
 
 
 @contextmanager

@@ -30,6 +30,7 @@ from typing import Optional
 import numpy as np
 
 from orb.bundled import bundle_root
+from orb.signals import STOP
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # shipped with the package (orb.bundled): the checkout's tests/data/orb_v2_parity.npz and data/demo_train.db
@@ -50,6 +51,7 @@ def environment(target: str) -> dict:
     try:
         devices = ms.hal.device_count(target) if target != "CPU" else os.cpu_count()
     except Exception:  # a backend that cannot count
+        STOP.raise_if_raised()  # (not a stop that landed while its plug-in loaded)
         devices = "unknown"
     return {"mindspore": ms.__version__, "python": platform.python_version(), "numpy": np.__version__,
             "host": platform.node(), "device_target": target, "devices": devices,

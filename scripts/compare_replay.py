@@ -54,10 +54,14 @@ def evaluate(checkpoint: str, data: str, out: str) -> Dict:
     with open(os.devnull, "w") as quiet:
         stdout, sys.stdout = sys.stdout, quiet
         try:
-            assert evaluate_main(["--checkpoint", checkpoint, "--data", data, "--output_dir", out,
-                                  "--progress_bar", "false"]) == 0
+            status = evaluate_main(["--checkpoint", checkpoint, "--data", data, "--output_dir", out,
+                                    "--progress_bar", "false"])
         finally:
             sys.stdout = stdout
+    if status:
+        from orb.errors import RunError
+
+        raise RunError(f"orb-evaluate of {checkpoint} on {data} failed (exit status {status}; its error is above)")
     with open(os.path.join(out, "summary.json")) as f:
         return json.load(f)
 
@@ -183,11 +187,18 @@ def build_parser():
     return parser
 
 
-def main() -> None:
-    args = build_parser().parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    {"replay": compare_replay, "reference_fit": compare_reference_fit}[args.what](args)
+def main() -> int:
+    """A command (orb.signals.run_command: a stop is one line and 75); its evaluations run inside it."""
+    from orb.signals import run_command
+
+    def body() -> int:
+        args = build_parser().parse_args()
+        os.makedirs(args.out, exist_ok=True)
+        {"replay": compare_replay, "reference_fit": compare_reference_fit}[args.what](args)
+        return 0
+
+    return run_command(body)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -149,10 +149,14 @@ def evaluate(checkpoint: str, data: str, out: str) -> Dict:
     with open(os.devnull, "w") as quiet:
         stdout, sys.stdout = sys.stdout, quiet
         try:
-            assert evaluate_main(["--checkpoint", checkpoint, "--data", data, "--output_dir", out,
-                                  "--progress_bar", "false", "--device_target", "CPU"]) == 0
+            status = evaluate_main(["--checkpoint", checkpoint, "--data", data, "--output_dir", out,
+                                    "--progress_bar", "false", "--device_target", "CPU"])
         finally:
             sys.stdout = stdout
+    if status:
+        from orb.errors import RunError
+
+        raise RunError(f"orb-evaluate of {checkpoint} on {data} failed (exit status {status}; its error is above)")
     with open(os.path.join(out, "summary.json")) as f:
         return json.load(f)
 
@@ -183,9 +187,14 @@ def fine_tune(study: Dict[str, str], args: List[str], run: str, epochs: int) -> 
                "--checkpoint_path", study["checkpoint"], "--train_data_path", study["train"],
                "--val_data_path", study["val"], "--max_epochs", str(epochs), "--output_dir", run, "--overwrite",
                "--progress_bar", "false", "--device_target", "CPU", *args]
+    from orb.errors import RunError
+    from orb.signals import run_to_its_end
+
     start = time.perf_counter()
     with open(run + ".log", "w") as log:
-        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
+        status = run_to_its_end(command, f"the fine-tuning into {run}", stdout=log, stderr=subprocess.STDOUT)
+    if status:
+        raise RunError(f"finetune.py into {run} failed (exit status {status}): its log is {run}.log")
     return time.perf_counter() - start
 
 
@@ -348,6 +357,14 @@ def same_study_or_refusal(args, out: str) -> str:
 
 
 def main(argv=None) -> int:
+    """A command (orb.signals.run_command): a stop ends it with 75 after the running fine-tuning saved; the same
+    command continues the study. Its evaluations run inside it as commands of their own."""
+    from orb.signals import run_command
+
+    return run_command(lambda: study(argv))
+
+
+def study(argv) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.train and not args.val:

@@ -295,6 +295,11 @@ def body():
             import extension_like
         except Exception as exc:
             raise DatasetError("rows.db", f"cannot decode it ({exc})", 3) from None
+    elif sys.argv[1] == "swallowed":  # (a finaliser's "Exception ignored", a library's bare except)
+        try:
+            import extension_like
+        except BaseException:
+            pass
     elif sys.argv[1] == "cache":
         def load(path):
             import extension_like
@@ -319,17 +324,88 @@ sys.exit(status)
 """
 
 
-@pytest.mark.parametrize("case", ["import", "bad input", "cache", "training", "entry imports"])
+@pytest.mark.parametrize("case", ["import", "bad input", "swallowed", "cache", "training", "entry imports"])
 def test_a_stop_an_extensions_initialisation_turns_into_its_error_is_still_the_stop(tmp_path, case):
     """A stop landing while an extension initialises comes back as the extension's ImportError (the Stopped is lost).
     It was a traceback and status 1 (a command, fine-tuning), a damaged row (status 2), or a cache file removed as
-    damaged, after which the command went on as if no signal had come. Now each is the start-up line and status 75,
-    with the cache file kept."""
+    damaged, after which the command went on as if no signal had come (as after code that swallows it: status 0).
+    Now each is the start-up line and status 75, with the cache file kept."""
     (tmp_path / "extension_like.py").write_text(EXTENSION_LIKE)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, str(tmp_path)]), ORB_CACHE_DIR=str(tmp_path / "cache"))
     result = subprocess.run([sys.executable, "-c", CONVERTED_STOP, case], cwd=ROOT, capture_output=True, text=True,
                             timeout=120, env=env)
-    assert result.returncode == 75 and "went on" not in result.stdout, result.stdout + result.stderr[-3000:]
+    assert result.returncode == 75, result.stdout + result.stderr[-3000:]
+    assert ("went on" in result.stdout) == (case == "swallowed"), result.stdout  # (what it did after: kept)
     assert case == "entry imports" or result.stdout.strip().splitlines()[-1] == "cache file kept", result.stdout
     assert result.stderr.strip().splitlines()[-1].startswith("stopped by SIGTERM during start-up"), result.stderr
     assert_quiet(result.stderr)
+
+
+NESTED = """
+import os, signal, sys, time
+from orb.signals import run_command
+
+def outer():
+    assert run_command(lambda: 0) == 0  # a command run inside this one (a study's in-process orb-evaluate)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+    print("went on")
+    return 0
+
+sys.exit(run_command(outer))
+"""
+
+
+def test_a_command_run_inside_another_leaves_the_outer_one_listening():
+    """compare_strategies.py runs orb-evaluate in its own process between fine-tunings: the evaluation's end set the
+    stop signals to ignored, and the study could no longer be stopped (a scheduler's SIGTERM, Ctrl-C)."""
+    result = subprocess.run([sys.executable, "-c", NESTED], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode == 75 and "went on" not in result.stdout, result.stdout + result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith("stopped by SIGTERM during start-up"), result.stderr
+    assert_quiet(result.stderr)
+
+
+SAVING_STEP = """
+import os, sys, time
+from orb.signals import STOP, Stopped, run_command
+
+def body():
+    with STOP.deferred():
+        open(sys.argv[1] + "/started", "w").close()
+        while STOP.received is None:
+            time.sleep(0.05)
+        time.sleep(0.5)  # saving
+        open(sys.argv[1] + "/saved", "w").close()
+        raise Stopped(f"stopped by {STOP.received}: saved")
+
+sys.exit(run_command(body))
+"""
+
+RUN_STEP = """
+import sys
+from orb.signals import run_to_its_end, run_command
+
+sys.exit(run_command(lambda: run_to_its_end([sys.executable, "-c", sys.argv[1], sys.argv[2]], "the step")))
+"""
+
+
+@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_stop_to_a_command_reaches_its_running_step_which_saves_before_the_command_stops(tmp_path, number):
+    """orb.signals.run_to_its_end (compare_strategies.py's fine-tunings): a stop sent to the command alone is
+    forwarded to the step it runs, which saves; then the command stops, 75. (The study had died at once, its
+    fine-tuning left running on its own, or after its first evaluation ignored the signal.)"""
+    process = subprocess.Popen([sys.executable, "-c", RUN_STEP, SAVING_STEP, str(tmp_path)], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=dict(os.environ, PYTHONPATH=ROOT))
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "started").exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.05)
+    process.send_signal(number)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 75 and (tmp_path / "saved").exists(), err[-3000:]
+    name = signal.Signals(number).name
+    assert err.strip().splitlines()[-1] == (f"stopped by {name}: the step saved what it had; run the same command "
+                                            f"again to continue (exit status 75)"), err
+    assert_quiet(err)

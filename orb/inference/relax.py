@@ -22,7 +22,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from orb.errors import OrbInputError, RunError
-from orb.signals import STOP
 
 log = logging.getLogger("orb")
 
@@ -169,7 +168,6 @@ class BatchRelaxer:
                 r.error = f"step {r.steps}: {exc}"
                 continue
             except Exception as exc:  # anything else about this structure: it stops, the others go on
-                STOP.raise_if_raised()
                 r.error = f"step {r.steps}: its graph: {first_line(exc)}"
                 continue
             graphs.append(graph)
@@ -179,7 +177,6 @@ class BatchRelaxer:
         try:
             out = self.predictor(batch_graphs(graphs))
         except Exception as exc:  # every structure of the call is told (one line each); none is written
-            STOP.raise_if_raised()
             for r in evaluated:
                 r.error = f"step {r.steps}: the model failed: {first_line(exc)}"
             return
@@ -260,7 +257,7 @@ def relax(args) -> Dict:
                                           check_dispersion_for)
     from orb.inference.uncertainty import UncertainFrames, check_threshold
     from orb.io.checkpoint import model_from_checkpoint
-    from orb.signals import RESUME_FLAG, STOPPED_STATUS, Stopped
+    from orb.signals import RESUME_FLAG, STOP, STOPPED_STATUS, Stopped
 
     if args.fmax <= 0 or args.steps < 0 or args.batch_size < 1 or not np.isfinite(args.fmax):
         raise OrbInputError("--fmax must be a finite number > 0, --steps >= 0 and --batch_size >= 1")

@@ -99,6 +99,7 @@ def run(argv: Optional[List[str]], default_config: Optional[str],
                 args.resume = checkpoint_to_resume(cfg.output_dir, args.resume, args.overwrite)
                 args.overwrite = args.overwrite or not args.resume  # no checkpoint there: records of unsaved steps
             fine_tune(cfg, args)
+            STOP.raise_if_raised()  # (a start-up stop some code swallowed: a stop, the run's saves kept)
             STOP.stand_down()  # finished: a signal now (a scheduler's, as the job ends) is no stop to report
         except Exception:
             STOP.raise_if_raised()  # a start-up stop an extension's import turned into its error (a "bad row"): 75
