@@ -80,15 +80,15 @@ def run(argv: Optional[List[str]], default_config: Optional[str],
         fine_tune: Callable[[TrainConfig, argparse.Namespace], None],
         is_main: Callable[[], bool] = lambda: True) -> int:
     """Parse arguments, load the config and call ``fine_tune``; bad input -> ``error: ...`` and exit status 2."""
-    args, overrides = parse_command_line(argv, default_config)
-    if args.print_config is not None:
-        return print_template(args.print_config, overrides)
     log = logging.getLogger("orb")
     cfg = None
     try:
         try:
             listen()  # a stop signal during start-up exits 75 at once (also while this installs); the loop saves first
             deliver_stop_signals()  # (msrun's workers start with them blocked: one that came before is handled now)
+            args, overrides = parse_command_line(argv, default_config)  # (inside: the entry's listener is live)
+            if args.print_config is not None:
+                return print_template(args.print_config, overrides)
             if args.config is None:
                 raise ConfigError(f"no --config: name your YAML config file or a packaged template "
                                   f"({templates_line()})")
