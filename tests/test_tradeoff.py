@@ -4,8 +4,10 @@ recommends)."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -151,8 +153,10 @@ def test_the_recommended_block_is_a_config_that_sets_the_setting(tmp_path):
 
 
 def test_compare_strategies_on_a_users_target_recommends_and_continues(tmp_path):
-    """The user's mode end to end, 2 settings of 1 epoch on small files from the demo model: results, table,
-    frontier.json with a recommendation and its block, frontier.png; run again, it measures nothing twice."""
+    """The user's mode end to end, 2 settings of 1 epoch on small files from the demo model: a stop to the study
+    while its first fine-tuning runs reaches the fine-tuning, and the study exits 75 (it died at once, its
+    fine-tuning left running, or ignored the stop after its first evaluation); run again, it continues to results,
+    table, frontier.json with a recommendation and its block, frontier.png; run again, it measures nothing twice."""
     train = copy_rows(DEMO_TRAIN, tmp_path / "train.db", 16)
     val = copy_rows(DEMO_VAL, tmp_path / "val.db", 8)
     replay = copy_rows(PRETRAIN_TRAIN, tmp_path / "replay.db", 48)
@@ -162,6 +166,16 @@ def test_compare_strategies_on_a_users_target_recommends_and_continues(tmp_path)
                val, "--replay", replay, "--foundation", foundation, "--epochs", "1", "--out", str(out),
                "--only", "none,pseudo-label replay 0.25 + selection"]
     env = dict(os.environ, ORB_CACHE_DIR=str(tmp_path / "cache"))
+    study = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 600
+    while not (out / "none.log").exists() or not (out / "none.log").read_text().strip():  # fine-tuning, listening
+        assert study.poll() is None and time.monotonic() < deadline, study.communicate()
+        time.sleep(0.2)
+    study.send_signal(signal.SIGTERM)  # to the study alone
+    _, err = study.communicate(timeout=600)
+    assert study.returncode == 75 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith(f"stopped by SIGTERM: the fine-tuning into {out / 'none'} saved"), err
+    assert "stopped by SIGTERM" in (out / "none.log").read_text()  # (forwarded: it stopped itself)
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.load(open(out / "frontier.json"))
