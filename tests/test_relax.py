@@ -428,3 +428,39 @@ def test_an_output_that_is_a_folder_is_refused_and_nothing_is_left_beside_it(tmp
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
         f"error: --output {tmp_path / 'adir'} is a folder: name an ASE database file (relaxed.db)"], result.stderr
     assert sorted(os.listdir(tmp_path)) == ["adir"]
+
+
+UNFINISHED_COMMIT = """
+import os, signal, sqlite3, sys
+connection = sqlite3.connect(sys.argv[1])
+connection.execute("PRAGMA cache_size=1")  # (pages reach the file before the commit, as a large row's do)
+connection.execute("BEGIN")
+for i in range(3000):
+    connection.execute("INSERT INTO keys VALUES (?, ?)", ("k%d" % i, 1))
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_kill_while_a_row_is_committed_loses_no_row_and_the_resume_reads_the_rest(tmp_path):
+    """A kill in the middle of a row's commit (ASE commits each) leaves SQLite's -journal beside the output, which a
+    read-only connection cannot roll back: orb-relax --resume called the output damaged and advised another --output
+    (every relaxed structure given up), and orb-finetune and orb-evaluate refused it as data. Now the unfinished write
+    is rolled back and every committed row read."""
+    from ase.build import bulk
+    from ase.db import connect
+
+    from orb.data.sqlite_rows import RowReader
+    from orb.inference.relax import read_output
+
+    output = str(tmp_path / "relaxed.db")
+    with connect(output) as db:
+        for i in range(3):
+            db.write(bulk("Cu", cubic=True), key_value_pairs=dict(source_row=i, relax_steps=4 + i, converged=1))
+    subprocess.run([sys.executable, "-c", UNFINISHED_COMMIT, output], timeout=120)
+    assert os.path.getsize(output + "-journal") > 0  # (what the kill left)
+    assert read_output(output) == {0: (4, True), 1: (5, True), 2: (6, True)}
+    assert not os.path.exists(output + "-journal")
+    subprocess.run([sys.executable, "-c", UNFINISHED_COMMIT, output], timeout=120)
+    reader = RowReader(output)  # the training data's reader
+    assert [reader.read(i).natoms for i in (1, 2, 3)] == [4, 4, 4]
+    reader.close()

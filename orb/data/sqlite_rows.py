@@ -7,6 +7,7 @@ no journal shows that something is writing the file, so SQLite takes no locks at
 only what a graph and its labels need, decoded as ASE encodes them (schema version 6 and later).
 """
 
+import contextlib
 import functools
 import json
 import os
@@ -23,6 +24,23 @@ from orb.errors import DatasetError, RunError
 COLUMNS = ("id, natoms, numbers, positions, cell, pbc, energy, forces, stress, key_value_pairs, data, momenta, masses, "
            "constraints, tags, initial_magmoms, initial_charges")
 LOCK_FREE_UNLESS = ("-wal", "-journal")  # files that show a writer (then: read-only, with SQLite's locks)
+
+
+def roll_back_unfinished_write(path: str) -> None:
+    """A writer killed mid-commit (ASE commits each row: orb-relax's output, any database a killed script wrote)
+    leaves ``-journal`` beside the file, which a read-only connection cannot roll back ("attempt to write a readonly
+    database": the file looked damaged, and a resume refused it). One read-write connection rolls it back, as any
+    writer's would; the committed rows stay. Not possible (a read-only folder, a live writer holding it): left to
+    the read-only connection's own error."""
+    journal = path + "-journal"
+    if not os.path.exists(journal) or os.path.getsize(journal) == 0:
+        return
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{quote(os.path.abspath(path))}?mode=rw", uri=True,
+                                                timeout=5.0)) as connection:
+            connection.execute("SELECT count(*) FROM sqlite_master").fetchall()
+    except sqlite3.Error:
+        pass
 CHECKSUMS = "orb_row_checksums"  # an index's table of each row's checksum (row_checksum), made with the index
 TABLE_CHECKSUMS = "orb_table_checksums"  # and of each TABLE_QUERIES result's (result_checksum)
 # the queries that read a column of every row at once (not through read_many), by name: an index keeps the checksums
@@ -311,6 +329,7 @@ class RowReader:
                                    "that found it damaged, whose log says which file and frame, or by hand): run the "
                                    "command again")
                 raise DatasetError(self.path, "database file does not exist (was it removed during the run?)")
+            roll_back_unfinished_write(self.path)
             uri = f"file:{quote(os.path.abspath(self.path))}?mode=ro" + ("&immutable=1" if self.immutable else "")
             try:
                 self._connection = sqlite3.connect(uri, uri=True, check_same_thread=False)

@@ -65,9 +65,11 @@ def read_output(output: str) -> Dict[int, Tuple[int, bool]]:
     from urllib.parse import quote
 
     from orb.data.formats import SQLITE_MAGIC
+    from orb.data.sqlite_rows import roll_back_unfinished_write
 
     if not os.path.exists(output) or os.path.getsize(output) == 0:
         return {}
+    roll_back_unfinished_write(output)  # (a kill while a row was committed)
     advice = "; restore it, or start a new run in another --output"
     with open(output, "rb") as f:
         if f.read(len(SQLITE_MAGIC)) != SQLITE_MAGIC:
