@@ -191,10 +191,26 @@ def process_alive(pid: int) -> bool:
 
 def append_record(path: str, record: Dict) -> None:
     """One JSON line appended in one write (a kill leaves the line whole or cut short, never interleaved)."""
-    line = (json.dumps(record) + "\n").encode()
+    append_whole(path, (json.dumps(record) + "\n").encode())
+
+
+def append_whole(path: str, data: bytes, fsync: bool = False) -> None:
+    """``data`` appended in one write, whole or not at all: a write the disk (or a file size limit) cut short raised
+    nothing and left part of a line, to which the next append was glued (both unreadable). Cut back to where it
+    began, then ``OSError`` (ENOSPC) naming the file."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, line)
+        start = os.fstat(fd).st_size
+        try:
+            written = os.write(fd, data)
+        except OSError:
+            os.ftruncate(fd, start)  # (a write that failed part way: the same)
+            raise
+        if written < len(data):
+            os.ftruncate(fd, start)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        if fsync:
+            os.fsync(fd)
     finally:
         os.close(fd)
 

@@ -16,6 +16,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from orb.errors import OrbInputError
+from orb.files import append_whole
 
 BINS, MAX_ERROR = 50, 0.3  # orb-models' ConfidenceHead: linear bins of 0-0.3 eV/Å
 CENTRES = (np.arange(BINS) + 0.5) * MAX_ERROR / BINS
@@ -89,12 +90,7 @@ class UncertainFrames:
         text = io.StringIO()
         ase.io.write(text, frame, format="extxyz")
         with self.lock:  # the whole frame in one write: a kill leaves it whole or absent (or cut short at worst)
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, text.getvalue().encode())
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            append_whole(self.path, text.getvalue().encode(), fsync=True)
             self.count += 1
 
     def keep_up_to(self, last_step: Dict[int, int]) -> None:
