@@ -397,21 +397,33 @@ def structure_digest(cell) -> str:
 
 
 def constant_text(value, Parameter, Tensor, Primitive) -> str:
-    """The part of an attribute a graph may hold as a constant, as text ('' for what it cannot)."""
+    """The part of an attribute a graph may hold as a constant, as text ('' for what it cannot: a parameter, whose
+    name, shape and type the key holds). A model's settings object (``self.cfg``, whose lengths ``construct`` reads
+    as constants: orb-v2's envelope cutoff) is read field by field; it was '' (another cutoff loaded a graph compiled
+    for the first)."""
+    import dataclasses
+
+    def text(v):
+        return constant_text(v, Parameter, Tensor, Primitive)
+
     if isinstance(value, (bool, int, float, str, type(None))):
         return repr(value)
-    if isinstance(value, (tuple, list)) and all(isinstance(v, (bool, int, float, str)) for v in value):
-        return repr(value)
+    if isinstance(value, np.generic):
+        return f"{value.dtype}:{value.item()!r}"
     if isinstance(value, Parameter):
         return ""
+    if isinstance(value, (tuple, list)):
+        return "(" + ",".join(text(v) for v in value) + ")"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k!r}:{text(v)}" for k, v in sorted(value.items(), key=lambda kv: repr(kv[0]))) + "}"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return type(value).__qualname__ + text({f.name: getattr(value, f.name) for f in dataclasses.fields(value)})
     if isinstance(value, Tensor):
         return "tensor:" + hashlib.sha256(value.asnumpy().tobytes()).hexdigest() + str(value.shape) + str(value.dtype)
     if isinstance(value, np.ndarray):
         return "array:" + hashlib.sha256(value.tobytes()).hexdigest() + str(value.shape) + str(value.dtype)
     if isinstance(value, Primitive):
         return f"primitive:{value.name}:{sorted((k, str(v)) for k, v in value.attrs.items())}"
-    if isinstance(value, dict) and all(isinstance(v, (bool, int, float, str)) for v in value.values()):
-        return repr(sorted(value.items()))
     if "typing" in type(value).__module__ and "mindspore" in type(value).__module__:
         return f"dtype:{value}"  # a mixed precision's half type
     if callable(value):  # a function chosen when the cell was built (an operator profile's form of a primitive)

@@ -172,18 +172,21 @@ def test_files_mindspore_made_read_only_are_replaced_as_a_user_who_is_not_root(c
 
 
 def test_another_setting_precision_or_code_compiles_afresh(cache_dir, monkeypatch):
-    """A setting no tensor shape shows (the radial basis's radius), another precision, another version of the code:
-    each compiles its own graph (and equals its fresh compilation); the first graph is still found after them."""
+    """A setting no tensor shape shows (the radial basis's radius; the envelope's cutoff and order, which the model
+    reads from its settings object: another cutoff loaded the first one's graph), another precision, another version
+    of the code: each compiles its own graph (and equals its fresh compilation); the first graph is still found after
+    them."""
     from orb import cache, precision
 
     base = model()
     graphs = batches(base.cfg)[:1]
     predict(base, graphs)
     assert predict(model(), graphs)[1] == ["cache"]
-    other = model(rbf_radius=7.0)
-    out, sources = predict(other, graphs)
-    assert sources == ["compiled"]
-    assert_equal(out, uncached(other, graphs))
+    for setting in (dict(rbf_radius=7.0), dict(cutoff_rmax=5.0), dict(polynomial_order=6)):
+        other = model(**setting)
+        out, sources = predict(other, graphs)
+        assert sources == ["compiled"], setting
+        assert_equal(out, uncached(other, graphs))
     with precision.in_force("fp16-mixed"):
         half = model()
     out, sources = predict(half, graphs)
