@@ -360,14 +360,15 @@ def graph_identity(kind: str, cell, inputs, settings) -> tuple:
     import mindspore as ms
 
     from orb.device import ops_profile
-    from orb.precision import precision
+    from orb.precision import precision, sum_form
 
     specs = tuple((tuple(t.shape), str(t.dtype)) for t in inputs)
     parameters = tuple((name, tuple(p.shape), str(p.dtype), bool(p.requires_grad))
                        for name, p in cell.parameters_and_names())
     context = tuple((key, str(ms.get_context(key))) for key in ("device_target", "mode", "jit_level", "deterministic")
                     if _has_context(key))
-    return (kind, specs, parameters, structure_digest(cell), settings, precision(), ops_profile(), context)
+    return (kind, specs, parameters, structure_digest(cell), settings, precision(), ops_profile(), context,
+            sum_form())  # (read while the graph is traced, whatever form the model was built under)
 
 
 def _has_context(key: str) -> bool:

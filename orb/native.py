@@ -56,7 +56,8 @@ def build(source: str, fallback: str, cpu: Optional[str] = None) -> Optional[str
         text = f.read()
     stem = os.path.splitext(os.path.basename(source))[0]
     entry = cache.CacheEntry(f"native_{stem}", ("orb.native",), (hashlib.sha256(text).hexdigest(), FLAGS,
-                                                               cpu or cpu_signature()), ".so", compiled=True)
+                                                               cpu or cpu_signature(), os.environ.get("CXX", "g++"),
+                                                               platform.libc_ver()), ".so", compiled=True)
     cached = entry.read(lambda path: ctypes.CDLL(path) and path)
     if cached is not None:
         return cached

@@ -30,8 +30,8 @@ log = logging.getLogger("orb")
 GRAPH_CODE = ("orb.data.graphs", "orb.data.neighbours", "orb.native")  # the code that builds graphs
 # what the neighbour counts' cache is computed by (orb.cache), and the row census's: the rows' reader and decoder
 # (ase's for key-value pairs), and the structure checks
-CAPACITY_CODE = ("orb.data.dataset", "orb.data.row_results") + GRAPH_CODE
-CENSUS_CODE = ("orb.data.dataset", "orb.data.row_results", "orb.data.sqlite_rows") + GRAPH_CODE
+CAPACITY_CODE = ("orb.data.dataset", "orb.data.row_results", "orb.data.sqlite_rows") + GRAPH_CODE
+CENSUS_CODE = ("orb.data.dataset", "orb.data.row_results", "orb.data.sqlite_rows", "orb.data.augmentation") + GRAPH_CODE
 CENSUS_LIBRARIES = ("ase",)
 CAPACITY_CACHE = "neighbour_counts"  # the subfolder of the project's cache (``orb.cache``)
 FLOAT32_MAX = float(np.finfo(np.float32).max)

@@ -260,7 +260,7 @@ def published_weights(name: str, progress: Optional[bool] = None) -> Tuple[Dict[
     from orb.cache import CacheEntry
 
     def copy_of(record: Dict) -> CacheEntry:
-        return CacheEntry(pretrained.SUBFOLDER, ("orb.io.checkpoint", "orb.io.torch_format"),
+        return CacheEntry(pretrained.SUBFOLDER, ("orb.io.checkpoint", "orb.io.torch_format", "orb.models.config"),
                           (name, record["sha256"]), ".ckpt", libraries=("mindspore",))
 
     record = pretrained.cached_record(name)

@@ -91,14 +91,17 @@ def model_identity(model, digest: Optional[str] = None) -> tuple:
     weights (``digest``, else hashed now), the operator profile, the numeric precision, the form of its long sums
     (:mod:`orb.models.sums`, the device's) and the code that builds its graphs and runs it. The key of every cached
     model output."""
+    import mindspore as ms
+
     from orb.cache import library_versions, source_digest
-    from orb.device import ops_profile
+    from orb.device import matmul_precision_in_force, ops_profile
     from orb.precision import precision
 
     return (tuple(sorted(model.cfg.to_dict().items())), repr(model.cfg.graph_settings()),
             digest or weights_digest(model), ops_profile(), precision(), getattr(model, "sum_form", ""),
             source_digest(*MODEL_CODE),
-            library_versions("mindspore"))  # (its kernels: another release computes other last bits)
+            library_versions("mindspore"),  # (its kernels: another release computes other last bits)
+            ms.get_context("device_target"), matmul_precision_in_force())  # (TF32/HF32 or float32 products)
 
 
 def _count(weights: Dict[str, np.ndarray], prefix: str) -> int:

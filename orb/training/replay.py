@@ -36,7 +36,8 @@ from orb.errors import ClusterError, ConfigError
 log = logging.getLogger("orb")
 # the code that chooses replay rows and runs the model over them (the model's own code: in its identity)
 REPLAY_CODE = ("orb.training.replay", "orb.training.engine", "orb.training.distributed", "orb.data.dataset",
-               "orb.data.sqlite_rows", "orb.data.selection")
+               "orb.data.sqlite_rows", "orb.data.selection", "orb.data.mixture", "orb.data.loader", "orb.data.plan",
+               "orb.data.buckets", "orb.training.run_data")  # (the passes' batches: rows, heads, shapes)
 
 
 class ModelOutputs(Protocol):

@@ -60,7 +60,8 @@ def _trace_graph_cache(module) -> None:
             identity = module.graph_identity(kind, cell, inputs, settings)
             key = digest(identity)
             # (each part's own digest: graphs that differ in one part only, e.g. the shapes, are found in the trace)
-            names = ("kind", "specs", "parameters", "structure", "settings", "precision", "profile", "context")
+            names = ("kind", "specs", "parameters", "structure", "settings", "precision", "profile", "context",
+                     "sum form")
             if len(identity) == len(names):  # (else graph_identity changed: no parts, and the tracer's test says so)
                 parts = dict(zip(names, map(digest, identity)))
                 shapes = [list(shape) for shape, _ in identity[1]][:4]
