@@ -74,8 +74,10 @@ class GraphCache:
             if not hasattr(api, "_get_compile_cache_dep_files"):
                 raise AttributeError("mindspore.graph.api._get_compile_cache_dep_files")
             api._get_compile_cache_dep_files = lambda: []  # the identity's code digest decides, not the entry script
+            from orb.files import owner_tag
+
             remove_stale_scratch(tempfile.gettempdir())
-            self.scratch = tempfile.mkdtemp(prefix=f"{SCRATCH}{os.getpid()}-")
+            self.scratch = tempfile.mkdtemp(prefix=f"{SCRATCH}{owner_tag()}-")
             os.environ[SWITCH] = "0"  # (a user's MS_COMPILER_CACHE_ENABLE=1 would load graphs by position)
             ms.set_context(compile_cache_path=self.scratch)
         except Exception as exc:  # another MindSpore: compile as without the cache
@@ -97,6 +99,16 @@ class GraphCache:
         if settings is None or not self.usable():
             compile_cell_now(cell, inputs)
             return "uncached"
+        try:
+            return self._compile_kept(cell, inputs, kind, settings)
+        except OSError as exc:  # the scratch folder's disk full, or gone: the run goes on without the cache
+            log.warning("compiled graphs are not kept from now on: %s (%s)", exc.strerror or exc, exc.filename or
+                        self.scratch)
+            self.enabled = False
+            compile_cell_now(cell, inputs)
+            return "uncached"
+
+    def _compile_kept(self, cell, inputs, kind: str, settings) -> str:
         object.__setattr__(cell, "_orb_graph", (kind, settings))  # (for CompiledThroughCache: not in its identity)
         from orb.cache import CacheEntry, load_arrays, one_builder
 
@@ -323,20 +335,25 @@ def _rank() -> str:
 
 
 GRAPHS = GraphCache()
-SCRATCH = "orb-graphs-"  # a process's folder for MindSpore's cache files: <temp>/orb-graphs-<pid>-<random>
+SCRATCH = "orb-graphs-"  # a process's folder for MindSpore's cache files: <temp>/orb-graphs-<pid>@<host>-<random>
 
 
 def remove_stale_scratch(folder: str) -> None:
-    """The folders of processes that were killed (their pid is gone), left in this node's temporary folder."""
-    from orb.files import process_alive
+    """The folders of processes that were killed, left in the temporary folder: this host's whose process is gone
+    (:func:`orb.files.owner_gone`; a temporary folder on a shared file system holds other nodes' live ones, which a
+    bare pid named as gone)."""
+    from orb.files import owner_gone, process_alive
 
     try:
         names = os.listdir(folder)
     except OSError:
         return
     for name in names:
-        pid = name[len(SCRATCH):].split("-")[0]
-        if name.startswith(SCRATCH) and pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
+        if not name.startswith(SCRATCH):
+            continue
+        tag = name[len(SCRATCH):].rpartition("-")[0]  # (mkdtemp's random part has no "-")
+        legacy = tag.isdigit() and int(tag) != os.getpid() and not process_alive(int(tag))  # <pid>-<random>
+        if legacy or owner_gone(tag):
             shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
 
 

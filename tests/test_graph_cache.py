@@ -207,6 +207,47 @@ def test_another_setting_precision_or_code_compiles_afresh(cache_dir, monkeypatc
     assert predict(model(), graphs)[1] == ["cache"]
 
 
+def test_a_full_temporary_folder_compiles_on_without_the_cache(cache_dir, monkeypatch, caplog):
+    """MindSpore's files are staged in a scratch folder under $TMPDIR: a full disk there stopped the run at a
+    compilation ("error: No space left on device"), though the cache is an optional speed-up. Now one warning, and
+    the run computes what it computes without the cache."""
+    import errno
+
+    from orb import graph_cache
+
+    made = model(seed=11)
+    graphs = batches(made.cfg)[:1]
+    expected = uncached(made, graphs)
+    graph_cache.GRAPHS.usable()
+    monkeypatch.setattr(graph_cache.GRAPHS, "enabled", graph_cache.GRAPHS.enabled)  # (restored after the test)
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(graph_cache.GRAPHS.scratch, "x.mindir"))
+
+    monkeypatch.setattr(graph_cache.GraphCache, "_stage", full)
+    with caplog.at_level("WARNING", logger="orb"):
+        out, sources = predict(made, graphs)
+    assert sources == ["uncached"] and "compiled graphs are not kept from now on: No space left" in caplog.text
+    assert_equal(out, expected)
+
+
+def test_scratch_folders_of_gone_processes_on_this_host_are_removed_and_no_other(tmp_path):
+    """The scratch folders were judged by a bare pid: on a temporary folder other nodes share, a live process's folder
+    on another node was removed mid-compilation when its pid was free here."""
+    from orb.files import owner_tag
+    from orb.graph_cache import SCRATCH, remove_stale_scratch
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(gone.stdout)
+    host = owner_tag().partition("@")[2]
+    names = {"gone here": f"{SCRATCH}{pid}@{host}-abc_1", "another node's": f"{SCRATCH}{pid}@other-node-7-x1y",
+             "mine": f"{SCRATCH}{owner_tag()}-q2", "an older version's": f"{SCRATCH}{pid}-zz9"}
+    for name in names.values():
+        (tmp_path / name).mkdir()
+    remove_stale_scratch(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == sorted([names["another node's"], names["mine"]])
+
+
 def test_a_damaged_graph_is_compiled_again_never_loaded(cache_dir, caplog):
     first = model()
     graphs = batches(first.cfg)[:1]
