@@ -39,7 +39,8 @@ from typing import Dict, List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from orb.reports import frontier as fr  # noqa: E402  (after the checkout is on the path)
+from orb.errors import RunError  # noqa: E402  (after the checkout is on the path)
+from orb.reports import frontier as fr  # noqa: E402
 
 PRETRAIN_TRAIN = os.path.join(ROOT, "data", "pretrain", "pretrain_train.db")
 PRETRAIN_VAL = os.path.join(ROOT, "data", "pretrain", "pretrain_val.db")
@@ -135,11 +136,19 @@ def narrow_target(out: str, metals: str, seed: int, kind: str = "fcc") -> Dict[s
     make = [sys.executable, os.path.join(ROOT, "scripts", "make_demo_dataset.py"), "--out", folder, "--metals", metals,
             "--cluster_fraction", "0", "--kind", kind]
     if not all(os.path.exists(paths[p]) for p in ("train", "val")):
-        subprocess.run(make + ["--prefix", prefix, "--seed", str(seed)], check=True, stdout=subprocess.DEVNULL)
+        made(make + ["--prefix", prefix, "--seed", str(seed)])
     if not os.path.exists(paths["test"]):
-        subprocess.run(make + ["--prefix", prefix + "_test", "--seed", str(seed + 100), "--train", "1", "--val",
-                               "32"], check=True, stdout=subprocess.DEVNULL)
+        made(make + ["--prefix", prefix + "_test", "--seed", str(seed + 100), "--train", "1", "--val", "32"])
     return paths
+
+
+def made(command: List[str]) -> None:
+    """A demo target's databases written by ``command`` (a stop meanwhile ends the study, 75; a failure is one line)."""
+    from orb.signals import run_to_its_end
+
+    status = run_to_its_end(command, "making the demo target", stdout=subprocess.DEVNULL)
+    if status:
+        raise RunError(f"{' '.join(command[1:3])} failed (exit status {status}; its error is above)")
 
 
 def evaluate(checkpoint: str, data: str, out: str) -> Dict:
@@ -154,8 +163,6 @@ def evaluate(checkpoint: str, data: str, out: str) -> Dict:
         finally:
             sys.stdout = stdout
     if status:
-        from orb.errors import RunError
-
         raise RunError(f"orb-evaluate of {checkpoint} on {data} failed (exit status {status}; its error is above)")
     with open(os.path.join(out, "summary.json")) as f:
         return json.load(f)
@@ -187,11 +194,10 @@ def fine_tune(study: Dict[str, str], args: List[str], run: str, epochs: int) -> 
                "--checkpoint_path", study["checkpoint"], "--train_data_path", study["train"],
                "--val_data_path", study["val"], "--max_epochs", str(epochs), "--output_dir", run, "--overwrite",
                "--progress_bar", "false", "--device_target", "CPU", *args]
-    from orb.errors import RunError
     from orb.signals import run_to_its_end
 
     start = time.perf_counter()
-    with open(run + ".log", "w") as log:
+    with open(run + ".log", "a") as log:  # (a continued study's earlier attempts stay in it)
         status = run_to_its_end(command, f"the fine-tuning into {run}", stdout=log, stderr=subprocess.STDOUT)
     if status:
         raise RunError(f"finetune.py into {run} failed (exit status {status}): its log is {run}.log")
@@ -224,15 +230,16 @@ def write_table(results: Dict, out: str, title: str) -> None:
             gain = start["target"]["forces_mae"] - plain["target"]["forces_mae"]
             kept = f"{100 * (start['target']['forces_mae'] - row['target']['forces_mae']) / gain:.0f} %" if gain else ""
         lines.append(f"| {strategy} | {kind} | " + " | ".join(cells) + f" | {kept} | {row.get('seconds', 0):.0f} |")
-    with open(os.path.join(out, "table.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    from orb.files import write_text
+
+    write_text(os.path.join(out, "table.md"), "\n".join(lines) + "\n")  # (whole, or the earlier one kept)
     print("\n".join(lines))
 
 
 def write_frontier(results: Dict, out: str, title: str, replay: str, tolerance: float, min_kept: float) -> Dict:
     """frontier.json, frontier.md and frontier.png: the settings' foundation drift against target gain, the
     frontier and the recommended setting with its config block (printed too)."""
-    from orb.files import write_json
+    from orb.files import write_json, write_text
 
     settings = fr.summarise(results)
     chosen, reason = fr.recommend(settings, tolerance, min_kept)
@@ -241,8 +248,7 @@ def write_frontier(results: Dict, out: str, title: str, replay: str, tolerance: 
     write_json(os.path.join(out, "frontier.json"), report)
     lines = [f"{title}\n", *fr.table(settings, chosen, tolerance, min_kept), "",
              f"Recommended: {chosen.name if chosen else '-'}: {reason}.", "", "```yaml", block.rstrip(), "```"]
-    with open(os.path.join(out, "frontier.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_text(os.path.join(out, "frontier.md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
     plot_frontier(settings, chosen, tolerance, title, os.path.join(out, "frontier.png"))
     return report
@@ -268,7 +274,9 @@ def plot_frontier(settings: List[fr.Setting], chosen, tolerance: float, title: s
     ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    from orb.files import write_atomically
+
+    write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
     plt.close(fig)
 
 
@@ -345,8 +353,11 @@ def same_study_or_refusal(args, out: str) -> str:
                 for k in STUDY_KEYS}
     record = os.path.join(out, "study.json")
     if os.path.exists(record):
-        with open(record) as f:
-            kept = json.load(f)
+        from orb.records import read_json
+
+        kept = read_json(record, "; remove that folder to start the study again")
+        if not isinstance(kept, dict):
+            raise RunError(f"{record} holds no study's record: remove that folder to start the study again")
         changed = [f"{k} {kept.get(k)!r} -> {identity[k]!r}" for k in STUDY_KEYS if kept.get(k) != identity[k]]
         if changed:
             return (f"{out} holds the results of another study ({'; '.join(changed)}): choose another --out, or "
@@ -388,7 +399,11 @@ def study(argv) -> int:
     configure_mindspore("CPU")
     study = study_of(args, out)
     record = os.path.join(out, "results.json")
-    results = json.load(open(record)) if os.path.exists(record) else {}
+    from orb.records import read_json
+
+    results = read_json(record, "; remove it to measure every setting again") if os.path.exists(record) else {}
+    if not isinstance(results, dict):
+        raise RunError(f"{record} holds no study's results: remove it to measure every setting again")
     if "starting model" not in results:
         results["starting model"] = measure(study["checkpoint"], study, os.path.join(out, "eval", "start"))
         write_json(record, results)
