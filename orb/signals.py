@@ -228,6 +228,14 @@ def run_command(body: Callable[[], int], resume_hint: str = "") -> int:
         STOP.commands -= 1
 
 
+def out_of_space(exc: OSError) -> bool:
+    """A full disk, a quota or a failing disk: the file system's failure (status 1, :func:`file_system_failure`'s
+    line, which says to free space), not an output the user chose wrong (a read-only or missing folder: status 2)."""
+    import errno
+
+    return exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO)
+
+
 def file_system_failure(exc: OSError, resume_hint: str = "") -> Optional[str]:
     """The one line (``error: ...``) for a full disk, a quota, a failing or read-only file system; None for another
     OSError (a fault whose traceback must show)."""

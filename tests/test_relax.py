@@ -464,3 +464,41 @@ def test_a_kill_while_a_row_is_committed_loses_no_row_and_the_resume_reads_the_r
     reader = RowReader(output)  # the training data's reader
     assert [reader.read(i).natoms for i in (1, 2, 3)] == [4, 4, 4]
     reader.close()
+
+
+FULL_DISK_AT_RUN_RECORD = """
+import errno, os, sys
+from orb import files
+
+original = files.write_atomically
+
+def full(path, *args, **kwargs):
+    if path.endswith("run.json"):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+    return original(path, *args, **kwargs)
+
+files.write_atomically = full
+if sys.argv[1] == "relax":
+    from orb.inference.relax import main
+else:
+    from orb.inference.md import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("command", ["relax", "md"])
+def test_a_full_disk_at_the_start_is_the_file_systems_line_not_bad_input(tmp_path, command):
+    """orb-relax's and orb-md's first write (their run record) on a full disk said "cannot write there" and exited 2,
+    as for a folder the user chose wrong, which a requeue script takes for a mistake not worth retrying. Now the full
+    disk's own line (free space, then run the same command again) and status 1."""
+    output = str(tmp_path / ("relaxed.db" if command == "relax" else "md"))
+    args = ["--checkpoint", "data/demo_pretrained.ckpt", "--data", DEMO_VAL, "--output", output, "--steps", "1"]
+    if command == "md":
+        args += ["--timestep", "1"]
+    result = subprocess.run([sys.executable, "-c", FULL_DISK_AT_RUN_RECORD, command, *args], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    record = os.path.join(output, "run.json") if command == "md" else str(tmp_path / "relaxed.run.json")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith("error: No space left on device ("), result.stderr
+    assert "free space, then run the same command again" in result.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in result.stderr and not os.path.exists(record)

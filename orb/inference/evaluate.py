@@ -20,6 +20,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from orb.errors import OrbInputError
+from orb.signals import out_of_space
 from orb.inference.uncertainty import spearman
 
 COLLECTING = ".uncertain.extxyz.collecting"  # this evaluation's uncertain frames, until it is written
@@ -186,7 +187,9 @@ def predict_dataset(checkpoint: str, args, keys, show: bool, out_dir: str = ""):
             os.makedirs(out_dir, exist_ok=True)
             if os.path.exists(uncertain.path):
                 os.remove(uncertain.path)
-        except OSError as exc:
+        except OSError as exc:  # (a full disk: the command's own line, status 1)
+            if out_of_space(exc):
+                raise
             raise OrbInputError(f"--output_dir {out_dir}: cannot write there ({exc.strerror or exc})") from None
     results, points, locate = [None] * len(data), ParityPoints(), data.rows.origin_locator()
     with tqdm(total=len(data), desc=f"evaluating {os.path.basename(checkpoint)}", disable=not show) as bar:
@@ -323,7 +326,9 @@ def summarise_and_write(args, names, runs, out_dir: str, target: str):
         written = write_outputs(out_dir, results, summary, runs)
         if args.uncertain_above is not None:
             written += publish_uncertain(out_dir)
-    except OSError as exc:  # a full disk, a read-only folder: every file is whole or absent
+    except OSError as exc:  # a read-only folder: every file is whole or absent (a full disk: status 1, its own line)
+        if out_of_space(exc):
+            raise
         raise OrbInputError(f"--output_dir {out_dir}: cannot write the results there "
                             f"({exc.strerror or exc})") from None
     return summary, written

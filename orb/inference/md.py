@@ -34,6 +34,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from orb.errors import OrbInputError
+from orb.signals import out_of_space
 from orb.inference.md_batch import BatchServer, StopRun, StructureFailed, make_calculator_class
 from orb.inference.md_setup import SETTINGS, Run, check_args, check_output, load_structures, written_by_md
 from orb.inference.md_state import check_chain_state  # noqa: F401 (where callers found it before the split)
@@ -320,7 +321,9 @@ def md(args) -> Dict:
                 uncertain.frames()
         if pending is not None:
             write_json(record, pending)
-    except OSError as exc:  # a read-only folder
+    except OSError as exc:  # a read-only folder (a full disk: the command's own line, status 1)
+        if out_of_space(exc):
+            raise
         raise OrbInputError(f"--output {args.output}: cannot write there ({exc.strerror or exc})") from None
     d3 = D3Dispersion(args.dispersion, args.xc, model.cfg.graph_settings()) if args.dispersion else None
     dynamics = Dynamics(model, args, d3)

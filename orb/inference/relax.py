@@ -22,6 +22,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from orb.errors import OrbInputError, RunError
+from orb.signals import out_of_space
 
 log = logging.getLogger("orb")
 
@@ -287,7 +288,9 @@ def relax(args) -> Dict:
         pending = check_run_settings(record, run_settings(args, SETTINGS, model, data), args.resume, args.output,
                                      informational=("checkpoint",), may_grow=("steps",), said=SAID,
                                      required=bool(earlier))
-    except OSError as exc:  # a read-only folder
+    except OSError as exc:  # a read-only folder (a full disk: the command's own line, status 1)
+        if out_of_space(exc):
+            raise
         raise OrbInputError(f"--output {args.output}: cannot write there ({exc.strerror or exc})") from None
     done = set(earlier)
     todo = [i for i in range(len(data)) if int(data.ids[i]) not in done]
