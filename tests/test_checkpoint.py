@@ -292,3 +292,23 @@ def test_convert_names_an_unwritable_target_in_one_line_and_exits_75_on_a_stop_s
     _, err = process.communicate(timeout=300)
     assert process.returncode == 75 and err.strip().splitlines()[-1].startswith("stopped by SIGTERM"), err[-2000:]
     assert os.listdir(tmp_path) == []
+
+
+def test_weights_holding_nan_are_not_converted(tmp_path):
+    """orb-convert turned a diverged run's PyTorch checkpoint (a tensor of NaN) into a MindSpore checkpoint holding
+    NaN, which every tool then loaded; a checkpoint never holds NaN. Refused in one line naming the tensor."""
+    from orb.io.checkpoint import read_weights
+    from orb.io.torch_format import write_torch_checkpoint
+
+    weights, _ = read_weights(os.path.join(ROOT, "data", "demo_pretrained.ckpt"))
+    key = sorted(weights)[3]
+    weights[key] = np.array(weights[key], np.float32)
+    weights[key].flat[0] = np.nan
+    source, target = str(tmp_path / "diverged.ckpt"), str(tmp_path / "converted.ckpt")
+    write_torch_checkpoint(weights, source)
+    result = subprocess.run([sys.executable, "-m", "orb.io.convert", source, target], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"error: {source}: tensor '{key}' holds NaN or inf (weights of a diverged run): convert a checkpoint saved "
+        f"before it diverged"], result.stderr[-2000:]
+    assert not os.path.exists(target)

@@ -55,7 +55,9 @@ def convert(source: str, target: str, to=None, name=None) -> int:
     import_mindspore()  # a stop signal meanwhile is honoured after it
     from orb.io.checkpoint import (architecture, describe, load_torch_state_dict, read_weights, save_checkpoint,
                                    settings_a_state_dict_loses, stored_architecture, to_torch_state_dict)
-    from orb.errors import RunError
+    import numpy as np
+
+    from orb.errors import CheckpointError, RunError
     from orb.files import refuse_overwriting_inputs
     from orb.io.torch_format import is_torch_zip, write_torch_checkpoint
     from orb.models import build
@@ -63,6 +65,11 @@ def convert(source: str, target: str, to=None, name=None) -> int:
 
     refuse_overwriting_inputs([("target", target, None)], [("source", source)])  # (it replaced its own source)
     weights, meta = read_weights(source)
+    not_finite = next((key for key, value in weights.items() if np.issubdtype(np.asarray(value).dtype, np.floating)
+                       and not np.isfinite(value).all()), None)
+    if not_finite is not None:  # (a diverged run's weights: a checkpoint never holds NaN)
+        raise CheckpointError(f"{source}: tensor '{not_finite}' holds NaN or inf (weights of a diverged run): convert "
+                              f"a checkpoint saved before it diverged")
     to = to or ("mindspore" if is_torch_zip(source) else "torch")
     cfg = architecture(weights, meta, name)
     stored = stored_architecture(meta)
