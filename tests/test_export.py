@@ -103,6 +103,29 @@ def test_an_export_replaces_the_earlier_one_whole_or_not_at_all(tmp_path):
         "run the same command again (exit status 75)"], err[-3000:]
     assert {name: open(out.parent / name, "rb").read() for name in os.listdir(out.parent)} == before
     assert sorted(os.listdir(tmp_path)) == ["out"]  # nothing in the working folder (no rank_0/om/analyze_fail.ir)
+    # the disk full as the description is written: the earlier export whole (the new graphs were left beside it)
+    full = subprocess.run([sys.executable, "-c", FULL_AT_DESCRIPTION, *command[2:], *two], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert full.returncode == 1 and full.stderr.strip().splitlines()[-1].startswith(
+        "error: No space left on device"), full.stderr[-3000:]
+    assert {name: open(out.parent / name, "rb").read() for name in os.listdir(out.parent)} == before
+
+
+FULL_AT_DESCRIPTION = """
+import errno, os, sys
+from orb import files
+
+original = files.write_json
+
+def full(path, value):
+    if os.path.basename(path).lstrip(".").startswith("model.json"):  # (its temporary, or itself)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+    return original(path, value)
+
+files.write_json = full
+from orb.inference.export import main
+sys.exit(main(sys.argv[1:]))
+"""
 
 
 def test_model_json_says_a_stressless_models_stress_output_is_no_prediction():

@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from orb.errors import OrbInputError
+from orb.signals import out_of_space
 
 OUTPUTS = ("energy (graphs,) eV", "forces (nodes, 3) eV/Å", "stress (graphs, 6) eV/Å³ Voigt, ASE sign",
            "confidence (nodes, 50): orb-v3's per-atom force-error bin probabilities over 0-0.3 eV/Å")
@@ -114,13 +115,10 @@ def export(model, output: str, shapes: Sequence[tuple]) -> List[str]:
                 staged.append((aside, path))
                 write_atomically(aside, write, suffix=".mindir")
                 files[os.path.basename(path)] = {"nodes": nodes, "edges": edges, "graphs": graphs}
-            stop_if_asked()
-            earlier = listed_files(json_path)
-            for aside, path in staged:
-                os.replace(aside, path)
-            staged.clear()
             inputs = example_inputs(model, *shapes[0])
-            write_json(json_path, {
+            aside = temporary_prefix(json_path) + ".exporting"  # the description too, before any file is replaced:
+            staged.append((aside, json_path))  # a full disk now leaves the earlier export whole (it left new graphs
+            write_json(aside, {                # beside the earlier description)
                 "model": model.cfg.to_dict(), "precision": precision(), "files": files,
                 "inputs": [{"name": n, "dtype": str(t.dtype), "shape": [dimension(n, axis, size)
                                                                         for axis, size in enumerate(t.shape)]}
@@ -129,6 +127,11 @@ def export(model, output: str, shapes: Sequence[tuple]) -> List[str]:
                            "padding node (atomic number 0) and edge (a self-edge of length 10 Å), then empty graphs; "
                            "outputs of padding rows are to be ignored",
                 "outputs": described_outputs(model.cfg)})
+            stop_if_asked()
+            earlier = listed_files(json_path)
+            for aside, path in staged:  # renames only, from here
+                os.replace(aside, path)
+            staged.clear()
             for name in earlier - set(files):  # the earlier export's other shapes: no longer described
                 if os.path.exists(os.path.join(folder, name)):
                     os.remove(os.path.join(folder, name))
@@ -241,7 +244,9 @@ def run(args) -> List[str]:
         shapes += shapes_for(args.data[0] if len(args.data) == 1 else args.data, model, args.batch_size)
     try:
         return export(model, args.output, sorted(set(shapes)))
-    except OSError as exc:
+    except OSError as exc:  # (a full disk: the file system's line, status 1)
+        if out_of_space(exc):
+            raise
         raise OrbInputError(f"--output {args.output}: cannot write it ({exc.strerror or exc})") from None
 
 
