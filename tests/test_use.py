@@ -472,7 +472,7 @@ def test_calculator_input_mistakes_are_one_line_naming_what_is_wrong(tmp_path):
 
 
 def test_a_stop_while_the_results_are_written_writes_them_all(tmp_path):
-    """SIGTERM once orb-evaluate's first file is written: it writes the others too (exit 0, the folder holds this
+    """SIGTERM while orb-evaluate writes its files: it writes them all (exit 0, the folder holds this
     evaluation alone). It stopped between two files (exit 75): the new summary and predictions beside an earlier
     evaluation's plots and per-element table."""
     import signal as signals
@@ -488,7 +488,7 @@ def test_a_stop_while_the_results_are_written_writes_them_all(tmp_path):
     process = subprocess.Popen(command + [os.path.join(ROOT, "data", "demo_v3_pretrained.ckpt")], cwd=ROOT,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 600
-    while os.stat(out / "predictions.csv").st_mtime_ns == before["predictions.csv"]:  # the first file written
+    while not any(name.startswith(".staging-") for name in os.listdir(out)):  # the files are being written
         assert process.poll() is None and time.time() < deadline, process.communicate()[1][-2000:]
         time.sleep(0.005)
     process.send_signal(signals.SIGTERM)
@@ -497,6 +497,46 @@ def test_a_stop_while_the_results_are_written_writes_them_all(tmp_path):
     assert "demo_v3_pretrained" in json.load(open(out / "summary.json"))["checkpoint"]
     for name in os.listdir(out):  # every file there is this evaluation's
         assert name not in before or os.stat(out / name).st_mtime_ns != before[name], name
+
+
+KILLED_WHILE_WRITING = """
+import os, signal, sys
+from orb import files
+
+original = files.write_json
+
+def killed(path, value):
+    if os.path.basename(path) == "summary.json":  # (after predictions.csv)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return original(path, value)
+
+files.write_json = killed
+from orb.inference.evaluate import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_kill_while_the_results_are_written_leaves_the_earlier_evaluation_as_it_was(tmp_path):
+    """A kill (or a full disk) after orb-evaluate's predictions.csv was written left it beside the earlier
+    evaluation's summary.json and plots, one folder describing two evaluations. Now its files replace the earlier
+    ones only once all are written; the next evaluation removes what the killed one staged."""
+    out = tmp_path / "eval"
+    command = ["--data", DEMO_VAL, "--output_dir", str(out), "--device_target", "CPU", "--progress_bar", "false",
+               "--checkpoint"]
+    first = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "evaluate.py"), *command,
+                            os.path.join(ROOT, "data", "demo_pretrained.ckpt")], capture_output=True, text=True,
+                           timeout=600, cwd=ROOT)
+    assert first.returncode == 0, first.stderr[-2000:]
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    killed = subprocess.run([sys.executable, "-c", KILLED_WHILE_WRITING, *command,
+                             os.path.join(ROOT, "data", "demo_v3_pretrained.ckpt")], capture_output=True, text=True,
+                            timeout=600, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert {name: (out / name).read_bytes() for name in os.listdir(out) if not name.startswith(".")} == before
+    from orb.inference.evaluate import write_outputs
+
+    write_outputs(str(out), [], {}, {})  # (what the next evaluation does first)
+    assert not [name for name in os.listdir(out) if name.startswith(".")]
 
 
 def test_orb_plot_ends_on_a_stop_signal_with_one_line_and_75(tmp_path):

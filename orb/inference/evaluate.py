@@ -334,27 +334,47 @@ def summarise_and_write(args, names, runs, out_dir: str, target: str):
     return summary, written
 
 
+STAGING = ".staging-"  # an evaluation's files before they replace the earlier ones: .staging-<pid>@<host>
+
+
 def write_outputs(out_dir: str, results: List[Dict], summary: Dict, runs: Dict) -> List[str]:
-    """predictions.csv, summary.json, the parity plots and errors_by_element.csv, each written atomically (a kill
-    or a full disk leaves every file whole or absent, never a table cut short); the files written."""
+    """predictions.csv, summary.json, the parity plots and errors_by_element.csv, written together: each into a
+    staging folder first, then renamed into place one after another, so that a kill or a full disk while they are
+    written leaves the earlier evaluation's files as they were (a new predictions.csv was left beside the earlier
+    summary.json and plots); the files written."""
+    import shutil
+
     from orb.reports.evaluation import (errors_by_element, write_confidence_plot, write_element_table,
                                         write_parity_plots)
-    from orb.files import remove_stale_temporaries, write_csv, write_json
+    from orb.files import fsync_directory, owner_gone, owner_tag, remove_stale_temporaries, write_csv, write_json
 
     os.makedirs(out_dir, exist_ok=True)
     remove_stale_temporaries(out_dir, min_age=600.0)  # those of an evaluation killed while it wrote
-    fields = [f for f in CSV_FIELDS if any(f in r["row"] for r in results)]
-    written = [os.path.join(out_dir, "predictions.csv"), os.path.join(out_dir, "summary.json")]
-    write_csv(written[0], fields, (r["row"] for r in results))
-    write_json(written[1], summary)
-    written += write_parity_plots(out_dir, {name: run[1] for name, run in runs.items()})
-    if summary.get("confidence"):
-        written.append(write_confidence_plot(out_dir, results, summary["confidence"]))
-    tables = {name: errors_by_element(run[0]) for name, run in runs.items()}
-    if any(tables.values()):
-        write_element_table(os.path.join(out_dir, "errors_by_element.csv"), tables)
-        written.append(os.path.join(out_dir, "errors_by_element.csv"))
-    remove_earlier_outputs(out_dir, written)
+    for name in os.listdir(out_dir):  # the staging folders of evaluations killed on this host
+        if name.startswith(STAGING) and owner_gone(name[len(STAGING):]):
+            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+    stage = os.path.join(out_dir, STAGING + owner_tag())
+    shutil.rmtree(stage, ignore_errors=True)
+    os.makedirs(stage)
+    try:
+        fields = [f for f in CSV_FIELDS if any(f in r["row"] for r in results)]
+        staged = [os.path.join(stage, "predictions.csv"), os.path.join(stage, "summary.json")]
+        write_csv(staged[0], fields, (r["row"] for r in results))
+        write_json(staged[1], summary)
+        staged += write_parity_plots(stage, {name: run[1] for name, run in runs.items()})
+        if summary.get("confidence"):
+            staged.append(write_confidence_plot(stage, results, summary["confidence"]))
+        tables = {name: errors_by_element(run[0]) for name, run in runs.items()}
+        if any(tables.values()):
+            write_element_table(os.path.join(stage, "errors_by_element.csv"), tables)
+            staged.append(os.path.join(stage, "errors_by_element.csv"))
+        written = [os.path.join(out_dir, os.path.basename(path)) for path in staged]
+        for path, final in zip(staged, written):
+            os.replace(path, final)
+        remove_earlier_outputs(out_dir, written)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    fsync_directory(out_dir)
     return written
 
 
