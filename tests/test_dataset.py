@@ -222,3 +222,22 @@ def test_the_demo_data_script_remakes_the_shipped_demo_and_refuses_bad_arguments
         bad = subprocess.run([sys.executable, script, "--out", str(tmp_path / "x"), *args], capture_output=True,
                              text=True, timeout=300)
         assert bad.returncode == 2 and "Traceback" not in bad.stderr and "error: --" in bad.stderr, (args, bad.stderr)
+
+
+def test_a_row_rewritten_in_place_changes_the_databases_identity(tmp_path):
+    """The caches of a database (neighbour counts, census, pseudo-labels) were keyed by its size and modification
+    time: a row's positions rewritten in place keep the size, and a coarse or restored time (NFS, FAT, ``cp -p``)
+    kept the key, so the old counts were read for new positions. SQLite's change counter is in the key now."""
+    import shutil
+
+    path = str(tmp_path / "rows.db")
+    shutil.copy(DEMO_VAL, path)
+    stat = os.stat(path)
+    before = AseDbDataset(path).identity()
+    with sqlite3.connect(path) as connection:  # the same bytes' length, other values
+        (blob,) = connection.execute("SELECT positions FROM systems WHERE id = 1").fetchone()
+        moved = np.frombuffer(blob, np.float64) + 0.1
+        connection.execute("UPDATE systems SET positions = ? WHERE id = 1", (moved.tobytes(),))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert os.path.getsize(path) == stat.st_size and os.stat(path).st_mtime_ns == stat.st_mtime_ns
+    assert AseDbDataset(path).identity() != before

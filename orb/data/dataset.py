@@ -19,7 +19,7 @@ import numpy as np
 from orb.data.row_results import ONE_PROCESS, LabelTable, Ranks, RowPass
 from orb.errors import DatasetError, StructureError
 from orb.data.formats import check_sqlite_file, storable_pairs
-from orb.data.sqlite_rows import TABLE_QUERIES, RowReader, structures_digest
+from orb.data.sqlite_rows import TABLE_QUERIES, RowReader, change_counters, structures_digest
 from orb.data.augmentation import matrix_to_voigt, random_rotation, rotate_structure
 from orb.data.graphs import (EDGE_CAPACITY_MARGIN, AtomGraphs, GraphSettings, capacity_is_counted,
                              check_no_overlap_before_graphs, edge_capacity, graph_from_arrays, structure_periodicity,
@@ -457,6 +457,7 @@ class AseDbDataset:
         (``rsync -a`` to a node's scratch disk) is the same data."""
         files = [p for p in (self.path, self.path + "-wal") if os.path.exists(p)]
         digest = hashlib.sha256(repr([(os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in files]).encode())
+        digest.update(change_counters(self.path))  # (a row rewritten in place, its size kept, within a coarse mtime)
         digest.update(self.ids.tobytes())
         digest.update(self.natoms.tobytes())
         return digest.hexdigest()

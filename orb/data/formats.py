@@ -27,7 +27,7 @@ from urllib.parse import quote
 import numpy as np
 
 from orb import cache
-from orb.data.sqlite_rows import CHECKSUMS, INDEX_KIND, add_checksums
+from orb.data.sqlite_rows import CHECKSUMS, INDEX_KIND, add_checksums, change_counters
 from orb.errors import DatasetError
 
 log = logging.getLogger("orb")
@@ -131,7 +131,7 @@ def readable_database(path: Union[str, Sequence[str]], keys: LabelKeys = LabelKe
     if len(files) == 1 and is_sqlite(files[0]):
         database_keys(files[0], keys)
         return files[0]
-    identity = tuple((os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files
+    identity = tuple((os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns, change_counters(f)) for f in files
                      + [f + "-wal" for f in files if os.path.exists(f + "-wal")])  # SQLite's rows not yet in it
     libraries = ("ase", "ase-db-backends") if any(f.endswith(".aselmdb") for f in files) else ("ase",)
     entry = cache.CacheEntry(INDEX_KIND, INDEX_CODE, (identity, keys), ".db", libraries)

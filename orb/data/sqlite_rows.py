@@ -26,6 +26,18 @@ COLUMNS = ("id, natoms, numbers, positions, cell, pbc, energy, forces, stress, k
 LOCK_FREE_UNLESS = ("-wal", "-journal")  # files that show a writer (then: read-only, with SQLite's locks)
 
 
+def change_counters(path: str) -> bytes:
+    """SQLite's file change counter and version-valid-for number (header bytes 24-27 and 92-95): every committed
+    write outside WAL mode moves them, whatever the file's size and timestamps (a row rewritten in place keeps the
+    size; NFS and FAT keep coarse times; ``cp -p`` and ``rsync -a`` copy them). Empty when unreadable."""
+    try:
+        with open(path, "rb") as f:
+            header = f.read(100)
+    except OSError:
+        return b""
+    return header[24:28] + header[92:96] if len(header) == 100 else b""
+
+
 def roll_back_unfinished_write(path: str) -> None:
     """A writer killed mid-commit (ASE commits each row: orb-relax's output, any database a killed script wrote)
     leaves ``-journal`` beside the file, which a read-only connection cannot roll back ("attempt to write a readonly
