@@ -195,20 +195,23 @@ def append_record(path: str, record: Dict) -> None:
 
 
 def append_whole(path: str, data: bytes, fsync: bool = False) -> None:
-    """``data`` appended in one write, whole or not at all: a write the disk (or a file size limit) cut short raised
-    nothing and left part of a line, to which the next append was glued (both unreadable). Cut back to where it
-    began, then ``OSError`` (ENOSPC) naming the file."""
+    """``data`` appended whole or not at all: a write the disk (or a file size limit) cut short raised nothing and
+    left part of a line, to which the next append was glued (both unreadable). The rest is written; if that fails,
+    the file is cut back to where it began (or, after another appender's bytes, the cut line ended) and the write's
+    own error (ENOSPC, EFBIG) raised naming the file."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         start = os.fstat(fd).st_size
-        try:
-            written = os.write(fd, data)
-        except OSError:
-            os.ftruncate(fd, start)  # (a write that failed part way: the same)
-            raise
+        written = os.write(fd, data)  # (one that raises wrote nothing)
         if written < len(data):
-            os.ftruncate(fd, start)
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+            try:
+                written += os.write(fd, data[written:])  # the rest: whole after all, or the reason it is not
+            except OSError as exc:
+                if os.fstat(fd).st_size == start + written:  # (no other appender's bytes after it)
+                    os.ftruncate(fd, start)
+                else:
+                    os.write(fd, b"\n")  # (the cut line ends: readers skip it)
+                raise OSError(exc.errno, exc.strerror, path) from None
         if fsync:
             os.fsync(fd)
     finally:

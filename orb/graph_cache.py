@@ -21,6 +21,7 @@ shape's graph (measured: garbage numbers). So here the cache is never handed to 
 keep a graph (a kind it cannot serialise), it is compiled each time, said once.
 """
 
+import errno
 import hashlib
 import logging
 import os
@@ -102,6 +103,8 @@ class GraphCache:
         try:
             return self._compile_kept(cell, inputs, kind, settings)
         except OSError as exc:  # the scratch folder's disk full, or gone: the run goes on without the cache
+            if not str(exc.filename or "").startswith(self.scratch) or exc.errno not in SCRATCH_FAILURES:
+                raise
             log.warning("compiled graphs are not kept from now on: %s (%s)", exc.strerror or exc, exc.filename or
                         self.scratch)
             self.enabled = False
@@ -336,6 +339,7 @@ def _rank() -> str:
 
 GRAPHS = GraphCache()
 SCRATCH = "orb-graphs-"  # a process's folder for MindSpore's cache files: <temp>/orb-graphs-<pid>@<host>-<random>
+SCRATCH_FAILURES = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.ENOENT)  # (its disk: not the run's)
 
 
 def remove_stale_scratch(folder: str) -> None:

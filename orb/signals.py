@@ -200,7 +200,9 @@ def run_command(body: Callable[[], int], resume_hint: str = "") -> int:
                 deliver_stop_signals()
             status = body()
             STOP.raise_if_raised()  # (a start-up stop some code swallowed: still a stop, what was done kept)
-            if not inner:
+            if inner:
+                STOP.stop_if_received()  # (noted while it finished its work: the outer command stops now)
+            else:
                 STOP.stand_down()
             return status
         except Exception:
@@ -270,6 +272,7 @@ def run_to_its_end(command, what: str, **popen) -> int:
     and once it has ended, having saved, is this command's stop (75): running the same command again continues it."""
     import subprocess
 
+    STOP.stop_if_received()  # (noted by a phase before it, an in-process evaluation's: no step starts to be stopped)
     with STOP.deferred():
         with children_start_blocked():
             process = subprocess.Popen(command, **popen)
@@ -284,10 +287,13 @@ def run_to_its_end(command, what: str, **popen) -> int:
             process.kill()
             process.wait()
             raise
-        if STOP.received is not None:
-            raise Stopped(f"stopped by {STOP.received}: {what} saved what it had; run the same command again to "
-                          f"continue (exit status {STOPPED_STATUS})")
-    return process.returncode
+        status = process.returncode
+        stopped = status == STOPPED_STATUS or (forwarded is not None and status == -getattr(signal, forwarded))
+        if stopped or (status == 0 and STOP.received is not None):  # (a failure stays one, a stop or not)
+            name = STOP.received or forwarded or "a signal of its own"
+            raise Stopped(f"stopped by {name}: {what} saved what it had; run the same command again to continue "
+                          f"(exit status {STOPPED_STATUS})")
+    return status
 
 
 @contextmanager

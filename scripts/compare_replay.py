@@ -42,9 +42,9 @@ SHIFTS = {"Cu": 0.7, "Ni": -0.4}
 
 def narrow_target(out: str, seed: int) -> Dict[str, str]:
     folder = os.path.join(out, "data")
-    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_demo_dataset.py"), "--out", folder,
-                    "--prefix", "narrow", "--metals", "Cu,Ni", "--cluster_fraction", "0", "--seed", str(seed)],
-                   check=True, stdout=subprocess.DEVNULL)
+    run_step([sys.executable, os.path.join(ROOT, "scripts", "make_demo_dataset.py"), "--out", folder, "--prefix",
+              "narrow", "--metals", "Cu,Ni", "--cluster_fraction", "0", "--seed", str(seed)], "making the target",
+             stdout=subprocess.DEVNULL)
     return {"train": os.path.join(folder, "narrow_train.db"), "val": os.path.join(folder, "narrow_val.db")}
 
 
@@ -88,8 +88,18 @@ def fine_tune(name: str, args: List[str], data: Dict[str, str], out: str, epochs
                "--train_data_path", data["train"], "--val_data_path", data["val"], "--max_epochs", str(epochs),
                "--output_dir", run, "--overwrite", "--progress_bar", "false", *args]
     with open(run + ".log", "w") as log:
-        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
+        run_step(command, f"the fine-tuning into {run} (its log: {run}.log)", stdout=log, stderr=subprocess.STDOUT)
     return run
+
+
+def run_step(command: List[str], what: str, **popen) -> None:
+    """``command`` run to its end (a stop reaches it, then ends this script with 75); a failure is one line."""
+    from orb.errors import RunError
+    from orb.signals import run_to_its_end
+
+    status = run_to_its_end(command, what, **popen)
+    if status:
+        raise RunError(f"{what} failed (exit status {status})")
 
 
 def gain(start: Dict, run: Dict, plain: Dict, key: str) -> float:

@@ -815,7 +815,8 @@ print(json.dumps([r["step"] for r in read_records(path)]))
 def test_an_append_the_disk_cuts_short_is_undone_and_said():
     """metrics.jsonl's lines (and orb-md's uncertain frames) were one os.write whose short count went unchecked: a
     full disk left part of a line, the next record was glued to it and both were lost (a resume then dropped the cut
-    line for good). Now the append is undone and raises ENOSPC naming the file; the next append is whole."""
+    line for good). Now the append is undone and raises the write's error (here the size limit's EFBIG; a full disk's
+    ENOSPC) naming the file; the next append is whole."""
     import errno
     import subprocess
     import sys
@@ -827,4 +828,4 @@ def test_an_append_the_disk_cuts_short_is_undone_and_said():
         path = os.path.join(folder, "metrics.jsonl")
         result = subprocess.run([sys.executable, "-c", SHORT_WRITE, path], capture_output=True, text=True, timeout=60,
                                 env=dict(os.environ, PYTHONPATH=ROOT))
-        assert result.stdout.splitlines() == [f"error {errno.ENOSPC} True", "[1, 3]"], result.stdout + result.stderr
+        assert result.stdout.splitlines() == [f"error {errno.EFBIG} True", "[1, 3]"], result.stdout + result.stderr

@@ -345,9 +345,19 @@ NESTED = """
 import os, signal, sys, time
 from orb.signals import run_command
 
+def noted():  # a stop while the inner command finished its work (orb-evaluate writing its files)
+    from orb.signals import STOP
+    with STOP.deferred():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+    return 0
+
 def outer():
     assert run_command(lambda: 0) == 0  # a command run inside this one (a study's in-process orb-evaluate)
-    os.kill(os.getpid(), signal.SIGTERM)
+    if sys.argv[1] == "noted inside":
+        run_command(noted)
+    else:
+        os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(5)
     print("went on")
     return 0
@@ -356,10 +366,12 @@ sys.exit(run_command(outer))
 """
 
 
-def test_a_command_run_inside_another_leaves_the_outer_one_listening():
+@pytest.mark.parametrize("when", ["after it", "noted inside"])
+def test_a_command_run_inside_another_leaves_the_outer_one_listening(when):
     """compare_strategies.py runs orb-evaluate in its own process between fine-tunings: the evaluation's end set the
-    stop signals to ignored, and the study could no longer be stopped (a scheduler's SIGTERM, Ctrl-C)."""
-    result = subprocess.run([sys.executable, "-c", NESTED], cwd=ROOT, capture_output=True, text=True, timeout=120,
+    stop signals to ignored, and the study could no longer be stopped (a scheduler's SIGTERM, Ctrl-C). A stop the
+    evaluation noted while it wrote its files stops the study when the evaluation ends."""
+    result = subprocess.run([sys.executable, "-c", NESTED, when], cwd=ROOT, capture_output=True, text=True, timeout=120,
                             env=dict(os.environ, PYTHONPATH=ROOT))
     assert result.returncode == 75 and "went on" not in result.stdout, result.stdout + result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1].startswith("stopped by SIGTERM during start-up"), result.stderr
@@ -376,6 +388,8 @@ def body():
         while STOP.received is None:
             time.sleep(0.05)
         time.sleep(0.5)  # saving
+        if os.path.exists(sys.argv[1] + "/fail"):
+            return 1  # (its save failed)
         open(sys.argv[1] + "/saved", "w").close()
         raise Stopped(f"stopped by {STOP.received}: saved")
 
@@ -390,11 +404,14 @@ sys.exit(run_command(lambda: run_to_its_end([sys.executable, "-c", sys.argv[1], 
 """
 
 
-@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGUSR1])
-def test_a_stop_to_a_command_reaches_its_running_step_which_saves_before_the_command_stops(tmp_path, number):
+@pytest.mark.parametrize("number, fails", [(signal.SIGTERM, False), (signal.SIGUSR1, False), (signal.SIGTERM, True)])
+def test_a_stop_to_a_command_reaches_its_running_step_which_saves_before_the_command_stops(tmp_path, number, fails):
     """orb.signals.run_to_its_end (compare_strategies.py's fine-tunings): a stop sent to the command alone is
     forwarded to the step it runs, which saves; then the command stops, 75. (The study had died at once, its
-    fine-tuning left running on its own, or after its first evaluation ignored the signal.)"""
+    fine-tuning left running on its own, or after its first evaluation ignored the signal.) A step that fails meanwhile
+    (its save on a full disk) is a failure, not a stop."""
+    if fails:
+        (tmp_path / "fail").touch()
     process = subprocess.Popen([sys.executable, "-c", RUN_STEP, SAVING_STEP, str(tmp_path)], cwd=ROOT,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env=dict(os.environ, PYTHONPATH=ROOT))
@@ -404,6 +421,9 @@ def test_a_stop_to_a_command_reaches_its_running_step_which_saves_before_the_com
         time.sleep(0.05)
     process.send_signal(number)
     _, err = process.communicate(timeout=60)
+    if fails:
+        assert process.returncode == 1 and not (tmp_path / "saved").exists(), err[-3000:]
+        return
     assert process.returncode == 75 and (tmp_path / "saved").exists(), err[-3000:]
     name = signal.Signals(number).name
     assert err.strip().splitlines()[-1] == (f"stopped by {name}: the step saved what it had; run the same command "

@@ -488,7 +488,8 @@ def test_a_stop_while_the_results_are_written_writes_them_all(tmp_path):
     process = subprocess.Popen(command + [os.path.join(ROOT, "data", "demo_v3_pretrained.ckpt")], cwd=ROOT,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 600
-    while not any(name.startswith(".staging-") for name in os.listdir(out)):  # the files are being written
+    while not any((out / name / "predictions.csv").exists() for name in os.listdir(out)  # the files are being
+                  if name.startswith(".staging-")):  # written (the plots take a second more)
         assert process.poll() is None and time.time() < deadline, process.communicate()[1][-2000:]
         time.sleep(0.005)
     process.send_signal(signals.SIGTERM)

@@ -27,7 +27,8 @@ from urllib.parse import quote
 import numpy as np
 
 from orb import cache
-from orb.data.sqlite_rows import CHECKSUMS, INDEX_KIND, add_checksums, change_counters
+from orb.data.sqlite_rows import (CHECKSUMS, INDEX_KIND, JOURNAL_AGE, add_checksums, change_counters,
+                                  roll_back_unfinished_write)
 from orb.errors import DatasetError
 
 log = logging.getLogger("orb")
@@ -248,6 +249,7 @@ def _check_ase_sqlite(path: str) -> None:
     own tables into it."""
     import sqlite3
 
+    roll_back_unfinished_write(path, JOURNAL_AGE)  # (a killed writer's journal: the file looked damaged)
     connection = sqlite3.connect(f"file:{quote(os.path.abspath(path))}?mode=ro", uri=True)
     try:
         found = connection.execute("SELECT name FROM sqlite_master WHERE type='table' AND name='systems'").fetchall()

@@ -13,6 +13,7 @@ import json
 import os
 import sqlite3
 import struct
+import time
 import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 from urllib.parse import quote
@@ -38,14 +39,21 @@ def change_counters(path: str) -> bytes:
     return header[24:28] + header[92:96] if len(header) == 100 else b""
 
 
-def roll_back_unfinished_write(path: str) -> None:
+JOURNAL_AGE = 600.0  # seconds: a journal this old beside a user's database is a killed writer's, not a live one's
+
+
+def roll_back_unfinished_write(path: str, min_age: float = 0.0) -> None:
     """A writer killed mid-commit (ASE commits each row: orb-relax's output, any database a killed script wrote)
     leaves ``-journal`` beside the file, which a read-only connection cannot roll back ("attempt to write a readonly
     database": the file looked damaged, and a resume refused it). One read-write connection rolls it back, as any
-    writer's would; the committed rows stay. Not possible (a read-only folder, a live writer holding it): left to
-    the read-only connection's own error."""
+    writer's would; the committed rows stay. ``min_age``: only a journal unchanged for that long (a user's data,
+    which a live writer on a file system whose locks do not reach this node may hold). Not possible (a read-only
+    folder, a live writer holding it): left to the read-only connection's own error."""
     journal = path + "-journal"
-    if not os.path.exists(journal) or os.path.getsize(journal) == 0:
+    try:
+        if os.path.getsize(journal) == 0 or time.time() - os.path.getmtime(journal) < min_age:
+            return
+    except OSError:  # (none)
         return
     try:
         with contextlib.closing(sqlite3.connect(f"file:{quote(os.path.abspath(path))}?mode=rw", uri=True,
@@ -341,7 +349,7 @@ class RowReader:
                                    "that found it damaged, whose log says which file and frame, or by hand): run the "
                                    "command again")
                 raise DatasetError(self.path, "database file does not exist (was it removed during the run?)")
-            roll_back_unfinished_write(self.path)
+            roll_back_unfinished_write(self.path, JOURNAL_AGE)
             uri = f"file:{quote(os.path.abspath(self.path))}?mode=ro" + ("&immutable=1" if self.immutable else "")
             try:
                 self._connection = sqlite3.connect(uri, uri=True, check_same_thread=False)

@@ -15,6 +15,7 @@ predicted only. The checkpoint may be PyTorch or MindSpore; its architecture is 
 import argparse
 import os
 import sys
+import time
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -323,9 +324,7 @@ def summarise_and_write(args, names, runs, out_dir: str, target: str):
         other["checkpoint"] = os.path.abspath(args.compare)
         summary["compare"] = other
     try:
-        written = write_outputs(out_dir, results, summary, runs)
-        if args.uncertain_above is not None:
-            written += publish_uncertain(out_dir)
+        written = write_outputs(out_dir, results, summary, runs, collected=args.uncertain_above is not None)
     except OSError as exc:  # a read-only folder: every file is whole or absent (a full disk: status 1, its own line)
         if out_of_space(exc):
             raise
@@ -337,11 +336,11 @@ def summarise_and_write(args, names, runs, out_dir: str, target: str):
 STAGING = ".staging-"  # an evaluation's files before they replace the earlier ones: .staging-<pid>@<host>
 
 
-def write_outputs(out_dir: str, results: List[Dict], summary: Dict, runs: Dict) -> List[str]:
-    """predictions.csv, summary.json, the parity plots and errors_by_element.csv, written together: each into a
-    staging folder first, then renamed into place one after another, so that a kill or a full disk while they are
-    written leaves the earlier evaluation's files as they were (a new predictions.csv was left beside the earlier
-    summary.json and plots); the files written."""
+def write_outputs(out_dir: str, results: List[Dict], summary: Dict, runs: Dict, collected: bool = False) -> List[str]:
+    """predictions.csv, summary.json, the parity plots and errors_by_element.csv, and (``collected``) the uncertain
+    frames (:func:`publish_uncertain`), written together: each into a staging folder first, then renamed into place
+    one after another, so that a kill or a full disk while they are written leaves the earlier evaluation's files as
+    they were (a new predictions.csv was left beside the earlier summary.json and plots); the files written."""
     import shutil
 
     from orb.reports.evaluation import (errors_by_element, write_confidence_plot, write_element_table,
@@ -350,9 +349,12 @@ def write_outputs(out_dir: str, results: List[Dict], summary: Dict, runs: Dict) 
 
     os.makedirs(out_dir, exist_ok=True)
     remove_stale_temporaries(out_dir, min_age=600.0)  # those of an evaluation killed while it wrote
-    for name in os.listdir(out_dir):  # the staging folders of evaluations killed on this host
-        if name.startswith(STAGING) and owner_gone(name[len(STAGING):]):
-            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+    here = owner_tag().partition("@")[2]
+    for name in os.listdir(out_dir):  # the staging folders of killed evaluations: this host's, others' after an hour
+        tag, path = name[len(STAGING):], os.path.join(out_dir, name)
+        if name.startswith(STAGING) and (owner_gone(tag) or (tag.partition("@")[2] != here and
+                                                              time.time() - os.path.getmtime(path) > 3600)):
+            shutil.rmtree(path, ignore_errors=True)
     stage = os.path.join(out_dir, STAGING + owner_tag())
     shutil.rmtree(stage, ignore_errors=True)
     os.makedirs(stage)
@@ -369,31 +371,34 @@ def write_outputs(out_dir: str, results: List[Dict], summary: Dict, runs: Dict) 
             write_element_table(os.path.join(stage, "errors_by_element.csv"), tables)
             staged.append(os.path.join(stage, "errors_by_element.csv"))
         written = [os.path.join(out_dir, os.path.basename(path)) for path in staged]
+        if collected:
+            staged.append(publish_uncertain(out_dir, stage))
+            written.append(os.path.join(out_dir, "uncertain.extxyz"))
         for path, final in zip(staged, written):
-            os.replace(path, final)
+            if path is not None:
+                os.replace(path, final)
+            elif os.path.exists(final):  # none found this time: none kept (it would describe another evaluation)
+                os.remove(final)
         remove_earlier_outputs(out_dir, written)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     fsync_directory(out_dir)
-    return written
+    return [path for path in written if os.path.exists(path)]
 
 
-def publish_uncertain(out_dir: str) -> List[str]:
-    """This evaluation's uncertain frames (collected in COLLECTING) as ``uncertain.extxyz``, in one rename: until
-    then the earlier collection stays, so a stopped or killed evaluation loses no frames gathered for labelling;
-    none found, none kept (the file would describe another evaluation)."""
-    from orb.files import fsync_directory
-
+def publish_uncertain(out_dir: str, stage: str) -> Optional[str]:
+    """This evaluation's uncertain frames (collected in COLLECTING), in the input's order, moved into ``stage`` to
+    become ``uncertain.extxyz`` with the other files: until then the earlier collection stays, so a stopped or killed
+    evaluation loses no frames gathered for labelling. None when none were found."""
     from orb.inference.uncertainty import UncertainFrames
 
-    collected, final = os.path.join(out_dir, COLLECTING), os.path.join(out_dir, "uncertain.extxyz")
-    if os.path.exists(collected):
-        UncertainFrames(out_dir, COLLECTING).order_by(lambda info: info.get("source_row", 0))  # the input's order
-        os.replace(collected, final)
-    elif os.path.exists(final):
-        os.remove(final)
-    fsync_directory(out_dir)
-    return [final] if os.path.exists(final) else []
+    collected = os.path.join(out_dir, COLLECTING)
+    if not os.path.exists(collected):
+        return None
+    UncertainFrames(out_dir, COLLECTING).order_by(lambda info: info.get("source_row", 0))
+    staged = os.path.join(stage, "uncertain.extxyz")
+    os.replace(collected, staged)
+    return staged
 
 
 def evaluation_files() -> List[str]:
