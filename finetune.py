@@ -12,17 +12,19 @@ with listen().exit_on_stop():  # the imports take 0.3 s and more on a cold share
     from orb.training.cli import run
     from orb.device import configure_mindspore
     from orb.training.outputs import prepare_output_dir, setup_logging
+    from orb.files import sole_writer
 
 
 def fine_tune(cfg, args) -> None:
     configure_mindspore(cfg.device_target, cfg.device_id, cfg.num_threads, precision=cfg.precision,
                         deterministic=cfg.deterministic)
-    prepare_output_dir(cfg.output_dir, resume=bool(args.resume), overwrite=args.overwrite)
-    setup_logging(cfg.output_dir)
+    with sole_writer(cfg.output_dir, "output_dir"):  # the same job submitted twice: the second is refused
+        prepare_output_dir(cfg.output_dir, resume=bool(args.resume), overwrite=args.overwrite)
+        setup_logging(cfg.output_dir)
 
-    from orb.training.setup import build_trainer
+        from orb.training.setup import build_trainer
 
-    build_trainer(cfg, resume=args.resume or None, accept_config_changes=args.accept_config_changes).fit()
+        build_trainer(cfg, resume=args.resume or None, accept_config_changes=args.accept_config_changes).fit()
 
 
 def main(argv=None) -> int:

@@ -5,6 +5,7 @@
 The same run as ``finetune.py`` (one shared trainer, built by ``orb.training.setup``); what data parallelism adds is numbered below.
 """
 
+import contextlib
 import os
 import sys
 
@@ -17,6 +18,7 @@ with listen().exit_on_stop():  # the imports take 0.3 s and more on a cold share
     from orb.training.distributed import DataParallel
     from orb.training.launch import DEFAULT_CONFIG, WORKER_EXIT_LINE
     from orb.training.outputs import check_output_dir, prepare_output_dir, setup_logging
+    from orb.files import sole_writer
 
 _rank = 0
 
@@ -69,14 +71,15 @@ def fine_tune(cfg, args) -> None:
     #    Every rank computes every part, so all ranks pad each step to the same shape.
 
     # 5. Rank 0 alone writes train.log, metrics.jsonl and checkpoints (the others log to msrun's worker logs).
-    if data_parallel.is_main:
-        prepare_output_dir(cfg.output_dir, resume=bool(args.resume), overwrite=args.overwrite)
-    setup_logging(cfg.output_dir, data_parallel.is_main, rank)
+    with sole_writer(cfg.output_dir, "output_dir") if data_parallel.is_main else contextlib.nullcontext():
+        if data_parallel.is_main:
+            prepare_output_dir(cfg.output_dir, resume=bool(args.resume), overwrite=args.overwrite)
+        setup_logging(cfg.output_dir, data_parallel.is_main, rank)
 
-    from orb.training.setup import build_trainer
+        from orb.training.setup import build_trainer
 
-    build_trainer(cfg, data_parallel, resume=args.resume or None,
-                  accept_config_changes=args.accept_config_changes).fit()
+        build_trainer(cfg, data_parallel, resume=args.resume or None,
+                      accept_config_changes=args.accept_config_changes).fit()
 
 
 def main(argv=None) -> int:

@@ -376,6 +376,51 @@ LOCK_MAX_WAIT = 1800.0  # s: then the block runs without the lock (a holder stop
 
 
 @contextlib.contextmanager
+def sole_writer(output: str, flag: str) -> Iterator[None]:
+    """This process alone writes ``output`` (a file or a folder) during the block: another command writing it at the
+    same time (the same job submitted twice, a requeue while the first still runs) is refused in one line naming the
+    holder (:class:`~orb.errors.OrbInputError`), instead of both writing (one run's checkpoints over the other's,
+    relaxed rows twice, one study's results over the other's). The lock is a file beside the output,
+    ``.<name>.writer`` (an exclusive ``fcntl.flock``, which the kernel or the file server releases when its holder
+    ends, killed or not), removed when the block ends. Where it cannot be made (no folder yet, a read-only one) or
+    the file system has no locks, the output is not guarded."""
+    import fcntl
+
+    from orb.errors import OrbInputError
+
+    path = os.path.abspath(output)
+    lock_path = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.writer")
+    try:
+        handle = open(lock_path, "a+")
+    except OSError:
+        yield
+        return
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise OrbInputError(f"{flag} {output} is being written by another command ({holder}, which holds "
+                                f"{lock_path}): wait for it to end, or choose another {flag}") from None
+        except OSError:  # ENOLCK, EINVAL: a file system without locks
+            yield
+            return
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"process {owner_tag()}")
+        handle.flush()
+        try:
+            yield
+        finally:
+            try:  # removed while still held (the block has written all it writes): no taker meets a stale one
+                if os.path.samestat(os.fstat(handle.fileno()), os.stat(lock_path)):
+                    os.remove(lock_path)
+            except OSError:
+                pass
+
+
+@contextlib.contextmanager
 def exclusive(lock_path: str, waiting: str, say: Callable[[str], None] = log.info,
               give_up: Callable[[], bool] = lambda: False, max_wait: Optional[float] = None) -> Iterator[bool]:
     """The block run by one process at a time among those that take ``lock_path`` (an empty file, made if missing,

@@ -388,6 +388,13 @@ def study(argv) -> int:
         f"{args.kind} {args.target}".replace("fcc ", "")
     out = args.out or os.path.join(ROOT, "runs", f"strategies_{args.demo}_{target.replace(',', '').replace(' ', '_')}")
     os.makedirs(out, exist_ok=True)
+    from orb.files import sole_writer
+
+    with sole_writer(out, "--out"):  # (the same study started twice: the second is refused)
+        return run_study(args, out, names, target)
+
+
+def run_study(args, out: str, names: List[str], target: str) -> int:
     from orb.files import write_json
 
     refusal = same_study_or_refusal(args, out)

@@ -556,3 +556,48 @@ def test_orb_plot_ends_on_a_stop_signal_with_one_line_and_75(tmp_path):
     _, err = process.communicate(timeout=120)
     assert process.returncode == 75 and err.strip().splitlines()[-1].startswith("stopped by SIGUSR1"), err[-2000:]
     assert os.listdir(tmp_path) == []
+
+
+HOLDER = """
+import sys, time
+from orb.files import sole_writer
+
+with sole_writer(sys.argv[1], "--output"):
+    print("holding", flush=True)
+    time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("command", ["finetune", "relax", "md", "evaluate"])
+def test_a_second_command_writing_the_same_output_at_once_is_refused(tmp_path, command):
+    """The same job submitted twice (or a requeue while the first still runs): both wrote one output, the second
+    resuming from the first's checkpoints and both replacing them in turn, orb-relax writing every row twice, orb-md
+    appending to the same trajectories, evaluations deleting each other's collected frames. Now the second is
+    refused in one line naming the first (exit 2); the first's lock goes with it."""
+    output = tmp_path / {"finetune": "run", "relax": "relaxed.db", "md": "md", "evaluate": "eval"}[command]
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(output)], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=ROOT))
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        args = {"finetune": ["finetune.py", "--config", "configs/demo.yaml", "--output_dir", str(output),
+                             "--max_epochs", "1"],
+                "relax": ["scripts/relax.py", "--checkpoint", "data/demo_pretrained.ckpt", "--data", DEMO_VAL,
+                          "--output", str(output), "--steps", "1"],
+                "md": ["scripts/md.py", "--checkpoint", "data/demo_pretrained.ckpt", "--data", DEMO_VAL, "--output",
+                       str(output), "--steps", "1", "--timestep", "1"],
+                "evaluate": ["scripts/evaluate.py", "--checkpoint", "data/demo_pretrained.ckpt", "--data", DEMO_VAL,
+                             "--output_dir", str(output)]}[command]
+        second = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        lines = second.stderr.strip().splitlines()
+        assert second.returncode == 2 and lines[-1].startswith("error: ") and \
+            f"{output} is being written by another command (process {holder.pid}@" in lines[-1], second.stderr[-2000:]
+        assert not output.exists() or not os.listdir(output)  # (nothing written into the first's output)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert [name for name in os.listdir(tmp_path) if name.endswith(".writer")] == [f".{output.name}.writer"]
+    from orb.files import sole_writer
+
+    with sole_writer(str(output), "--output"):  # the killed holder's lock file blocks nobody (the kernel let it go)
+        pass
+    assert not [name for name in os.listdir(tmp_path) if name.endswith(".writer")]  # and a finished writer's goes

@@ -242,7 +242,7 @@ def evaluate(args) -> int:
     import_mindspore()  # first: what the other imports need, with a stop signal honoured after it
     from orb.data.formats import LabelKeys
     from orb.device import configure_mindspore, set_ops_profile
-    from orb.files import refuse_overwriting_inputs
+    from orb.files import refuse_overwriting_inputs, sole_writer
     from orb.inference.dispersion import check_dispersion
     from orb.io.checkpoint import check_checkpoint_file
     from orb.reports.evaluation import errors_by_element, print_element_table
@@ -275,18 +275,19 @@ def evaluate(args) -> int:
     replaced = set(evaluation_files() + ["uncertain.extxyz", COLLECTING])
     refuse_overwriting_inputs([("--output_dir", out_dir, replaced.__contains__)],
                               [("--data", args.data), ("--checkpoint", args.checkpoint), ("--compare", args.compare)])
-    try:
-        runs = {name: predict_dataset(path, args, keys, show, out_dir if name == names[0] else "")
-                for name, path in zip(names, checkpoints)}
-        with STOP.deferred():  # every file, then the stop (a stop between two files left two evaluations' files)
-            summary, written = summarise_and_write(args, names, runs, out_dir, target)
-        if STOP.received is not None:
-            print(f"{STOP.received} received while the results were written: the evaluation is complete",
-                  file=sys.stderr)
-    except BaseException:  # a stop, a failure, bad input: this evaluation's collection goes (the earlier one stays)
-        if os.path.exists(os.path.join(out_dir, COLLECTING)):
-            os.remove(os.path.join(out_dir, COLLECTING))
-        raise
+    with sole_writer(out_dir, "--output_dir"):  # (another evaluation into it at the same time: refused)
+        try:
+            runs = {name: predict_dataset(path, args, keys, show, out_dir if name == names[0] else "")
+                    for name, path in zip(names, checkpoints)}
+            with STOP.deferred():  # every file, then the stop (a stop between two files left two evaluations')
+                summary, written = summarise_and_write(args, names, runs, out_dir, target)
+            if STOP.received is not None:
+                print(f"{STOP.received} received while the results were written: the evaluation is complete",
+                      file=sys.stderr)
+        except BaseException:  # a stop, a failure, bad input: this evaluation's collection goes (the earlier stays)
+            if os.path.exists(os.path.join(out_dir, COLLECTING)):
+                os.remove(os.path.join(out_dir, COLLECTING))
+            raise
     tables = {name: errors_by_element(run[0]) for name, run in runs.items()}
     if args.compare:
         print_comparison(summary, summary["compare"], names)

@@ -426,9 +426,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     def body() -> int:
         from orb.device import quiet_mindspore
 
+        from orb.files import sole_writer
+
         quiet_mindspore()
         args = parse_arguments(argv)
-        summary = md(args)
+        with sole_writer(args.output, "--output"):  # (another orb-md into it at the same time: refused)
+            summary = md(args)
         done = sum(s["status"] == "done" for s in summary["structures"])
         print(f"{done} of {len(summary['structures'])} structures ran {args.steps} steps ({summary['model_calls']} "
               f"model calls); {args.output}/summary.json")

@@ -375,8 +375,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def parse_and_relax(argv: Optional[List[str]]) -> int:
     args = build_parser().parse_args(argv)
+    from orb.files import sole_writer
+
     args.data = args.data[0] if len(args.data) == 1 else args.data
-    summary = relax(args)
+    with sole_writer(args.output, "--output"):  # (another orb-relax into it at the same time: refused)
+        summary = relax(args)
     print(f"relaxed {summary['relaxed_now']} structures in {summary['seconds']:.1f} s "
           f"({summary['structures_per_second']:.2f}/s, {summary['model_calls']} model calls); {args.output} holds "
           f"{summary['structures']}: {summary['converged']} converged, {len(summary['not_converged_rows'])} not "
