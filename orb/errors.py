@@ -7,6 +7,11 @@ class OrbInputError(ValueError):
     """Bad user input: a database row, a structure, a config key or a checkpoint."""
 
 
+class OutputBusy(OrbInputError):
+    """An output another command is writing at the same time (:func:`orb.files.sole_writer`): the refused command
+    touches nothing of it."""
+
+
 class DatasetError(OrbInputError):
     """A problem with an ASE database or one of its rows."""
 

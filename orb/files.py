@@ -379,45 +379,75 @@ LOCK_MAX_WAIT = 1800.0  # s: then the block runs without the lock (a holder stop
 def sole_writer(output: str, flag: str) -> Iterator[None]:
     """This process alone writes ``output`` (a file or a folder) during the block: another command writing it at the
     same time (the same job submitted twice, a requeue while the first still runs) is refused in one line naming the
-    holder (:class:`~orb.errors.OrbInputError`), instead of both writing (one run's checkpoints over the other's,
+    holder (:class:`~orb.errors.OutputBusy`), instead of both writing (one run's checkpoints over the other's,
     relaxed rows twice, one study's results over the other's). The lock is a file beside the output,
     ``.<name>.writer`` (an exclusive ``fcntl.flock``, which the kernel or the file server releases when its holder
-    ends, killed or not), removed when the block ends. Where it cannot be made (no folder yet, a read-only one) or
-    the file system has no locks, the output is not guarded."""
-    import fcntl
-
-    from orb.errors import OrbInputError
-
+    ends, killed or not; its folder is made if missing), removed when the block ends. Where it cannot be made (a
+    read-only folder) or the file system has no locks, the output is not guarded."""
     path = os.path.abspath(output)
     lock_path = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.writer")
-    try:
-        handle = open(lock_path, "a+")
-    except OSError:
+    handle = _held_lock(lock_path, output, flag)
+    if handle is None:
         yield
         return
-    with handle:
+    try:
+        yield
+    finally:
+        try:  # removed while still held (the block has written all it writes); a taker checks it locked the file
+            if os.path.samestat(os.fstat(handle.fileno()), os.stat(lock_path)):  # that is there (_held_lock)
+                os.remove(lock_path)
+        except OSError:
+            pass
+        handle.close()
+
+
+def _held_lock(lock_path: str, output: str, flag: str):
+    """The open lock file, locked by this process (None: not guarded); :class:`OutputBusy` when another holds it."""
+    import fcntl
+
+    from orb.errors import OutputBusy
+
+    for _ in range(20):  # (a holder that removed the file between this open and this lock: open the new one)
+        try:
+            os.makedirs(os.path.dirname(lock_path), exist_ok=True)
+            try:
+                handle, mine = open(lock_path, "a+"), True
+            except PermissionError:  # another user's lock file: flock needs no write access
+                handle, mine = open(lock_path, "r"), False
+        except OSError:
+            return None
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.seek(0)
             holder = handle.read().strip() or "another process"
-            raise OrbInputError(f"{flag} {output} is being written by another command ({holder}, which holds "
-                                f"{lock_path}): wait for it to end, or choose another {flag}") from None
+            handle.close()
+            raise OutputBusy(f"{flag} {output} is being written by another command ({holder}, which holds "
+                             f"{lock_path}): wait for it to end, or choose another {flag} (if that node is down, "
+                             f"remove {lock_path})") from None
         except OSError:  # ENOLCK, EINVAL: a file system without locks
-            yield
-            return
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"process {owner_tag()}")
-        handle.flush()
-        try:
-            yield
-        finally:
-            try:  # removed while still held (the block has written all it writes): no taker meets a stale one
-                if os.path.samestat(os.fstat(handle.fileno()), os.stat(lock_path)):
+            handle.close()
+            if mine:
+                with contextlib.suppress(OSError):
                     os.remove(lock_path)
-            except OSError:
-                pass
+            return None
+        try:
+            if not os.path.samestat(os.fstat(handle.fileno()), os.stat(lock_path)):
+                handle.close()
+                continue
+            if mine:
+                handle.seek(0)
+                handle.truncate()
+                handle.write(f"process {owner_tag()}")
+                handle.flush()
+        except FileNotFoundError:  # (removed by its holder as it ended)
+            handle.close()
+            continue
+        except BaseException:
+            handle.close()
+            raise
+        return handle
+    return None
 
 
 @contextlib.contextmanager

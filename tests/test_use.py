@@ -573,8 +573,14 @@ def test_a_second_command_writing_the_same_output_at_once_is_refused(tmp_path, c
     """The same job submitted twice (or a requeue while the first still runs): both wrote one output, the second
     resuming from the first's checkpoints and both replacing them in turn, orb-relax writing every row twice, orb-md
     appending to the same trajectories, evaluations deleting each other's collected frames. Now the second is
-    refused in one line naming the first (exit 2); the first's lock goes with it."""
+    refused in one line naming the first (exit 2), touching nothing of the first's (the refused fine-tuning removed a
+    run's files as its own before the first step); the first's lock goes with it."""
     output = tmp_path / {"finetune": "run", "relax": "relaxed.db", "md": "md", "evaluate": "eval"}[command]
+    if command != "relax":  # what the first has written so far (a fine-tuning before its first step: its log)
+        output.mkdir()
+        for name in ("train.log", "metrics.jsonl") if command == "finetune" else ("first.txt",):
+            (output / name).write_text("the first's\n")
+    first = sorted(os.listdir(output)) if output.exists() else []
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(output)], stdout=subprocess.PIPE, text=True,
                               env=dict(os.environ, PYTHONPATH=ROOT))
     try:
@@ -591,7 +597,7 @@ def test_a_second_command_writing_the_same_output_at_once_is_refused(tmp_path, c
         lines = second.stderr.strip().splitlines()
         assert second.returncode == 2 and lines[-1].startswith("error: ") and \
             f"{output} is being written by another command (process {holder.pid}@" in lines[-1], second.stderr[-2000:]
-        assert not output.exists() or not os.listdir(output)  # (nothing written into the first's output)
+        assert (sorted(os.listdir(output)) if output.exists() else []) == first  # (the first's output untouched)
     finally:
         holder.kill()
         holder.wait()
@@ -601,3 +607,39 @@ def test_a_second_command_writing_the_same_output_at_once_is_refused(tmp_path, c
     with sole_writer(str(output), "--output"):  # the killed holder's lock file blocks nobody (the kernel let it go)
         pass
     assert not [name for name in os.listdir(tmp_path) if name.endswith(".writer")]  # and a finished writer's goes
+
+
+def test_one_writer_even_when_the_holder_ends_as_another_takes_over_and_in_a_new_folder(tmp_path, monkeypatch):
+    """The lock file beside an output: in a folder not made yet, the first command was not guarded (the default
+    outputs/ and evaluation/ of a fresh checkout), and a holder that removed it as it ended let the one that had opened
+    it meanwhile lock the removed file while a third made and locked a new one: two writers. Now the folder is made,
+    and a taker checks that the file it locked is the one there."""
+    import fcntl
+
+    from orb.errors import OutputBusy
+    from orb.files import sole_writer
+
+    output = tmp_path / "not" / "made" / "run"
+    lock = output.parent / ".run.writer"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(output)], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=ROOT))
+    assert holder.stdout.readline().strip() == "holding"  # (it made the folder: guarded from the first command)
+    with pytest.raises(OutputBusy, match=f"process {holder.pid}@"):
+        with sole_writer(str(output), "--output"):
+            pass
+    real = fcntl.flock
+
+    def holder_ends_first(handle, mode):  # the holder removes its lock file and ends between this open and lock
+        if holder.poll() is None:
+            os.remove(lock)
+            holder.kill()
+            holder.wait()
+        return real(handle, mode)
+
+    monkeypatch.setattr(fcntl, "flock", holder_ends_first)
+    with sole_writer(str(output), "--output"):
+        monkeypatch.setattr(fcntl, "flock", real)
+        third = subprocess.run([sys.executable, "-c", HOLDER, str(output)], capture_output=True, text=True,
+                               timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
+        assert third.returncode == 1 and "is being written by another command" in third.stderr, third.stdout
+    assert not lock.exists()

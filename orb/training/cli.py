@@ -8,7 +8,7 @@ import textwrap
 from typing import Callable, List, Optional, Tuple
 
 from orb.bundled import printable_template, templates_line
-from orb.errors import ConfigError, OrbInputError, RunError
+from orb.errors import ConfigError, OrbInputError, OutputBusy, RunError
 from orb.training.config import TrainConfig, check_training_data, load_config
 from orb.training.outputs import check_outputs_apart, discard_unstarted
 from orb.signals import STOP, Stopped, deliver_stop_signals, file_system_failure, listen
@@ -109,7 +109,8 @@ def run(argv: Optional[List[str]], default_config: Optional[str],
         print(f"{stop}", file=sys.stderr)
         return stop.status
     except OrbInputError as exc:
-        if is_main():  # into train.log too, when it is open (a resumed run keeps it)
+        if is_main() and not isinstance(exc, OutputBusy):  # into train.log too, when open (a resumed run keeps it);
+            # (refused because another run writes output_dir: that run's files, not this one's to touch)
             record = log.makeRecord("orb", logging.ERROR, __file__, 0, "%s", (exc,), None)
             for handler in log.handlers:
                 if isinstance(handler, logging.FileHandler):
