@@ -243,7 +243,7 @@ def file_system_failure(exc: OSError, resume_hint: str = "") -> Optional[str]:
     OSError (a fault whose traceback must show)."""
     import errno
 
-    if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS):
+    if not out_of_space(exc) and exc.errno != errno.EROFS:
         return None
     where = f" ({exc.filename})" if exc.filename else ""
     advice = ("free space, then run the same command again" + (f" ({resume_hint})" if resume_hint else "")
