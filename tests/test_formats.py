@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -109,6 +110,44 @@ def test_indexed_once_and_again_when_the_file_changes(tmp_path, cache):
     from orb.data.dataset import AseDbDataset
 
     assert len(AseDbDataset(second)) == 4
+
+
+def test_a_copy_staged_elsewhere_finds_the_index_and_names_its_own_files(tmp_path, cache, caplog):
+    """A job that copies its data to a per-job scratch folder (new path, new times) indexed it again at every start:
+    the index was keyed by the files' paths. Now by their content: the copy reads the first job's index, and every
+    message (a data worker's too) names the copy, even once the first folder is gone; other content is its own."""
+    import logging
+    import pickle
+
+    import ase.io
+
+    from orb.data.dataset import AseDbDataset
+    from orb.data.formats import readable_database
+
+    frames = demo_frames()
+    first_job, staged, other = tmp_path / "job1", tmp_path / "job2", tmp_path / "other"
+    for folder in (first_job, staged, other):
+        folder.mkdir()
+    ase.io.write(first_job / "val.extxyz", frames, format="extxyz")
+    ase.io.write(first_job / "more.extxyz", frames[:3], format="extxyz")
+    index = readable_database(str(first_job))
+    stamp = os.stat(index).st_mtime_ns
+    time.sleep(0.01)
+    for name in ("val.extxyz", "more.extxyz"):
+        shutil.copy(first_job / name, staged / name)  # (new times, as cp gives)
+    shutil.rmtree(first_job)
+    with caplog.at_level(logging.INFO, logger="orb"):
+        assert readable_database(str(staged)) == index
+    assert os.stat(index).st_mtime_ns == stamp and not [r for r in caplog.records if "indexed" in r.message]
+    data = AseDbDataset(index)
+    in_worker = pickle.loads(pickle.dumps(data))
+    for dataset in (data, in_worker):
+        assert dataset.where(3 + 2) == f"{staged / 'val.extxyz'}, frame 1"  # (sorted: more, then val)
+        assert dataset.error_at("bad", 2).args[0].startswith(str(staged / "more.extxyz"))
+    frames[1].positions[0, 0] += 1e-3  # (one coordinate: the same size, other content)
+    ase.io.write(other / "val.extxyz", frames, format="extxyz")
+    shutil.copy(staged / "more.extxyz", other / "more.extxyz")
+    assert readable_database(str(other)) != index
 
 
 

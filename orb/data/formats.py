@@ -4,7 +4,8 @@ through the project's ASE SQLite reader.
 
 A file that is not ASE SQLite is indexed once: its frames are copied, with their labels picked by
 the configured keys, into an ASE SQLite database in the project's cache (``ORB_CACHE_DIR``),
-named by the files' identity (path, size, modification time) and the keys. Every later start,
+named by the files' identity (names, sizes, modification times; not their folder: a copy staged to a
+node's scratch disk that keeps the times finds it) and the keys. Every later start,
 and every data-parallel rank, reads that copy: random access per row as fast as SQLite's, the
 neighbour counts and the row census cached per file as for any database. Bad input is one line
 naming the file, the frame and the key.
@@ -27,7 +28,8 @@ from urllib.parse import quote
 import numpy as np
 
 from orb import cache
-from orb.data.sqlite_rows import (CHECKSUMS, INDEX_KIND, JOURNAL_AGE, add_checksums, change_counters,
+from orb.data.digests import files_identity
+from orb.data.sqlite_rows import (CHECKSUMS, INDEX_KIND, JOURNAL_AGE, add_checksums, name_sources,
                                   roll_back_unfinished_write)
 from orb.errors import DatasetError
 
@@ -132,12 +134,13 @@ def readable_database(path: Union[str, Sequence[str]], keys: LabelKeys = LabelKe
     if len(files) == 1 and is_sqlite(files[0]):
         database_keys(files[0], keys)
         return files[0]
-    identity = tuple((os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns, change_counters(f)) for f in files
-                     + [f + "-wal" for f in files if os.path.exists(f + "-wal")])  # SQLite's rows not yet in it
+    wal = [f + "-wal" for f in files if os.path.exists(f + "-wal")]  # (an ASE SQLite's rows not yet in it)
+    identity = files_identity(files + wal)
     libraries = ("ase", "ase-db-backends") if any(f.endswith(".aselmdb") for f in files) else ("ase",)
     entry = cache.CacheEntry(INDEX_KIND, INDEX_CODE, (identity, keys), ".db", libraries)
     found = entry.read(lambda p: p, _complete_index)
     if found is not None:
+        name_sources(found, files)
         return found
     counted = []
 
@@ -149,6 +152,7 @@ def readable_database(path: Union[str, Sequence[str]], keys: LabelKeys = LabelKe
         raise DatasetError(describe_path(path), "cannot index it: no writable cache folder, or writing there failed "
                            f"({', '.join(cache.cache_dirs(INDEX_KIND))}; set ORB_CACHE_DIR)")
     log.info("indexed %s: %d structures, kept in %s", describe_path(path), counted[0], target)
+    name_sources(target, files)
     return target
 
 

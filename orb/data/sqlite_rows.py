@@ -73,6 +73,14 @@ TABLE_QUERIES = {
 }
 INDEX_KIND = "converted"  # the project cache's subfolder of indexes (orb.data.formats): the only files checked
 BIG_ENDIAN = not np.little_endian
+_NAMED_HERE: Dict[str, List[str]] = {}  # a cached index's real path -> the files this process's user named for it
+
+
+def name_sources(index: str, files: Sequence[str]) -> None:
+    """The files this process's user named for the cached index ``index`` (``orb.data.formats``, which finds an index
+    by its files' content): its readers' messages name them, not the paths it was made from (another job's
+    scratch folder, gone since)."""
+    _NAMED_HERE[os.path.realpath(index)] = [os.path.abspath(f) for f in files]
 
 
 def row_checksum(values: Sequence) -> int:
@@ -333,9 +341,11 @@ class RowReader:
         self._checked: Optional[bool] = None  # whether its rows have checksums (an index's), known once connected
         self._sources: Optional[list] = None
         self._source_rows: Dict[str, list] = {}
+        self._named = _NAMED_HERE.get(os.path.realpath(path))  # (taken along to the data workers)
 
     def __getstate__(self):  # each process (data worker) opens its own
-        return {"path": self.path, "_connection": None, "_checked": None, "_sources": None, "_source_rows": {}}
+        return {"path": self.path, "_connection": None, "_checked": None, "_sources": None, "_source_rows": {},
+                "_named": self._named}
 
     @property
     def immutable(self) -> bool:
@@ -386,7 +396,8 @@ class RowReader:
                 raise self._damaged(None, f"its {name} do not match their checksum")
 
     def sources(self) -> list:
-        """[(file, frames), ...] of a database indexed from other files (``orb.data.formats``), else []."""
+        """[(file, frames), ...] of a database indexed from other files (``orb.data.formats``), else []; the files as
+        this run named them (:func:`name_sources`)."""
         if self._sources is None:
             found = self.query("SELECT value FROM information WHERE name = 'metadata'")
             try:
@@ -395,6 +406,8 @@ class RowReader:
                 self._source_rows = metadata.get("orb_source_rows", {})
             except (ValueError, AttributeError):
                 self._sources, self._source_rows = [], {}
+            if self._named and len(self._named) == len(self._sources):
+                self._sources = [[named, frames] for named, (_, frames) in zip(self._named, self._sources)]
         return self._sources
 
     def origin_locator(self):
