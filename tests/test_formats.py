@@ -137,9 +137,10 @@ def test_a_copy_staged_elsewhere_finds_the_index_and_names_its_own_files(tmp_pat
         shutil.copy(first_job / name, staged / name)  # (new times, as cp gives)
     shutil.rmtree(first_job)
     with caplog.at_level(logging.INFO, logger="orb"):
-        assert readable_database(str(staged)) == index
+        found = readable_database(str(staged))
+        assert found == index
     assert os.stat(index).st_mtime_ns == stamp and not [r for r in caplog.records if "indexed" in r.message]
-    data = AseDbDataset(index)
+    data = AseDbDataset(found)
     in_worker = pickle.loads(pickle.dumps(data))
     for dataset in (data, in_worker):
         assert dataset.where(3 + 2) == f"{staged / 'val.extxyz'}, frame 1"  # (sorted: more, then val)
@@ -728,3 +729,83 @@ def test_rows_an_sqlite_file_holds_in_its_write_ahead_log_are_indexed(tmp_path, 
     again = readable_database([db, other])
     assert again != first and [row.energy for row in ase.db.connect(again).select()] == [-1.0, -3.0, -2.0]
     reader.close()
+
+
+def test_a_file_changed_while_indexed_keeps_no_index_and_a_log_belongs_to_its_own_database(tmp_path, cache,
+                                                                                           monkeypatch):
+    """Keyed by content, an index must hold the content it is filed under: a file still growing while it was indexed
+    (hashed with 8 frames, read with 16) filed the 16-row index under the 8-frame digest, which a complete copy
+    of those 8 frames elsewhere then read. A database's -wal belongs to that database: the same log beside the
+    other of two identical databases is other data. An unreadable file is one line naming it."""
+    import sqlite3
+
+    import ase.db
+    import ase.io
+    from ase.build import bulk
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    import orb.data.digests as digests
+    import orb.data.formats as formats
+    from orb.data.dataset import AseDbDataset
+    from orb.data.formats import readable_database
+    from orb.errors import DatasetError
+
+    frames = (demo_frames() * 4)[:16]
+    live, snapshot = tmp_path / "live", tmp_path / "snapshot"
+    live.mkdir(), snapshot.mkdir()
+    ase.io.write(live / "data.extxyz", frames[:8], format="extxyz")
+    shutil.copy2(live / "data.extxyz", snapshot / "data.extxyz")
+    convert = formats._convert
+
+    def appended_meanwhile(*args, **kwargs):
+        ase.io.write(live / "data.extxyz", frames[8:], format="extxyz", append=True)
+        return convert(*args, **kwargs)
+
+    monkeypatch.setattr(formats, "_convert", appended_meanwhile)
+    with pytest.raises(DatasetError, match="changed while it was indexed"):
+        readable_database(str(live))
+    monkeypatch.setattr(formats, "_convert", convert)
+    assert len(AseDbDataset(readable_database(str(snapshot)))) == 8
+    assert len(AseDbDataset(readable_database(str(live)))) == 16
+
+    def cu(energy, element="Cu"):
+        atoms = bulk(element, "fcc", a=3.6)
+        atoms.calc = SinglePointCalculator(atoms, energy=energy, forces=np.zeros((1, 3)))
+        return atoms
+
+    base = str(tmp_path / "base.db")
+    with ase.db.connect(base) as db:
+        for k in range(3):
+            db.write(cu(-float(k)))
+    connection = sqlite3.connect(base)
+    connection.execute("PRAGMA journal_mode=WAL")  # (in the file's header: every copy in WAL mode alike)
+    connection.close()
+    first, second = tmp_path / "X", tmp_path / "Y"
+    for folder in (first, second):
+        folder.mkdir()
+        for name in ("a.db", "b.db"):
+            shutil.copy(base, folder / name)
+    reader = sqlite3.connect(str(first / "a.db"))  # (a reader keeps the log: no checkpoint at the writer's close)
+    reader.execute("SELECT count(*) FROM systems").fetchall()
+    ase.db.connect(str(first / "a.db")).write(cu(-9.0, "Ni"))
+    shutil.copy(str(first / "a.db") + "-wal", str(second / "b.db") + "-wal")  # the same log, beside b.db
+    one = readable_database([str(first / "a.db"), str(first / "b.db")])
+    reader.close()
+    other = readable_database([str(second / "a.db"), str(second / "b.db")])
+    assert other != one
+    assert AseDbDataset(other).where(7) == f"{second / 'b.db'}, row 4"  # (its Ni row: a.db's 3, then b.db's 4th)
+
+    unreadable = tmp_path / "unreadable"
+    unreadable.mkdir()
+    ase.io.write(unreadable / "a.extxyz", frames[:2], format="extxyz")
+    ase.io.write(unreadable / "b.extxyz", frames[2:4], format="extxyz")
+
+    def refused(path, *args, **kwargs):
+        if str(path).endswith("b.extxyz"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return open(path, *args, **kwargs)
+
+    monkeypatch.setattr(digests, "open", refused, raising=False)
+    with pytest.raises(DatasetError) as refusal:
+        readable_database(str(unreadable))
+    assert str(refusal.value) == f"{unreadable / 'b.extxyz'}: cannot read it (Permission denied)"

@@ -80,7 +80,7 @@ class AseDbDataset:
         self.float64 = False  # graphs in float64 (precision float64: set by the model's user)
         self.label_table: Optional[LabelTable] = None
         check_sqlite_file(self.path)
-        self.rows = RowReader(self.path)
+        self.rows = RowReader(path if isinstance(path, str) else self.path)
         self.sources: list = self.rows.sources()
         self.charge_spin_keys = tuple(charge_spin_keys) if not self.sources else ("charge", "spin")  # where read
         self.charge_spin_names = tuple(charge_spin_keys)  # what the user calls them (for messages)

@@ -4,9 +4,8 @@ through the project's ASE SQLite reader.
 
 A file that is not ASE SQLite is indexed once: its frames are copied, with their labels picked by
 the configured keys, into an ASE SQLite database in the project's cache (``ORB_CACHE_DIR``),
-named by the files' identity (names, sizes, modification times; not their folder: a copy staged to a
-node's scratch disk that keeps the times finds it) and the keys. Every later start,
-and every data-parallel rank, reads that copy: random access per row as fast as SQLite's, the
+named by the files' content (sha256: a copy staged to a job's scratch folder finds it) and the keys. Every later
+start, and every data-parallel rank, reads that copy: random access per row as fast as SQLite's, the
 neighbour counts and the row census cached per file as for any database. Bad input is one line
 naming the file, the frame and the key.
 
@@ -28,7 +27,7 @@ from urllib.parse import quote
 import numpy as np
 
 from orb import cache
-from orb.data.digests import files_identity
+from orb.data.digests import file_stamps, files_identity
 from orb.data.sqlite_rows import (CHECKSUMS, INDEX_KIND, JOURNAL_AGE, add_checksums, name_sources,
                                   roll_back_unfinished_write)
 from orb.errors import DatasetError
@@ -134,26 +133,30 @@ def readable_database(path: Union[str, Sequence[str]], keys: LabelKeys = LabelKe
     if len(files) == 1 and is_sqlite(files[0]):
         database_keys(files[0], keys)
         return files[0]
-    wal = [f + "-wal" for f in files if os.path.exists(f + "-wal")]  # (an ASE SQLite's rows not yet in it)
-    identity = files_identity(files + wal)
+    owners = [i for i, f in enumerate(files) if os.path.exists(f + "-wal")]  # (an ASE SQLite's rows not yet in it)
+    digests = files_identity(files + [files[i] + "-wal" for i in owners])
+    identity = (digests[:len(files)], tuple(zip(owners, digests[len(files):])))  # (each log with its database)
+    plain = [f for f in files if not is_sqlite(f)]  # (an ASE SQLite in a list is checkpointed by ase's reader)
+    before = file_stamps(plain)
     libraries = ("ase", "ase-db-backends") if any(f.endswith(".aselmdb") for f in files) else ("ase",)
     entry = cache.CacheEntry(INDEX_KIND, INDEX_CODE, (identity, keys), ".db", libraries)
     found = entry.read(lambda p: p, _complete_index)
     if found is not None:
-        name_sources(found, files)
-        return found
+        return name_sources(found, files)
     counted = []
 
     def convert(tmp: str) -> None:
         counted.append(_convert(files, keys, tmp, sys.stderr.isatty() if progress is None else progress))
+        if file_stamps(plain) != before:  # (kept under the digests of what was hashed, it would be another's index)
+            raise DatasetError(describe_path(path), "changed while it was indexed (a copy or a write still under "
+                               "way?): run again once it is complete")
 
     target = entry.write(convert, f"index of {describe_path(path)}")
     if target is None:
         raise DatasetError(describe_path(path), "cannot index it: no writable cache folder, or writing there failed "
                            f"({', '.join(cache.cache_dirs(INDEX_KIND))}; set ORB_CACHE_DIR)")
     log.info("indexed %s: %d structures, kept in %s", describe_path(path), counted[0], target)
-    name_sources(target, files)
-    return target
+    return name_sources(target, files)
 
 
 def label_keys_apply(paths: Sequence) -> bool:

@@ -76,11 +76,17 @@ BIG_ENDIAN = not np.little_endian
 _NAMED_HERE: Dict[str, List[str]] = {}  # a cached index's real path -> the files this process's user named for it
 
 
-def name_sources(index: str, files: Sequence[str]) -> None:
+class IndexPath(str):
+    """A cached index's path, carrying the files this call named for it (``named``: :func:`name_sources`)."""
+
+
+def name_sources(index: str, files: Sequence[str]) -> "IndexPath":
     """The files this process's user named for the cached index ``index`` (``orb.data.formats``, which finds an index
     by its files' content): its readers' messages name them, not the paths it was made from (another job's
     scratch folder, gone since)."""
-    _NAMED_HERE[os.path.realpath(index)] = [os.path.abspath(f) for f in files]
+    found = IndexPath(index)
+    found.named = _NAMED_HERE[os.path.realpath(index)] = [os.path.abspath(f) for f in files]
+    return found
 
 
 def row_checksum(values: Sequence) -> int:
@@ -336,12 +342,12 @@ class RowReader:
     """Reads rows of one database by id, through this process's own read-only connection (opened on first use)."""
 
     def __init__(self, path: str):
-        self.path = path
+        self.path = str(path)
         self._connection: Optional[sqlite3.Connection] = None
         self._checked: Optional[bool] = None  # whether its rows have checksums (an index's), known once connected
         self._sources: Optional[list] = None
         self._source_rows: Dict[str, list] = {}
-        self._named = _NAMED_HERE.get(os.path.realpath(path))  # (taken along to the data workers)
+        self._named = getattr(path, "named", None) or _NAMED_HERE.get(os.path.realpath(path))  # (and to workers)
 
     def __getstate__(self):  # each process (data worker) opens its own
         return {"path": self.path, "_connection": None, "_checked": None, "_sources": None, "_source_rows": {},
