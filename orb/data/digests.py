@@ -15,7 +15,7 @@ from orb.errors import DatasetError
 def files_identity(files: Sequence[str]) -> tuple:
     """What decides an index's content, wherever the files lie and whatever their names and times: each file's
     sha256, in order. A job that stages its data to a per-job scratch folder (``cp``, ``rsync``) finds the index an
-    earlier job made (an MPtrj-sized extxyz takes ~5 minutes to index; hashing it, ~1 GB/s, seconds); messages then
+    earlier job made (an MPtrj-sized extxyz takes ~6 minutes to index, and seconds to hash); messages then
     name the files as this run names them (``orb.data.sqlite_rows.name_sources``). The digests are kept per path,
     size and modification time (:func:`file_digests`), so a start at the same path reads none of the files."""
     return tuple(file_digests(files))
