@@ -162,9 +162,12 @@ def test_compare_strategies_on_a_users_target_recommends_and_continues(tmp_path)
     replay = copy_rows(PRETRAIN_TRAIN, tmp_path / "replay.db", 48)
     foundation = copy_rows(PRETRAIN_TRAIN, tmp_path / "foundation.db", 8, start=100)
     out = tmp_path / "study"
+    config = tmp_path / "study.yaml"  # the demo's, in one batch shape (its two buckets: 8 graphs for 2 steps a run)
+    config.write_text(open(os.path.join(ROOT, "configs", "demo.yaml")).read().replace("data/", ROOT + "/data/")
+                      .replace("num_buckets: 2", "buckets: [[136, 2720]]"))
     command = [sys.executable, os.path.join(ROOT, "scripts", "compare_strategies.py"), "--train", train, "--val",
-               val, "--replay", replay, "--foundation", foundation, "--epochs", "1", "--out", str(out),
-               "--only", "none,pseudo-label replay 0.25 + selection"]
+               val, "--replay", replay, "--foundation", foundation, "--config", str(config), "--epochs", "1",
+               "--out", str(out), "--only", "none,pseudo-label replay 0.25 + selection"]
     env = dict(os.environ, ORB_CACHE_DIR=str(tmp_path / "cache"))
     study = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 600
