@@ -314,8 +314,7 @@ def run(args) -> Dict:
         dft = read_dft(args.dft, [s.name for s in structures]) if args.dft else {}
         show = sys.stderr.isatty() if args.progress_bar == "auto" else args.progress_bar == "true"
         start, computed, speed = time.perf_counter(), {}, {}
-        with STOP.deferred(), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="logm result may be inaccurate")  # FrechetCellFilter's
+        with STOP.deferred():
             for engine in engines:
                 computed[engine.label] = compute(engine, structures, args, show)
                 speed[engine.label] = {"single_points": engine.points.structures, "model_calls": engine.points.calls,

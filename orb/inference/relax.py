@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -210,7 +211,11 @@ class BatchRelaxer:
         called for each as it finishes, ``on_failed(relaxing)`` for one that cannot go on (``relaxing.error``
         says why; without ``on_failed`` that ends the run). Returns early, between two steps, once ``stop()`` is
         true (a stop signal): the structures still relaxing are left for a resumed run."""
-        queue = iter(structures)
+        with warnings.catch_warnings():  # (scipy's logm in FrechetCellFilter, at every step of a cell relaxation:
+            warnings.filterwarnings("ignore", message="logm result may be inaccurate")  # hundreds of lines, 1e-13)
+            self._run(iter(structures), on_done, stop, on_failed)
+
+    def _run(self, queue, on_done, stop, on_failed) -> None:
         active: List[Relaxing] = []
         while not stop():
             while len(active) < self.batch_size:
