@@ -6,7 +6,8 @@ so a template's relative path to the demo data (``data/demo_train.db``) names th
 
 The rule for a config's relative paths: in a packaged template (a file in the bundle's ``configs/``), a path to a
 file the bundle ships under ``data/`` is that bundled file; every other relative path (your data, ``output_dir``)
-is relative to the folder you run from, as in any config file of yours.
+is relative to the folder you run from, as in any config file of yours. A data path or checkpoint of a command
+(``--data data/demo_val.db``) that does not exist in the folder you run from but names a bundled file is that file.
 """
 
 import json
@@ -88,6 +89,12 @@ def bundled_file(path: Any) -> Optional[str]:
         return None
     absolute = os.path.join(bundle_root(), *parts)
     return absolute if os.path.isfile(absolute) else None
+
+
+def user_or_bundled(path: str) -> str:
+    """``path`` when it exists, else the bundled file it names (``data/demo_val.db`` from any folder: the demo's data
+    and weights, as the docs' commands name them), else ``path`` (for its caller's own "does not exist")."""
+    return path if os.path.exists(path) else bundled_file(path) or path
 
 
 def with_bundled_paths(values: Dict[str, Any]) -> Dict[str, Any]:

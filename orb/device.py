@@ -66,6 +66,13 @@ def add_device_argument(parser) -> None:
                         help="auto: Ascend, then GPU, then CPU, whichever MindSpore can use here")
 
 
+def add_ops_profile_argument(parser) -> None:
+    """``--ops_profile`` of a command that builds a model."""
+    parser.add_argument("--ops_profile", default="auto", choices=OPS_PROFILES,
+                        help="operators the model is built with: auto (cpu on the CPU, else portable); ORB_OPS_PROFILE "
+                        "overrides (docs/install.md, \"The operator profile\")")
+
+
 def select_device(requested: str) -> str:
     """``auto`` picks Ascend, then GPU, then CPU (whichever MindSpore can use here); a named accelerator that
     MindSpore cannot use here is one line (it was MindSpore's RuntimeError with a C++ stack)."""

@@ -4,6 +4,7 @@ every command's --help showing its defaults and its program's name."""
 import argparse
 import importlib.util
 import os
+import shutil
 import re
 import subprocess
 import sys
@@ -144,6 +145,27 @@ def test_packaged_templates_by_name_from_any_folder(tmp_path, monkeypatch):
                                           r"packaged template is called that \(packaged templates: config_parallel, "
                                           r"demo, .*finetune_orb_v3; orb-finetune --print-config NAME"):
         load_config("nope")
+
+
+def test_the_demos_data_and_weights_as_the_docs_name_them_from_any_folder(tmp_path, monkeypatch):
+    """After `orb-finetune --config demo`, `orb-evaluate --data data/demo_val.db` (as its --help names it) failed in any
+    folder but the checkout: "data/demo_val.db: database file does not exist". A data path or checkpoint that is not
+    in the working folder but names a bundled file is that file; one that is there is the user's."""
+    from orb.data.formats import readable_database
+    from orb.errors import CheckpointError, DatasetError
+    from orb.io.checkpoint import read_weights
+
+    monkeypatch.chdir(tmp_path)
+    assert readable_database("data/demo_val.db") == os.path.join(ROOT, "data", "demo_val.db")
+    weights = read_weights("data/demo_pretrained.ckpt")[0]
+    assert weights.keys() == read_weights(os.path.join(ROOT, "data", "demo_pretrained.ckpt"))[0].keys()
+    with pytest.raises(DatasetError, match="^data/nope.db: database file does not exist"):
+        readable_database("data/nope.db")
+    with pytest.raises(CheckpointError, match="data/nope.ckpt"):
+        read_weights("data/nope.ckpt")
+    (tmp_path / "data").mkdir()
+    shutil.copy(os.path.join(ROOT, "data", "demo_train.db"), tmp_path / "data" / "demo_val.db")  # the user's own
+    assert readable_database("data/demo_val.db") == "data/demo_val.db"
 
 
 def finetune(*args, cwd):

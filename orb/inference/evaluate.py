@@ -115,7 +115,7 @@ def parse_and_evaluate(argv) -> int:
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """orb-evaluate's options."""
     from orb.commands import HelpFormatter
-    from orb.device import OPS_PROFILES, add_device_argument
+    from orb.device import add_device_argument, add_ops_profile_argument
     from orb.inference.runs import add_charge_spin_keys
     from orb.precision import PRECISIONS
 
@@ -139,8 +139,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
                         "(needs pip install .[d3])")
     parser.add_argument("--xc", default="pbe", help="the functional of the training data, for --dispersion")
     add_device_argument(parser)
-    parser.add_argument("--ops_profile", default="auto", choices=OPS_PROFILES,
-                        help="operators the model is built with (ORB_OPS_PROFILE overrides; see docs/ascend.md)")
+    add_ops_profile_argument(parser)
     parser.add_argument("--precision", default="float32-high", choices=PRECISIONS,
                         help="what the model computes in (orb.precision): float32-high (HF32/TF32 products on "
                         "Ascend/GPU, orb-models' default), float32-highest, bf16-mixed, fp16-mixed, float64 (CPU)")

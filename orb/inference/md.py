@@ -364,7 +364,7 @@ def md(args) -> Dict:
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """orb-md's options."""
     from orb.commands import HelpFormatter
-    from orb.device import OPS_PROFILES, add_device_argument
+    from orb.device import add_device_argument, add_ops_profile_argument
     from orb.inference.runs import add_charge_spin_keys
     from orb.precision import PRECISIONS
 
@@ -407,8 +407,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     parser.add_argument("--precision", default="float32-high", choices=PRECISIONS,
                         help="what the model computes in (orb.precision)")
     add_device_argument(parser)
-    parser.add_argument("--ops_profile", default="auto", choices=OPS_PROFILES,
-                        help="operators the model is built with (ORB_OPS_PROFILE overrides; see docs/ascend.md)")
+    add_ops_profile_argument(parser)
     parser.add_argument("--progress_bar", choices=("auto", "true", "false"), default="auto",
                         help="auto: when the output is a terminal")
     return parser

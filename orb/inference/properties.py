@@ -354,7 +354,7 @@ def parse_and_run(argv: Optional[List[str]]) -> int:
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """orb-properties' options."""
     from orb.commands import HelpFormatter
-    from orb.device import OPS_PROFILES, add_device_argument
+    from orb.device import add_device_argument, add_ops_profile_argument
     from orb.precision import PRECISIONS
 
     parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=__doc__.split("\n\n")[0],
@@ -401,8 +401,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
                         "neighbours (the cap's) are closer than this is reported as tied")
     parser.add_argument("--batch_size", type=int, default=16, help="cells per compiled model call")
     add_device_argument(parser)
-    parser.add_argument("--ops_profile", default="auto", choices=OPS_PROFILES,
-                        help="operators the model is built with (ORB_OPS_PROFILE overrides; see docs/ascend.md)")
+    add_ops_profile_argument(parser)
     parser.add_argument("--precision", default="float32-high", choices=PRECISIONS,
                         help="what the models compute in (orb.precision; float64 on the CPU for phonons)")
     parser.add_argument("--progress_bar", choices=("auto", "true", "false"), default="auto",

@@ -396,7 +396,7 @@ def parse_and_relax(argv: Optional[List[str]]) -> int:
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """orb-relax's options."""
     from orb.commands import HelpFormatter
-    from orb.device import OPS_PROFILES, add_device_argument
+    from orb.device import add_device_argument, add_ops_profile_argument
     from orb.inference.runs import add_charge_spin_keys
     from orb.precision import PRECISIONS
 
@@ -420,8 +420,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     parser.add_argument("--dispersion", default="", help="add DFT-D3 dispersion: d3bj or d3zero (pip install .[d3])")
     parser.add_argument("--xc", default="pbe", help="the functional of the training data, for --dispersion")
     add_device_argument(parser)
-    parser.add_argument("--ops_profile", default="auto", choices=OPS_PROFILES,
-                        help="operators the model is built with (ORB_OPS_PROFILE overrides; see docs/ascend.md)")
+    add_ops_profile_argument(parser)
     parser.add_argument("--precision", default="float32-high", choices=PRECISIONS,
                         help="what the model computes in (orb.precision; float64 for tight relaxations, CPU)")
     parser.add_argument("--uncertain_above", type=float, default=None,

@@ -5,7 +5,7 @@ One model definition; a profile swaps only these primitives, when a cell is buil
 * ``portable`` -- MindSpore's own operators with their framework gradients: broadcasting
   arithmetic, ``ReduceSum``/``ReduceMean``, the ``LayerNorm`` primitive and its gradient,
   ``MatMul``/``BiasAdd`` differentiated automatically, built-in activations. What Ascend and GPU
-  run; on CPU it is tested against PyTorch like the other profile (docs/ascend.md).
+  run; on CPU it is tested against PyTorch like the other profile (docs/install.md, "The operator profile").
 * ``cpu`` -- MindSpore 2.10's CPU kernels, measured (docs/benchmarks.md): broadcasts and
   reductions as matrix products with a ones vector (its CPU reductions and broadcasting binary
   operators keep 8-16 bytes of host buffers per element), hand-written backward passes for
