@@ -281,6 +281,28 @@ def test_a_frame_without_labels_is_named_by_file_and_frame_when_training(tmp_pat
     assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "train.extxyz, frame 6" in lines[0] and "has no" in lines[0], lines[0]
     assert not out.exists() or not any(out.iterdir())
+    renamed = []  # labels under names of the user's own: the message said "store it with a SinglePointCalculator"
+    for atoms in frames[:4]:
+        copy = atoms.copy()
+        copy.info["dft_energy"], copy.arrays["dft_forces"] = atoms.get_potential_energy(), atoms.get_forces()
+        renamed.append(copy)
+    ase.io.write(tmp_path / "renamed.extxyz", renamed, format="extxyz")
+    from orb.data.dataset import AseDbDataset
+    from orb.data.formats import LabelKeys, readable_database
+    from orb.errors import DatasetError
+
+    with pytest.raises(DatasetError) as refusal:
+        AseDbDataset(readable_database(str(tmp_path / "renamed.extxyz"))).census()
+    assert str(refusal.value) == (
+        f"{tmp_path / 'renamed.extxyz'}, frame 0, key 'energy': frame has no energy (looked for the calculator's "
+        "energy, info['REF_energy'], info['energy']; its info holds dft_energy): name the info entry holding it with "
+        "energy_key")
+    renamed_keys = LabelKeys(energy="dft_energy")
+    with pytest.raises(DatasetError, match="frame has no forces .*arrays\\['REF_forces'\\], arrays\\['forces'\\]\\): "
+                                           "name the arrays entry holding it with forces_key$"):
+        AseDbDataset(readable_database(str(tmp_path / "renamed.extxyz"), renamed_keys)).census()
+    named = LabelKeys(energy="dft_energy", forces="dft_forces")
+    assert AseDbDataset(readable_database(str(tmp_path / "renamed.extxyz"), named)).census()[:, :2].all()
 
 
 ATTRIBUTES = [dict(weight=7.0, charge=-1.0, spin=2.0, config_type="bulk", md_step=0, relaxed=True),

@@ -129,6 +129,7 @@ def test_evaluate_without_labels_and_with_some(reference_model, tmp_path):
         db.write(bulk("Cu", "fcc", a=3.6))
     result = run_evaluate(path, db_path, tmp_path / "eval")
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "note: no structure has energy and forces labels" in result.stderr  # (it said "labelled 0" alone)
     rows = list(csv.DictReader(open(tmp_path / "eval" / "predictions.csv")))
     assert list(rows[0]) == ["row_id", "formula", "natoms", "energy_pred"]
     with ase.db.connect(db_path) as db:  # now one labelled row beside the unlabelled one
@@ -136,7 +137,7 @@ def test_evaluate_without_labels_and_with_some(reference_model, tmp_path):
         atoms.calc = SinglePointCalculator(atoms, energy=-3.5, forces=np.zeros((1, 3)))
         db.write(atoms)
     result = run_evaluate(path, db_path, tmp_path / "eval2")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0 and "note:" not in result.stderr, result.stderr[-3000:]
     summary = json.load(open(tmp_path / "eval2" / "summary.json"))
     assert summary["structures"] == 2 and summary["labelled"] == 1 and "energy_mae" in summary
     assert "stress_mae" not in summary and summary["forces_mae_by_element"].keys() == {"Cu"}

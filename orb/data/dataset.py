@@ -18,7 +18,7 @@ import numpy as np
 
 from orb.data.row_results import ONE_PROCESS, LabelTable, Ranks, RowPass
 from orb.errors import DatasetError, StructureError
-from orb.data.formats import check_sqlite_file, storable_pairs
+from orb.data.formats import check_sqlite_file, missing_label, storable_pairs
 from orb.data.sqlite_rows import TABLE_QUERIES, RowReader, change_counters, structures_digest
 from orb.data.augmentation import matrix_to_voigt, random_rotation, rotate_structure
 from orb.data.graphs import (EDGE_CAPACITY_MARGIN, AtomGraphs, GraphSettings, capacity_is_counted,
@@ -143,8 +143,8 @@ class AseDbDataset:
                 for column, key in ((0, "energy"), (1, "forces")):
                     if not stored[:, column].all():
                         row = int(self.ids[np.argmin(stored[:, column])])
-                        raise self.error_at("row has no label (store it with a SinglePointCalculator)", row,
-                                           key)
+                        raise self.error_at(missing_label(key, bool(self.sources), self.rows.read(row)
+                                                          .key_value_pairs), row, key)
                 if stored[:, 2].any() and not stored[:, 2].all():
                     row, other = int(self.ids[np.argmin(stored[:, 2])]), int(self.ids[np.argmax(stored[:, 2])])
                     raise self.error_at(f"row has no stress while {self.where(other)} has one; store stress for every "

@@ -305,6 +305,18 @@ def _label(atoms, name: str, keys: LabelKeys, where: str, frame: int) -> Tuple[o
     return None, name
 
 
+def missing_label(name: str, indexed: bool, held: Sequence[str]) -> str:
+    """Why a structure has no ``name`` label, for a message: in an ASE database, how to store it; in a file indexed
+    from another format, where it was looked for, the frame's other values (``held``: its key-value pairs, where an
+    energy under another name is) and the key that names it (MACE's ``energy_key``)."""
+    if not indexed:
+        return "row has no label (store it with a SinglePointCalculator)"
+    table = "arrays" if name == "forces" else "info"
+    looked = ", ".join([f"the calculator's {name}"] + [f"{table}['{key}']" for key in AUTO[name]])
+    others = f"; its info holds {', '.join(sorted(held)[:8])}" if held and name != "forces" else ""
+    return f"row has no {name} (looked for {looked}{others}): name the {table} entry holding it with {name}_key"
+
+
 def _checked(value, shape_ok, name: str, where: str, frame: int, expected: str):
     try:
         array = np.asarray(value, dtype=np.float64)

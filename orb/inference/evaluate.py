@@ -295,6 +295,11 @@ def evaluate(args) -> int:
     if any(tables.values()):
         print_element_table(tables)
     print(f"wrote {', '.join(written)}")
+    if not any(r["sums"] is not None for r in runs[names[0]][0]):  # ("labelled 0" alone left a user wondering)
+        print("note: no structure has energy and forces labels, so no errors were measured; outside an ASE database "
+              "they are read from the calculator's results, info['REF_energy'] or info['energy'] and "
+              "arrays['REF_forces'] or arrays['forces']: name others with --energy_key and --forces_key",
+              file=sys.stderr)
     return 0
 
 
