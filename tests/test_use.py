@@ -644,3 +644,25 @@ def test_one_writer_even_when_the_holder_ends_as_another_takes_over_and_in_a_new
                                timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
         assert third.returncode == 1 and "is being written by another command" in third.stderr, third.stdout
     assert not lock.exists()
+
+
+def test_a_calculator_script_prints_nothing_but_its_own_output(tmp_path):
+    """A script using ORBCalculator (docs/use.md) printed MindSpore's warnings on stderr: backends not installed
+    (twice each), a checkpoint without CRC, its compile cache's notes; the commands print none of them. With the
+    docs' Langevin (fixcm=False: ASE 3.28 deprecates fixcm=True with a FutureWarning), nothing at all."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        "from ase import units\n"
+        "from ase.build import bulk\n"
+        "from ase.md.langevin import Langevin\n"
+        "from orb.inference.calculator import ORBCalculator\n"
+        "atoms = bulk('Cu', 'fcc', a=3.6).repeat(2)\n"
+        f"atoms.calc = ORBCalculator.from_checkpoint({os.path.join(ROOT, 'data', 'demo_pretrained.ckpt')!r})\n"
+        "Langevin(atoms, 1 * units.fs, temperature_K=300, friction=0.01 / units.fs, fixcm=False).run(2)\n"
+        "print(atoms.get_potential_energy())\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("GLOG_v", "PYTHONWARNINGS")}
+    env.update(PYTHONPATH=ROOT, ORB_CACHE_DIR=str(tmp_path / "cache"))
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and result.stderr == "", result.stderr[-3000:]
+    assert np.isfinite(float(result.stdout.strip().splitlines()[-1]))
