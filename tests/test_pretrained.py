@@ -309,6 +309,12 @@ def test_fine_tune_by_name_then_start_again_offline(mirror, monkeypatch, tmp_pat
                       f"output_dir: {tmp_path / 'run'}\ndevice_target: CPU\nbatch_size: 5\nmax_epochs: 1\n"
                       "num_buckets: 1\ndata_workers: 0\nprogress_bar: false\n")
     command = [sys.executable, os.path.join(ROOT, "finetune.py"), "--config", str(config)]
+    from orb.files import free_port
+
+    offline = subprocess.run(command, capture_output=True, text=True, timeout=900,  # (it left train.log, checkpoints/)
+                             env=dict(os.environ, ORB_WEIGHTS_URL=f"http://127.0.0.1:{free_port()}"))
+    assert offline.returncode == 1 and "cannot reach" in offline.stderr, offline.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
     first = subprocess.run(command, capture_output=True, text=True, timeout=900, env=dict(os.environ))
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     assert "orb_d3_xs_v2: downloading" in first.stdout + first.stderr

@@ -108,7 +108,7 @@ def run(argv: Optional[List[str]], default_config: Optional[str],
         STOP.reported()
         print(f"{stop}", file=sys.stderr)
         return stop.status
-    except OrbInputError as exc:
+    except (OrbInputError, RunError) as exc:  # (a RunError: weights that could not be downloaded, a fault)
         if is_main() and not isinstance(exc, OutputBusy):  # into train.log too, when open (a resumed run keeps it);
             # (refused because another run writes output_dir: that run's files, not this one's to touch)
             record = log.makeRecord("orb", logging.ERROR, __file__, 0, "%s", (exc,), None)
@@ -118,10 +118,7 @@ def run(argv: Optional[List[str]], default_config: Optional[str],
             if cfg is not None:  # a run that never trained a step leaves nothing behind
                 discard_unstarted(cfg.output_dir)
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except RunError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, OrbInputError) else 1
     except OSError as exc:  # the file system's failure outside a save (which says so itself): one line
         line = file_system_failure(exc, "continue with --resume auto")
         if line is None:
