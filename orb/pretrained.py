@@ -32,7 +32,7 @@ import zipfile
 from typing import Dict, List, Optional
 
 from orb.cache import cache_dirs, writable_dir
-from orb.errors import CheckpointError, RunError
+from orb.errors import CheckpointError, ConfigError, RunError
 from orb.files import exclusive, fsync_directory, fsync_file, write_json
 from orb.models.config import MODEL_NAMES
 
@@ -98,7 +98,7 @@ def base_url() -> str:
     """Where the files are served from: ``ORB_WEIGHTS_URL`` (checked) or orb-models' host."""
     base = os.environ.get(URL_VARIABLE, "").strip() or ORB_MODELS_HOST
     if not base.startswith(("http://", "https://", "file://")):
-        raise DownloadError(f"{URL_VARIABLE}={base!r} must start with http://, https:// or file:// (a mirror of "
+        raise ConfigError(f"{URL_VARIABLE}={base!r} must start with http://, https:// or file:// (a mirror of "
                             f"{ORB_MODELS_HOST} laid out the same way: <{URL_VARIABLE}>/{PUBLISHED['orb_v2']})")
     return base.rstrip("/")
 
@@ -265,6 +265,10 @@ def _transfer(url: str, part: str, name: str, progress: Optional[bool]) -> Optio
         raise DownloadError(f"{name}: HTTP {exc.code} {exc.reason} from {url}{_mirror_hint()}") from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         reason = getattr(exc, "reason", None) or exc
+        if url.startswith("file://"):  # a folder mirror that lacks the file: no network to advise about
+            raise DownloadError(f"{name}: {url} is not in the mirror folder ({reason}); put orb-models' file there "
+                                f"(<{URL_VARIABLE}>/{PUBLISHED[name]}), or run `orb-download {name}` on a machine with "
+                                "internet access with ORB_CACHE_DIR set to a folder this machine shares") from None
         raise DownloadError(f"{name}: cannot reach {url} ({reason}){_offline_hint(name)}") from None
     with response:
         resumed = have and getattr(response, "status", None) == 206
