@@ -6,8 +6,10 @@ reference and a test of it read the same parsers. :data:`SCRIPTS` names the chec
 """
 
 import argparse
+import difflib
 import importlib
 import os
+import sys
 from typing import Dict, Optional
 
 COMMANDS: Dict[str, str] = {
@@ -54,6 +56,28 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         if action.default is None or action.default == "" or action.default == []:
             return f"{text} (default: none)"
         return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """A command's argument parser: a mistake is one line naming it, exit status 2. argparse printed its usage block
+    first, and for a misspelt required flag (``--chekpoint``) only that ``--checkpoint`` was missing: a flag it does
+    not know is named now, with the closest one it does."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str):
+        known = [flag for action in self._actions for flag in action.option_strings]
+        unknown = [token.split("=", 1)[0] for token in getattr(self, "_given", []) if token.startswith("--")
+                   and token.split("=", 1)[0] not in known]
+        if unknown:
+            named = []
+            for flag in unknown:
+                close = difflib.get_close_matches(flag, known, n=1)
+                named.append(flag + (f" (did you mean {close[0]}?)" if close else ""))
+            message = f"unrecognized arguments: {', '.join(named)}"
+        self.exit(2, f"{self.prog}: error: {message}; {self.prog} --help lists the options\n")
 
 
 def parser(program: str, prog: Optional[str] = None) -> argparse.ArgumentParser:

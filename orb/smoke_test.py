@@ -268,10 +268,10 @@ def check_collectives(target: str) -> dict:
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """orb-smoke-test's options."""
-    from orb.commands import HelpFormatter
+    from orb.commands import HelpFormatter, Parser
     from orb.device import add_device_argument
 
-    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=__doc__, formatter_class=HelpFormatter)
+    parser = Parser(prog=prog, allow_abbrev=False, description=__doc__, formatter_class=HelpFormatter)
     add_device_argument(parser)
     parser.add_argument("--skip_parallel", action="store_true", help="leave out the 2-worker sum")
     parser.add_argument("--precisions", default="float32-high,bf16-mixed,fp16-mixed",

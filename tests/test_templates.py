@@ -236,6 +236,25 @@ def test_every_option_of_every_command_shows_its_default(program):
     built.format_help()  # every help string formats (a stray % would raise)
 
 
+@pytest.mark.parametrize("program", ["orb-evaluate", "orb-relax", "orb-md", "orb-properties", "orb-export",
+                                     "orb-convert", "orb-download", "orb-plot", "orb-smoke-test",
+                                     "orb-finetune-parallel"])
+def test_a_misspelt_flag_is_one_line_naming_it_and_the_closest(program, capsys):
+    """argparse printed its usage block and, for a misspelt required flag, only that the right one was missing
+    (`orb-evaluate --chekpoint X`: "the following arguments are required: --checkpoint")."""
+    from orb.commands import parser
+
+    built = parser(program)
+    flags = [flag for action in built._actions for flag in action.option_strings if flag.startswith("--")
+             and flag != "--help"]
+    wrong = flags[0][:-1] + flags[0][-1] * 2  # (a doubled last letter)
+    with pytest.raises(SystemExit) as stop:
+        built.parse_args([wrong, "x"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"{program}: error: unrecognized arguments: {wrong} (did you mean {flags[0]}?)"), lines
+
+
 def test_the_table_of_commands_is_the_installed_one():
     from orb.commands import COMMANDS, SCRIPTS
 

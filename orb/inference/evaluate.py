@@ -114,12 +114,12 @@ def parse_and_evaluate(argv) -> int:
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """orb-evaluate's options."""
-    from orb.commands import HelpFormatter
+    from orb.commands import HelpFormatter, Parser
     from orb.device import add_device_argument, add_ops_profile_argument
     from orb.inference.runs import add_charge_spin_keys
     from orb.precision import PRECISIONS
 
-    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=__doc__, formatter_class=HelpFormatter)
+    parser = Parser(prog=prog, allow_abbrev=False, description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="PyTorch or MindSpore orb checkpoint")
     parser.add_argument("--compare", default="", help="a second checkpoint evaluated on the same data and shown "
                         "beside the first (e.g. the starting model and the fine-tuned one)")

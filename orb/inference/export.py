@@ -180,11 +180,11 @@ def parse_and_export(argv: Optional[List[str]]) -> int:
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """orb-export's options."""
-    from orb.commands import HelpFormatter
+    from orb.commands import HelpFormatter, Parser
     from orb.device import add_device_argument
     from orb.precision import PRECISIONS
 
-    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=__doc__.split("\n\n")[0],
+    parser = Parser(prog=prog, allow_abbrev=False, description=__doc__.split("\n\n")[0],
                                      formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="PyTorch or MindSpore orb checkpoint")
     parser.add_argument("--output", required=True, help="the MindIR file (.mindir; several shapes: one per shape, "

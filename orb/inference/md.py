@@ -363,12 +363,12 @@ def md(args) -> Dict:
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """orb-md's options."""
-    from orb.commands import HelpFormatter
+    from orb.commands import HelpFormatter, Parser
     from orb.device import add_device_argument, add_ops_profile_argument
     from orb.inference.runs import add_charge_spin_keys
     from orb.precision import PRECISIONS
 
-    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=__doc__.split("\n\n")[0],
+    parser = Parser(prog=prog, allow_abbrev=False, description=__doc__.split("\n\n")[0],
                                      formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="PyTorch or MindSpore orb checkpoint")
     parser.add_argument("--data", required=True, nargs="+", help="starting structures (any format orb-evaluate "

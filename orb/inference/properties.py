@@ -353,11 +353,11 @@ def parse_and_run(argv: Optional[List[str]]) -> int:
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """orb-properties' options."""
-    from orb.commands import HelpFormatter
+    from orb.commands import HelpFormatter, Parser
     from orb.device import add_device_argument, add_ops_profile_argument
     from orb.precision import PRECISIONS
 
-    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=__doc__.split("\n\n")[0],
+    parser = Parser(prog=prog, allow_abbrev=False, description=__doc__.split("\n\n")[0],
                                      formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="the fine-tuned model: a checkpoint file or published "
                         "weights by name")

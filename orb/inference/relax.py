@@ -395,12 +395,12 @@ def parse_and_relax(argv: Optional[List[str]]) -> int:
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """orb-relax's options."""
-    from orb.commands import HelpFormatter
+    from orb.commands import HelpFormatter, Parser
     from orb.device import add_device_argument, add_ops_profile_argument
     from orb.inference.runs import add_charge_spin_keys
     from orb.precision import PRECISIONS
 
-    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=__doc__.split("\n\n")[0],
+    parser = Parser(prog=prog, allow_abbrev=False, description=__doc__.split("\n\n")[0],
                                      formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="PyTorch or MindSpore orb checkpoint")
     parser.add_argument("--data", required=True, nargs="+", help="structures to relax: ASE SQLite, extxyz or any "

@@ -16,10 +16,10 @@ from typing import Optional
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """orb-download's options."""
-    from orb.commands import HelpFormatter
+    from orb.commands import HelpFormatter, Parser
     from orb.pretrained import PUBLISHED
 
-    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=__doc__, formatter_class=HelpFormatter)
+    parser = Parser(prog=prog, allow_abbrev=False, description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("names", nargs="*", metavar="NAME",
                         help=f"published weights to fetch (default: none): {', '.join(PUBLISHED)}")
     parser.add_argument("--all", action="store_true", help="fetch every published name (default: off)")

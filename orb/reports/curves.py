@@ -116,9 +116,9 @@ def check_output(output: str) -> None:
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """orb-plot's options."""
-    from orb.commands import HelpFormatter
+    from orb.commands import HelpFormatter, Parser
 
-    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description=__doc__, formatter_class=HelpFormatter)
+    parser = Parser(prog=prog, allow_abbrev=False, description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("metrics", nargs="+", help="metrics.jsonl file(s) written by finetune.py")
     parser.add_argument("-o", "--output", default="", help="PNG file (default: curves.png beside the first file)")
     parser.add_argument("--labels", nargs="*", default=None, help="one label per file (default: its folder name)")

@@ -309,11 +309,11 @@ def build_parser(prog: Optional[str] = None):
     CONFIG goes to the workers, which parse it as orb-finetune does)."""
     import argparse
 
-    from orb.commands import HelpFormatter
+    from orb.commands import HelpFormatter, Parser
     from orb.training.cli import add_run_options
 
     doc = __doc__.split("\n\n", 2)
-    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, formatter_class=HelpFormatter,
+    parser = Parser(prog=prog, allow_abbrev=False, formatter_class=HelpFormatter,
                                      usage="%(prog)s [CONFIG] [--resume DIR_OR_FILE|auto] [--overwrite] "
                                            "[--accept_config_changes] [--key value ...]",
                                      description=doc[0], epilog=doc[2])
