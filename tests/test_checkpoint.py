@@ -312,3 +312,23 @@ def test_weights_holding_nan_are_not_converted(tmp_path):
         f"error: {source}: tensor '{key}' holds NaN or inf (weights of a diverged run): convert a checkpoint saved "
         f"before it diverged"], result.stderr[-2000:]
     assert not os.path.exists(target)
+
+
+def test_a_file_that_is_no_checkpoint_and_a_name_close_to_a_published_one_are_one_line_each(tmp_path):
+    """`--checkpoint my.extxyz` passed MindSpore's own text through ("the checkpoint file format must same with
+    'format'"); `--checkpoint orb_v4` listed every name with orb_v2 first, as if it were the list's."""
+    import ase.io
+    from ase.build import bulk
+
+    from orb.errors import CheckpointError
+    from orb.io.checkpoint import check_checkpoint_file, read_weights
+
+    structures = tmp_path / "my.extxyz"
+    ase.io.write(structures, bulk("Cu"))
+    with pytest.raises(CheckpointError) as refusal:
+        read_weights(str(structures))
+    assert str(refusal.value) == (f"{structures}: not a checkpoint (a PyTorch zip, or a MindSpore file ending in "
+                                  ".ckpt); structures like these go to --data")
+    with pytest.raises(CheckpointError, match=r"^--checkpoint orb_v4: checkpoint file does not exist \(did you mean "
+                                              r"the published weights orb_v2\? names: orb_v2, orb_mptraj_only_v2, "):
+        check_checkpoint_file("orb_v4", "--checkpoint")

@@ -48,7 +48,7 @@ def test_an_exported_model_predicts_what_the_checkpoint_predicts(tmp_path, check
     (["--checkpoint", "data/missing.ckpt", "--shape", "64,1280,5"], "data/missing.ckpt: checkpoint file does not exist"),
     (["--checkpoint", "data/demo_pretrained.ckpt"], "give the batch shapes to export"),
     (["--checkpoint", "data/demo_pretrained.ckpt", "--shape", "64,x,5"], "--shape '64,x,5': expected NODES,EDGES,GRAPHS"),
-    (["--checkpoint", "README.md", "--shape", "64,1280,5"], "README.md: cannot read MindSpore checkpoint"),
+    (["--checkpoint", "README.md", "--shape", "64,1280,5"], "README.md: not a checkpoint (a PyTorch zip, or a MindSpore file ending in .ckpt)"),
     (["--checkpoint", "data/demo_pretrained.ckpt", "--data", "data/demo_val.db", "--batch_size", "0"],
      "--batch_size must be within 1 and 100000, got 0"),
     # (a shape of 1e11 nodes was numpy's 1.1 TiB allocation error and a traceback)

@@ -528,3 +528,15 @@ def test_a_full_disk_at_the_start_is_the_file_systems_line_not_bad_input(tmp_pat
     assert result.stderr.strip().splitlines()[-1].startswith("error: No space left on device ("), result.stderr
     assert "free space, then run the same command again" in result.stderr.strip().splitlines()[-1]
     assert "Traceback" not in result.stderr and not os.path.exists(record)
+
+
+@pytest.mark.parametrize("flag, value, line", [("--fmax", "0", "--fmax must be a finite number > 0, got 0.0"),
+                                               ("--steps", "-1", "--steps must be >= 0, got -1"),
+                                               ("--batch_size", "0", "--batch_size must be >= 1, got 0")])
+def test_a_wrong_setting_is_named_alone(tmp_path, capsys, flag, value, line):
+    """`orb-relax --fmax 0` said "--fmax must be a finite number > 0, --steps >= 0 and --batch_size >= 1"."""
+    from orb.inference.relax import main
+
+    status = main(["--checkpoint", DEMO_MODEL, "--data", DEMO_VAL, "--output", str(tmp_path / "out.db"), flag, value])
+    assert status == 2 and capsys.readouterr().err.strip().splitlines() == [f"error: {line}"]
+    assert not os.listdir(tmp_path)

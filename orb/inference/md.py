@@ -433,7 +433,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             summary = md(args)
         done = sum(s["status"] == "done" for s in summary["structures"])
         print(f"{done} of {len(summary['structures'])} structures ran {args.steps} steps ({summary['model_calls']} "
-              f"model calls); {args.output}/summary.json")
+              f"model calls); {os.path.join(args.output, 'summary.json')}")
         return 0 if done + sum(s["status"].startswith("stopped") for s in summary["structures"]) == \
             len(summary["structures"]) else 1
 

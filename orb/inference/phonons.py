@@ -1,7 +1,7 @@
 """Phonons with phonopy: the displaced supercells phonopy asks for, their forces from an orb model (batched by
 :class:`orb.inference.mechanics.SinglePoints`), frequencies on a mesh and along the standard band path.
 
-phonopy is an optional dependency (``pip install .[properties]``). The forces given to phonopy are each displaced
+phonopy is an optional dependency (``pip install phonopy``). The forces given to phonopy are each displaced
 supercell's minus the perfect supercell's (phonopy's ``--fz``): what a relaxation left of the forces does not
 enter the force constants, which are then symmetrised (phonopy's ``FC_SYMMETRY``: the acoustic sum rule). The band
 path is ASE's standard one for the primitive cell phonopy finds (``ase.cell.Cell.bandpath``, Setyawan-Curtarolo;
@@ -14,8 +14,8 @@ import numpy as np
 
 from orb.errors import OrbInputError
 
-MISSING = ("phonons need phonopy, an optional dependency: pip install .[properties] (or pip install phonopy); "
-           "--no-phonons skips them")
+MISSING = ("phonons need phonopy, an optional dependency: pip install phonopy (in a checkout: pip install "
+           "'.[properties]'); --no-phonons skips them")
 SUPERCELL_WIDTH = 10.0  # Å: the automatic supercell is the smallest diagonal one this wide in every direction
 ACOUSTIC = 3  # modes at Γ left out of the lowest frequency
 

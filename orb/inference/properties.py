@@ -375,7 +375,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="model name of --checkpoint when the file cannot tell "
                         "(default: the checkpoint's)")
     parser.add_argument("--reference_model", default=None, help="model name of --reference when the file cannot "
-                        "tell (default: the checkpoint's)")
+                        "tell (default: the reference checkpoint's)")
     parser.add_argument("--fmax", type=float, default=0.001, help="relaxations converge below this force (and cell "
                         "force), eV/Å")
     parser.add_argument("--steps", type=int, default=500, help="FIRE steps at most per relaxation; 0: the "

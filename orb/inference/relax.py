@@ -267,8 +267,10 @@ def relax(args) -> Dict:
     from orb.io.checkpoint import model_from_checkpoint
     from orb.signals import RESUME_FLAG, STOP, STOPPED_STATUS, Stopped
 
-    if args.fmax <= 0 or args.steps < 0 or args.batch_size < 1 or not np.isfinite(args.fmax):
-        raise OrbInputError("--fmax must be a finite number > 0, --steps >= 0 and --batch_size >= 1")
+    for flag, wrong, rule in (("--fmax", not (np.isfinite(args.fmax) and args.fmax > 0), "a finite number > 0"),
+                              ("--steps", args.steps < 0, ">= 0"), ("--batch_size", args.batch_size < 1, ">= 1")):
+        if wrong:
+            raise OrbInputError(f"{flag} must be {rule}, got {getattr(args, flag[2:])}")
     refuse_overwriting_inputs([("--output", args.output, None)] +
                               [("--output's record", companion(args.output, kind), None) for kind in COMPANIONS],
                               [("--data", args.data), ("--checkpoint", args.checkpoint)])

@@ -104,10 +104,14 @@ def check_checkpoint_file(path: str, flag: str = "") -> None:
         raise CheckpointError(f"{name}: is a folder, not a checkpoint file")
     if not os.path.isfile(path):
         close = difflib.get_close_matches(os.path.basename(str(path)).replace("-", "_"), list(PUBLISHED), n=1)
-        hint = (f" (published weights by name: {close[0]}, or any of {', '.join(PUBLISHED)})" if close else "")
+        hint = (f" (did you mean the published weights {close[0]}? names: {', '.join(PUBLISHED)})" if close else "")
         raise CheckpointError(f"{name}: checkpoint file does not exist{hint}")
     if os.path.getsize(path) == 0:
         raise CheckpointError(f"{name}: checkpoint file is empty")
+    if not str(path).endswith(".ckpt") and not is_torch_zip(path):  # (MindSpore reads .ckpt files only)
+        data = str(path).lower().endswith((".xyz", ".extxyz", ".db", ".traj", ".cif", ".aselmdb", ".json", ".vasp"))
+        raise CheckpointError(f"{name}: not a checkpoint (a PyTorch zip, or a MindSpore file ending in .ckpt)"
+                              + ("; structures like these go to --data" if data else ""))
 
 
 def read_weights(path: str) -> Tuple["OrderedDict[str, np.ndarray]", Dict]:

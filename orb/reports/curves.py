@@ -34,7 +34,7 @@ def read_epochs(path: str) -> List[Dict]:
                                 f"{type(record).__name__}")
     epochs = [r for _, r in records if r.get("type") in ("initial", "epoch")]
     if not epochs:
-        raise OrbInputError(f"{path}: no epoch records (is it a metrics.jsonl written by finetune.py?)")
+        raise OrbInputError(f"{path}: no epoch records (is it a metrics.jsonl written by orb-finetune?)")
     return epochs
 
 
@@ -119,7 +119,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     from orb.commands import HelpFormatter, Parser
 
     parser = Parser(prog=prog, allow_abbrev=False, description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("metrics", nargs="+", help="metrics.jsonl file(s) written by finetune.py")
+    parser.add_argument("metrics", nargs="+", help="metrics.jsonl file(s) written by orb-finetune")
     parser.add_argument("-o", "--output", default="", help="PNG file (default: curves.png beside the first file)")
     parser.add_argument("--labels", nargs="*", default=None, help="one label per file (default: its folder name)")
     parser.add_argument("--table", action="store_true", help="also print a markdown table of validation metrics "
