@@ -82,6 +82,24 @@ def test_batched_dynamics_follow_ases_integrators_structure_by_structure(tmp_pat
             assert abs(s["total_energy_drift_eV_per_atom"]) < 2e-3
     log = np.genfromtxt(tmp_path / "md" / "log_0.csv", delimiter=",", names=True)
     assert list(log["step"]) == [0, 10, 20] and np.all(log["temperature_K"] > 0)
+    assert summary["structures"][0]["max_temperature_K"] == pytest.approx(log["temperature_K"].max(), rel=1e-9)
+    assert "warning" not in result.stderr  # (in bounds: no runaway said)
+
+
+def test_a_structure_the_model_heats_without_bound_is_said_to_have_run_away(tmp_path):
+    """The orb-v3 demo (trained on metals) on a water molecule: 500,000 K within 40 steps, and the summary said
+    "2 of 2 structures ran 40 steps" and nothing else."""
+    import ase.io
+    from ase.build import molecule
+
+    ase.io.write(tmp_path / "molecules.extxyz", [molecule("H2O"), molecule("CH4")], format="extxyz")
+    result = orb_md(tmp_path, "md", "--data", str(tmp_path / "molecules.extxyz"), "--timestep", "1", "--steps", "40",
+                    "--temperature", "300")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.load(open(tmp_path / "md" / "summary.json"))
+    hottest = max(s["max_temperature_K"] for s in summary["structures"])
+    assert hottest > 1400 and f"{hottest:,.0f} K in its log): the model is likely unfit" in result.stderr, \
+        result.stderr[-2000:]
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])

@@ -280,6 +280,20 @@ class Dynamics:
                 bar.update(len(group))
 
 
+RUNAWAY = 3.0  # a structure logged above this times --temperature (+500 K) is said to have run away
+
+
+def logged_max_temperature(log: str) -> Optional[float]:
+    """The highest temperature in a structure's log (its frames: every --write_every steps), or None without one."""
+    try:
+        with open(log) as f:
+            values = [float(line.split(",")[2]) for line in f.readlines()[1:] if line.count(",") >= 2]
+    except (OSError, ValueError):
+        return None
+    finite = [v for v in values if np.isfinite(v)]
+    return max(finite) if finite else None
+
+
 def md(args) -> Dict:
     from orb.device import import_mindspore
 
@@ -349,9 +363,17 @@ def md(args) -> Dict:
                    {"index": r.index, "source_row": r.row, "status": r.status, "error": r.error,
                     "steps_done": int(r.dynamics.nsteps) if r.dynamics else 0, "uncertain_frames": r.uncertain,
                     "total_energy_drift_eV_per_atom": (float((r.energies[-1] - r.energies[0]) / len(r.atoms))
-                                                       if len(r.energies) > 1 and args.ensemble == "nve" else None)}
+                                                       if len(r.energies) > 1 and args.ensemble == "nve" else None),
+                    "max_temperature_K": logged_max_temperature(r.path("log"))}
                    for r in runs]}
     write_json(os.path.join(args.output, "summary.json"), summary)
+    hot = [s for s in summary["structures"] if (s["max_temperature_K"] or 0) > RUNAWAY * args.temperature + 500]
+    if hot:  # (a model unfit for a structure heats it without bound: 63,316 K at step 10, and "ran 40 steps")
+        worst = max(hot, key=lambda s: s["max_temperature_K"])
+        print(f"warning: {len(hot)} structure(s) ran far hotter than {args.temperature:g} K (structure "
+              f"{worst['index']}, row {worst['source_row']}: {worst['max_temperature_K']:,.0f} K in its log): the model "
+              "is likely unfit for them (see max_temperature_K in summary.json, and the predicted force errors)",
+              file=sys.stderr)
     failed = [r for r in runs if r.status == "failed"]
     for r in failed:
         print(f"structure {r.index} (row {r.row}) stopped: {r.error}", file=sys.stderr)
