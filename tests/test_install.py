@@ -34,6 +34,18 @@ def test_pip_install_and_run_outside_the_checkout(tmp_path):
                                 text=True, timeout=120)
         assert result.returncode == 0 and result.stdout.startswith(f"usage: {command} "), (command, result.stderr)
         assert "(default: " in result.stdout, command
+    # a finetune.py of the user's on the path (PYTHONPATH=.) replaced the command's own: an ImportError traceback
+    (work / "finetune.py").write_text("print('a script of the user')\n")
+    (work / "finetune_parallel.py").write_text("raise SystemExit('a script of the user')\n")
+    shadowed = dict(env, PYTHONPATH=str(work))
+    helped = subprocess.run([str(venv / "bin" / "orb-finetune"), "--help"], cwd=work, env=shadowed,
+                            capture_output=True, text=True, timeout=120)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: orb-finetune "), helped.stderr[-2000:]
+    worker = subprocess.run([str(python), "-c", "from orb.training.launch import worker_script; print(worker_script())"],
+                            cwd=work, env=shadowed, capture_output=True, text=True, timeout=120)
+    assert worker.stdout.strip().startswith(site + os.sep), worker.stdout + worker.stderr  # the installed one
+    for name in ("finetune.py", "finetune_parallel.py"):
+        (work / name).unlink()
 
     def finetune(*args):
         return subprocess.run([str(venv / "bin" / "orb-finetune"), *args], cwd=work, env=env, capture_output=True,

@@ -264,7 +264,7 @@ def test_the_table_of_commands_is_the_installed_one():
     assert set(installed) == set(COMMANDS) and set(SCRIPTS.values()) == set(COMMANDS)
     for program, target in installed.items():
         module = COMMANDS[program].split(":")[0]
-        assert target == module or (program, target) == ("orb-finetune", "finetune"), program
+        assert target == module or (program, target) == ("orb-finetune", "orb._bundle.top.finetune"), program
     assert all(os.path.exists(os.path.join(ROOT, script)) for script in SCRIPTS)
 
 
@@ -276,7 +276,7 @@ def test_the_wheel_lists_every_orb_package_and_ships_the_bundle():
     found = {os.path.relpath(folder, ROOT).replace(os.sep, ".")
              for folder, _, files in os.walk(os.path.join(ROOT, "orb")) if "__init__.py" in files}
     assert found and found == {p for p in listed if not p.startswith("orb._bundle")}
-    mapped = dict(re.findall(r'^"(orb\._bundle[\w.]*)" = "([\w/]+)"$', text, re.MULTILINE))
+    mapped = dict(re.findall(r'^"(orb\._bundle[\w.]*)" = "([\w/.]+)"$', text, re.MULTILINE))
     assert set(mapped) == {p for p in listed if p.startswith("orb._bundle")}
     assert all(os.path.isdir(os.path.join(ROOT, folder)) for folder in mapped.values())
 

@@ -82,8 +82,8 @@ def worker_script() -> str:
         return local
     import importlib.util
 
-    spec = importlib.util.find_spec("finetune_parallel")
-    if spec is None or spec.origin is None:
+    spec = importlib.util.find_spec("orb._bundle.top.finetune_parallel")  # (not by a top-level name: a user's own
+    if spec is None or spec.origin is None:  # finetune_parallel.py on the path would be what msrun runs)
         raise FileNotFoundError("finetune_parallel.py is neither beside the orb package nor installed")
     return spec.origin
 
