@@ -150,6 +150,14 @@ def test_elastic_tensor_of_a_cubic_crystal_has_cubic_symmetry():
         energies.append(cell.get_potential_energy())
     curvature = (energies[0] - 2 * energies[1] + energies[2]) / 0.01 ** 2
     assert c[3, 3] == pytest.approx(curvature / atoms.get_volume() / GPa, rel=2e-3)
+    from orb.inference.mechanics import smallest_stiffness
+
+    # Born's criterion: a cubic tensor's eigenvalues are C11 + 2 C12, C11 - C12 and C44
+    born = min(c[0, 0] + 2 * c[0, 1], c[0, 0] - c[0, 1], c[3, 3])
+    assert smallest_stiffness(c) == pytest.approx(born, abs=2 * noise) and born > 0
+    sheared = c.copy()
+    sheared[3, 3] = sheared[4, 4] = sheared[5, 5] = -0.3  # the demo model's Cu: C44 -0.32 GPa
+    assert smallest_stiffness(sheared) == pytest.approx(-0.3, abs=2 * noise)
 
 
 def test_phonon_frequencies_equal_phonopy_driven_with_the_calculator(demo_run, v3_calculator):
@@ -209,6 +217,14 @@ def test_report_json_and_plots_hold_both_models_and_their_differences(demo_run):
                                          cu["difference"]["bulk_modulus"]], abs=1e-4)
     assert numbers[3] == DFT["Cu_fcc"]["B"]
     assert "Cu_hcp (same volume per atom, no ties) added" in stdout
+    for name in names:  # Born's criterion said where it fails (the demo's Cu had C44 < 0 and nothing said)
+        for label, model in entry(report, name)["models"].items():
+            smallest = model["elastic"]["smallest_stiffness"]
+            assert smallest == pytest.approx(np.linalg.eigvalsh(np.array(model["elastic"]["C"]) / 2
+                                                                + np.array(model["elastic"]["C"]).T / 2).min())
+            block = stdout.split(f"\n{name} (")[1].split("\nCu_")[0]
+            unstable = f"{label.replace('_', '-')}: mechanically unstable" in block
+            assert unstable == (smallest <= 0), (name, label, smallest)
 
 
 def test_ties_at_the_neighbour_cap_are_found_in_fcc_with_20_neighbours_not_with_orb_v3_inf(demo_run):

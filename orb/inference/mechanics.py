@@ -159,6 +159,13 @@ def elastic_tensor(stresses: Sequence[np.ndarray], amplitudes: Sequence[float]) 
     return columns.T  # C[i, j] = d stress_i / d strain_j
 
 
+def smallest_stiffness(c: np.ndarray) -> float:
+    """The smallest eigenvalue of the elastic tensor's symmetric part (GPa): Born's criterion of mechanical stability
+    in its general form is that it be positive (every strain costs energy); cubic crystals' C11 > |C12|, C44 > 0."""
+    c = np.asarray(c, np.float64)
+    return float(np.linalg.eigvalsh((c + c.T) / 2.0).min())
+
+
 def bulk_modulus_voigt(c: np.ndarray) -> float:
     """Voigt's bulk modulus of an elastic tensor (GPa)."""
     return float((c[0, 0] + c[1, 1] + c[2, 2] + 2.0 * (c[0, 1] + c[0, 2] + c[1, 2])) / 9.0)

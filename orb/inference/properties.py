@@ -134,7 +134,8 @@ def equations_of_state(engine: Engine, relaxed: List[Dict], args, bar) -> List[D
 def elastic_tensors(engine: Engine, relaxed: List[Dict], bases: List[Dict], args, bar) -> List[Dict]:
     """Each relaxed structure's elastic tensor: the strained cells of every structure batched (with
     ``--relax_ions`` relaxed together first)."""
-    from orb.inference.mechanics import bulk_modulus_voigt, elastic_tensor, relax_all, strained_cells
+    from orb.inference.mechanics import (bulk_modulus_voigt, elastic_tensor, relax_all, smallest_stiffness,
+                                         strained_cells)
     from orb.inference.relax import BatchRelaxer
     from orb.signals import STOP
 
@@ -154,7 +155,8 @@ def elastic_tensors(engine: Engine, relaxed: List[Dict], bases: List[Dict], args
     for group, base in zip(groups, bases):
         mine, start = results[start:start + len(group)], start + len(group)
         c = elastic_tensor([m["stress"] for m in mine], args.strains)
-        out.append({"C": c.tolist(), "bulk_modulus_voigt": bulk_modulus_voigt(c), "strains": list(args.strains),
+        out.append({"C": c.tolist(), "bulk_modulus_voigt": bulk_modulus_voigt(c),
+                    "smallest_stiffness": smallest_stiffness(c), "strains": list(args.strains),
                     "relax_ions": bool(args.relax_ions),
                     "neighbour_sets_changed": None if args.relax_ions else
                     [m["neighbours"] != base["neighbours"] for m in mine]})

@@ -294,6 +294,10 @@ def print_report(summary: Dict, output: str) -> None:
             if phonons and phonons["imaginary_modes"]:
                 print(f"  {label.replace('_', '-')}: {phonons['imaginary_modes']} imaginary modes on the mesh "
                       f"(below {phonons['imaginary_below']} THz)")
+            elastic = m.get("elastic") or {}
+            if elastic and elastic["smallest_stiffness"] <= 0:
+                print(f"  {label.replace('_', '-')}: mechanically unstable: the elastic tensor is not positive "
+                      f"definite (smallest eigenvalue {elastic['smallest_stiffness']:.3g} GPa; Born's criterion)")
         if entry["tie_breaking"]:
             print(f"  note: {entry['tie_breaking']}")
     print(f"\nwrote {os.path.join(output, 'properties.json')} and the plots in {summary['seconds']:.1f} s")
