@@ -371,3 +371,17 @@ def test_the_recorded_learning_rate_is_the_one_applied_after_skipped_steps(tmp_p
     assert skipped[-1] > 0  # the first steps overflow the starting loss scale
     for record, before in zip(steps, skipped):  # (before any update: the first update's rate)
         assert record["lr"] == schedule[max(int(record["step"] - before), 1) - 1], record
+
+
+def test_a_valueless_token_close_to_an_option_is_named_as_that_option():
+    """`orb-finetune --config my.yaml --over` said "override '--over' has no value"."""
+    from orb.errors import ConfigError
+    from orb.training.cli import parse_command_line
+
+    with pytest.raises(ConfigError, match=r"^unknown option --over \(did you mean --overwrite\?\)$"):
+        parse_command_line(["--config", "demo", "--over"], None)
+    with pytest.raises(ConfigError, match=r"^unknown option --acept_config_changes \(did you mean "
+                                          r"--accept_config_changes\?\)$"):
+        parse_command_line(["--config", "demo", "--acept_config_changes", "--max_epochs", "3"], None)
+    args, overrides = parse_command_line(["--config", "demo", "--overwrite", "--max_epochs", "3"], None)
+    assert args.overwrite and overrides == ["--max_epochs", "3"]  # (a key with its value: an override as before)

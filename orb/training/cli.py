@@ -60,7 +60,20 @@ def finetune_parser(prog: Optional[str] = None, default_config: Optional[str] = 
 
 def parse_command_line(argv: Optional[List[str]], default_config: Optional[str]
                        ) -> Tuple[argparse.Namespace, List[str]]:
-    return finetune_parser(default_config=default_config).parse_known_args(argv)
+    """The command's own options, and the config overrides (``--key value``). A token without a value that is close
+    to an option of the command's (``--over``) is named as that mistake ("override '--over' has no value" left the
+    user guessing)."""
+    import difflib
+
+    parser = finetune_parser(default_config=default_config)
+    args, overrides = parser.parse_known_args(argv)
+    own = [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
+    for k, token in enumerate(overrides):
+        valueless = k + 1 == len(overrides) or overrides[k + 1].startswith("--")
+        close = difflib.get_close_matches(token, own, n=1, cutoff=0.6)
+        if token.startswith("--") and "=" not in token and valueless and close:
+            raise ConfigError(f"unknown option {token} (did you mean {close[0]}?)")
+    return args, overrides
 
 
 def print_template(name: str, overrides: List[str]) -> int:
