@@ -6,8 +6,9 @@ so a template's relative path to the demo data (``data/demo_train.db``) names th
 
 The rule for a config's relative paths: in a packaged template (a file in the bundle's ``configs/``), a path to a
 file the bundle ships under ``data/`` is that bundled file; every other relative path (your data, ``output_dir``)
-is relative to the folder you run from, as in any config file of yours. A data path or checkpoint of a command
-(``--data data/demo_val.db``) that does not exist in the folder you run from but names a bundled file is that file.
+is relative to the folder you run from, as in any config file of yours. On a command's line, a data path or
+checkpoint (``--data data/demo_val.db``) that does not exist in the folder you run from but names a bundled file is
+that file (:func:`command_path`).
 """
 
 import json
@@ -91,10 +92,12 @@ def bundled_file(path: Any) -> Optional[str]:
     return absolute if os.path.isfile(absolute) else None
 
 
-def user_or_bundled(path: str) -> str:
-    """``path`` when it exists, else the bundled file it names (``data/demo_val.db`` from any folder: the demo's data
-    and weights, as the docs' commands name them), else ``path`` (for its caller's own "does not exist")."""
-    return path if os.path.exists(path) else bundled_file(path) or path
+def command_path(text: str) -> str:
+    """A command's data or checkpoint argument (argparse's ``type``): ``text`` when such a file is here, else the
+    bundled file it names, as an absolute path (``--data data/demo_val.db`` from any folder: the demo's data and
+    weights, as the docs' commands name them; every later check and message then sees that file), else ``text``
+    (for the command's own "does not exist")."""
+    return text if os.path.exists(text) else bundled_file(text) or text
 
 
 def with_bundled_paths(values: Dict[str, Any]) -> Dict[str, Any]:

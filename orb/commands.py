@@ -80,6 +80,26 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}; {self.prog} --help lists the options\n")
 
 
+def script_path(name: str) -> str:
+    """``<name>.py`` (finetune.py, finetune_parallel.py) beside the orb package: the checkout's top, an editable
+    install's checkout, or site-packages (pyproject.toml's py-modules). Found by its file, never by a top-level
+    module name, which a ``finetune.py`` of the user's on the path would answer."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), name + ".py")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{name}.py is not beside the orb package ({path}): reinstall the package")
+    return path
+
+
+def load_script(name: str):
+    """The module of :func:`script_path` ``name``, loaded from its file."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"orb_script_{name}", script_path(name))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def parser(program: str, prog: Optional[str] = None) -> argparse.ArgumentParser:
     """The parser of ``program`` (a name in COMMANDS or SCRIPTS), showing ``prog`` (default: the program's name)."""
     command = SCRIPTS.get(program, program)

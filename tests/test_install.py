@@ -82,3 +82,29 @@ def test_pip_install_and_run_outside_the_checkout(tmp_path):
     calc = subprocess.run([str(python), "-c", snippet], cwd=work, env=env, capture_output=True, text=True, timeout=300)
     assert calc.returncode == 0 and "energy" in calc.stdout, calc.stderr[-2000:]
     assert "native neighbour search True" in calc.stdout  # its C++ source is installed with the package
+
+
+def test_an_editable_install_runs_every_command(tmp_path):
+    """docs/install.md's development install (pip install -e .): orb-finetune's entry point must load (an entry point
+    in a mapped package, orb._bundle, did not: ModuleNotFoundError), as must msrun's worker script."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    python = venv / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    with open(os.path.join(site, "dependencies.pth"), "w") as f:
+        f.write(sysconfig.get_paths()["purelib"] + "\n")
+    install = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                              "-e", ROOT], capture_output=True, text=True, timeout=600)
+    assert install.returncode == 0, install.stderr[-3000:]
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    (work / "finetune.py").write_text("print('a script of the user')\n")  # on the path: never the command's
+    env = dict(os.environ, PYTHONPATH=str(work))
+    for command in ("orb-finetune", "orb-finetune-parallel", "orb-evaluate"):
+        result = subprocess.run([str(venv / "bin" / command), "--help"], cwd=work, env=env, capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == 0 and result.stdout.startswith(f"usage: {command} "), (command, result.stderr)
+    worker = subprocess.run([str(python), "-c", "from orb.training.launch import worker_script; print(worker_script())"],
+                            cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    assert worker.stdout.strip() == os.path.join(ROOT, "finetune_parallel.py"), worker.stdout + worker.stderr

@@ -27,7 +27,6 @@ from urllib.parse import quote
 import numpy as np
 
 from orb import cache
-from orb.bundled import user_or_bundled
 from orb.data.digests import file_stamps, files_identity
 from orb.data.sqlite_rows import (CHECKSUMS, INDEX_KIND, JOURNAL_AGE, add_checksums, name_sources,
                                   roll_back_unfinished_write)
@@ -74,7 +73,6 @@ def check_sqlite_file(path: str) -> None:
     """Raise DatasetError unless ``path`` is an existing SQLite file."""
     if not path:
         raise DatasetError("<empty path>", "no database path given")
-    path = user_or_bundled(path)
     if not os.path.exists(path):
         raise DatasetError(path, "database file does not exist")
     if os.path.isdir(path):
@@ -104,7 +102,6 @@ def source_files(path: Union[str, Sequence[str]]) -> List[str]:
         return [f for item in path for f in source_files(item)]
     if not path:
         raise DatasetError("<empty path>", "no database path given")
-    path = user_or_bundled(path)
     if not os.path.exists(path):
         raise DatasetError(path, "database file does not exist")
     if not os.path.isdir(path):

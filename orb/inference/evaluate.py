@@ -114,17 +114,18 @@ def parse_and_evaluate(argv) -> int:
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """orb-evaluate's options."""
+    from orb.bundled import command_path
     from orb.commands import HelpFormatter, Parser
     from orb.device import add_device_argument, add_ops_profile_argument
     from orb.inference.runs import add_charge_spin_keys
     from orb.precision import PRECISIONS
 
     parser = Parser(prog=prog, allow_abbrev=False, description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="PyTorch or MindSpore orb checkpoint")
+    parser.add_argument("--checkpoint", required=True, type=command_path, help="PyTorch or MindSpore orb checkpoint")
     parser.add_argument("--compare", default="", help="a second checkpoint evaluated on the same data and shown "
-                        "beside the first (e.g. the starting model and the fine-tuned one)")
+                        "beside the first (e.g. the starting model and the fine-tuned one)", type=command_path)
     parser.add_argument("--data", required=True, nargs="+", help="ASE SQLite database, extxyz or any ase.io file, "
-                        ".aselmdb, a folder of them, or several of these (read as one data set)")
+                        ".aselmdb, a folder of them, or several of these (read as one data set)", type=command_path)
     for name in ("energy", "forces", "stress"):
         parser.add_argument(f"--{name}_key", default="", help=f"where other formats keep the {name} (orb.data.formats)"
                             f" (default: the stored results, then REF_{name}, then {name})")

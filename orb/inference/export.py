@@ -180,17 +180,18 @@ def parse_and_export(argv: Optional[List[str]]) -> int:
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """orb-export's options."""
+    from orb.bundled import command_path
     from orb.commands import HelpFormatter, Parser
     from orb.device import add_device_argument
     from orb.precision import PRECISIONS
 
     parser = Parser(prog=prog, allow_abbrev=False, description=__doc__.split("\n\n")[0],
                                      formatter_class=HelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="PyTorch or MindSpore orb checkpoint")
+    parser.add_argument("--checkpoint", required=True, type=command_path, help="PyTorch or MindSpore orb checkpoint")
     parser.add_argument("--output", required=True, help="the MindIR file (.mindir; several shapes: one per shape, "
                         "the shape in the name)")
     parser.add_argument("--data", nargs="+", default=None, help="plan the shapes on these structures (any format "
-                        "orb-evaluate reads)")
+                        "orb-evaluate reads)", type=command_path)
     parser.add_argument("--shape", action="append", default=[], help="NODES,EDGES,GRAPHS of a padded batch "
                         "(repeatable): a batch holds fewer nodes and graphs than these, and at most EDGES edges")
     parser.add_argument("--batch_size", type=int, default=8, help="with --data: structures of an average batch")

@@ -385,6 +385,7 @@ def md(args) -> Dict:
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """orb-md's options."""
+    from orb.bundled import command_path
     from orb.commands import HelpFormatter, Parser
     from orb.device import add_device_argument, add_ops_profile_argument
     from orb.inference.runs import add_charge_spin_keys
@@ -392,9 +393,9 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
 
     parser = Parser(prog=prog, allow_abbrev=False, description=__doc__.split("\n\n")[0],
                                      formatter_class=HelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="PyTorch or MindSpore orb checkpoint")
+    parser.add_argument("--checkpoint", required=True, type=command_path, help="PyTorch or MindSpore orb checkpoint")
     parser.add_argument("--data", required=True, nargs="+", help="starting structures (any format orb-evaluate "
-                        "reads; their momenta, when stored, are the initial velocities)")
+                        "reads; their momenta, when stored, are the initial velocities)", type=command_path)
     add_charge_spin_keys(parser)
     parser.add_argument("--output", required=True, help="folder for traj_k.extxyz, log_k.csv, state_k.json, "
                         "summary.json")

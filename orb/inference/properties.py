@@ -355,6 +355,7 @@ def parse_and_run(argv: Optional[List[str]]) -> int:
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """orb-properties' options."""
+    from orb.bundled import command_path
     from orb.commands import HelpFormatter, Parser
     from orb.device import add_device_argument, add_ops_profile_argument
     from orb.precision import PRECISIONS
@@ -362,11 +363,11 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     parser = Parser(prog=prog, allow_abbrev=False, description=__doc__.split("\n\n")[0],
                                      formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="the fine-tuned model: a checkpoint file or published "
-                        "weights by name")
+                        "weights by name", type=command_path)
     parser.add_argument("--reference", default="", help="the model to compare with, usually the foundation: a "
-                        "published name (orb_v3_conservative_inf_omat) or any checkpoint")
+                        "published name (orb_v3_conservative_inf_omat) or any checkpoint", type=command_path)
     parser.add_argument("--structures", nargs="+", default=None, help="crystals to check, in any format orb-relax "
-                        "reads (default: each element's reference crystal, see --elements)")
+                        "reads (default: each element's reference crystal, see --elements)", type=command_path)
     parser.add_argument("--elements", nargs="+", default=None, help="elements whose reference crystals (fcc, bcc, "
                         "hcp, diamond; ASE's lattice constants) are checked too (default: without --structures, the "
                         "elements of the checkpoint's training data)")

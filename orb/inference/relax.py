@@ -397,6 +397,7 @@ def parse_and_relax(argv: Optional[List[str]]) -> int:
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """orb-relax's options."""
+    from orb.bundled import command_path
     from orb.commands import HelpFormatter, Parser
     from orb.device import add_device_argument, add_ops_profile_argument
     from orb.inference.runs import add_charge_spin_keys
@@ -404,9 +405,9 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
 
     parser = Parser(prog=prog, allow_abbrev=False, description=__doc__.split("\n\n")[0],
                                      formatter_class=HelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="PyTorch or MindSpore orb checkpoint")
+    parser.add_argument("--checkpoint", required=True, type=command_path, help="PyTorch or MindSpore orb checkpoint")
     parser.add_argument("--data", required=True, nargs="+", help="structures to relax: ASE SQLite, extxyz or any "
-                        "ase.io file, .aselmdb, a folder, or several of these")
+                        "ase.io file, .aselmdb, a folder, or several of these", type=command_path)
     add_charge_spin_keys(parser)
     parser.add_argument("--output", required=True, help="ASE SQLite database of the relaxed structures")
     parser.add_argument("--fmax", type=float, default=0.05, help="converged when every force (and with --cell "

@@ -14,7 +14,6 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn
 
-from orb.bundled import user_or_bundled
 from orb.errors import CheckpointError, SaveError
 from orb.models import build, config_from_state_dict
 from orb.models.adapters import merge_arrays, merged_state
@@ -125,7 +124,6 @@ def read_weights(path: str) -> Tuple["OrderedDict[str, np.ndarray]", Dict]:
     if name is not None:
         arrays, meta = published_weights(name)
     else:
-        path = user_or_bundled(path)
         check_checkpoint_file(path)
         if is_torch_zip(path):
             return read_torch_checkpoint(path), {}

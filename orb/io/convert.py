@@ -37,10 +37,11 @@ def parse_and_convert(argv) -> int:
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """orb-convert's options."""
+    from orb.bundled import command_path
     from orb.commands import HelpFormatter, Parser
 
     parser = Parser(prog=prog, allow_abbrev=False, description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("source", help="PyTorch .ckpt (zip) or MindSpore checkpoint")
+    parser.add_argument("source", type=command_path, help="PyTorch .ckpt (zip) or MindSpore checkpoint")
     parser.add_argument("target", help="output file")
     parser.add_argument("--to", choices=("mindspore", "torch"), default=None,
                         help="output format (default: the other one of the source's)")

@@ -139,3 +139,10 @@ def run(argv: Optional[List[str]], default_config: Optional[str],
         print(line, file=sys.stderr)
         return 1
     return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """orb-finetune: finetune.py's main, loaded from its file (orb.commands.script_path)."""
+    from orb.commands import load_script
+
+    return load_script("finetune").main(argv)

@@ -75,17 +75,10 @@ def count_devices() -> int:
 
 
 def worker_script() -> str:
-    """finetune_parallel.py beside the checkout's orb/ package, else the installed module."""
-    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    local = os.path.join(here, "finetune_parallel.py")
-    if os.path.exists(local):
-        return local
-    import importlib.util
+    """finetune_parallel.py beside the orb package (the checkout's, or the installed one)."""
+    from orb.commands import script_path
 
-    spec = importlib.util.find_spec("orb._bundle.top.finetune_parallel")  # (not by a top-level name: a user's own
-    if spec is None or spec.origin is None:  # finetune_parallel.py on the path would be what msrun runs)
-        raise FileNotFoundError("finetune_parallel.py is neither beside the orb package nor installed")
-    return spec.origin
+    return script_path("finetune_parallel")
 
 
 def find_msrun() -> Optional[str]:
