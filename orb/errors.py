@@ -49,6 +49,10 @@ class RunError(Exception):
     """A run that cannot go on because of a fault (not bad input): one line, exit status 1, nothing lost."""
 
 
+class StartupError(RunError):
+    """A fault before any work (weights that could not be fetched): the run leaves its output folder as it was."""
+
+
 class ClusterError(RunError):
     """A data-parallel job that cannot go on because another of its processes stopped."""
 

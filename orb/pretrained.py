@@ -32,7 +32,7 @@ import zipfile
 from typing import Dict, List, Optional
 
 from orb.cache import cache_dirs, writable_dir
-from orb.errors import CheckpointError, ConfigError, RunError
+from orb.errors import CheckpointError, ConfigError, StartupError
 from orb.files import exclusive, fsync_directory, fsync_file, write_json
 from orb.models.config import MODEL_NAMES
 
@@ -64,7 +64,7 @@ TIMEOUT = 60.0  # seconds without a byte before a connection counts as cut
 CHUNK = 1 << 20
 
 
-class DownloadError(RunError):
+class DownloadError(StartupError):
     """Published weights that could not be fetched or verified (no network, an HTTP error, a damaged file)."""
 
 

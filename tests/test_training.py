@@ -385,3 +385,31 @@ def test_a_valueless_token_close_to_an_option_is_named_as_that_option():
         parse_command_line(["--config", "demo", "--acept_config_changes", "--max_epochs", "3"], None)
     args, overrides = parse_command_line(["--config", "demo", "--overwrite", "--max_epochs", "3"], None)
     assert args.overwrite and overrides == ["--max_epochs", "3"]  # (a key with its value: an override as before)
+
+
+@pytest.mark.parametrize("fault", ["download", "diverged"])
+def test_a_fault_before_any_work_leaves_nothing_and_one_later_keeps_everything(tmp_path, fault):
+    """A run whose weights could not be downloaded left train.log and checkpoints/ (refused bad input left nothing);
+    discarding on every fault then removed a run that had trained 8 steps and diverged before its first metrics
+    record, its log with the error in it."""
+    from orb.errors import DivergedError
+    from orb.pretrained import DownloadError
+    from orb.training.cli import run
+    from orb.training.outputs import prepare_output_dir, setup_logging
+
+    out = tmp_path / "run"
+
+    def fine_tune(cfg, args):
+        prepare_output_dir(cfg.output_dir, resume=False, overwrite=False)
+        setup_logging(cfg.output_dir)
+        if fault == "download":
+            raise DownloadError("orb_v2: cannot reach the host")
+        (out / "metrics.jsonl").write_text('{"type": "initial"}\n')  # (trained; no step record yet)
+        raise DivergedError("8 steps in a row were not finite")
+
+    assert run(["--config", "demo", "--output_dir", str(out)], None, fine_tune) == 1
+    if fault == "download":
+        assert not out.exists()
+    else:
+        assert "8 steps in a row were not finite" in (out / "train.log").read_text()
+        assert (out / "metrics.jsonl").exists()

@@ -8,7 +8,7 @@ import textwrap
 from typing import Callable, List, Optional, Tuple
 
 from orb.bundled import printable_template, templates_line
-from orb.errors import ConfigError, OrbInputError, OutputBusy, RunError
+from orb.errors import ConfigError, OrbInputError, OutputBusy, RunError, StartupError
 from orb.training.config import TrainConfig, check_training_data, load_config
 from orb.training.outputs import check_outputs_apart, discard_unstarted
 from orb.signals import STOP, Stopped, deliver_stop_signals, file_system_failure, listen
@@ -128,7 +128,9 @@ def run(argv: Optional[List[str]], default_config: Optional[str],
             for handler in log.handlers:
                 if isinstance(handler, logging.FileHandler):
                     handler.emit(record)
-            if cfg is not None:  # a run that never trained a step leaves nothing behind
+            # a run refused, or failing before any work, leaves nothing behind (a fault later keeps everything: a run
+            # that diverged before its first metrics record lost its log)
+            if cfg is not None and isinstance(exc, (OrbInputError, StartupError)):
                 discard_unstarted(cfg.output_dir)
         print(f"error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, OrbInputError) else 1
