@@ -383,6 +383,8 @@ def test_a_valueless_token_close_to_an_option_is_named_as_that_option():
     with pytest.raises(ConfigError, match=r"^unknown option --acept_config_changes \(did you mean "
                                           r"--accept_config_changes\?\)$"):
         parse_command_line(["--config", "demo", "--acept_config_changes", "--max_epochs", "3"], None)
+    for key in ("--lr", "--freeze", "--forces_key", "--replay.fraction"):  # config keys: their own "has no value"
+        assert parse_command_line(["--config", "demo", key], None)[1] == [key]
     args, overrides = parse_command_line(["--config", "demo", "--overwrite", "--max_epochs", "3"], None)
     assert args.overwrite and overrides == ["--max_epochs", "3"]  # (a key with its value: an override as before)
 
