@@ -97,6 +97,9 @@ def test_a_structure_the_model_heats_without_bound_is_said_to_have_run_away(tmp_
                     "--temperature", "300")
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.load(open(tmp_path / "md" / "summary.json"))
+    from orb.inference.md import ran_away
+
+    assert not ran_away(2200.0, 2300.0, 300.0) and ran_away(300.0, 1500.0, 300.0)  # (velocities of its own: 2,200 K)
     hottest = max(s["max_temperature_K"] for s in summary["structures"])
     assert hottest > 1400 and f"{hottest:,.0f} K in its log): the model is likely unfit" in result.stderr, \
         result.stderr[-2000:]

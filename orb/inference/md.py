@@ -29,7 +29,7 @@ import logging
 import os
 import sys
 import threading
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -280,18 +280,24 @@ class Dynamics:
                 bar.update(len(group))
 
 
-RUNAWAY = 3.0  # a structure logged above this times --temperature (+500 K) is said to have run away
+RUNAWAY = 3.0  # a structure logged above this times its temperature (+500 K) is said to have run away
 
 
-def logged_max_temperature(log: str) -> Optional[float]:
-    """The highest temperature in a structure's log (its frames: every --write_every steps), or None without one."""
+def logged_temperatures(log: str) -> Tuple[Optional[float], Optional[float]]:
+    """A structure's logged temperature at its first frame and the highest (its frames: every --write_every steps),
+    None where there are none."""
     try:
         with open(log) as f:
             values = [float(line.split(",")[2]) for line in f.readlines()[1:] if line.count(",") >= 2]
     except (OSError, ValueError):
-        return None
+        return None, None
     finite = [v for v in values if np.isfinite(v)]
-    return max(finite) if finite else None
+    return (values[0] if values and np.isfinite(values[0]) else None), (max(finite) if finite else None)
+
+
+def ran_away(start: Optional[float], highest: Optional[float], asked: float) -> bool:
+    """Whether a structure heated far beyond what it was given (--temperature, or the velocities it came with)."""
+    return highest is not None and highest > RUNAWAY * max(asked, start or 0.0) + 500.0
 
 
 def md(args) -> Dict:
@@ -364,13 +370,14 @@ def md(args) -> Dict:
                     "steps_done": int(r.dynamics.nsteps) if r.dynamics else 0, "uncertain_frames": r.uncertain,
                     "total_energy_drift_eV_per_atom": (float((r.energies[-1] - r.energies[0]) / len(r.atoms))
                                                        if len(r.energies) > 1 and args.ensemble == "nve" else None),
-                    "max_temperature_K": logged_max_temperature(r.path("log"))}
+                    "max_temperature_K": logged_temperatures(r.path("log"))[1]}
                    for r in runs]}
     write_json(os.path.join(args.output, "summary.json"), summary)
-    hot = [s for s in summary["structures"] if (s["max_temperature_K"] or 0) > RUNAWAY * args.temperature + 500]
+    hot = [s for s, r in zip(summary["structures"], runs)
+           if ran_away(*logged_temperatures(r.path("log")), args.temperature)]
     if hot:  # (a model unfit for a structure heats it without bound: 63,316 K at step 10, and "ran 40 steps")
         worst = max(hot, key=lambda s: s["max_temperature_K"])
-        print(f"warning: {len(hot)} structure(s) ran far hotter than {args.temperature:g} K (structure "
+        print(f"warning: {len(hot)} structure(s) ran far hotter than they started (structure "
               f"{worst['index']}, row {worst['source_row']}: {worst['max_temperature_K']:,.0f} K in its log): the model "
               "is likely unfit for them (see max_temperature_K in summary.json, and the predicted force errors)",
               file=sys.stderr)
