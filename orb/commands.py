@@ -10,7 +10,7 @@ import difflib
 import importlib
 import os
 import sys
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 COMMANDS: Dict[str, str] = {
     "orb-finetune": "orb.training.cli:finetune_parser",
@@ -68,16 +68,21 @@ class Parser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
     def error(self, message: str):
-        known = [flag for action in self._actions for flag in action.option_strings]
+        known = [flag for action in self._actions for flag in action.option_strings if flag.startswith("--")]
         unknown = [token.split("=", 1)[0] for token in getattr(self, "_given", []) if token.startswith("--")
-                   and token.split("=", 1)[0] not in known]
+                   and token != "--" and token.split("=", 1)[0] not in known]
         if unknown:
-            named = []
-            for flag in unknown:
-                close = difflib.get_close_matches(flag, known, n=1)
-                named.append(flag + (f" (did you mean {close[0]}?)" if close else ""))
-            message = f"unrecognized arguments: {', '.join(named)}"
+            message = f"unrecognized arguments: {', '.join(flag + closest(flag, known) for flag in unknown)}"
         self.exit(2, f"{self.prog}: error: {message}; {self.prog} --help lists the options\n")
+
+
+def closest(flag: str, known: List[str]) -> str:
+    """`` (did you mean --x?)`` for a misspelt ``flag``: the one option it begins (``--temp``: --temperature), else the
+    closest by spelling, never --help; else ''."""
+    options = [k for k in known if k != "--help"]
+    begun = [k for k in options if k.startswith(flag)]
+    close = begun if len(begun) == 1 else difflib.get_close_matches(flag, options, n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def script_path(name: str) -> str:

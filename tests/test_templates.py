@@ -271,6 +271,17 @@ def test_a_misspelt_flag_is_one_line_naming_it_and_the_closest(program, capsys):
     assert lines[0].startswith(f"{program}: error: unrecognized arguments: {wrong} (did you mean {flags[0]}?)"), lines
 
 
+def test_the_closest_option_is_the_one_begun_and_never_help():
+    """`--temp` suggested --tdamp, `--chek` --help, a stray `--` "--xc"."""
+    from orb.commands import closest, parser
+
+    md = [f for a in parser("orb-md")._actions for f in a.option_strings if f.startswith("--")]
+    assert closest("--temp", md) == " (did you mean --temperature?)"
+    assert closest("--chek", [f for a in parser("orb-evaluate")._actions for f in a.option_strings]) == \
+        " (did you mean --checkpoint?)"
+    assert closest("--hel", ["--help", "--xc"]) == ""
+
+
 def test_the_table_of_commands_is_the_installed_one():
     from orb.commands import COMMANDS, SCRIPTS
 

@@ -63,24 +63,22 @@ def parse_command_line(argv: Optional[List[str]], default_config: Optional[str]
     """The command's own options, and the config overrides (``--key value``). A token without a value that is close
     to an option of the command's (``--over``) is named as that mistake ("override '--over' has no value" left the
     user guessing)."""
-    import difflib
-
     import dataclasses
 
+    from orb.commands import closest
     from orb.training.config import TrainConfig
 
     parser = finetune_parser(default_config=default_config)
     args, overrides = parser.parse_known_args(argv)
-    own = [flag for action in parser._actions for flag in action.option_strings
-           if flag.startswith("--") and flag != "--help"]
+    own = [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
     keys = {field.name for field in dataclasses.fields(TrainConfig)}
     for k, token in enumerate(overrides):
         valueless = k + 1 == len(overrides) or overrides[k + 1].startswith("--")
         if not token.startswith("--") or "=" in token or not valueless or token[2:].split(".")[0] in keys:
             continue  # (a config key without its value: said so by the overrides' own check)
-        close = difflib.get_close_matches(token, own, n=1, cutoff=0.6)
-        if close:
-            raise ConfigError(f"unknown option {token} (did you mean {close[0]}?)")
+        hint = closest(token, own)
+        if hint:
+            raise ConfigError(f"unknown option {token}{hint}")
     return args, overrides
 
 
