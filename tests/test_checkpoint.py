@@ -332,3 +332,8 @@ def test_a_file_that_is_no_checkpoint_and_a_name_close_to_a_published_one_are_on
     with pytest.raises(CheckpointError, match=r"^--checkpoint orb_v4: checkpoint file does not exist \(did you mean "
                                               r"the published weights orb_v2\? names: orb_v2, orb_mptraj_only_v2, "):
         check_checkpoint_file("orb_v4", "--checkpoint")
+    from orb.io.convert import convert
+
+    with pytest.raises(CheckpointError, match=r"a MindSpore checkpoint must end in \.ckpt"):  # (written, then unread)
+        convert(os.path.join(ROOT, "data", "demo_pretrained.ckpt"), str(tmp_path / "demo_ms.bin"), "mindspore")
+    assert not (tmp_path / "demo_ms.bin").exists()

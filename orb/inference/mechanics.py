@@ -163,6 +163,8 @@ def smallest_stiffness(c: np.ndarray) -> float:
     """The smallest eigenvalue of the elastic tensor's symmetric part (GPa): Born's criterion of mechanical stability
     in its general form is that it be positive (every strain costs energy); cubic crystals' C11 > |C12|, C44 > 0."""
     c = np.asarray(c, np.float64)
+    if not np.isfinite(c).all():  # (a model's NaN stress: no criterion, not "unstable"; eigvalsh fails on inf)
+        return float("nan")
     return float(np.linalg.eigvalsh((c + c.T) / 2.0).min())
 
 

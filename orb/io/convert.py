@@ -72,6 +72,8 @@ def convert(source: str, target: str, to=None, name=None) -> int:
         raise CheckpointError(f"{source}: tensor '{not_finite}' holds NaN or inf (weights of a diverged run): convert "
                               f"a checkpoint saved before it diverged")
     to = to or ("mindspore" if is_torch_zip(source) else "torch")
+    if to == "mindspore" and not target.endswith(".ckpt"):  # (MindSpore reads .ckpt files only: unreadable after)
+        raise CheckpointError(f"target {target}: a MindSpore checkpoint must end in .ckpt (MindSpore reads no other)")
     cfg = architecture(weights, meta, name)
     stored = stored_architecture(meta)
     trained = ModelConfig.from_dict(dict(stored, name=cfg.name)) if stored else cfg  # (--model renames, keeps these)
