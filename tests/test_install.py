@@ -9,18 +9,25 @@ import sysconfig
 from conftest import ROOT
 
 
-def test_pip_install_and_run_outside_the_checkout(tmp_path):
+def installed(tmp_path, *how):
+    """A fresh environment with the package installed (``how``: pip's options, ``-e`` for an editable install): its
+    folder, its python and its site-packages. The dependencies (MindSpore, ...) come from this environment; the
+    package itself is installed for real."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     python = venv / "bin" / "python"
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    # the dependencies (MindSpore, ...) come from this environment; the package itself is installed for real
     with open(os.path.join(site, "dependencies.pth"), "w") as f:
         f.write(sysconfig.get_paths()["purelib"] + "\n")
     install = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                              ROOT], capture_output=True, text=True, timeout=600)
+                              *how, ROOT], capture_output=True, text=True, timeout=600)
     assert install.returncode == 0, install.stderr[-3000:]
+    return venv, python, site
+
+
+def test_pip_install_and_run_outside_the_checkout(tmp_path):
+    venv, python, site = installed(tmp_path)
     work = tmp_path / "elsewhere"
     work.mkdir()
     env = dict(os.environ, PYTHONPATH="")
@@ -87,16 +94,7 @@ def test_pip_install_and_run_outside_the_checkout(tmp_path):
 def test_an_editable_install_runs_every_command(tmp_path):
     """docs/install.md's development install (pip install -e .): orb-finetune's entry point must load (an entry point
     in a mapped package, orb._bundle, did not: ModuleNotFoundError), as must msrun's worker script."""
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
-    python = venv / "bin" / "python"
-    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    with open(os.path.join(site, "dependencies.pth"), "w") as f:
-        f.write(sysconfig.get_paths()["purelib"] + "\n")
-    install = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                              "-e", ROOT], capture_output=True, text=True, timeout=600)
-    assert install.returncode == 0, install.stderr[-3000:]
+    venv, python, _ = installed(tmp_path, "-e")
     work = tmp_path / "elsewhere"
     work.mkdir()
     (work / "finetune.py").write_text("print('a script of the user')\n")  # on the path: never the command's
