@@ -69,17 +69,27 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         known = [flag for action in self._actions for flag in action.option_strings if flag.startswith("--")]
-        unknown = [token.split("=", 1)[0] for token in getattr(self, "_given", []) if token.startswith("--")
-                   and token != "--" and token.split("=", 1)[0] not in known]
+        unknown = [token.split("=", 1)[0] for token in getattr(self, "_given", []) if looks_like_a_flag(token)
+                   and token.split("=", 1)[0] not in known]
         if unknown:
             message = f"unrecognized arguments: {', '.join(flag + closest(flag, known) for flag in unknown)}"
         self.exit(2, f"{self.prog}: error: {message}; {self.prog} --help lists the options\n")
+
+
+def looks_like_a_flag(token: str) -> bool:
+    """``--name``, or a flag typed with one dash or a word processor's dash (``-checkpoint``, ``—checkpoint``: pasted
+    from a document), not a negative number nor a lone ``--``."""
+    name = token.lstrip("-\u2013\u2014")
+    if token == name or len(name) < 2 or not name[0].isalpha():
+        return False
+    return token.startswith("--") or token[0] in "\u2013\u2014" or len(name) > 2
 
 
 def closest(flag: str, known: List[str]) -> str:
     """`` (did you mean --x?)`` for a misspelt ``flag``: the one option it begins (``--temp``: --temperature), else the
     closest by spelling, never --help; else ''."""
     options = [k for k in known if k != "--help"]
+    flag = "--" + flag.lstrip("-\u2013\u2014")  # (-checkpoint, —checkpoint: --checkpoint)
     begun = [k for k in options if k.startswith(flag)]
     close = begun if len(begun) == 1 else difflib.get_close_matches(flag, options, n=1)
     return f" (did you mean {close[0]}?)" if close else ""

@@ -271,7 +271,7 @@ def test_a_misspelt_flag_is_one_line_naming_it_and_the_closest(program, capsys):
     assert lines[0].startswith(f"{program}: error: unrecognized arguments: {wrong} (did you mean {flags[0]}?)"), lines
 
 
-def test_the_closest_option_is_the_one_begun_and_never_help():
+def test_the_closest_option_is_the_one_begun_and_never_help(capsys):
     """`--temp` suggested --tdamp, `--chek` --help, a stray `--` "--xc"."""
     from orb.commands import closest, parser
 
@@ -280,6 +280,15 @@ def test_the_closest_option_is_the_one_begun_and_never_help():
     assert closest("--chek", [f for a in parser("orb-evaluate")._actions for f in a.option_strings]) == \
         " (did you mean --checkpoint?)"
     assert closest("--hel", ["--help", "--xc"]) == ""
+    evaluate = parser("orb-evaluate")  # a flag typed with one dash, or pasted with a document's dash: named too
+    for typed in ("-checkpoint", "\u2014checkpoint"):
+        with pytest.raises(SystemExit):
+            evaluate.parse_args([typed, "x", "--data", "y"])
+        assert capsys.readouterr().err.startswith(f"orb-evaluate: error: unrecognized arguments: {typed} (did you "
+                                                  "mean --checkpoint?)")
+    with pytest.raises(SystemExit):  # (a negative number is a value, not a flag: argparse's own message)
+        parser("orb-relax").parse_args(["--checkpoint", "x", "--data", "y", "--output", "z", "--fmax", "-1", "-q"])
+    assert "unrecognized arguments: -q;" in capsys.readouterr().err
 
 
 def test_the_table_of_commands_is_the_installed_one():
