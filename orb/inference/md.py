@@ -361,6 +361,7 @@ def md(args) -> Dict:
     dynamics.run_all(runs, show)
     if dynamics.uncertain is not None and STOP.received is None:  # the run's end: in the order of steps, structures
         dynamics.uncertain.order_by(lambda info: (info.get("step", 0), info.get("structure", 0)))
+    logged = {r.index: logged_temperatures(r.path("log")) for r in runs}  # (start, highest): each log read once
     summary = {"checkpoint": args.checkpoint, "data": args.data, "ensemble": args.ensemble,
                "thermostat": args.thermostat if args.ensemble == "nvt" else None, "timestep_fs": args.timestep,
                "steps": args.steps, "temperature_K": args.temperature, "seed": args.seed,
@@ -370,11 +371,10 @@ def md(args) -> Dict:
                     "steps_done": int(r.dynamics.nsteps) if r.dynamics else 0, "uncertain_frames": r.uncertain,
                     "total_energy_drift_eV_per_atom": (float((r.energies[-1] - r.energies[0]) / len(r.atoms))
                                                        if len(r.energies) > 1 and args.ensemble == "nve" else None),
-                    "max_temperature_K": logged_temperatures(r.path("log"))[1]}
+                    "max_temperature_K": logged[r.index][1]}
                    for r in runs]}
     write_json(os.path.join(args.output, "summary.json"), summary)
-    hot = [s for s, r in zip(summary["structures"], runs)
-           if ran_away(*logged_temperatures(r.path("log")), args.temperature)]
+    hot = [s for s in summary["structures"] if ran_away(*logged[s["index"]], args.temperature)]
     if hot:  # (a model unfit for a structure heats it without bound: 63,316 K at step 10, and "ran 40 steps")
         worst = max(hot, key=lambda s: s["max_temperature_K"])
         print(f"warning: {len(hot)} structure(s) ran far hotter than they started (structure "
