@@ -372,7 +372,7 @@ def test_a_reused_log_dir_does_not_decide_how_a_launch_ended(tmp_path):
     with its state saved (the earlier run's worker_2.log turned a clean stop, exit 75, into FAILED, exit 1: the
     requeue script dropped the job) and what a failure reports."""
     from orb.signals import RESUME_HINT
-    from orb.training.launch import log_stamps, stopped_with_state_saved, worker_logs
+    from orb.training.job_watch import log_stamps, stopped_with_state_saved, worker_logs
 
     for rank in (0, 1, 2):  # the earlier run's, with three workers
         (tmp_path / f"worker_{rank}.log").write_text("Traceback (most recent call last):\nRuntimeError: failed\n")
@@ -385,7 +385,7 @@ def test_a_reused_log_dir_does_not_decide_how_a_launch_ended(tmp_path):
     assert not stopped_with_state_saved(str(tmp_path))  # every log, the stale one too: what it decided before
     # a stop during start-up: msrun kills the workers still starting, whose logs end without a line; no error in
     # this launch's logs then lets the launcher say 75 (it said FAILED, status 1), the earlier run's errors aside
-    from orb.training.launch import failures
+    from orb.training.job_watch import failures
 
     (tmp_path / "worker_1.log").write_text("[WARNING] a worker still starting when msrun killed it\n")
     assert not stopped_with_state_saved(str(tmp_path), before) and failures(str(tmp_path), before) == {}
@@ -410,7 +410,7 @@ def test_a_signal_after_a_run_has_finished_is_no_stop(tmp_path):
 
 def test_relay_finds_the_workers_below_msrun(tmp_path):
     """Only MindSpore workers (MS_ROLE=MS_WORKER) below the launched process get the relayed signals."""
-    from orb.training.launch import processes_under, workers_under
+    from orb.training.job_watch import processes_under, workers_under
 
     code = ("import os, subprocess, sys, time\n"
             "kids = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'],"

@@ -24,7 +24,8 @@ msrun assigns each worker its device: the config's device_id is not used. On CPU
 OMP_NUM_THREADS = cores / LOCAL_WORKER_NUM unless it is set. The console
 shows this node's first worker; every worker's log is in LOG_DIR. The exit status is 0 when every worker
 finished, 2 when a worker refused its input (as finetune.py), 1 for a fault, 75 after a stop (below); on failure
-the failed rank and its last error are printed.
+the failed rank and its last error are printed. On one node a failed job ends within seconds of its last worker
+(msrun's scheduler would wait MS_NODE_TIMEOUT, 30 s, for each worker msrun killed).
 
 Stop signals (SIGTERM, SIGINT, SIGUSR1, SIGUSR2: a scheduler's preemption or time limit, Ctrl-C)
 are passed to this node's workers, also to those msrun starts after the signal came; they finish their step,
@@ -40,17 +41,18 @@ import glob
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from orb.bundled import find_config
 from orb.errors import ConfigError
 from orb.files import free_port
 from orb.signals import RESUME_HINT, STOP, STOP_SIGNALS, STOPPED_STATUS, children_start_blocked, run_command
+from orb.training.job_watch import (WORKER_EXCEPTION, WORKER_EXIT_LINE, FailedJobEnd, SignalRelay, failures, log_stamps,
+                                    log_text, report_failures, stopped_with_state_saved, training_finished, worker_logs)
 
 DEFAULT_CONFIG = os.path.join("configs", "config_parallel.yaml")
 
@@ -131,170 +133,6 @@ MSRUN = ("import signal, sys\n"
          "sys.argv[0] = 'msrun'\n"
          "sys.exit(main())\n")
 
-
-def _parent_and_role(pid: int):
-    """(parent pid, MindSpore role) of a process, or (None, None) if it is gone or unreadable."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            parent = int(f.read().rsplit(")", 1)[1].split()[1])
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-        return parent, environ.get(b"MS_ROLE", b"").decode()
-    except (OSError, ValueError, IndexError):
-        return None, None
-
-
-def processes_under(root: int, role: str = "MS_WORKER") -> List[int]:
-    """msrun's Python processes of ``role`` (MS_ROLE: MS_WORKER, or MS_SCHED for its scheduler): the children of
-    ``root`` (msrun) that run Python. Not the ``tail`` msrun runs to show a worker's log, nor a worker's own children
-    (data workers): both inherit MS_ROLE, and a stop relayed to ``tail`` ended the console's view of the save."""
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            parent, found_role = _parent_and_role(int(name))
-            if parent == root and found_role == role and _runs_python(int(name)):
-                found.append(int(name))
-    return sorted(found)
-
-
-def _runs_python(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            program = f.read().split(b"\0")[0]
-    except OSError:
-        return False
-    return b"python" in os.path.basename(program)
-
-
-def workers_under(root: int) -> List[int]:
-    """The MindSpore worker processes (MS_ROLE=MS_WORKER) among the descendants of ``root``."""
-    return processes_under(root, "MS_WORKER")
-
-
-class SignalRelay:
-    """While active, stop signals received here go to the worker processes under ``root``, each worker once,
-    also those msrun starts after the signal came (:meth:`follow`, called while the job runs). Once every worker
-    has ended after a stop, msrun's scheduler is given ``scheduler_grace`` seconds to end too, then killed: after a
-    stop during start-up it would wait for the workers that never joined until MindSpore's cluster timeout
-    (CLUSTER_TIME_OUT, 600 s), far past a scheduler's grace period. It holds nothing to save."""
-
-    def __init__(self, root: Optional[int] = None, scheduler_grace: float = 10.0,
-                 finished: Callable[[], bool] = lambda: False):
-        """``root``: msrun's process id, set once it is started (the relay listens from before: a signal in between
-        is passed on by :meth:`follow`). ``finished()``: whether the training finished (a worker's log says so): a
-        run that finished as the signal came keeps its scheduler, however long it takes to end. (Not "every worker
-        logged its stop": a worker msrun killed while it started ends without a line, and the scheduler waited for
-        CLUSTER_TIME_OUT.)"""
-        self.root, self.received, self._previous = root, [], {}
-        self.scheduler_grace, self.finished = scheduler_grace, finished
-        self.signalled: set = set()
-        self.workers_ended_at: Optional[float] = None
-
-    def _relay(self, number, _frame):
-        self.received.append(signal.Signals(number).name)
-        for pid in workers_under(self.root) if self.root is not None else ():
-            self._send(pid, number)
-
-    def _send(self, pid: int, number: int) -> None:
-        self.signalled.add(pid)
-        try:
-            os.kill(pid, number)
-        except OSError:
-            pass
-
-    def follow(self) -> None:
-        """After a stop: pass it to workers started since, and end a scheduler the ended workers left waiting."""
-        if not self.received or self.root is None:
-            return
-        number = getattr(signal, self.received[0])
-        workers = workers_under(self.root)
-        for pid in workers:
-            if pid not in self.signalled:
-                self._send(pid, number)
-        if workers or not self.signalled:
-            self.workers_ended_at = None
-            return
-        now = time.monotonic()
-        if self.workers_ended_at is None:
-            self.workers_ended_at = now
-        elif now - self.workers_ended_at >= self.scheduler_grace and not self.finished():
-            self.workers_ended_at = float("inf")  # (once)
-            for pid in processes_under(self.root, "MS_SCHED"):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-
-    def __enter__(self):
-        for name in STOP_SIGNALS:
-            self._previous[name] = signal.signal(getattr(signal, name), self._relay)
-        return self
-
-    def __exit__(self, *exc):
-        for name, handler in self._previous.items():
-            signal.signal(getattr(signal, name), handler)
-        return False
-
-
-WORKER_EXIT_LINE = "finetune_parallel: exit status"  # a failed worker's last line (msrun reports the first it saw)
-
-
-def _log_text(path: str) -> str:
-    with open(path, errors="replace") as f:
-        return f.read()
-
-
-def log_stamps(log_dir: str) -> Dict[str, tuple]:
-    """Each worker log's (modification time, size), as the file system records them."""
-    stamps = {}
-    for path in glob.glob(os.path.join(log_dir, "worker_*.log")):
-        try:
-            stat = os.stat(path)
-        except OSError:
-            continue
-        stamps[path] = (stat.st_mtime_ns, stat.st_size)
-    return stamps
-
-
-def worker_logs(log_dir: str, before: Optional[Dict[str, tuple]] = None) -> List[str]:
-    """The worker logs of this launch: those not there, or not as they were, ``before`` it (:func:`log_stamps`), so
-    that a LOG_DIR reused by a run with more workers, whose logs stay beside this one's, does not decide how this
-    one ended (compared by the file system's own stamps: no clock of this host against a file server's)."""
-    before = before or {}
-    return sorted(path for path, stamp in log_stamps(log_dir).items() if before.get(path) != stamp)
-
-
-def stopped_with_state_saved(log_dir: str, before: Optional[Dict[str, tuple]] = None) -> bool:
-    """Whether every worker's log ends the run with the training loop's stop line (its state saved)."""
-    logs = worker_logs(log_dir, before)
-    if not logs:
-        return False
-    return all(RESUME_HINT in _log_text(path) for path in logs)
-
-
-def training_finished(log_dir: str, before: Optional[Dict[str, tuple]] = None) -> bool:
-    """Whether a worker log of this launch says the training finished (rank 0's, on node 0 with the scheduler)."""
-    return any("training finished in" in _log_text(path) for path in worker_logs(log_dir, before))
-
-
-def failures(log_dir: str, before: Optional[Dict[str, tuple]] = None) -> Dict[str, List[str]]:
-    """This launch's worker logs that hold error lines (a one-line error, a Python error, a traceback): their lines."""
-    found = {}
-    for log in worker_logs(log_dir, before):
-        with open(log, errors="replace") as f:
-            lines = [line.rstrip() for line in f if not line.startswith(("[WARNING", "[INFO"))]
-        errors = [line for line in lines if re.match(r"^(error: |\w*Error: |Traceback)", line)]
-        if errors:
-            found[log] = errors
-    return found
-
-
-def report_failures(log_dir: str, before: Optional[Dict[str, tuple]] = None) -> None:
-    for log, errors in failures(log_dir, before).items():
-        rank = os.path.basename(log)[len("worker_"):-len(".log")]
-        print(f"run_parallel: rank {rank} failed, see {log}:", file=sys.stderr)
-        for line in errors[-3:]:
-            print(f"  {line}", file=sys.stderr)
 
 
 def build_parser(prog: Optional[str] = None):
@@ -386,8 +224,11 @@ def launch(argv: Optional[List[str]], prog: Optional[str] = None) -> int:
             job = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
         relay.root = job.pid
         errors = collect(job.stderr)
+        failed = None if several_nodes else FailedJobEnd(s["log_dir"], earlier_logs, errors.so_far)
         while job.poll() is None:
             relay.follow()
+            if failed is not None and not relay.received:  # (after a stop: the relay's own grace)
+                failed.follow(job.pid)
             time.sleep(0.2)
         status = job.wait()
     STOP.stand_down()  # msrun has ended: a signal now (as the job ends) is no stop to report
@@ -434,17 +275,18 @@ def failed_workers_status(msrun_errors: List[str], status: int, logs: Sequence[s
     worker it saw fail, which may be one that stopped because of another's bad row), else the exit status of the
     worker msrun saw fail first (1: a fault; msrun itself exits 1 for either), else msrun's ``status``: a script
     tells bad input from a fault as with finetune.py."""
-    if any(re.search(rf"^{re.escape(WORKER_EXIT_LINE)} 2$", _log_text(log), re.MULTILINE) for log in logs):
+    if any(re.search(rf"^{re.escape(WORKER_EXIT_LINE)} 2$", log_text(log), re.MULTILINE) for log in logs):
         return 2
     for line in msrun_errors:
-        found = re.search(r"Worker process \d+ exit with exception\. Error code: (-?\d+)", line)
+        found = WORKER_EXCEPTION.search(line)
         if found:
             return int(found.group(1)) if found.group(1) in ("1", "2") else status
     return status
 
 
 def collect(stream):
-    """Read ``stream`` in a thread (so the child never blocks on a full pipe); returns a getter of its lines."""
+    """Read ``stream`` in a thread (so the child never blocks on a full pipe); returns a getter of its lines (and
+    ``.so_far()``, those read until now)."""
     lines: List[str] = []
     reader = threading.Thread(target=lambda: lines.extend(stream), daemon=True)
     reader.start()
@@ -453,6 +295,7 @@ def collect(stream):
         reader.join()
         return lines
 
+    get.so_far = lambda: list(lines)  # (while the child runs)
     return get
 
 
