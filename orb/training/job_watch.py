@@ -6,6 +6,7 @@ import glob
 import os
 import re
 import signal
+import sys
 import time
 from typing import Callable, Dict, List, Optional
 

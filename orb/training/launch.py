@@ -138,8 +138,6 @@ MSRUN = ("import signal, sys\n"
 def build_parser(prog: Optional[str] = None):
     """The launcher's command line, for --help and the command reference (main splits it itself: every option but
     CONFIG goes to the workers, which parse it as orb-finetune does)."""
-    import argparse
-
     from orb.commands import HelpFormatter, Parser
     from orb.training.cli import add_run_options
 
