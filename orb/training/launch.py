@@ -215,7 +215,7 @@ def launch(argv: Optional[List[str]], prog: Optional[str] = None) -> int:
                "--tail_worker_log=0", worker_script(), "--config", os.path.abspath(config), *args]
     earlier_logs = log_stamps(s["log_dir"])
     several_nodes = int(s["local_worker_num"]) < int(s["worker_num"])  # other nodes' workers may still be ending
-    with SignalRelay(scheduler_grace=60.0 if several_nodes else 10.0,
+    with SignalRelay(scheduler_grace=60.0 if several_nodes else 2.0,
                      finished=lambda: training_finished(s["log_dir"], earlier_logs)) as relay:
         # its own session: a terminal's Ctrl-C reaches this process only, which passes it on to the workers
         with children_start_blocked():
