@@ -6,6 +6,7 @@ ASE calculator, data at MPtrj's size, batched relaxation.
     python scripts/benchmark.py parallel   [--config C] [--batch 8]
     python scripts/benchmark.py allreduce  [--steps 5]
     python scripts/benchmark.py startup    [--rounds 3]
+    python scripts/benchmark.py failed-job [--rounds 3]
     python scripts/benchmark.py pipeline   [--config C] [--batch 16]
     python scripts/benchmark.py calculator [--model NAME] [--mode graph|pynative] [--torch-python PATH] [--steps 10]
                                            [--rounds 1] [--profile-ops]
@@ -44,7 +45,7 @@ from benchmarks.graphs import bench_graphs
 from benchmarks.matmul import bench_breakdown, bench_gemm
 from benchmarks.model import bench_model
 from benchmarks.md import bench_md
-from benchmarks.parallel import bench_allreduce, bench_parallel, bench_pipeline, bench_startup
+from benchmarks.parallel import bench_allreduce, bench_failed_job, bench_parallel, bench_pipeline, bench_startup
 from benchmarks.precision import bench_precision
 from benchmarks.relax import bench_relax
 from benchmarks.restart import bench_restart
@@ -77,6 +78,8 @@ def build_parser():
     p.add_argument("--data", default=os.path.join(ROOT, "data", "pretrain", "pretrain_train.db"),
                    help="training rows (the default 512 give 32 steps per epoch)")
     p = sub.add_parser("startup")
+    p.add_argument("--rounds", type=int, default=3, help="alternations of the two settings")
+    p = sub.add_parser("failed-job")
     p.add_argument("--rounds", type=int, default=3, help="alternations of the two settings")
     p = sub.add_parser("allreduce")
     p.add_argument("--steps", type=int, default=5, help="all-reduces of each kind (after one to compile)")
@@ -171,7 +174,7 @@ def main() -> None:
      "breakdown": bench_breakdown, "counts": bench_counts, "rows": bench_rows,
      "save": bench_save, "formats": bench_formats, "scale": bench_scale, "relax": bench_relax,
      "precision": bench_precision, "md": bench_md, "restart": bench_restart, "suite": bench_suite,
-     "startup": bench_startup, "compile-options": bench_compile_options}[args.area](args)
+     "startup": bench_startup, "failed-job": bench_failed_job, "compile-options": bench_compile_options}[args.area](args)
 
 
 if __name__ == "__main__":  # not in the data workers (counts), which import this file as their main module

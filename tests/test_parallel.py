@@ -429,24 +429,36 @@ def test_bad_input_stops_every_worker_with_one_line(tmp_path, nine_rows):
 
 def test_killed_worker_ends_the_job(tmp_path, nine_rows):
     """A worker killed mid-training fails the job, which ends within seconds: msrun kills the other worker, and its
-    scheduler waited for that one until MindSpore's node timeout (30 s by default; here 300 s, so waiting fails)."""
+    scheduler waited for that one until MindSpore's node timeout (30 s by default; here 300 s, so waiting fails). A
+    stop that comes once the workers are gone is no stop of this job: exit 1, not 75 (a requeue would resume into
+    the same kill), and the scheduler is ended all the same."""
+    from conftest import signal_every_process
+
     args = common_args(tmp_path / "kill", nine_rows, num_buckets=1, val_data_path="") + ["--max_epochs", "50"]
     job = launch(args, tmp_path / "logs", cwd=ROOT, env_extra={"MS_NODE_TIMEOUT": "300"})
-    deadline = time.time() + 300
-    pid = None
-    while time.time() < deadline and pid is None:  # wait until the job trains (an epoch done), then kill rank 1
-        logs = [tmp_path / "logs" / f"worker_{r}.log" for r in (0, 1)]
-        text = [log.read_text() if log.exists() else "" for log in logs]
-        if "Epoch: 1/50" in text[0]:
-            pid = int(re.search(r"rank 1 of 2 \(pid (\d+)\)", text[1]).group(1))
-        time.sleep(1)
-    assert pid is not None, "rank 1 never started training"
-    os.kill(pid, signal.SIGKILL)
-    killed = time.time()
-    out, _ = job.communicate(timeout=400)
-    assert job.returncode == 1, out[-2000:]  # a fault
-    assert time.time() - killed < 60, out[-2000:]  # (MS_NODE_TIMEOUT: 300 s)
-    assert "FAILED" in out
+    try:
+        deadline = time.time() + 300
+        pids = None
+        while time.time() < deadline and pids is None:  # wait until the job trains (an epoch done), then kill rank 1
+            text = [(tmp_path / "logs" / f"worker_{r}.log") for r in (0, 1)]
+            text = [log.read_text() if log.exists() else "" for log in text]
+            found = [re.search(rf"rank {r} of 2 \(pid (\d+)\)", text[r]) for r in (0, 1)]
+            if "Epoch: 1/50" in text[0] and all(found):
+                pids = [int(f.group(1)) for f in found]
+            time.sleep(1)
+        assert pids is not None, "rank 1 never started training"
+        os.kill(pids[1], signal.SIGKILL)
+        killed = time.time()
+        while os.path.exists(f"/proc/{pids[0]}") and time.time() < killed + 60:  # msrun kills rank 0
+            time.sleep(0.1)
+        job.send_signal(signal.SIGTERM)  # (to the launcher)
+        out, _ = job.communicate(timeout=400)
+        assert job.returncode == 1, out[-2000:]  # a fault
+        assert time.time() - killed < 60, out[-2000:]  # (MS_NODE_TIMEOUT: 300 s)
+        assert "FAILED" in out and "stopped by" not in out, out[-2000:]
+    finally:
+        if job.poll() is None:
+            signal_every_process(job.pid, signal.SIGKILL)
 
 
 def test_the_cluster_polls_its_peers_every_second_or_two_unless_the_user_chose():

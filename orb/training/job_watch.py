@@ -122,17 +122,18 @@ class SignalRelay:
 
 
 class FailedJobEnd:
-    """On one node: once a worker has failed (its log's error, or msrun's report of its exit) and every worker has
-    ended, msrun's scheduler is ended after ``grace`` seconds. msrun kills the other workers when one fails, and the scheduler then waits for each killed one until
-    MindSpore's node timeout (MS_NODE_TIMEOUT, 30 s by default): a setting every rank refused ended in 10 s or in
-    40 s by that race. No worker is left for it to coordinate. (Several nodes: other nodes' workers may still be
-    ending, and they hear of the failure from the scheduler.)"""
+    """On one node: once msrun has reported a worker's exit with an error code (a failure, or a stop this launcher did
+    not pass on) and every worker has ended, msrun's scheduler is ended after ``grace`` seconds. msrun kills the other
+    workers when one fails, and the scheduler then waits for each killed one until MindSpore's node timeout
+    (MS_NODE_TIMEOUT, 30 s by default): a setting every rank refused ended in 10 s or in 40 s by that race. No worker
+    is left for it to coordinate. msrun's report, not a worker's log, decides: it is printed once msrun has given the
+    job up (a log's error line may come from a worker that then ends well, and under MindX's recovery,
+    MS_ENABLE_TFT, msrun restarts workers without it). (Several nodes: other nodes' workers may still be ending, and
+    they hear of the failure from the scheduler.)"""
 
-    def __init__(self, log_dir: str, before: Dict[str, tuple], msrun_lines: Callable[[], List[str]],
-                 grace: float = 2.0, every: float = 1.0):
-        """``msrun_lines()``: msrun's error output so far (a killed worker writes no line of its own)."""
-        self.log_dir, self.before, self.msrun_lines = log_dir, before, msrun_lines
-        self.grace, self.every = grace, every
+    def __init__(self, msrun_lines: Callable[[], List[str]], grace: float = 2.0, every: float = 1.0):
+        """``msrun_lines()``: msrun's error output so far."""
+        self.msrun_lines, self.grace, self.every = msrun_lines, grace, every
         self.since: Optional[float] = None
         self.looked = -float("inf")
 
@@ -142,7 +143,7 @@ class FailedJobEnd:
         if now - self.looked < self.every or self.since == float("inf"):
             return
         self.looked = now
-        if workers_under(root) or not self._failed():
+        if not reported_exit_codes(self.msrun_lines()) or workers_under(root):
             self.since = None
             return
         if self.since is None:
@@ -151,10 +152,10 @@ class FailedJobEnd:
             self.since = float("inf")  # (once)
             end_scheduler(root)
 
-    def _failed(self) -> bool:
-        """(Read once no worker is left.)"""
-        return (any(WORKER_EXCEPTION.search(line) for line in self.msrun_lines())
-                or bool(failures(self.log_dir, self.before)))
+
+def reported_exit_codes(msrun_lines: List[str]) -> List[int]:
+    """The exit codes msrun reported for workers that ended with an error, in its order."""
+    return [int(found.group(1)) for found in map(WORKER_EXCEPTION.search, msrun_lines) if found]
 
 
 WORKER_EXCEPTION = re.compile(r"Worker process \d+ exit with exception\. Error code: (-?\d+)")  # msrun's report

@@ -51,8 +51,9 @@ from orb.bundled import find_config
 from orb.errors import ConfigError
 from orb.files import free_port
 from orb.signals import RESUME_HINT, STOP, STOP_SIGNALS, STOPPED_STATUS, children_start_blocked, run_command
-from orb.training.job_watch import (WORKER_EXCEPTION, WORKER_EXIT_LINE, FailedJobEnd, SignalRelay, failures, log_stamps,
-                                    log_text, report_failures, stopped_with_state_saved, training_finished, worker_logs)
+from orb.training.job_watch import (WORKER_EXIT_LINE, FailedJobEnd, SignalRelay, failures, log_stamps, log_text,
+                                    report_failures, reported_exit_codes, stopped_with_state_saved, training_finished,
+                                    worker_logs)
 
 DEFAULT_CONFIG = os.path.join("configs", "config_parallel.yaml")
 
@@ -222,18 +223,20 @@ def launch(argv: Optional[List[str]], prog: Optional[str] = None) -> int:
             job = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
         relay.root = job.pid
         errors = collect(job.stderr)
-        failed = None if several_nodes else FailedJobEnd(s["log_dir"], earlier_logs, errors.so_far)
+        failed = None if several_nodes else FailedJobEnd(errors.so_far)
         while job.poll() is None:
             relay.follow()
-            if failed is not None and not relay.received:  # (after a stop: the relay's own grace)
+            if failed is not None and not relay.signalled:  # (a stop passed on to workers: the relay's own grace)
                 failed.follow(job.pid)
             time.sleep(0.2)
         status = job.wait()
     STOP.stand_down()  # msrun has ended: a signal now (as the job ends) is no stop to report
     if status != 0 and (stopped_with_state_saved(s["log_dir"], earlier_logs)
-                        or (relay.received and not failures(s["log_dir"], earlier_logs))):
+                        or (relay.received and not failures(s["log_dir"], earlier_logs)
+                            and set(reported_exit_codes(errors())) <= {STOPPED_STATUS})):
         # (a stop during start-up: each worker stops at once, and msrun kills those still starting, whose logs then
-        # end without a line; nothing was saved that a resume cannot redo)
+        # end without a line; nothing was saved that a resume cannot redo. Not a worker killed before the stop came:
+        # msrun reported its exit code, and its job is no stop to resume into the same kill)
         print(f"run_parallel: stopped by {relay.received[0] if relay.received else 'a signal'} with the state "
               f"saved; run the same command with --resume auto to continue (exit status {STOPPED_STATUS})",
               file=sys.stderr)
@@ -275,10 +278,9 @@ def failed_workers_status(msrun_errors: List[str], status: int, logs: Sequence[s
     tells bad input from a fault as with finetune.py."""
     if any(re.search(rf"^{re.escape(WORKER_EXIT_LINE)} 2$", log_text(log), re.MULTILINE) for log in logs):
         return 2
-    for line in msrun_errors:
-        found = WORKER_EXCEPTION.search(line)
-        if found:
-            return int(found.group(1)) if found.group(1) in ("1", "2") else status
+    codes = reported_exit_codes(msrun_errors)
+    if codes:
+        return codes[0] if codes[0] in (1, 2) else status
     return status
 
 

@@ -137,3 +137,47 @@ def bench_startup(args) -> None:
     print("| retry intervals | job wall time (s), median | each run (s) |\n|---|---|---|")
     for name, values in times.items():
         print(f"| {name} | {statistics.median(values):.1f} | {', '.join(f'{v:.1f}' for v in values)} |")
+
+
+def bench_failed_job(args) -> None:
+    """A 2-worker job whose every rank refuses a setting (a global batch smaller than the workers), timed from the
+    launcher's start to its end, with the launcher ending msrun's scheduler after the failure (FailedJobEnd) and
+    without (the scheduler waits MS_NODE_TIMEOUT for each worker msrun killed), alternated."""
+    import contextlib
+    import io
+    import statistics
+
+    from orb.files import free_port
+    from orb.training import launch
+
+    class Waiting(launch.FailedJobEnd):  # the launcher before FailedJobEnd: the scheduler ends when it ends
+        def follow(self, root: int) -> None:
+            pass
+
+    ours = launch.FailedJobEnd
+    times = {"ended by the launcher": [], "left to MindSpore": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in range(args.rounds):
+            for name, watcher in (("ended by the launcher", ours), ("left to MindSpore", Waiting)):
+                run = os.path.join(tmp, f"{k}-{watcher.__name__}")
+                env = {"WORKER_NUM": "2", "MASTER_PORT": str(free_port()), "LOG_DIR": os.path.join(run, "logs")}
+                argv = [os.path.join(ROOT, "configs", "config_parallel.yaml"), "--output_dir", run,
+                        "--checkpoint_path", "", "--batch_size", "1", "--device_target", "CPU", "--train_data_path",
+                        os.path.join(ROOT, "data", "demo_train.db"), "--val_data_path", ""]
+                saved = {key: os.environ.get(key) for key in env}
+                os.environ.update(env)
+                launch.FailedJobEnd = watcher
+                try:
+                    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                        start = time.perf_counter()
+                        status = launch.launch(argv)
+                    times[name].append(time.perf_counter() - start)
+                finally:
+                    launch.FailedJobEnd = ours
+                    for key, value in saved.items():
+                        os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+                assert status == 2, f"{name}: exit status {status}, expected 2 (the refused setting)"
+    print(f"MS_NODE_TIMEOUT: {os.environ.get('MS_NODE_TIMEOUT', '30 (unset)')}\n")
+    print("| scheduler after the failure | job wall time (s), median | each run (s) |\n|---|---|---|")
+    for name, values in times.items():
+        print(f"| {name} | {statistics.median(values):.1f} | {', '.join(f'{v:.1f}' for v in values)} |")
