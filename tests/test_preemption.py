@@ -408,6 +408,31 @@ def test_a_signal_after_a_run_has_finished_is_no_stop(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def test_after_a_stop_msrun_lets_the_other_workers_end_on_their_own(tmp_path):
+    """msrun SIGKILLs every worker's process group as soon as one exits non-zero: after a stop (exit 75, every rank
+    saved) rank 0, still ending, lost its stop line and left its data workers' semaphores in /dev/shm. The
+    launcher's msrun waits for them after a 75; after a failure it kills at once, as before. (Two stand-in workers:
+    rank 1 ends at once, rank 0 two seconds later, past msrun's one-second poll.)"""
+    from orb.files import free_port
+    from orb.training.launch import MSRUN
+
+    worker = tmp_path / "worker.py"
+    worker.write_text("import os, sys, time\n"
+                      "if os.environ.get('MS_ROLE') == 'MS_SCHED': sys.exit(0)\n"
+                      "code = int(sys.argv[1])\n"
+                      "if os.environ['DEVICE_ID'] == '0':\n"
+                      "    time.sleep(2.5)\n"
+                      "    open(sys.argv[2], 'w').write('ended')\n"
+                      "sys.exit(code)\n")
+    for code, ended in ((75, True), (1, False)):
+        mark = tmp_path / f"rank0-{code}"
+        subprocess.run([sys.executable, "-c", MSRUN, "--worker_num=2", "--local_worker_num=2",
+                        "--master_addr=127.0.0.1", f"--master_port={free_port()}", "--node_rank=0",
+                        f"--log_dir={tmp_path / f'logs-{code}'}", "--join=True", "--tail_worker_log=0",
+                        str(worker), str(code), str(mark)], capture_output=True, text=True, timeout=120)
+        assert mark.exists() == ended, code
+
+
 def test_relay_finds_the_workers_below_msrun(tmp_path):
     """Only MindSpore workers (MS_ROLE=MS_WORKER) below the launched process get the relayed signals."""
     from orb.training.job_watch import processes_under, workers_under

@@ -123,13 +123,26 @@ def settings(env: Dict[str, str]) -> Dict[str, str]:
 # started with them blocked (children_start_blocked), and caught by a handler that does nothing should a thread of
 # its own unblock them (not ignored: an ignored signal stays ignored in the processes msrun starts, and a worker
 # would never hear a scheduler's stop); msrun's own SIGINT handler, which SIGKILLs every worker unsaved, is never
-# installed.
-MSRUN = ("import signal, sys\n"
+# installed. msrun SIGKILLs every worker's process group as soon as one worker exits non-zero; after a stop (a worker
+# exits 75 once every rank has saved) the others are given STOP_GRACE seconds to end on their own first: rank 0,
+# killed while it ended, lost its stop line (the job was reported failed, not stopped) and left its data workers'
+# semaphores in /dev/shm.
+STOP_GRACE = 60
+MSRUN = ("import signal, sys, time\n"
          "stops = [getattr(signal, name) for name in " + repr(STOP_SIGNALS) + "]\n"
          "install = signal.signal\n"
          "for number in stops: install(number, lambda *_: None)\n"
          "signal.signal = lambda number, handler: (signal.getsignal(number) if number in stops\n"
          "                                         else install(number, handler))\n"
+         "from mindspore.parallel.cluster.process_entity import _api\n"
+         "kill = _api._ProcessManager.kill_worker_processes\n"
+         "def kill_after_a_stop(self):\n"
+         f"    deadline = time.monotonic() + {STOP_GRACE}\n"
+         f"    while (any(p.poll() == {STOPPED_STATUS} for p in self.cgn_processes)\n"
+         "           and any(p.poll() is None for p in self.cgn_processes) and time.monotonic() < deadline):\n"
+         "        time.sleep(0.1)\n"
+         "    kill(self)\n"
+         "_api._ProcessManager.kill_worker_processes = kill_after_a_stop\n"
          "from mindspore.parallel.cluster.run import main\n"
          "sys.argv[0] = 'msrun'\n"
          "sys.exit(main())\n")
