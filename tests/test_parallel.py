@@ -456,6 +456,8 @@ def test_killed_worker_ends_the_job(tmp_path, nine_rows):
         assert job.returncode == 1, out[-2000:]  # a fault
         assert time.time() - killed < 60, out[-2000:]  # (MS_NODE_TIMEOUT: 300 s)
         assert "FAILED" in out and "stopped by" not in out, out[-2000:]
+        assert f"run_parallel: rank 1 (pid {pids[1]}) was ended by SIGKILL (the kernel's out-of-memory killer" in out, \
+            out[-2000:]  # (its log says nothing of it)
     finally:
         if job.poll() is None:
             signal_every_process(job.pid, signal.SIGKILL)

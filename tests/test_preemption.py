@@ -392,6 +392,24 @@ def test_a_reused_log_dir_does_not_decide_how_a_launch_ended(tmp_path):
     assert list(failures(str(tmp_path))) == [str(tmp_path / "worker_2.log")]
 
 
+def test_a_worker_ended_by_a_signal_is_named_by_rank(tmp_path, capsys):
+    """A worker the kernel's out-of-memory killer ends writes no line: the launcher's report said only "FAILED with
+    status 1". msrun's report of its exit names the process; the worker's own start-up line, its rank."""
+    from orb.training.job_watch import report_killed, reported_exit_codes
+
+    for rank, pid in ((0, 4242), (1, 4343)):
+        (tmp_path / f"worker_{rank}.log").write_text(f"2026-11-30 [INFO] data parallel: rank {rank} of 2 (pid {pid})\n")
+    msrun = ["[ERROR] ME(1:2,MainProcess):2026-11-30 [_api.py:365] Worker process 4343 exit with exception. "
+             "Error code: -9.", "[ERROR] ... Worker process 4242 exit with exception. Error code: -11.",
+             "[ERROR] ... Worker process 4444 exit with exception. Error code: 2."]
+    assert reported_exit_codes(msrun) == [-9, -11, 2]
+    report_killed(msrun, str(tmp_path))
+    assert capsys.readouterr().err.splitlines() == [
+        "run_parallel: rank 1 (pid 4343) was ended by SIGKILL (the kernel's out-of-memory killer sends it: see "
+        f"`dmesg` or your scheduler's report of the job); its log: {tmp_path / 'worker_1.log'}",
+        f"run_parallel: rank 0 (pid 4242) was ended by SIGSEGV; its log: {tmp_path / 'worker_0.log'}"]
+
+
 def test_a_signal_after_a_run_has_finished_is_no_stop(tmp_path):
     """A signal after the run has finished (a scheduler's, as the job ends) is ignored: it printed a traceback from
     an exit handler, or, landing in the run's last moments, turned a finished run into a stop during start-up."""
@@ -409,28 +427,38 @@ def test_a_signal_after_a_run_has_finished_is_no_stop(tmp_path):
 
 
 def test_after_a_stop_msrun_lets_the_other_workers_end_on_their_own(tmp_path):
-    """msrun SIGKILLs every worker's process group as soon as one exits non-zero: after a stop (exit 75, every rank
-    saved) rank 0, still ending, lost its stop line and left its data workers' semaphores in /dev/shm. The
-    launcher's msrun waits for them after a 75; after a failure it kills at once, as before. (Two stand-in workers:
-    rank 1 ends at once, rank 0 two seconds later, past msrun's one-second poll.)"""
+    """msrun SIGKILLs every worker's process group as soon as one exits non-zero: after a stop in training (exit 75,
+    the stop line saying the state was saved) rank 0, still ending, lost its stop line and left its data workers'
+    semaphores in /dev/shm. The launcher's msrun waits for the others then, at most STOP_GRACE seconds; after a stop
+    during start-up (a rank may be blocked in a collective it cannot leave) and after a failure it kills at once.
+    (Two stand-in workers: rank 1 ends at once, rank 0 some seconds later, past msrun's one-second poll.)"""
     from orb.files import free_port
-    from orb.training.launch import MSRUN
+    from orb.signals import RESUME_HINT
+    from orb.training.msrun_main import STOP_GRACE
 
     worker = tmp_path / "worker.py"
     worker.write_text("import os, sys, time\n"
                       "if os.environ.get('MS_ROLE') == 'MS_SCHED': sys.exit(0)\n"
-                      "code = int(sys.argv[1])\n"
+                      "code, line, after, mark = int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), sys.argv[4]\n"
+                      "print(line, flush=True)\n"
                       "if os.environ['DEVICE_ID'] == '0':\n"
-                      "    time.sleep(2.5)\n"
-                      "    open(sys.argv[2], 'w').write('ended')\n"
+                      "    time.sleep(after)\n"
+                      "    open(mark, 'w').write('ended')\n"
                       "sys.exit(code)\n")
-    for code, ended in ((75, True), (1, False)):
-        mark = tmp_path / f"rank0-{code}"
-        subprocess.run([sys.executable, "-c", MSRUN, "--worker_num=2", "--local_worker_num=2",
+    saved = f"stopped by SIGTERM with the state saved: {RESUME_HINT}"
+    cases = {"a stop in training": (75, saved, 2.5, True), "a stop during start-up": (75, "stopped by SIGTERM during "
+             "start-up (nothing to save yet)", 2.5, False), "a failure": (1, "error: bad", 2.5, False),
+             "a rank that never ends after a stop": (75, saved, 300, False)}
+    for name, (code, line, rank0_ends_after, ended) in cases.items():
+        mark = tmp_path / name.replace(" ", "_")
+        start = time.monotonic()
+        subprocess.run([sys.executable, "-m", "orb.training.msrun_main", "--worker_num=2", "--local_worker_num=2",
                         "--master_addr=127.0.0.1", f"--master_port={free_port()}", "--node_rank=0",
-                        f"--log_dir={tmp_path / f'logs-{code}'}", "--join=True", "--tail_worker_log=0",
-                        str(worker), str(code), str(mark)], capture_output=True, text=True, timeout=120)
-        assert mark.exists() == ended, code
+                        f"--log_dir={tmp_path / ('logs-' + mark.name)}", "--join=True", "--tail_worker_log=0",
+                        str(worker), str(code), line, str(rank0_ends_after), str(mark)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+        assert mark.exists() == ended, name
+        assert time.monotonic() - start < STOP_GRACE + 15, name  # (the last case: killed after STOP_GRACE)
 
 
 def test_relay_finds_the_workers_below_msrun(tmp_path):

@@ -155,10 +155,11 @@ class FailedJobEnd:
 
 def reported_exit_codes(msrun_lines: List[str]) -> List[int]:
     """The exit codes msrun reported for workers that ended with an error, in its order."""
-    return [int(found.group(1)) for found in map(WORKER_EXCEPTION.search, msrun_lines) if found]
+    return [int(found.group(2)) for found in map(WORKER_EXCEPTION.search, msrun_lines) if found]
 
 
-WORKER_EXCEPTION = re.compile(r"Worker process \d+ exit with exception\. Error code: (-?\d+)")  # msrun's report
+WORKER_EXCEPTION = re.compile(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)")  # msrun's report
+WORKER_PID = re.compile(r"data parallel: rank (\d+) of \d+ \(pid (\d+)\)")  # each worker's own line (setup.py)
 WORKER_EXIT_LINE = "finetune_parallel: exit status"  # a failed worker's last line (msrun reports the first it saw)
 
 
@@ -210,6 +211,28 @@ def failures(log_dir: str, before: Optional[Dict[str, tuple]] = None) -> Dict[st
         if errors:
             found[log] = errors
     return found
+
+
+def report_killed(msrun_lines: List[str], log_dir: str, before: Optional[Dict[str, tuple]] = None) -> None:
+    """One line for each worker msrun saw end by a signal (a negative exit code): its log says nothing of it (the
+    kernel's out-of-memory killer sends SIGKILL), so this is the only trace the user gets of which rank it was."""
+    ranks = {}
+    for log in worker_logs(log_dir, before):
+        for rank, pid in WORKER_PID.findall(log_text(log)):
+            ranks[int(pid)] = (rank, log)
+    for found in filter(None, map(WORKER_EXCEPTION.search, msrun_lines)):
+        pid, code = int(found.group(1)), int(found.group(2))
+        if code >= 0:
+            continue
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        rank, log = ranks.get(pid, ("?", None))
+        why = (" (the kernel's out-of-memory killer sends it: see `dmesg` or your scheduler's report of the job)"
+               if -code == signal.SIGKILL else "")
+        print(f"run_parallel: rank {rank} (pid {pid}) was ended by {name}{why}" + (f"; its log: {log}" if log else ""),
+              file=sys.stderr)
 
 
 def report_failures(log_dir: str, before: Optional[Dict[str, tuple]] = None) -> None:

@@ -50,10 +50,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from orb.bundled import find_config
 from orb.errors import ConfigError
 from orb.files import free_port
-from orb.signals import RESUME_HINT, STOP, STOP_SIGNALS, STOPPED_STATUS, children_start_blocked, run_command
+from orb.signals import RESUME_HINT, STOP, STOPPED_STATUS, children_start_blocked, run_command
 from orb.training.job_watch import (WORKER_EXIT_LINE, FailedJobEnd, SignalRelay, failures, log_stamps, log_text,
-                                    report_failures, reported_exit_codes, stopped_with_state_saved, training_finished,
-                                    worker_logs)
+                                    report_failures, report_killed, reported_exit_codes, stopped_with_state_saved,
+                                    training_finished, worker_logs)
 
 DEFAULT_CONFIG = os.path.join("configs", "config_parallel.yaml")
 
@@ -117,36 +117,6 @@ def settings(env: Dict[str, str]) -> Dict[str, str]:
         "log_dir": env.get("LOG_DIR") or os.path.join("msrun_logs", time.strftime("%Y%m%d-%H%M%S")),
         "cluster_time_out": _count(env, "CLUSTER_TIME_OUT", "600", 1),
     }
-
-
-# msrun, deaf to the stop signals: the launcher passes them to the workers, which save before they stop. msrun is
-# started with them blocked (children_start_blocked), and caught by a handler that does nothing should a thread of
-# its own unblock them (not ignored: an ignored signal stays ignored in the processes msrun starts, and a worker
-# would never hear a scheduler's stop); msrun's own SIGINT handler, which SIGKILLs every worker unsaved, is never
-# installed. msrun SIGKILLs every worker's process group as soon as one worker exits non-zero; after a stop (a worker
-# exits 75 once every rank has saved) the others are given STOP_GRACE seconds to end on their own first: rank 0,
-# killed while it ended, lost its stop line (the job was reported failed, not stopped) and left its data workers'
-# semaphores in /dev/shm.
-STOP_GRACE = 60
-MSRUN = ("import signal, sys, time\n"
-         "stops = [getattr(signal, name) for name in " + repr(STOP_SIGNALS) + "]\n"
-         "install = signal.signal\n"
-         "for number in stops: install(number, lambda *_: None)\n"
-         "signal.signal = lambda number, handler: (signal.getsignal(number) if number in stops\n"
-         "                                         else install(number, handler))\n"
-         "from mindspore.parallel.cluster.process_entity import _api\n"
-         "kill = _api._ProcessManager.kill_worker_processes\n"
-         "def kill_after_a_stop(self):\n"
-         f"    deadline = time.monotonic() + {STOP_GRACE}\n"
-         f"    while (any(p.poll() == {STOPPED_STATUS} for p in self.cgn_processes)\n"
-         "           and any(p.poll() is None for p in self.cgn_processes) and time.monotonic() < deadline):\n"
-         "        time.sleep(0.1)\n"
-         "    kill(self)\n"
-         "_api._ProcessManager.kill_worker_processes = kill_after_a_stop\n"
-         "from mindspore.parallel.cluster.run import main\n"
-         "sys.argv[0] = 'msrun'\n"
-         "sys.exit(main())\n")
-
 
 
 def build_parser(prog: Optional[str] = None):
@@ -225,7 +195,8 @@ def launch(argv: Optional[List[str]], prog: Optional[str] = None) -> int:
     print(f"run_parallel: config {config} {' '.join(args)}".rstrip())
     print(f"run_parallel: worker logs in {s['log_dir']}/worker_<rank>.log; the console shows this node's first worker")
     sys.stdout.flush()
-    command = [sys.executable, "-c", MSRUN, *(f"--{k}={v}" for k, v in s.items()), "--join=True",
+    # msrun deaf to the stops, patient with the workers after one (orb/training/msrun_main.py)
+    command = [sys.executable, "-m", "orb.training.msrun_main", *(f"--{k}={v}" for k, v in s.items()), "--join=True",
                "--tail_worker_log=0", worker_script(), "--config", os.path.abspath(config), *args]
     earlier_logs = log_stamps(s["log_dir"])
     several_nodes = int(s["local_worker_num"]) < int(s["worker_num"])  # other nodes' workers may still be ending
@@ -258,6 +229,7 @@ def launch(argv: Optional[List[str]], prog: Optional[str] = None) -> int:
         # msrun's own traceback ("Distributed job exited with exception") says no more than the report below
         status = failed_workers_status(errors(), status, worker_logs(s["log_dir"], earlier_logs))
         print(f"run_parallel: FAILED with status {status}", file=sys.stderr)
+        report_killed(errors(), s["log_dir"], earlier_logs)
         report_failures(s["log_dir"], earlier_logs)
     else:
         sys.stderr.write("".join(errors()))
