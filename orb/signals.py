@@ -35,6 +35,7 @@ from typing import Callable, Optional
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 STOP_NUMBERS = tuple(getattr(signal, name) for name in STOP_SIGNALS)
 STOPPED_STATUS = 75  # EX_TEMPFAIL: stopped on request, nothing lost; resuming continues the run
+STARTUP_STOP = "during start-up"  # in the line of a stop before the run's work began (msrun_main tells them apart)
 RESUME_HINT = "continue with --resume auto"  # the launcher recognises a worker that stopped cleanly by this
 RESUME_FLAG = "continue with --resume"  # orb-md's and orb-relax's --resume takes no value
 
@@ -74,7 +75,7 @@ class StopSignals:
 
     def startup_message(self, name: str) -> str:
         again = f", or {self.resume_hint}" if self.resume_hint else ""
-        return (f"stopped by {name} during start-up (nothing to save yet): run the same command again to start it"
+        return (f"stopped by {name} {STARTUP_STOP} (nothing to save yet): run the same command again to start it"
                 f"{again} (exit status {STOPPED_STATUS})")
 
     def stop_if_received(self) -> None:

@@ -403,7 +403,7 @@ def test_a_worker_ended_by_a_signal_is_named_by_rank(tmp_path, capsys):
              "Error code: -9.", "[ERROR] ... Worker process 4242 exit with exception. Error code: -11.",
              "[ERROR] ... Worker process 4444 exit with exception. Error code: 2."]
     assert reported_exit_codes(msrun) == [-9, -11, 2]
-    report_killed(msrun, str(tmp_path))
+    report_killed(msrun, [str(tmp_path / f"worker_{rank}.log") for rank in (0, 1)])
     assert capsys.readouterr().err.splitlines() == [
         "run_parallel: rank 1 (pid 4343) was ended by SIGKILL (the kernel's out-of-memory killer sends it: see "
         f"`dmesg` or your scheduler's report of the job); its log: {tmp_path / 'worker_1.log'}",
@@ -433,7 +433,8 @@ def test_after_a_stop_msrun_lets_the_other_workers_end_on_their_own(tmp_path):
     during start-up (a rank may be blocked in a collective it cannot leave) and after a failure it kills at once.
     (Two stand-in workers: rank 1 ends at once, rank 0 some seconds later, past msrun's one-second poll.)"""
     from orb.files import free_port
-    from orb.signals import RESUME_HINT
+    from orb.signals import RESUME_HINT, StopSignals
+    from orb.training.launch import MSRUN
     from orb.training.msrun_main import STOP_GRACE
 
     worker = tmp_path / "worker.py"
@@ -446,17 +447,18 @@ def test_after_a_stop_msrun_lets_the_other_workers_end_on_their_own(tmp_path):
                       "    open(mark, 'w').write('ended')\n"
                       "sys.exit(code)\n")
     saved = f"stopped by SIGTERM with the state saved: {RESUME_HINT}"
-    cases = {"a stop in training": (75, saved, 2.5, True), "a stop during start-up": (75, "stopped by SIGTERM during "
-             "start-up (nothing to save yet)", 2.5, False), "a failure": (1, "error: bad", 2.5, False),
-             "a rank that never ends after a stop": (75, saved, 300, False)}
+    startup = StopSignals().startup_message("SIGTERM")  # (it names --resume auto too: not a saved state)
+    assert RESUME_HINT in startup
+    cases = {"a stop in training": (75, saved, 2.5, True), "a stop during start-up": (75, startup, 2.5, False),
+             "a failure": (1, "error: bad", 2.5, False), "a rank that never ends after a stop": (75, saved, 300, False)}
     for name, (code, line, rank0_ends_after, ended) in cases.items():
         mark = tmp_path / name.replace(" ", "_")
         start = time.monotonic()
-        subprocess.run([sys.executable, "-m", "orb.training.msrun_main", "--worker_num=2", "--local_worker_num=2",
+        subprocess.run([sys.executable, "-c", MSRUN, "--worker_num=2", "--local_worker_num=2",
                         "--master_addr=127.0.0.1", f"--master_port={free_port()}", "--node_rank=0",
                         f"--log_dir={tmp_path / ('logs-' + mark.name)}", "--join=True", "--tail_worker_log=0",
                         str(worker), str(code), line, str(rank0_ends_after), str(mark)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+                       capture_output=True, text=True, timeout=120)
         assert mark.exists() == ended, name
         assert time.monotonic() - start < STOP_GRACE + 15, name  # (the last case: killed after STOP_GRACE)
 

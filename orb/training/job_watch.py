@@ -213,11 +213,18 @@ def failures(log_dir: str, before: Optional[Dict[str, tuple]] = None) -> Dict[st
     return found
 
 
-def report_killed(msrun_lines: List[str], log_dir: str, before: Optional[Dict[str, tuple]] = None) -> None:
+def worker_rank(log: str) -> int:
+    """The rank of a worker log (``worker_<rank>.log``), -1 for another name."""
+    name = os.path.basename(log)[len("worker_"):-len(".log")]
+    return int(name) if name.isdigit() else -1
+
+
+def report_killed(msrun_lines: List[str], logs: List[str]) -> None:
     """One line for each worker msrun saw end by a signal (a negative exit code): its log says nothing of it (the
-    kernel's out-of-memory killer sends SIGKILL), so this is the only trace the user gets of which rank it was."""
+    kernel's out-of-memory killer sends SIGKILL), so this is the only trace the user gets of which rank it was.
+    ``logs``: this launch's worker logs on this node (a process id means nothing on another host)."""
     ranks = {}
-    for log in worker_logs(log_dir, before):
+    for log in logs:
         for rank, pid in WORKER_PID.findall(log_text(log)):
             ranks[int(pid)] = (rank, log)
     for found in filter(None, map(WORKER_EXCEPTION.search, msrun_lines)):
@@ -228,7 +235,7 @@ def report_killed(msrun_lines: List[str], log_dir: str, before: Optional[Dict[st
             name = signal.Signals(-code).name
         except ValueError:
             name = f"signal {-code}"
-        rank, log = ranks.get(pid, ("?", None))
+        rank, log = ranks.get(pid, ("unknown", None))
         why = (" (the kernel's out-of-memory killer sends it: see `dmesg` or your scheduler's report of the job)"
                if -code == signal.SIGKILL else "")
         print(f"run_parallel: rank {rank} (pid {pid}) was ended by {name}{why}" + (f"; its log: {log}" if log else ""),

@@ -53,9 +53,13 @@ from orb.files import free_port
 from orb.signals import RESUME_HINT, STOP, STOPPED_STATUS, children_start_blocked, run_command
 from orb.training.job_watch import (WORKER_EXIT_LINE, FailedJobEnd, SignalRelay, failures, log_stamps, log_text,
                                     report_failures, report_killed, reported_exit_codes, stopped_with_state_saved,
-                                    training_finished, worker_logs)
+                                    training_finished, worker_logs, worker_rank)
 
 DEFAULT_CONFIG = os.path.join("configs", "config_parallel.yaml")
+# msrun as it is run (orb/training/msrun_main.py: deaf to the stops, patient with the workers after one), from this
+# launcher's own package: with -m the working folder came first on the path (an `orb` there, another checkout)
+MSRUN = (f"import sys; sys.path[0] = {os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))!r}; "
+         "from orb.training.msrun_main import main; sys.exit(main())")
 
 
 def count_devices() -> int:
@@ -195,8 +199,7 @@ def launch(argv: Optional[List[str]], prog: Optional[str] = None) -> int:
     print(f"run_parallel: config {config} {' '.join(args)}".rstrip())
     print(f"run_parallel: worker logs in {s['log_dir']}/worker_<rank>.log; the console shows this node's first worker")
     sys.stdout.flush()
-    # msrun deaf to the stops, patient with the workers after one (orb/training/msrun_main.py)
-    command = [sys.executable, "-m", "orb.training.msrun_main", *(f"--{k}={v}" for k, v in s.items()), "--join=True",
+    command = [sys.executable, "-c", MSRUN, *(f"--{k}={v}" for k, v in s.items()), "--join=True",
                "--tail_worker_log=0", worker_script(), "--config", os.path.abspath(config), *args]
     earlier_logs = log_stamps(s["log_dir"])
     several_nodes = int(s["local_worker_num"]) < int(s["worker_num"])  # other nodes' workers may still be ending
@@ -226,10 +229,15 @@ def launch(argv: Optional[List[str]], prog: Optional[str] = None) -> int:
               file=sys.stderr)
         return STOPPED_STATUS
     if status != 0:
-        # msrun's own traceback ("Distributed job exited with exception") says no more than the report below
-        status = failed_workers_status(errors(), status, worker_logs(s["log_dir"], earlier_logs))
+        # msrun's own traceback ("Distributed job exited with exception") says no more than the report below, unless
+        # no worker started or ended to report on (msrun itself failed: its last lines are the cause)
+        logs = worker_logs(s["log_dir"], earlier_logs)
+        if not logs and not reported_exit_codes(errors()):
+            sys.stderr.write("".join(errors()[-20:]))
+        status = failed_workers_status(errors(), status, logs)
         print(f"run_parallel: FAILED with status {status}", file=sys.stderr)
-        report_killed(errors(), s["log_dir"], earlier_logs)
+        first, count = int(s["node_rank"]) * int(s["local_worker_num"]), int(s["local_worker_num"])
+        report_killed(errors(), [log for log in logs if first <= worker_rank(log) < first + count])
         report_failures(s["log_dir"], earlier_logs)
     else:
         sys.stderr.write("".join(errors()))
