@@ -12,6 +12,7 @@ from typing import Callable, Dict, List, Optional
 
 from orb.signals import RESUME_HINT, STOP_SIGNALS
 
+
 def _parent_and_role(pid: int):
     """(parent pid, MindSpore role) of a process, or (None, None) if it is gone or unreadable."""
     try:
