@@ -245,7 +245,6 @@ def report_killed(msrun_lines: List[str], logs: List[str]) -> None:
 
 def report_failures(log_dir: str, before: Optional[Dict[str, tuple]] = None) -> None:
     for log, errors in failures(log_dir, before).items():
-        rank = os.path.basename(log)[len("worker_"):-len(".log")]
-        print(f"run_parallel: rank {rank} failed, see {log}:", file=sys.stderr)
+        print(f"run_parallel: rank {worker_rank(log)} failed, see {log}:", file=sys.stderr)
         for line in errors[-3:]:
             print(f"  {line}", file=sys.stderr)
