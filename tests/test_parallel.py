@@ -440,8 +440,8 @@ def test_killed_worker_ends_the_job(tmp_path, nine_rows):
         deadline = time.time() + 300
         pids = None
         while time.time() < deadline and pids is None:  # wait until the job trains (an epoch done), then kill rank 1
-            text = [(tmp_path / "logs" / f"worker_{r}.log") for r in (0, 1)]
-            text = [log.read_text() if log.exists() else "" for log in text]
+            logs = [tmp_path / "logs" / f"worker_{r}.log" for r in (0, 1)]
+            text = [log.read_text() if log.exists() else "" for log in logs]
             found = [re.search(rf"rank {r} of 2 \(pid (\d+)\)", text[r]) for r in (0, 1)]
             if "Epoch: 1/50" in text[0] and all(found):
                 pids = [int(f.group(1)) for f in found]

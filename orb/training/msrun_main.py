@@ -81,7 +81,3 @@ def main() -> int:
 
     sys.argv[0] = "msrun"
     return msrun()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

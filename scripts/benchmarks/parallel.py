@@ -175,7 +175,10 @@ def bench_failed_job(args) -> None:
                 finally:
                     launch.FailedJobEnd = ours
                     for key, value in saved.items():
-                        os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+                        if value is None:
+                            os.environ.pop(key)
+                        else:
+                            os.environ[key] = value
                 assert status == 2, f"{name}: exit status {status}, expected 2 (the refused setting)"
     print(f"MS_NODE_TIMEOUT: {os.environ.get('MS_NODE_TIMEOUT', '30 (unset)')}\n")
     print("| scheduler after the failure | job wall time (s), median | each run (s) |\n|---|---|---|")
