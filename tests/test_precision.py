@@ -137,6 +137,14 @@ def test_mixed_predictions_stay_within_their_bounds_of_float64(name, mode, float
     assert errors[1] > 1e-5, errors  # rounded: not float32
 
 
+# The gradient tests' model: the reference model's architecture and weights' recipe through 2 of its 5 message-passing
+# layers, 64 wide (256, and 512-1,024 in its MLPs, at full size): every operation of the full model in the precision
+# under test, so a mode that computed one in the wrong type shows as it would at full size, compiled as long (the
+# graph is the same) but small: the four tests together peaked at 1.4 GB in one pytest process (2026-11-30, MindSpore
+# included), where each full-width one needed a process of its own (2.2 GB) and the whole machine (marked isolated).
+GRADIENT_SIZES = dict(num_message_passing_steps=2, latent_dim=64, mlp_hidden_dim=128, head_mlp_hidden_dim=64)
+
+
 def training_gradient(name: str, mode: str) -> np.ndarray:
     """The training loss's gradient of the reference model ``name`` computed in ``mode``, on the references' labels
     of two structures, as one flat float32 vector (the confidence head left out: see the test below)."""
@@ -153,7 +161,7 @@ def training_gradient(name: str, mode: str) -> np.ndarray:
     configure_mindspore("CPU")  # graph mode, as training compiles it (whatever mode the test before left)
     data = structures()
     precision.set_precision(mode)
-    model = recipe_model(name, num_message_passing_steps=2)  # 2 of 5 layers: the same arithmetic, less to compile
+    model = recipe_model(name, **GRADIENT_SIZES)
     model.set_train(True)
     graphs = []
     for n in ("s1", "s4"):
@@ -175,12 +183,11 @@ def training_gradient(name: str, mode: str) -> np.ndarray:
     return np.concatenate([g.asnumpy().reshape(-1) for g in grads])
 
 
-@pytest.mark.isolated
 @pytest.mark.parametrize("name", ["orb_v2", "orb_v3_conservative_20_omat"])
 def test_mixed_training_gradient_stays_close_to_float32(name):
     """The training loss's gradient in each mixed mode (half products, float32 everything else; the conservative
-    model differentiates through its force derivative) against float32's, on the references' labels, through 2 of
-    the reference model's 5 message-passing layers (full-depth mixed predictions: the test above): within 5 % in
+    model differentiates through its force derivative) against float32's, on the references' labels, through the
+    reduced reference model GRADIENT_SIZES (full-size mixed predictions: the test above): within 5 % in
     L2 norm, direction within 0.999 cosine. The orb-v3 confidence head is left out: its targets are the bins of
     the force errors, which rounding moves (atoms change bin, and its gradient by ~40 %, by design)."""
     reference = training_gradient(name, "float32-highest").astype(np.float64)
@@ -193,7 +200,6 @@ def test_mixed_training_gradient_stays_close_to_float32(name):
         assert relative > 1e-6, mode  # rounded: not float32
 
 
-@pytest.mark.isolated
 @pytest.mark.parametrize("name", ["orb_v2", "orb_v3_conservative_20_omat"])
 def test_float64_training_gradient_equals_finite_differences(name):
     """Training in float64 differentiates the float64 loss: the compiled gradient (orb-v3 conservative: through
@@ -215,7 +221,7 @@ def test_float64_training_gradient_equals_finite_differences(name):
 
     configure_mindspore("CPU", precision="float64")
     data = structures()
-    model = recipe_model(name, num_message_passing_steps=2)  # 2 of 5 layers: the same arithmetic, 1.5 GB less
+    model = recipe_model(name, **GRADIENT_SIZES)
     model.set_train(True)
     graphs = []
     for n in ("s1", "s4"):
