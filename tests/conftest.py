@@ -164,8 +164,8 @@ def shm_left_behind(before: set, timeout: float = 30.0) -> set:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "large_memory: " + LARGE_MEMORY)
-    config.addinivalue_line("markers", "isolated: runs in a fresh Python process of its own (full-size gradients: a "
-                                       "process that computed one keeps 0.4-0.9 GB after every model is freed)")
+    config.addinivalue_line("markers", "isolated: runs in a fresh Python process of its own (gradients: a process that "
+                                       "computed one keeps 0.3-0.9 GB after every model is freed)")
     config.addinivalue_line("markers", "alone: a full-size model (2.5-8 GB): under -n 2 the other worker waits")
     config.addinivalue_line("markers", "beside_light: an alone run measured under 4 GB: the other worker may run the "
                                        "LIGHT files meanwhile")
@@ -210,7 +210,7 @@ def pytest_collection_modifyitems(config, items):
     rank = {name: k for k, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: (rank.get(module_name(item), len(rank)), not is_full_size(item)))
     for item in items:
-        if is_full_size(item) or "isolated" in item.keywords:  # (an isolated child: 2-3 GB of its own)
+        if is_full_size(item):
             item.add_marker(pytest.mark.alone)
     if os.environ.get("ORB_LARGE_MEMORY") != "1":
         for item in items:

@@ -161,6 +161,7 @@ def test_isolated_atom_runs(model):
 
 
 @pytest.mark.isolated
+@pytest.mark.alone  # full-size orb-v2's gradients: its process takes 2-3 GB
 def test_training_loss_normalisers_and_gradients(reference, TOL):
     """Training-mode loss terms, normaliser updates and gradient norms (checkpointing off) vs PyTorch."""
     import mindspore as ms

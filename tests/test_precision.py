@@ -140,8 +140,9 @@ def test_mixed_predictions_stay_within_their_bounds_of_float64(name, mode, float
 # The gradient tests' model: the reference model's architecture and weights' recipe through 2 of its 5 message-passing
 # layers, 64 wide (256, and 512-1,024 in its MLPs, at full size): every operation of the full model in the precision
 # under test, so a mode that computed one in the wrong type shows as it would at full size, compiled as long (the
-# graph is the same) but small: the four tests together peaked at 1.4 GB in one pytest process (2026-11-30, MindSpore
-# included), where each full-width one needed a process of its own (2.2 GB) and the whole machine (marked isolated).
+# graph is the same) but small. Each test still runs in a process of its own (isolated: a worker that computed
+# gradients keeps 0.3 GB more for the rest of the run), which peaks at 0.6-0.8 GB (2026-11-30): they run beside the
+# other worker's tests, where full-width ones (2.2 GB each) needed the whole machine.
 GRADIENT_SIZES = dict(num_message_passing_steps=2, latent_dim=64, mlp_hidden_dim=128, head_mlp_hidden_dim=64)
 
 
@@ -183,6 +184,7 @@ def training_gradient(name: str, mode: str) -> np.ndarray:
     return np.concatenate([g.asnumpy().reshape(-1) for g in grads])
 
 
+@pytest.mark.isolated
 @pytest.mark.parametrize("name", ["orb_v2", "orb_v3_conservative_20_omat"])
 def test_mixed_training_gradient_stays_close_to_float32(name):
     """The training loss's gradient in each mixed mode (half products, float32 everything else; the conservative
@@ -200,6 +202,7 @@ def test_mixed_training_gradient_stays_close_to_float32(name):
         assert relative > 1e-6, mode  # rounded: not float32
 
 
+@pytest.mark.isolated
 @pytest.mark.parametrize("name", ["orb_v2", "orb_v3_conservative_20_omat"])
 def test_float64_training_gradient_equals_finite_differences(name):
     """Training in float64 differentiates the float64 loss: the compiled gradient (orb-v3 conservative: through
