@@ -189,8 +189,9 @@ def test_float32_error_of_1024_atoms_is_64_times_its_cell_s(name):
     assert abs(error - 64 * error_cell) <= ULPS * ulp(energy64), (error, 64 * error_cell, ulp(energy64))
 
 
-@pytest.mark.alone  # 1.7 GB above the start (PyTorch's float64 full-size orb-v2 on 1,024 atoms, then ours):
-@pytest.mark.beside_light  # beside two workers' 2 GB each late in the run, over CI's 6 GB with another test
+# 1.7 GB above the start (PyTorch's float64 full-size orb-v2 on 1,024 atoms, then ours): with the two workers' 2 GB
+# each late in the run and another test, over CI's 6 GB
+@pytest.mark.alone
 def test_1024_atoms_agree_with_pytorch_orb_models(tmp_path):
     """Full-size orb-v2 (random weights; orb-models builds its full size), 1,024 atoms of CuAu: our float32 energy is
     within a few float32 ulps of the total of orb-models' float64 one (0.4.2, the PyTorch peer; our own full-size
