@@ -108,9 +108,10 @@ def check_predictions(model=None) -> dict:
             "compile_and_first_call_s": round(first, 2), "call_s": round(again, 3)}
 
 
-def training_step(target: str) -> dict:
+def training_step(target: str, model=None) -> dict:
     """One SGD step of full orb-v2 on the first 8 demo structures (fixed weights, no augmentation): what it
-    returned and changed, with its compile and step times."""
+    returned and changed, with its compile and step times. ``model``: another orb-v2 in its place (the compile
+    benchmark's narrow one)."""
     from orb.data.dataset import AseDbDataset
     from orb.data.batching import batch_graphs, pad_batch
     from orb.data.tensors import loss_inputs
@@ -120,8 +121,7 @@ def training_step(target: str) -> dict:
     from orb.training.steps import TrainStep
     from orb.training.engine import make_loss
 
-    reference = np.load(REFERENCE)
-    model = reference_model(reference)
+    model = reference_model(np.load(REFERENCE)) if model is None else model
     model.set_train(True)
     cfg = config_from_dict(dict(model=dict(name="orb_v2"), device_target=target))
     data = AseDbDataset(DEMO, settings=model.cfg.graph_settings())

@@ -22,7 +22,7 @@ ASE calculator, data at MPtrj's size, batched relaxation.
     python scripts/benchmark.py restart    [--configs demo,demo_v3] [--models orb_v2] [--calculator CKPT]
     python scripts/benchmark.py md         [--structures 32] [--steps 100] [--timestep 1] [--batch-sizes 32] [--torch-v3-python PATH]
     python scripts/benchmark.py suite      [--tests tests] [--workers 2] [--cache-dir ""]
-    python scripts/benchmark.py compile-options [--options SINGLE_EVAL=1,...] [--rounds 2]
+    python scripts/benchmark.py compile-options [--options SINGLE_EVAL=1,...] [--rounds 2] [--model full]
 
 With ``--torch-python`` pointing at a Python that has torch and orb-models 0.4.2 installed (never
 required), the same measurement is made with PyTorch orb-models in that interpreter right after
@@ -160,6 +160,8 @@ def build_parser():
                    "TRAVERSE_SUBSTITUTIONS_MODE=1,COMPILE_DEBUG_MODE=release,PRE_LIFT=1,GREED_PARSE=1",
                    help="NAME=VALUE options of mindspore.graph._parse.compile_config, comma-separated")
     p.add_argument("--rounds", type=int, default=2, help="alternations of the options")
+    p.add_argument("--model", choices=("full", "small"), default="full",
+                   help="full orb-v2 (orb-smoke-test's step) or the tests' 2-layer, 32-wide one")
     p = sub.add_parser("suite")
     p.add_argument("--tests", default="tests", help="what pytest runs (space-separated paths or node ids)")
     p.add_argument("--workers", type=int, default=2, help="pytest-xdist workers (-n), as the README's command")
