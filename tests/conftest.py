@@ -166,7 +166,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "large_memory: " + LARGE_MEMORY)
     config.addinivalue_line("markers", "isolated: runs in a fresh Python process of its own (gradients: a process that "
                                        "computed one keeps 0.3-0.9 GB after every model is freed)")
-    config.addinivalue_line("markers", "alone: a full-size model (2.5-8 GB): under -n 2 the other worker waits")
+    config.addinivalue_line("markers", "alone: too large to share the machine (full-size models, 1.7-8 GB): "
+                                       "under -n 2 the other worker waits")
     config.addinivalue_line("markers", "beside_light: an alone run measured under 4 GB: the other worker may run the "
                                        "LIGHT files meanwhile")
 

@@ -19,7 +19,8 @@ def bench_compile_options(args) -> None:
     for _ in range(args.rounds):
         for option in options:
             result = subprocess.run([sys.executable, CHILD, *([option] if option else [])], cwd=ROOT,
-                                    capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT, ORB_BENCH_MODEL=args.model))
+                                    capture_output=True, text=True,
+                                    env=dict(os.environ, PYTHONPATH=ROOT, ORB_BENCH_MODEL=args.model))
             found = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("RESULT ")]
             seconds[option].append(f"{float(found[0][0]):.2f} (loss {found[0][2]})" if found else "does not compile")
             if option.startswith("COMPILE_PROFILE"):
