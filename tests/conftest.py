@@ -177,7 +177,8 @@ def module_name(item) -> str:
 
 
 def is_full_size(item) -> bool:
-    return ((module_name(item) == "test_orb_v3" and item.name.startswith(("test_matches_pytorch", "test_large_memory")))
+    return ((module_name(item) == "test_orb_v3_parity"
+             and item.name.startswith(("test_matches_pytorch", "test_large_memory")))
             or item.name == "test_smoke_test_passes_and_prints_a_report")
 
 
@@ -188,21 +189,27 @@ def is_full_size(item) -> bool:
 # beside_light (peaks measured under 4 GB), so the second core works while those compile: under 3.6 + 0.9 GB + the
 # first worker's process, which is small then (its first tests). Every other alone run keeps the whole machine.
 # Not light: uncertainty (1.4 GB summed), export (1.2 GB), model_names and checkpoint (full-size models and peers).
-LIGHT = ("test_graphs", "test_optimizer", "test_blocks", "test_pieces", "test_formats", "test_install", "test_cache",
-         "test_dataset", "test_schedule_config")
+# LIGHT_LATE (2026-11-30, the same way: templates 0.10, benchmarks 0.27, resume_state 0.47, formats_agree 0.00,
+# layout 0.03, own_inputs 0.14 GB; 32 s of tests together) run beside the smoke test: see LONGEST_FIRST.
+LIGHT_EARLY = ("test_graphs", "test_optimizer", "test_blocks", "test_pieces", "test_formats", "test_install",
+               "test_cache", "test_dataset", "test_schedule_config")
+LIGHT_LATE = ("test_resume_state", "test_benchmarks", "test_templates", "test_own_inputs", "test_formats_agree",
+              "test_layout")
+LIGHT = LIGHT_EARLY + LIGHT_LATE
 
 # The README's command runs two pytest-xdist workers, each taking whole files in this order (--dist loadfile
-# --no-loadscope-reorder: a file's module-scoped runs happen once): the full-size parity runs first, while both
-# workers are small, the light files beside them on the other worker, the smoke test (the suite's largest process,
-# 3.1 GB) while the workers are still small, then the others longest first (their test
-# time in a full run, 2026-11-28: parallel 650 s ... own_inputs 7 s), so that the two workers end together (the
-# odd_structures, unlisted before, ran among the last and left one worker alone for minutes).
-LONGEST_FIRST = ("test_orb_v3",) + LIGHT + ("test_smoke",) + (
-    "test_parallel", "test_replay", "test_odd_structures", "test_precision", "test_preemption", "test_md",
-    "test_training", "test_sums", "test_relax", "test_properties", "test_use", "test_graph_cache",
+# --no-loadscope-reorder: a file's module-scoped runs happen once): the full-size parity runs first (3.2 min), while
+# both workers are small, the early light files beside them on the other worker (about as long), then the smoke test
+# (the suite's largest process, 3.1 GB; 1.1 min) on the worker the parity runs leave, the late light files beside it
+# on the other, then the others longest first (their test time in a full run, 2026-11-28: parallel 650 s ...), so
+# that the two workers end together (the odd_structures, unlisted before, ran among the last and left one worker
+# alone for minutes). Before the parity runs had a file of their own, the worker that ran them went on with the
+# rest of test_orb_v3 and waited through the smoke test: 65-80 idle core-seconds a run.
+LONGEST_FIRST = ("test_orb_v3_parity",) + LIGHT_EARLY + ("test_smoke",) + LIGHT_LATE + (
+    "test_parallel", "test_replay", "test_odd_structures", "test_precision", "test_orb_v3", "test_preemption",
+    "test_md", "test_training", "test_sums", "test_relax", "test_properties", "test_use", "test_graph_cache",
     "test_tradeoff", "test_val_split", "test_signals", "test_model", "test_strategies", "test_pretrained",
-    "test_export", "test_model_names", "test_docs", "test_checkpoint", "test_resume_state", "test_uncertainty",
-    "test_templates", "test_own_inputs")
+    "test_export", "test_model_names", "test_docs", "test_checkpoint", "test_uncertainty")
 
 
 def pytest_collection_modifyitems(config, items):

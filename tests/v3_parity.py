@@ -1,4 +1,4 @@
-"""Run by tests/test_orb_v3.py, one model per process (full-size models; memory stays bounded):
+"""Run by tests/test_orb_v3_parity.py, one model per process (full-size models; memory stays bounded):
 
     python tests/v3_parity.py MODEL CHECK[,CHECK...] TOLERANCES_JSON
 

@@ -228,16 +228,14 @@ class LinearReferenceEnergy(nn.Cell):
 
 def cross(a: Tensor, b: Tensor) -> Tensor:
     """Row-wise cross product of (n, 3) tensors."""
-    a0, a1, a2 = a[:, 0], a[:, 1], a[:, 2]
-    b0, b1, b2 = b[:, 0], b[:, 1], b[:, 2]
+    a0, a1, a2 = ops.unstack(a, 1)
+    b0, b1, b2 = ops.unstack(b, 1)
     return ops.stack((a1 * b2 - a2 * b1, a2 * b0 - a0 * b2, a0 * b1 - a1 * b0), 1)
 
 
 def solve_symmetric_3x3(m: Tensor, b: Tensor) -> Tensor:
     """Solve m x = b for a batch of 3x3 matrices (B, 3, 3) by the adjugate; x = 0 where det = 0."""
-    a, bb, c = m[:, 0, 0], m[:, 0, 1], m[:, 0, 2]
-    d, e, f = m[:, 1, 0], m[:, 1, 1], m[:, 1, 2]
-    g, h, i = m[:, 2, 0], m[:, 2, 1], m[:, 2, 2]
+    a, bb, c, d, e, f, g, h, i = ops.unstack(m.reshape(-1, 9), 1)
     co00, co01, co02 = e * i - f * h, f * g - d * i, d * h - e * g
     det = a * co00 + bb * co01 + c * co02
     adj = ops.stack((

@@ -40,15 +40,14 @@ class PairRepulsion(nn.Cell):
 
 def determinant(cell: Tensor) -> Tensor:
     """Determinants of (B, 3, 3) matrices."""
-    a, b, c = cell[:, 0], cell[:, 1], cell[:, 2]
-    return (a * ops.stack((b[:, 1] * c[:, 2] - b[:, 2] * c[:, 1], b[:, 2] * c[:, 0] - b[:, 0] * c[:, 2],
-                           b[:, 0] * c[:, 1] - b[:, 1] * c[:, 0]), 1)).sum(1)
+    a0, a1, a2, b0, b1, b2, c0, c1, c2 = ops.unstack(cell.reshape(-1, 9), 1)
+    return (ops.stack((a0, a1, a2), 1) * ops.stack((b1 * c2 - b2 * c1, b2 * c0 - b0 * c2, b0 * c1 - b1 * c0), 1)).sum(1)
 
 
 def voigt(m: Tensor) -> Tensor:
     """(B, 3, 3) -> (B, 6) [xx, yy, zz, yz, xz, xy] with symmetrised off-diagonals."""
-    return ops.stack((m[:, 0, 0], m[:, 1, 1], m[:, 2, 2], (m[:, 1, 2] + m[:, 2, 1]) / 2.0,
-                      (m[:, 0, 2] + m[:, 2, 0]) / 2.0, (m[:, 0, 1] + m[:, 1, 0]) / 2.0), 1)
+    xx, xy, xz, yx, yy, yz, zx, zy, zz = ops.unstack(m.reshape(-1, 9), 1)
+    return ops.stack((xx, yy, zz, (yz + zy) / 2.0, (xz + zx) / 2.0, (xy + yx) / 2.0), 1)
 
 
 def per_volume(virial: Tensor, cell: Tensor, signed: bool) -> Tensor:
