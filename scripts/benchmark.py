@@ -23,6 +23,7 @@ ASE calculator, data at MPtrj's size, batched relaxation.
     python scripts/benchmark.py md         [--structures 32] [--steps 100] [--timestep 1] [--batch-sizes 32] [--torch-v3-python PATH]
     python scripts/benchmark.py suite      [--tests tests] [--workers 2] [--cache-dir ""]
     python scripts/benchmark.py compile-options [--options SINGLE_EVAL=1,...] [--rounds 2] [--model full]
+    python scripts/benchmark.py compile-ops [--ops "y * 1.5; ..."] [--model orb_v2] [--rounds 2]
 
 With ``--torch-python`` pointing at a Python that has torch and orb-models 0.4.2 installed (never
 required), the same measurement is made with PyTorch orb-models in that interpreter right after
@@ -39,6 +40,7 @@ import os
 
 from benchmarks.calculator import bench_calculator
 from benchmarks.compile_options import bench_compile_options
+from benchmarks.compile_ops import OPS, bench_compile_ops
 from benchmarks.common import ROOT
 from benchmarks.formats import bench_counts, bench_formats, bench_rows
 from benchmarks.graphs import bench_graphs
@@ -162,6 +164,12 @@ def build_parser():
     p.add_argument("--rounds", type=int, default=2, help="alternations of the options")
     p.add_argument("--model", choices=("full", "small"), default="full",
                    help="full orb-v2 (orb-smoke-test's step) or the tests' 2-layer, 32-wide one")
+    p = sub.add_parser("compile-ops")
+    p.add_argument("--ops", default=OPS, help="expressions of a (50, 3) tensor y (and int32 idx), ;-separated "
+                   "(default: 11 of them)")
+    p.add_argument("--model", default="orb_v2",
+                   help="a model name whose parts are compiled, empty: none (default: orb_v2)")
+    p.add_argument("--rounds", type=int, default=2, help="fresh processes, one after the other (default: 2)")
     p = sub.add_parser("suite")
     p.add_argument("--tests", default="tests", help="what pytest runs (space-separated paths or node ids)")
     p.add_argument("--workers", type=int, default=2, help="pytest-xdist workers (-n), as the README's command")
@@ -176,7 +184,8 @@ def main() -> None:
      "breakdown": bench_breakdown, "counts": bench_counts, "rows": bench_rows,
      "save": bench_save, "formats": bench_formats, "scale": bench_scale, "relax": bench_relax,
      "precision": bench_precision, "md": bench_md, "restart": bench_restart, "suite": bench_suite,
-     "startup": bench_startup, "failed-job": bench_failed_job, "compile-options": bench_compile_options}[args.area](args)
+     "startup": bench_startup, "failed-job": bench_failed_job, "compile-options": bench_compile_options,
+     "compile-ops": bench_compile_ops}[args.area](args)
 
 
 if __name__ == "__main__":  # not in the data workers (counts), which import this file as their main module

@@ -201,15 +201,19 @@ LIGHT = LIGHT_EARLY + LIGHT_LATE
 # --no-loadscope-reorder: a file's module-scoped runs happen once): the full-size parity runs first (3.2 min), while
 # both workers are small, the early light files beside them on the other worker (about as long), then the smoke test
 # (the suite's largest process, 3.1 GB; 1.1 min) on the worker the parity runs leave, the late light files beside it
-# on the other, then the others longest first (their test time in a full run, 2026-11-28: parallel 650 s ...), so
-# that the two workers end together (the odd_structures, unlisted before, ran among the last and left one worker
-# alone for minutes). Before the parity runs had a file of their own, the worker that ran them went on with the
-# rest of test_orb_v3 and waited through the smoke test: 65-80 idle core-seconds a run.
-LONGEST_FIRST = ("test_orb_v3_parity",) + LIGHT_EARLY + ("test_smoke",) + LIGHT_LATE + (
-    "test_parallel", "test_replay", "test_odd_structures", "test_precision", "test_orb_v3", "test_preemption",
-    "test_md", "test_training", "test_sums", "test_relax", "test_properties", "test_use", "test_graph_cache",
-    "test_tradeoff", "test_val_split", "test_signals", "test_model", "test_strategies", "test_pretrained",
-    "test_export", "test_model_names", "test_docs", "test_checkpoint", "test_uncertainty")
+# on the other. Before the parity runs had a file of their own, the worker that ran them went on with the rest of
+# test_orb_v3 and waited through the smoke test: 65-80 idle core-seconds a run. Then the short files whose tests
+# start processes of 0.7-1.4 GB (PyTorch loading our exports, the README's quick start, fine-tuning by name,
+# uncertainty's runs, exports), while the workers are still small: late in the run each worker holds 2.1-2.3 GB, and
+# two of them side by side (the quick start, PyTorch loading an export) took the host to 5.8 and 6.2 GB above its
+# start (2026-11-30). Then the others longest first (their test time in a full run, 2026-11-30: parallel 366 s ...),
+# so that the two workers end together.
+MEMORY_EARLY = ("test_docs", "test_checkpoint", "test_pretrained", "test_uncertainty", "test_export",
+                "test_model_names")
+LONGEST_FIRST = ("test_orb_v3_parity",) + LIGHT_EARLY + ("test_smoke",) + LIGHT_LATE + MEMORY_EARLY + (
+    "test_parallel", "test_replay", "test_precision", "test_relax", "test_md", "test_preemption", "test_graph_cache",
+    "test_training", "test_odd_structures", "test_use", "test_sums", "test_orb_v3", "test_properties", "test_model",
+    "test_val_split", "test_strategies", "test_signals", "test_tradeoff")
 
 
 def pytest_collection_modifyitems(config, items):
