@@ -166,8 +166,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "large_memory: " + LARGE_MEMORY)
     config.addinivalue_line("markers", "isolated: runs in a fresh Python process of its own (gradients: a process that "
                                        "computed one keeps 0.3-0.9 GB after every model is freed)")
-    config.addinivalue_line("markers", "alone: too large to share the machine (full-size models, 1.7-8 GB): "
-                                       "under -n 2 the other worker waits")
+    config.addinivalue_line("markers", "alone: too large to share the machine (full-size models, 1.7-8 GB; late in "
+                                       "the run, 0.7 GB beside two grown workers): under -n 2 the other worker waits")
     config.addinivalue_line("markers", "beside_light: an alone run measured under 4 GB: the other worker may run the "
                                        "LIGHT files meanwhile")
 
@@ -202,18 +202,16 @@ LIGHT = LIGHT_EARLY + LIGHT_LATE
 # both workers are small, the early light files beside them on the other worker (about as long), then the smoke test
 # (the suite's largest process, 3.1 GB; 1.1 min) on the worker the parity runs leave, the late light files beside it
 # on the other. Before the parity runs had a file of their own, the worker that ran them went on with the rest of
-# test_orb_v3 and waited through the smoke test: 65-80 idle core-seconds a run. Then the short files whose tests
-# start processes of 0.7-1.4 GB (PyTorch loading our exports, the README's quick start, fine-tuning by name,
-# uncertainty's runs, exports), while the workers are still small: late in the run each worker holds 2.1-2.3 GB, and
-# two of them side by side (the quick start, PyTorch loading an export) took the host to 5.8 and 6.2 GB above its
-# start (2026-11-30). Then the others longest first (their test time in a full run, 2026-11-30: parallel 366 s ...),
-# so that the two workers end together.
-MEMORY_EARLY = ("test_docs", "test_checkpoint", "test_pretrained", "test_uncertainty", "test_export",
-                "test_model_names")
-LONGEST_FIRST = ("test_orb_v3_parity",) + LIGHT_EARLY + ("test_smoke",) + LIGHT_LATE + MEMORY_EARLY + (
-    "test_parallel", "test_replay", "test_precision", "test_relax", "test_md", "test_preemption", "test_graph_cache",
-    "test_training", "test_odd_structures", "test_use", "test_sums", "test_orb_v3", "test_properties", "test_model",
-    "test_val_split", "test_strategies", "test_signals", "test_tradeoff")
+# test_orb_v3 and waited through the smoke test: 65-80 idle core-seconds a run. Then the others longest first (their
+# test time in a full run, 2026-11-30: parallel 366 s ...), so that the two workers end together. Late in the run
+# each worker holds 2.1-2.3 GB: a test whose processes add over 0.7 GB then runs alone (the README's quick start,
+# a fine-tuning by name), or the host reaches CI's 6 GB beside another. (Running the short files of such tests right
+# after the light files instead grew a worker to 2.7 GB for the rest of the run, and other pairs reached 6.4 GB.)
+LONGEST_FIRST = ("test_orb_v3_parity",) + LIGHT_EARLY + ("test_smoke",) + LIGHT_LATE + (
+    "test_parallel", "test_replay", "test_odd_structures", "test_precision", "test_orb_v3", "test_preemption",
+    "test_md", "test_training", "test_sums", "test_relax", "test_properties", "test_use", "test_graph_cache",
+    "test_tradeoff", "test_val_split", "test_signals", "test_model", "test_strategies", "test_pretrained",
+    "test_export", "test_model_names", "test_docs", "test_checkpoint", "test_uncertainty")
 
 
 def pytest_collection_modifyitems(config, items):

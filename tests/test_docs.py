@@ -269,6 +269,7 @@ def readme_quick_start():
     return [tokens for block in FENCE.findall(section) for tokens in command_lines(block[1])]
 
 
+@pytest.mark.alone  # its fine-tuning beside PyTorch loading an export (test_checkpoint), late in the run: 6.2 GB
 def test_the_readme_quick_start_runs(tmp_path):
     """The quick start's fine-tuning of the bundled demo, as written, from a folder outside the checkout, cut to one
     epoch; `pip install .` is tests/test_install.py's. A command on the user's own data (my.extxyz and the full-size

@@ -300,6 +300,7 @@ def test_a_config_naming_weights_sets_the_model_or_is_refused():
         load_config(None, ["--checkpoint_path", "orb_v2", "--model.name", "orb_v3_direct_20_omat"])
 
 
+@pytest.mark.alone  # its fine-tuning of orb-d3-xs beside another fine-tuning, late in the run: 5.8-5.9 GB
 def test_fine_tune_by_name_then_start_again_offline(mirror, monkeypatch, tmp_path):
     """A run whose config names the weights downloads them once; its resume (a requeued job on a node without
     network) reads the cache."""
