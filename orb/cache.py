@@ -22,6 +22,7 @@ import logging
 import os
 import sqlite3
 import tempfile
+import threading
 from typing import Callable, Iterator, List, Optional, Tuple, TypeVar
 
 import numpy as np
@@ -30,6 +31,10 @@ from orb.files import exclusive, remove_stale_temporaries, write_atomically
 from orb.signals import STOP
 
 log = logging.getLogger("orb")
+# One cache read at a time in a process: numpy's header parsing (ast.literal_eval) from two threads at once can fail
+# in CPython 3.11 ("SystemError: AST constructor recursion depth mismatch"), and a read that fails is taken for a
+# damaged file and removed (seen: 3 threads standing in for ranks recounted a neighbour count they had just kept).
+_READING = threading.RLock()
 T = TypeVar("T")
 # Raised when the way entries are named or stored changes: every entry of an older layout misses.
 LAYOUT_VERSION = 3  # 3: <kind>-<identity>-<code>
@@ -159,7 +164,8 @@ class CacheEntry:
         try:
             if os.path.getsize(path) == 0:
                 raise ValueError("empty file")
-            value = load(path)
+            with _READING:
+                value = load(path)
             if not valid(value):
                 raise ValueError("implausible content")
         except Exception as exc:  # any failure to read a cache file means: compute it again

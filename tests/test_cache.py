@@ -377,6 +377,46 @@ def test_a_stop_signal_while_reading_a_cache_entry_stops_and_keeps_the_file(cach
     np.testing.assert_array_equal(entry.read(load_values), np.arange(3))
 
 
+def test_threads_reading_one_entry_at_once_keep_it(cache_dir, caplog):
+    """Threads of one process reading cache entries at once (orb-md's runs; ranks standing in as threads) read them
+    one at a time: numpy's header parsing from two threads at once can fail in CPython 3.11 ("AST constructor
+    recursion depth mismatch"), and the file was then taken for damaged and removed (a neighbour count recounted).
+    The stand-in loader fails the same way whenever another thread is inside it."""
+    import threading
+    import time
+
+    from orb.cache import CacheEntry, load_values
+
+    entry = CacheEntry("demo", ("orb.cache",), ("data",), ".npz")
+    path = entry.write(lambda tmp: np.savez(tmp, values=np.arange(4)), "demo values")
+    inside, lock, barrier, results = [0], threading.Lock(), threading.Barrier(3), []
+
+    def racy(file):
+        with lock:
+            inside[0] += 1
+        try:
+            time.sleep(0.05)
+            if inside[0] > 1:
+                raise SystemError("AST constructor recursion depth mismatch (before=51, after=48)")
+            return load_values(file)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    def reader():
+        barrier.wait()
+        results.append(CacheEntry("demo", ("orb.cache",), ("data",), ".npz").read(racy))
+
+    threads = [threading.Thread(target=reader) for _ in range(3)]
+    with caplog.at_level("WARNING", logger="orb"):
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    assert len(results) == 3 and all(r is not None and list(r) == [0, 1, 2, 3] for r in results), results
+    assert os.path.exists(path) and "damaged" not in caplog.text
+
+
 def test_a_cache_that_cannot_be_written_names_the_folder_and_the_run_goes_on(cache_dir, caplog):
     """A failed write (here: the entry's name taken by a folder, as a full disk fails it) leaves no temporary and one
     warning naming the folder; the writer's own temporaries of a killed earlier process untouched for an hour
