@@ -110,8 +110,8 @@ def check_predictions(model=None) -> dict:
 
 def training_step(target: str, model=None) -> dict:
     """One SGD step of full orb-v2 on the first 8 demo structures (fixed weights, no augmentation): what it
-    returned and changed, with its compile and step times. ``model``: another orb-v2 in its place (the compile
-    benchmark's narrow one)."""
+    returned and changed, with its compile and step times. ``model``: another model in its place (the compile
+    benchmark's: narrow ones, orb-v3's)."""
     from orb.data.dataset import AseDbDataset
     from orb.data.batching import batch_graphs, pad_batch
     from orb.data.tensors import loss_inputs
@@ -123,7 +123,7 @@ def training_step(target: str, model=None) -> dict:
 
     model = reference_model(np.load(REFERENCE)) if model is None else model
     model.set_train(True)
-    cfg = config_from_dict(dict(model=dict(name="orb_v2"), device_target=target))
+    cfg = config_from_dict(dict(model=dict(name=model.cfg.name), device_target=target))
     data = AseDbDataset(DEMO, settings=model.cfg.graph_settings())
     batch = batch_graphs([data[i] for i in range(8)])
     inputs = loss_inputs(pad_batch(batch, batch.num_nodes + 1, batch.num_edges, batch.num_graphs + 1))

@@ -22,7 +22,7 @@ ASE calculator, data at MPtrj's size, batched relaxation.
     python scripts/benchmark.py restart    [--configs demo,demo_v3] [--models orb_v2] [--calculator CKPT]
     python scripts/benchmark.py md         [--structures 32] [--steps 100] [--timestep 1] [--batch-sizes 32] [--torch-v3-python PATH]
     python scripts/benchmark.py suite      [--tests tests] [--workers 2] [--cache-dir ""]
-    python scripts/benchmark.py compile-options [--options SINGLE_EVAL=1,...] [--rounds 2] [--model full]
+    python scripts/benchmark.py compile-options [--options SINGLE_EVAL=1,...] [--rounds 2] [--model full] [--name orb_v2]
     python scripts/benchmark.py compile-ops [--ops "y * 1.5; ..."] [--model orb_v2] [--rounds 2]
 
 With ``--torch-python`` pointing at a Python that has torch and orb-models 0.4.2 installed (never
@@ -163,7 +163,9 @@ def build_parser():
                    help="NAME=VALUE options of mindspore.graph._parse.compile_config, comma-separated")
     p.add_argument("--rounds", type=int, default=2, help="alternations of the options")
     p.add_argument("--model", choices=("full", "small"), default="full",
-                   help="full orb-v2 (orb-smoke-test's step) or the tests' 2-layer, 32-wide one")
+                   help="the model full-size, or the tests' 2-layer, 32-wide one")
+    p.add_argument("--name", default="orb_v2", help="the model: orb_v2 (orb-smoke-test's step) or another name, "
+                   "e.g. orb_v3_conservative_inf_omat (random weights, the same demo batch and SGD step)")
     p = sub.add_parser("compile-ops")
     p.add_argument("--ops", default=OPS, help="expressions of a (50, 3) tensor y (and int32 idx), ;-separated "
                    "(default: 11 of them)")

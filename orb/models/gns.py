@@ -182,7 +182,7 @@ class ScalarNormalizer(nn.Cell):
         mean, var = self.bn.running_mean, self.bn.running_var
         old_count = self.bn.num_batches_tracked
         wide = ms.float64 if self.update_in_float64 else mean.dtype
-        n, shifted_sum, shifted_square_sum = sums[0].astype(wide), sums[1].astype(wide), sums[2].astype(wide)
+        n, shifted_sum, shifted_square_sum = ops.unstack(sums.astype(wide))
         offset = shifted_sum / ops.maximum(n, 1.0)  # batch_mean - mean
         batch_var = (shifted_square_sum - offset * shifted_sum) / ops.maximum(n - 1.0, 1.0)
         factor = 1.0 / (old_count.astype(wide) + 1.0).reshape(-1)
@@ -343,7 +343,7 @@ class OrbModel(nn.Cell):
         """Normaliser statistics (mean, var) per row: ``replay_stats`` where ``replay_rows``, else ``stats``
         (shaped to broadcast against ``ndim``-dimensional values of those rows)."""
         rows = replay_rows.reshape((-1,) + (1,) * (ndim - 1))
-        return tuple(ops.where(rows, r, t) for r, t in zip(replay_stats, stats))
+        return ops.where(rows, replay_stats[0], stats[0]), ops.where(rows, replay_stats[1], stats[1])
 
 
 BUFFERS = ("running_mean", "running_var", "num_batches_tracked", "bessel_weights", "r_max", "prefactor", "bin_edges")

@@ -64,15 +64,15 @@ def spherical_harmonics(vectors: Tensor, r: Tensor, broadcasts: Broadcasts) -> T
     s3 = math.sqrt(3.0)
     y2, x2z2 = y * y, x * x + z * z
     s20, s24 = s3 * x * z, s3 / 2.0 * (z * z - x * x)
-    l0 = [ops.ones_like(x)]
-    l1 = [x, y, z]
-    l2 = [s20, s3 * x * y, y2 - 0.5 * x2z2, s3 * y * z, s24]
-    l3 = [math.sqrt(5.0 / 6.0) * (s20 * z + s24 * x), math.sqrt(5.0) * s20 * y,
-          math.sqrt(3.0 / 8.0) * (4.0 * y2 - x2z2) * x, 0.5 * y * (2.0 * y2 - 3.0 * x2z2),
-          math.sqrt(3.0 / 8.0) * z * (4.0 * y2 - x2z2), math.sqrt(5.0) * s24 * y,
-          math.sqrt(5.0 / 6.0) * (s24 * z - s20 * x)]
-    scaled = l0 + [c * math.sqrt(3.0) for c in l1] + [c * math.sqrt(5.0) for c in l2] + [c * math.sqrt(7.0) for c in l3]
-    return ops.concat(scaled, 1)
+    w1, w2, w3 = math.sqrt(3.0), math.sqrt(5.0), math.sqrt(7.0)  # each degree's weight, written out: no loops
+    return ops.concat((
+        ops.ones_like(x),
+        x * w1, y * w1, z * w1,
+        s20 * w2, s3 * x * y * w2, (y2 - 0.5 * x2z2) * w2, s3 * y * z * w2, s24 * w2,
+        math.sqrt(5.0 / 6.0) * (s20 * z + s24 * x) * w3, math.sqrt(5.0) * s20 * y * w3,
+        math.sqrt(3.0 / 8.0) * (4.0 * y2 - x2z2) * x * w3, 0.5 * y * (2.0 * y2 - 3.0 * x2z2) * w3,
+        math.sqrt(3.0 / 8.0) * z * (4.0 * y2 - x2z2) * w3, math.sqrt(5.0) * s24 * y * w3,
+        math.sqrt(5.0 / 6.0) * (s24 * z - s20 * x) * w3), 1)
 
 
 class ChargeSpinEmbedding(nn.Cell):

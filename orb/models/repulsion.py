@@ -27,9 +27,10 @@ class PairRepulsion(nn.Cell):
         z_v = ops.gather(numbers, receivers, 0).astype(vectors.dtype) + 1.0
         a = 0.4543 * 0.529 / (ops.pow(z_u, 0.3) + ops.pow(z_v, 0.3))
         r = ops.norm(vectors, dim=1)
-        phi = 0.0
-        for c, d in zip(ZBL_C, ZBL_D):
-            phi = phi + c * ops.exp(-d * r / a)
+        phi = 0.0 + ZBL_C[0] * ops.exp(-ZBL_D[0] * r / a)  # the four terms written out (a loop costs compile time)
+        phi = phi + ZBL_C[1] * ops.exp(-ZBL_D[1] * r / a)
+        phi = phi + ZBL_C[2] * ops.exp(-ZBL_D[2] * r / a)
+        phi = phi + ZBL_C[3] * ops.exp(-ZBL_D[3] * r / a)
         r_max = (ops.gather(self.radii, z_u.astype(senders.dtype), 0)
                  + ops.gather(self.radii, z_v.astype(senders.dtype), 0))
         x = r / r_max

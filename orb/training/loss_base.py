@@ -3,6 +3,10 @@ training batch, committed after the gradient), metric sums per structure, and pe
 
 A family's loss (:mod:`orb.training.loss_v2`, :mod:`orb.training.loss_v3`) subclasses :class:`NormalisedLoss`;
 :mod:`orb.training.engine` picks it by the model's family.
+
+The code that runs in a compiled step uses plain loops over indices, never comprehensions, ``zip`` or ``enumerate``:
+MindSpore's compiler spends 10-60 ms on each of those against ~1 ms an operator (docs/benchmarks.md), in every
+training and evaluation graph.
 """
 
 from typing import Dict
@@ -53,7 +57,8 @@ class NormalisedLoss(nn.Cell):
     def current_stats(self):
         stats = ()
         for normalizer in self.normalizers:
-            stats = stats + tuple(t + 0.0 for t in normalizer.stats())  # values, not the parameters themselves
+            mean, var = normalizer.stats()
+            stats = stats + (mean + 0.0, var + 0.0)  # values, not the parameters themselves
         return stats
 
     def new_stats(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
@@ -62,16 +67,22 @@ class NormalisedLoss(nn.Cell):
         each normaliser absorbs only the structures its heads predict."""
         entries = self.absorbed(numbers, node_graph, n_node, graph_mask, energy, forces, stress, head)
         if self.replay_offset:
-            entries = ([(v, m * (1.0 - r), u, r) for v, m, u, r in entries]
-                       + [(v, m * r, u, r) for v, m, u, r in entries])
+            own, replay = (), ()
+            for values, mask, update, rows in entries:
+                own = own + ((values, mask * (1.0 - rows), update, rows),)
+                replay = replay + ((values, mask * rows, update, rows),)
+            entries = own + replay
         # every normaliser's batch sums in one vector: one sum over data-parallel ranks per step
-        sums = ops.concat([normalizer.batch_sums(values, mask)
-                           for normalizer, (values, mask, _, _) in zip(self.normalizers, entries)])
+        sums = ()
+        for k in range(len(entries)):
+            sums = sums + (self.normalizers[k].batch_sums(entries[k][0], entries[k][1]),)
+        sums = ops.concat(sums)
         if self.allreduce is not None:
             sums = self.allreduce(sums)
         stats, counts = (), ()
-        for k, (normalizer, (_, _, update, _)) in enumerate(zip(self.normalizers, entries)):
-            if update and self.online:
+        for k in range(len(entries)):
+            normalizer = self.normalizers[k]
+            if entries[k][2] and self.online:
                 mean, var, count = normalizer.updated_stats(sums[3 * k:3 * k + 3])
             else:  # no stress labels, or online_normalisation off: the statistics stay
                 mean, var = normalizer.stats()
@@ -90,8 +101,8 @@ class NormalisedLoss(nn.Cell):
 
     def commit(self, stats, counts):
         done = ()
-        for i, normalizer in enumerate(self.normalizers):
-            done = done + (normalizer.commit(stats[2 * i], stats[2 * i + 1], counts[i]),)
+        for i in range(len(self.normalizers)):
+            done = done + (self.normalizers[i].commit(stats[2 * i], stats[2 * i + 1], counts[i]),)
         return done
 
     @property
@@ -134,8 +145,8 @@ class NormalisedLoss(nn.Cell):
     def metric_sums(per_graph, graph_mask, per_atom, node_mask):
         """(sums of the ``per_graph`` (B,) values over real structures, sums of the ``per_atom`` (N,) values over real
         atoms), each accurately summed (:mod:`orb.models.sums`: a batch's atoms are a long sum)."""
-        graphs = column_totals(ops.stack([value * graph_mask for value in per_graph], 1))
-        return graphs, column_totals(ops.stack([value * node_mask for value in per_atom], 1))
+        graphs = column_totals(ops.stack(per_graph, 1) * graph_mask.reshape(-1, 1))
+        return graphs, column_totals(ops.stack(per_atom, 1) * node_mask.reshape(-1, 1))
 
     def residual_per_atom(self, numbers, node_graph, n_node, energy, head):
         """(E - sum_i ref[Z_i]) / atoms: the per-atom energy the energy normaliser tracks."""

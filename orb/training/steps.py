@@ -72,9 +72,10 @@ class TrainStep(CompiledThroughCache, nn.Cell):
         elif self.loss_scale is not None and self.loss_scale.can_lower():
             loss = ops.depend(loss, self.loss_scale.lower())  # an fp16 overflow: not a divergence
         else:
-            row = self.nonfinite[0] + 1
+            in_a_row, longest, _, count = ops.unstack(self.nonfinite + 0)
+            row = in_a_row + 1
             loss = ops.depend(loss, ops.assign(self.nonfinite, ops.stack(
-                (row, ops.maximum(row, self.nonfinite[1]), self.steps_run, self.nonfinite[3] + 1))))
+                (row, ops.maximum(row, longest), self.steps_run, count + 1))))
         return loss
 
 

@@ -1,6 +1,6 @@
 """``compile-options``: MindSpore's compile options (``mindspore.graph._parse.compile_config``) on one compilation of
-orb-v2's training step (full, or the tests' 2-layer one: ``--model small``), each in a fresh process, the options
-alternated round by round."""
+a training step (orb-v2's or ``--name``'s; full, or the tests' 2-layer one: ``--model small``), each in a fresh
+process, the options alternated round by round."""
 
 import os
 import subprocess
@@ -20,7 +20,8 @@ def bench_compile_options(args) -> None:
         for option in options:
             result = subprocess.run([sys.executable, CHILD, *([option] if option else [])], cwd=ROOT,
                                     capture_output=True, text=True,
-                                    env=dict(os.environ, PYTHONPATH=ROOT, ORB_BENCH_MODEL=args.model))
+                                    env=dict(os.environ, PYTHONPATH=ROOT, ORB_BENCH_MODEL=args.model,
+                                             ORB_BENCH_NAME=args.name))
             found = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("RESULT ")]
             seconds[option].append(f"{float(found[0][0]):.2f} (loss {found[0][2]})" if found else "does not compile")
             if option.startswith("COMPILE_PROFILE"):

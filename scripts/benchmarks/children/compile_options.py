@@ -1,6 +1,7 @@
-"""One compilation of orb-v2's training step (orb-smoke-test's) with MindSpore's compile options set first
-(``NAME=VALUE`` arguments, ``mindspore.graph._parse.compile_config``): prints ``RESULT <compile s> <step s> <loss>``.
-``ORB_BENCH_MODEL=small``: the tests' 2-layer, 32-wide orb-v2 (random weights) in place of the full one."""
+"""One compilation of a training step (orb-smoke-test's) with MindSpore's compile options set first (``NAME=VALUE``
+arguments, ``mindspore.graph._parse.compile_config``): prints ``RESULT <compile s> <step s> <loss>``. The model: full
+orb-v2 with the smoke test's weights, or ``ORB_BENCH_NAME``'s (random weights); ``ORB_BENCH_MODEL=small``: the tests'
+2-layer, 32-wide one (random weights)."""
 
 import os
 import sys
@@ -15,11 +16,11 @@ from orb.device import configure_mindspore  # noqa: E402  (after the options: th
 from orb import smoke_test  # noqa: E402
 
 configure_mindspore("CPU", precision="float32-highest")
-model = None
-if os.environ.get("ORB_BENCH_MODEL") == "small":
+model, name = None, os.environ.get("ORB_BENCH_NAME", "orb_v2")
+if os.environ.get("ORB_BENCH_MODEL") == "small" or name != "orb_v2":
     from orb.models import create
 
-    model = create("orb_v2", seed=0, latent_dim=32, mlp_hidden_dim=64, num_message_passing_steps=2,
-                   head_mlp_hidden_dim=32)
+    small = dict(latent_dim=32, mlp_hidden_dim=64, num_message_passing_steps=2, head_mlp_hidden_dim=32)
+    model = create(name, seed=0, **(small if os.environ.get("ORB_BENCH_MODEL") == "small" else {}))
 step = smoke_test.training_step("CPU", model)
 print("RESULT", step["compile_s"], step["step_s"], repr(step["loss"]))
