@@ -108,10 +108,10 @@ def check_predictions(model=None) -> dict:
             "compile_and_first_call_s": round(first, 2), "call_s": round(again, 3)}
 
 
-def training_step(target: str, model=None) -> dict:
+def training_step(target: str, model=None, params=None) -> dict:
     """One SGD step of full orb-v2 on the first 8 demo structures (fixed weights, no augmentation): what it
     returned and changed, with its compile and step times. ``model``: another model in its place (the compile
-    benchmark's: narrow ones, orb-v3's)."""
+    benchmark's: narrow ones, orb-v3's); ``params``: the parameters trained (default: all trainable ones)."""
     from orb.data.dataset import AseDbDataset
     from orb.data.batching import batch_graphs, pad_batch
     from orb.data.tensors import loss_inputs
@@ -124,10 +124,10 @@ def training_step(target: str, model=None) -> dict:
     model = reference_model(np.load(REFERENCE)) if model is None else model
     model.set_train(True)
     cfg = config_from_dict(dict(model=dict(name=model.cfg.name), device_target=target))
-    data = AseDbDataset(DEMO, settings=model.cfg.graph_settings())
+    data = AseDbDataset(DEMO, settings=model.cfg.graph_settings(), charge_spin=model.cfg.omol)
     batch = batch_graphs([data[i] for i in range(8)])
     inputs = loss_inputs(pad_batch(batch, batch.num_nodes + 1, batch.num_edges, batch.num_graphs + 1))
-    params = model.trainable_params()
+    params = model.trainable_params() if params is None else params
     before = np.concatenate([p.asnumpy().reshape(-1) for p in params])
     step = TrainStep(make_loss(model, cfg, has_stress=True), FlatAdam(params, constant(1e-3, 2), clip_mode="none",
                                                                       algorithm="sgd"))

@@ -126,30 +126,35 @@ def test_sgd_steps_are_lr_times_the_clipped_gradient():
         np.testing.assert_allclose(p.asnumpy(), e, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("extra", [-3, 1, 7])
-def test_more_parameters_than_a_write_group_each_get_their_own_update(extra):
-    """The update is written back in groups of WRITE_GROUP parameters (a shorter compilation): with one group, or
-    two full groups and a partial one (of one parameter, or seven), every parameter, scalars included, gets exactly
-    its own slice of the flat update."""
+@pytest.mark.parametrize("extra,mode", [(-3, "graph"), (1, "graph"), (0, "graph"), (7, "pynative")])
+def test_more_parameters_than_a_write_group_each_get_their_own_update(extra, mode):
+    """The update is written back in groups of WRITE_GROUP parameters (a shorter compilation): with one group, two
+    full groups and none or a partial one (of one parameter, or seven), compiled or op by op, every parameter,
+    scalars included, gets exactly its own slice of the flat update, step after step."""
     import mindspore as ms
     from mindspore import Parameter, Tensor
 
     from orb.training.optimizer import WRITE_GROUP, FlatAdam
     from orb.training.schedule import constant
 
-    ms.set_context(mode=ms.GRAPH_MODE)
-    rng = np.random.default_rng(5)
-    count = WRITE_GROUP + extra if extra < 0 else 2 * WRITE_GROUP + extra
-    shapes = [[(3, 4), (5,), (), (2, 1, 3)][i % 4] for i in range(count)]
-    values = [rng.standard_normal(s).astype(np.float32) for s in shapes]
-    params = [Parameter(Tensor(v), name=f"q{i}") for i, v in enumerate(values)]
-    opt = FlatAdam(params, constant(0.25, 2), clip_mode="none", algorithm="sgd")
-    assert len(opt.write_groups) == (1 if extra < 0 else 3)
-    grads = [rng.standard_normal(s).astype(np.float32) for s in shapes]
-    opt(tuple(Tensor(g) for g in grads))
-    for p, v, g in zip(params, values, grads):
-        assert p.shape == v.shape
-        np.testing.assert_array_equal(p.asnumpy(), v - np.float32(0.25) * g)
+    ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE)
+    try:
+        rng = np.random.default_rng(5)
+        count = WRITE_GROUP + extra if extra < 0 else 2 * WRITE_GROUP + extra
+        shapes = [[(3, 4), (5,), (), (2, 1, 3), (2, 2)][i % 5] for i in range(count)]  # groups of other shapes
+        values = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+        params = [Parameter(Tensor(v), name=f"q{i}") for i, v in enumerate(values)]
+        opt = FlatAdam(params, constant(0.25, 2), clip_mode="none", algorithm="sgd")
+        assert len(opt.write_groups) == -(-count // WRITE_GROUP)
+        for _ in range(2):
+            grads = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+            opt(tuple(Tensor(g) for g in grads))
+            values = [v - np.float32(0.25) * g for v, g in zip(values, grads)]
+            for p, v in zip(params, values):
+                assert p.shape == v.shape
+                np.testing.assert_array_equal(p.asnumpy(), v)
+    finally:
+        ms.set_context(mode=ms.GRAPH_MODE)
 
 
 def test_the_train_step_applies_the_gradient_reducer():

@@ -80,8 +80,8 @@ BUCKET = 1 << 22  # floats per piece of the flat gradient a ``cpu``-profile redu
 
 
 def _raise_recursion_limit(limit: int) -> None:
-    """MindSpore's compiler walks tuples element by element: splitting the flat vector into orb-v2's ~340
-    tensors needs a deeper call limit than the default 1000 (never lowered once raised)."""
+    """MindSpore's compiler walks tuples element by element: flattening orb-v2's ~340 gradients into one vector
+    needs a deeper call limit than the default 1000 (never lowered once raised)."""
     global _recursion_limit
     if limit > _recursion_limit:
         ms.set_recursion_limit(limit)
@@ -231,7 +231,7 @@ class FlatAdam(nn.Cell):
         self.descend = ops.ApplyGradientDescent()  # var -= alpha * delta in place (the SGD step)
         self.hyper_map = ops.HyperMap()
         self.split_with_size = SplitWithSize()  # one kernel (ops.split unrolls a Python loop per piece)
-        self.param_tuple = ms.ParameterTuple(self.params)
+        self.param_tuple = ms.ParameterTuple(self.params)  # (registers the parameters in the cell: keep it)
         # the write-back in groups of WRITE_GROUP parameters: one split into orb-v2's 336 tensors compiled in 3.4 s
         # (growing with the square of the count, measured), 32 at a time in 0.7 s; the same values
         groups = [range(i, min(i + WRITE_GROUP, len(self.params))) for i in range(0, len(self.params), WRITE_GROUP)]
