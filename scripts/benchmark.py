@@ -165,8 +165,9 @@ def build_parser():
     p.add_argument("--rounds", type=int, default=2, help="alternations of the options")
     p.add_argument("--model", choices=("full", "small"), default="full",
                    help="the model full-size, or the tests' 2-layer, 32-wide one")
-    p.add_argument("--name", default="orb_v2", choices=MODEL_NAMES, help="the model: orb_v2 (orb-smoke-test's step) or another name, "
-                   "e.g. orb_v3_conservative_inf_omat (random weights, the same demo batch and SGD step; default: orb_v2)")
+    p.add_argument("--name", default="orb_v2", choices=MODEL_NAMES,
+                   help="the model: orb_v2 (orb-smoke-test's step) or another name, e.g. orb_v3_conservative_inf_omat "
+                   "(random weights, the same demo batch and SGD step; default: orb_v2)")
     p = sub.add_parser("compile-ops")
     p.add_argument("--ops", default=OPS, help="expressions of a (50, 3) tensor y (and int32 idx), ;-separated "
                    "(default: 11 of them)")

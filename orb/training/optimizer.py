@@ -65,15 +65,6 @@ def _assign_tensor(param, piece):
     return ops.assign(param, piece.reshape(param.shape))
 
 
-_split_with_size = SplitWithSize()
-_hyper_map = ops.HyperMap()
-
-
-def _assign_pieces(params, flat, sizes):
-    """``flat`` split into ``params``; returns ``flat`` after the writes."""
-    return ops.depend(flat, _hyper_map(_assign_piece, params, _split_with_size(flat, sizes, 0)))
-
-
 WRITE_GROUP = 32  # parameters per piece of the write-back (one split into every parameter compiled in O(n^2))
 _recursion_limit = 1000  # MindSpore's default
 BUCKET = 1 << 22  # floats per piece of the flat gradient a ``cpu``-profile reducer sums (16 MB, as PyTorch DDP's 25 MB)
@@ -378,7 +369,8 @@ class FlatAdam(nn.Cell):
         chunks = self.split_with_size(full, self.write_chunks, 0) if len(self.write_chunks) > 1 else (full,)
         done = full
         for k in range(len(self.write_groups)):
-            done = ops.depend(done, _assign_pieces(self.write_groups[k], chunks[k], self.write_sizes[k]))
+            pieces = self.split_with_size(chunks[k], self.write_sizes[k], 0)
+            done = ops.depend(done, self.hyper_map(_assign_piece, self.write_groups[k], pieces))
         if self.average is not None:
             done = ops.depend(done, self.average(full, self.step))
         return ops.depend(ops.assign_add(self.step, ops.ones((), self.step.dtype)), done)
