@@ -9,6 +9,7 @@ import threading
 from typing import Optional
 
 from orb.errors import ConfigError
+from orb.host_blas import set_host_blas_threads
 from orb.signals import STOP
 
 log = logging.getLogger("orb")
@@ -153,7 +154,8 @@ def ops_profile() -> str:
 
 
 def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_threads: int = 0,
-                        parallel: bool = False, precision: str = "float32-high", deterministic: bool = False) -> str:
+                        parallel: bool = False, precision: str = "float32-high", deterministic: bool = False,
+                        host_blas: bool = True) -> str:
     """Graph mode on the device (in an msrun job each worker gets its local device); returns the target.
 
     ``precision`` (:mod:`orb.precision`): what models built from now on compute in; checked against the
@@ -162,6 +164,10 @@ def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_thr
 
     ``num_threads`` (0: ``OMP_NUM_THREADS`` if set) also sizes MindSpore's own CPU kernel pool,
     which otherwise starts 25 threads whatever the core count.
+
+    ``host_blas``: numpy's and SciPy's BLAS pools take the kernel threads' count, one if unset
+    (:mod:`orb.host_blas`: their workers only spin on this project's small host-side solves). The commands' own
+    processes; the calculator, built in a user's script, leaves the user's numpy as it is.
 
     ``deterministic``: every run of the same inputs computes the same bits, for resumes and reruns that must match
     exactly. On the CPU one kernel thread (``OMP_NUM_THREADS`` is overridden; a ``num_threads`` above 1 is refused):
@@ -189,6 +195,8 @@ def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_thr
         set_deterministic()
     if target == "CPU" and threads:
         set_kernel_threads(threads, deterministic)
+    if host_blas:
+        set_host_blas_threads(threads or 1)
     try:
         if parallel:
             ms.set_device(target)

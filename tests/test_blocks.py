@@ -1,6 +1,8 @@
 """Building blocks in both operator profiles (``cpu`` and ``portable``, orb.models.ops_profile): LayerNorm's
 gradient whatever the kernel's auxiliary outputs mean, the broadcasts and their gradients, the profile switch."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -314,6 +316,47 @@ def test_a_deterministic_cpu_run_refuses_a_kernel_pool_of_several_threads():
                                      "needs one" in again.stderr, again.stderr[-2000:]
     same = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert same.returncode == 0 and "one thread: deterministic" in same.stdout, same.stderr[-2000:]
+
+
+BLAS_PROBE = """
+import json, sys
+import numpy, scipy.linalg
+from orb.host_blas import blas_threads
+before = sorted(blas_threads().values())
+if sys.argv[1] == "worker":
+    from orb.data.loader import _init_worker
+    _init_worker({})
+else:
+    from orb.device import configure_mindspore
+    configure_mindspore("CPU", num_threads=int(sys.argv[2]), host_blas=sys.argv[1] == "command")
+print(json.dumps([before, sorted(blas_threads().values())]))
+"""
+
+
+@pytest.mark.parametrize("caller,num_threads,user_setting,expected", [
+    ("command", 0, None, 1), ("command", 2, None, 2), ("worker", 0, None, 1),
+    ("calculator", 0, None, None), ("command", 0, "2", None)])
+def test_a_commands_host_blas_takes_the_kernel_threads_count(caller, num_threads, user_setting, expected):
+    """numpy's and SciPy's OpenBLAS pools (one thread per core unless told) only spun on the host's 3x3 solves:
+    a command's process and each data worker size them as the kernel threads (one if unset); the calculator in a
+    user's script and a user's OPENBLAS_NUM_THREADS leave them as they were. A fresh process each: a pool's size is
+    the process's."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "GOTO_NUM_THREADS")}
+    if user_setting:
+        env["OPENBLAS_NUM_THREADS"] = user_setting
+    result = subprocess.run([sys.executable, "-c", BLAS_PROBE, caller, str(num_threads)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    before, after = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(before) == 2  # numpy's and SciPy's OpenBLAS, both loaded (one thread per core: 2 on CI)
+    assert after == (before if expected is None else [expected] * 2)
 
 
 def test_broadcasts_are_exact_and_their_gradients_are_sums(profile):

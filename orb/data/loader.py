@@ -28,6 +28,7 @@ from orb.data.neighbours import native_search
 from orb.data.plan import Step
 from orb.data.tensors import loss_arrays
 from orb.errors import DataWorkerError
+from orb.host_blas import set_host_blas_threads
 from orb.signals import children_start_blocked, die_with_parent, guard_resource_tracker, ignore_stop_signals
 
 
@@ -78,6 +79,7 @@ class HelperContext(multiprocessing.context.SpawnContext):
 def _init_worker(datasets: Dict[str, AseDbDataset]) -> None:
     ignore_stop_signals()  # the training process decides when to stop (and saves first); blocked until now
     die_with_parent()  # ... and a killed training process leaves no worker behind
+    set_host_blas_threads(1)  # a worker builds graphs on one thread: a BLAS pool in it would only spin
     _worker_datasets.update(datasets)
     logging.getLogger("orb").setLevel(logging.ERROR)  # e.g. "no C++ compiler": the main process said it once
 

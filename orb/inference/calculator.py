@@ -159,8 +159,10 @@ class ORBCalculator(Calculator):
         from orb import precision as numerics
 
         with numerics.in_force(numerics.precision()):  # models built later keep the precision they would have had
-            configure_mindspore(device_target, precision=precision)  # (the accelerator's float32 product setting
-            set_ops_profile(ops_profile)  # and the operator profile stay: process-wide)
+            # (the accelerator's float32 product setting and the operator profile stay: process-wide; the user's
+            # numpy keeps its BLAS threads)
+            configure_mindspore(device_target, precision=precision, host_blas=False)
+            set_ops_profile(ops_profile)
             model = model_from_checkpoint(path, model_name)
         return cls(model, **kwargs)
 
