@@ -8,9 +8,10 @@ one thread per core in each, that time is taken from the kernels. Read from the 
 no import of numpy or SciPy here, and nothing on a system without that file.
 """
 
+import contextlib
 import ctypes
 import os
-from typing import Dict, List
+from typing import Dict, Iterator, List
 
 # OpenBLAS as numpy's wheels (64-bit integers: suffix 64_) and SciPy's (scipy_ prefix) build it, plain OpenBLAS, MKL
 SETTERS = ("openblas_set_num_threads64_", "scipy_openblas_set_num_threads", "openblas_set_num_threads",
@@ -56,3 +57,17 @@ def set_host_blas_threads(threads: int) -> None:
         return
     for path in loaded_blas_libraries():
         _call(path, SETTERS, ctypes.c_int(max(1, int(threads))))
+
+
+@contextlib.contextmanager
+def blas_threads_set_to(threads: int) -> Iterator[None]:
+    """Every loaded BLAS library at ``threads`` inside the block, then as before (the benchmarks' calibration of
+    numpy's BLAS at the host's cores, whatever a command set)."""
+    before = blas_threads()
+    for path in before:
+        _call(path, SETTERS, ctypes.c_int(max(1, int(threads))))
+    try:
+        yield
+    finally:
+        for path, count in before.items():
+            _call(path, SETTERS, ctypes.c_int(count))
