@@ -196,6 +196,8 @@ def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_thr
     if target == "CPU" and threads:
         set_kernel_threads(threads, deterministic)
     if host_blas:
+        import scipy.linalg  # noqa: F401  (its BLAS loaded now, so sized with numpy's; MindSpore imports it today)
+
         set_host_blas_threads(threads or 1)
     try:
         if parallel:

@@ -53,14 +53,25 @@ def peak_memory_gb() -> float:
 
 
 def gemm_rate() -> float:
-    """The host's float32 matrix-multiply rate (GFLOP/s, numpy's BLAS on every core: 2 threads here, whatever
-    the process's commands set it to): recorded before and after a benchmark, so a run during which the shared
-    host's speed moved shows it."""
+    """The host's float32 matrix-multiply rate (GFLOP/s, numpy's BLAS with the threads it starts with: 2 here, or
+    what OPENBLAS_NUM_THREADS or OMP_NUM_THREADS says, whatever a command set the pool to since): recorded before
+    and after a benchmark, so a run during which the shared host's speed moved shows it."""
     from orb.host_blas import blas_threads_set_to
 
     a = np.random.default_rng(0).random((1024, 1024), np.float32)
-    with blas_threads_set_to(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()):
+    with blas_threads_set_to(starting_blas_threads()):
         return 2 * 1024 ** 3 / median_time(lambda: a @ a, 9) / 1e9
+
+
+def starting_blas_threads() -> int:
+    """The threads OpenBLAS starts with: the first of OPENBLAS_NUM_THREADS, GOTO_NUM_THREADS, OMP_NUM_THREADS set,
+    at most the cores, else the cores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    for name in ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS"):
+        text = os.environ.get(name, "").split(",")[0].strip()
+        if text.isdigit() and int(text) > 0:
+            return min(int(text), cores)
+    return cores
 
 
 def mindspore_gemm_rate(n: int = 1024) -> float:
