@@ -140,6 +140,7 @@ def test_a_stop_to_every_process_of_a_run_saves_and_resumes_to_the_uninterrupted
     assert_same_run(run, straight_run)
 
 
+@pytest.mark.alone  # its 2-worker jobs beside another fine-tuning, late in the run: 5.2-6.1 GB (three suites, 11-30)
 def test_a_stop_to_every_process_of_a_two_worker_job_saves_and_resumes_to_the_uninterrupted_job(tmp_path):
     """2 workers with a data worker each: SIGUSR1 to the launcher, msrun and everything below it (scheduler, workers,
     msrun's log tail, data workers, resource trackers) mid-epoch: exit 75 with the launcher's stop line, no traceback
