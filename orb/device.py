@@ -15,10 +15,11 @@ from orb.signals import STOP
 log = logging.getLogger("orb")
 
 
-def omp_threads() -> int:
-    """The kernel threads ``OMP_NUM_THREADS`` asks for (0: unset, or a value that names none). OpenMP allows a list,
-    one count per nesting level (``4,2``): the first is the kernels' (it was a traceback)."""
-    text = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+def omp_threads(name: str = "OMP_NUM_THREADS") -> int:
+    """The kernel threads ``OMP_NUM_THREADS`` (or another such variable, ``name``) asks for (0: unset, or a value that
+    names none). OpenMP allows a list, one count per nesting level (``4,2``): the first is the kernels' (it was a
+    traceback)."""
+    text = os.environ.get(name, "").split(",")[0].strip()
     return int(text) if text.isdigit() else 0
 
 

@@ -66,11 +66,12 @@ def gemm_rate() -> float:
 def starting_blas_threads() -> int:
     """The threads OpenBLAS starts with: the first of OPENBLAS_NUM_THREADS, GOTO_NUM_THREADS, OMP_NUM_THREADS set,
     at most the cores, else the cores."""
+    from orb.device import omp_threads
+
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     for name in ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS"):
-        text = os.environ.get(name, "").split(",")[0].strip()
-        if text.isdigit() and int(text) > 0:
-            return min(int(text), cores)
+        if omp_threads(name) > 0:
+            return min(omp_threads(name), cores)
     return cores
 
 
