@@ -24,6 +24,7 @@ ASE calculator, data at MPtrj's size, batched relaxation.
     python scripts/benchmark.py suite      [--tests tests] [--workers 2] [--cache-dir ""]
     python scripts/benchmark.py compile-options [--options SINGLE_EVAL=1,...] [--rounds 2] [--model full] [--name orb_v2]
     python scripts/benchmark.py compile-ops [--ops "y * 1.5; ..."] [--model orb_v2] [--rounds 2]
+    python scripts/benchmark.py cell-call  [--models demo,orb_v2] [--calls 200]
 
 With ``--torch-python`` pointing at a Python that has torch and orb-models 0.4.2 installed (never
 required), the same measurement is made with PyTorch orb-models in that interpreter right after
@@ -39,6 +40,7 @@ import argparse
 import os
 
 from benchmarks.calculator import bench_calculator
+from benchmarks.cell_call import bench_cell_call
 from benchmarks.compile_options import bench_compile_options
 from benchmarks.compile_ops import OPS, bench_compile_ops
 from benchmarks.common import ROOT
@@ -174,6 +176,11 @@ def build_parser():
     p.add_argument("--model", default="orb_v2",
                    help="a model name whose parts are compiled, empty: none (default: orb_v2)")
     p.add_argument("--rounds", type=int, default=2, help="fresh processes, one after the other (default: 2)")
+    p = sub.add_parser("cell-call")
+    p.add_argument("--models", default="demo,orb_v2",
+                   help="demo (the demo checkpoint) or model names (random weights), comma-separated "
+                   "(default: demo,orb_v2)")
+    p.add_argument("--calls", type=int, default=200, help="timed calls of each (default: 200)")
     p = sub.add_parser("suite")
     p.add_argument("--tests", default="tests", help="what pytest runs (space-separated paths or node ids)")
     p.add_argument("--workers", type=int, default=2, help="pytest-xdist workers (-n), as the README's command")
@@ -189,7 +196,7 @@ def main() -> None:
      "save": bench_save, "formats": bench_formats, "scale": bench_scale, "relax": bench_relax,
      "precision": bench_precision, "md": bench_md, "restart": bench_restart, "suite": bench_suite,
      "startup": bench_startup, "failed-job": bench_failed_job, "compile-options": bench_compile_options,
-     "compile-ops": bench_compile_ops}[args.area](args)
+     "compile-ops": bench_compile_ops, "cell-call": bench_cell_call}[args.area](args)
 
 
 if __name__ == "__main__":  # not in the data workers (counts), which import this file as their main module
