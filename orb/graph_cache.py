@@ -270,9 +270,10 @@ class CompiledThroughCache:
     @compile_phase.setter
     def compile_phase(self, value):
         """MindSpore's ``Cell.compile`` sets the phase at every call, before it looks for the graph, and ``Cell``'s
-        setter hands it to every sub-cell (171 ``Cell.__setattr__`` calls for the demo model, 468 for full orb-v2:
-        0.5-1.4 ms a call). A call to a graph still compiled compiles nothing: the phase is handed down only where
-        a compilation may follow, and kept here (MindSpore's parallel strategy reads the top cell's)."""
+        setter hands it to every sub-cell, two ``Cell.__setattr__`` calls each (the demo model's 170 sub-cells: 0.6-0.8
+        ms a call; full orb-v2's 467: 2.2 ms; ``benchmark.py cell-call``). A call to a graph still compiled compiles
+        nothing (the condition is MindSpore's own, checked right after): the phase is handed down only where a
+        compilation may follow, and kept here (MindSpore's parallel strategy reads the top cell's)."""
         if value in self.compile_cache and _executor().has_compiled(value):
             self.__dict__["_compile_phase"] = value
         else:

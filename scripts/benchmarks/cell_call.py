@@ -22,7 +22,7 @@ def bench_cell_call(args) -> None:
     from orb.models import create
 
     configure_mindspore("CPU")
-    print("| model | cells | phase handed down (ms) | calculator call (ms) | atoms |")
+    print("| model | cells (the top one included) | phase handed down (ms) | calculator call (ms) | atoms |")
     print("|---|---|---|---|---|")
     for name in args.models.split(","):
         if name == "demo":
