@@ -27,6 +27,15 @@ def torch_adam_reference(params, grads_per_step, lrs, beta1s, beta2=0.999, eps=1
     return params
 
 
+def gradients(grads):
+    """Gradients as a step receives them: inputs of the compiled update (a tuple of tensors alone would be constants
+    of its graph, compiled again at every step)."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    return ms.mutable(tuple(Tensor(g) for g in grads))
+
+
 def make_params(rng):
     from mindspore import Parameter, Tensor
 
@@ -38,7 +47,6 @@ def make_params(rng):
 @pytest.mark.parametrize("schedule", ["one_cycle", "constant"])
 def test_flat_adam_is_torch_adam(schedule):
     import mindspore as ms
-    from mindspore import Tensor
 
     from orb.training.optimizer import FlatAdam
 
@@ -49,7 +57,7 @@ def test_flat_adam_is_torch_adam(schedule):
     opt = FlatAdam(params, sched, clip_mode="value", clip_value=0.8)
     grads_per_step = [[rng.standard_normal(v.shape).astype(np.float32) for v in values] for _ in range(12)]
     for grads in grads_per_step:
-        opt(tuple(Tensor(g) for g in grads))
+        opt(gradients(grads))
     expected = torch_adam_reference(values, grads_per_step, sched.lr, sched.beta1, clip=0.8)
     for p, e in zip(params, expected):
         np.testing.assert_allclose(p.asnumpy(), e, rtol=2e-5, atol=2e-6)
@@ -59,7 +67,7 @@ def test_flat_adam_is_torch_adam(schedule):
 def test_flat_adam_equals_mindspore_adam():
     """On one device, the same parameters as nn.Adam step after step (constant lr, eps negligible)."""
     import mindspore as ms
-    from mindspore import Tensor, nn
+    from mindspore import nn
 
     from orb.training.optimizer import FlatAdam
     from orb.training.schedule import constant
@@ -71,7 +79,7 @@ def test_flat_adam_equals_mindspore_adam():
     flat = FlatAdam(ours, constant(3e-3, 10), clip_mode="none")
     adam = nn.Adam(theirs, learning_rate=3e-3)
     for _ in range(10):
-        grads = tuple(Tensor(rng.standard_normal(v.shape).astype(np.float32)) for v in values)
+        grads = gradients([rng.standard_normal(v.shape).astype(np.float32) for v in values])
         flat(grads)
         adam(grads)
     for a, b in zip(ours, theirs):
@@ -80,7 +88,6 @@ def test_flat_adam_equals_mindspore_adam():
 
 def test_norm_clipping_and_ema():
     import mindspore as ms
-    from mindspore import Tensor
 
     from orb.training.optimizer import FlatAdam
     from orb.training.schedule import constant
@@ -95,7 +102,7 @@ def test_norm_clipping_and_ema():
         grads = [(10 * rng.standard_normal(v.shape)).astype(np.float32) for v in values]
         norm = math.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in grads))
         grads_per_step.append([g * min(0.5 / (norm + 1e-6), 1.0) for g in grads])
-        opt(tuple(Tensor(g) for g in grads))
+        opt(gradients(grads))
         now = np.concatenate([p.asnumpy().reshape(-1) for p in params])
         decay = min(0.9, (1 + step) / (10 + step))
         ema = ema + (1 - decay) * (now - ema)
@@ -108,7 +115,6 @@ def test_norm_clipping_and_ema():
 def test_sgd_steps_are_lr_times_the_clipped_gradient():
     """optimizer: sgd is torch.optim.SGD (no momentum): w <- w - lr_t clip(g), with the schedule's lr_t."""
     import mindspore as ms
-    from mindspore import Tensor
 
     from orb.training.optimizer import FlatAdam
 
@@ -120,7 +126,7 @@ def test_sgd_steps_are_lr_times_the_clipped_gradient():
     expected = [v.astype(np.float64) for v in values]
     for step in range(6):
         grads = [rng.standard_normal(v.shape).astype(np.float32) for v in values]
-        opt(tuple(Tensor(g) for g in grads))
+        opt(gradients(grads))
         expected = [e - sched.lr[step] * np.clip(g, -0.8, 0.8) for e, g in zip(expected, grads)]
     for p, e in zip(params, expected):
         np.testing.assert_allclose(p.asnumpy(), e, rtol=1e-6, atol=1e-7)
@@ -148,7 +154,7 @@ def test_more_parameters_than_a_write_group_each_get_their_own_update(extra, mod
         assert len(opt.write_groups) == -(-count // WRITE_GROUP)
         for _ in range(2):
             grads = [rng.standard_normal(s).astype(np.float32) for s in shapes]
-            opt(tuple(Tensor(g) for g in grads))
+            opt(gradients(grads))
             values = [v - np.float32(0.25) * g for v, g in zip(values, grads)]
             for p, v in zip(params, values):
                 assert p.shape == v.shape
