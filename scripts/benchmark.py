@@ -25,6 +25,7 @@ ASE calculator, data at MPtrj's size, batched relaxation.
     python scripts/benchmark.py compile-options [--options SINGLE_EVAL=1,...] [--rounds 2] [--model full] [--name orb_v2]
     python scripts/benchmark.py compile-ops [--ops "y * 1.5; ..."] [--model orb_v2] [--rounds 2]
     python scripts/benchmark.py cell-call  [--models demo,orb_v2] [--calls 200]
+    python scripts/benchmark.py compile-memory [--model small] [--rounds 4]
 
 With ``--torch-python`` pointing at a Python that has torch and orb-models 0.4.2 installed (never
 required), the same measurement is made with PyTorch orb-models in that interpreter right after
@@ -41,6 +42,7 @@ import os
 
 from benchmarks.calculator import bench_calculator
 from benchmarks.cell_call import bench_cell_call
+from benchmarks.compile_memory import bench_compile_memory
 from benchmarks.compile_options import bench_compile_options
 from benchmarks.compile_ops import OPS, bench_compile_ops
 from benchmarks.common import ROOT
@@ -181,6 +183,11 @@ def build_parser():
                    help="demo (the demo checkpoint) or model names (random weights), comma-separated "
                    "(default: demo,orb_v2)")
     p.add_argument("--calls", type=int, default=200, help="timed calls of each (default: 200)")
+    p = sub.add_parser("compile-memory")
+    p.add_argument("--model", default="small", help="small (the tests' 2-layer orb-v2, 8 wider each round) or a "
+                   "model name (full size, its hidden layers 64 wider each round) (default: small)")
+    p.add_argument("--rounds", type=int, default=4, help="models compiled, run and freed one after another "
+                   "(default: 4)")
     p = sub.add_parser("suite")
     p.add_argument("--tests", default="tests", help="what pytest runs (space-separated paths or node ids)")
     p.add_argument("--workers", type=int, default=2, help="pytest-xdist workers (-n), as the README's command")
@@ -196,7 +203,8 @@ def main() -> None:
      "save": bench_save, "formats": bench_formats, "scale": bench_scale, "relax": bench_relax,
      "precision": bench_precision, "md": bench_md, "restart": bench_restart, "suite": bench_suite,
      "startup": bench_startup, "failed-job": bench_failed_job, "compile-options": bench_compile_options,
-     "compile-ops": bench_compile_ops, "cell-call": bench_cell_call}[args.area](args)
+     "compile-ops": bench_compile_ops, "cell-call": bench_cell_call,
+     "compile-memory": bench_compile_memory}[args.area](args)
 
 
 if __name__ == "__main__":  # not in the data workers (counts), which import this file as their main module
