@@ -277,17 +277,12 @@ class CompiledThroughCache:
         if value in self.compile_cache and _executor().has_compiled(value):
             self.__dict__["_compile_phase"] = value
         else:
-            nn_cell_compile_phase().fset(self, value)
+            from mindspore import nn
+
+            nn.Cell.compile_phase.fset(self, value)  # MindSpore's own setter: to every sub-cell
 
 
 _PREDICTING = [True]  # False once a prediction of _phase proved wrong in this process
-
-
-def nn_cell_compile_phase():
-    """MindSpore's own ``Cell.compile_phase`` property (its setter hands the phase down to every sub-cell)."""
-    from mindspore import nn
-
-    return nn.Cell.compile_phase
 
 
 def _executor():

@@ -1,6 +1,7 @@
 """``cell-call``: what MindSpore's ``Cell.compile`` does at every call of a compiled prediction besides running it --
 handing the cell's phase to every sub-cell (``Cell.compile_phase``'s setter) -- against the whole call."""
 
+import os
 import time
 
 import numpy as np
@@ -12,8 +13,6 @@ def bench_cell_call(args) -> None:
     """For each model: its cells, the time of MindSpore's phase hand-down (its own setter, on the compiled prediction
     cell), the time of a whole calculator call on a rattled copy of one structure (the phase is handed down only
     when a compilation may follow: orb.graph_cache.CompiledThroughCache), medians of ``--calls``."""
-    import os
-
     from ase.build import bulk
     from mindspore import nn
 
