@@ -4,9 +4,7 @@
 ``finetune_parallel.py`` is the same run made data-parallel; diff the two to see what that adds.
 """
 
-import sys
-
-from orb.signals import listen
+from orb.signals import end_process, listen
 
 with listen().exit_on_stop():  # the imports take 0.3 s and more on a cold shared file system: a stop there exits 75
     from orb.training.cli import run
@@ -32,4 +30,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_process(main())

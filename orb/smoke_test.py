@@ -335,4 +335,6 @@ def smoke_test(argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from orb.signals import end_process
+
+    end_process(main())

@@ -430,4 +430,6 @@ def run_study(args, out: str, names: List[str], target: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from orb.signals import end_process
+
+    end_process(main())

@@ -150,4 +150,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from orb.signals import end_process
+
+    end_process(main())

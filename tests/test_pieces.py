@@ -727,6 +727,85 @@ def test_a_full_disk_is_one_line_and_other_os_errors_keep_their_traceback(capsys
         run_command(fail(OSError("/tmp/x.so: cannot open shared object file")))
 
 
+END_PROGRAM = """
+import atexit, os, sys, threading, time
+from orb.signals import end_process
+
+class Teardown:
+    def __del__(self):
+        os.write(2, b"teardown ran\\n")
+
+kept = Teardown()  # freed by the interpreter's teardown only
+atexit.register(print, "atexit ran")
+left_open = open(sys.argv[1], "w")
+left_open.write("buffered")  # neither flushed nor closed by the program
+print("stdout line", end="")
+if sys.argv[2] == "thread":
+    threading.Thread(target=lambda: (time.sleep(0.3), os.write(2, b"thread ended\\n"))).start()
+end_process(3)
+"""
+
+
+DRIVER = """
+import runpy, sys
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+except SystemExit as stop:
+    print("driver went on after", stop.code)
+"""
+
+
+INSTALLED = """
+import re, sys
+from orb.programs import program
+if __name__ == "__main__":  # (pip's wrapper of a console script)
+    sys.argv[0] = re.sub(r"(-script\\.pyw|\\.exe)?$", "", sys.argv[0])
+    sys.exit(program("command")())
+"""
+
+
+@pytest.mark.parametrize("case", ["program", "module", "installed", "thread", "msrun", "profiler", "driver"])
+def test_a_program_ends_without_the_interpreters_teardown_but_keeps_what_an_exit_keeps(tmp_path, case):
+    """end_process (every command's end as a program): the status, the atexit callbacks, the standard streams and an
+    unclosed file's buffer kept; the teardown (0.4 s of an orb-evaluate) skipped. A normal exit instead while a
+    thread runs (it ends first), in msrun's processes (MindSpore finalises its cluster) and under a profiler (its
+    report is written after the program)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    script, written = tmp_path / "program.py", tmp_path / "left_open.txt"
+    script.write_text(END_PROGRAM)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    command = [sys.executable, str(script), str(written), case]
+    if case == "msrun":
+        env.update(MS_WORKER_NUM="2", MS_ROLE="MS_WORKER")
+    if case == "profiler":
+        command[1:1] = ["-m", "cProfile", "-o", str(tmp_path / "profile.out")]
+    if case == "module":  # python -m
+        env["PYTHONPATH"] += os.pathsep + str(tmp_path)
+        command[1:2] = ["-m", "program"]
+    if case == "driver":
+        command[1:1] = ["-c", DRIVER]
+    if case == "installed":  # the program as a module's main, run by orb.programs
+        (tmp_path / "command.py").write_text(END_PROGRAM.replace("end_process(3)", "def main():\n    return 3"))
+        (tmp_path / "orb-command").write_text(INSTALLED)
+        env["PYTHONPATH"] += os.pathsep + str(tmp_path)
+        command[1] = str(tmp_path / "orb-command")
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
+    assert written.read_text() == "buffered" or case == "driver", result  # (the driver's is Python's own affair)
+    assert result.stdout == "stdout line" + ("driver went on after 3\n" if case == "driver" else "") + "atexit ran\n"
+    errors = result.stderr.splitlines()
+    if case == "profiler":  # (cProfile's own exit status)
+        assert (tmp_path / "profile.out").stat().st_size > 0 and errors == ["teardown ran"], result
+    else:
+        assert result.returncode == (0 if case == "driver" else 3), result
+        assert errors == ([] if case in ("program", "module", "installed") else ["thread ended", "teardown ran"] if case == "thread"
+                          else ["teardown ran"]), result
+
+
 @pytest.mark.parametrize("online", [True, False])
 def test_online_normalisation_off_keeps_the_starting_normalisers_through_a_step(online):
     """The label-free template trains with online_normalisation: false: the energy, force and stress normalisers keep

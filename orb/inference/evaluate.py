@@ -437,4 +437,6 @@ def print_comparison(first: Dict, second: Dict, names: List[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from orb.signals import end_process
+
+    end_process(main())

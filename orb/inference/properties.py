@@ -413,4 +413,6 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from orb.signals import end_process
+
+    end_process(main())

@@ -106,4 +106,6 @@ def convert(source: str, target: str, to=None, name=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from orb.signals import end_process
+
+    end_process(main())

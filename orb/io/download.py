@@ -10,7 +10,6 @@ Each file is verified and its MindSpore copy made, so a job that names the weigh
 """
 
 import argparse
-import sys
 from typing import Optional
 
 
@@ -63,4 +62,6 @@ def download(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from orb.signals import end_process
+
+    end_process(main())

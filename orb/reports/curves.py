@@ -157,4 +157,6 @@ def plot_command(argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from orb.signals import end_process
+
+    end_process(main())

@@ -293,4 +293,6 @@ def collect(stream):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from orb.signals import end_process
+
+    end_process(main())

@@ -1,0 +1,31 @@
+"""The installed commands (pyproject.toml's ``[project.scripts]``): each runs its module's ``main`` and ends the
+process as the checkout's scripts do (:func:`orb.signals.end_process`: no interpreter teardown). Importing this
+imports nothing heavy; a command's module is imported when it runs."""
+
+from importlib import import_module
+from typing import Callable
+
+from orb.signals import end_process
+
+
+def program(module: str) -> Callable[[], None]:
+    """The console entry point running ``module``'s ``main``."""
+
+    def run() -> None:
+        end_process(import_module(module).main())
+
+    run.module = module
+    return run
+
+
+finetune = program("orb.training.cli")
+finetune_parallel = program("orb.training.launch")
+evaluate = program("orb.inference.evaluate")
+relax = program("orb.inference.relax")
+export = program("orb.inference.export")
+md = program("orb.inference.md")
+properties = program("orb.inference.properties")
+convert = program("orb.io.convert")
+download = program("orb.io.download")
+plot = program("orb.reports.curves")
+smoke_test = program("orb.smoke_test")

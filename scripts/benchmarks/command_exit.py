@@ -1,0 +1,58 @@
+"""``command-exit``: what a command's end costs with and without the interpreter's teardown
+(:func:`orb.signals.end_process`): the same ``orb-evaluate`` run as a program (its end skips the teardown) and run by
+a driver (``runpy.run_path``, where ``end_process`` exits as ``sys.exit`` does), alternated."""
+
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from .common import ROOT
+
+DRIVER = ("import runpy, sys\n"
+          "sys.argv = sys.argv[1:]\n"
+          "try:\n"
+          "    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+          "except SystemExit as stop:\n"
+          "    sys.exit(stop.code)\n")
+
+
+def timed(command, env) -> tuple:
+    """(wall s, CPU s of the process and its children) of ``command``, which must succeed."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if result.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
+    return wall, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+
+
+def bench_command_exit(args) -> None:
+    """``--rounds`` alternations of orb-evaluate on the demo's validation structures (its graph from a compile cache
+    folder of this run, filled by a first run not counted), medians."""
+    script = os.path.join(ROOT, "scripts", "evaluate.py")
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, ORB_CACHE_DIR=os.path.join(tmp, "cache"))
+
+        def command(driven: bool, k: int) -> list:
+            run = [script, "--checkpoint", os.path.join(ROOT, "data", "demo_pretrained.ckpt"), "--data",
+                   os.path.join(ROOT, "data", "demo_val.db"), "--output_dir", os.path.join(tmp, f"eval_{k}")]
+            return [sys.executable, "-c", DRIVER, *run] if driven else [sys.executable, *run]
+
+        timed(command(False, 0), env)  # (the graph compiled and kept)
+        figures = {False: [], True: []}
+        for k in range(args.rounds):
+            for driven in (False, True):
+                figures[driven].append(timed(command(driven, 1 + 2 * k + driven), env))
+    print("| orb-evaluate's end | wall (s) | CPU (s) |")
+    print("|---|---|---|")
+    for driven, label in ((True, "the interpreter's teardown (run by a driver)"),
+                          (False, "without it (run as a program)")):
+        wall, cpu = np.median(np.array(figures[driven]), axis=0)
+        print(f"| {label} | {wall:.2f} | {cpu:.2f} |")
