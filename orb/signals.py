@@ -233,33 +233,21 @@ def run_command(body: Callable[[], int], resume_hint: str = "") -> int:
 
 def end_process(status) -> NoReturn:
     """The end of a command run as a program (its ``__main__`` and the installed commands; ``main`` itself returns, for
-    callers in Python): ``sys.exit(status)`` without the interpreter's teardown, which frees every module's objects
-    and MindSpore's C++ statics one by one, work the kernel does at once when a process ends: 0.4-0.5 s of the
-    2.5-2.9 s of CPU time of an ``orb-evaluate`` of the demo's validation structures (`docs/benchmarks.md`).
+    callers in Python): ``sys.exit(status)``, the objects the program made first frozen out of the garbage collector
+    (``gc.freeze``). The interpreter's teardown otherwise walks all of MindSpore's and the program's objects in its
+    full collections: 0.45 s of the 2.8 s of CPU time of a short ``orb-evaluate`` (docs/benchmarks.md). The exit is
+    otherwise Python's own: the status, ``atexit`` callbacks (MindSpore's release of its resources, logging's flush),
+    the modules' teardown, C libraries' exit handlers. What it drops Python does not promise at exit: the finalisers
+    of objects in reference cycles (an imported module's globals among them), of which a file's unwritten buffer is
+    the one that matters: every open file is flushed first. A program run inside another (``runpy.run_path`` from
+    a driver, which goes on after its ``SystemExit``) leaves the collector as it was."""
+    if _the_program(sys._getframe(1)):
+        import gc
 
-    Kept, as a normal exit does them: the ``atexit`` callbacks (MindSpore's release of its devices and resources,
-    ``logging``'s flush, ``multiprocessing`` ending its children, orb's scratch folders), the buffers of the standard
-    streams and of every file still open for writing (a user's callback's too). A normal exit instead, as before: in
-    a process of a distributed job (msrun's: MindSpore's own end finalises its cluster), while a thread that is not a
-    daemon runs (the exit waits for it), under a profiler or a tracer (their reports are written after the program's
-    end), when a stream cannot be flushed (Python's own report of it), or when the program runs inside another
-    (``runpy.run_path`` from a driver, which goes on after its ``SystemExit``)."""
-    import os
-
-    code = 0 if status is None else status
-    if (not isinstance(code, int) or not _the_program(sys._getframe(1))
-            or os.environ.get("MS_WORKER_NUM") or os.environ.get("MS_ROLE")
-            or sys.getprofile() is not None or sys.gettrace() is not None or not hasattr(os, "_exit")
-            or any(t is not threading.main_thread() and not t.daemon and t.is_alive() for t in threading.enumerate())):
-        sys.exit(status)
-    import atexit
-
-    atexit._run_exitfuncs()  # (CPython's own call at exit; each callback's failure reported and passed over)
-    try:
-        _flush_open_files()
-    except Exception:
-        sys.exit(status)
-    os._exit(code & 0xFF)  # (the status sys.exit gives: -1 is 255)
+        STOP.stand_down()  # (the command is over, whatever its status: a stop now is no stop to report)
+        _flush_open_files()  # (before the freeze: gc.get_objects() leaves frozen objects out)
+        gc.freeze()
+    sys.exit(status)
 
 
 def _the_program(frame) -> bool:
@@ -278,21 +266,18 @@ def _the_program(frame) -> bool:
 
 
 def _flush_open_files() -> None:
-    """Every buffered file open for writing, the standard streams last, flushed as the interpreter's teardown would
-    (its objects' finalisers); a stream that cannot be flushed raises."""
+    """Every buffered file open for writing flushed, as its finaliser would at the interpreter's teardown (one that
+    cannot be written is left as the teardown would leave it)."""
     import gc
     import io
 
     kinds = (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)
     for stream in gc.get_objects():  # (type(), not isinstance: a dead weak proxy's class cannot be asked)
-        if issubclass(type(stream), kinds) and not stream.closed and stream not in (sys.stdout, sys.stderr):
+        if issubclass(type(stream), kinds) and not stream.closed:
             try:
                 stream.flush()
-            except (OSError, ValueError):  # (a file the normal exit would fail to write too: nothing to keep)
+            except (OSError, ValueError):
                 pass
-    for stream in (sys.stdout, sys.stderr):
-        if stream is not None and not stream.closed:
-            stream.flush()
 
 
 def out_of_space(exc: OSError) -> bool:

@@ -1,6 +1,7 @@
-"""``command-exit``: what a command's end costs with and without the interpreter's teardown
-(:func:`orb.signals.end_process`): the same ``orb-evaluate`` run as a program (its end skips the teardown) and run by
-a driver (``runpy.run_path``, where ``end_process`` exits as ``sys.exit`` does), alternated."""
+"""``command-exit``: what a command's end costs with and without its objects frozen out of the garbage collector
+(:func:`orb.signals.end_process`): the same ``orb-evaluate`` run as a program (its end freezes them) and run by a
+driver (``runpy.run_path``, where ``end_process`` leaves the collector alone: the interpreter's whole teardown),
+alternated."""
 
 import os
 import resource
@@ -52,7 +53,7 @@ def bench_command_exit(args) -> None:
                 figures[driven].append(timed(command(driven, 1 + 2 * k + driven), env))
     print("| orb-evaluate's end | wall (s) | CPU (s) |")
     print("|---|---|---|")
-    for driven, label in ((True, "the interpreter's teardown (run by a driver)"),
-                          (False, "without it (run as a program)")):
+    for driven, label in ((True, "the interpreter's whole teardown (run by a driver)"),
+                          (False, "the objects frozen first (run as a program)")):
         wall, cpu = np.median(np.array(figures[driven]), axis=0)
         print(f"| {label} | {wall:.2f} | {cpu:.2f} |")
