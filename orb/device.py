@@ -32,7 +32,13 @@ def quiet_mindspore() -> None:
 def import_mindspore() -> None:
     """Import MindSpore (quietly) with stop signals only noted meanwhile, then honoured: a signal that interrupts the
     import of its C++ extension leaves an interpreter that aborts when it exits (measured: SIGTERM 1 s into
-    orb-convert ended it with SIGABRT, not status 75). Every command calls this before anything imports MindSpore."""
+    orb-convert ended it with SIGABRT, not status 75). Every command calls this before anything imports MindSpore.
+
+    The garbage collector is off meanwhile (the import makes 160,000 objects and no garbage: its full collections
+    walked them again and again), and in a command (``run_command``) what exists then is frozen out of it for the
+    rest of the process (``gc.freeze``: the full collections of a run no longer walk MindSpore's modules). A script
+    that imports orb keeps its collector as it was."""
+    import gc
     import sys
 
     quiet_mindspore()
@@ -40,8 +46,16 @@ def import_mindspore() -> None:
         return
     from orb.signals import STOP
 
-    with STOP.held():
-        import mindspore  # noqa: F401
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with STOP.held():
+            import mindspore  # noqa: F401
+    finally:
+        if STOP.commands > 0:
+            gc.freeze()
+        if collecting:
+            gc.enable()
 
 
 DEVICE_TARGETS = ("auto", "Ascend", "GPU", "CPU")

@@ -234,8 +234,9 @@ def run_command(body: Callable[[], int], resume_hint: str = "") -> int:
 def end_process(status) -> NoReturn:
     """The end of a command run as a program (its ``__main__`` and the installed commands; ``main`` itself returns, for
     callers in Python): ``sys.exit(status)``, the objects the program made first frozen out of the garbage collector
-    (``gc.freeze``). The interpreter's teardown otherwise walks all of MindSpore's and the program's objects in its
-    full collections: 0.45 s of the 2.8 s of CPU time of a short ``orb-evaluate`` (docs/benchmarks.md). The exit is
+    (``gc.freeze``; MindSpore's own are since its import: :func:`orb.device.import_mindspore`). The interpreter's
+    teardown otherwise walks every object in its full collections (docs/benchmarks.md, "Python's garbage collector
+    in a short command"). The exit is
     otherwise Python's own: the status, ``atexit`` callbacks (MindSpore's release of its resources, logging's flush),
     the modules' teardown, C libraries' exit handlers. What it drops Python does not promise at exit: the finalisers
     of objects in reference cycles (an imported module's globals among them), of which a file's unwritten buffer is

@@ -26,7 +26,7 @@ ASE calculator, data at MPtrj's size, batched relaxation.
     python scripts/benchmark.py compile-ops [--ops "y * 1.5; ..."] [--model orb_v2] [--rounds 2]
     python scripts/benchmark.py cell-call  [--models demo,orb_v2] [--calls 200]
     python scripts/benchmark.py compile-memory [--model small] [--rounds 4]
-    python scripts/benchmark.py command-exit [--rounds 5]
+    python scripts/benchmark.py command-gc [--rounds 5]
 
 With ``--torch-python`` pointing at a Python that has torch and orb-models 0.4.2 installed (never
 required), the same measurement is made with PyTorch orb-models in that interpreter right after
@@ -43,7 +43,7 @@ import os
 
 from benchmarks.calculator import bench_calculator
 from benchmarks.cell_call import bench_cell_call
-from benchmarks.command_exit import bench_command_exit
+from benchmarks.command_gc import bench_command_gc
 from benchmarks.compile_memory import bench_compile_memory
 from benchmarks.compile_options import bench_compile_options
 from benchmarks.compile_ops import OPS, bench_compile_ops
@@ -190,8 +190,8 @@ def build_parser():
                    "model name (full size, its hidden layers 64 wider each round) (default: small)")
     p.add_argument("--rounds", type=int, default=4, help="models compiled, run and freed one after another "
                    "(default: 4)")
-    p = sub.add_parser("command-exit")
-    p.add_argument("--rounds", type=int, default=5, help="alternations of the two ends (default: 5)")
+    p = sub.add_parser("command-gc")
+    p.add_argument("--rounds", type=int, default=5, help="alternations of the two (default: 5)")
     p = sub.add_parser("suite")
     p.add_argument("--tests", default="tests", help="what pytest runs (space-separated paths or node ids)")
     p.add_argument("--workers", type=int, default=2, help="pytest-xdist workers (-n), as the README's command")
@@ -208,7 +208,7 @@ def main() -> None:
      "precision": bench_precision, "md": bench_md, "restart": bench_restart, "suite": bench_suite,
      "startup": bench_startup, "failed-job": bench_failed_job, "compile-options": bench_compile_options,
      "compile-ops": bench_compile_ops, "cell-call": bench_cell_call,
-     "compile-memory": bench_compile_memory, "command-exit": bench_command_exit}[args.area](args)
+     "compile-memory": bench_compile_memory, "command-gc": bench_command_gc}[args.area](args)
 
 
 if __name__ == "__main__":  # not in the data workers (counts), which import this file as their main module

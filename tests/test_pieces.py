@@ -784,6 +784,38 @@ def test_a_program_ends_with_its_objects_frozen_out_of_the_collector_and_keeps_w
         assert (result.returncode, result.stdout) == (3, "frozen at exit: True\n"), result
 
 
+IMPORTS = """
+import gc, sys
+from orb.device import import_mindspore
+from orb.signals import run_command
+
+collecting, importing = [], [True]
+gc.callbacks.append(lambda phase, info: collecting.append(info["generation"]) if importing[0] else None)
+if sys.argv[1] == "script":
+    import_mindspore()
+else:
+    run_command(lambda: import_mindspore() or 0)
+importing[0] = False
+print(collecting, gc.get_freeze_count() > 0, gc.isenabled(), len(gc.get_objects()) < 100000)
+"""
+
+
+@pytest.mark.parametrize("case", ["command", "script"])
+def test_mindspores_import_is_never_collected_and_a_command_freezes_it(case):
+    """import_mindspore: no garbage collection while MindSpore's 160,000 objects are made (its full collections walked
+    them again and again), the collector on again after it; in a command (run_command) they are frozen out of it for
+    the rest of the process, a script's collector keeps them (a library does not freeze its caller's objects)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    result = subprocess.run([sys.executable, "-c", IMPORTS, case], capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split("\n")[-2] == ("[] True True True" if case == "command" else "[] False True False")
+
+
 @pytest.mark.parametrize("online", [True, False])
 def test_online_normalisation_off_keeps_the_starting_normalisers_through_a_step(online):
     """The label-free template trains with online_normalisation: false: the energy, force and stress normalisers keep

@@ -1,7 +1,7 @@
-"""``command-exit``: what a command's end costs with and without its objects frozen out of the garbage collector
-(:func:`orb.signals.end_process`): the same ``orb-evaluate`` run as a program (its end freezes them) and run by a
-driver (``runpy.run_path``, where ``end_process`` leaves the collector alone: the interpreter's whole teardown),
-alternated."""
+"""``command-gc``: what Python's garbage collector costs a short command, as orb runs it and as Python would: the
+same ``orb-evaluate`` run as a program (no collection while MindSpore is imported, what exists then frozen out of
+the collector, the rest at the end: :func:`orb.device.import_mindspore`, :func:`orb.signals.end_process`) and run
+by a driver that makes ``gc.disable`` and ``gc.freeze`` do nothing (Python's collector throughout), alternated."""
 
 import os
 import resource
@@ -14,7 +14,8 @@ import numpy as np
 
 from .common import ROOT
 
-DRIVER = ("import runpy, sys\n"
+DRIVER = ("import gc, runpy, sys\n"
+          "gc.disable = gc.freeze = lambda: None\n"
           "sys.argv = sys.argv[1:]\n"
           "try:\n"
           "    runpy.run_path(sys.argv[0], run_name='__main__')\n"
@@ -34,26 +35,25 @@ def timed(command, env) -> tuple:
     return wall, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
 
 
-def bench_command_exit(args) -> None:
+def bench_command_gc(args) -> None:
     """``--rounds`` alternations of orb-evaluate on the demo's validation structures (its graph from a compile cache
     folder of this run, filled by a first run not counted), medians."""
     script = os.path.join(ROOT, "scripts", "evaluate.py")
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, ORB_CACHE_DIR=os.path.join(tmp, "cache"))
 
-        def command(driven: bool, k: int) -> list:
+        def command(python_gc: bool, k: int) -> list:
             run = [script, "--checkpoint", os.path.join(ROOT, "data", "demo_pretrained.ckpt"), "--data",
                    os.path.join(ROOT, "data", "demo_val.db"), "--output_dir", os.path.join(tmp, f"eval_{k}")]
-            return [sys.executable, "-c", DRIVER, *run] if driven else [sys.executable, *run]
+            return [sys.executable, "-c", DRIVER, *run] if python_gc else [sys.executable, *run]
 
         timed(command(False, 0), env)  # (the graph compiled and kept)
         figures = {False: [], True: []}
         for k in range(args.rounds):
-            for driven in (False, True):
-                figures[driven].append(timed(command(driven, 1 + 2 * k + driven), env))
-    print("| orb-evaluate's end | wall (s) | CPU (s) |")
+            for python_gc in (False, True):
+                figures[python_gc].append(timed(command(python_gc, 1 + 2 * k + python_gc), env))
+    print("| orb-evaluate's collector | wall (s) | CPU (s) |")
     print("|---|---|---|")
-    for driven, label in ((True, "the interpreter's whole teardown (run by a driver)"),
-                          (False, "the objects frozen first (run as a program)")):
-        wall, cpu = np.median(np.array(figures[driven]), axis=0)
+    for python_gc, label in ((True, "Python's throughout (a driver)"), (False, "orb's (run as a program)")):
+        wall, cpu = np.median(np.array(figures[python_gc]), axis=0)
         print(f"| {label} | {wall:.2f} | {cpu:.2f} |")
