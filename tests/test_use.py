@@ -163,6 +163,14 @@ def test_plot_metrics(tmp_path):
     val = [line for line in forces.lines if line.get_label() == "val"][0]
     np.testing.assert_array_equal(val.get_xdata(), [r["epoch"] for r in epochs])  # epoch 0: before fine-tuning
     np.testing.assert_allclose(val.get_ydata(), [r["val"]["forces_mae"] for r in epochs])
+    # drawn on a figure of its own: the backend a script or notebook chose, and pyplot, are left as they were
+    script = ("import sys, matplotlib\nmatplotlib.use('svg')\nfrom orb.reports.curves import plot, read_epochs\n"
+              "plot([('demo', read_epochs(sys.argv[1]))], sys.argv[2])\n"
+              "print(matplotlib.get_backend(), 'matplotlib.pyplot' in sys.modules)\n")
+    own = subprocess.run([sys.executable, "-c", script, metrics, str(tmp_path / "own.png")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert own.stdout.split() == ["svg", "False"], own.stdout + own.stderr[-2000:]
+    assert (tmp_path / "own.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = tmp_path / "curves.png"
     result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plot_metrics.py"), metrics, metrics,
                              "--labels", "a", "b", "-o", str(out)], capture_output=True, text=True, timeout=120)

@@ -43,11 +43,11 @@ def plot(runs: Sequence[Tuple[str, List[Dict]]], output: str):
     training dashed."""
     import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from orb.reports import figure
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), constrained_layout=True)
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig = figure(figsize=(11, 7.5), layout="constrained")
+    axes = fig.subplots(2, 2)
+    colours = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (key, title) in zip(axes.ravel(), PANELS):
         for (label, epochs), colour in zip(runs, colours * 4):
             x = [r["epoch"] for r in epochs]
@@ -100,9 +100,6 @@ def summary_table(runs: Sequence[Tuple[str, List[Dict]]]) -> str:
 
 def check_output(output: str) -> None:
     """One line for an image file ``plot`` cannot write: a folder, or a format matplotlib does not know."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     from matplotlib.backend_bases import FigureCanvasBase
 
     if os.path.isdir(output):

@@ -41,17 +41,15 @@ UNITS = {"energy_per_atom": "energy per atom (eV/atom)", "forces": "force compon
 def write_parity_plots(out_dir: str, series: Dict[str, ParityPoints]) -> List[str]:
     """``parity_<quantity>.png`` for each labelled quantity: prediction against label, the diagonal, each
     series' MAE in its legend. Returns the files written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from orb.reports import figure
 
     written = []
     for quantity, label in UNITS.items():
         present = {name: points.values[quantity] for name, points in series.items() if points.values[quantity][0]}
         if not present:
             continue
-        fig, ax = plt.subplots(figsize=(5, 5))
+        fig = figure(figsize=(5, 5))
+        ax = fig.subplots()
         low, high = np.inf, -np.inf
         for name, (pred, true) in present.items():
             pred, true = np.asarray(pred), np.asarray(true)
@@ -65,7 +63,6 @@ def write_parity_plots(out_dir: str, series: Dict[str, ParityPoints]) -> List[st
         fig.tight_layout()
         path = os.path.join(out_dir, f"parity_{quantity}.png")
         write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
-        plt.close(fig)
         written.append(path)
     return written
 
@@ -73,15 +70,13 @@ def write_parity_plots(out_dir: str, series: Dict[str, ParityPoints]) -> List[st
 def write_confidence_plot(out_dir: str, results: List[Dict], confidence: Dict) -> str:
     """``confidence.png``: each structure's predicted force error (the confidence head's mean over its atoms)
     against its true force MAE, with the diagonal and the rank correlation. Returns the file."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from orb.reports import figure
 
     rows = [r["row"] for r in results if "predicted_force_error_mean" in r["row"] and "forces_mae" in r["row"]]
     true = np.array([r["forces_mae"] for r in rows])
     predicted = np.array([r["predicted_force_error_mean"] for r in rows])
-    fig, ax = plt.subplots(figsize=(5, 5))
+    fig = figure(figsize=(5, 5))
+    ax = fig.subplots()
     ax.scatter(true, predicted, s=6, alpha=0.6)
     high = max(float(true.max()), float(predicted.max()))
     ax.plot([0, high], [0, high], color="black", linewidth=0.8)
@@ -92,7 +87,6 @@ def write_confidence_plot(out_dir: str, results: List[Dict], confidence: Dict) -
     fig.tight_layout()
     path = os.path.join(out_dir, "confidence.png")
     write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
-    plt.close(fig)
     return path
 
 

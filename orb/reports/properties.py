@@ -134,13 +134,12 @@ def table(entry: Dict) -> str:
 
 def plot_eos(path: str, name: str, curves: Dict[str, Dict]) -> None:
     """Energy per atom against volume per atom: each model's points and its Birch-Murnaghan fit."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from ase.eos import birchmurnaghan
 
-    fig, ax = plt.subplots(figsize=(5.5, 4.0))
+    from orb.reports import figure
+
+    fig = figure(figsize=(5.5, 4.0))
+    ax = fig.subplots()
     for (label, eos), style in zip(curves.items(), ("o-", "s--")):
         n = eos["natoms"]
         volumes, energies = np.asarray(eos["volumes"]) / n, np.asarray(eos["energies"]) / n
@@ -155,18 +154,15 @@ def plot_eos(path: str, name: str, curves: Dict[str, Dict]) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
-    plt.close(fig)
 
 
 def plot_bands(path: str, name: str, axis, bands: Dict[str, np.ndarray]) -> None:
     """Phonon bands along the standard path, the models overlaid (``axis``: x, special x, labels)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from orb.reports import figure
 
     x, special, labels = axis
-    fig, ax = plt.subplots(figsize=(6.5, 4.0))
+    fig = figure(figsize=(6.5, 4.0))
+    ax = fig.subplots()
     for (label, frequencies), (color, style) in zip(bands.items(), (("C0", "-"), ("C3", "--"))):
         lines = ax.plot(x, frequencies, style, color=color, linewidth=1.0)
         lines[0].set_label(label)
@@ -181,7 +177,6 @@ def plot_bands(path: str, name: str, axis, bands: Dict[str, np.ndarray]) -> None
     ax.legend(fontsize=8)
     fig.tight_layout()
     write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
-    plt.close(fig)
 
 
 def plot_name(kind: str, structure: str, folder: str) -> str:
