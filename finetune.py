@@ -4,7 +4,7 @@
 ``finetune_parallel.py`` is the same run made data-parallel; diff the two to see what that adds.
 """
 
-from orb.signals import end_process, listen
+from orb.signals import listen, run_program
 
 with listen().exit_on_stop():  # the imports take 0.3 s and more on a cold shared file system: a stop there exits 75
     from orb.training.cli import run
@@ -30,4 +30,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    end_process(main())
+    run_program(main)

@@ -34,25 +34,26 @@ def import_mindspore() -> None:
     import of its C++ extension leaves an interpreter that aborts when it exits (measured: SIGTERM 1 s into
     orb-convert ended it with SIGABRT, not status 75). Every command calls this before anything imports MindSpore.
 
-    The garbage collector is off meanwhile (the import makes 160,000 objects and no garbage: its full collections
-    walked them again and again), and in a command (``run_command``) what exists then is frozen out of it for the
-    rest of the process (``gc.freeze``: the full collections of a run no longer walk MindSpore's modules). A script
-    that imports orb keeps its collector as it was."""
+    The garbage collector is off meanwhile: the import makes 160,000 objects and no garbage, and its full
+    collections walked them again and again. In a command's program (:func:`orb.signals.run_program`) what exists
+    then is frozen out of the collector (``gc.freeze``), so that the run's full collections and the interpreter's
+    teardown no longer walk MindSpore's modules. orb used as a library (``ORBCalculator`` in a script or notebook,
+    a command's ``main`` called from Python) leaves its caller's objects to the collector."""
     import gc
     import sys
 
     quiet_mindspore()
     if "mindspore" in sys.modules:
         return
-    from orb.signals import STOP
+    from orb.signals import STOP, is_program
 
     collecting = gc.isenabled()
-    gc.disable()
     try:
+        gc.disable()
         with STOP.held():
             import mindspore  # noqa: F401
     finally:
-        if STOP.commands > 0:
+        if is_program():
             gc.freeze()
         if collecting:
             gc.enable()

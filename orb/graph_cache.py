@@ -320,7 +320,8 @@ def compile_cell_now(cell, inputs) -> None:
     workers): the heap is frozen meanwhile, after a collection of the young generations, where the garbage of the
     last steps sits. Older cyclic garbage (a cell that survived earlier compilations) waits for Python's next full
     collection instead. A heap the caller froze itself is left as it is (MindSpore's collection then scans what is
-    not frozen)."""
+    not frozen): a command's program froze MindSpore's objects at their import (orb.device.import_mindspore), and
+    at a demo fine-tuning's compilations 6-7 thousand others remained, scanned in 2 ms."""
     import gc
 
     freeze = gc.get_freeze_count() == 0

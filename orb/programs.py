@@ -1,18 +1,18 @@
-"""The installed commands (pyproject.toml's ``[project.scripts]``): each runs its module's ``main`` and ends the
-process as the checkout's scripts do (:func:`orb.signals.end_process`: no interpreter teardown). Importing this
-imports nothing heavy; a command's module is imported when it runs."""
+"""The installed commands (pyproject.toml's ``[project.scripts]``): each runs its module's ``main`` as the checkout's
+scripts do (:func:`orb.signals.run_program`). Importing this imports nothing heavy; a command's module is imported
+when it runs."""
 
 from importlib import import_module
 from typing import Callable
 
-from orb.signals import end_process
+from orb.signals import run_program
 
 
 def program(module: str) -> Callable[[], None]:
     """The console entry point running ``module``'s ``main``."""
 
     def run() -> None:
-        end_process(import_module(module).main())
+        run_program(import_module(module).main)
 
     run.module = module
     return run

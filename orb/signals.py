@@ -231,28 +231,26 @@ def run_command(body: Callable[[], int], resume_hint: str = "") -> int:
         STOP.commands -= 1
 
 
-def end_process(status) -> NoReturn:
-    """The end of a command run as a program (its ``__main__`` and the installed commands; ``main`` itself returns, for
-    callers in Python): ``sys.exit(status)``, the objects the program made first frozen out of the garbage collector
-    (``gc.freeze``; MindSpore's own are since its import: :func:`orb.device.import_mindspore`). The interpreter's
-    teardown otherwise walks every object in its full collections (docs/benchmarks.md, "Python's garbage collector
-    in a short command"). The exit is
-    otherwise Python's own: the status, ``atexit`` callbacks (MindSpore's release of its resources, logging's flush),
-    the modules' teardown, C libraries' exit handlers. What it drops Python does not promise at exit: the finalisers
-    of objects in reference cycles (an imported module's globals among them), of which a file's unwritten buffer is
-    the one that matters: every open file is flushed first. A program run inside another (``runpy.run_path`` from
-    a driver, which goes on after its ``SystemExit``) leaves the collector as it was."""
-    if _the_program(sys._getframe(1)):
-        import gc
+def run_program(main: Callable[[], int]) -> NoReturn:
+    """A command's program (its ``__main__`` and the installed commands, :mod:`orb.programs`; ``main`` itself returns
+    its status, for callers in Python): ``sys.exit(main())``, the process marked as the command's own first
+    (:func:`is_program`), so that MindSpore's objects are frozen out of the garbage collector once imported
+    (:func:`orb.device.import_mindspore`). Not when it runs inside another program (``runpy`` from a driver):
+    that one's objects are not the command's to freeze."""
+    PROGRAM[0] = _the_program(sys._getframe(1))
+    sys.exit(main())
 
-        STOP.stand_down()  # (the command is over, whatever its status: a stop now is no stop to report)
-        _flush_open_files()  # (before the freeze: gc.get_objects() leaves frozen objects out)
-        gc.freeze()
-    sys.exit(status)
+
+PROGRAM = [False]  # whether this process is a command's program (run_program)
+
+
+def is_program() -> bool:
+    """Whether this process runs a command as its program (:func:`run_program`), not orb as a library."""
+    return PROGRAM[0]
 
 
 def _the_program(frame) -> bool:
-    """Whether ``frame`` (end_process's caller) runs as the process's program: below it only one module's top level
+    """Whether ``frame`` (run_program's caller) runs as the process's program: below it only one module's top level
     (``python script.py``; an installed command's wrapper) and the frames ``python -m`` and orb.programs add."""
     modules = 0
     while frame is not None:
@@ -264,21 +262,6 @@ def _the_program(frame) -> bool:
             return False
         frame = frame.f_back
     return modules == 1
-
-
-def _flush_open_files() -> None:
-    """Every buffered file open for writing flushed, as its finaliser would at the interpreter's teardown (one that
-    cannot be written is left as the teardown would leave it)."""
-    import gc
-    import io
-
-    kinds = (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)
-    for stream in gc.get_objects():  # (type(), not isinstance: a dead weak proxy's class cannot be asked)
-        if issubclass(type(stream), kinds) and not stream.closed:
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
 
 
 def out_of_space(exc: OSError) -> bool:

@@ -335,6 +335,6 @@ def smoke_test(argv) -> int:
 
 
 if __name__ == "__main__":
-    from orb.signals import end_process
+    from orb.signals import run_program
 
-    end_process(main())
+    run_program(main)

@@ -430,6 +430,6 @@ def run_study(args, out: str, names: List[str], target: str) -> int:
 
 
 if __name__ == "__main__":
-    from orb.signals import end_process
+    from orb.signals import run_program
 
-    end_process(main())
+    run_program(main)

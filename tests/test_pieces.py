@@ -727,14 +727,16 @@ def test_a_full_disk_is_one_line_and_other_os_errors_keep_their_traceback(capsys
         run_command(fail(OSError("/tmp/x.so: cannot open shared object file")))
 
 
-END_PROGRAM = """
-import atexit, gc, sys
-from orb.signals import end_process
+PROGRAM = """
+import sys
+from orb.signals import is_program, run_program
 
-atexit.register(lambda: print("frozen at exit:", gc.get_freeze_count() > 0))
-left_open = open(sys.argv[1], "w")
-left_open.write("buffered")  # neither flushed nor closed by the program
-end_process(3)
+def main():
+    print("the program:", is_program())
+    return 3
+
+if __name__ == "__main__":
+    run_program(main)
 """
 DRIVER = """
 import runpy, sys
@@ -753,67 +755,71 @@ if __name__ == "__main__":  # (pip's wrapper of a console script)
 """
 
 
-@pytest.mark.parametrize("case", ["program", "module", "installed", "driver"])
-def test_a_program_ends_with_its_objects_frozen_out_of_the_collector_and_keeps_what_an_exit_keeps(tmp_path, case):
-    """end_process (every command's end as a program): the interpreter's teardown finds the program's objects
-    frozen (its full collections walked them all: 0.45 s of a short orb-evaluate), and the exit is otherwise
-    sys.exit's: the status, the atexit callbacks, an unclosed file's buffer written. A program run by a driver
-    (runpy) leaves the driver's collector as it was."""
+@pytest.mark.parametrize("case", ["script", "module", "installed", "driver"])
+def test_a_command_knows_it_is_the_program_and_exits_with_mains_status(tmp_path, case):
+    """run_program (every command's __main__, and orb.programs for the installed commands): sys.exit(main()), the
+    process marked as the command's program (orb.device.import_mindspore then freezes MindSpore's objects); a
+    program that runpy runs inside a driver is not marked (the driver's objects are not the command's)."""
     import subprocess
     import sys
 
     from conftest import ROOT
 
-    script, written = tmp_path / "program.py", tmp_path / "left_open.txt"
-    script.write_text(END_PROGRAM)
+    (tmp_path / "command.py").write_text(PROGRAM)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, str(tmp_path)]))
-    command = [sys.executable, str(script), str(written)]
-    if case == "module":  # python -m
-        command[1:2] = ["-m", "program"]
-    if case == "installed":  # the program as a module's main, run by orb.programs
-        (tmp_path / "command.py").write_text(END_PROGRAM.replace("end_process(3)", "def main():\n    return 3"))
-        (tmp_path / "orb-command").write_text(INSTALLED)
-        command[1] = str(tmp_path / "orb-command")
+    command = {"script": [str(tmp_path / "command.py")], "module": ["-m", "command"],
+               "installed": [str(tmp_path / "orb-command")], "driver": ["-c", DRIVER, str(tmp_path / "command.py")]}
+    (tmp_path / "orb-command").write_text(INSTALLED)
+    result = subprocess.run([sys.executable, *command[case]], capture_output=True, text=True, env=env, timeout=60)
     if case == "driver":
-        command[1:1] = ["-c", DRIVER]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
-    assert written.read_text() == "buffered", result
-    if case == "driver":
-        assert (result.returncode, result.stdout) == (0, "driver went on after 3\nfrozen at exit: False\n"), result
+        assert (result.returncode, result.stdout) == (0, "the program: False\ndriver went on after 3\n"), result
     else:
-        assert (result.returncode, result.stdout) == (3, "frozen at exit: True\n"), result
+        assert (result.returncode, result.stdout) == (3, "the program: True\n"), result
 
 
 IMPORTS = """
 import gc, sys
 from orb.device import import_mindspore
-from orb.signals import run_command
+from orb.signals import run_command, run_program
 
-collecting, importing = [], [True]
+collecting, importing = [], [False]
 gc.callbacks.append(lambda phase, info: collecting.append(info["generation"]) if importing[0] else None)
-if sys.argv[1] == "script":
+
+def imported():
+    importing[0] = True
     import_mindspore()
-else:
-    run_command(lambda: import_mindspore() or 0)
-importing[0] = False
-print(collecting, gc.get_freeze_count() > 0, gc.isenabled(), len(gc.get_objects()) < 100000)
+    importing[0] = False
+    return 0
+
+def main():
+    if sys.argv[1] == "library":
+        imported()
+    else:
+        run_command(imported)
+    print(collecting, gc.get_freeze_count() > 0, gc.isenabled(), flush=True)
+    return 0
+
+if sys.argv[1] == "program":
+    run_program(main)
+main()
 """
 
 
-@pytest.mark.parametrize("case", ["command", "script"])
-def test_mindspores_import_is_never_collected_and_a_command_freezes_it(case):
+@pytest.mark.parametrize("case", ["program", "library", "main from Python"])
+def test_mindspores_import_is_never_collected_and_a_program_freezes_it(case):
     """import_mindspore: no garbage collection while MindSpore's 160,000 objects are made (its full collections walked
-    them again and again), the collector on again after it; in a command (run_command) they are frozen out of it for
-    the rest of the process, a script's collector keeps them (a library does not freeze its caller's objects)."""
+    them again and again), the collector on again after it; in a command's program (run_program) they are frozen
+    out of it for the rest of the process. orb as a library, a command's main called from Python included, leaves
+    its caller's objects to the collector."""
     import subprocess
     import sys
 
     from conftest import ROOT
 
-    result = subprocess.run([sys.executable, "-c", IMPORTS, case], capture_output=True, text=True, timeout=120,
-                            env=dict(os.environ, PYTHONPATH=ROOT))
+    result = subprocess.run([sys.executable, "-c", IMPORTS, case.split()[0]], capture_output=True, text=True,
+                            timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split("\n")[-2] == ("[] True True True" if case == "command" else "[] False True False")
+    assert result.stdout.split("\n")[-2] == ("[] True True" if case == "program" else "[] False True")
 
 
 @pytest.mark.parametrize("online", [True, False])

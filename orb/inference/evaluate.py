@@ -437,6 +437,6 @@ def print_comparison(first: Dict, second: Dict, names: List[str]) -> None:
 
 
 if __name__ == "__main__":
-    from orb.signals import end_process
+    from orb.signals import run_program
 
-    end_process(main())
+    run_program(main)

@@ -435,6 +435,6 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
 
 
 if __name__ == "__main__":
-    from orb.signals import end_process
+    from orb.signals import run_program
 
-    end_process(main())
+    run_program(main)

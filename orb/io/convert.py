@@ -106,6 +106,6 @@ def convert(source: str, target: str, to=None, name=None) -> int:
 
 
 if __name__ == "__main__":
-    from orb.signals import end_process
+    from orb.signals import run_program
 
-    end_process(main())
+    run_program(main)

@@ -62,6 +62,6 @@ def download(args) -> int:
 
 
 if __name__ == "__main__":
-    from orb.signals import end_process
+    from orb.signals import run_program
 
-    end_process(main())
+    run_program(main)

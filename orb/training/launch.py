@@ -293,6 +293,6 @@ def collect(stream):
 
 
 if __name__ == "__main__":
-    from orb.signals import end_process
+    from orb.signals import run_program
 
-    end_process(main())
+    run_program(main)

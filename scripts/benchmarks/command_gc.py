@@ -1,7 +1,7 @@
 """``command-gc``: what Python's garbage collector costs a short command, as orb runs it and as Python would: the
 same ``orb-evaluate`` run as a program (no collection while MindSpore is imported, what exists then frozen out of
-the collector, the rest at the end: :func:`orb.device.import_mindspore`, :func:`orb.signals.end_process`) and run
-by a driver that makes ``gc.disable`` and ``gc.freeze`` do nothing (Python's collector throughout), alternated."""
+the collector: :func:`orb.device.import_mindspore`) and run by a driver (not the program: nothing frozen) that makes
+``gc.disable`` do nothing (Python's collector throughout, as before), alternated."""
 
 import os
 import resource
@@ -15,7 +15,7 @@ import numpy as np
 from .common import ROOT
 
 DRIVER = ("import gc, runpy, sys\n"
-          "gc.disable = gc.freeze = lambda: None\n"
+          "gc.disable = lambda: None\n"
           "sys.argv = sys.argv[1:]\n"
           "try:\n"
           "    runpy.run_path(sys.argv[0], run_name='__main__')\n"
