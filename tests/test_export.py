@@ -44,25 +44,35 @@ def test_an_exported_model_predicts_what_the_checkpoint_predicts(tmp_path, check
         assert np.abs(ours["forces"]).max() > 1e-2
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--checkpoint", "data/missing.ckpt", "--shape", "64,1280,5"], "data/missing.ckpt: checkpoint file does not exist"),
-    (["--checkpoint", "data/demo_pretrained.ckpt"], "give the batch shapes to export"),
-    (["--checkpoint", "data/demo_pretrained.ckpt", "--shape", "64,x,5"], "--shape '64,x,5': expected NODES,EDGES,GRAPHS"),
-    (["--checkpoint", "README.md", "--shape", "64,1280,5"], "README.md: not a checkpoint (a PyTorch zip, or a MindSpore file ending in .ckpt)"),
+DRIVER = ("import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+          "except SystemExit as stop:\n    print('mindspore' in sys.modules)\n    sys.exit(stop.code)\n")
+
+
+@pytest.mark.parametrize("args, message, read", [
+    (["--checkpoint", "data/missing.ckpt", "--shape", "64,1280,5"], "data/missing.ckpt: checkpoint file does not exist",
+     True),
+    (["--checkpoint", "data/demo_pretrained.ckpt"], "give the batch shapes to export", False),
+    (["--checkpoint", "data/demo_pretrained.ckpt", "--shape", "64,x,5"], "--shape '64,x,5': expected NODES,EDGES,GRAPHS",
+     False),
+    (["--checkpoint", "README.md", "--shape", "64,1280,5"], "README.md: not a checkpoint (a PyTorch zip, or a MindSpore "
+     "file ending in .ckpt)", True),
     (["--checkpoint", "data/demo_pretrained.ckpt", "--data", "data/demo_val.db", "--batch_size", "0"],
-     "--batch_size must be within 1 and 100000, got 0"),
+     "--batch_size must be within 1 and 100000, got 0", False),
     # (a shape of 1e11 nodes was numpy's 1.1 TiB allocation error and a traceback)
     (["--checkpoint", "data/demo_pretrained.ckpt", "--shape", "100000000000,16,2"],
-     "--shape 100000000000,16,2: at most 10000000 nodes, 128 edges a node and a graph a node"),
+     "--shape 100000000000,16,2: at most 10000000 nodes, 128 edges a node and a graph a node", False),
 ])
-def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message):
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message, read):
+    """One line, status 2, nothing written; an option's error before MindSpore is imported (1 s), a checkpoint's after
+    (its reader needs it)."""
     out = tmp_path / "model.mindir"
-    result = subprocess.run([sys.executable, "scripts/export.py", *args, "--output", str(out), "--device_target",
-                             "CPU"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", DRIVER, "scripts/export.py", *args, "--output", str(out),
+                             "--device_target", "CPU"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
     assert os.listdir(tmp_path) == []
+    assert result.stdout.split() == [str(read)]  # MindSpore imported
 
 
 def test_an_export_replaces_the_earlier_one_whole_or_not_at_all(tmp_path):

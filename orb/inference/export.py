@@ -220,14 +220,9 @@ MAX_NODES = 10 ** 7  # atoms of one exported batch shape (a served batch: 10,000
 
 
 def run(args) -> List[str]:
-    from orb.device import import_mindspore
-
-    import_mindspore()  # first: what the other imports need, with a stop signal honoured after it
-    from orb.device import configure_mindspore
-    from orb.io.checkpoint import model_from_checkpoint
     from orb.files import refuse_overwriting_inputs
 
-    shapes = [parse_shape(s) for s in args.shape]
+    shapes = [parse_shape(s) for s in args.shape]  # (the options checked before MindSpore's 1 s import)
     if not shapes and not args.data:
         raise OrbInputError("give the batch shapes to export: --data STRUCTURES (planned on them) or --shape "
                             "NODES,EDGES,GRAPHS")
@@ -239,6 +234,12 @@ def run(args) -> List[str]:
     if not os.path.isdir(folder):
         raise OrbInputError(f"--output {args.output}: folder {folder} does not exist")
     refuse_overwriting_inputs(outputs_of(args.output), [("--checkpoint", args.checkpoint), ("--data", args.data)])
+    from orb.device import import_mindspore
+
+    import_mindspore()  # then what the other imports need, with a stop signal honoured after it
+    from orb.device import configure_mindspore
+    from orb.io.checkpoint import model_from_checkpoint
+
     configure_mindspore(args.device_target, precision=args.precision)
     model = model_from_checkpoint(args.checkpoint, args.model)
     if args.data:
