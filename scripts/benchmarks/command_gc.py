@@ -4,15 +4,12 @@ the collector: :func:`orb.device.import_mindspore`) and run by a driver (not the
 ``gc.disable`` do nothing (Python's collector throughout, as before), alternated."""
 
 import os
-import resource
-import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 
-from .common import ROOT
+from .common import ROOT, run_timed
 
 DRIVER = ("import gc, runpy, sys\n"
           "gc.disable = lambda: None\n"
@@ -25,14 +22,10 @@ DRIVER = ("import gc, runpy, sys\n"
 
 def timed(command, env) -> tuple:
     """(wall s, CPU s of the process and its children) of ``command``, which must succeed."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    result, wall, cpu = run_timed(command, env=env, cwd=ROOT)
     if result.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
-    return wall, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return wall, cpu
 
 
 def bench_command_gc(args) -> None:

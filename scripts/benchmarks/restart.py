@@ -5,13 +5,12 @@ kept in a fresh cache (orb.graph_cache)."""
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 
-from benchmarks.common import CHILDREN, MPTRJ, ROOT, child
+from benchmarks.common import CHILDREN, MPTRJ, ROOT, child, run_timed
 
 FINISHED = re.compile(r"training finished in ([\d.]+) s \((\d+) compilations: (.*?); (\d+) of \d+ from the compile "
                       r"cache; ([\d.]+) s of it MindSpore compiling or loading graphs")
@@ -19,12 +18,8 @@ GRAPH = re.compile(r"([\w ]+?) (\d+x\d+) ([\d.]+)s(?: cached)?(?: \(then ([\d.]+
 
 
 def _run(command, env, output_dir, first_step_file):
-    import resource
-
-    start, before = time.time(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=7200)
-    wall, after = time.time() - start, resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)  # every process it started, summed
+    start = time.time()
+    result, wall, cpu = run_timed(command, env=env, timeout=7200)
     if result.returncode not in (0, 75):
         raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     first = float(open(first_step_file).read()) - start if os.path.exists(first_step_file) else float("nan")
