@@ -321,6 +321,35 @@ def test_a_process_whose_data_workers_are_stopped_while_sending_a_batch_ends(tmp
         assert result.returncode == 0, (delay, result.stderr[-2000:])
 
 
+CLOSE_THEN_EXIT = """
+import time
+import concurrent.futures.process as futures_process
+from orb.data.loader import BatchLoader
+
+def wide_wakeup(self):  # the standard library's wakeup, its check-then-write window made wide
+    if not self._closed:
+        time.sleep(0.5)
+        self._writer.send_bytes(b"")
+
+if __name__ == "__main__":
+    futures_process._ThreadWakeup.wakeup = wide_wakeup
+    loader = BatchLoader({}, workers=1)
+    loader._ensure_pool().submit(time.sleep, 0.1).result()
+    loader.close()
+"""
+
+
+def test_a_process_that_exits_right_after_closing_its_data_workers_prints_nothing(tmp_path):
+    """A stopped rank closed its data workers and exited: the pool's thread, still running, closed its wake-up pipe
+    while the interpreter's exit wrote to it, and a traceback ended the console (CI, 1 run in many). The window is
+    made wide here; closing now waits for that thread, so the exit finds the pipe closed and writes nothing."""
+    script = tmp_path / "close_then_exit.py"
+    script.write_text(CLOSE_THEN_EXIT)
+    result = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode == 0 and result.stderr == "", result.stderr[-2000:]
+
+
 def test_data_workers_die_with_a_killed_training_process(tmp_path):
     """SIGKILL (the out-of-memory killer, scancel -s KILL) gives the training process no chance to stop its data
     workers: they go with it instead of lingering with its pipes and memory."""

@@ -207,10 +207,15 @@ class BatchLoader:
         """Stop the workers now (they ignore stop signals, so they are killed, not asked). A worker killed while it
         sent a batch leaves part of one in the results' pipe, and the pool's thread reading it waited for the rest for
         ever, and the interpreter's exit for that thread (a failed run never ended): this process's end of the pipe is
-        closed once the workers are gone, so that the read ends and the thread with it."""
+        closed once the workers are gone, so that the read ends and the thread with it.
+
+        That thread is joined before this returns: left running, it closed its wake-up pipe while the interpreter's
+        exit wrote to it (``concurrent.futures``' unlocked ``_python_exit``), and a stopped rank printed a traceback
+        (CI, 2026-12-01)."""
         if self._pool is not None:
             processes = list((getattr(self._pool, "_processes", None) or {}).values())
             results = getattr(self._pool, "_result_queue", None)  # (the pool lets go of it at its shutdown)
+            thread = getattr(self._pool, "_executor_manager_thread", None)
             for process in processes:
                 process.kill()
             for process in processes:
@@ -218,4 +223,6 @@ class BatchLoader:
             if results is not None:
                 results._writer.close()
             self._pool.shutdown(wait=False, cancel_futures=True)
+            if thread is not None:
+                thread.join(timeout=60)  # it ends at once: its workers are gone and its results' pipe is closed
             self._pool = None
