@@ -74,6 +74,16 @@ def op_by_op():
         ms.set_context(mode=before)
 
 
+NOTING_MINDSPORE = ("import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+                    "except SystemExit as stop:\n    print('mindspore' in sys.modules)\n    sys.exit(stop.code)\n")
+
+
+def noting_mindspore(command: list) -> list:
+    """``command`` (``[python, script, args ...]``) run so that its last line of output says whether MindSpore was
+    imported: a command's errors in its options come before that 1 s import."""
+    return [command[0], "-c", NOTING_MINDSPORE, *command[1:]]
+
+
 LARGE_MEMORY = "needs ~9 GB of memory, more than CI's 6 GB: run it with ORB_LARGE_MEMORY=1"
 
 

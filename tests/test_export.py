@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import DEMO_VAL, ROOT
+from conftest import DEMO_VAL, ROOT, noting_mindspore
 
 
 @pytest.mark.parametrize("checkpoint", ["demo_pretrained.ckpt", "demo_v3_pretrained.ckpt"])
@@ -44,10 +44,6 @@ def test_an_exported_model_predicts_what_the_checkpoint_predicts(tmp_path, check
         assert np.abs(ours["forces"]).max() > 1e-2
 
 
-DRIVER = ("import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
-          "except SystemExit as stop:\n    print('mindspore' in sys.modules)\n    sys.exit(stop.code)\n")
-
-
 @pytest.mark.parametrize("args, message, read", [
     (["--checkpoint", "data/missing.ckpt", "--shape", "64,1280,5"], "data/missing.ckpt: checkpoint file does not exist",
      True),
@@ -66,8 +62,9 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message, read)
     """One line, status 2, nothing written; an option's error before MindSpore is imported (1 s), a checkpoint's after
     (its reader needs it)."""
     out = tmp_path / "model.mindir"
-    result = subprocess.run([sys.executable, "-c", DRIVER, "scripts/export.py", *args, "--output", str(out),
-                             "--device_target", "CPU"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(noting_mindspore([sys.executable, "scripts/export.py", *args, "--output", str(out),
+                                              "--device_target", "CPU"]), cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines

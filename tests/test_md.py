@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import DEMO_VAL, ROOT
+from conftest import DEMO_VAL, ROOT, noting_mindspore
 
 V3 = os.path.join(ROOT, "data", "demo_v3_pretrained.ckpt")
 ROWS = (1, 5, 9)  # periodic cells of 8-16 atoms
@@ -36,10 +36,12 @@ def start_frames(tmp_path):
     return path, frames
 
 
-def orb_md(tmp_path, name, *args, timeout=900):
-    return subprocess.run([sys.executable, "scripts/md.py", "--checkpoint", V3, "--output", str(tmp_path / name),
-                           "--device_target", "CPU", "--progress_bar", "false", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+def orb_md(tmp_path, name, *args, timeout=900, noting=False):
+    """orb-md's run; ``noting``: its last line of output says whether it imported MindSpore."""
+    command = [sys.executable, "scripts/md.py", "--checkpoint", V3, "--output", str(tmp_path / name),
+               "--device_target", "CPU", "--progress_bar", "false", *args]
+    return subprocess.run(noting_mindspore(command) if noting else command, cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def last_frames(folder, count):
@@ -164,8 +166,9 @@ def test_bad_input_is_one_line_and_a_broken_structure_is_named_while_the_others_
                            "langevin (a quench) or orb-relax"),
                           (["--timestep", "1", "--ensemble", "npt", "--pressure", "nan"],  # a NaN cell, every
                            "--pressure must be a finite number (bar), got nan")):         # structure "failed"
-        result = orb_md(tmp_path, "bad", "--data", path, "--steps", "5", *args)
+        result = orb_md(tmp_path, "bad", "--data", path, "--steps", "5", *args, noting=True)
         assert result.returncode == 2 and result.stderr.strip().splitlines() == [f"error: {message}"], result.stderr
+        assert result.stdout.split() == ["False"]  # said before MindSpore's 1 s import
     overlapping = frames[1].copy()
     overlapping.positions[1] = overlapping.positions[0]  # two atoms at one place: no graph
     ase.io.write(tmp_path / "mixed.extxyz", [frames[0], overlapping, frames[2]], format="extxyz")

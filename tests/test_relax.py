@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import DEMO_VAL, ROOT
+from conftest import DEMO_VAL, ROOT, noting_mindspore
 
 DEMO_MODEL = os.path.join(ROOT, "data", "demo_pretrained.ckpt")
 
@@ -50,10 +50,12 @@ def ase_loop(path, cell, fmax=0.05, steps=300):
     return out
 
 
-def relax_cli(*args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "relax.py"), "--checkpoint", DEMO_MODEL,
-                           "--device_target", "CPU", "--progress_bar", "false", *args], capture_output=True,
-                          text=True, timeout=900, cwd=ROOT)
+def relax_cli(*args, noting=False):
+    """orb-relax's run; ``noting``: its last line of output says whether it imported MindSpore."""
+    command = [sys.executable, os.path.join(ROOT, "scripts", "relax.py"), "--checkpoint", DEMO_MODEL,
+               "--device_target", "CPU", "--progress_bar", "false", *args]
+    return subprocess.run(noting_mindspore(command) if noting else command, capture_output=True, text=True,
+                          timeout=900, cwd=ROOT)
 
 
 @pytest.mark.parametrize("cell", [False, True])
@@ -148,8 +150,10 @@ def test_relaxation_resumes_and_refuses_to_mix_outputs(tmp_path):
     refused = relax_cli("--data", data, "--output", str(out), "--overwrite", "--uncertain_above", "0.1")
     assert refused.returncode == 2 and "orb_v2 has no confidence head" in refused.stderr
     assert sorted(energies(out)) == [1, 2, 3, 4, 5]  # refused before --overwrite deleted anything
-    bad = relax_cli("--data", data, "--output", str(tmp_path / "x.db"), "--dispersion", "d3bj", "--xc", "nope")
+    bad = relax_cli("--data", data, "--output", str(tmp_path / "x.db"), "--dispersion", "d3bj", "--xc", "nope",
+                    noting=True)
     assert bad.returncode == 2 and "unknown xc 'nope'" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    assert bad.stdout.split()[-1:] == ["False"]  # said before MindSpore's 1 s import
     from ase import Atoms
 
     heavy = tmp_path / "heavy.db"  # dftd3 returns 0 eV for Rf, raises for Mc, crashes the process for Fl

@@ -237,22 +237,23 @@ def packed_batches(data, batch_size: int, fill_graphs: bool = True):
 
 
 def evaluate(args) -> int:
+    from orb.inference.dispersion import check_dispersion
+
+    if args.batch_size < 1:  # (the options checked before MindSpore's 1 s import)
+        raise OrbInputError(f"--batch_size must be at least 1, got {args.batch_size}")
+    check_dispersion(args.dispersion, args.xc)
     from orb.device import import_mindspore
 
-    import_mindspore()  # first: what the other imports need, with a stop signal honoured after it
+    import_mindspore()  # then what the other imports need, with a stop signal honoured after it
     from orb.data.formats import LabelKeys
     from orb.device import configure_mindspore, set_ops_profile
     from orb.files import refuse_overwriting_inputs, sole_writer
-    from orb.inference.dispersion import check_dispersion
     from orb.io.checkpoint import check_checkpoint_file
     from orb.reports.evaluation import errors_by_element, print_element_table
     from orb.models.ops_profile import describe_profile
     from orb.precision import describe as describe_precision
     from orb.signals import STOP
 
-    if args.batch_size < 1:
-        raise OrbInputError(f"--batch_size must be at least 1, got {args.batch_size}")
-    check_dispersion(args.dispersion, args.xc)
     if args.matmul_precision:
         print(f"warning: --matmul_precision is deprecated: use --precision float32-{args.matmul_precision}",
               file=sys.stderr)

@@ -301,23 +301,26 @@ def ran_away(start: Optional[float], highest: Optional[float], asked: float) -> 
 
 
 def md(args) -> Dict:
-    from orb.device import import_mindspore
+    from orb.files import refuse_overwriting_inputs
+    from orb.inference.dispersion import check_dispersion
 
-    import_mindspore()  # first: what the other imports need, with a stop signal honoured after it
-    from orb.device import configure_mindspore, set_ops_profile
-    from orb.files import check_run_settings, refuse_overwriting_inputs, remove_stale_temporaries, write_json
-    from orb.inference.dispersion import D3Dispersion, check_dispersion, check_dispersion_for
-    from orb.inference.runs import run_settings
-    from orb.inference.uncertainty import UncertainFrames, check_threshold
-    from orb.io.checkpoint import model_from_checkpoint
-    from orb.signals import RESUME_FLAG, STOP, STOPPED_STATUS, Stopped
-
-    check_args(args)
+    check_args(args)  # (the options checked before MindSpore's 1 s import)
     refuse_overwriting_inputs([("--output", args.output, written_by_md)],
                               [("--data", args.data), ("--checkpoint", args.checkpoint)])
     if args.stop_uncertain and args.uncertain_above is None:
         raise OrbInputError("--stop_uncertain needs --uncertain_above")
     check_dispersion(args.dispersion, args.xc)
+    from orb.device import import_mindspore
+
+    import_mindspore()  # then what the other imports need, with a stop signal honoured after it
+    from orb.device import configure_mindspore, set_ops_profile
+    from orb.files import check_run_settings, remove_stale_temporaries, write_json
+    from orb.inference.dispersion import D3Dispersion, check_dispersion_for
+    from orb.inference.runs import run_settings
+    from orb.inference.uncertainty import UncertainFrames, check_threshold
+    from orb.io.checkpoint import model_from_checkpoint
+    from orb.signals import RESUME_FLAG, STOP, STOPPED_STATUS, Stopped
+
     configure_mindspore(args.device_target, precision=args.precision)
     set_ops_profile(args.ops_profile)
     model = model_from_checkpoint(args.checkpoint, args.model)

@@ -248,9 +248,20 @@ class BatchRelaxer:
 
 
 def relax(args) -> Dict:
+    from orb.files import refuse_overwriting_inputs
+    from orb.inference.dispersion import check_dispersion
+
+    for flag, wrong, rule in (("--fmax", not (np.isfinite(args.fmax) and args.fmax > 0), "a finite number > 0"),
+                              ("--steps", args.steps < 0, ">= 0"), ("--batch_size", args.batch_size < 1, ">= 1")):
+        if wrong:  # (the options checked before MindSpore's 1 s import)
+            raise OrbInputError(f"{flag} must be {rule}, got {getattr(args, flag[2:])}")
+    refuse_overwriting_inputs([("--output", args.output, None)] +
+                              [("--output's record", companion(args.output, kind), None) for kind in COMPANIONS],
+                              [("--data", args.data), ("--checkpoint", args.checkpoint)])
+    check_dispersion(args.dispersion, args.xc)
     from orb.device import import_mindspore
 
-    import_mindspore()  # first: what the other imports need, with a stop signal honoured after it
+    import_mindspore()  # then what the other imports need, with a stop signal honoured after it
     import sqlite3
 
     import ase.db
@@ -259,22 +270,13 @@ def relax(args) -> Dict:
     from orb.data.dataset import AseDbDataset
     from orb.data.formats import LabelKeys, readable_database, storable_pairs, without_labels
     from orb.device import configure_mindspore, set_ops_profile
-    from orb.files import check_run_settings, refuse_overwriting_inputs, remove_stale_temporaries, write_json
+    from orb.files import check_run_settings, remove_stale_temporaries, write_json
     from orb.inference.runs import run_settings, total_charge_and_spin
-    from orb.inference.dispersion import (D3Dispersion, check_dispersion, check_dispersion_elements,
-                                          check_dispersion_for)
+    from orb.inference.dispersion import D3Dispersion, check_dispersion_elements, check_dispersion_for
     from orb.inference.uncertainty import UncertainFrames, check_threshold
     from orb.io.checkpoint import model_from_checkpoint
     from orb.signals import RESUME_FLAG, STOP, STOPPED_STATUS, Stopped
 
-    for flag, wrong, rule in (("--fmax", not (np.isfinite(args.fmax) and args.fmax > 0), "a finite number > 0"),
-                              ("--steps", args.steps < 0, ">= 0"), ("--batch_size", args.batch_size < 1, ">= 1")):
-        if wrong:
-            raise OrbInputError(f"{flag} must be {rule}, got {getattr(args, flag[2:])}")
-    refuse_overwriting_inputs([("--output", args.output, None)] +
-                              [("--output's record", companion(args.output, kind), None) for kind in COMPANIONS],
-                              [("--data", args.data), ("--checkpoint", args.checkpoint)])
-    check_dispersion(args.dispersion, args.xc)
     configure_mindspore(args.device_target, precision=args.precision)
     set_ops_profile(args.ops_profile)
     model = model_from_checkpoint(args.checkpoint, args.model)
