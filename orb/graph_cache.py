@@ -399,15 +399,17 @@ def graph_identity(kind: str, cell, inputs, settings) -> tuple:
     import mindspore as ms
 
     from orb.device import ops_profile
-    from orb.precision import precision, sum_form
+    from orb.precision import precision, sum_form, traced_for_every_size
 
     specs = tuple((tuple(t.shape), str(t.dtype)) for t in inputs)
     parameters = tuple((name, tuple(p.shape), str(p.dtype), bool(p.requires_grad))
                        for name, p in cell.parameters_and_names())
     context = tuple((key, str(ms.get_context(key))) for key in ("device_target", "mode", "jit_level", "deterministic")
                     if _has_context(key))
-    return (kind, specs, parameters, structure_digest(cell), settings, precision(), ops_profile(), context,
-            sum_form())  # (read while the graph is traced, whatever form the model was built under)
+    # the sums' form, read while the graph is traced (whatever form the model was built under), and whether it is
+    # traced for inputs of every size (its sums take another form then, whatever its inputs' shapes)
+    form = sum_form() + (" for every size" if traced_for_every_size() else "")
+    return (kind, specs, parameters, structure_digest(cell), settings, precision(), ops_profile(), context, form)
 
 
 def _has_context(key: str) -> bool:

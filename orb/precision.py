@@ -104,6 +104,25 @@ def sum_form() -> str:
     return _sum_form["name"]
 
 
+_EVERY_SIZE = {"on": False}
+
+
+@contextmanager
+def dynamic_shapes():
+    """Graphs traced meanwhile take inputs of any size (``Cell.set_inputs`` with unknown lengths): their segment sums
+    and a conservative model's gradient take forms MindSpore accepts there (:mod:`orb.models.sums`)."""
+    before, _EVERY_SIZE["on"] = _EVERY_SIZE["on"], True
+    try:
+        yield
+    finally:
+        _EVERY_SIZE["on"] = before
+
+
+def traced_for_every_size() -> bool:
+    """Whether the graph being traced takes inputs of any size (:func:`dynamic_shapes`)."""
+    return _EVERY_SIZE["on"]
+
+
 def is_mixed(name: Optional[str] = None) -> bool:
     return (name or precision()) in ("bf16-mixed", "fp16-mixed")
 

@@ -27,6 +27,7 @@ ASE calculator, data at MPtrj's size, batched relaxation.
     python scripts/benchmark.py cell-call  [--models demo,orb_v2] [--calls 200]
     python scripts/benchmark.py compile-memory [--model small] [--rounds 4]
     python scripts/benchmark.py command-gc [--rounds 5]
+    python scripts/benchmark.py dynamic-shape [--model orb_v2] [--rounds 2]
 
 With ``--torch-python`` pointing at a Python that has torch and orb-models 0.4.2 installed (never
 required), the same measurement is made with PyTorch orb-models in that interpreter right after
@@ -47,6 +48,7 @@ from benchmarks.command_gc import bench_command_gc
 from benchmarks.compile_memory import bench_compile_memory
 from benchmarks.compile_options import bench_compile_options
 from benchmarks.compile_ops import OPS, bench_compile_ops
+from benchmarks.dynamic_shape import bench_dynamic_shape
 from benchmarks.common import ROOT
 from benchmarks.formats import bench_counts, bench_formats, bench_rows
 from benchmarks.graphs import bench_graphs
@@ -192,6 +194,10 @@ def build_parser():
                    "(default: 4)")
     p = sub.add_parser("command-gc")
     p.add_argument("--rounds", type=int, default=5, help="alternations of the two (default: 5)")
+    p = sub.add_parser("dynamic-shape")
+    p.add_argument("--model", default="orb_v2", help="a model name (random weights) or demo (the demo checkpoint) "
+                   "(default: orb_v2)")
+    p.add_argument("--rounds", type=int, default=2, help="alternations of the five modes (default: 2)")
     p = sub.add_parser("suite")
     p.add_argument("--tests", default="tests", help="what pytest runs (space-separated paths or node ids)")
     p.add_argument("--workers", type=int, default=2, help="pytest-xdist workers (-n), as the README's command")
@@ -208,7 +214,8 @@ def main() -> None:
      "precision": bench_precision, "md": bench_md, "restart": bench_restart, "suite": bench_suite,
      "startup": bench_startup, "failed-job": bench_failed_job, "compile-options": bench_compile_options,
      "compile-ops": bench_compile_ops, "cell-call": bench_cell_call,
-     "compile-memory": bench_compile_memory, "command-gc": bench_command_gc}[args.area](args)
+     "compile-memory": bench_compile_memory, "command-gc": bench_command_gc,
+     "dynamic-shape": bench_dynamic_shape}[args.area](args)
 
 
 if __name__ == "__main__":  # not in the data workers (counts), which import this file as their main module

@@ -456,3 +456,63 @@ def test_openmps_thread_lists_and_stray_values_size_the_pool_without_a_traceback
                                 cwd=ROOT, capture_output=True, text=True, timeout=60,
                                 env=dict(os.environ, OMP_NUM_THREADS=value))
         assert result.returncode == 0 and result.stdout.strip() == str(threads), (value, result.stderr[-500:])
+
+
+class _Activation:
+    """(f(x), d/dx sum(f(x) w)) of one activation: its kernel and the kernel of its derivative."""
+
+    def __new__(cls, name):
+        import mindspore as ms
+        from mindspore import nn, ops
+
+        from orb.models.kernels import exp_nonpositive_op, library_path, shifted_softplus_op, silu_op
+
+        f = {"ssp": shifted_softplus_op, "silu": silu_op, "exp_nonpositive": exp_nonpositive_op}[name](library_path())
+
+        class Weighted(nn.Cell):
+            def __init__(self):
+                super().__init__()
+                self.f = f
+
+            def construct(self, x, w):
+                return (self.f(x) * w).sum()
+
+        class Both(nn.Cell):
+            def __init__(self):
+                super().__init__()
+                self.f, self.first = f, ops.grad(Weighted(), grad_position=0)
+
+            def construct(self, x, w):
+                return self.f(x), self.first(x, w)
+
+        ms.set_context(mode=ms.GRAPH_MODE)
+        return Both()
+
+
+@pytest.mark.parametrize("name", ["ssp", "silu", "exp_nonpositive"])
+def test_the_accurate_kernels_run_in_a_graph_of_dynamic_shapes_as_in_one_per_shape(name):
+    """The cpu profile's custom activation kernels and their derivatives in one graph compiled for inputs of any length (MindSpore failed with "The pointer[value] is null" when their shape came from Python):
+    each length gives the values a graph compiled for that length gives, bit for bit, and the derivatives float64
+    numpy computes."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from orb.models.kernels import library_path
+
+    if library_path() is None:
+        pytest.fail("no C++ compiler: the kernels cannot be built here")
+    dynamic = _Activation(name)
+    dynamic.set_inputs(*[Tensor(shape=[None, 4], dtype=ms.float32)] * 2)
+    rng = np.random.default_rng(0)
+    for rows in (3, 11, 5):
+        x, w = (rng.normal(size=(rows, 4)).astype(np.float32) * 4 for _ in range(2))
+        got = [t.asnumpy() for t in dynamic(Tensor(x), Tensor(w))]
+        fixed = [t.asnumpy() for t in _Activation(name)(Tensor(x), Tensor(w))]
+        for a, b in zip(got, fixed):
+            assert a.shape == (rows, 4)
+            np.testing.assert_array_equal(a, b)
+        x64 = x.astype(np.float64)
+        sigmoid = 1 / (1 + np.exp(-x64))
+        slope = {"ssp": sigmoid, "silu": sigmoid * (1 + x64 * (1 - sigmoid)),
+                 "exp_nonpositive": np.exp(np.minimum(x64, 0)) * (x64 <= 0)}[name]
+        np.testing.assert_allclose(got[1], slope * w, rtol=2e-6, atol=1e-6)

@@ -98,28 +98,41 @@ def test_graphs_compiled_in_another_order_load_their_own(cache_dir):
     assert len([n for n in os.listdir(cache_dir / "graphs") if n.startswith("graphs-")]) == 2
 
 
-def test_the_calculator_and_orb_md_load_each_others_graph_of_a_structure(cache_dir):
-    """The calculator's (and orb-relax's) first shape of a structure is orb-md's: the graph one of them compiled, the
-    other loads, computing the same bits."""
+def test_the_calculator_computes_orb_mds_bits_and_loads_its_graph_of_a_structure_it_meets_again(cache_dir,
+                                                                                                 monkeypatch):
+    """The calculator's (and orb-relax's) shape of a structure is orb-md's: through its graph for every size it
+    computes orb-md's bits, and a structure it meets more than OWN_GRAPH_AFTER times (an MD run) takes orb-md's graph,
+    loaded from the cache. The graph for every size is kept apart: its sums are TensorScatterAdd, orb-md's graph
+    compiled after it in the same process holds none; a second calculator loads it."""
     from ase.build import molecule
 
+    from orb import graph_cache
+    from orb.cache import load_arrays
     from orb.data.graphs import atoms_to_graph
-    from orb.inference.predictor import Predictor
+    from orb.inference import predictor as predictors
 
-    first = model()
-    graph = atoms_to_graph(molecule("C2H4"), settings=first.cfg.graph_settings())
+    monkeypatch.setattr(predictors, "OWN_GRAPH_AFTER", 1)
+    graph = atoms_to_graph(molecule("C2H4"), settings=model().cfg.graph_settings())
     assert graph.num_edges == 30  # not on orb-md's grid of shapes (32): the calculator padded it to 40 before
-    calculator = Predictor(first)
-    expected = calculator(graph)
-    assert list(calculator.sources.values()) == ["compiled"]
-    out, sources = predict(model(), [graph])
-    assert sources == ["cache"]
-    assert_equal(out, [expected])
+    calculator = predictors.Predictor(model())
+    first = calculator(graph)  # the graph for every size
+    md, sources = predict(model(), [graph])
+    assert sources == ["compiled"]
+    assert_equal([first], md)
+    assert_equal([calculator(graph)], md)  # met again: orb-md's graph
+    assert calculator.sources == {predictors.EVERY_SIZE: "compiled", list(calculator.sources)[1]: "cache"}
+    again = predictors.Predictor(model())
+    assert_equal([again(graph)], md)
+    assert again.sources == {predictors.EVERY_SIZE: "cache"}
+    kept = [load_arrays(str(path))["mindir"].tobytes() for path in cache_dir.rglob(f"{graph_cache.KIND}-*.npz")]
+    assert len(kept) == 2  # the graph for every size and orb-md's: one with TensorScatterAdd, one without
+    scattered, plain = sorted(kept, key=lambda mindir: b"TensorScatterAdd" not in mindir)
+    assert b"TensorScatterAdd" in scattered and b"TensorScatterAdd" not in plain and b"UnsortedSegmentSum" in plain
 
 
 def test_orb_evaluate_of_one_structure_loads_the_graph_the_calculator_compiled(cache_dir, tmp_path, capsys):
-    """orb-evaluate gives a step the graph slots its structures fill: one structure takes the calculator's shape
-    and loads its graph (it padded to a batch's 33 slots and compiled a graph of its own), with the same energy."""
+    """orb-evaluate loads the calculator's graph (on the CPU the one for every size; it padded to a batch's 33 slots
+    and compiled a graph of its own before), with the same energy."""
     import ase.io
     from ase.build import bulk
 

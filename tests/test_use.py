@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from ase.build import bulk
 
-from conftest import DATA, DEMO_VAL, MPTRJ_DB, ROOT, own_compile_cache, reference_graph
+from conftest import DATA, DEMO_VAL, MPTRJ_DB, ROOT, noting_mindspore, own_compile_cache, reference_graph
 
 DEMO_PRETRAINED = os.path.join(ROOT, "data", "demo_pretrained.ckpt")
 
@@ -93,7 +93,9 @@ def test_relaxation_and_md_with_finetuned_checkpoint():
     dyn.attach(lambda: energies.append(md.get_total_energy()), interval=5)
     dyn.run(50)
     assert len(energies) == 11 and np.all(np.isfinite(energies))
-    assert len(calc.predictor.compiled) == 2  # one padded shape per system (8 and 32 atoms), reused every MD step
+    from orb.inference.predictor import EVERY_SIZE
+
+    assert list(calc.predictor.compiled) == [EVERY_SIZE]  # one graph for both systems (8 and 16 atoms), every step
 
 
 def run_evaluate(path, data, out, *extra):
@@ -117,6 +119,19 @@ def test_evaluate_script_on_mptrj(reference_model, tmp_path):
     # row 1 and 3 are reference structures 4 and 5: the evaluation sees PyTorch's predictions
     ref = np.load(os.path.join(DATA, "orb_v2_parity.npz"))
     assert float(rows[0]["energy_pred"]) == pytest.approx(float(ref["s4/energy"][0]), abs=1e-4)
+
+
+@pytest.mark.parametrize("args, message", [(["--batch_size", "0"], "--batch_size must be at least 1, got 0"),
+                                           (["--dispersion", "d3bj", "--xc", "nope"], "unknown xc 'nope'")])
+def test_a_wrong_evaluation_option_is_one_line_before_mindspores_import(tmp_path, args, message):
+    """Its options are checked before MindSpore's 1 s import; nothing is written."""
+    result = subprocess.run(noting_mindspore([sys.executable, "scripts/evaluate.py", "--checkpoint",
+                                              "data/demo_pretrained.ckpt", "--data", DEMO_VAL, "--output_dir",
+                                              str(tmp_path / "eval"), *args]), cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and message in lines[0], result.stderr[-2000:]
+    assert result.stdout.split() == ["False"] and os.listdir(tmp_path) == []
 
 
 def test_evaluate_without_labels_and_with_some(reference_model, tmp_path):
@@ -219,6 +234,48 @@ def test_calculator_buckets_fit_a_repeated_size_closely():
     assert sparse_predictor.bucket_for(squeezed).num_nodes == 8
     larger = atoms_to_graph(bulk("Cu", "fcc", a=3.6, cubic=True).repeat((1, 1, 2)), radius=3.0)
     assert sparse_predictor.bucket_for(larger).num_edges == 120  # grown: 96 edges x 1.25
+
+
+@pytest.mark.parametrize("name,profile", [("orb_v2", "cpu"), ("orb_v3_direct_20_omat", "cpu"), ("orb_v2", "portable"),
+                                          ("orb_v3_conservative_20_omat", "cpu")])
+def test_the_calculator_compiles_one_graph_for_structures_of_every_size(name, profile, monkeypatch):
+    """On the CPU the calculator (and orb-relax, orb-evaluate) compiles one prediction graph for structures of every
+    size, each padded to orb-md's shape of it: the same bits as orb-md's graph of that shape, whatever came before
+    (a conservative orb-v3's forces and stress too, as the gradient of the summed energy there). A shape met more
+    than OWN_GRAPH_AFTER times gets that graph of its own, with the same bits."""
+    from ase.build import molecule
+
+    from orb.data.batching import batch_graphs
+    from orb.data.graphs import atoms_to_graph
+    from orb.device import set_ops_profile
+    from orb.inference import predictor as predictors
+    from orb.models import create
+
+    monkeypatch.setattr(predictors, "OWN_GRAPH_AFTER", 2)
+    monkeypatch.setattr(predictors, "OWN_GRAPHS_AT_MOST", 2)
+    set_ops_profile(profile)
+    try:
+        model = create(name, latent_dim=32, mlp_hidden_dim=64, num_message_passing_steps=2, head_mlp_hidden_dim=32,
+                       seed=4)
+        calculator = predictors.Predictor(model)
+        batches = []
+        for repeat in ((1, 1, 1), (2, 2, 2), (2, 1, 1)):
+            atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(repeat)
+            atoms.rattle(0.05, seed=sum(repeat))
+            structures = [atoms, molecule("CH4")] if repeat == (2, 1, 1) else [atoms]
+            batches.append(batch_graphs([atoms_to_graph(a, settings=model.cfg.graph_settings()) for a in structures]))
+        md = predictors.Predictor(model, reuse=False)  # orb-md's: each batch in its own shape, whatever came before
+        for calls in (1, 2, 3):  # the third call of a shape runs its own graph
+            for batch in batches:
+                got, expected = calculator(batch), md(batch)
+                for key in expected:
+                    np.testing.assert_array_equal(got[key], expected[key], err_msg=f"{key}, call {calls}")
+            own = {bucket for bucket in calculator.compiled if bucket != predictors.EVERY_SIZE}
+            assert predictors.EVERY_SIZE in calculator.compiled
+            assert len(own) == (2 if calls == 3 else 0), (calls, calculator.compiled)  # (the 3rd: at most 2 own)
+        assert len(calculator.any_size_cell.compile_cache) == 1  # one graph: MindSpore compiled no size again
+    finally:
+        set_ops_profile("auto")
 
 
 def test_without_reuse_a_batch_computes_the_same_bits_whatever_came_before():

@@ -4,8 +4,10 @@
     atoms.calc = ORBCalculator.from_checkpoint("outputs/run/checkpoints/best_weights.ckpt")
     BFGS(atoms).run(fmax=0.05)
 
-Graphs are built exactly as in training. The forward pass is compiled once per padded system
-size and reused across MD steps; a structure that outgrows it gets a larger size (logged).
+Graphs are built exactly as in training. On the CPU the forward pass is compiled once for systems
+of every size, and a size met more than 100 times (an MD run) gets a graph of its own; elsewhere
+it is compiled once per padded system size and reused across MD steps
+(:mod:`orb.inference.predictor`).
 orb-v2 and orb-v3 direct models predict forces and stress directly; orb-v3 conservative models
 return the derivatives of their energy (energy-conserving MD). orb-v3 models also give
 ``confidence``: per atom, the predicted distribution of its force error over 50 bins from 0 to
@@ -101,7 +103,7 @@ class ORBCalculator(Calculator):
         super().__init__(**kwargs)
         self.model = model
         self.dispersion = D3Dispersion(dispersion, xc, model.cfg.graph_settings()) if dispersion else None
-        self.predictor = Predictor(model)  # buckets reused: a run over structures of many sizes compiles few shapes
+        self.predictor = Predictor(model)  # structures of many sizes: one graph, or few shapes (reused buckets)
         # what this model predicts: a model without a stress head raises ASE's PropertyNotImplementedError for stress
         # (it returned zeros, which an NPT run or a cell relaxation took for zero pressure), orb-v2 for confidence
         self.implemented_properties = [p for p in type(self).implemented_properties

@@ -1,10 +1,14 @@
 """Compiled inference: energies, forces and stresses in physical units for any batch size.
 
-Batches are padded to a bucket shape so that graph mode compiles once per bucket; a batch that
-outgrows every bucket adds a larger one (by ``growth``), which is logged. Used by
-the ASE calculator and the evaluation script.
+Where MindSpore can (:func:`one_graph_for_every_size`), the calculator, orb-relax and orb-evaluate compile one graph
+for batches of every size: each batch is padded to its own shape (:meth:`Predictor.shape_of`) and run through it. A
+shape met more than :data:`OWN_GRAPH_AFTER` times (an MD run, a long relaxation) gets a graph of its own, orb-md's,
+which computes the same bits a little faster (at most :data:`OWN_GRAPHS_AT_MOST` of them). Elsewhere, and in orb-md,
+batches are padded to a bucket shape so that graph mode compiles once per bucket; a batch that outgrows every bucket
+adds a larger one (by ``growth``), which is logged.
 """
 
+import contextlib
 import logging
 import math
 import time
@@ -19,12 +23,39 @@ from orb.data.tensors import model_inputs
 from orb.device import graph_mode
 from orb.graph_cache import compile_cell
 from orb.models.cells import PredictCell
+from orb.precision import dynamic_shapes
 
 log = logging.getLogger("orb")
+EVERY_SIZE = "every size"  # the key of the one graph in Predictor.compiled and .sources
+# Calls of one shape after which it gets a graph of its own: one compilation (1.6-2.6 s, full orb-v2 on the CPU)
+# against the graph for every size's 10-40 ms more per call (docs/benchmarks.md): about a compilation lost at most.
+OWN_GRAPH_AFTER = 100
+# Shapes given a graph of their own, at most: each holds 30-50 MB of the process (docs/benchmarks.md, compile-memory),
+# and a workflow over many sizes (orb-relax over a database) would otherwise keep one per size.
+OWN_GRAPHS_AT_MOST = 8
+
+
+def one_graph_for_every_size() -> bool:
+    """Whether prediction graphs are compiled once for batches of every size here: measured on the CPU
+    (docs/benchmarks.md), in both operator profiles, where sums are in float64 (:mod:`orb.models.sums`). Not where
+    sums are split (Ascend: ``UnsortedSegmentMax`` and the row count as a number), nor on an accelerator it was not
+    measured on."""
+    import mindspore as ms
+
+    from orb.precision import sum_form
+
+    return ms.get_context("device_target") == "CPU" and sum_form() == "float64"
+
+
+def any_size(inputs) -> tuple:
+    """Placeholders of ``inputs``' types and ranks whose first length (atoms, edges or structures) is unknown."""
+    from mindspore import Tensor
+
+    return tuple(Tensor(shape=[None] + list(t.shape[1:]), dtype=t.dtype) for t in inputs)
 
 
 class Predictor:
-    """Pads batches to reusable bucket shapes and runs the compiled forward pass."""
+    """Pads batches to their own or to reusable bucket shapes and runs the compiled forward pass."""
 
     def __init__(self, model, buckets: Optional[List[Bucket]] = None, growth: float = 1.25, multiple: int = 8,
                  reuse: bool = True):
@@ -32,19 +63,23 @@ class Predictor:
         batches of changing sizes). Without it a batch's shape is a function of the batch alone
         (:meth:`shape_of`): the padding changes the float32 products' blocking, hence their last bits, so a
         resumed run, whose process has not seen the earlier batches, computes what an uninterrupted one did
-        (orb-md; not the calculator, which meets structures of many sizes: a shape for each cost 2.2x the time)."""
+        (orb-md; not the calculator, which meets structures of many sizes: a shape for each cost 2.2x the time).
+        With ``reuse``, where :func:`one_graph_for_every_size`, one graph takes every batch at its own shape."""
         from orb.models import is_float64_model
 
         self.model = model
         self.float64 = is_float64_model(model)  # its graphs must be built in float64 (atoms_to_graph(float64=))
-        self.cell = PredictCell(model)
+        self.cell = PredictCell(model)  # a graph per shape
+        self.any_size_cell = None  # the graph for every size, built at its first use
+        self.calls: Dict[Bucket, int] = {}  # calls of each shape, with every_size
         self.buckets: List[Bucket] = sorted(buckets or [])
         self.growth, self.multiple, self.reuse = growth, multiple, reuse
-        self.compiled: Dict[Bucket, float] = {}
-        self.sources: Dict[Bucket, str] = {}  # where each bucket's graph came from (orb.graph_cache)
+        self.every_size = reuse and one_graph_for_every_size()
+        self.compiled: Dict[object, float] = {}  # each bucket's compilation, or EVERY_SIZE's
+        self.sources: Dict[object, str] = {}  # where each bucket's graph came from (orb.graph_cache), or EVERY_SIZE's
 
     def bucket_for(self, batch: AtomGraphs) -> Bucket:
-        """The smallest known bucket that fits, else a new one.
+        """The smallest known bucket that fits, else a new one (without the graph for every size).
 
         A first bucket fits the batch closely (an MD run or a relaxation repeats one structure size:
         padding is work done at every step): it is :meth:`shape_of` the batch, the shape orb-md gives it, so that
@@ -103,15 +138,18 @@ class Predictor:
         check_batch_for_model(self.model.cfg, batch)
         real = batch.graph_mask
         n_real_nodes = int(batch.n_node[real].sum())
-        bucket = self.bucket_for(batch)
-        padded = pad_batch(batch, bucket.num_nodes, bucket.num_edges, bucket.num_graphs)
-        start = time.perf_counter()
-        inputs = model_inputs(padded)
-        first = bucket not in self.compiled
-        with graph_mode():  # (a caller in PyNative mode too: the compiled graph, from the compile cache)
-            if first:
-                self.sources[bucket] = compile_cell(self.cell, *inputs, kind="predict", settings=("predict",))
-            outputs = self.cell(*inputs)
+        with graph_mode():  # (a caller in PyNative mode too: the compiled graph, from the compile cache; and one
+            # thread at a time: another's calls cannot compile the same graph again, nor trace beside dynamic_shapes)
+            bucket, graph = self._graph_for(batch)
+            padded = pad_batch(batch, bucket.num_nodes, bucket.num_edges, bucket.num_graphs)
+            start = time.perf_counter()
+            inputs = model_inputs(padded)
+            first = graph not in self.compiled
+            with dynamic_shapes() if graph == EVERY_SIZE else contextlib.nullcontext():  # (also when MindSpore
+                # traces the graph again by itself: a process-wide setting changed since)
+                if first:
+                    self.sources[graph] = self._compile(inputs, graph)
+                outputs = (self.any_size_cell if graph == EVERY_SIZE else self.cell)(*inputs)
             per_graph = lambda t: t.asnumpy()[: len(real)][real].astype(np.float64)  # noqa: E731
             per_node = lambda t: t.asnumpy()[:n_real_nodes].astype(np.float64)  # noqa: E731
             out = {"energy": per_graph(outputs[0]), "forces": per_node(outputs[1])}
@@ -119,11 +157,31 @@ class Predictor:
                 out["stress"] = per_graph(outputs[2])
             if len(outputs) > 3:
                 out["confidence"] = per_node(outputs[3])
-        if first:
-            self.compiled[bucket] = time.perf_counter() - start
-            log.debug("compiled inference for %s in %.1f s (%s)", bucket, self.compiled[bucket],
-                      self.sources.get(bucket, "uncached"))
+            if first:
+                self.compiled[graph] = time.perf_counter() - start
+                log.debug("compiled inference for %s in %.1f s (%s)", graph, self.compiled[graph],
+                          self.sources.get(graph, "uncached"))
         return out
+
+    def _graph_for(self, batch: AtomGraphs):
+        """(the shape ``batch`` is padded to, the graph that runs it: that shape's, or :data:`EVERY_SIZE`)."""
+        if not (self.every_size and one_graph_for_every_size()):  # (the sums' form is read at each trace)
+            bucket = self.bucket_for(batch)
+            return bucket, bucket
+        bucket = self.shape_of(batch)
+        self.calls[bucket] = self.calls.get(bucket, 0) + 1
+        own = len(self.compiled) - (EVERY_SIZE in self.compiled)
+        promoted = self.calls[bucket] > OWN_GRAPH_AFTER and own < OWN_GRAPHS_AT_MOST
+        return bucket, (bucket if bucket in self.compiled or promoted else EVERY_SIZE)
+
+    def _compile(self, inputs, graph) -> str:
+        """Graph ``graph`` (a shape's, or :data:`EVERY_SIZE`: for inputs of any size) for ``inputs``."""
+        if graph != EVERY_SIZE:
+            return compile_cell(self.cell, *inputs, kind="predict", settings=("predict",))
+        placeholders = any_size(inputs)
+        self.any_size_cell = PredictCell(self.model)
+        self.any_size_cell.set_inputs(*placeholders)
+        return compile_cell(self.any_size_cell, *placeholders, kind="predict", settings=("predict",))
 
 
 def per_structure(out: Dict[str, np.ndarray], sizes: Sequence[int], periodic: Optional[Sequence[bool]] = None

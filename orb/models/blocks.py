@@ -70,6 +70,7 @@ class Linear(nn.Cell):
         self.adapted = False
         self.rounding = half_rounding()  # a mixed precision's casts around the product, or None
         self.matmul = ops.MatMul(transpose_b=True)
+        self.plain = bias and self.rounding is None  # (then no adapter either: add_adapter clears it)
         if bias:
             self.bias = Parameter(Tensor(uniform((out_dim,), bound, rng)), name="bias")
             self.function = _CpuLinear() if ops_profile() == "cpu" else _PortableLinear()
@@ -84,6 +85,7 @@ class Linear(nn.Cell):
         self.lora_scale = float(alpha) / rank
         self.lora_product = ops.BatchMatMul()  # (a MatMul here was taken for the layers' transposed MatMul in graph mode)
         self.adapted = True
+        self.plain = False
 
     def effective_weight(self) -> Tensor:
         if self.adapted:
@@ -105,6 +107,12 @@ class Linear(nn.Cell):
         return self.rounding.full(self.matmul(self.rounding.half(x), self.rounding.half(weight)))
 
     def construct(self, x: Tensor) -> Tensor:
+        if self.plain:  # one branch to compile for most layers, not three
+            return self.function(x, self.weight, self.bias)
+        return self.general(x)
+
+    def general(self, x: Tensor) -> Tensor:
+        """An adapted layer, a mixed precision's or one without a bias."""
         weight = self.effective_weight()
         if self.rounding is not None:  # the bias is added in float32, to the product's half-precision result
             y = self.product(x, weight)
@@ -280,18 +288,14 @@ class MLP(nn.Cell):
         return getattr(self, self.layer_names[i])
 
     def construct(self, x: Tensor) -> Tensor:
-        return self.tail(x, 0)
+        return self.tail(getattr(self, self.layer_names[0])(x), 1)
 
     def tail(self, x: Tensor, start: int) -> Tensor:
-        """Apply layers ``start..`` to ``x``, with the activation before every layer after ``start``.
-
-        ``tail(h, 1)`` continues the MLP from the pre-activation ``h`` of the first layer.
-        """
-        for i, name in enumerate(self.layer_names):
-            if i >= start:
-                if i > 0:
-                    x = self.act(x)
-                x = getattr(self, name)(x)
+        """Apply layers ``start..`` (``start`` >= 1) to the pre-activation ``x``, the activation before each:
+        ``tail(h, 1)`` continues the MLP from its first layer's output ``h``. (No branch in the loop: each ``if``
+        of an unrolled loop was a function graph more to compile, in every MLP.)"""
+        for name in self.layer_names[start:]:
+            x = getattr(self, name)(self.act(x))
         return x
 
 
@@ -316,7 +320,7 @@ class MLPLayerNorm(nn.Cell):
 def segment_sum(data: Tensor, segment_ids: Tensor, num_segments: int) -> Tensor:
     """Sum rows of ``data`` into ``num_segments`` buckets (correct gradients in every mode), in the data's float type:
     for sums of bounded length (an atom's edges); a structure's atoms into one value: :mod:`orb.models.sums`."""
-    return ops.unsorted_segment_sum(data, segment_ids, num_segments)
+    return sums.scatter_sum(data, segment_ids, num_segments)
 
 
 def segment_mean(data: Tensor, segment_ids: Tensor, counts: Tensor) -> Tensor:

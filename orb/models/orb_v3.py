@@ -25,6 +25,7 @@ from orb.models import reference_energies
 from orb.models.blocks import MLP, segment_mean, segment_sum
 from orb.models.primitives import Broadcasts
 from orb.models.sums import gather_per_segment, segment_total
+from orb.precision import traced_for_every_size
 from orb.models.repulsion import PairRepulsion, per_volume, voigt
 from orb.models.config import ModelConfig
 from orb.models.gns import (AtomEmbedding, AttentionInteraction, Decoder, Encoder, LinearReferenceEnergy, OrbModel,
@@ -442,22 +443,38 @@ class ConservativeRegressor(Orbv3):
         pair = segment_mean(node_pair, node_graph, n_node)
         return head_energy, energy + pair, pair, self.heads.confidence(nodes)
 
+    def summed_energy(self, positions, displacement, generator, numbers, senders, receivers, node_graph, n_node, cell,
+                      unit_shifts, charge, spin, head):
+        """(the sum of E_raw over the structures, (the outputs of :meth:`energies`))."""
+        head_energy, energy, pair, logits = self.energies(positions, displacement, generator, numbers, senders,
+                                                          receivers, node_graph, n_node, cell, unit_shifts, charge,
+                                                          spin, head)
+        return energy.sum(), (head_energy, energy, pair, logits)
+
     def construct(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
                   unit_shifts, charge, spin, head):
         """(energy head output, E_raw incl. ZBL, forces, stress, confidence logits, ZBL energy, rotational gradient).
 
         One forward pass and one backward pass from E_raw (``ops.vjp``, as torch.autograd.grad): every output
-        stays differentiable with respect to the parameters, so training goes through the forces."""
+        stays differentiable with respect to the parameters, so training goes through the forces. In a prediction
+        graph for every size, the gradient of the summed E_raw instead (the same numbers: MindSpore 2.10 refuses a
+        ``vjp`` cotangent of unknown length)."""
         # two distinct zero tensors: MindSpore merges identical constants, and a gradient with respect to
         # two positions holding one node would come back as one
         displacement = cell * 0.0
         generator = ops.zeros_like(cell)
 
-        (head_energy, energy, pair, logits), vjp = ops.vjp(self.energies, positions, displacement, generator, numbers,
-                                                           senders, receivers, node_graph, n_node, cell, unit_shifts,
-                                                           charge, spin, head)
-        grads = vjp((ops.zeros_like(head_energy), ops.ones_like(energy), ops.zeros_like(pair),
-                     ops.zeros_like(logits)))
+        if traced_for_every_size():
+            (_, (head_energy, energy, pair, logits)), grads = ops.value_and_grad(
+                self.summed_energy, grad_position=(0, 1, 2), has_aux=True)(
+                positions, displacement, generator, numbers, senders, receivers, node_graph, n_node, cell,
+                unit_shifts, charge, spin, head)
+        else:
+            (head_energy, energy, pair, logits), vjp = ops.vjp(self.energies, positions, displacement, generator,
+                                                               numbers, senders, receivers, node_graph, n_node, cell,
+                                                               unit_shifts, charge, spin, head)
+            grads = vjp((ops.zeros_like(head_energy), ops.ones_like(energy), ops.zeros_like(pair),
+                         ops.zeros_like(logits)))
         forces, virial, rotational = -grads[0], grads[1], grads[2]
         stress = voigt(per_volume(virial, cell, signed=False))
         return head_energy, energy, forces, stress, logits, pair, rotational

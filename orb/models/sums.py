@@ -12,6 +12,10 @@ structures or atoms (metrics, normaliser statistics), goes through :func:`segmen
 
 A float64 model sums in float64 as it is. Sums whose length is bounded (messages over one atom's edges, a 3 x 3
 product) stay plain. docs/numerics.md says what each sum does.
+
+Every segment sum goes through :func:`scatter_sum`, which in a graph traced for inputs of any size
+(:func:`orb.precision.dynamic_shapes`) adds the rows into zeros with ``TensorScatterAdd``: there the count of
+segments is known only when the graph runs, and MindSpore 2.10's CPU ``UnsortedSegmentSum`` refuses it.
 """
 
 import math
@@ -20,23 +24,30 @@ import numpy as np
 from mindspore import Tensor, ops
 import mindspore as ms
 
-from orb.precision import sum_form
+from orb.precision import sum_form, traced_for_every_size
 
 _GRID_EXPONENTS = (-120, 120)  # float32 normal range, with room for the grid's margin
 _POWERS = Tensor(np.ldexp(np.float32(1.0), np.arange(_GRID_EXPONENTS[0], _GRID_EXPONENTS[1] + 1)).astype(np.float32))
 _INVERSE_POWERS = Tensor(np.ldexp(np.float32(1.0), -np.arange(_GRID_EXPONENTS[0],
                                                                _GRID_EXPONENTS[1] + 1)).astype(np.float32))
 _INV_LN2 = 1.0 / math.log(2.0)
+def scatter_sum(data: Tensor, segment_ids: Tensor, num_segments) -> Tensor:
+    """Rows of ``data`` summed per segment in the data's type (``ops.unsorted_segment_sum``); in a graph traced under
+    :func:`orb.precision.dynamic_shapes`, added into zeros of ``num_segments`` rows (a length known only at run time)."""
+    if traced_for_every_size():
+        return ops.tensor_scatter_add(ops.zeros((num_segments,) + data.shape[1:], data.dtype),
+                                      segment_ids.reshape(-1, 1), data)
+    return ops.unsorted_segment_sum(data, segment_ids, num_segments)
 
 
 def segment_total(data: Tensor, segment_ids: Tensor, num_segments: int) -> Tensor:
     """Rows of ``data`` summed per segment (``ops.unsorted_segment_sum``), accurate to the rounding of each result
     whatever the number and order of the rows. Its gradient is the plain one (each row gets its segment's)."""
     if data.dtype == ms.float64:
-        return ops.unsorted_segment_sum(data, segment_ids, num_segments)
+        return scatter_sum(data, segment_ids, num_segments)
     if sum_form() == "split":
         return split_sum(data, segment_ids, num_segments)
-    return ops.unsorted_segment_sum(data.astype(ms.float64), segment_ids, num_segments).astype(data.dtype)
+    return scatter_sum(data.astype(ms.float64), segment_ids, num_segments).astype(data.dtype)
 
 
 def total(data: Tensor) -> Tensor:
@@ -70,9 +81,9 @@ def split_sum(data: Tensor, segment_ids: Tensor, num_segments: int) -> Tensor:
                  - float(_GRID_EXPONENTS[0])).astype(ms.int32)
         on_grid = ops.stop_gradient(ops.round(rest * ops.gather(_INVERSE_POWERS, index, 0))
                                     * ops.gather(_POWERS, index, 0))
-        parts.append(ops.unsorted_segment_sum(on_grid, segment_ids, num_segments))
+        parts.append(scatter_sum(on_grid, segment_ids, num_segments))
         rest = rest - on_grid
-    return (ops.unsorted_segment_sum(rest, segment_ids, num_segments) + parts[1]) + parts[0]
+    return (scatter_sum(rest, segment_ids, num_segments) + parts[1]) + parts[0]
 
 
 def segment_mean(data: Tensor, segment_ids: Tensor, counts: Tensor) -> Tensor:

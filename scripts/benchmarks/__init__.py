@@ -14,12 +14,22 @@ and calls one ``bench_*`` function of these modules):
 * ``save``        -- save: a training checkpoint at a model's full size
 * ``precision``   -- precision: each precision mode against float64 (and PyTorch's bf16 autocast), demos per mode
 * ``md``          -- md: orb-md against ASE's VelocityVerlet driving the calculator structure by structure
+* ``restart``     -- restart: compilation on a first start, a second start and a resume, with the compile cache
+* ``suite``       -- suite: the README's test command, timed as CI runs it, and where its time goes
+* ``compile_options``, ``compile_ops``, ``compile_memory`` -- compile-options, compile-ops, compile-memory: what a
+  compilation costs (MindSpore's options, per operation and model part) and what a process keeps of each graph
+* ``cell_call``   -- cell-call: what a compiled prediction's call costs besides running its graph
+* ``command_gc``  -- command-gc: Python's garbage collector in a short command
+* ``dynamic_shape`` -- dynamic-shape: the calculator's one prediction graph for every size against a graph per shape
+* ``sums``        -- run by path: sums that grow with the structure, in float32 ulps
 
 Programs the benchmarks run in processes of their own are files, run by path:
 
 * ``children/`` -- with this interpreter and the project (``orb``): ``model_ours.py`` (one model measurement,
   fresh process), ``allreduce_worker.py`` (one msrun worker), ``read_rows.py`` (one reader's row reads),
-  ``scale_first_step.py`` (``finetune.py`` stopped at its first training step)
+  ``scale_first_step.py`` (``finetune.py`` stopped at its first training step), ``dynamic_shape.py`` (one mode of
+  dynamic-shape), and the other subcommands' own (``compile_*.py``, ``calculator_first_call.py``,
+  ``restart_callback.py``, ``suite_trace/``)
 * ``peer/`` -- with the PyTorch interpreter (``--torch-python``), which has torch, orb-models and their
   dependencies only: self-contained, they import neither ``orb`` nor this package, take their inputs as
   arguments and print one JSON line: ``torch_graphs.py``, ``torch_steps.py``, ``torch_calculator.py``

@@ -1,7 +1,10 @@
 """``calculator``: the ASE calculator (force calls on rattled fcc Cu cells of 64 and 256 atoms, steps per second)
 against orb-models' ORBCalculator (``peer/torch_calculator.py``), MindSpore in graph or PyNative mode. Graph mode goes
 through the README's path, ``ORBCalculator.from_checkpoint`` (random weights saved to a checkpoint first);
-PyNative mode through ``ORBCalculator(model)`` in a script that never set graph mode."""
+PyNative mode through ``ORBCalculator(model)`` in a script that never set graph mode.
+
+On the CPU a size's first 100 calls run through the one graph for every size and later calls through the size's own
+graph (:mod:`orb.inference.predictor`): both are timed, the second by giving each size its own graph at once."""
 
 import json
 import os
@@ -26,7 +29,8 @@ def forward_gflop_per_call(model, atoms) -> float:
 
 
 def time_calls(calc, sizes, steps: int) -> dict:
-    """Steps per second of ``calc`` on each size: the median call after the first (which compiles)."""
+    """Steps per second of ``calc`` on each size: the median call after the first (which compiles, or runs the first
+    time through the graph for every size)."""
     from ase.build import bulk
 
     rates = {}
@@ -43,6 +47,18 @@ def time_calls(calc, sizes, steps: int) -> dict:
     return rates
 
 
+def calls_with_own_graphs_after(calls: int, calc, sizes, steps: int) -> dict:
+    """:func:`time_calls` with a size given its own graph after ``calls`` calls of it (0: from its first call, as
+    after 100 calls; a huge number: never, every call through the graph for every size)."""
+    from orb.inference import predictor
+
+    after, predictor.OWN_GRAPH_AFTER = predictor.OWN_GRAPH_AFTER, calls
+    try:
+        return time_calls(calc, sizes, steps)
+    finally:
+        predictor.OWN_GRAPH_AFTER = after
+
+
 def bench_calculator(args) -> None:
     import mindspore as ms
     from ase.build import bulk
@@ -57,18 +73,22 @@ def bench_calculator(args) -> None:
     model = create(args.model)
     if args.mode == "pynative":  # a script that builds a model object and never sets graph mode (it compiles anyway)
         ms.set_context(mode=ms.PYNATIVE_MODE)
-        calc = ORBCalculator(model)
+        calc, calc_own = ORBCalculator(model), ORBCalculator(model)
     else:
         with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, "model.ckpt")
             save_checkpoint(path, model)
-            calc = ORBCalculator.from_checkpoint(path, device_target="CPU", model_name=args.model)
+            calc, calc_own = (ORBCalculator.from_checkpoint(path, device_target="CPU", model_name=args.model)
+                              for _ in range(2))  # (two: the first never gets a size's own graph)
     sizes = [(2, 2, 4), (4, 4, 4)]  # 64 and 256 atoms
     gflop = {str(4 * int(np.prod(r))): forward_gflop_per_call(model, bulk("Cu", "fcc", a=3.6, cubic=True).repeat(r))
              for r in sizes}
-    ours, theirs = [], []
+    ours, own, theirs = [], [], []
+    every_size = calc.predictor.every_size
     for _ in range(args.rounds):  # alternated: each side's rounds see the same host
-        ours.append(time_calls(calc, sizes, args.steps))
+        ours.append(calls_with_own_graphs_after(10 ** 9, calc, sizes, args.steps))
+        if every_size:
+            own.append(calls_with_own_graphs_after(0, calc_own, sizes, args.steps))
         if args.torch_python:
             theirs.append(run_torch(args.torch_python, "torch_calculator.py",
                                     ["--model", args.model, "--sizes", json.dumps(sizes), "--steps", str(args.steps)]))
@@ -78,17 +98,21 @@ def bench_calculator(args) -> None:
     print(f"{args.model}, MindSpore in {args.mode} mode, {args.rounds} alternated round(s), medians; host "
           f"calibration (numpy's BLAS, 1024^3) {calibration(rate_before, rate_after)}; MindSpore's MatMul (1024^3) "
           f"{mindspore_gemm_rate():.0f} GFLOP/s")
-    print(f"| atoms | MindSpore steps/s | orb-models {'0.4.2' if v2 else '0.5.5'} ORBCalculator steps/s | ratio | "
-          f"matrix-multiply work per call (GFLOP) | bound at the GEMM rate (steps/s) | MindSpore / PyTorch at |")
-    print("|---|---|---|---|---|---|---|")
+    first = "first 100 calls: the graph for every size" if every_size else "a graph per size"
+    print(f"| atoms | MindSpore steps/s ({first}) | orb-models {'0.4.2' if v2 else '0.5.5'} ORBCalculator steps/s | "
+          f"ratio | MindSpore steps/s (later calls: the size's own graph) | ratio | matrix-multiply work per call "
+          f"(GFLOP) | bound at the GEMM rate (steps/s) | MindSpore / PyTorch at |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for n in gflop:
         mine = float(np.median([r[n] for r in ours]))
+        later = float(np.median([r[n] for r in own])) if own else mine
         t = float(np.median([r[n] for r in theirs])) if theirs else None
         bound = rate / gflop[n]
-        print(f"| {n} | {mine:.2f} | {f'{t:.2f}' if t else '-'} | {f'{mine / t:.2f}x' if t else '-'} | "
-              f"{gflop[n]:.1f} | {bound:.2f} | {mine / bound:.2f} / {f'{t / bound:.2f}' if t else '-'} of it |")
+        ratio = lambda x: f"{x / t:.2f}x" if t else "-"  # noqa: E731
+        print(f"| {n} | {mine:.2f} | {f'{t:.2f}' if t else '-'} | {ratio(mine)} | {later:.2f} | {ratio(later)} | "
+              f"{gflop[n]:.1f} | {bound:.2f} | {later / bound:.2f} / {f'{t / bound:.2f}' if t else '-'} of it |")
     if args.profile_ops:
-        print_op_shares(calc, sizes, rate, gflop)
+        print_op_shares(calc_own if every_size else calc, sizes, rate, gflop)  # (the graph most calls run)
 
 
 def op_type_times(calc, reps, calls: int = 3) -> dict:

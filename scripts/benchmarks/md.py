@@ -73,7 +73,7 @@ def bench_md(args) -> None:
     loop_time = time.perf_counter() - start
     loop_rate = len(structures) * args.steps / loop_time
     loop_compile = sum(calc.predictor.compiled.values())
-    compile_note = [f"ASE's loop compiled {len(calc.predictor.compiled)} shape(s) in {loop_compile:.0f} s"]
+    compile_note = [f"ASE's loop compiled {len(calc.predictor.compiled)} graph(s) in {loop_compile:.0f} s"]
     print(f"| ASE VelocityVerlet, one structure after another | 1 | {loop_time:.1f} | {loop_rate:.1f} | "
           f"{len(structures) * (args.steps + 1)} | {1e3 * np.median(np.abs(loop_drift)):.3f} / "
           f"{1e3 * np.max(np.abs(loop_drift)):.3f} |", flush=True)

@@ -27,6 +27,22 @@ def library_path() -> Optional[str]:
                          "PyTorch-level accuracy")
 
 
+def _kernel(path: str, name: str, inputs: int, bprop=None):
+    """Kernel ``name`` of the library at ``path`` as an operator of ``inputs`` inputs whose output has the first
+    input's shape and type. The shape comes from the library's ``<name>InferShape`` (``out_shape=None`` with the
+    registration below): a Python ``out_shape`` fails in graphs whose input shapes are dynamic ("The pointer[value] is
+    null", MindSpore 2.10)."""
+    from mindspore import ops
+    from mindspore.ops import CustomRegOp, DataType
+
+    registration = CustomRegOp(f"orb_{name}")
+    for k in range(inputs):
+        registration = registration.input(k, f"x{k}")
+    registration = registration.output(0, "y").dtype_format(*[DataType.None_None] * (inputs + 1)).target("CPU")
+    return ops.Custom(f"{path}:{name}", out_shape=None, out_dtype=lambda *types: types[0], func_type="aot",
+                      bprop=bprop, reg_info=registration.get_op_info())
+
+
 def shifted_softplus_op(path: Optional[str] = None):
     """ssp(x) = softplus(x) - ln 2 as an operator: the accurate custom kernel on CPU, else built-in ops."""
     from mindspore import ops
@@ -34,13 +50,12 @@ def shifted_softplus_op(path: Optional[str] = None):
     if path is None:
         softplus = ops.Softplus()  # the primitive: ops.softplus adds a threshold select (and its gradient)
         return lambda x: softplus(x) - math.log(2.0)
-    same = lambda *shapes: shapes[0]  # noqa: E731  (output shape/dtype = first input's)
-    grad = ops.Custom(f"{path}:OrbSoftplusGrad", out_shape=same, out_dtype=same, func_type="aot")
+    grad = _kernel(path, "OrbSoftplusGrad", 2)
 
     def bprop(x, out, dout):
         return (grad(x, dout),)
 
-    return ops.Custom(f"{path}:OrbShiftedSoftplus", out_shape=same, out_dtype=same, func_type="aot", bprop=bprop)
+    return _kernel(path, "OrbShiftedSoftplus", 1, bprop)
 
 
 def composed_shifted_softplus_op():
@@ -57,12 +72,11 @@ def exp_nonpositive_op(path: Optional[str] = None):
 
     if path is None:
         return lambda x: ops.exp(ops.minimum(x, 0.0))
-    same = lambda *shapes: shapes[0]  # noqa: E731
 
     def bprop(x, out, dout):
         return (dout * out * (x <= 0).astype(x.dtype),)
 
-    return ops.Custom(f"{path}:OrbExpNonpositive", out_shape=same, out_dtype=same, func_type="aot", bprop=bprop)
+    return _kernel(path, "OrbExpNonpositive", 1, bprop)
 
 
 def silu_op(path: Optional[str] = None):
@@ -71,15 +85,14 @@ def silu_op(path: Optional[str] = None):
 
     if path is None:
         return lambda x: x * ops.sigmoid(x)  # Sigmoid's gradient is itself differentiable
-    same = lambda *shapes: shapes[0]  # noqa: E731
-    second = ops.Custom(f"{path}:OrbSiluGrad2", out_shape=same, out_dtype=same, func_type="aot")
+    second = _kernel(path, "OrbSiluGrad2", 2)
 
     def first_bprop(x, g, out, dout):  # d/dx (g silu'(x)) = g silu''(x); d/dg = silu'(x)
         return second(x, g * dout), first(x, dout)
 
-    first = ops.Custom(f"{path}:OrbSiluGrad", out_shape=same, out_dtype=same, func_type="aot", bprop=first_bprop)
+    first = _kernel(path, "OrbSiluGrad", 2, first_bprop)
 
     def bprop(x, out, dout):
         return (first(x, dout),)
 
-    return ops.Custom(f"{path}:OrbSilu", out_shape=same, out_dtype=same, func_type="aot", bprop=bprop)
+    return _kernel(path, "OrbSilu", 1, bprop)

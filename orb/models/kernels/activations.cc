@@ -143,3 +143,18 @@ extern "C" int OrbSiluGrad2(int nparam, void **params, int *ndims, int64_t **sha
   }
   return 0;
 }
+
+// Each kernel's output has its first input's shape. MindSpore calls these when a graph's input shapes are dynamic
+// (a prediction graph compiled once for structures of every size); the Python out_shape cannot be used there.
+#include <vector>
+class AotExtra;
+#define ORB_SAME_SHAPE(name)                                                                   \
+  extern "C" std::vector<int64_t> name##InferShape(int *ndims, int64_t **shapes, AotExtra *) { \
+    return std::vector<int64_t>(shapes[0], shapes[0] + ndims[0]);                              \
+  }
+ORB_SAME_SHAPE(OrbShiftedSoftplus)
+ORB_SAME_SHAPE(OrbSoftplusGrad)
+ORB_SAME_SHAPE(OrbExpNonpositive)
+ORB_SAME_SHAPE(OrbSilu)
+ORB_SAME_SHAPE(OrbSiluGrad)
+ORB_SAME_SHAPE(OrbSiluGrad2)
