@@ -215,8 +215,12 @@ def test_the_demo_data_script_remakes_the_shipped_demo_and_refuses_bad_arguments
     assert sorted(os.listdir(tmp_path)) == ["demo_train.db", "demo_val.db"]  # no temporary left
     for shipped, remade in ((DEMO_TRAIN, tmp_path / "demo_train.db"), (DEMO_VAL, tmp_path / "demo_val.db")):
         a, b = list(connect(shipped).select()), list(connect(str(remade)).select())
-        assert len(a) == len(b) and all(np.array_equal(x.positions, y.positions) and x.energy == y.energy
-                                        and np.array_equal(x.forces, y.forces) for x, y in zip(a, b))
+        assert len(a) == len(b)
+        for x, y in zip(a, b):  # float64 to 1e-12: a host whose BLAS and libm round otherwise (EMT's exp, the
+            assert x.symbols == y.symbols, x.id  # strained cells' products) changed the last bits on one of CI's
+            for key in ("positions", "cell", "energy", "forces"):  # machines
+                np.testing.assert_allclose(np.asarray(y[key]), np.asarray(x[key]), rtol=1e-12, atol=1e-12,
+                                           err_msg=f"{remade} row {y.id} {key}")
     for args in (["--seed", "-1"], ["--train", "-5"], ["--cluster_fraction", "2"], ["--max_rattle", "-1"],
                  ["--out", DEMO_VAL]):
         bad = subprocess.run([sys.executable, script, "--out", str(tmp_path / "x"), *args], capture_output=True,

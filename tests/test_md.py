@@ -285,18 +285,19 @@ def run_and_stop(tmp_path, name, args, lines=4):
     assert process.returncode == 75, err[-2000:]
 
 
-def same_files(tmp_path, a, b):
-    """Every structure's last frame (positions, cell) and log (every value) equal between two runs."""
+def same_files(tmp_path, a, b, rtol=1e-6, atol=1e-6):
+    """Every structure's last frame (positions, cell) and log (every value) equal between two runs: the same steps,
+    values to ``rtol`` (logs) and ``atol`` (Å)."""
     import ase.io
 
     for k in range(len(ROWS)):
         x, y = (ase.io.read(tmp_path / f / f"traj_{k}.extxyz", index=":") for f in (a, b))
         assert [f.info["step"] for f in x] == [f.info["step"] for f in y], k
-        np.testing.assert_allclose(x[-1].positions, y[-1].positions, atol=1e-6, err_msg=f"structure {k}")
-        np.testing.assert_allclose(x[-1].cell.array, y[-1].cell.array, atol=1e-6, err_msg=f"structure {k}")
+        np.testing.assert_allclose(x[-1].positions, y[-1].positions, atol=atol, err_msg=f"structure {k}")
+        np.testing.assert_allclose(x[-1].cell.array, y[-1].cell.array, atol=atol, err_msg=f"structure {k}")
         logs = [np.genfromtxt(tmp_path / f / f"log_{k}.csv", delimiter=",", names=True) for f in (a, b)]
         for column in logs[0].dtype.names:
-            np.testing.assert_allclose(logs[0][column], logs[1][column], rtol=1e-6, atol=1e-9, equal_nan=True,
+            np.testing.assert_allclose(logs[0][column], logs[1][column], rtol=rtol, atol=1e-9, equal_nan=True,
                                        err_msg=f"structure {k}, {column}")
 
 
@@ -426,4 +427,7 @@ def test_a_full_disk_is_one_line_and_a_resume_with_space_ends_as_the_uninterrupt
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     straight = orb_md(tmp_path, "straight", *args)
     assert straight.returncode == 0, straight.stderr[-3000:]
-    same_files(tmp_path, "moved", "straight")
+    # the disk fails structure by structure, each at the step its own write failed (which one first is the
+    # threads' timing): the resume's batches then differ from the uninterrupted run's (a structure's last steps
+    # alone), and so do the forces' float32 last bits (seen: 1.1e-6 of a pressure after 40 steps)
+    same_files(tmp_path, "moved", "straight", rtol=2e-5, atol=2e-5)

@@ -393,9 +393,10 @@ def test_orb_v3_two_workers_stopped_and_resumed_equal_one_device(tmp_path, nine_
              if "normalizer" not in k]
     assert np.median(moved) > 1e-3
     assert_same_weights(par, ref)
-    for key in ref_opt:
-        if key.startswith("moment"):
-            np.testing.assert_allclose(par_opt[key], ref_opt[key], rtol=1e-4, atol=1e-9, err_msg=key)
+    for key in ref_opt:  # Adam's moments: sums of two ranks' gradients in another order than one device's, so an
+        if key.startswith("moment"):  # element that cancels to near 0 is compared at its tensor's scale
+            np.testing.assert_allclose(par_opt[key], ref_opt[key], rtol=1e-4,
+                                       atol=max(1e-9, 1e-5 * float(np.abs(ref_opt[key]).max())), err_msg=key)
     last_par, last_one = epochs(tmp_path / "par")[-1], epochs(tmp_path / "one")[-1]
     assert last_par["epoch"] == last_one["epoch"] == 2
     for key, value in last_one["val"].items():
