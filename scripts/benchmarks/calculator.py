@@ -3,8 +3,9 @@ against orb-models' ORBCalculator (``peer/torch_calculator.py``), MindSpore in g
 through the README's path, ``ORBCalculator.from_checkpoint`` (random weights saved to a checkpoint first);
 PyNative mode through ``ORBCalculator(model)`` in a script that never set graph mode.
 
-On the CPU a size's first 100 calls run through the one graph for every size and later calls through the size's own
-graph (:mod:`orb.inference.predictor`): both are timed, the second by giving each size its own graph at once."""
+On the CPU a size's first calls (8 s of them) run through the one graph for every size and later calls through the
+size's own graph (:mod:`orb.inference.predictor`): both are timed, the second by giving each size its own graph at
+once."""
 
 import json
 import os
@@ -47,16 +48,17 @@ def time_calls(calc, sizes, steps: int) -> dict:
     return rates
 
 
-def calls_with_own_graphs_after(calls: int, calc, sizes, steps: int) -> dict:
-    """:func:`time_calls` with a size given its own graph after ``calls`` calls of it (0: from its first call, as
-    after 100 calls; a huge number: never, every call through the graph for every size)."""
+def calls_with_own_graphs(own: bool, calc, sizes, steps: int) -> dict:
+    """:func:`time_calls` with each size given its own graph from its first call (``own``, as after 8 s of calls) or
+    never (every call through the graph for every size)."""
     from orb.inference import predictor
 
-    after, predictor.OWN_GRAPH_AFTER = predictor.OWN_GRAPH_AFTER, calls
+    before = predictor.OWN_GRAPH_AFTER, predictor.OWN_GRAPH_AFTER_SECONDS
+    predictor.OWN_GRAPH_AFTER, predictor.OWN_GRAPH_AFTER_SECONDS = (0, 0.0) if own else (10 ** 9, float("inf"))
     try:
         return time_calls(calc, sizes, steps)
     finally:
-        predictor.OWN_GRAPH_AFTER = after
+        predictor.OWN_GRAPH_AFTER, predictor.OWN_GRAPH_AFTER_SECONDS = before
 
 
 def bench_calculator(args) -> None:
@@ -86,9 +88,9 @@ def bench_calculator(args) -> None:
     ours, own, theirs = [], [], []
     every_size = calc.predictor.every_size
     for _ in range(args.rounds):  # alternated: each side's rounds see the same host
-        ours.append(calls_with_own_graphs_after(10 ** 9, calc, sizes, args.steps))
+        ours.append(calls_with_own_graphs(False, calc, sizes, args.steps))
         if every_size:
-            own.append(calls_with_own_graphs_after(0, calc_own, sizes, args.steps))
+            own.append(calls_with_own_graphs(True, calc_own, sizes, args.steps))
         if args.torch_python:
             theirs.append(run_torch(args.torch_python, "torch_calculator.py",
                                     ["--model", args.model, "--sizes", json.dumps(sizes), "--steps", str(args.steps)]))
@@ -98,7 +100,7 @@ def bench_calculator(args) -> None:
     print(f"{args.model}, MindSpore in {args.mode} mode, {args.rounds} alternated round(s), medians; host "
           f"calibration (numpy's BLAS, 1024^3) {calibration(rate_before, rate_after)}; MindSpore's MatMul (1024^3) "
           f"{mindspore_gemm_rate():.0f} GFLOP/s")
-    first = "first 100 calls: the graph for every size" if every_size else "a graph per size"
+    first = "first calls: the graph for every size" if every_size else "a graph per size"
     print(f"| atoms | MindSpore steps/s ({first}) | orb-models {'0.4.2' if v2 else '0.5.5'} ORBCalculator steps/s | "
           f"ratio | MindSpore steps/s (later calls: the size's own graph) | ratio | matrix-multiply work per call "
           f"(GFLOP) | bound at the GEMM rate (steps/s) | MindSpore / PyTorch at |")
