@@ -9,7 +9,7 @@ ASE calculator, data at MPtrj's size, batched relaxation.
     python scripts/benchmark.py failed-job [--rounds 3]
     python scripts/benchmark.py pipeline   [--config C] [--batch 16]
     python scripts/benchmark.py calculator [--model NAME] [--mode graph|pynative] [--torch-python PATH] [--steps 10]
-                                           [--rounds 1] [--profile-ops]
+                                           [--rounds 1] [--profile-phases] [--profile-ops]
     python scripts/benchmark.py gemm       [--repeats 9]
     python scripts/benchmark.py breakdown  [--model NAME] [--steps 6]
     python scripts/benchmark.py counts     [--model NAME] [--rows 20000] [--workers 2]
@@ -106,6 +106,8 @@ def build_parser():
                    "0.5.5's python for orb-v3)")
     p.add_argument("--torch-python", default="")
     p.add_argument("--rounds", type=int, default=1, help="rounds of both sides, alternated (medians are reported)")
+    p.add_argument("--profile-phases", action="store_true", help="then --steps more calls per size, each phase of a "
+                   "call timed: graph building, padding, tensors, the model call, the rest")
     p.add_argument("--profile-ops", action="store_true", help="then 3 more calls per size under MindSpore's profiler: "
                    "each operator type's share of the kernels' time")
     p = sub.add_parser("breakdown")

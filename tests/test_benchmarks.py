@@ -127,3 +127,23 @@ def test_the_restart_benchmark_reads_the_compilations_a_run_reports_and_tells_th
     with pytest.raises(ValueError, match="2 graphs read from a line that reports 3"):
         _finished("training finished in 9.0 s (3 compilations: eval 8x16 1.00s, train 8x16 2.00s; 0 of 3 from the "
                   "compile cache; 2.0 s of it MindSpore compiling or loading graphs, the rest their first runs)")
+
+
+def test_the_calculator_benchmarks_phases_add_up_to_its_calls_and_leave_the_code_as_it_was():
+    """``calculator --profile-phases``: each phase of a call is timed where its function is looked up; the phases
+    and the rest add up to the whole call, the model call is most of it, and every wrapped function is put back."""
+    from benchmarks.calculator import PHASES, phase_times
+    from orb.inference import calculator as calculators, predictor as predictors
+
+    before = [calculators.atoms_to_graph, predictors.pad_batch, predictors.model_inputs,
+              predictors.Predictor.__call__, predictors.Predictor._graph_for, calculators.per_structure]
+    calc = calculators.ORBCalculator.from_checkpoint(os.path.join(ROOT, "data", "demo_pretrained.ckpt"),
+                                                     device_target="CPU")
+    times = phase_times(calc, (2, 1, 1), calls=3)
+    assert set(times) == {name for name, *_ in PHASES} | {"the rest (ASE, the calculator's own code)", "whole call"}
+    parts = [wall for name, (wall, _) in times.items() if name != "whole call"]
+    assert sum(parts) == pytest.approx(times["whole call"][0]) and all(wall >= 0 for wall in parts[:-1])
+    assert times["building the graph (neighbour search)"][0] > 0
+    assert times["the model call and its outputs read"][0] > 0.5 * times["whole call"][0]
+    assert before == [calculators.atoms_to_graph, predictors.pad_batch, predictors.model_inputs,
+                      predictors.Predictor.__call__, predictors.Predictor._graph_for, calculators.per_structure]

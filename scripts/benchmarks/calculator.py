@@ -113,6 +113,9 @@ def bench_calculator(args) -> None:
         ratio = lambda x: f"{x / t:.2f}x" if t else "-"  # noqa: E731
         print(f"| {n} | {mine:.2f} | {f'{t:.2f}' if t else '-'} | {ratio(mine)} | {later:.2f} | {ratio(later)} | "
               f"{gflop[n]:.1f} | {bound:.2f} | {later / bound:.2f} / {f'{t / bound:.2f}' if t else '-'} of it |")
+    if args.profile_phases:
+        print_phases({"the graph for every size": calc, "the size's own graph": calc_own} if every_size
+                     else {"a graph per size": calc}, sizes, args.steps)
     if args.profile_ops:
         print_op_shares(calc_own if every_size else calc, sizes, rate, gflop)  # (the graph most calls run)
 
@@ -157,3 +160,75 @@ def print_op_shares(calc, sizes, rate: float, gflop: dict) -> None:
         print("| operator | ms per call | share |\n|---|---|---|")
         for name, ms in top:
             print(f"| {name} | {ms:.1f} | {ms / total:.1%} |")
+
+
+PHASES = (("building the graph (neighbour search)", "orb.inference.calculator", "", "atoms_to_graph"),
+          ("choosing its shape", "orb.inference.predictor", "Predictor", "_graph_for"),
+          ("padding it", "orb.inference.predictor", "", "pad_batch"),
+          ("host arrays to tensors", "orb.inference.predictor", "", "model_inputs"),
+          ("the model call and its outputs read", "orb.inference.predictor", "Predictor", "__call__"),
+          ("the call's results per structure", "orb.inference.calculator", "", "per_structure"))
+
+
+def phase_times(calc, reps, calls: int) -> dict:
+    """Milliseconds (wall, and CPU time of the whole process) per calculator call in each phase of :data:`PHASES`
+    (the model call's row is the predictor's call less the phases inside it), and the whole call's, over ``calls``
+    calls on a rattled Cu cell of ``reps`` after one untimed call. Each phase's function is wrapped where it is
+    looked up, so the timing adds two clock reads per phase."""
+    import importlib
+    import time as clock
+
+    from ase.build import bulk
+
+    spent = {name: [0.0, 0.0] for name, *_ in PHASES}
+    originals = []
+    for name, module, owner, attribute in PHASES:  # (a class's method, or a module's name where it is looked up)
+        holder = importlib.import_module(module)
+        holder = getattr(holder, owner) if owner else holder
+        original = getattr(holder, attribute)
+
+        def timed(*a, _original=original, _name=name, **k):
+            wall, cpu = clock.perf_counter(), clock.process_time()
+            try:
+                return _original(*a, **k)
+            finally:
+                spent[_name][0] += clock.perf_counter() - wall
+                spent[_name][1] += clock.process_time() - cpu
+
+        originals.append((holder, attribute, original))
+        setattr(holder, attribute, timed)
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(reps)
+    atoms.calc = calc
+    try:
+        atoms.get_forces()
+        for value in spent.values():
+            value[:] = [0.0, 0.0]
+        wall, cpu = clock.perf_counter(), clock.process_time()
+        for i in range(calls):
+            atoms.rattle(0.01, seed=200 + i)
+            atoms.get_forces()
+        total = (clock.perf_counter() - wall, clock.process_time() - cpu)
+    finally:
+        for holder, attribute, original in originals:
+            setattr(holder, attribute, original)
+    model = "the model call and its outputs read"
+    for name in ("choosing its shape", "padding it", "host arrays to tensors"):
+        spent[model] = [m - x for m, x in zip(spent[model], spent[name])]
+    spent["the rest (ASE, the calculator's own code)"] = [t - sum(v[i] for k, v in spent.items()) for i, t in
+                                                          enumerate(total)]
+    spent["whole call"] = list(total)
+    return {name: (1e3 * w / calls, 1e3 * c / calls) for name, (w, c) in spent.items()}
+
+
+def print_phases(calculators: dict, sizes, steps: int) -> None:
+    """Where a calculator call's time goes, by phase, for each calculator and size: ms per call, its share, and the
+    cores it kept busy (process CPU time over wall time: the kernel pool's threads at work)."""
+    for label, calc in calculators.items():
+        for reps in sizes:
+            times = phase_times(calc, reps, max(steps, 3))
+            whole = times["whole call"][0]
+            print(f"{4 * int(np.prod(reps))} atoms, {label}: {whole:.1f} ms per call")
+            print("| phase | ms per call | share | cores busy |\n|---|---|---|---|")
+            for name, (wall, cpu) in times.items():
+                share = "" if name == "whole call" else f"{wall / whole:.1%}"
+                print(f"| {name} | {wall:.1f} | {share} | {cpu / wall if wall > 0.05 else float('nan'):.2f} |")
