@@ -130,8 +130,8 @@ def test_the_restart_benchmark_reads_the_compilations_a_run_reports_and_tells_th
 
 
 def test_the_calculator_benchmarks_phases_add_up_to_its_calls_and_leave_the_code_as_it_was():
-    """``calculator --profile-phases``: each phase of a call is timed where its function is looked up; the phases
-    and the rest add up to the whole call, the model call is most of it, and every wrapped function is put back."""
+    """``calculator --profile-phases``: each phase of a call is timed where its function is looked up (none stays at
+    0), they fit in the whole call, the model call is most of it, and every wrapped function is put back."""
     from benchmarks.calculator import PHASES, phase_times
     from orb.inference import calculator as calculators, predictor as predictors
 
@@ -141,9 +141,8 @@ def test_the_calculator_benchmarks_phases_add_up_to_its_calls_and_leave_the_code
                                                      device_target="CPU")
     times = phase_times(calc, (2, 1, 1), calls=3)
     assert set(times) == {name for name, *_ in PHASES} | {"the rest (ASE, the calculator's own code)", "whole call"}
-    parts = [wall for name, (wall, _) in times.items() if name != "whole call"]
-    assert sum(parts) == pytest.approx(times["whole call"][0]) and all(wall >= 0 for wall in parts[:-1])
-    assert times["building the graph (neighbour search)"][0] > 0
+    assert all(times[name][0] > 0 for name, *_ in PHASES)  # each function wrapped where the calculator calls it
+    assert times["the rest (ASE, the calculator's own code)"][0] >= 0  # (the phases within the whole call)
     assert times["the model call and its outputs read"][0] > 0.5 * times["whole call"][0]
     assert before == [calculators.atoms_to_graph, predictors.pad_batch, predictors.model_inputs,
                       predictors.Predictor.__call__, predictors.Predictor._graph_for, calculators.per_structure]

@@ -112,7 +112,6 @@ def test_the_calculator_computes_orb_mds_bits_and_loads_its_graph_of_a_structure
     from orb.inference import predictor as predictors
 
     monkeypatch.setattr(predictors, "OWN_GRAPH_AFTER", 1)
-    monkeypatch.setattr(predictors, "OWN_GRAPH_AFTER_SECONDS", 0.0)
     graph = atoms_to_graph(molecule("C2H4"), settings=model().cfg.graph_settings())
     assert graph.num_edges == 30  # not on orb-md's grid of shapes (32): the calculator padded it to 40 before
     calculator = predictors.Predictor(model())

@@ -242,7 +242,7 @@ def test_the_calculator_compiles_one_graph_for_structures_of_every_size(name, pr
     """On the CPU the calculator (and orb-relax, orb-evaluate) compiles one prediction graph for structures of every
     size, each padded to orb-md's shape of it: the same bits as orb-md's graph of that shape, whatever came before
     (a conservative orb-v3's forces and stress too, as the gradient of the summed energy there). A shape met more
-    than OWN_GRAPH_AFTER times (and for OWN_GRAPH_AFTER_SECONDS) gets that graph of its own, with the same bits."""
+    than OWN_GRAPH_AFTER times gets that graph of its own, with the same bits."""
     from ase.build import molecule
 
     from orb.data.batching import batch_graphs
@@ -252,7 +252,6 @@ def test_the_calculator_compiles_one_graph_for_structures_of_every_size(name, pr
     from orb.models import create
 
     monkeypatch.setattr(predictors, "OWN_GRAPH_AFTER", 2)
-    monkeypatch.setattr(predictors, "OWN_GRAPH_AFTER_SECONDS", 0.0)
     monkeypatch.setattr(predictors, "OWN_GRAPHS_AT_MOST", 2)
     set_ops_profile(profile)
     try:
@@ -277,38 +276,6 @@ def test_the_calculator_compiles_one_graph_for_structures_of_every_size(name, pr
         assert len(calculator.any_size_cell.compile_cache) == 1  # one graph: MindSpore compiled no size again
     finally:
         set_ops_profile("auto")
-
-
-def test_a_shape_gets_its_own_graph_once_its_calls_through_the_one_for_every_size_took_long_enough(monkeypatch):
-    """A shape took a graph of its own after a count of calls: a small model's 10 ms calls compiled one they would
-    not pay back soon, a full-size model's 300 ms ones paid a compilation's time over first. The rule is now the
-    calls' time: with each call through the graph for every size taking 1 s (a clock that says so), the fourth
-    call of a shape is its last there when OWN_GRAPH_AFTER_SECONDS is 3; another shape is not promoted with it."""
-    import types
-
-    from orb.data.graphs import atoms_to_graph
-    from orb.inference import predictor as predictors
-    from orb.models import create
-
-    model = create("orb_v2", latent_dim=32, mlp_hidden_dim=64, num_message_passing_steps=2, seed=5)
-    if not predictors.Predictor(model).every_size:
-        pytest.fail("the graph for every size is not used on this device")
-    ticks = iter(range(10 ** 6))
-    monkeypatch.setattr(predictors, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
-    monkeypatch.setattr(predictors, "OWN_GRAPH_AFTER", 0)
-    monkeypatch.setattr(predictors, "OWN_GRAPH_AFTER_SECONDS", 3.0)
-    calculator = predictors.Predictor(model)
-    small, large = (atoms_to_graph(bulk("Cu", "fcc", a=3.6, cubic=True).repeat(r), settings=model.cfg.graph_settings())
-                    for r in ((1, 1, 1), (2, 1, 1)))
-    expected = predictors.Predictor(model, reuse=False)(small)
-    for call in range(1, 7):
-        got = calculator(small)
-        own = [bucket for bucket in calculator.compiled if bucket != predictors.EVERY_SIZE]
-        assert len(own) == (call >= 5), (call, calculator.seconds)  # calls 2-4 counted: 3 s
-        for key in expected:
-            np.testing.assert_array_equal(got[key], expected[key], err_msg=f"{key}, call {call}")
-    calculator(large)
-    assert len(calculator.compiled) == 2  # the large cell's first call: the graph for every size
 
 
 def test_without_reuse_a_batch_computes_the_same_bits_whatever_came_before():

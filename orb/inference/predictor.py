@@ -2,8 +2,8 @@
 
 Where MindSpore can (:func:`one_graph_for_every_size`), the calculator, orb-relax and orb-evaluate compile one graph
 for batches of every size: each batch is padded to its own shape (:meth:`Predictor.shape_of`) and run through it. A
-shape that has spent :data:`OWN_GRAPH_AFTER_SECONDS` in it (an MD run, a long relaxation) gets a graph of its own,
-orb-md's, which computes the same bits faster (at most :data:`OWN_GRAPHS_AT_MOST` of them). Elsewhere, and in orb-md,
+shape met more than :data:`OWN_GRAPH_AFTER` times (an MD run, a long relaxation) gets a graph of its own, orb-md's,
+which computes the same bits a little faster (at most :data:`OWN_GRAPHS_AT_MOST` of them). Elsewhere, and in orb-md,
 batches are padded to a bucket shape so that graph mode compiles once per bucket; a batch that outgrows every bucket
 adds a larger one (by ``growth``), which is logged.
 """
@@ -27,13 +27,9 @@ from orb.precision import dynamic_shapes
 
 log = logging.getLogger("orb")
 EVERY_SIZE = "every size"  # the key of the one graph in Predictor.compiled and .sources
-# A shape gets a graph of its own once its calls through the graph for every size have taken this long (and there
-# were more than OWN_GRAPH_AFTER of them): those calls take 5-40 % longer than its own graph's (each operator's shape
-# inferred at run time, docs/benchmarks.md), so by then they have lost 0.4-3.2 s, about what its compilation costs
-# (1.6-2.6 s, full orb-v2 on the CPU). A full-size 64-atom cell gets its graph after ~25 calls, a 256-atom one after
-# ~9; a small model's 10 ms calls, for which a compilation would take long to pay back, after ~800.
-OWN_GRAPH_AFTER_SECONDS = 8.0
-OWN_GRAPH_AFTER = 3
+# Calls of one shape after which it gets a graph of its own: one compilation (1.6-2.6 s, full orb-v2 on the CPU)
+# against the graph for every size's 10-40 ms more per call (docs/benchmarks.md): about a compilation lost at most.
+OWN_GRAPH_AFTER = 100
 # Shapes given a graph of their own, at most: each holds 30-50 MB of the process (docs/benchmarks.md, compile-memory),
 # and a workflow over many sizes (orb-relax over a database) would otherwise keep one per size.
 OWN_GRAPHS_AT_MOST = 8
@@ -76,7 +72,6 @@ class Predictor:
         self.cell = PredictCell(model)  # a graph per shape
         self.any_size_cell = None  # the graph for every size, built at its first use
         self.calls: Dict[Bucket, int] = {}  # calls of each shape, with every_size
-        self.seconds: Dict[Bucket, float] = {}  # their time through the graph for every size
         self.buckets: List[Bucket] = sorted(buckets or [])
         self.growth, self.multiple, self.reuse = growth, multiple, reuse
         self.every_size = reuse and one_graph_for_every_size()
@@ -155,9 +150,6 @@ class Predictor:
                 if first:
                     self.sources[graph] = self._compile(inputs, graph)
                 outputs = (self.any_size_cell if graph == EVERY_SIZE else self.cell)(*inputs)
-            if graph == EVERY_SIZE and not first:  # (what the call took on the device, its outputs read)
-                outputs[0].asnumpy()
-                self.seconds[bucket] = self.seconds.get(bucket, 0.0) + time.perf_counter() - start
             per_graph = lambda t: t.asnumpy()[: len(real)][real].astype(np.float64)  # noqa: E731
             per_node = lambda t: t.asnumpy()[:n_real_nodes].astype(np.float64)  # noqa: E731
             out = {"energy": per_graph(outputs[0]), "forces": per_node(outputs[1])}
@@ -179,8 +171,7 @@ class Predictor:
         bucket = self.shape_of(batch)
         self.calls[bucket] = self.calls.get(bucket, 0) + 1
         own = len(self.compiled) - (EVERY_SIZE in self.compiled)
-        promoted = (self.calls[bucket] > OWN_GRAPH_AFTER and self.seconds.get(bucket, 0.0) >= OWN_GRAPH_AFTER_SECONDS
-                    and own < OWN_GRAPHS_AT_MOST)
+        promoted = self.calls[bucket] > OWN_GRAPH_AFTER and own < OWN_GRAPHS_AT_MOST
         return bucket, (bucket if bucket in self.compiled or promoted else EVERY_SIZE)
 
     def _compile(self, inputs, graph) -> str:

@@ -3,10 +3,10 @@ against orb-models' ORBCalculator (``peer/torch_calculator.py``), MindSpore in g
 through the README's path, ``ORBCalculator.from_checkpoint`` (random weights saved to a checkpoint first);
 PyNative mode through ``ORBCalculator(model)`` in a script that never set graph mode.
 
-On the CPU a size's first calls (8 s of them) run through the one graph for every size and later calls through the
-size's own graph (:mod:`orb.inference.predictor`): both are timed, the second by giving each size its own graph at
-once."""
+On the CPU a size's first 100 calls run through the one graph for every size and later calls through the size's own
+graph (:mod:`orb.inference.predictor`): both are timed, the second by giving each size its own graph at once."""
 
+import contextlib
 import json
 import os
 import tempfile
@@ -48,17 +48,23 @@ def time_calls(calc, sizes, steps: int) -> dict:
     return rates
 
 
-def calls_with_own_graphs(own: bool, calc, sizes, steps: int) -> dict:
-    """:func:`time_calls` with each size given its own graph from its first call (``own``, as after 8 s of calls) or
-    never (every call through the graph for every size)."""
+@contextlib.contextmanager
+def own_graphs(own: bool):
+    """Each size given its own graph from its first call (``own``, as after 100 calls) or never (every call through
+    the graph for every size), whatever the calls before."""
     from orb.inference import predictor
 
-    before = predictor.OWN_GRAPH_AFTER, predictor.OWN_GRAPH_AFTER_SECONDS
-    predictor.OWN_GRAPH_AFTER, predictor.OWN_GRAPH_AFTER_SECONDS = (0, 0.0) if own else (10 ** 9, float("inf"))
+    before, predictor.OWN_GRAPH_AFTER = predictor.OWN_GRAPH_AFTER, 0 if own else 10 ** 9
     try:
-        return time_calls(calc, sizes, steps)
+        yield
     finally:
-        predictor.OWN_GRAPH_AFTER, predictor.OWN_GRAPH_AFTER_SECONDS = before
+        predictor.OWN_GRAPH_AFTER = before
+
+
+def calls_with_own_graphs(own: bool, calc, sizes, steps: int) -> dict:
+    """:func:`time_calls` under :func:`own_graphs`."""
+    with own_graphs(own):
+        return time_calls(calc, sizes, steps)
 
 
 def bench_calculator(args) -> None:
@@ -114,8 +120,8 @@ def bench_calculator(args) -> None:
         print(f"| {n} | {mine:.2f} | {f'{t:.2f}' if t else '-'} | {ratio(mine)} | {later:.2f} | {ratio(later)} | "
               f"{gflop[n]:.1f} | {bound:.2f} | {later / bound:.2f} / {f'{t / bound:.2f}' if t else '-'} of it |")
     if args.profile_phases:
-        print_phases({"the graph for every size": calc, "the size's own graph": calc_own} if every_size
-                     else {"a graph per size": calc}, sizes, args.steps)
+        print_phases({"the graph for every size": (calc, False), "the size's own graph": (calc_own, True)}
+                     if every_size else {"a graph per size": (calc, False)}, sizes, args.steps)
     if args.profile_ops:
         print_op_shares(calc_own if every_size else calc, sizes, rate, gflop)  # (the graph most calls run)
 
@@ -173,33 +179,18 @@ PHASES = (("building the graph (neighbour search)", "orb.inference.calculator", 
 def phase_times(calc, reps, calls: int) -> dict:
     """Milliseconds (wall, and CPU time of the whole process) per calculator call in each phase of :data:`PHASES`
     (the model call's row is the predictor's call less the phases inside it), and the whole call's, over ``calls``
-    calls on a rattled Cu cell of ``reps`` after one untimed call. Each phase's function is wrapped where it is
-    looked up, so the timing adds two clock reads per phase."""
-    import importlib
+    calls on a rattled Cu cell of ``reps`` after one untimed call ("the rest" holds the rattle between calls too).
+    Each phase's function is wrapped where it is looked up, so the timing adds two clock reads per phase."""
     import time as clock
 
     from ase.build import bulk
 
     spent = {name: [0.0, 0.0] for name, *_ in PHASES}
     originals = []
-    for name, module, owner, attribute in PHASES:  # (a class's method, or a module's name where it is looked up)
-        holder = importlib.import_module(module)
-        holder = getattr(holder, owner) if owner else holder
-        original = getattr(holder, attribute)
-
-        def timed(*a, _original=original, _name=name, **k):
-            wall, cpu = clock.perf_counter(), clock.process_time()
-            try:
-                return _original(*a, **k)
-            finally:
-                spent[_name][0] += clock.perf_counter() - wall
-                spent[_name][1] += clock.process_time() - cpu
-
-        originals.append((holder, attribute, original))
-        setattr(holder, attribute, timed)
-    atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(reps)
-    atoms.calc = calc
     try:
+        wrap_phases(spent, originals)
+        atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(reps)
+        atoms.calc = calc
         atoms.get_forces()
         for value in spent.values():
             value[:] = [0.0, 0.0]
@@ -220,12 +211,36 @@ def phase_times(calc, reps, calls: int) -> dict:
     return {name: (1e3 * w / calls, 1e3 * c / calls) for name, (w, c) in spent.items()}
 
 
+def wrap_phases(spent: dict, originals: list) -> None:
+    """Each function of :data:`PHASES` replaced where it is looked up by one adding its wall and CPU time to
+    ``spent[phase]``; each original appended to ``originals`` as it is replaced (for the caller to put back)."""
+    import importlib
+    import time as clock
+
+    for name, module, owner, attribute in PHASES:  # (a class's method, or a module's name where it is looked up)
+        holder = importlib.import_module(module)
+        holder = getattr(holder, owner) if owner else holder
+        original = getattr(holder, attribute)
+
+        def timed(*a, _original=original, _name=name, **k):
+            wall, cpu = clock.perf_counter(), clock.process_time()
+            try:
+                return _original(*a, **k)
+            finally:
+                spent[_name][0] += clock.perf_counter() - wall
+                spent[_name][1] += clock.process_time() - cpu
+
+        originals.append((holder, attribute, original))
+        setattr(holder, attribute, timed)
+
+
 def print_phases(calculators: dict, sizes, steps: int) -> None:
-    """Where a calculator call's time goes, by phase, for each calculator and size: ms per call, its share, and the
-    cores it kept busy (process CPU time over wall time: the kernel pool's threads at work)."""
-    for label, calc in calculators.items():
+    """Where a calculator call's time goes, by phase, for each calculator (``{label: (calculator, own)}``: ``own`` as
+    in :func:`own_graphs`) and size: ms per call, its share, and the cores it kept busy (process CPU time over wall time: the kernel pool's threads at work)."""
+    for label, (calc, own) in calculators.items():
         for reps in sizes:
-            times = phase_times(calc, reps, max(steps, 3))
+            with own_graphs(own):
+                times = phase_times(calc, reps, max(steps, 3))
             whole = times["whole call"][0]
             print(f"{4 * int(np.prod(reps))} atoms, {label}: {whole:.1f} ms per call")
             print("| phase | ms per call | share | cores busy |\n|---|---|---|---|")

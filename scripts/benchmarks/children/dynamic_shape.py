@@ -3,8 +3,8 @@ or ``demo``, the demo checkpoint). Rattled copper cells of 32, 64 and 256 atoms,
 ``RESULT <json>`` with the first compilation, each size's first call and median call, and the energies and forces of
 fixed geometries (for the parent to compare the modes).
 
-``per-shape``: a graph per padded shape (orb-md's; the calculator's for a shape whose calls took
-``OWN_GRAPH_AFTER_SECONDS``, and on devices without the graph for every size). ``every-size``: the calculator's graph for structures of
+``per-shape``: a graph per padded shape (orb-md's; the calculator's for a shape met more than ``OWN_GRAPH_AFTER``
+times, and on devices without the graph for every size). ``every-size``: the calculator's graph for structures of
 every size (:func:`orb.inference.predictor.one_graph_for_every_size`), kept for every call here."""
 
 import json
