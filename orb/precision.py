@@ -27,6 +27,7 @@ Like the operator profile (:mod:`orb.models.ops_profile`), the precision in forc
 the one it computes in.
 """
 
+import threading
 from contextlib import contextmanager
 from typing import Optional
 
@@ -104,23 +105,25 @@ def sum_form() -> str:
     return _sum_form["name"]
 
 
-_EVERY_SIZE = {"on": False}
+_EVERY_SIZE = threading.local()  # per thread: MindSpore traces a graph in the thread that calls it
 
 
 @contextmanager
 def dynamic_shapes():
-    """Graphs traced meanwhile take inputs of any size (``Cell.set_inputs`` with unknown lengths): their segment sums
-    and a conservative model's gradient take forms MindSpore accepts there (:mod:`orb.models.sums`)."""
-    before, _EVERY_SIZE["on"] = _EVERY_SIZE["on"], True
+    """Graphs this thread traces meanwhile take inputs of any size (``Cell.set_inputs`` with unknown lengths): their
+    segment sums and a conservative model's gradient take forms MindSpore accepts there (:mod:`orb.models.sums`;
+    the gradient's form is for prediction only). Another thread's graphs, a training step compiled beside a
+    calculator's call, are traced as before."""
+    before, _EVERY_SIZE.on = traced_for_every_size(), True
     try:
         yield
     finally:
-        _EVERY_SIZE["on"] = before
+        _EVERY_SIZE.on = before
 
 
 def traced_for_every_size() -> bool:
-    """Whether the graph being traced takes inputs of any size (:func:`dynamic_shapes`)."""
-    return _EVERY_SIZE["on"]
+    """Whether the graph this thread is tracing takes inputs of any size (:func:`dynamic_shapes`)."""
+    return getattr(_EVERY_SIZE, "on", False)
 
 
 def is_mixed(name: Optional[str] = None) -> bool:

@@ -514,3 +514,29 @@ def test_only_settings_that_decide_values_inputs_or_shapes_leave_a_graphs_key():
     for key, value in (("loss_weights.energy", 2.0), ("replay.head", "separate"), ("online_normalisation", False),
                        ("gradient_clip_val", 1.0)):
         assert settings(key, value) != reference, key
+
+
+def test_a_graph_for_every_size_is_traced_so_in_its_own_thread_only():
+    """While a calculator's call traces its graph for every size (dynamic_shapes), a training step compiled in
+    another thread was traced in that form too (the setting was the process's): a conservative orb-v3 model's
+    gradient of the summed energy, which cuts the energy and confidence losses' gradients. It is per thread now."""
+    import threading
+
+    from orb.precision import dynamic_shapes, traced_for_every_size
+
+    inside, seen = threading.Event(), {}
+    leave = threading.Event()
+
+    def calculator_call():
+        with dynamic_shapes():
+            seen["calculator"] = traced_for_every_size()
+            inside.set()
+            leave.wait(timeout=60)
+
+    thread = threading.Thread(target=calculator_call)
+    thread.start()
+    assert inside.wait(timeout=60)
+    seen["training"] = traced_for_every_size()  # this thread, meanwhile
+    leave.set()
+    thread.join()
+    assert seen == {"calculator": True, "training": False} and not traced_for_every_size()

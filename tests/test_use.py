@@ -278,6 +278,41 @@ def test_the_calculator_compiles_one_graph_for_structures_of_every_size(name, pr
         set_ops_profile("auto")
 
 
+def test_a_graph_for_every_size_that_fails_is_said_once_and_the_calculator_goes_on_with_a_graph_per_shape(
+        monkeypatch, caplog):
+    """A model or setting on which MindSpore refused the graph for every size failed every calculator call (each
+    building and compiling it again), where a graph per shape works: now the first failure is one warning, and
+    every call, the first included, computes what a calculator with a graph per shape does."""
+    import logging
+
+    from orb.data.graphs import atoms_to_graph
+    from orb.inference import predictor as predictors
+    from orb.models import create
+
+    model = create("orb_v2", latent_dim=32, mlp_hidden_dim=64, num_message_passing_steps=2, seed=6)
+    tries = []
+
+    def refused(inputs):
+        tries.append(len(inputs))
+        raise RuntimeError("The shape of sense must not be dynamic shape.\n(MindSpore's C++ trace)")
+
+    per_shape = predictors.Predictor(model)
+    per_shape.every_size = False  # (as on a device without the graph for every size)
+    monkeypatch.setattr(predictors, "any_size", refused)
+    calculator = predictors.Predictor(model)
+    assert calculator.every_size
+    with caplog.at_level(logging.WARNING, logger="orb"):
+        for repeat in ((1, 1, 1), (2, 1, 1), (1, 1, 1)):
+            graph = atoms_to_graph(bulk("Cu", "fcc", a=3.6, cubic=True).repeat(repeat),
+                                   settings=model.cfg.graph_settings())
+            got, expected = calculator(graph), per_shape(graph)
+            for key in expected:
+                np.testing.assert_array_equal(got[key], expected[key], err_msg=f"{key}, {repeat}")
+    warnings = [r.getMessage() for r in caplog.records if "every size failed" in r.getMessage()]
+    assert len(tries) == 1 and len(warnings) == 1 and "RuntimeError: The shape of sense" in warnings[0], warnings
+    assert predictors.EVERY_SIZE not in calculator.compiled and not calculator.every_size
+
+
 def test_without_reuse_a_batch_computes_the_same_bits_whatever_came_before():
     """A resumed orb-md run differed from the uninterrupted one in the last bits (kinetic energy 0.5711938863 vs
     ...867): the padded shape, hence the float32 products' blocking, came from the batches this process had seen

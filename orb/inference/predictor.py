@@ -21,6 +21,7 @@ from orb.data.batching import pad_batch
 from orb.data.graphs import AtomGraphs
 from orb.data.tensors import model_inputs
 from orb.device import graph_mode
+from orb.errors import OrbInputError
 from orb.graph_cache import compile_cell
 from orb.models.cells import PredictCell
 from orb.precision import dynamic_shapes
@@ -136,31 +137,49 @@ class Predictor:
         model without a stress head: its zeros are no prediction), and for orb-v3 ``confidence`` (N, 50): the
         predicted distribution of each atom's force error over 0-0.3 eV/Å. :func:`per_structure` splits it."""
         check_batch_for_model(self.model.cfg, batch)
+        with graph_mode():  # (a caller in PyNative mode too: the compiled graph, from the compile cache; and one
+            # thread at a time: another's calls cannot compile the same graph again; dynamic_shapes is per thread)
+            try:
+                return self._predict(batch)
+            except OrbInputError:
+                raise
+            except Exception as exc:  # noqa: BLE001 (MindSpore's errors have no common type)
+                if not self.every_size or EVERY_SIZE in self.compiled:
+                    raise
+                # a model or setting on which MindSpore refuses the graph for every size (a case not measured):
+                # a graph per shape, as on other devices, said once, instead of failing every call
+                reason = (str(exc).strip().splitlines() or [""])[0][:200]
+                log.warning("the prediction graph for structures of every size failed (%s: %s): compiling a graph "
+                            "per shape instead", type(exc).__name__, reason)
+                self.every_size, self.any_size_cell = False, None
+                self.sources.pop(EVERY_SIZE, None)
+                return self._predict(batch)
+
+    def _predict(self, batch: AtomGraphs) -> Dict[str, np.ndarray]:
+        """:meth:`__call__` in graph mode, its batch checked."""
         real = batch.graph_mask
         n_real_nodes = int(batch.n_node[real].sum())
-        with graph_mode():  # (a caller in PyNative mode too: the compiled graph, from the compile cache; and one
-            # thread at a time: another's calls cannot compile the same graph again, nor trace beside dynamic_shapes)
-            bucket, graph = self._graph_for(batch)
-            padded = pad_batch(batch, bucket.num_nodes, bucket.num_edges, bucket.num_graphs)
-            start = time.perf_counter()
-            inputs = model_inputs(padded)
-            first = graph not in self.compiled
-            with dynamic_shapes() if graph == EVERY_SIZE else contextlib.nullcontext():  # (also when MindSpore
-                # traces the graph again by itself: a process-wide setting changed since)
-                if first:
-                    self.sources[graph] = self._compile(inputs, graph)
-                outputs = (self.any_size_cell if graph == EVERY_SIZE else self.cell)(*inputs)
-            per_graph = lambda t: t.asnumpy()[: len(real)][real].astype(np.float64)  # noqa: E731
-            per_node = lambda t: t.asnumpy()[:n_real_nodes].astype(np.float64)  # noqa: E731
-            out = {"energy": per_graph(outputs[0]), "forces": per_node(outputs[1])}
-            if self.model.cfg.has_stress:
-                out["stress"] = per_graph(outputs[2])
-            if len(outputs) > 3:
-                out["confidence"] = per_node(outputs[3])
+        bucket, graph = self._graph_for(batch)
+        padded = pad_batch(batch, bucket.num_nodes, bucket.num_edges, bucket.num_graphs)
+        start = time.perf_counter()
+        inputs = model_inputs(padded)
+        first = graph not in self.compiled
+        with dynamic_shapes() if graph == EVERY_SIZE else contextlib.nullcontext():  # (also when MindSpore
+            # traces the graph again by itself: a process-wide setting changed since)
             if first:
-                self.compiled[graph] = time.perf_counter() - start
-                log.debug("compiled inference for %s in %.1f s (%s)", graph, self.compiled[graph],
-                          self.sources.get(graph, "uncached"))
+                self.sources[graph] = self._compile(inputs, graph)
+            outputs = (self.any_size_cell if graph == EVERY_SIZE else self.cell)(*inputs)
+        per_graph = lambda t: t.asnumpy()[: len(real)][real].astype(np.float64)  # noqa: E731
+        per_node = lambda t: t.asnumpy()[:n_real_nodes].astype(np.float64)  # noqa: E731
+        out = {"energy": per_graph(outputs[0]), "forces": per_node(outputs[1])}
+        if self.model.cfg.has_stress:
+            out["stress"] = per_graph(outputs[2])
+        if len(outputs) > 3:
+            out["confidence"] = per_node(outputs[3])
+        if first:
+            self.compiled[graph] = time.perf_counter() - start
+            log.debug("compiled inference for %s in %.1f s (%s)", graph, self.compiled[graph],
+                      self.sources.get(graph, "uncached"))
         return out
 
     def _graph_for(self, batch: AtomGraphs):

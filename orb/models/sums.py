@@ -31,6 +31,8 @@ _POWERS = Tensor(np.ldexp(np.float32(1.0), np.arange(_GRID_EXPONENTS[0], _GRID_E
 _INVERSE_POWERS = Tensor(np.ldexp(np.float32(1.0), -np.arange(_GRID_EXPONENTS[0],
                                                                _GRID_EXPONENTS[1] + 1)).astype(np.float32))
 _INV_LN2 = 1.0 / math.log(2.0)
+
+
 def scatter_sum(data: Tensor, segment_ids: Tensor, num_segments) -> Tensor:
     """Rows of ``data`` summed per segment in the data's type (``ops.unsorted_segment_sum``); in a graph traced under
     :func:`orb.precision.dynamic_shapes`, added into zeros of ``num_segments`` rows (a length known only at run time)."""
