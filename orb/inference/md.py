@@ -52,9 +52,7 @@ class Dynamics:
         from orb.inference.predictor import Predictor
 
         self.model, self.args, self.dispersion = model, args, dispersion
-        # a resumed run computes as an uninterrupted one: each batch in its own shape, through the graph for every
-        # size (a shape met more than 100 times: its own graph, the same bits)
-        self.predictor = Predictor(model, reuse=False, every_size=True)
+        self.predictor = Predictor(model, reuse=False)  # a resumed run computes as an uninterrupted one
         self.stop_requested = False
         self.uncertain = None
         self.integrator_name = {"nve": "VelocityVerlet", "npt": "NPTBerendsen"}.get(

@@ -1,11 +1,11 @@
 """Compiled inference: energies, forces and stresses in physical units for any batch size.
 
-Where MindSpore can (:func:`one_graph_for_every_size`), the calculator, orb-relax, orb-evaluate and orb-md compile
-one graph for batches of every size: each batch is padded to its own shape (:meth:`Predictor.shape_of`) and run
-through it. A shape met more than :data:`OWN_GRAPH_AFTER` times (an MD run, a long relaxation) gets a graph of its
-own, which computes the same bits faster (at most :data:`OWN_GRAPHS_AT_MOST` of them). Elsewhere batches are padded
-to a bucket shape so that graph mode compiles once per bucket (orb-md: once per batch shape); a batch that outgrows
-every bucket adds a larger one (by ``growth``), which is logged.
+Where MindSpore can (:func:`one_graph_for_every_size`), the calculator, orb-relax and orb-evaluate compile one graph
+for batches of every size: each batch is padded to its own shape (:meth:`Predictor.shape_of`) and run through it. A
+shape met more than :data:`OWN_GRAPH_AFTER` times (an MD run, a long relaxation) gets a graph of its own, orb-md's,
+which computes the same bits a little faster (at most :data:`OWN_GRAPHS_AT_MOST` of them). Elsewhere, and in orb-md,
+batches are padded to a bucket shape so that graph mode compiles once per bucket; a batch that outgrows every bucket
+adds a larger one (by ``growth``), which is logged.
 """
 
 import contextlib
@@ -59,15 +59,13 @@ class Predictor:
     """Pads batches to their own or to reusable bucket shapes and runs the compiled forward pass."""
 
     def __init__(self, model, buckets: Optional[List[Bucket]] = None, growth: float = 1.25, multiple: int = 8,
-                 reuse: bool = True, every_size: Optional[bool] = None):
+                 reuse: bool = True):
         """``reuse``: a batch may take any known bucket it fits (fewest compilations: a relaxation's or an evaluation's
         batches of changing sizes). Without it a batch's shape is a function of the batch alone
         (:meth:`shape_of`): the padding changes the float32 products' blocking, hence their last bits, so a
         resumed run, whose process has not seen the earlier batches, computes what an uninterrupted one did
         (orb-md; not the calculator, which meets structures of many sizes: a shape for each cost 2.2x the time).
-        With ``reuse``, where :func:`one_graph_for_every_size`, one graph takes every batch at its own shape.
-        ``every_size``: whether to (default: with ``reuse``); orb-md asks for it without ``reuse``, since that graph
-        computes each shape's own graph's bits: a new batch shape costs a call, not a compilation."""
+        With ``reuse``, where :func:`one_graph_for_every_size`, one graph takes every batch at its own shape."""
         from orb.models import is_float64_model
 
         self.model = model
@@ -77,7 +75,7 @@ class Predictor:
         self.calls: Dict[Bucket, int] = {}  # calls of each shape, with every_size
         self.buckets: List[Bucket] = sorted(buckets or [])
         self.growth, self.multiple, self.reuse = growth, multiple, reuse
-        self.every_size = (reuse if every_size is None else every_size) and one_graph_for_every_size()
+        self.every_size = reuse and one_graph_for_every_size()
         self.compiled: Dict[object, float] = {}  # each bucket's compilation, or EVERY_SIZE's
         self.sources: Dict[object, str] = {}  # where each bucket's graph came from (orb.graph_cache), or EVERY_SIZE's
 
