@@ -3,7 +3,7 @@
 Where MindSpore can (:func:`one_graph_for_every_size`), the calculator, orb-relax and orb-evaluate compile one graph
 for batches of every size: each batch is padded to its own shape (:meth:`Predictor.shape_of`) and run through it. A
 shape met more than :data:`OWN_GRAPH_AFTER` times (an MD run, a long relaxation) gets a graph of its own, orb-md's,
-which computes the same bits a little faster (at most :data:`OWN_GRAPHS_AT_MOST` of them). Elsewhere, and in orb-md,
+which computes the same bits faster (at most :data:`OWN_GRAPHS_AT_MOST` of them). Elsewhere, and in orb-md,
 batches are padded to a bucket shape so that graph mode compiles once per bucket; a batch that outgrows every bucket
 adds a larger one (by ``growth``), which is logged.
 """
@@ -29,7 +29,8 @@ from orb.precision import dynamic_shapes
 log = logging.getLogger("orb")
 EVERY_SIZE = "every size"  # the key of the one graph in Predictor.compiled and .sources
 # Calls of one shape after which it gets a graph of its own: one compilation (1.6-2.6 s, full orb-v2 on the CPU)
-# against the graph for every size's 10-40 ms more per call (docs/benchmarks.md): about a compilation lost at most.
+# against the graph for every size's 10-130 ms more per call (docs/benchmarks.md, ASE calculator: a cost per operator
+# more than per atom), so that the two are about even by then.
 OWN_GRAPH_AFTER = 100
 # Shapes given a graph of their own, at most: each holds 30-50 MB of the process (docs/benchmarks.md, compile-memory),
 # and a workflow over many sizes (orb-relax over a database) would otherwise keep one per size.

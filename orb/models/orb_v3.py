@@ -25,11 +25,11 @@ from orb.models import reference_energies
 from orb.models.blocks import MLP, segment_mean, segment_sum
 from orb.models.primitives import Broadcasts
 from orb.models.sums import gather_per_segment, segment_total
-from orb.precision import traced_for_every_size
 from orb.models.repulsion import PairRepulsion, per_volume, voigt
 from orb.models.config import ModelConfig
 from orb.models.gns import (AtomEmbedding, AttentionInteraction, Decoder, Encoder, LinearReferenceEnergy, OrbModel,
                             ScalarNormalizer, count_parameters, polynomial_envelope, remove_net_torque, style)
+from orb.precision import traced_for_every_size
 
 SH_COMPONENTS = 16  # real spherical harmonics up to l = 3
 CONFIDENCE_BINS = 50
