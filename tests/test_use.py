@@ -242,7 +242,11 @@ def test_the_calculator_compiles_one_graph_for_structures_of_every_size(name, pr
     """On the CPU the calculator (and orb-relax, orb-evaluate) compiles one prediction graph for structures of every
     size, each padded to orb-md's shape of it: the same bits as orb-md's graph of that shape, whatever came before
     (a conservative orb-v3's forces and stress too, as the gradient of the summed energy there). A shape met more
-    than OWN_GRAPH_AFTER times gets that graph of its own, with the same bits."""
+    than OWN_GRAPH_AFTER times gets that graph of its own, with the same bits; beyond OWN_GRAPHS_AT_MOST shapes, the
+    graph of the one used longest ago is let go (its cell freed) and that shape earns its own again by its calls."""
+    import gc
+    import weakref
+
     from ase.build import molecule
 
     from orb.data.batching import batch_graphs
@@ -265,14 +269,26 @@ def test_the_calculator_compiles_one_graph_for_structures_of_every_size(name, pr
             structures = [atoms, molecule("CH4")] if repeat == (2, 1, 1) else [atoms]
             batches.append(batch_graphs([atoms_to_graph(a, settings=model.cfg.graph_settings()) for a in structures]))
         md = predictors.Predictor(model, reuse=False)  # orb-md's: each batch in its own shape, whatever came before
+        def same_as_md(batch, note):
+            got, expected = calculator(batch), md(batch)
+            for key in expected:
+                np.testing.assert_array_equal(got[key], expected[key], err_msg=f"{key}, {note}")
+
         for calls in (1, 2, 3):  # the third call of a shape runs its own graph
             for batch in batches:
-                got, expected = calculator(batch), md(batch)
-                for key in expected:
-                    np.testing.assert_array_equal(got[key], expected[key], err_msg=f"{key}, call {calls}")
-            own = {bucket for bucket in calculator.compiled if bucket != predictors.EVERY_SIZE}
+                same_as_md(batch, f"call {calls}")
             assert predictors.EVERY_SIZE in calculator.compiled
-            assert len(own) == (2 if calls == 3 else 0), (calls, calculator.compiled)  # (the 3rd: at most 2 own)
+            assert len(calculator.own_graphs) == (2 if calls == 3 else 0), (calls, calculator.own_graphs)
+        shapes = [calculator.shape_of(batch) for batch in batches]
+        assert list(calculator.own_graphs) == shapes[1:]  # the third's own graph took the first's place
+        assert calculator.calls[shapes[0]] == 0
+        freed = weakref.ref(calculator.own_graphs[shapes[1]])
+        same_as_md(batches[2], "the newest own graph again")
+        for calls in (1, 2, 3):  # the first shape earns its own graph again; the second's, used longest ago, goes
+            same_as_md(batches[0], f"the first shape again, call {calls}")
+            assert list(calculator.own_graphs) == (shapes[1:] if calls < 3 else [shapes[2], shapes[0]]), calls
+        gc.collect()
+        assert freed() is None  # the cell and with it its graph: memory bounded by OWN_GRAPHS_AT_MOST
         assert len(calculator.any_size_cell.compile_cache) == 1  # one graph: MindSpore compiled no size again
     finally:
         set_ops_profile("auto")

@@ -3,11 +3,13 @@
 Where MindSpore can (:func:`one_graph_for_every_size`), the calculator, orb-relax and orb-evaluate compile one graph
 for batches of every size: each batch is padded to its own shape (:meth:`Predictor.shape_of`) and run through it. A
 shape met more than :data:`OWN_GRAPH_AFTER` times (an MD run, a long relaxation) gets a graph of its own, orb-md's,
-which computes the same bits faster (at most :data:`OWN_GRAPHS_AT_MOST` of them). Elsewhere, and in orb-md,
+which computes the same bits faster: the :data:`OWN_GRAPHS_AT_MOST` shapes used last keep theirs (a workflow over many
+sizes moves on from one to the next). Elsewhere, and in orb-md,
 batches are padded to a bucket shape so that graph mode compiles once per bucket; a batch that outgrows every bucket
 adds a larger one (by ``growth``), which is logged.
 """
 
+import collections
 import contextlib
 import logging
 import math
@@ -32,8 +34,10 @@ EVERY_SIZE = "every size"  # the key of the one graph in Predictor.compiled and 
 # against the graph for every size's 10-130 ms more per call (docs/benchmarks.md, ASE calculator: a cost per operator
 # more than per atom), so that the two are about even by then.
 OWN_GRAPH_AFTER = 100
-# Shapes given a graph of their own, at most: each holds 30-50 MB of the process (docs/benchmarks.md, compile-memory),
-# and a workflow over many sizes (orb-relax over a database) would otherwise keep one per size.
+# Shapes that keep a graph of their own, at most: each holds 30-50 MB of the process (docs/benchmarks.md,
+# compile-memory), and a workflow over many sizes (orb-relax over a database) would otherwise keep one per size. A
+# shape promoted beyond them takes the place of the one used longest ago, whose count of calls starts again, so that
+# shapes taking turns earn each compilation with OWN_GRAPH_AFTER calls again.
 OWN_GRAPHS_AT_MOST = 8
 
 
@@ -74,6 +78,9 @@ class Predictor:
         self.cell = PredictCell(model)  # a graph per shape
         self.any_size_cell = None  # the graph for every size, built at its first use
         self.calls: Dict[Bucket, int] = {}  # calls of each shape, with every_size
+        # with every_size, the shapes with a graph of their own, each in a cell of its own (freed with it), the one
+        # used longest ago first
+        self.own_graphs: "collections.OrderedDict[Bucket, PredictCell]" = collections.OrderedDict()
         self.buckets: List[Bucket] = sorted(buckets or [])
         self.growth, self.multiple, self.reuse = growth, multiple, reuse
         self.every_size = reuse and one_graph_for_every_size()
@@ -160,16 +167,16 @@ class Predictor:
         """:meth:`__call__` in graph mode, its batch checked."""
         real = batch.graph_mask
         n_real_nodes = int(batch.n_node[real].sum())
-        bucket, graph = self._graph_for(batch)
+        bucket, graph, cell = self._graph_for(batch)
         padded = pad_batch(batch, bucket.num_nodes, bucket.num_edges, bucket.num_graphs)
         start = time.perf_counter()
         inputs = model_inputs(padded)
-        first = graph not in self.compiled
+        first = cell is None or (graph not in self.compiled and graph not in self.own_graphs)
         with dynamic_shapes() if graph == EVERY_SIZE else contextlib.nullcontext():  # (also when MindSpore
             # traces the graph again by itself: a process-wide setting changed since)
             if first:
-                self.sources[graph] = self._compile(inputs, graph)
-            outputs = (self.any_size_cell if graph == EVERY_SIZE else self.cell)(*inputs)
+                cell, self.sources[graph] = self._compile(inputs, graph, cell)
+            outputs = cell(*inputs)
         per_graph = lambda t: t.asnumpy()[: len(real)][real].astype(np.float64)  # noqa: E731
         per_node = lambda t: t.asnumpy()[:n_real_nodes].astype(np.float64)  # noqa: E731
         out = {"energy": per_graph(outputs[0]), "forces": per_node(outputs[1])}
@@ -184,24 +191,41 @@ class Predictor:
         return out
 
     def _graph_for(self, batch: AtomGraphs):
-        """(the shape ``batch`` is padded to, the graph that runs it: that shape's, or :data:`EVERY_SIZE`)."""
+        """(the shape ``batch`` is padded to, the graph that runs it: that shape's, or :data:`EVERY_SIZE`, the cell
+        that holds it, or None: a shape's own, to be built)."""
         if not (self.every_size and one_graph_for_every_size()):  # (the sums' form is read at each trace)
             bucket = self.bucket_for(batch)
-            return bucket, bucket
+            return bucket, bucket, self.cell
         bucket = self.shape_of(batch)
         self.calls[bucket] = self.calls.get(bucket, 0) + 1
-        own = len(self.compiled) - (EVERY_SIZE in self.compiled)
-        promoted = self.calls[bucket] > OWN_GRAPH_AFTER and own < OWN_GRAPHS_AT_MOST
-        return bucket, (bucket if bucket in self.compiled or promoted else EVERY_SIZE)
+        if bucket in self.own_graphs:
+            self.own_graphs.move_to_end(bucket)
+            return bucket, bucket, self.own_graphs[bucket]
+        if self.calls[bucket] <= OWN_GRAPH_AFTER or OWN_GRAPHS_AT_MOST < 1:
+            return bucket, EVERY_SIZE, self.any_size_cell
+        while len(self.own_graphs) >= OWN_GRAPHS_AT_MOST:
+            oldest, _ = self.own_graphs.popitem(last=False)  # its graph goes with its cell
+            self.calls[oldest] = 0
+            log.debug("prediction graph of %s let go for %s's (at most %d shapes keep their own)", oldest, bucket,
+                      OWN_GRAPHS_AT_MOST)
+        return bucket, bucket, None
 
-    def _compile(self, inputs, graph) -> str:
-        """Graph ``graph`` (a shape's, or :data:`EVERY_SIZE`: for inputs of any size) for ``inputs``."""
+    def _compile(self, inputs, graph, cell):
+        """(the cell holding graph ``graph`` for ``inputs``: a shape's, or :data:`EVERY_SIZE`: for inputs of any size,
+        where it came from: :func:`compile_cell`). With the graph for every size, a shape's own graph is a new cell,
+        kept in :attr:`own_graphs`; elsewhere ``cell``, which compiles a graph per shape."""
         if graph != EVERY_SIZE:
-            return compile_cell(self.cell, *inputs, kind="predict", settings=("predict",))
+            if cell is not None:
+                return cell, compile_cell(cell, *inputs, kind="predict", settings=("predict",))
+            cell = PredictCell(self.model)
+            source = compile_cell(cell, *inputs, kind="predict", settings=("predict",))
+            self.own_graphs[graph] = cell  # (once compiled: a failed compilation keeps no cell)
+            return cell, source
         placeholders = any_size(inputs)
         self.any_size_cell = PredictCell(self.model)
         self.any_size_cell.set_inputs(*placeholders)
-        return compile_cell(self.any_size_cell, *placeholders, kind="predict", settings=("predict",))
+        return self.any_size_cell, compile_cell(self.any_size_cell, *placeholders, kind="predict",
+                                                settings=("predict",))
 
 
 def per_structure(out: Dict[str, np.ndarray], sizes: Sequence[int], periodic: Optional[Sequence[bool]] = None
