@@ -3,10 +3,10 @@
 Where MindSpore can (:func:`one_graph_for_every_size`), the calculator, orb-relax and orb-evaluate compile one graph
 for batches of every size: each batch is padded to its own shape (:meth:`Predictor.shape_of`) and run through it. A
 shape met more than :data:`OWN_GRAPH_AFTER` times (an MD run, a long relaxation) gets a graph of its own, orb-md's,
-which computes the same bits faster: the :data:`OWN_GRAPHS_AT_MOST` shapes used last keep theirs (a workflow over many
-sizes moves on from one to the next). Elsewhere, and in orb-md,
-batches are padded to a bucket shape so that graph mode compiles once per bucket; a batch that outgrows every bucket
-adds a larger one (by ``growth``), which is logged.
+which computes the same bits faster: of those, the :data:`OWN_GRAPHS_AT_MOST` used last keep theirs (a workflow over
+many sizes moves on from one to the next). Elsewhere, and in orb-md, batches are padded to a bucket shape so that
+graph mode compiles once per bucket; a batch that outgrows every bucket adds a larger one (by ``growth``), which is
+logged.
 """
 
 import collections
@@ -84,7 +84,7 @@ class Predictor:
         self.buckets: List[Bucket] = sorted(buckets or [])
         self.growth, self.multiple, self.reuse = growth, multiple, reuse
         self.every_size = reuse and one_graph_for_every_size()
-        self.compiled: Dict[object, float] = {}  # each bucket's compilation, or EVERY_SIZE's
+        self.compiled: Dict[object, float] = {}  # each graph held: its bucket's compilation, or EVERY_SIZE's
         self.sources: Dict[object, str] = {}  # where each bucket's graph came from (orb.graph_cache), or EVERY_SIZE's
 
     def bucket_for(self, batch: AtomGraphs) -> Bucket:
@@ -171,7 +171,7 @@ class Predictor:
         padded = pad_batch(batch, bucket.num_nodes, bucket.num_edges, bucket.num_graphs)
         start = time.perf_counter()
         inputs = model_inputs(padded)
-        first = cell is None or (graph not in self.compiled and graph not in self.own_graphs)
+        first = cell is None or graph not in self.compiled
         with dynamic_shapes() if graph == EVERY_SIZE else contextlib.nullcontext():  # (also when MindSpore
             # traces the graph again by itself: a process-wide setting changed since)
             if first:
@@ -194,6 +194,8 @@ class Predictor:
         """(the shape ``batch`` is padded to, the graph that runs it: that shape's, or :data:`EVERY_SIZE`, the cell
         that holds it, or None: a shape's own, to be built)."""
         if not (self.every_size and one_graph_for_every_size()):  # (the sums' form is read at each trace)
+            while self.own_graphs:  # (their shapes' graphs are not self.cell's)
+                self._let_go(next(iter(self.own_graphs)))
             bucket = self.bucket_for(batch)
             return bucket, bucket, self.cell
         bucket = self.shape_of(batch)
@@ -203,12 +205,14 @@ class Predictor:
             return bucket, bucket, self.own_graphs[bucket]
         if self.calls[bucket] <= OWN_GRAPH_AFTER or OWN_GRAPHS_AT_MOST < 1:
             return bucket, EVERY_SIZE, self.any_size_cell
-        while len(self.own_graphs) >= OWN_GRAPHS_AT_MOST:
-            oldest, _ = self.own_graphs.popitem(last=False)  # its graph goes with its cell
-            self.calls[oldest] = 0
-            log.debug("prediction graph of %s let go for %s's (at most %d shapes keep their own)", oldest, bucket,
-                      OWN_GRAPHS_AT_MOST)
         return bucket, bucket, None
+
+    def _let_go(self, bucket: Bucket) -> None:
+        """Free ``bucket``'s own graph (with its cell); its calls count again towards one."""
+        del self.own_graphs[bucket]
+        self.compiled.pop(bucket, None)
+        self.sources.pop(bucket, None)
+        self.calls[bucket] = 0
 
     def _compile(self, inputs, graph, cell):
         """(the cell holding graph ``graph`` for ``inputs``: a shape's, or :data:`EVERY_SIZE`: for inputs of any size,
@@ -219,7 +223,11 @@ class Predictor:
                 return cell, compile_cell(cell, *inputs, kind="predict", settings=("predict",))
             cell = PredictCell(self.model)
             source = compile_cell(cell, *inputs, kind="predict", settings=("predict",))
-            self.own_graphs[graph] = cell  # (once compiled: a failed compilation keeps no cell)
+            while len(self.own_graphs) >= OWN_GRAPHS_AT_MOST:  # (once compiled: a failed compilation lets none go)
+                log.debug("prediction graph of %s let go for %s's (at most %d shapes keep their own)",
+                          next(iter(self.own_graphs)), graph, OWN_GRAPHS_AT_MOST)
+                self._let_go(next(iter(self.own_graphs)))
+            self.own_graphs[graph] = cell
             return cell, source
         placeholders = any_size(inputs)
         self.any_size_cell = PredictCell(self.model)
