@@ -14,7 +14,9 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from orb.models import sums
 from orb.device import ops_profile
+from orb.models import kernels
 from orb.models.ops_profile import activation as profile_activation
+from orb.models.ops_profile import custom_kernel_library
 from orb.precision import half_rounding, is_float64, numpy_dtype
 from orb.models.primitives import MATMUL as _MATMUL
 from orb.models.primitives import cpu_column as _cpu_column
@@ -161,9 +163,14 @@ class _CpuLayerNorm(nn.Cell):
     def __init__(self, eps: float):
         super().__init__()
         self.eps = eps
+        path = custom_kernel_library()
         self.norm = ops.LayerNorm(begin_norm_axis=-1, begin_params_axis=-1, epsilon=eps)
+        self.fused = path is not None  # the library's kernel: a row at a time, 10x MindSpore's CPU LayerNorm
+        self.kernel = kernels.layer_norm_op(path, eps) if self.fused else None
 
     def construct(self, x, weight, bias):
+        if self.fused:
+            return self.kernel(x, weight, bias)
         return self.norm(x, weight, bias)[0]
 
     def bprop(self, x, weight, bias, out, dout):
@@ -227,8 +234,13 @@ class _CpuRMSNorm(nn.Cell):
     def __init__(self, eps: float):
         super().__init__()
         self.eps = eps
+        path = custom_kernel_library()
+        self.fused = path is not None  # the library's kernel, one pass a row in place of seven operators
+        self.kernel = kernels.rms_norm_op(path, eps) if self.fused else None
 
     def construct(self, x, weight):
+        if self.fused:
+            return self.kernel(x, weight)
         rstd = ops.rsqrt(_cpu_row_mean(ops.square(x)) + self.eps)
         return x * _cpu_column(rstd, x.shape[1]) * _cpu_row(weight, x.shape[0])
 
