@@ -585,3 +585,31 @@ def test_the_kernels_full_vector_width_is_asked_for_only_where_the_cpu_has_it(mo
         flags = native.compiler_flags()
         assert flags[:len(native.FLAGS)] == native.FLAGS
         assert ("-mprefer-vector-width=512" in flags) == wide
+
+
+def test_the_norm_kernels_refuse_arrays_other_than_float32():
+    """The row kernels read float32: a float16 array handed to one (a precision mode's path that never reached
+    them when this was written) is an error, not garbage read as floats."""
+    import mindspore as ms
+    from mindspore import Tensor, nn
+
+    from orb.models.kernels import layer_norm_op, library_path
+
+    path = library_path()
+    if path is None:
+        pytest.fail("no C++ compiler: the kernels cannot be built here")
+    ms.set_context(mode=ms.GRAPH_MODE)
+
+    class Norm(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.kernel = layer_norm_op(path, 1e-5)
+
+        def construct(self, x, w, b):
+            return self.kernel(x, w, b)
+
+    x, w = np.ones((4, 8)), np.ones(8)
+    ok = Norm()(*(Tensor(a.astype(np.float32)) for a in (x, w, w))).asnumpy()
+    assert ok.dtype == np.float32 and np.isfinite(ok).all()
+    with pytest.raises(RuntimeError, match="OrbLayerNorm"):
+        Norm()(*(Tensor(a.astype(np.float16)) for a in (x, w, w))).asnumpy()

@@ -146,7 +146,15 @@ extern "C" int OrbSiluGrad2(int nparam, void **params, int *ndims, int64_t **sha
 
 namespace {
 
-constexpr int kLanes = 16;  // independent partial sums: vectorised without reassociating one sum (no -ffast-math)
+constexpr int kLanes = 16;
+
+// every input and the output float32 (a half-precision array read as floats would be garbage, not an error)
+inline bool all_float32(int nparam, const char **types) {
+  for (int k = 0; k < nparam; ++k) {
+    if (types == nullptr || types[k] == nullptr || std::strcmp(types[k], "float32") != 0) return false;
+  }
+  return true;
+}  // independent partial sums: vectorised without reassociating one sum (no -ffast-math)
 
 // sum over a row of x[j] (hi == lo == 0), or of ((x[j] - hi) - lo)^2, in float lanes added up in double
 inline double row_sum(const float *__restrict x, int64_t width, float hi, float lo, bool square) {
@@ -172,8 +180,9 @@ inline double row_sum(const float *__restrict x, int64_t width, float hi, float 
 // LayerNorm over the last axis, (x - mean) / sqrt(var + eps) * w + b (biased variance, PyTorch's), one row at a
 // time in the cache: MindSpore 2.10's CPU LayerNorm took 4.7 ns an element, 10 % of a full orb-v2 call. eps is the
 // fourth input (a float32 scalar), so one kernel serves every model.
-extern "C" int OrbLayerNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **, void *, void *) {
-  if (nparam != 5 || ndims[0] < 1) return 1;
+extern "C" int OrbLayerNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **types, void *,
+                            void *) {
+  if (nparam != 5 || ndims[0] < 1 || !all_float32(nparam, types)) return 1;
   const float *__restrict x = static_cast<const float *>(params[0]);
   const float *__restrict w = static_cast<const float *>(params[1]);
   const float *__restrict b = static_cast<const float *>(params[2]);
@@ -196,8 +205,9 @@ extern "C" int OrbLayerNorm(int nparam, void **params, int *ndims, int64_t **sha
 }
 
 // RMSNorm over the last axis, x / sqrt(mean(x^2) + eps) * w (orb-v3's); eps the third input (float32 scalar).
-extern "C" int OrbRMSNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **, void *, void *) {
-  if (nparam != 4 || ndims[0] < 1) return 1;
+extern "C" int OrbRMSNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **types, void *,
+                          void *) {
+  if (nparam != 4 || ndims[0] < 1 || !all_float32(nparam, types)) return 1;
   const float *__restrict x = static_cast<const float *>(params[0]);
   const float *__restrict w = static_cast<const float *>(params[1]);
   const double eps = *static_cast<const float *>(params[2]);
