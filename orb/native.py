@@ -46,7 +46,13 @@ def compiler_flags() -> list:
 def _compile(compiler: str, source: str, flags: list) -> Callable[[str], None]:
     def compile_to(tmp: str) -> None:
         with children_start_blocked():  # a job's stop signal to every process is the run's to handle, not g++'s
-            subprocess.run([compiler, *flags, "-o", tmp, source], check=True, capture_output=True, text=True)
+            try:
+                subprocess.run([compiler, *flags, "-o", tmp, source], check=True, capture_output=True, text=True)
+            except subprocess.CalledProcessError:
+                if flags == FLAGS:
+                    raise
+                # the vector-width option came with GCC 8: an older compiler builds with the plain flags
+                subprocess.run([compiler, *FLAGS, "-o", tmp, source], check=True, capture_output=True, text=True)
         os.chmod(tmp, 0o755)
 
     return compile_to

@@ -9,9 +9,13 @@ RMSNorm's forward passes, a row at a time (MindSpore's CPU LayerNorm kernel take
 full orb-v2 call; their backward passes are the cells' own, differentiable operators). It is
 compiled once per machine with the system's g++ and cached (``orb.native``).
 
-Each factory takes the library to use (``None``: MindSpore's built-in operators); the operator profile
+Each activation factory takes the library to use (``None``: MindSpore's built-in operators); the operator profile
 (``orb.models.ops_profile``) decides which: the library for the ``cpu`` profile on the CPU, built-in
-operators for the ``portable`` profile and on every other device.
+operators for the ``portable`` profile and on every other device. The norm factories take the library's path: the
+cells that call them keep their built-in form for when there is none (``orb.models.blocks``).
+
+The kernels run on one thread (MindSpore's own spread over its kernel pool): on a host of many cores their share of a
+call grows.
 """
 
 import math

@@ -156,21 +156,35 @@ inline bool all_float32(int nparam, const char **types) {
   return true;
 }  // independent partial sums: vectorised without reassociating one sum (no -ffast-math)
 
-// sum over a row of x[j] (hi == lo == 0), or of ((x[j] - hi) - lo)^2, in float lanes added up in double
-inline double row_sum(const float *__restrict x, int64_t width, float hi, float lo, bool square) {
-  float lanes[kLanes] = {0.0f};
+// sum over a row of x[j], in double lanes: a float sum of a row far from zero (mean 50, spread 0.01) rounds away
+// the spread the mean is subtracted to keep
+inline double row_total(const float *__restrict x, int64_t width) {
+  double lanes[kLanes] = {0.0};
+  int64_t j = 0;
+  for (; j + kLanes <= width; j += kLanes) {
+    for (int k = 0; k < kLanes; ++k) lanes[k] += x[j + k];
+  }
+  double total = 0.0;
+  for (int k = 0; k < kLanes; ++k) total += lanes[k];
+  for (; j < width; ++j) total += x[j];
+  return total;
+}
+
+// sum over a row of ((x[j] - hi) - lo)^2, in double lanes (as fast as float ones here: the pass is not the cost)
+inline double row_square_total(const float *__restrict x, int64_t width, float hi, float lo) {
+  double lanes[kLanes] = {0.0};
   int64_t j = 0;
   for (; j + kLanes <= width; j += kLanes) {
     for (int k = 0; k < kLanes; ++k) {
       const float d = (x[j + k] - hi) - lo;
-      lanes[k] += square ? d * d : d;
+      lanes[k] += static_cast<double>(d) * d;
     }
   }
   double total = 0.0;
   for (int k = 0; k < kLanes; ++k) total += lanes[k];
   for (; j < width; ++j) {
     const double d = (static_cast<double>(x[j]) - hi) - lo;
-    total += square ? d * d : d;
+    total += d * d;
   }
   return total;
 }
@@ -189,15 +203,16 @@ extern "C" int OrbLayerNorm(int nparam, void **params, int *ndims, int64_t **sha
   const double eps = *static_cast<const float *>(params[3]);
   float *__restrict y = static_cast<float *>(params[4]);
   const int64_t width = shapes[0][ndims[0] - 1];
+  if (numel(ndims[1], shapes[1]) != width || numel(ndims[2], shapes[2]) != width) return 1;
   if (width <= 0) return 0;
   const int64_t rows = numel(ndims[0], shapes[0]) / width;
   for (int64_t r = 0; r < rows; ++r) {
     const float *__restrict xr = x + r * width;
     float *__restrict yr = y + r * width;
-    // the mean as two floats (hi + lo): x - hi is exact near the mean, so a row far from zero keeps its spread
-    const double mean = row_sum(xr, width, 0.0f, 0.0f, false) / width;
+    // the mean (summed in double) as two floats, hi + lo: x - hi is exact near the mean
+    const double mean = row_total(xr, width) / width;
     const float hi = static_cast<float>(mean), lo = static_cast<float>(mean - hi);
-    const double var = row_sum(xr, width, hi, lo, true) / width;
+    const double var = row_square_total(xr, width, hi, lo) / width;
     const float rstd = static_cast<float>(1.0 / __builtin_sqrt(var + eps));
     for (int64_t j = 0; j < width; ++j) yr[j] = ((xr[j] - hi) - lo) * rstd * w[j] + b[j];
   }
@@ -213,12 +228,13 @@ extern "C" int OrbRMSNorm(int nparam, void **params, int *ndims, int64_t **shape
   const double eps = *static_cast<const float *>(params[2]);
   float *__restrict y = static_cast<float *>(params[3]);
   const int64_t width = shapes[0][ndims[0] - 1];
+  if (numel(ndims[1], shapes[1]) != width) return 1;
   if (width <= 0) return 0;
   const int64_t rows = numel(ndims[0], shapes[0]) / width;
   for (int64_t r = 0; r < rows; ++r) {
     const float *__restrict xr = x + r * width;
     float *__restrict yr = y + r * width;
-    const float rstd = static_cast<float>(1.0 / __builtin_sqrt(row_sum(xr, width, 0.0f, 0.0f, true) / width + eps));
+    const float rstd = static_cast<float>(1.0 / __builtin_sqrt(row_square_total(xr, width, 0.0f, 0.0f) / width + eps));
     for (int64_t j = 0; j < width; ++j) yr[j] = xr[j] * rstd * w[j];
   }
   return 0;
