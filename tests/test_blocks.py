@@ -446,6 +446,7 @@ def test_portable_models_hold_no_cpu_forms(name, profile):
         assert not custom_bprops and not custom_kernels and not ones_products, (custom_bprops[:3], custom_kernels[:3])
     else:
         assert custom_bprops and ones_products
+        assert any(k.endswith("layer_norm.function.kernel") for k in custom_kernels), custom_kernels[:5]  # the norms
 
 
 def test_openmps_thread_lists_and_stray_values_size_the_pool_without_a_traceback():
@@ -601,7 +602,7 @@ def test_the_norm_kernels_refuse_arrays_other_than_float32():
     import mindspore as ms
     from mindspore import Tensor, nn
 
-    from orb.models.kernels import layer_norm_op, library_path
+    from orb.models.kernels import layer_norm_kernel, library_path
 
     path = library_path()
     if path is None:
@@ -611,16 +612,16 @@ def test_the_norm_kernels_refuse_arrays_other_than_float32():
     class Norm(nn.Cell):
         def __init__(self):
             super().__init__()
-            self.kernel = layer_norm_op(path, 1e-5)
+            self.kernel = layer_norm_kernel(path)
 
-        def construct(self, x, w, b):
-            return self.kernel(x, w, b)
+        def construct(self, x, w, b, eps):
+            return self.kernel(x, w, b, eps)
 
-    x, w = np.ones((4, 8)), np.ones(8)
-    ok = Norm()(*(Tensor(a.astype(np.float32)) for a in (x, w, w))).asnumpy()
+    x, w, eps = np.ones((4, 8)), np.ones(8), np.array(1e-5)
+    ok = Norm()(*(Tensor(a.astype(np.float32)) for a in (x, w, w, eps))).asnumpy()
     assert ok.dtype == np.float32 and np.isfinite(ok).all()
     with pytest.raises(RuntimeError, match="OrbLayerNorm"):
-        Norm()(*(Tensor(a.astype(np.float16)) for a in (x, w, w))).asnumpy()
+        Norm()(*(Tensor(a.astype(np.float16)) for a in (x, w, w, eps))).asnumpy()
 
 
 def test_a_compiler_without_the_vector_width_option_still_builds_the_kernels(monkeypatch, tmp_path):

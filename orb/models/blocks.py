@@ -166,11 +166,12 @@ class _CpuLayerNorm(nn.Cell):
         path = custom_kernel_library()
         self.norm = ops.LayerNorm(begin_norm_axis=-1, begin_params_axis=-1, epsilon=eps)
         self.fused = path is not None  # the library's kernel: a row at a time, 6x MindSpore's CPU LayerNorm
-        self.kernel = kernels.layer_norm_op(path, eps) if self.fused else None
+        self.kernel = kernels.layer_norm_kernel(path) if self.fused else None
+        self.epsilon = Tensor(np.array(eps, np.float32))
 
     def construct(self, x, weight, bias):
         if self.fused:
-            return self.kernel(x, weight, bias)
+            return self.kernel(x, weight, bias, self.epsilon)
         return self.norm(x, weight, bias)[0]
 
     def bprop(self, x, weight, bias, out, dout):
@@ -236,11 +237,12 @@ class _CpuRMSNorm(nn.Cell):
         self.eps = eps
         path = custom_kernel_library()
         self.fused = path is not None  # the library's kernel, one pass a row in place of seven operators
-        self.kernel = kernels.rms_norm_op(path, eps) if self.fused else None
+        self.kernel = kernels.rms_norm_kernel(path) if self.fused else None
+        self.epsilon = Tensor(np.array(eps, np.float32))
 
     def construct(self, x, weight):
         if self.fused:
-            return self.kernel(x, weight)
+            return self.kernel(x, weight, self.epsilon)
         rstd = ops.rsqrt(_cpu_row_mean(ops.square(x)) + self.eps)
         return x * _cpu_column(rstd, x.shape[1]) * _cpu_row(weight, x.shape[0])
 

@@ -104,20 +104,13 @@ def silu_op(path: Optional[str] = None):
     return _kernel(path, "OrbSilu", 1, bprop)
 
 
-def layer_norm_op(path: str, eps: float):
-    """LayerNorm's forward, ``op(x, weight, bias)``, as the library's kernel (no gradient of its own: the cell
-    that calls it writes its backward pass)."""
-    import numpy as np
-    from mindspore import Tensor
-
-    kernel, epsilon = _kernel(path, "OrbLayerNorm", 4), Tensor(np.array(eps, np.float32))
-    return lambda x, weight, bias: kernel(x, weight, bias, epsilon)
+def layer_norm_kernel(path: str):
+    """LayerNorm's forward, ``kernel(x, weight, bias, eps)`` (``eps`` a float32 scalar tensor), as the library's
+    kernel; no gradient of its own: the cell that calls it writes its backward pass."""
+    return _kernel(path, "OrbLayerNorm", 4)
 
 
-def rms_norm_op(path: str, eps: float):
-    """RMSNorm's forward, ``op(x, weight)``, as the library's kernel (the calling cell writes its backward pass)."""
-    import numpy as np
-    from mindspore import Tensor
-
-    kernel, epsilon = _kernel(path, "OrbRMSNorm", 3), Tensor(np.array(eps, np.float32))
-    return lambda x, weight: kernel(x, weight, epsilon)
+def rms_norm_kernel(path: str):
+    """RMSNorm's forward, ``kernel(x, weight, eps)``, as the library's kernel (the calling cell writes its backward
+    pass)."""
+    return _kernel(path, "OrbRMSNorm", 3)
