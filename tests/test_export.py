@@ -18,6 +18,7 @@ def test_an_exported_model_predicts_what_the_checkpoint_predicts(tmp_path, check
     from orb.data.dataset import AseDbDataset
     from orb.data.batching import batch_graphs, pad_batch
     from orb.data.tensors import model_inputs
+    from orb.device import set_ops_profile
     from orb.inference.export import load_exported, predictions_of
     from orb.inference.predictor import Predictor
     from orb.io.checkpoint import model_from_checkpoint
@@ -29,10 +30,16 @@ def test_an_exported_model_predicts_what_the_checkpoint_predicts(tmp_path, check
                             timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     description = json.load(open(tmp_path / "model.json"))
-    model = model_from_checkpoint(path)
+    assert description["ops_profile"] == "portable"  # the default: a file made on a CPU is served on Ascend
+    set_ops_profile("portable")
+    try:
+        model = model_from_checkpoint(path)
+    finally:
+        set_ops_profile("auto")
     data = AseDbDataset(DEMO_VAL, settings=model.cfg.graph_settings())
     batch = batch_graphs([data.get(i) for i in range(3)])
     for name, shape in description["files"].items():
+        assert b"native_activations" not in (tmp_path / name).read_bytes()  # no path to this machine's kernels
         exported = load_exported(str(tmp_path / name))
         padded = pad_batch(batch, shape["nodes"], shape["edges"], shape["graphs"])
         theirs = predictions_of(exported, model_inputs(padded))
@@ -42,6 +49,18 @@ def test_an_exported_model_predicts_what_the_checkpoint_predicts(tmp_path, check
         np.testing.assert_allclose(theirs["forces"][:n], ours["forces"], atol=1e-5)
         np.testing.assert_allclose(theirs["stress"][:3], ours["stress"], atol=1e-6)
         assert np.abs(ours["forces"]).max() > 1e-2
+
+
+def test_an_export_in_the_cpu_profile_holds_this_machines_kernels_and_says_so(tmp_path):
+    """``--ops_profile cpu``: the graph calls the kernel library by its path on this machine (what the portable
+    default keeps out of a file meant for any device), and model.json says which profile it holds."""
+    out = tmp_path / "model.mindir"
+    result = subprocess.run([sys.executable, "scripts/export.py", "--checkpoint", "data/demo_pretrained.ckpt",
+                             "--output", str(out), "--shape", "40,400,3", "--device_target", "CPU", "--ops_profile",
+                             "cpu"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.load(open(tmp_path / "model.json"))["ops_profile"] == "cpu"
+    assert b"native_activations" in out.read_bytes()
 
 
 @pytest.mark.parametrize("args, message, read", [

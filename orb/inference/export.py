@@ -82,6 +82,7 @@ def export(model, output: str, shapes: Sequence[tuple]) -> List[str]:
     import mindspore as ms
 
     from orb.data.tensors import MODEL_INPUTS
+    from orb.device import ops_profile
     from orb.files import fsync_directory, remove_stale_temporaries, temporary_prefix, write_atomically, write_json
     from orb.models.cells import PredictCell
     from orb.precision import precision
@@ -119,7 +120,7 @@ def export(model, output: str, shapes: Sequence[tuple]) -> List[str]:
             aside = temporary_prefix(json_path) + ".exporting"  # the description too, before any file is replaced:
             staged.append((aside, json_path))  # a full disk now leaves the earlier export whole (it left new graphs
             write_json(aside, {                # beside the earlier description)
-                "model": model.cfg.to_dict(), "precision": precision(), "files": files,
+                "model": model.cfg.to_dict(), "precision": precision(), "ops_profile": ops_profile(), "files": files,
                 "inputs": [{"name": n, "dtype": str(t.dtype), "shape": [dimension(n, axis, size)
                                                                         for axis, size in enumerate(t.shape)]}
                            for n, t in zip(MODEL_INPUTS, inputs)],
@@ -182,7 +183,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """orb-export's options."""
     from orb.bundled import command_path
     from orb.commands import HelpFormatter, Parser
-    from orb.device import add_device_argument
+    from orb.device import OPS_PROFILES, add_device_argument
     from orb.precision import PRECISIONS
 
     parser = Parser(prog=prog, allow_abbrev=False, description=__doc__.split("\n\n")[0],
@@ -200,6 +201,10 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     add_device_argument(parser)
     parser.add_argument("--precision", default="float32-high", choices=PRECISIONS,
                         help="what the exported graph computes in (orb.precision)")
+    parser.add_argument("--ops_profile", default="portable", choices=OPS_PROFILES,
+                        help="operators the graph holds: portable (MindSpore's own: the file runs on any device), "
+                        "cpu (this machine's kernel library, by its path, and CPU forms: only on a CPU that has that "
+                        "file), auto (cpu on the CPU); ORB_OPS_PROFILE overrides")
     return parser
 
 
@@ -237,10 +242,11 @@ def run(args) -> List[str]:
     from orb.device import import_mindspore
 
     import_mindspore()  # then what the other imports need, with a stop signal honoured after it
-    from orb.device import configure_mindspore
+    from orb.device import configure_mindspore, set_ops_profile
     from orb.io.checkpoint import model_from_checkpoint
 
     configure_mindspore(args.device_target, precision=args.precision)
+    set_ops_profile(args.ops_profile)  # portable by default: a MindIR made on a CPU login node is served on Ascend
     model = model_from_checkpoint(args.checkpoint, args.model)
     if args.data:
         shapes += shapes_for(args.data[0] if len(args.data) == 1 else args.data, model, args.batch_size)
