@@ -146,7 +146,7 @@ extern "C" int OrbSiluGrad2(int nparam, void **params, int *ndims, int64_t **sha
 
 namespace {
 
-constexpr int kLanes = 16;
+constexpr int kLanes = 16;  // independent partial sums: vectorised without reassociating one sum (no -ffast-math)
 
 // every input and the output float32 (a half-precision array read as floats would be garbage, not an error)
 inline bool all_float32(int nparam, const char **types) {
@@ -154,7 +154,7 @@ inline bool all_float32(int nparam, const char **types) {
     if (types == nullptr || types[k] == nullptr || std::strcmp(types[k], "float32") != 0) return false;
   }
   return true;
-}  // independent partial sums: vectorised without reassociating one sum (no -ffast-math)
+}
 
 // sum over a row of x[j], in double lanes: a float sum of a row far from zero (mean 50, spread 0.01) rounds away
 // the spread the mean is subtracted to keep
@@ -234,7 +234,8 @@ extern "C" int OrbRMSNorm(int nparam, void **params, int *ndims, int64_t **shape
   for (int64_t r = 0; r < rows; ++r) {
     const float *__restrict xr = x + r * width;
     float *__restrict yr = y + r * width;
-    const float rstd = static_cast<float>(1.0 / __builtin_sqrt(row_square_total(xr, width, 0.0f, 0.0f) / width + eps));
+    const double mean_square = row_square_total(xr, width, 0.0f, 0.0f) / width;
+    const float rstd = static_cast<float>(1.0 / __builtin_sqrt(mean_square + eps));
     for (int64_t j = 0; j < width; ++j) yr[j] = xr[j] * rstd * w[j];
   }
   return 0;
