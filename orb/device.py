@@ -139,6 +139,11 @@ def set_ops_profile(name: str) -> None:
     _configured_profile = _checked_profile(name, "ops_profile")
 
 
+def configured_profile() -> str:
+    """The configured operator profile (``auto`` if none), the environment aside: what to put back after a change."""
+    return _configured_profile or "auto"
+
+
 def requested_profile() -> str:
     """``auto``, ``portable`` or ``cpu``: the environment's choice, else the configured one, else ``auto``."""
     from_environment = os.environ.get(OPS_PROFILE_VARIABLE, "")

@@ -20,22 +20,27 @@ def test_an_exported_model_predicts_what_the_checkpoint_predicts(tmp_path, check
     from orb.data.tensors import model_inputs
     from orb.device import set_ops_profile
     from orb.inference.export import load_exported, predictions_of
+    from orb.precision import set_sum_form, sum_form_for_device
     from orb.inference.predictor import Predictor
     from orb.io.checkpoint import model_from_checkpoint
 
     path = os.path.join(ROOT, "data", checkpoint)
     out = tmp_path / "model.mindir"
+    env = {k: v for k, v in os.environ.items() if k != "ORB_OPS_PROFILE"}  # (it would override the default)
     result = subprocess.run([sys.executable, "scripts/export.py", "--checkpoint", path, "--output", str(out),
                              "--data", DEMO_VAL, "--device_target", "CPU"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=600)
+                            timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     description = json.load(open(tmp_path / "model.json"))
-    assert description["ops_profile"] == "portable"  # the default: a file made on a CPU is served on Ascend
+    # the default: MindSpore's own operators and Ascend's form of the long sums, so a file made on a CPU is served there
+    assert description["ops_profile"] == "portable" and description["sum_form"] == "split"
     set_ops_profile("portable")
+    set_sum_form("split")
     try:
         model = model_from_checkpoint(path)
     finally:
         set_ops_profile("auto")
+        set_sum_form(sum_form_for_device("CPU"))
     data = AseDbDataset(DEMO_VAL, settings=model.cfg.graph_settings())
     batch = batch_graphs([data.get(i) for i in range(3)])
     for name, shape in description["files"].items():
@@ -59,8 +64,27 @@ def test_an_export_in_the_cpu_profile_holds_this_machines_kernels_and_says_so(tm
                              "--output", str(out), "--shape", "40,400,3", "--device_target", "CPU", "--ops_profile",
                              "cpu"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert json.load(open(tmp_path / "model.json"))["ops_profile"] == "cpu"
+    description = json.load(open(tmp_path / "model.json"))
+    assert description["ops_profile"] == "cpu" and description["sum_form"] == "float64"  # the CPU's own
     assert b"native_activations" in out.read_bytes()
+
+
+def test_an_export_in_a_script_leaves_the_profile_and_the_sums_as_they_were(tmp_path):
+    """orb-export's run called in-process (a script) builds its model in the portable profile with split sums, then
+    puts both back: the script's later models are built as before."""
+    from orb.device import configured_profile, set_ops_profile
+    from orb.inference.export import main
+    from orb.precision import set_sum_form, sum_form, sum_form_for_device
+
+    set_sum_form(sum_form_for_device("CPU"))
+    set_ops_profile("cpu")
+    try:
+        assert main(["--checkpoint", os.path.join(ROOT, "data", "demo_pretrained.ckpt"), "--output",
+                     str(tmp_path / "model.mindir"), "--shape", "40,400,3", "--device_target", "CPU"]) == 0
+        assert json.load(open(tmp_path / "model.json"))["ops_profile"] == "portable"
+        assert configured_profile() == "cpu" and sum_form() == "float64"
+    finally:
+        set_ops_profile("auto")
 
 
 @pytest.mark.parametrize("args, message, read", [

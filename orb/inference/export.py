@@ -120,7 +120,8 @@ def export(model, output: str, shapes: Sequence[tuple]) -> List[str]:
             aside = temporary_prefix(json_path) + ".exporting"  # the description too, before any file is replaced:
             staged.append((aside, json_path))  # a full disk now leaves the earlier export whole (it left new graphs
             write_json(aside, {                # beside the earlier description)
-                "model": model.cfg.to_dict(), "precision": precision(), "ops_profile": ops_profile(), "files": files,
+                "model": model.cfg.to_dict(), "precision": precision(), "ops_profile": ops_profile(),
+                "sum_form": model.sum_form, "files": files,
                 "inputs": [{"name": n, "dtype": str(t.dtype), "shape": [dimension(n, axis, size)
                                                                         for axis, size in enumerate(t.shape)]}
                            for n, t in zip(MODEL_INPUTS, inputs)],
@@ -202,9 +203,10 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     parser.add_argument("--precision", default="float32-high", choices=PRECISIONS,
                         help="what the exported graph computes in (orb.precision)")
     parser.add_argument("--ops_profile", default="portable", choices=OPS_PROFILES,
-                        help="operators the graph holds: portable (MindSpore's own: the file runs on any device), "
-                        "cpu (this machine's kernel library, by its path, and CPU forms: only on a CPU that has that "
-                        "file), auto (cpu on the CPU); ORB_OPS_PROFILE overrides")
+                        help="operators the graph holds: portable (MindSpore's own, Ascend's split sums: the file "
+                        "is served on any device), cpu (this machine's kernel library, by its path, CPU forms and "
+                        "float64 sums: only on a CPU that has that file), auto (cpu on the CPU); ORB_OPS_PROFILE "
+                        "overrides")
     return parser
 
 
@@ -242,20 +244,27 @@ def run(args) -> List[str]:
     from orb.device import import_mindspore
 
     import_mindspore()  # then what the other imports need, with a stop signal honoured after it
-    from orb.device import configure_mindspore, set_ops_profile
+    from orb.device import configure_mindspore, configured_profile, ops_profile, set_ops_profile
     from orb.io.checkpoint import model_from_checkpoint
+    from orb.precision import set_sum_form, sum_form
 
     configure_mindspore(args.device_target, precision=args.precision)
-    set_ops_profile(args.ops_profile)  # portable by default: a MindIR made on a CPU login node is served on Ascend
-    model = model_from_checkpoint(args.checkpoint, args.model)
-    if args.data:
-        shapes += shapes_for(args.data[0] if len(args.data) == 1 else args.data, model, args.batch_size)
-    try:
+    profile_before, sums_before = configured_profile(), sum_form()
+    try:  # (the settings put back after: a script calling this builds its later models as before)
+        set_ops_profile(args.ops_profile)  # portable by default: a MindIR made on a CPU login node is served on Ascend
+        if ops_profile() == "portable" and args.precision != "float64":
+            set_sum_form("split")  # the long sums as Ascend computes them (no float64 there), on every device
+        model = model_from_checkpoint(args.checkpoint, args.model)
+        if args.data:
+            shapes += shapes_for(args.data[0] if len(args.data) == 1 else args.data, model, args.batch_size)
         return export(model, args.output, sorted(set(shapes)))
     except OSError as exc:  # (a full disk: the file system's line, status 1)
         if out_of_space(exc):
             raise
         raise OrbInputError(f"--output {args.output}: cannot write it ({exc.strerror or exc})") from None
+    finally:
+        set_ops_profile(profile_before)
+        set_sum_form(sums_before)
 
 
 def described_outputs(cfg) -> list:
