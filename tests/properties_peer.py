@@ -7,9 +7,11 @@ SIZES.json is our model config (``name``, ``latent_dim``, ``mlp_hidden_dim``, ``
 the published ones, so orb-models' architecture is built with these sizes -- orb-v2 with torch + orb-models 0.4.2
 (its GraphRegressor), an orb-v3 conservative ``_20_`` model with orb-models 0.5.5 (its
 ``orb_v3_conservative_architecture`` and ``load_model``) -- our exported weights loaded with strict checks. Writes
-orb-models' own ASE calculator's energy, forces and stress of every structure in STRUCTURES.npz (``names``,
-``<name>/numbers``, ``<name>/positions``, ``<name>/cell``): tests/test_properties.py runs phonopy and ase.eos on them
-as orb-properties does on ours.
+orb-models' energy, forces and stress of every structure in STRUCTURES.npz (``names``, ``<name>/numbers``,
+``<name>/positions``, ``<name>/cell``) in float64 (torch_peer.py's float64 graphs and model): tests/test_properties.py
+runs phonopy and ase.eos on them as orb-properties does on ours. In float64 they are the same numbers on every
+host; orb-models' float32 forces differed from ours by about 1e-4 eV/A on one CI host (5e-6 here), which
+phonopy's 0.01 A displacements turned into 0.045 THz.
 """
 
 import json
@@ -19,6 +21,8 @@ from functools import partial
 import numpy as np
 import torch
 from ase import Atoms
+
+from torch_peer import predict_v2, predict_v3, reference_energy_in_weight_type
 
 
 def orb_v2_model(sizes: dict, ckpt: str):
@@ -44,7 +48,8 @@ def orb_v2_model(sizes: dict, ckpt: str):
         node_head=NodeHead(**head, target="forces", remove_mean=True),
         stress_head=GraphHead(**head, target="stress", compute_stress=True), model=base)
     model.load_state_dict(weights, strict=True)
-    return model.eval()
+    reference_energy_in_weight_type()
+    return model.eval().double()
 
 
 def orb_v3_conservative_20_model(sizes: dict, ckpt: str):
@@ -56,31 +61,26 @@ def orb_v3_conservative_20_model(sizes: dict, ckpt: str):
         base_mlp_depth=sizes["num_mlp_layers"], head_mlp_hidden_dim=sizes["head_mlp_hidden_dim"],
         head_mlp_depth=sizes["head_num_mlp_layers"], num_message_passing_steps=sizes["num_message_passing_steps"],
         device="cpu", system_config=SystemConfig(radius=6.0, max_num_neighbors=20))
-    return load_model(model, ckpt, "cpu", precision="float32-highest", compile=False)
+    return load_model(model, ckpt, "cpu", precision="float64", compile=False)
 
 
 def main(sizes: str, ckpt: str, structures: str, out: str) -> None:
-    from orb_models.forcefield.calculator import ORBCalculator
-
     torch.set_num_threads(2)
     with open(sizes) as f:
         sizes = json.load(f)
     if sizes["name"] == "orb_v2":
-        calculator = ORBCalculator(orb_v2_model(sizes, ckpt), device="cpu")
+        model, predict = orb_v2_model(sizes, ckpt), predict_v2
     elif sizes["name"] == "orb_v3_conservative_20_omat":
-        calculator = ORBCalculator(orb_v3_conservative_20_model(sizes, ckpt), device="cpu")
+        model, predict = orb_v3_conservative_20_model(sizes, ckpt), predict_v3
     else:
         raise SystemExit(f"no peer for {sizes['name']}")
     z = np.load(structures)
     results = {}
     for name in z["names"]:
         atoms = Atoms(numbers=z[f"{name}/numbers"], positions=z[f"{name}/positions"], cell=z[f"{name}/cell"], pbc=True)
-        atoms.calc = calculator
-        results[f"{name}/energy"] = np.array(atoms.get_potential_energy())
-        results[f"{name}/forces"] = np.asarray(atoms.get_forces(), np.float64)
-        results[f"{name}/stress"] = np.asarray(atoms.get_stress(), np.float64)
+        for key, value in predict(model, atoms, "float64").items():
+            results[f"{name}/{key}"] = value.detach().double().numpy().reshape(-1 if key != "forces" else (-1, 3))
     np.savez(out, **results)
-
 
 if __name__ == "__main__":
     main(*sys.argv[1:])

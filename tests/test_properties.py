@@ -269,11 +269,12 @@ def test_neighbour_fingerprint_ignores_a_wrap_across_the_cell_and_sees_a_changed
                          ids=["orb-v2 with orb-models 0.4.2", "orb-v3 conservative with orb-models 0.5.5"])
 def test_same_pipeline_with_orb_models_calculator_gives_the_same_frequencies_and_moduli(tmp_path, checkpoint,
                                                                                         variable, repeat):
-    """orb-models' own ASE calculator on our exported weights (the PyTorch peer) computes the cells this command
-    computes -- phonopy's displaced supercells, the equation of state's volumes, the strained cells -- of a structure
-    without ties (hcp, every atom's 20th and 21st neighbours 0.25 Å apart): phonopy and ase.eos on its numbers give
-    ours. (orb-v2 searches the 27 cells around the home cell: the cell repeated until that holds every neighbour;
-    orb-v3 searches the exact supercell.)"""
+    """orb-models' model on our exported weights (the PyTorch peer, in float64: its float32 forces moved by ~1e-4
+    eV/Å on one CI host, 0.045 THz through phonopy's 0.01 Å displacements) computes the cells this command computes --
+    phonopy's displaced supercells, the equation of state's volumes, the strained cells -- of a structure without ties
+    (hcp, every atom's 20th and 21st neighbours 0.25 Å apart): phonopy and ase.eos on its numbers give ours. (orb-v2
+    searches the 27 cells around the home cell: the cell repeated until that holds every neighbour; orb-v3 searches
+    the exact supercell.)"""
     peer = os.environ.get(variable, "")
     if not peer:
         pytest.skip(f"{variable} (a python with torch and orb-models) is not set; .ci/run sets it")
@@ -336,7 +337,7 @@ def test_same_pipeline_with_orb_models_calculator_gives_the_same_frequencies_and
           f"{phonopy.mesh.frequencies.max():.2f}), B {abs(mine['eos']['bulk_modulus'] - b / GPa):.2e} GPa (of "
           f"{b / GPa:.1f}), Cij {np.abs(np.array(mine['elastic']['C']) - c).max():.2e} GPa")
     ours, theirs_f = arrays["fine_tuned/frequencies"], phonopy.mesh.frequencies
-    worst = np.unravel_index(np.abs(ours - theirs_f).argmax(), ours.shape)  # (a rare failure: which side moved)
+    worst = np.unravel_index(np.abs(ours - theirs_f).argmax(), ours.shape)  # (which side moved, if it fails)
     assert np.abs(ours - theirs_f).max() < 5e-3, (f"q {phonopy.mesh.qpoints[worst[0]]} mode {worst[1]}: ours "
                                                   f"{ours[worst]}, orb-models' {theirs_f[worst]}; ours at q: "
                                                   f"{ours[worst[0]]}, theirs: {theirs_f[worst[0]]}")

@@ -39,11 +39,14 @@ def orb_v2_model(ckpt: str):
 
 
 def v2_graph_float64(graph, atoms):
-    """0.4.2's graph of ``atoms`` (positions already wrapped) with positions, cell and vectors in float64."""
+    """0.4.2's graph of ``atoms`` with positions, cell and vectors in float64. The positions are ``atoms``' moved by
+    the lattice vectors 0.4.2's float32 wrap moved them (an atom at a fractional 0 can land on 1)."""
     pos32, vec32 = graph.node_features["positions"].double(), graph.edge_features["vectors"].double()
     s, r = graph.senders, graph.receivers
     cell = torch.tensor(atoms.cell.array, dtype=torch.float64)
     positions = torch.tensor(atoms.positions, dtype=torch.float64)
+    if atoms.cell.any():
+        positions = positions + torch.round((pos32 - positions) @ torch.linalg.inv(cell)) @ cell
     vectors = positions[r] - positions[s]
     if atoms.cell.any():
         unit = torch.round((vec32 - (pos32[r] - pos32[s])) @ torch.linalg.inv(cell))
