@@ -15,7 +15,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, lazy_inline, nn, ops
 
-from orb.models.blocks import Linear, MLP, MLPLayerNorm, ScaleRows, segment_mean, segment_sum
+from orb.models.blocks import Linear, MLP, MLPLayerNorm, ScaleRows, SegmentSum, segment_mean, segment_sum
 from orb.models.config import ModelConfig
 from orb.models.primitives import Broadcasts
 from orb.models.sums import segment_total, total
@@ -94,6 +94,7 @@ class AttentionInteraction(nn.Cell):
         if conditioned:
             self._cond_node_proj = Linear(d, d, rng)
         self.scale_rows = ScaleRows()
+        self.segment_sum = SegmentSum()
 
     def construct(self, nodes: Tensor, edges: Tensor, senders: Tensor, receivers: Tensor, cutoff: Tensor,
                   cond: Optional[Tensor]):
@@ -112,8 +113,8 @@ class AttentionInteraction(nn.Cell):
         new_edges = self._edge_mlp.after_first_layer(pre)
 
         num_nodes = nodes.shape[0]
-        sent = segment_sum(self.scale_rows(new_edges, send_gate), senders, num_nodes)
-        received = segment_sum(self.scale_rows(new_edges, receive_gate), receivers, num_nodes)
+        sent = self.segment_sum(self.scale_rows(new_edges, send_gate), senders, num_nodes)
+        received = self.segment_sum(self.scale_rows(new_edges, receive_gate), receivers, num_nodes)
         new_nodes = self._node_mlp(ops.concat((nodes, received, sent), 1))
         return nodes + new_nodes, edges + new_edges
 
