@@ -79,7 +79,8 @@ def main(sizes: str, ckpt: str, structures: str, out: str) -> None:
     for name in z["names"]:
         atoms = Atoms(numbers=z[f"{name}/numbers"], positions=z[f"{name}/positions"], cell=z[f"{name}/cell"], pbc=True)
         for key, value in predict(model, atoms, "float64").items():
-            results[f"{name}/{key}"] = value.detach().double().numpy().reshape(-1 if key != "forces" else (-1, 3))
+            shape = {"energy": (), "forces": (-1, 3)}.get(key, -1)
+            results[f"{name}/{key}"] = value.detach().double().numpy().reshape(shape)
     np.savez(out, **results)
 
 if __name__ == "__main__":
