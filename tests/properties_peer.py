@@ -83,5 +83,6 @@ def main(sizes: str, ckpt: str, structures: str, out: str) -> None:
             results[f"{name}/{key}"] = value.detach().double().numpy().reshape(shape)
     np.savez(out, **results)
 
+
 if __name__ == "__main__":
     main(*sys.argv[1:])

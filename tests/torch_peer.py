@@ -45,12 +45,12 @@ def v2_graph_float64(graph, atoms):
     s, r = graph.senders, graph.receivers
     cell = torch.tensor(atoms.cell.array, dtype=torch.float64)
     positions = torch.tensor(atoms.positions, dtype=torch.float64)
+    shift = 0.0  # each edge's lattice vector, as 0.4.2's float32 vectors hold it
     if atoms.cell.any():
-        positions = positions + torch.round((pos32 - positions) @ torch.linalg.inv(cell)) @ cell
-    vectors = positions[r] - positions[s]
-    if atoms.cell.any():
-        unit = torch.round((vec32 - (pos32[r] - pos32[s])) @ torch.linalg.inv(cell))
-        vectors = vectors + unit @ cell
+        inverse = torch.linalg.inv(cell)
+        positions = positions + torch.round((pos32 - positions) @ inverse) @ cell
+        shift = torch.round((vec32 - (pos32[r] - pos32[s])) @ inverse) @ cell
+    vectors = positions[r] - positions[s] + shift
     nodes = dict(graph.node_features, positions=positions,
                  atomic_numbers_embedding=graph.node_features["atomic_numbers_embedding"].double())
     edges = dict(graph.edge_features, vectors=vectors, r=vectors.norm(dim=1))

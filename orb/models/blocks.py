@@ -152,7 +152,14 @@ class ScaleRows(nn.Cell):
         return self.function(x, gate)
 
 
-class _CpuSegmentSum(nn.Cell):
+class _PortableSegmentSum(nn.Cell):
+    """:func:`segment_sum`, differentiated by MindSpore."""
+
+    def construct(self, data, segment_ids, num_segments):
+        return sums.scatter_sum(data, segment_ids, num_segments)
+
+
+class _CpuSegmentSum(_PortableSegmentSum):
     """:func:`segment_sum` whose gradient is the gather of each row's segment alone (``cpu`` profile). MindSpore's
     also checks every row's segment id against the range: a LogicalAnd and a Select over the whole (rows, width)
     gradient, 5 % of the kernel time of a batched conservative orb-v3 call (orb-md, 32 structures). The ids are in
@@ -164,18 +171,8 @@ class _CpuSegmentSum(nn.Cell):
         self.gather = ops.Gather()
         self.zeros_like = ops.ZerosLike()
 
-    def construct(self, data, segment_ids, num_segments):
-        return sums.scatter_sum(data, segment_ids, num_segments)
-
     def bprop(self, data, segment_ids, num_segments, out, dout):
         return self.gather(dout, segment_ids, 0), self.zeros_like(segment_ids), 0
-
-
-class _PortableSegmentSum(nn.Cell):
-    """:func:`segment_sum`, differentiated by MindSpore."""
-
-    def construct(self, data, segment_ids, num_segments):
-        return sums.scatter_sum(data, segment_ids, num_segments)
 
 
 class SegmentSum(nn.Cell):
