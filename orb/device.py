@@ -326,6 +326,21 @@ def release_host_memory() -> None:
         pass
 
 
+def recycle_compiled_memory() -> None:
+    """MindSpore's ``ms_memory_recycle`` (every compiled graph's runtime memory handed back), past its failure when
+    a freed cell with a bprop of its own drops out of the dict of cells it walks ("dictionary changed size during
+    iteration", MindSpore 2.10): each attempt clears at least one cell's graphs before it can fail."""
+    import mindspore as ms
+
+    for attempt in range(1000):
+        try:
+            ms.ms_memory_recycle()
+            return
+        except RuntimeError as exc:
+            if "changed size during iteration" not in str(exc) or attempt == 999:
+                raise
+
+
 _MODE = threading.RLock()  # the execution mode is process-wide: one block at a time switches it and runs in it
 
 

@@ -354,9 +354,9 @@ def release_memory() -> None:
         import gc
 
         gc.collect()
-        sys.modules["mindspore"].ms_memory_recycle()
-        from orb.device import release_host_memory
+        from orb.device import recycle_compiled_memory, release_host_memory
 
+        recycle_compiled_memory()
         release_host_memory()
         _RELEASED_AT[0] = resident_gb()
 

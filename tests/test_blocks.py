@@ -493,6 +493,8 @@ def test_portable_models_hold_no_cpu_forms(name, profile):
         assert custom_bprops and ones_products
         assert any(p.endswith("segment_sum.function") for p in custom_bprops), custom_bprops[:5]  # the messages'
         assert any(k.endswith("layer_norm.function.kernel") for k in custom_kernels), custom_kernels[:5]  # the norms
+        assert any(k.endswith("edge_input.kernel.kernel") for k in custom_kernels), custom_kernels[:5]  # edges in
+        assert any(p.endswith("edge_input.kernel") for p in custom_bprops), custom_bprops[:5]
 
 
 def test_openmps_thread_lists_and_stray_values_size_the_pool_without_a_traceback():

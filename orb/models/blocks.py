@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
+from mindspore.ops.operations._grad_ops import BiasAddGrad  # (BiasAdd's own gradient: autodiff's bits)
 
 from orb.models import sums
 from orb.device import ops_profile
@@ -185,6 +186,66 @@ class SegmentSum(nn.Cell):
 
     def construct(self, data, segment_ids, num_segments):
         return self.function(data, segment_ids, num_segments)
+
+
+class _ComposedEdgeInput(nn.Cell):
+    """:class:`EdgeInput` from MindSpore's operators, differentiated by MindSpore: the ``portable`` profile's form,
+    float64's, and the ``cpu`` profile's without g++."""
+
+    def __init__(self):
+        super().__init__()
+        self.halves = ops.Split(1, 2)
+        self.bias_add = ops.BiasAdd()
+        self.gather = ops.Gather()
+
+    def construct(self, x, table, bias, senders, receivers):
+        sender_part, receiver_part = self.halves(table)
+        from_sender = self.bias_add(sender_part, bias)  # the bias added per node, not per edge
+        return x + self.gather(from_sender, senders, 0) + self.gather(receiver_part, receivers, 0)
+
+
+class _KernelEdgeInput(nn.Cell):
+    """:class:`EdgeInput` as one pass of the library's kernel (``cpu`` profile): the composed form's two gathers and
+    two adds wrote and read three (edges, width) intermediates, 12 % of the kernel time of a 256-atom orb-v2 call.
+    The same operations in the same order: the same bits. Its gradient is MindSpore's of the composed form, written
+    out (each gather's a segment sum, the bias's ``BiasAddGrad``: the same bits), differentiable again; primitives
+    only (the composed form's gradient taken here compiled a training step a third slower)."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.kernel = kernels.edge_input_kernel(path)
+        self.segment_sum = ops.UnsortedSegmentSum()
+        self.bias_grad = BiasAddGrad()
+        self.concat = ops.Concat(1)
+        self.zeros_like = ops.ZerosLike()
+
+    def construct(self, x, table, bias, senders, receivers):
+        return self.kernel(x, table, bias, senders, receivers)
+
+    def bprop(self, x, table, bias, senders, receivers, out, dout):
+        num_nodes = table.shape[0]
+        from_sender = self.segment_sum(dout, senders, num_nodes)
+        from_receiver = self.segment_sum(dout, receivers, num_nodes)
+        return (dout, self.concat((from_sender, from_receiver)), self.bias_grad(from_sender),
+                self.zeros_like(senders), self.zeros_like(receivers))
+
+
+class EdgeInput(nn.Cell):
+    """An edge MLP's first layer finished per edge: ``(x + (table[senders, :w] + bias)) + table[receivers, w:]``,
+    ``x`` (E, w) the edges' own product, ``table`` (N, 2w) the nodes' sender and receiver products side by side
+    (one product for both), ``bias`` the layer's, added per node. The library's kernel where the ``cpu`` profile has
+    one (float32; graphs of one shape and of every size alike), else MindSpore's operators."""
+
+    def __init__(self):
+        super().__init__()
+        path = custom_kernel_library()
+        self.composed = _ComposedEdgeInput()
+        self.kernel = _KernelEdgeInput(path) if path is not None else None
+
+    def construct(self, x, table, bias, senders, receivers):
+        if self.kernel is None:
+            return self.composed(x, table, bias, senders, receivers)
+        return self.kernel(x, table, bias, senders, receivers)
 
 
 class _CpuLayerNorm(nn.Cell):

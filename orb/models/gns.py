@@ -15,7 +15,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, lazy_inline, nn, ops
 
-from orb.models.blocks import Linear, MLP, MLPLayerNorm, ScaleRows, SegmentSum, segment_mean, segment_sum
+from orb.models.blocks import EdgeInput, Linear, MLP, MLPLayerNorm, ScaleRows, SegmentSum, segment_mean, segment_sum
 from orb.models.config import ModelConfig
 from orb.models.primitives import Broadcasts
 from orb.models.sums import segment_total, total
@@ -95,10 +95,11 @@ class AttentionInteraction(nn.Cell):
             self._cond_node_proj = Linear(d, d, rng)
         self.scale_rows = ScaleRows()
         self.segment_sum = SegmentSum()
+        self.edge_input = EdgeInput()
 
     def construct(self, nodes: Tensor, edges: Tensor, senders: Tensor, receivers: Tensor, cutoff: Tensor,
                   cond: Optional[Tensor]):
-        d, h = self.latent_dim, self.hidden_dim
+        d = self.latent_dim
         if self.conditioned:
             nodes = nodes + self._cond_node_proj(cond)
         receive_gate = ops.sigmoid(self._receive_attn(edges)) * cutoff
@@ -107,9 +108,7 @@ class AttentionInteraction(nn.Cell):
         first = self._edge_mlp.mlp.layer(0)
         w = first.effective_weight()  # (h, 3d) acting on [edge, sender node, receiver node]
         node_part = first.product(nodes, ops.concat((w[:, d:2 * d], w[:, 2 * d:]), 0))  # (N, 2h)
-        from_sender = ops.bias_add(node_part[:, :h], first.bias)  # the bias is added per node, not per edge
-        pre = (first.product(edges, w[:, :d])
-               + ops.gather(from_sender, senders, 0) + ops.gather(node_part[:, h:], receivers, 0))
+        pre = self.edge_input(first.product(edges, w[:, :d]), node_part, first.bias, senders, receivers)
         new_edges = self._edge_mlp.after_first_layer(pre)
 
         num_nodes = nodes.shape[0]

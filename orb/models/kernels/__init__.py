@@ -6,7 +6,8 @@ PyTorch. ``activations.cc`` computes orb-v2's shifted softplus and its derivativ
 with its first and second derivatives (conservative models train through a gradient), and
 exp(min(x, 0)) to ~1 ulp and, being auto-vectorised, faster than the built-in kernels; and LayerNorm and
 RMSNorm's forward passes, a row at a time (MindSpore's CPU LayerNorm kernel takes 4.7 ns an element, a tenth of a
-full orb-v2 call; their backward passes are the cells' own, differentiable operators). It is
+full orb-v2 call; their backward passes are the cells' own, differentiable operators); and an edge MLP's first layer
+finished per edge, its node parts gathered and added in one pass (``edge_input_kernel``). It is
 compiled once per machine with the system's g++ and cached (``orb.native``).
 
 Each activation factory takes the library to use (``None``: MindSpore's built-in operators); the operator profile
@@ -108,6 +109,13 @@ def layer_norm_kernel(path: str):
     """LayerNorm's forward, ``kernel(x, weight, bias, eps)`` (``eps`` a float32 scalar tensor), as the library's
     kernel; no gradient of its own: the cell that calls it writes its backward pass."""
     return _kernel(path, "OrbLayerNorm", 4)
+
+
+def edge_input_kernel(path: str):
+    """An edge MLP's first layer finished per edge, ``kernel(x, table, bias, senders, receivers)`` = ``(x +
+    (table[senders, :w] + bias)) + table[receivers, w:]`` (``x`` (E, w), ``table`` (N, 2w), int32 indices), as the
+    library's kernel; no gradient of its own (:class:`orb.models.blocks.EdgeInput` writes it)."""
+    return _kernel(path, "OrbEdgeInput", 5)
 
 
 def rms_norm_kernel(path: str):

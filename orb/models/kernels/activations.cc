@@ -241,6 +241,42 @@ extern "C" int OrbRMSNorm(int nparam, void **params, int *ndims, int64_t **shape
   return 0;
 }
 
+// The first layer of an edge MLP, finished per edge in one pass: y[e] = (x[e] + (t[s[e], :w] + bias)) + t[r[e], w:]
+// for x (E, w) the edge part of the product, t (N, 2w) the nodes' sender and receiver parts side by side, s and r
+// the edges' senders and receivers (int32). The same operations in the same order as the composed form (the bias
+// added to a node's row, two gathers, two adds: the same bits), without its (E, w) intermediates. An index outside
+// the table fails the kernel (MindSpore raises), never reads another row.
+extern "C" int OrbEdgeInput(int nparam, void **params, int *ndims, int64_t **shapes, const char **types, void *,
+                            void *) {
+  if (nparam != 6 || ndims[0] != 2 || ndims[1] != 2 || types == nullptr) return 1;
+  for (int k = 0; k < nparam; ++k) {
+    const char *wanted = (k == 3 || k == 4) ? "int32" : "float32";
+    if (types[k] == nullptr || std::strcmp(types[k], wanted) != 0) return 1;
+  }
+  const float *__restrict x = static_cast<const float *>(params[0]);
+  const float *__restrict t = static_cast<const float *>(params[1]);
+  const float *__restrict bias = static_cast<const float *>(params[2]);
+  const int32_t *__restrict s = static_cast<const int32_t *>(params[3]);
+  const int32_t *__restrict r = static_cast<const int32_t *>(params[4]);
+  float *__restrict y = static_cast<float *>(params[5]);
+  const int64_t edges = shapes[0][0], width = shapes[0][1], nodes = shapes[1][0];
+  if (shapes[1][1] != 2 * width || numel(ndims[2], shapes[2]) != width || numel(ndims[3], shapes[3]) != edges ||
+      numel(ndims[4], shapes[4]) != edges) {
+    return 1;
+  }
+  for (int64_t e = 0; e < edges; ++e) {
+    if (s[e] < 0 || s[e] >= nodes || r[e] < 0 || r[e] >= nodes) return 1;
+  }
+  for (int64_t e = 0; e < edges; ++e) {
+    const float *__restrict xe = x + e * width;
+    const float *__restrict from_sender = t + static_cast<int64_t>(s[e]) * 2 * width;
+    const float *__restrict from_receiver = t + static_cast<int64_t>(r[e]) * 2 * width + width;
+    float *__restrict ye = y + e * width;
+    for (int64_t j = 0; j < width; ++j) ye[j] = (xe[j] + (from_sender[j] + bias[j])) + from_receiver[j];
+  }
+  return 0;
+}
+
 // Each kernel's output has its first input's shape. MindSpore calls these when a graph's input shapes are dynamic
 // (a prediction graph compiled once for structures of every size); the Python out_shape cannot be used there.
 #include <vector>
@@ -257,3 +293,4 @@ ORB_SAME_SHAPE(OrbSiluGrad)
 ORB_SAME_SHAPE(OrbSiluGrad2)
 ORB_SAME_SHAPE(OrbLayerNorm)
 ORB_SAME_SHAPE(OrbRMSNorm)
+ORB_SAME_SHAPE(OrbEdgeInput)

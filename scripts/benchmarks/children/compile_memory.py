@@ -4,10 +4,9 @@
 import gc
 import sys
 
-from orb.device import configure_mindspore, release_host_memory, resident_gb
+from orb.device import configure_mindspore, recycle_compiled_memory, release_host_memory, resident_gb
 
 configure_mindspore("CPU")
-import mindspore as ms  # noqa: E402
 from ase.build import bulk  # noqa: E402
 
 from orb.inference.calculator import ORBCalculator  # noqa: E402
@@ -32,6 +31,6 @@ for k in range(1, rounds + 1):
     atoms.get_potential_energy()
     del atoms, model
     gc.collect()
-    ms.ms_memory_recycle()
+    recycle_compiled_memory()
     release_host_memory()
     print(f"RESULT {k}", round(resident_gb(), 3), flush=True)
