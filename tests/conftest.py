@@ -220,8 +220,8 @@ LIGHT = LIGHT_EARLY + LIGHT_LATE
 LONGEST_FIRST = ("test_orb_v3_parity",) + LIGHT_EARLY + ("test_smoke",) + LIGHT_LATE + (
     "test_parallel", "test_replay", "test_odd_structures", "test_precision", "test_orb_v3", "test_preemption",
     "test_md", "test_training", "test_sums", "test_relax", "test_properties", "test_use", "test_graph_cache",
-    "test_tradeoff", "test_val_split", "test_signals", "test_model", "test_strategies", "test_pretrained",
-    "test_export", "test_model_names", "test_docs", "test_checkpoint", "test_uncertainty")
+    "test_tradeoff", "test_val_split", "test_signals", "test_model", "test_edge_input", "test_strategies",
+    "test_pretrained", "test_export", "test_model_names", "test_docs", "test_checkpoint", "test_uncertainty")
 
 
 def pytest_collection_modifyitems(config, items):

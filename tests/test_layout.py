@@ -88,3 +88,14 @@ def test_no_module_is_longer_than_500_lines():
         if lines > MAX_LINES:
             long[dotted] = lines
     assert not long, f"split these modules (more than {MAX_LINES} lines): {long}"
+
+
+def test_every_test_file_has_its_place_in_the_suites_order():
+    """A file missing from ``conftest.LONGEST_FIRST`` runs after every other, on one worker while the other idles
+    (tests/test_edge_input.py did: 81 s with a core idle at the end of a full run, 2026-12-03)."""
+    from conftest import LONGEST_FIRST
+
+    files = {name[:-3] for name in os.listdir(os.path.join(ROOT, "tests"))
+             if name.startswith("test_") and name.endswith(".py")}
+    assert sorted(files - set(LONGEST_FIRST)) == []
+    assert len(LONGEST_FIRST) == len(set(LONGEST_FIRST))
