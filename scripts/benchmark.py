@@ -28,6 +28,8 @@ ASE calculator, data at MPtrj's size, batched relaxation.
     python scripts/benchmark.py compile-memory [--model small] [--rounds 4]
     python scripts/benchmark.py command-gc [--rounds 5]
     python scripts/benchmark.py dynamic-shape [--model orb_v2] [--rounds 2]
+    python scripts/benchmark.py call-memory [--models orb_v2,orb_v3_conservative_inf_omat] [--precisions float32-high,float64]
+                                            [--sizes 2,3]
 
 With ``--torch-python`` pointing at a Python that has torch and orb-models 0.4.2 installed (never
 required), the same measurement is made with PyTorch orb-models in that interpreter right after
@@ -43,6 +45,7 @@ import argparse
 import os
 
 from benchmarks.calculator import bench_calculator
+from benchmarks.call_memory import bench_call_memory
 from benchmarks.cell_call import bench_cell_call
 from benchmarks.command_gc import bench_command_gc
 from benchmarks.compile_memory import bench_compile_memory
@@ -200,6 +203,10 @@ def build_parser():
     p.add_argument("--model", default="orb_v2", help="a model name (random weights) or demo (the demo checkpoint) "
                    "(default: orb_v2)")
     p.add_argument("--rounds", type=int, default=2, help="alternations of the five modes (default: 2)")
+    p = sub.add_parser("call-memory", help="a prediction's peak memory by precision, model and structure size")
+    p.add_argument("--models", default="orb_v2,orb_v3_conservative_inf_omat")
+    p.add_argument("--precisions", default="float32-high,float64")
+    p.add_argument("--sizes", default="2,3", help="Cu fcc conventional cells repeated n x n x n (4 n^3 atoms)")
     p = sub.add_parser("suite")
     p.add_argument("--tests", default="tests", help="what pytest runs (space-separated paths or node ids)")
     p.add_argument("--workers", type=int, default=2, help="pytest-xdist workers (-n), as the README's command")
@@ -217,7 +224,7 @@ def main() -> None:
      "startup": bench_startup, "failed-job": bench_failed_job, "compile-options": bench_compile_options,
      "compile-ops": bench_compile_ops, "cell-call": bench_cell_call,
      "compile-memory": bench_compile_memory, "command-gc": bench_command_gc,
-     "dynamic-shape": bench_dynamic_shape}[args.area](args)
+     "dynamic-shape": bench_dynamic_shape, "call-memory": bench_call_memory}[args.area](args)
 
 
 if __name__ == "__main__":  # not in the data workers (counts), which import this file as their main module

@@ -77,7 +77,7 @@ def command_section(program: str) -> List[str]:
         lines += [f"In a checkout: {run}.", ""]
     lines += ["| option | default | what |", "|---|---|---|"]
     for action in built._actions:
-        if isinstance(action, argparse._HelpAction):
+        if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:  # (hidden from --help)
             continue
         lines.append(f"| {option_name(action)} | {default_of(action)} | {help_of(action, program)} |")
     return lines + [""]

@@ -3,6 +3,7 @@ real parser (config overrides and YAML blocks through the config checker), every
 the generated references are current, every page opens with its command, and the README's quick start and the
 calculator snippet run (a few steps)."""
 
+import argparse
 import glob
 import importlib.util
 import os
@@ -247,6 +248,8 @@ def test_the_generated_references_and_templates_are_current():
         result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), "--check"],
                                 capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr
+    for page in ("commands.md", "config.md"):  # an option hidden from --help is hidden here too (it printed
+        assert argparse.SUPPRESS not in open(os.path.join(ROOT, "docs", page), encoding="utf-8").read()  # as is)
 
 
 def test_every_page_opens_with_its_command_and_the_readme_is_short():

@@ -460,3 +460,77 @@ def test_float64_graphs_keep_the_float32_search_s_images(construction):
         np.testing.assert_array_equal(single.receivers, double.receivers)
         np.testing.assert_allclose(double.vectors, single.vectors, atol=2e-6)
         np.testing.assert_allclose(double.positions, single.positions, atol=2e-6)
+
+
+@pytest.mark.parametrize("name", ["orb_v2", "orb_v3_conservative_20_omat"])
+def test_a_float64_batch_of_many_atoms_runs_in_parts_with_the_numbers_of_one_call(name, monkeypatch, caplog):
+    """A float64 call keeps every intermediate (MindSpore's CPU graphs; 16 phonon supercells in one call filled 24
+    GB): a batch past FLOAT64_ATOMS_PER_CALL atoms runs in parts of whole structures, in order, and gives each
+    structure the numbers one call gives it (orb-properties' single points, the small test model)."""
+    import logging
+
+    from ase.build import bulk
+
+    from conftest import SMALL_MODEL
+    from orb import precision
+    from orb.device import configure_mindspore
+    from orb.inference import predictor as predictor_module
+    from orb.inference.mechanics import SinglePoints
+    from orb.models import create
+
+    configure_mindspore("CPU")
+    precision.set_precision("float64")
+    try:
+        model = create(name, seed=3, **SMALL_MODEL)
+        limit = predictor_module.float64_atoms_per_call(model.cfg)
+        rng = np.random.default_rng(0)
+        cells = []
+        for k in range(5):  # 108, 32, 108, 4 and 108 atoms: more than the limit together, each below it
+            atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat((3, 3, 3) if k % 2 == 0 else (2 - k // 3,) * 3)
+            atoms.positions += rng.normal(0, 0.03, atoms.positions.shape)
+            cells.append(atoms)
+        sizes = [len(a) for a in cells]
+        assert sum(sizes) > limit and max(sizes) <= 108
+        caplog.set_level(logging.INFO, logger="orb")
+        parts = SinglePoints(model, batch_size=16)(cells)
+        assert "run in parts" in caplog.text
+        monkeypatch.setitem(predictor_module.FLOAT64_ATOMS_PER_CALL, model.cfg.conservative, 10 ** 6)
+        whole = SinglePoints(model, batch_size=16)(cells)
+    finally:
+        precision.set_precision(precision.DEFAULT)
+    assert len(parts) == len(whole) == len(cells)
+    for k, (a, b) in enumerate(zip(parts, whole)):
+        assert a.keys() == b.keys() and {"energy", "forces", "stress"} <= set(a)
+        assert a["forces"].shape == (sizes[k], 3)
+        assert abs(a["energy"] - b["energy"]) <= 1e-10 * sizes[k], k
+        np.testing.assert_allclose(a["forces"], b["forces"], rtol=0, atol=1e-11)
+        np.testing.assert_allclose(a["stress"], b["stress"], rtol=0, atol=1e-12)
+
+
+def test_float64_parts_are_whole_structures_in_order_within_the_limit():
+    """The cut itself: consecutive whole structures, at most the limit past one structure, each graph's edges kept
+    with its atoms, and a batch within the limit (or with padding graphs) as it is."""
+    from types import SimpleNamespace
+
+    from orb.data.batching import batch_graphs, pad_batch, split_batch
+    from orb.data.graphs import graph_from_arrays
+    from orb.inference.predictor import FLOAT64_ATOMS_PER_CALL, float64_parts
+
+    rng = np.random.default_rng(1)
+    graphs = []
+    for n in (40, 30, 200, 70, 10, 300, 5):
+        box = 3.0 * n ** (1 / 3)
+        graphs.append(graph_from_arrays(rng.uniform(0, box, (n, 3)), np.full(n, 29), np.eye(3) * box,
+                                        float64=True))
+    batch = batch_graphs(graphs)
+    cfg = SimpleNamespace(conservative=False)
+    limit = FLOAT64_ATOMS_PER_CALL[False]
+    parts = float64_parts(batch, cfg)
+    assert [[g.num_nodes for g in split_batch(p)] for p in parts] == [[40, 30], [200], [70, 10], [300], [5]]
+    assert all(p.num_nodes <= limit or p.num_graphs == 1 for p in parts)
+    rebuilt = batch_graphs([g for p in parts for g in split_batch(p)])
+    for field in ("positions", "numbers", "senders", "receivers", "vectors", "n_node", "n_edge", "cell"):
+        np.testing.assert_array_equal(getattr(rebuilt, field), getattr(batch, field), err_msg=field)
+    assert len(float64_parts(batch_graphs(graphs[:2]), cfg)) == 1
+    padded = pad_batch(batch, batch.num_nodes + 8, batch.num_edges + 8, batch.num_graphs + 1)
+    assert len(float64_parts(padded, cfg)) == 1

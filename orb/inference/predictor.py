@@ -53,6 +53,37 @@ def one_graph_for_every_size() -> bool:
     return ms.get_context("device_target") == "CPU" and sum_form() == "float64"
 
 
+# A float64 call's memory: MindSpore 2.10's CPU graphs keep the output of every float64 Add, Sub and Mul of a call
+# until it ends (float32's, and float64 in PyNative mode, are reused), so a call grew by about 24 MB per atom with
+# full-size orb-v2 and 110 MB with a conservative orb-v3 model, against 0.1 and 6 in float32 (docs/precision.md):
+# 16 phonon supercells of 108 atoms in one call filled 24 GB. Atoms per call past one structure, direct and
+# conservative models (about 6 and 7 GB for full-size models).
+FLOAT64_ATOMS_PER_CALL = {False: 256, True: 64}
+
+
+def float64_atoms_per_call(cfg) -> int:
+    return FLOAT64_ATOMS_PER_CALL[cfg.conservative]
+
+
+def float64_parts(batch: AtomGraphs, cfg) -> List[AtomGraphs]:
+    """``batch`` as consecutive batches of at most :func:`float64_atoms_per_call` atoms (a larger structure alone),
+    each a function of the batch alone (orb-md's shapes); a batch with padding graphs as it is."""
+    from orb.data.batching import batch_graphs, split_batch
+
+    limit = float64_atoms_per_call(cfg)
+    if batch.num_nodes <= limit or batch.num_graphs < 2 or not np.all(batch.graph_mask):
+        return [batch]
+    groups: List[List[AtomGraphs]] = [[]]
+    atoms = 0
+    for graph in split_batch(batch):
+        if groups[-1] and atoms + graph.num_nodes > limit:
+            groups.append([])
+            atoms = 0
+        groups[-1].append(graph)
+        atoms += graph.num_nodes
+    return [batch_graphs(group) for group in groups]
+
+
 def any_size(inputs) -> tuple:
     """Placeholders of ``inputs``' types and ranks whose first length (atoms, edges or structures) is unknown."""
     from mindspore import Tensor
@@ -86,6 +117,7 @@ class Predictor:
         self.every_size = reuse and one_graph_for_every_size()
         self.compiled: Dict[object, float] = {}  # each graph held: its bucket's compilation, or EVERY_SIZE's
         self.sources: Dict[object, str] = {}  # where each bucket's graph came from (orb.graph_cache), or EVERY_SIZE's
+        self.said_parts = False  # the log's line on float64 batches run in parts, once
 
     def bucket_for(self, batch: AtomGraphs) -> Bucket:
         """The smallest known bucket that fits, else a new one (without the graph for every size).
@@ -143,8 +175,22 @@ class Predictor:
     def __call__(self, batch: AtomGraphs) -> Dict[str, np.ndarray]:
         """``energy`` (B,), ``forces`` (N, 3), ``stress`` (B, 6) of the real graphs of ``batch`` (no ``stress`` for a
         model without a stress head: its zeros are no prediction), and for orb-v3 ``confidence`` (N, 50): the
-        predicted distribution of each atom's force error over 0-0.3 eV/Å. :func:`per_structure` splits it."""
+        predicted distribution of each atom's force error over 0-0.3 eV/Å. :func:`per_structure` splits it.
+        A float64 model's batch of many atoms runs in parts (:func:`float64_parts`)."""
         check_batch_for_model(self.model.cfg, batch)
+        parts = float64_parts(batch, self.model.cfg) if self.float64 else [batch]
+        if len(parts) == 1:
+            return self._call_one(batch)
+        if not self.said_parts:
+            self.said_parts = True
+            log.info("precision float64: batches of more than %d atoms run in parts (a float64 call's memory grows "
+                     "about 20x faster with its atoms than float32's: docs/precision.md)",
+                     float64_atoms_per_call(self.model.cfg))
+        outputs = [self._call_one(part) for part in parts]
+        return {key: np.concatenate([out[key] for out in outputs]) for key in outputs[0]}
+
+    def _call_one(self, batch: AtomGraphs) -> Dict[str, np.ndarray]:
+        """:meth:`__call__` of one model call."""
         with graph_mode():  # (a caller in PyNative mode too: the compiled graph, from the compile cache; and one
             # thread at a time: another's calls cannot compile the same graph again; dynamic_shapes is per thread)
             try:

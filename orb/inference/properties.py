@@ -202,10 +202,17 @@ def compute(engine: Engine, structures, args, show: bool) -> List[Dict]:
 
     n = len(structures)
     total = n + n * (1 + args.eos_points) + n * 12 * len(args.strains)
-    with tqdm(total=total, desc=f"{engine.label.replace('_', '-')}", disable=not show) as bar:
+    label = engine.label.replace("_", "-")
+    said = (lambda what: None) if show else (lambda what: print(f"{label}: {what}", file=sys.stderr, flush=True))
+    with tqdm(total=total, desc=label, disable=not show) as bar:  # (without the bar, a line per phase: a job log
+        said(f"relaxing {n} structure(s)")  # shows where a long run is)
         relaxed = relaxed_structures(engine, structures, bar)
+        said("equations of state")
         eos = equations_of_state(engine, relaxed, args, bar)
+        said("elastic tensors")
         elastic = elastic_tensors(engine, relaxed, [e.pop("base") for e in eos], args, bar)
+        if not args.no_phonons:
+            said("phonons")
         phonons = phonon_spectra(engine, structures, relaxed, args, bar) if not args.no_phonons else [None] * n
     out = []
     for structure, r, e, c, p in zip(structures, relaxed, eos, elastic, phonons):
