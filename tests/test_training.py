@@ -387,6 +387,13 @@ def test_a_valueless_token_close_to_an_option_is_named_as_that_option():
         assert parse_command_line(["--config", "demo", key], None)[1] == [key]
     args, overrides = parse_command_line(["--config", "demo", "--overwrite", "--max_epochs", "3"], None)
     assert args.overwrite and overrides == ["--max_epochs", "3"]  # (a key with its value: an override as before)
+    # with a value, a token that is no config key is the option it is close to (it said "no --config", and given
+    # --config, "unknown config key 'confg'")
+    for argv in (["--confg", "demo"], ["--config", "demo", "--confg", "x.yaml"], ["--config", "demo", "--resum=auto"]):
+        with pytest.raises(ConfigError, match=r"^unknown option --(confg|resum=auto) \(did you mean "
+                                              r"--(config|resume)\?\)$"):
+            parse_command_line(argv, None)
+    assert parse_command_line(["--config", "demo", "--max_epoch", "3"], None)[1] == ["--max_epoch", "3"]  # a key's
 
 
 @pytest.mark.parametrize("fault", ["download", "diverged"])

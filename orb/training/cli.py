@@ -60,9 +60,9 @@ def finetune_parser(prog: Optional[str] = None, default_config: Optional[str] = 
 
 def parse_command_line(argv: Optional[List[str]], default_config: Optional[str]
                        ) -> Tuple[argparse.Namespace, List[str]]:
-    """The command's own options, and the config overrides (``--key value``). A token without a value that is close
-    to an option of the command's (``--over``) is named as that mistake ("override '--over' has no value" left the
-    user guessing)."""
+    """The command's own options, and the config overrides (``--key value``). A token that is no config key but close
+    to an option of the command's (``--over``, ``--confg demo``) is named as that mistake ("override '--over' has
+    no value" and "no --config" left the user guessing)."""
     import dataclasses
 
     from orb.commands import closest
@@ -72,11 +72,10 @@ def parse_command_line(argv: Optional[List[str]], default_config: Optional[str]
     args, overrides = parser.parse_known_args(argv)
     own = [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
     keys = {field.name for field in dataclasses.fields(TrainConfig)}
-    for k, token in enumerate(overrides):
-        valueless = k + 1 == len(overrides) or overrides[k + 1].startswith("--")
-        if not token.startswith("--") or "=" in token or not valueless or token[2:].split(".")[0] in keys:
-            continue  # (a config key without its value: said so by the overrides' own check)
-        hint = closest(token, own)
+    for token in overrides:
+        if not token.startswith("--") or token[2:].split("=")[0].split(".")[0] in keys:
+            continue  # (a config key, with or without its value: said so by the overrides' own check)
+        hint = closest(token.split("=")[0], own)
         if hint:
             raise ConfigError(f"unknown option {token}{hint}")
     return args, overrides
