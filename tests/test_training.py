@@ -422,3 +422,27 @@ def test_a_fault_before_any_work_leaves_nothing_and_one_later_keeps_everything(t
     else:
         assert "8 steps in a row were not finite" in (out / "train.log").read_text()
         assert (out / "metrics.jsonl").exists()
+
+
+def test_a_data_path_that_does_not_exist_is_said_before_published_weights_are_fetched(tmp_path):
+    """The orb-v3 template as printed, its data file not made yet: it tried to download the published weights first
+    (a user with internet waited for them to learn the path was wrong). Every data path the config names is checked
+    before anything else; an extxyz's is not called a database."""
+    from orb.files import free_port
+
+    env = dict(os.environ, ORB_CACHE_DIR=str(tmp_path / "cache"), ORB_WEIGHTS_URL=f"http://127.0.0.1:{free_port()}")
+    made = subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), "--print-config", "finetune_orb_v3"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert made.returncode == 0
+    (tmp_path / "my.yaml").write_text(made.stdout)
+    for extra, named in (([], "my_train.extxyz: does not exist"),
+                         (["--train_data_path", os.path.join(ROOT, "data", "demo_train.db"), "--val_data_path",
+                           "held_out.db"], "held_out.db: database file does not exist"),
+                         (["--train_data_path", os.path.join(ROOT, "data", "demo_train.db"), "--replay.data_path",
+                           "foundation/"], "foundation/: does not exist")):
+        result = subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), "--config", "my.yaml", *extra],
+                                cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.strip().splitlines()[-1] == f"error: {named}"
+        assert "download" not in result.stderr and not (tmp_path / "cache" / "weights").exists()
+        assert not (tmp_path / "outputs").exists()

@@ -103,7 +103,8 @@ def source_files(path: Union[str, Sequence[str]]) -> List[str]:
     if not path:
         raise DatasetError("<empty path>", "no database path given")
     if not os.path.exists(path):
-        raise DatasetError(path, "database file does not exist")
+        raise DatasetError(path, "database file does not exist" if path.endswith((".db", ".aselmdb", ".json")) else
+                           "does not exist")
     if not os.path.isdir(path):
         return [path]
     names = set(os.listdir(path))

@@ -480,10 +480,16 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Tr
 
 
 def check_training_data(cfg: TrainConfig) -> None:
-    """A run trains on data it names; a config read for its model alone (the calculator, a test) needs none."""
+    """A run trains on data it names, and every path it names exists; a config read for its model alone (the
+    calculator, a test) needs none."""
     if not cfg.train_data_path:
         raise ConfigError("config key 'train_data_path' is not set: name your training data (extxyz or any ase.io "
                           "file, an ASE database, .aselmdb, a folder, or a list of these)")
+    from orb.data.formats import source_files
+
+    for path in (cfg.train_data_path, cfg.val_data_path, cfg.replay.data_path, cfg.replay.val_data_path):
+        if path:
+            source_files(path)  # one that does not exist is said now, before published weights are downloaded
 
 
 def config_from_dict(values: Dict[str, Any]) -> TrainConfig:
