@@ -463,19 +463,18 @@ def test_float64_graphs_keep_the_float32_search_s_images(construction):
 
 
 @pytest.mark.parametrize("name", ["orb_v2", "orb_v3_conservative_20_omat"])
-def test_a_float64_batch_of_many_atoms_runs_in_parts_with_the_numbers_of_one_call(name, monkeypatch, caplog):
+def test_a_float64_batch_of_many_atoms_runs_in_parts_with_the_numbers_of_one_call(name, monkeypatch):
     """A float64 call keeps every intermediate (MindSpore's CPU graphs; 16 phonon supercells in one call filled 24
-    GB): a batch past FLOAT64_ATOMS_PER_CALL atoms runs in parts of whole structures, in order, and gives each
-    structure the numbers one call gives it (orb-properties' single points, the small test model)."""
-    import logging
-
+    GB): a batch past FLOAT64_ATOMS_PER_CALL atoms runs in parts of whole structures, in order, and gives every
+    output (energy, forces, stress, orb-v3's confidence) the numbers one call gives (the small test model)."""
     from ase.build import bulk
 
     from conftest import SMALL_MODEL
     from orb import precision
+    from orb.data.batching import batch_graphs
+    from orb.data.graphs import atoms_to_graph
     from orb.device import configure_mindspore
     from orb.inference import predictor as predictor_module
-    from orb.inference.mechanics import SinglePoints
     from orb.models import create
 
     configure_mindspore("CPU")
@@ -484,27 +483,27 @@ def test_a_float64_batch_of_many_atoms_runs_in_parts_with_the_numbers_of_one_cal
         model = create(name, seed=3, **SMALL_MODEL)
         limit = predictor_module.float64_atoms_per_call(model.cfg)
         rng = np.random.default_rng(0)
-        cells = []
+        graphs = []
         for k in range(5):  # 108, 32, 108, 4 and 108 atoms: more than the limit together, each below it
             atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat((3, 3, 3) if k % 2 == 0 else (2 - k // 3,) * 3)
             atoms.positions += rng.normal(0, 0.03, atoms.positions.shape)
-            cells.append(atoms)
-        sizes = [len(a) for a in cells]
-        assert sum(sizes) > limit and max(sizes) <= 108
-        caplog.set_level(logging.INFO, logger="orb")
-        parts = SinglePoints(model, batch_size=16)(cells)
-        assert "run in parts" in caplog.text
+            graphs.append(atoms_to_graph(atoms, settings=model.cfg.graph_settings(), float64=True))
+        batch = batch_graphs(graphs)
+        assert batch.num_nodes > limit and max(g.num_nodes for g in graphs) <= 108
+        in_parts = predictor_module.Predictor(model)
+        parts = in_parts(batch)
         monkeypatch.setitem(predictor_module.FLOAT64_ATOMS_PER_CALL, model.cfg.conservative, 10 ** 6)
-        whole = SinglePoints(model, batch_size=16)(cells)
+        in_one = predictor_module.Predictor(model)
+        whole = in_one(batch)
     finally:
         precision.set_precision(precision.DEFAULT)
-    assert len(parts) == len(whole) == len(cells)
-    for k, (a, b) in enumerate(zip(parts, whole)):
-        assert a.keys() == b.keys() and {"energy", "forces", "stress"} <= set(a)
-        assert a["forces"].shape == (sizes[k], 3)
-        assert abs(a["energy"] - b["energy"]) <= 1e-10 * sizes[k], k
-        np.testing.assert_allclose(a["forces"], b["forces"], rtol=0, atol=1e-11)
-        np.testing.assert_allclose(a["stress"], b["stress"], rtol=0, atol=1e-12)
+    assert in_parts.said_parts and not in_one.said_parts  # (the log's line: parts, then one call)
+    expected = {"energy", "forces", "stress"} | ({"confidence"} if name.startswith("orb_v3") else set())
+    assert set(parts) == set(whole) == expected
+    for key, atol in (("energy", 1e-10), ("forces", 1e-11), ("stress", 1e-12), ("confidence", 1e-12)):
+        if key in expected:
+            assert parts[key].shape == whole[key].shape and len(parts[key]) in (5, batch.num_nodes), key
+            np.testing.assert_allclose(parts[key], whole[key], rtol=0, atol=atol, err_msg=key)
 
 
 def test_float64_parts_are_whole_structures_in_order_within_the_limit():

@@ -55,7 +55,7 @@ def one_graph_for_every_size() -> bool:
 
 # A float64 call's memory: MindSpore 2.10's CPU graphs keep the output of every float64 Add, Sub and Mul of a call
 # until it ends (float32's, and float64 in PyNative mode, are reused), so a call grew by about 24 MB per atom with
-# full-size orb-v2 and 110 MB with a conservative orb-v3 model, against 0.1 and 6 in float32 (docs/precision.md):
+# full-size orb-v2 and 110 MB with a conservative orb-v3 model, against 0.6 and 7 in float32 (docs/precision.md):
 # 16 phonon supercells of 108 atoms in one call filled 24 GB. Atoms per call past one structure, direct and
 # conservative models (about 6 and 7 GB for full-size models).
 FLOAT64_ATOMS_PER_CALL = {False: 256, True: 64}
@@ -176,9 +176,9 @@ class Predictor:
         """``energy`` (B,), ``forces`` (N, 3), ``stress`` (B, 6) of the real graphs of ``batch`` (no ``stress`` for a
         model without a stress head: its zeros are no prediction), and for orb-v3 ``confidence`` (N, 50): the
         predicted distribution of each atom's force error over 0-0.3 eV/Å. :func:`per_structure` splits it.
-        A float64 model's batch of many atoms runs in parts (:func:`float64_parts`)."""
+        A float64 model's batch of many atoms runs in parts on the CPU (:func:`float64_parts`)."""
         check_batch_for_model(self.model.cfg, batch)
-        parts = float64_parts(batch, self.model.cfg) if self.float64 else [batch]
+        parts = float64_parts(batch, self.model.cfg) if self._float64_in_parts() else [batch]
         if len(parts) == 1:
             return self._call_one(batch)
         if not self.said_parts:
@@ -188,6 +188,14 @@ class Predictor:
                      float64_atoms_per_call(self.model.cfg))
         outputs = [self._call_one(part) for part in parts]
         return {key: np.concatenate([out[key] for out in outputs]) for key in outputs[0]}
+
+    def _float64_in_parts(self) -> bool:
+        """A float64 model on the CPU (where its memory was measured) whose parts each get a graph of their own size:
+        the graph for every size, or orb-md's shape of each (a part padded to a bucket planned for whole batches
+        would cost a whole batch's memory again, at each part)."""
+        import mindspore as ms
+
+        return self.float64 and ms.get_context("device_target") == "CPU" and (self.every_size or not self.reuse)
 
     def _call_one(self, batch: AtomGraphs) -> Dict[str, np.ndarray]:
         """:meth:`__call__` of one model call."""

@@ -21,19 +21,25 @@ def bench_call_memory(args) -> None:
     with tempfile.TemporaryDirectory(prefix="orb-call-memory-") as folder:
         for name in args.models.split(","):
             path = os.path.join(folder, f"{name}.ckpt")
+            _child(name, path, "float32-high", 0)  # the weights, in a process of their own
             for precision in args.precisions.split(","):
                 cells, peaks = [], []
                 for n in sizes:
-                    result = subprocess.run([sys.executable, os.path.join(CHILDREN, "call_memory.py"), name, path,
-                                             precision, str(n)], cwd=ROOT, capture_output=True, text=True,
-                                            env=dict(os.environ, PYTHONPATH=ROOT, ORB_COMPILE_CACHE="0"))
-                    lines = [line.split() for line in result.stdout.splitlines() if line.startswith("RESULT ")]
-                    if result.returncode or not lines:
-                        raise SystemExit(f"call-memory: the measuring process failed:\n{result.stderr[-3000:]}")
-                    _, peak_gb, seconds = lines[-1]
+                    _, peak_gb, seconds = _child(name, path, precision, n)[-1]
                     peaks.append(float(peak_gb))
                     cells.append(f"{float(peak_gb):.2f}, {float(seconds):.2f}")
                 growth = [(peaks[k + 1] - peaks[k]) * 1024 / (4 * (sizes[k + 1] ** 3 - sizes[k] ** 3))
                           for k in range(len(sizes) - 1)]
                 print(f"| {name} | {precision} | " + " | ".join(cells) + " | "
                       + ", ".join(f"{g:.1f}" for g in growth) + " |", flush=True)
+
+
+def _child(name: str, path: str, precision: str, n: int) -> list:
+    """The measuring process's ``RESULT`` lines, split (none for n 0, which writes the checkpoint)."""
+    result = subprocess.run([sys.executable, os.path.join(CHILDREN, "call_memory.py"), name, path, precision, str(n)],
+                            cwd=ROOT, capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONPATH=ROOT, ORB_COMPILE_CACHE="0"))
+    lines = [line.split() for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    if result.returncode or (n and not lines):
+        raise SystemExit(f"call-memory: the measuring process failed:\n{result.stderr[-3000:]}")
+    return lines

@@ -1,8 +1,7 @@
-"""``benchmark.py call-memory``'s measuring process: argv MODEL CHECKPOINT PRECISION N; writes the model's random
-weights to CHECKPOINT first if it is not there; prints ``RESULT <peak GB> <median call s>`` after three calls on
-rattled Cu fcc cells of 4 N^3 atoms."""
+"""``benchmark.py call-memory``'s measuring process: argv MODEL CHECKPOINT PRECISION N; prints ``RESULT <peak GB>
+<median call s>`` after three calls on rattled Cu fcc cells of 4 N^3 atoms. N 0: writes the model's random weights to
+CHECKPOINT instead (a process of its own: what building and saving the model leaves is no call's memory)."""
 
-import os
 import sys
 import time
 
@@ -16,11 +15,12 @@ from ase.build import bulk  # noqa: E402
 
 from orb.inference.calculator import ORBCalculator  # noqa: E402
 
-if not os.path.exists(path):
+if n == 0:
     from orb.io.checkpoint import save_checkpoint
     from orb.models import create
 
     save_checkpoint(path, create(name))
+    sys.exit(0)
 calculator = ORBCalculator.from_checkpoint(path, precision=precision, device_target="CPU", model_name=name)
 atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat((n, n, n))
 rng = np.random.default_rng(0)
