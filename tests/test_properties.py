@@ -473,3 +473,12 @@ def test_dft_values_are_read_from_json_or_csv_and_a_wrong_name_is_refused_naming
         given.write_text(json.dumps(content))
         with pytest.raises(OrbInputError, match=re.escape(said)):
             read_dft(str(given), ["Cu_fcc"])
+
+
+def test_a_structure_taken_as_given_is_not_said_to_be_unconverged():
+    """``--steps 0`` takes the structures as given: the report said "NOT converged in 0 steps"."""
+    from orb.reports.properties import said
+
+    assert said({"steps": 0, "converged": False}) == "not relaxed (--steps 0)"
+    assert said({"steps": 0, "converged": True}) == "converged in 0 steps"
+    assert said({"steps": 500, "converged": False}) == "NOT converged in 500 steps"

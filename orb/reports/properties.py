@@ -269,6 +269,8 @@ def write_outputs(folder: str, entries: List[Dict], run: Dict) -> None:
 
 
 def said(relaxation: Dict) -> str:
+    if relaxation["steps"] == 0 and not relaxation["converged"]:  # --steps 0: the structure as given, by choice
+        return "not relaxed (--steps 0)"
     return f"{'converged' if relaxation['converged'] else 'NOT converged'} in {relaxation['steps']} steps"
 
 
