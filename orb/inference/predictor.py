@@ -184,7 +184,7 @@ class Predictor:
         if not self.said_parts:
             self.said_parts = True
             log.info("precision float64: batches of more than %d atoms run in parts (a float64 call's memory grows "
-                     "about 20x faster with its atoms than float32's: docs/precision.md)",
+                     "15-40x faster with its atoms than float32's: docs/precision.md)",
                      float64_atoms_per_call(self.model.cfg))
         outputs = [self._call_one(part) for part in parts]
         return {key: np.concatenate([out[key] for out in outputs]) for key in outputs[0]}
