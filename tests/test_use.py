@@ -420,6 +420,27 @@ def test_evaluate_report_compares_two_checkpoints(reference_model, tmp_path):
     assert "errors by element" in alone.stdout
 
 
+def test_checkpoint_names_alike_in_their_first_characters_get_headings_of_their_own(capsys):
+    """The evaluation's tables cut a checkpoint's name to its column: a fine-tuned file and its starting model's
+    (``orb_v3_conservative_inf_omat.ckpt`` and ``orb_v3_conservative_inf_omat_finetuned.ckpt``) were both headed
+    ``orb_v3_conservative_in``. Names too long get A, B headings, each named in full above the table."""
+    from orb.inference.evaluate import print_comparison
+    from orb.reports.evaluation import print_element_table
+
+    names = ["orb_v3_conservative_inf_omat.ckpt", "orb_v3_conservative_inf_omat_finetuned.ckpt"]
+    row = {"element": "Cu", "atoms": 4, "forces_mae": 0.1, "structures": 1, "energy_per_atom_mae": 0.01}
+    print_element_table({name: [dict(row)] for name in names})
+    print_comparison({"energy_mae": 1.0}, {"energy_mae": 2.0}, names)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines.count(f"A: {names[0]}") == 2 and lines.count(f"B: {names[1]}") == 2
+    header = next(line for line in lines if line.startswith("element"))
+    assert header.split() == ["element", "A", "F-MAE", "E/atom", "MAE", "B", "F-MAE", "E/atom", "MAE"]
+    assert next(line for line in lines if line.startswith("metric")).split() == ["metric", "A", "B", "unit"]
+    print_element_table({"demo.ckpt": [dict(row)], "other.ckpt": [dict(row)]})  # short names head their columns
+    out = capsys.readouterr().out
+    assert "demo.ckpt F-MAE" in out and "A:" not in out
+
+
 def test_d3_dispersion_equals_dftd3s_own_calculator_added(reference_model, reference, monkeypatch, tmp_path):
     """``dispersion="d3bj"`` adds exactly what dftd3's own ASE calculator gives (same parameters), to 1e-8 eV, in
     energy, forces and (periodic) stress, at every MD-like update of the same structure; bad names and a missing

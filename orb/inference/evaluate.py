@@ -430,7 +430,10 @@ def remove_earlier_outputs(out_dir: str, written: List[str]) -> None:
 
 def print_comparison(first: Dict, second: Dict, names: List[str]) -> None:
     """The metrics of two checkpoints side by side (the starting model and the fine-tuned one, say)."""
-    print(f"{'metric':<32}{names[0][:24]:>26}{names[1][:24]:>26}  unit")
+    from orb.reports.evaluation import column_headings
+
+    headings = column_headings(names, 25)
+    print(f"{'metric':<32}{headings[0]:>26}{headings[1]:>26}  unit")
     for key in METRICS:
         if key in first or key in second:
             a, b = first.get(key, float("nan")), second.get(key, float("nan"))

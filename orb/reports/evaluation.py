@@ -136,10 +136,23 @@ def write_element_table(path: str, tables: Dict[str, List[Dict]]) -> None:
     write_csv(path, fields, lines)
 
 
+def column_headings(names: List[str], width: int) -> List[str]:
+    """Headings for columns of at most ``width`` characters: the names themselves when each fits, else A, B, ...,
+    each printed in full above the table first (names cut to the width were alike: a fine-tuned checkpoint and its
+    starting model's file often differ only at the end)."""
+    if all(len(name) <= width for name in names):
+        return list(names)
+    headings = [chr(ord("A") + k) if k < 26 else f"#{k + 1}" for k in range(len(names))]
+    for heading, name in zip(headings, names):
+        print(f"{heading}: {name}")
+    return headings
+
+
 def print_element_table(tables: Dict[str, List[Dict]]) -> None:
     names = list(tables)
-    header = f"{'element':<9}" + "".join(f"{n[:22] + ' F-MAE':>30}{'E/atom MAE':>13}" for n in names)
     print("\nerrors by element (eV/Å for forces, eV/atom for the energy of the structures containing it)")
+    headings = column_headings(names, 23)
+    header = f"{'element':<9}" + "".join(f"{h + ' F-MAE':>30}{'E/atom MAE':>13}" for h in headings)
     print(header)
     elements = sorted({row["element"] for rows in tables.values() for row in rows}, key=chemical_symbols.index)
     for element in elements:
