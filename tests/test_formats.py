@@ -238,7 +238,7 @@ def test_bad_input_is_one_line_naming_file_frame_and_key(tmp_path, cache):
         readable_database(str(garbage))
     write_ref_keys(tmp_path / "ref.xyz", frames)
     with pytest.raises(DatasetError, match=r"ref.xyz, key 'energy_key': frame 0 has no energy under the configured "
-                                           r"key \(info\['DFT_energy'\]\)"):
+                                           r"key \(info\['DFT_energy'\] or the calculator's 'DFT_energy'\)"):
         readable_database(str(tmp_path / "ref.xyz"), LabelKeys(energy="DFT_energy"))
     bad = [a.copy() for a in frames[:3]]
     for a in bad:
@@ -262,6 +262,126 @@ def test_bad_input_is_one_line_naming_file_frame_and_key(tmp_path, cache):
     with pytest.raises(DatasetError, match=r"b.extxyz, frame 0, key 'stress': frame has no stress while .*a.extxyz, "
                                            r"frame 0 has one"):  # (indexed, as prediction reads it: training refuses)
         AseDbDataset(readable_database(str(mixed))).census()
+
+
+def labels_of(path, keys=None):
+    from orb.data.dataset import AseDbDataset
+    from orb.data.formats import LabelKeys, readable_database
+
+    data = AseDbDataset(readable_database(str(path), keys or LabelKeys()))
+    return [(data.get(i).energy, data.get(i).forces, data.get(i).stress) for i in range(len(data))]
+
+
+def test_labels_are_the_ones_the_user_meant_whatever_else_the_file_holds(tmp_path, cache, caplog):
+    """REF_ entries are the reference labels beside another calculator's results (the calculator's won, silently:
+    a file of a model's predictions with the DFT values as REF_ trained on the predictions); a key names a
+    calculator result too (ASE keeps an extxyz's free_energy= there: it could not be read); a virial is a stress of
+    -virial / volume (it was ignored), and a stress_key naming one is refused; stress in kBar is said once."""
+    import ase.io
+    from ase.calculators.singlepoint import SinglePointCalculator
+    from ase.stress import full_3x3_to_voigt_6_stress, voigt_6_to_full_3x3_stress
+
+    from orb.data.formats import LabelKeys
+    from orb.errors import DatasetError
+
+    frames = demo_frames()[:4]
+    truth = [(a.get_potential_energy(), a.get_forces(), a.get_stress()) for a in frames]
+
+    def assert_labels(path, expected=truth, keys=None, stress=True):
+        got = labels_of(path, keys)
+        for (energy, forces, stress_got), (e, f, s) in zip(got, expected):
+            assert energy == pytest.approx(e, abs=1e-6)
+            np.testing.assert_allclose(forces, f, atol=1e-6)
+            if stress:
+                np.testing.assert_allclose(np.reshape(stress_got, -1), s, atol=1e-6)
+
+    both = []
+    for atoms, (e, f, s) in zip(frames, truth):
+        other = atoms.copy()
+        other.calc = SinglePointCalculator(other, energy=e + 5.0, forces=np.zeros_like(f), stress=np.zeros(6))
+        other.info.update(REF_energy=e, REF_stress=s)
+        other.arrays["REF_forces"] = f
+        both.append(other)
+    ase.io.write(tmp_path / "both.extxyz", both, format="extxyz")
+    caplog.set_level("WARNING", logger="orb")
+    assert_labels(tmp_path / "both.extxyz")
+    said = [r.getMessage() for r in caplog.records if "REF_ entries are the reference labels" in r.getMessage()]
+    assert len(said) == 3 and all("both.extxyz, frame 0" in line for line in said), said  # energy, forces, stress
+
+    free = []
+    for atoms, (e, f, s) in zip(frames, truth):
+        other = atoms.copy()
+        other.calc = SinglePointCalculator(other, free_energy=e, forces=f, stress=s)
+        free.append(other)
+    ase.io.write(tmp_path / "free.extxyz", free, format="extxyz")
+    assert_labels(tmp_path / "free.extxyz", keys=LabelKeys(energy="free_energy"))
+
+    virial = []
+    for atoms, (e, f, s) in zip(frames, truth):
+        other = atoms.copy()
+        other.calc = SinglePointCalculator(other, energy=e, forces=f)
+        other.info["virial"] = -voigt_6_to_full_3x3_stress(s) * atoms.get_volume()
+        virial.append(other)
+    ase.io.write(tmp_path / "virial.extxyz", virial, format="extxyz")
+    assert_labels(tmp_path / "virial.extxyz")
+    with pytest.raises(DatasetError, match=r"virial.extxyz, key 'stress_key': stress_key 'virial' names a virial"):
+        labels_of(tmp_path / "virial.extxyz", LabelKeys(stress="virial"))
+
+    kbar = []
+    for atoms, (e, f, s) in zip(frames, truth):
+        other = atoms.copy()
+        other.calc = SinglePointCalculator(other, energy=e, forces=f, stress=np.full(6, 12.5))
+        kbar.append(other)
+    ase.io.write(tmp_path / "kbar.extxyz", kbar, format="extxyz")
+    caplog.clear()
+    labels_of(tmp_path / "kbar.extxyz")
+    said = [r.getMessage() for r in caplog.records if "must be converted" in r.getMessage()]
+    assert len(said) == 1 and "kbar.extxyz, frame 0, key 'stress': a stress of 12.5 eV/Å³ (2003 GPa)" in said[0]
+    ase.io.write(tmp_path / "kbar.db", kbar)  # an ASE SQLite database, read as it is
+    caplog.clear()
+    labels_of(tmp_path / "kbar.db")
+    said = [r.getMessage() for r in caplog.records if "must be converted" in r.getMessage()]
+    assert len(said) == 1 and "kbar.db, row 1, key 'stress': a stress of 12.5 eV/Å³" in said[0]
+    assert full_3x3_to_voigt_6_stress(voigt_6_to_full_3x3_stress(truth[0][2])) == pytest.approx(truth[0][2])
+
+
+@pytest.mark.parametrize("backend", ["json", "aselmdb"])
+def test_an_ase_databases_labels_are_its_calculators_in_every_backend_and_errors_name_its_row_ids(tmp_path, cache,
+                                                                                                  backend):
+    """A .json or .aselmdb database is indexed like a file, and its rows' data and key-value pairs became labels
+    (a stress in GPa in row.data trained on, a REF_energy pair read) where the same rows in SQLite have none; and an
+    error named the row by its position, not by its id."""
+    from ase.db import connect
+
+    from orb.errors import DatasetError
+
+    if backend == "aselmdb":
+        pytest.importorskip("ase_db_backends")
+    frames = demo_frames()[:4]
+    for suffix in ("db", backend):
+        with connect(str(tmp_path / f"rows.{suffix}"), use_lock_file=False) as db:
+            for atoms in frames:
+                db.write(atoms, REF_energy=1000.0, data={"stress": np.full(6, 3.0), "REF_stress": np.ones(6)})
+    sqlite, other = labels_of(tmp_path / "rows.db"), labels_of(tmp_path / f"rows.{backend}")
+    assert len(other) == len(sqlite) == 4
+    for (e1, f1, s1), (e2, f2, s2), atoms in zip(sqlite, other, frames):
+        assert float(np.ravel(e1)[0]) == float(np.ravel(e2)[0]) == pytest.approx(atoms.get_potential_energy(), abs=1e-6)
+        np.testing.assert_array_equal(f2, f1)
+        np.testing.assert_allclose(np.reshape(s2, -1), atoms.get_stress(), atol=1e-6)  # the calculator's
+    with connect(str(tmp_path / f"ids.{backend}"), use_lock_file=False) as db:
+        for atoms in frames:
+            db.write(atoms)
+        del db[1]  # ids 2, 3, 4
+    with connect(str(tmp_path / f"ids.{backend}"), use_lock_file=False) as db:
+        bad = frames[0].copy()
+        from ase.calculators.singlepoint import SinglePointCalculator
+
+        forces = frames[0].get_forces().copy()
+        forces[0, 0] = np.nan
+        bad.calc = SinglePointCalculator(bad, energy=1.0, forces=forces)
+        db.write(bad)  # id 5, the fourth row
+    with pytest.raises(DatasetError, match=rf"ids.{backend}, key 'forces': row 5: forces contains NaN or inf"):
+        labels_of(tmp_path / f"ids.{backend}")
 
 
 def test_a_frame_without_labels_is_named_by_file_and_frame_when_training(tmp_path, cache):

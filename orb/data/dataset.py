@@ -18,7 +18,7 @@ import numpy as np
 
 from orb.data.row_results import ONE_PROCESS, LabelTable, Ranks, RowPass
 from orb.errors import DatasetError, StructureError
-from orb.data.formats import check_sqlite_file, missing_label, storable_pairs
+from orb.data.formats import check_sqlite_file, missing_label, said_if_implausible, storable_pairs
 from orb.data.sqlite_rows import TABLE_QUERIES, RowReader, change_counters, structures_digest
 from orb.data.augmentation import matrix_to_voigt, random_rotation, rotate_structure
 from orb.data.graphs import (EDGE_CAPACITY_MARGIN, AtomGraphs, GraphSettings, capacity_is_counted,
@@ -324,6 +324,8 @@ class AseDbDataset:
                 stress = matrix_to_voigt(stress.reshape(3, 3))
             if stress.shape != (6,):
                 raise self.error_at(f"stress of shape {stress.shape}, expected (6,) or (3, 3)", row.id, "stress")
+            if not self.sources and np.all(np.isfinite(stress)):  # (an indexed copy's files were checked as indexed)
+                said_if_implausible(stress, "stress", self.path, f"row {row.id}")
         for key, value in (("energy", energy), ("forces", forces), ("stress", stress)):
             if value is not None and not np.all(np.isfinite(value)):
                 raise self.error_at("label contains NaN or inf", row.id, key)

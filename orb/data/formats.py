@@ -9,11 +9,15 @@ start, and every data-parallel rank, reads that copy: random access per row as f
 neighbour counts and the row census cached per file as for any database. Bad input is one line
 naming the file, the frame and the key.
 
-Labels (MACE's conventions): with a key left empty, energy is the stored calculator's energy (the
-``energy=`` of an extxyz comment line), else ``info['REF_energy']``, else ``info['energy']``;
-forces likewise from ``arrays`` (``REF_forces``, ``forces``), stress from ``info`` (``REF_stress``,
-``stress``). A key that is set names the ``info`` entry (energy, stress, charge, spin) or the
-``arrays`` entry (forces) to read, and every frame must carry it.
+Labels: with a key left empty, energy is ``info['REF_energy']`` (MACE's reference key: a file may also hold
+another calculator's results, which differ, said once per file), else the stored calculator's energy (the
+``energy=`` of an extxyz comment line), else ``info['energy']``; forces likewise from ``arrays`` (``REF_forces``,
+the calculator's, ``forces``), stress from ``info`` (``REF_stress``, the calculator's, ``stress``), else from a
+virial (``REF_virial``, ``virial``, ``REF_virials``, ``virials``: stress = -virial / volume). A key that is set names
+the ``info`` entry (energy, stress, charge, spin) or the ``arrays`` entry (forces) to read, or a calculator result
+of that name (``free_energy``), and every frame must carry it. An ASE database's labels are its rows' calculator
+results, whatever its backend (as the SQLite reader reads them). Stress beyond :data:`STRESS_PLAUSIBLE` eV/Å³ (kBar
+or GPa numbers) is said once per file.
 """
 
 import json
@@ -42,6 +46,10 @@ INDEX_CODE = ("orb.data.formats", "orb.data.sqlite_rows")  # (sqlite_rows: the r
 # moments and charges); the rest (labels under their own keys, arbitrary arrays) is not a structure's own
 KEPT_ARRAYS = ("numbers", "positions", "momenta", "masses", "tags", "initial_magmoms", "initial_charges")
 AUTO = {"energy": ("REF_energy", "energy"), "forces": ("REF_forces", "forces"), "stress": ("REF_stress", "stress")}
+VIRIALS = ("REF_virial", "virial", "REF_virials", "virials")  # in eV: stress = -virial / volume (ASE's, QUIP's sign)
+# |stress| in eV/Å³ beyond which a label is likely in other units (1 eV/Å³ = 160 GPa; VASP's kBar numbers read as
+# eV/Å³ are 1,600 times too large, GPa ones 160 times): said once per file, not refused (shock data exists)
+STRESS_PLAUSIBLE = 1.0
 
 
 @dataclass(frozen=True)
@@ -283,24 +291,81 @@ def _calculator_result(atoms, name: str):
     return None if calc is None else calc.results.get(name)
 
 
-def _label(atoms, name: str, keys: LabelKeys, where: str, frame: int) -> Tuple[object, str]:
-    """The frame's ``name`` label by the configured key (required) or the defaults (optional), and the key it was
-    found under (for messages)."""
+def _label(atoms, name: str, keys: LabelKeys, where: str, at: str, database: bool = False) -> Tuple[object, str]:
+    """The frame's ``name`` label by the configured key (required) or the defaults (optional; an ASE database's row:
+    its calculator's result only), and the key it was found under (for messages). ``at``: "frame 3" or "row 5"."""
     key = getattr(keys, name)
     table = atoms.arrays if name == "forces" else atoms.info
+    if database:
+        return _calculator_result(atoms, name), name
     if key:
-        value = table.get(key, _calculator_result(atoms, name) if key == name else None)
+        if name == "stress" and "virial" in key.lower():
+            raise DatasetError(where, f"stress_key '{key}' names a virial, not a stress: leave stress_key empty (a "
+                                      f"virial under {', '.join(VIRIALS)} is read as -virial / volume)",
+                               key="stress_key")
+        value = table.get(key)
+        if value is None:  # (ase keeps an extxyz's free_energy=, energy= among the calculator's results)
+            value = _calculator_result(atoms, key)
         if value is None:
-            raise DatasetError(where, f"frame {frame} has no {name} under the configured key "
-                                      f"({'arrays' if name == 'forces' else 'info'}['{key}'])", key=f"{name}_key")
+            raise DatasetError(where, f"{at} has no {name} under the configured key "
+                                      f"({'arrays' if name == 'forces' else 'info'}['{key}'] or the calculator's "
+                                      f"'{key}')", key=f"{name}_key")
         return value, key
-    value = _calculator_result(atoms, name)
-    if value is not None:
-        return value, name
-    for candidate in AUTO[name]:
-        if table.get(candidate) is not None:
-            return table[candidate], candidate
+    reference_key, plain_key = AUTO[name]
+    reference, calculated = table.get(reference_key), _calculator_result(atoms, name)
+    if reference is not None:
+        if calculated is not None and not _same_values(reference, calculated) and (where, name) not in _BOTH_SAID:
+            _BOTH_SAID.add((where, name))
+            log.warning("%s, %s: %s read from %s['%s'], not the calculator's %s, which differs (said once per file: "
+                        "REF_ entries are the reference labels; name another with %s_key)", where, at, name,
+                        "arrays" if name == "forces" else "info", reference_key, name, name)
+        return reference, reference_key
+    if calculated is not None:
+        return calculated, name
+    if table.get(plain_key) is not None:
+        return table[plain_key], plain_key
+    if name == "stress":
+        return _stress_from_virial(atoms, where, at)
     return None, name
+
+
+def _same_values(a, b) -> bool:
+    try:
+        return bool(np.allclose(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64), rtol=1e-6,
+                                atol=1e-6))
+    except (TypeError, ValueError):
+        return False
+
+
+def _stress_from_virial(atoms, where: str, at: str) -> Tuple[object, str]:
+    """(stress = -virial / volume, the virial's key) from a frame's virial (3x3, 9 or 6 Voigt values, eV), or
+    (None, "stress") without one."""
+    key = next((k for k in VIRIALS if atoms.info.get(k) is not None), None)
+    if key is None:
+        return None, "stress"
+    try:
+        virial = np.asarray(atoms.info[key], dtype=np.float64)
+    except (TypeError, ValueError):
+        raise DatasetError(where, f"{at}: {key} must be numbers, got {str(atoms.info[key])[:40]!r}", key=key) from None
+    if virial.size == 6:
+        from ase.stress import voigt_6_to_full_3x3_stress
+
+        virial = voigt_6_to_full_3x3_stress(virial)
+    elif virial.size == 9:
+        virial = virial.reshape(3, 3)
+    else:
+        raise DatasetError(where, f"{at}: {key} of shape {virial.shape}, expected (3, 3), (9,) or (6,)", key=key)
+    volume = abs(float(np.linalg.det(np.asarray(atoms.cell, dtype=np.float64))))
+    if not atoms.pbc.all() or volume < 1e-6:
+        raise DatasetError(where, f"{at}: a virial needs a periodic cell (stress = -virial / volume), and this "
+                                  "structure has none", key=key)
+    if (where, "virial") not in _BOTH_SAID:
+        _BOTH_SAID.add((where, "virial"))
+        log.info("%s: stress read as -%s / volume (eV/Å³)", where, key)
+    return -virial / volume, key
+
+
+_BOTH_SAID: set = set()  # (file, label) pairs said once: REF_ beside another calculator's result, a virial read
 
 
 def missing_label(name: str, indexed: bool, held: Sequence[str]) -> str:
@@ -315,16 +380,29 @@ def missing_label(name: str, indexed: bool, held: Sequence[str]) -> str:
     return f"row has no {name} (looked for {looked}{others}): name the {table} entry holding it with {name}_key"
 
 
-def _checked(value, shape_ok, name: str, where: str, frame: int, expected: str):
+def _checked(value, shape_ok, name: str, where: str, at, expected: str):
+    """``value`` as float64 numbers of an expected shape, all finite; ``at``: "frame 3", "row 5" (or a frame's
+    index)."""
+    at = at if isinstance(at, str) else f"frame {at}"
     try:
         array = np.asarray(value, dtype=np.float64)
     except (TypeError, ValueError):
-        raise DatasetError(where, f"frame {frame}: {name} must be numbers, got {str(value)[:40]!r}", key=name) from None
+        raise DatasetError(where, f"{at}: {name} must be numbers, got {str(value)[:40]!r}", key=name) from None
     if not shape_ok(array.shape):
-        raise DatasetError(where, f"frame {frame}: {name} of shape {array.shape}, expected {expected}", key=name)
+        raise DatasetError(where, f"{at}: {name} of shape {array.shape}, expected {expected}", key=name)
     if not np.all(np.isfinite(array)):
-        raise DatasetError(where, f"frame {frame}: {name} contains NaN or inf", key=name)
+        raise DatasetError(where, f"{at}: {name} contains NaN or inf", key=name)
     return array
+
+
+def said_if_implausible(stress: np.ndarray, key: str, where: str, at: str) -> None:
+    """Stress labels beyond :data:`STRESS_PLAUSIBLE` (a kBar or GPa file read as eV/Å³), said once per file."""
+    largest = float(np.max(np.abs(stress)))
+    if largest > STRESS_PLAUSIBLE and (where, "units") not in _BOTH_SAID:
+        _BOTH_SAID.add((where, "units"))
+        log.warning("%s, %s, key '%s': a stress of %.3g eV/Å³ (%.0f GPa): stress labels are read in eV/Å³ (ASE's "
+                    "units and sign); values in kBar or GPa must be converted (x 1/1602.18 or 1/160.218; VASP's "
+                    "sign is the opposite). Said once per file", where, at, key, largest, largest * 160.21766)
 
 
 def _convert(files: List[str], keys: LabelKeys, target: str, progress: bool) -> int:
@@ -341,24 +419,26 @@ def _convert(files: List[str], keys: LabelKeys, target: str, progress: bool) -> 
             own = database_keys(path, keys) if is_ase_database(path) else keys
             for frame, (atoms, row_id) in enumerate(_frames(path)):
                 n = len(atoms)
+                at = f"frame {frame}" if row_id is None else f"row {row_id}"  # (a database's row by its id)
                 if n == 0:  # (ASE's write of its labels failed with a traceback)
-                    raise DatasetError(path, f"frame {frame}: structure has no atoms")
+                    raise DatasetError(path, f"{at}: structure has no atoms")
                 (energy, energy_key), (forces, forces_key), (stress, stress_key) = (
-                    _label(atoms, name, own, path, frame) for name in ("energy", "forces", "stress"))
+                    _label(atoms, name, own, path, at, database=row_id is not None)
+                    for name in ("energy", "forces", "stress"))
                 results = {}
                 if energy is not None:
                     results["energy"] = float(_checked(energy, lambda s: int(np.prod(s)) == 1, energy_key, path,
-                                                       frame, "a number"))
+                                                       at, "a number"))
                 if forces is not None:
-                    results["forces"] = _checked(forces, lambda s: s == (n, 3), forces_key, path, frame,
-                                                 f"({n}, 3)")
+                    results["forces"] = _checked(forces, lambda s: s == (n, 3), forces_key, path, at, f"({n}, 3)")
                 if stress is not None:
-                    stress = _checked(stress, lambda s: s in ((6,), (3, 3), (9,)), stress_key, path, frame,
+                    stress = _checked(stress, lambda s: s in ((6,), (3, 3), (9,)), stress_key, path, at,
                                       "(6,) or (3, 3)")
+                    said_if_implausible(stress, stress_key, path, at)
                     results["stress"] = stress.reshape(3, 3) if stress.size == 9 else stress
                 # (frames with and without stress: indexed as they are, as an ASE database holds them; training
                 # refuses the mixture naming a frame, orb-evaluate scores stress where there is one)
-                pairs = _structure_attributes(atoms, keys, path, frame)
+                pairs = _structure_attributes(atoms, keys, path, at)
                 pairs.update(_other_attributes(atoms, keys, pairs, path))
                 clean = atoms.copy()
                 clean.info = {}
@@ -396,7 +476,7 @@ def id_runs(ids: List[int]) -> List[List[int]]:
     return runs
 
 
-def _structure_attributes(atoms, keys: LabelKeys, path: str, frame: int) -> dict:
+def _structure_attributes(atoms, keys: LabelKeys, path: str, at: str) -> dict:
     """The per-structure attributes a frame carries in ``info`` (its loss ``weight``, total charge and spin), checked,
     as the key-value pairs the indexed copy stores: everything a row of an ASE database carries, whatever the
     format it came in."""
@@ -409,9 +489,9 @@ def _structure_attributes(atoms, keys: LabelKeys, path: str, frame: int) -> dict
                 # without charge and spin; an OMol model's census refuses it naming the frame)
                 pairs.update({name: float(value)} if not isinstance(value, str) else storable_pairs({name: value}))
                 continue
-            value = float(_checked(value, lambda s: int(np.prod(s)) == 1, key, path, frame, "a number").reshape(-1)[0])
+            value = float(_checked(value, lambda s: int(np.prod(s)) == 1, key, path, at, "a number").reshape(-1)[0])
             if name == "weight" and value < 0:
-                raise DatasetError(path, f"frame {frame}: weight must be >= 0, got {value}", key=key)
+                raise DatasetError(path, f"{at}: weight must be >= 0, got {value}", key=key)
             pairs[name] = value
     return pairs
 
