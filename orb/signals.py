@@ -61,17 +61,33 @@ class StopSignals:
         self.resume_hint = RESUME_HINT  # how this command continues a run (orb-md, orb-relax: a bare --resume)
         self.raised: Optional[str] = None  # a start-up stop raised and not yet reported (:meth:`raise_if_raised`)
         self.commands = 0  # run_command's nesting: a command run inside another (a study's in-process evaluations)
+        self.finished = False  # the command's work is done and saved (:meth:`finish`)
 
     def _note(self, number, _frame):
         name = signal.Signals(number).name
         if name == "SIGINT" and self.received is not None and time.monotonic() - self._when > 1.0:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             raise KeyboardInterrupt
-        if self._depth == 0:  # the exception carries it, and :attr:`raised` until a command reports it
+        if self._depth == 0 and not self._under_way():  # the exception carries it, and :attr:`raised` until reported
             self.raised = name
             raise Stopped(self.startup_message(name))
         if self.received is None:
             self.received, self._when = name, time.monotonic()
+
+    def _under_way(self) -> bool:
+        """Whether a command's stop is already under way (a start-up stop raised, a phase's signal noted: a second
+        signal, Slurm's to every process beside the launcher's copy, raised again in the clean-up, a traceback from
+        a ``__del__`` or an ``atexit`` callback and status 1) or its work is done (:meth:`finish`): a signal is then
+        only noted."""
+        return self._installed and (self.raised is not None or self.received is not None or self.finished)
+
+    def finish(self) -> None:
+        """The run's work is done and saved: a stop signal from now on (a scheduler's as the job ends, while compiled
+        cells are freed, the output folder's lock released and a data-parallel job's communication ends) is noted, not
+        raised: the command exits 0 (a traceback and status 75 made a scheduler requeue a finished job). A later
+        phase of the same process (:meth:`reset`) stops at its first check for a signal noted meanwhile."""
+        if self._installed:
+            self.finished = True
 
     def startup_message(self, name: str) -> str:
         again = f", or {self.resume_hint}" if self.resume_hint else ""
@@ -113,6 +129,7 @@ class StopSignals:
                 raise
             self.raise_if_raised()  # (one swallowed by the imported code)
         except Stopped as stop:
+            self.stand_down()  # (the process ends: another signal, as the interpreter exits, is no second stop)
             self.reported()
             print(str(stop), file=sys.stderr)
             sys.exit(stop.status)
@@ -122,7 +139,7 @@ class StopSignals:
         if threading.current_thread() is not threading.main_thread():
             return {}
         if not self._installed:  # (a second listen() of the same command keeps a stop raised under the first)
-            self.raised = None
+            self.raised, self.finished = None, False
         previous = {name: signal.signal(getattr(signal, name), self._note) for name in STOP_SIGNALS}
         self._installed = True
         return previous
@@ -170,8 +187,11 @@ class StopSignals:
 
     def reset(self) -> None:
         """Forget a signal that was handled (another run in the same process starts clean). Not a start-up stop
-        raised and not yet reported (:attr:`raised`): that one is the command's, still to end it."""
-        self.received = None
+        raised and not yet reported (:attr:`raised`): that one is the command's, still to end it; nor one noted after
+        the previous run finished (:meth:`finish`): this run stops at its first check."""
+        if not self.finished:
+            self.received = None
+        self.finished = False
 
 
 STOP = StopSignals()
@@ -212,6 +232,7 @@ def run_command(body: Callable[[], int], resume_hint: str = "") -> int:
     except Stopped as stop:
         if inner:
             raise
+        STOP.stand_down()  # (the command ends: another signal, as the interpreter exits, is no second stop)
         STOP.reported()
         print(str(stop), file=sys.stderr)
         return stop.status

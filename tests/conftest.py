@@ -32,8 +32,11 @@ os.environ.setdefault("ORB_COMPILE_CACHE_DIR", cache_dirs()[0])  # (the data cac
 
 def own_compile_cache(folder) -> dict:
     """The environment of a process whose data caches and compiled code are all in ``folder`` (empty at first): for
-    tests of what a first start compiles or builds."""
-    return {"ORB_CACHE_DIR": str(folder), "ORB_COMPILE_CACHE_DIR": str(folder)}
+    tests of what a first start compiles or builds. Its temporary folder too: the caches' fallback
+    ($TMPDIR/orb_mindspore-<uid>, where a run with a read-only cache kept its own) is read like any cache folder."""
+    os.makedirs(os.path.join(str(folder), "tmp"), exist_ok=True)
+    return {"ORB_CACHE_DIR": str(folder), "ORB_COMPILE_CACHE_DIR": str(folder),
+            "TMPDIR": os.path.join(str(folder), "tmp")}
 
 
 # Small architecture for fast tests (the orb-v2 layout with fewer/smaller layers).

@@ -479,6 +479,26 @@ def test_the_cluster_polls_its_peers_every_second_or_two_unless_the_user_chose()
     assert msrun_environment({})["PATH"] == os.path.dirname(sys.executable)  # no empty entry (the current folder)
 
 
+def test_the_launchers_defaults_follow_the_cpus_it_may_use_and_never_share_a_log_folder(capsys):
+    """In a Slurm step or under taskset, the workers and their kernel threads were sized by the host's core count
+    (os.cpu_count), not the CPUs the job may use; two launches in the same second (a job array) wrote into one
+    LOG_DIR, each reporting the other's errors; --print-config started a 2-worker job and wrote its lines into the
+    template (an audit of the data-parallel path)."""
+    from orb.training import launch as launcher
+    from orb.training.cli import print_template
+
+    one_cpu = subprocess.run([sys.executable, "-c", "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))});"
+                              " from orb.training.launch import count_devices, usable_cpus;"
+                              " print(count_devices(), usable_cpus())"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert one_cpu.stdout.split() == ["1", "1"], one_cpu.stderr[-2000:]
+    assert launcher.settings({})["log_dir"].endswith(f"-{os.getpid()}")
+    assert launcher.main(["--print-config", "demo"]) == 0
+    printed = capsys.readouterr()
+    assert print_template("demo", []) == 0
+    assert printed.out == capsys.readouterr().out and "run_parallel" not in printed.out + printed.err
+
+
 def test_a_stop_before_any_worker_or_to_every_process_saves_and_exits_75(tmp_path, nine_rows):
     """1. SIGTERM to the launcher 0.3 s after it starts, before msrun has started a worker: it reached no worker
        (the run went on to the end, exit 0). The launcher passes it to the workers as they appear, and ends msrun's

@@ -645,6 +645,41 @@ def test_resume_auto_never_overwrites_a_run_without_last_ckpt(tmp_path):
     assert records(run) == [{"type": "epoch", "epoch": 1, "step": 32}]
 
 
+def test_a_resume_path_that_names_no_checkpoint_is_said_with_the_configs_checks(tmp_path, capsys):
+    """--resume of a missing file or folder was said after the starting weights were read (a download for a published
+    model) and the data counted: now with the config's checks, before any of that."""
+    import finetune
+
+    for given, said in ((tmp_path / "nope.ckpt", "checkpoint file does not exist"),
+                        (tmp_path, f"no checkpoint {tmp_path / 'last.ckpt'} there")):
+        status = finetune.main(run_args(tmp_path / "run") + ["--resume", str(given), "--train_data_path",
+                                                             str(tmp_path / "missing.db")])
+        assert status == 2
+        assert capsys.readouterr().err.strip() == f"error: --resume {given}: {said}"  # (not the missing data first)
+
+
+def test_resume_auto_starts_again_after_a_kill_in_the_first_epochs_save(tmp_path):
+    """A kill (a node failure, SIGKILL) during the first epoch's save, after best.ckpt and best_weights.ckpt and
+    before last.ckpt, left a folder --resume auto refused (exit 2): the requeued job failed. The files are this
+    run's first save (epoch 1, this config): it starts again and ends where an uninterrupted run does."""
+    run = tmp_path / "run"
+    first = subprocess.run([sys.executable, "finetune.py", *run_args(run, max_epochs=1)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    expected = {**last_weights(run)[0], **{"opt/" + k: v for k, v in last_weights(run)[1].items()}}
+    os.remove(run / "checkpoints" / "last.ckpt")  # (killed before it was written)
+    again = subprocess.run([sys.executable, "finetune.py", *run_args(run, max_epochs=1), "--resume", "auto"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "holds only what the first epoch's save of this run wrote before it was cut short" in again.stderr
+    got = {**last_weights(run)[0], **{"opt/" + k: v for k, v in last_weights(run)[1].items()}}
+    assert set(got) == set(expected) and all(np.array_equal(got[k], expected[k]) for k in expected)
+    os.remove(run / "checkpoints" / "last.ckpt")
+    other = subprocess.run([sys.executable, "finetune.py", *run_args(run, max_epochs=1, lr="5e-4"), "--resume",
+                            "auto"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert other.returncode == 2 and "holds an earlier run" in other.stderr, other.stderr[-2000:]  # another config's
+
+
 CALLBACKS = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "tests"))  # stop_callbacks.py, for every process
 
 

@@ -379,6 +379,72 @@ def test_a_command_run_inside_another_leaves_the_outer_one_listening(when):
     assert_quiet(result.stderr)
 
 
+SECOND_SIGNAL = """
+import os, signal, sys
+from orb.signals import STOP, run_command
+
+class Cell:  # as MindSpore's Cell.__del__ runs while a stop unwinds a command
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+def body():
+    if sys.argv[1] == "start-up":
+        cell = Cell()
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)  # a stop in start-up: Stopped, raised here
+        finally:
+            del cell  # the job's second copy of it (Slurm's, beside the launcher's) lands in the clean-up
+    with STOP.deferred():
+        STOP.finish()  # the run's work is done and saved
+    os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's, as the job ends: while compiled cells are freed
+    print("torn down")
+    return 0
+
+sys.exit(run_command(body))
+"""
+
+
+@pytest.mark.parametrize("case", ["start-up", "finished"])
+def test_a_second_signal_during_a_stop_or_any_signal_after_the_work_is_done_ends_nothing(case):
+    """A stop raised again by a second signal in the clean-up (a ``__del__``, an ``atexit`` callback) printed
+    "Exception ignored" with a traceback, or ended a run with status 1, which a Slurm recipe does not requeue; a
+    signal after the run had finished and saved everything exited 75 with a traceback, and the recipe requeued a
+    finished job. Now the first stop's line and 75, and 0 after the work is done (a user-data audit's findings)."""
+    result = subprocess.run([sys.executable, "-c", SECOND_SIGNAL, case],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert_quiet(result.stderr)
+    if case == "start-up":
+        assert result.returncode == 75, result.stderr
+        assert result.stderr.strip().splitlines() == [STOP_LINE], result.stderr
+    else:
+        assert result.returncode == 0 and result.stdout.strip() == "torn down", result.stdout + result.stderr
+
+
+STOP_LINE = ("stopped by SIGTERM during start-up (nothing to save yet): run the same command again to start it "
+             "(exit status 75)")
+
+
+def test_a_signal_after_fine_tuning_finished_exits_0(tmp_path):
+    """The trainer marks its work done when its last epoch is saved: a stop signal in the teardown that follows (a
+    scheduler's as the job ends) exits 0 (it exited 75 with a traceback, and the job was requeued)."""
+    script = ("import os, signal, sys\n"
+              "import finetune\n"
+              "from orb.training import trainer\n"
+              "fit = trainer.Trainer.fit\n"
+              "def fit_then_signal(self, *args, **kwargs):\n"
+              "    out = fit(self, *args, **kwargs)\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    return out\n"
+              "trainer.Trainer.fit = fit_then_signal\n"
+              "sys.exit(finetune.main(sys.argv[1:]))\n")
+    result = subprocess.run([sys.executable, "-c", script] + run_args(tmp_path / "run", max_epochs=1), cwd=ROOT,
+                            capture_output=True, text=True, timeout=900,
+                            env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_quiet(result.stderr)
+    assert os.path.exists(tmp_path / "run" / "checkpoints" / "last.ckpt")
+
+
 SAVING_STEP = """
 import os, sys, time
 from orb.signals import STOP, Stopped, run_command

@@ -18,7 +18,8 @@ import numpy as np
 
 from orb.data.row_results import ONE_PROCESS, LabelTable, Ranks, RowPass
 from orb.errors import DatasetError, StructureError
-from orb.data.formats import check_sqlite_file, missing_label, said_if_implausible, storable_pairs
+from orb.data.formats import check_sqlite_file, storable_pairs
+from orb.data.labels import missing_label, said_if_implausible
 from orb.data.sqlite_rows import TABLE_QUERIES, RowReader, change_counters, structures_digest
 from orb.data.augmentation import matrix_to_voigt, random_rotation, rotate_structure
 from orb.data.graphs import (EDGE_CAPACITY_MARGIN, AtomGraphs, GraphSettings, capacity_is_counted,

@@ -112,22 +112,49 @@ def prune_checkpoints(folder: str, keep: int) -> List[str]:
     return removed
 
 
-def checkpoint_to_resume(output_dir: str, resume: str, overwrite: bool = False) -> str:
+def checkpoint_to_resume(output_dir: str, resume: str, overwrite: bool = False, config: Optional[Dict] = None
+                         ) -> str:
     """``--resume`` as a path: ``auto`` is ``output_dir``'s last.ckpt when it exists, else "" (a fresh start) when
-    the folder holds no checkpoint (a first attempt killed before its first save: nothing to lose) or with
-    ``overwrite``; a folder with an earlier run's checkpoints but no last.ckpt is refused, never overwritten."""
+    the folder holds no checkpoint (a first attempt killed before its first save: nothing to lose), only what this
+    run's first save wrote before it was cut short (:func:`first_save_cut_short`; ``config``: the run's
+    ``cfg.to_dict()``) or with ``overwrite``; a folder with an earlier run's checkpoints but no last.ckpt is refused,
+    never overwritten."""
     if resume != "auto":
         return resume
     last = os.path.join(output_dir, "checkpoints", "last.ckpt")
     if os.path.isfile(last):
         return last
     found = [f for f in existing_run_files(output_dir) if f.endswith(".ckpt")] if os.path.isdir(output_dir) else []
+    if found and not overwrite and config is not None and first_save_cut_short(output_dir, found, config):
+        log.warning("--resume auto: %s holds only what the first epoch's save of this run wrote before it was cut "
+                    "short (%s; no last.ckpt): starting the run again", output_dir, ", ".join(found))
+        return ""
     if found and not overwrite:
         raise ConfigError(f"--resume auto: {output_dir} has no checkpoints/last.ckpt but holds an earlier run "
                           f"({', '.join(found[:4])}{' ...' if len(found) > 4 else ''}); continue from one of its "
                           "checkpoints with --resume PATH, start over with --overwrite (deletes those files), or "
                           "choose another --output_dir")
     return ""
+
+
+def first_save_cut_short(output_dir: str, found: List[str], config: Dict) -> bool:
+    """Whether the checkpoints ``found`` in ``output_dir`` (no last.ckpt) are what the first epoch's save of a run of
+    this ``config`` wrote before a kill (best.ckpt and best_weights.ckpt come before last.ckpt): best.ckpt there,
+    every training checkpoint of epoch 1 and of this config, nothing but those and best_weights.ckpt (written with
+    best.ckpt). A requeued job then starts again, where it was refused."""
+    from orb.io.checkpoint import load_checkpoint
+
+    names = {os.path.basename(f) for f in found}
+    if "best.ckpt" not in names or not names <= {"best.ckpt", "best_weights.ckpt", "epoch_0001.ckpt"}:
+        return False
+    for name in names - {"best_weights.ckpt"}:
+        try:
+            _, _, meta = load_checkpoint(os.path.join(output_dir, "checkpoints", name))
+        except Exception:  # noqa: BLE001 (unreadable: not shown to be this run's)
+            return False
+        if meta.get("epoch") != 1 or meta.get("config") != json.loads(json.dumps(config)):
+            return False
+    return True
 
 
 def resolve(path: str) -> str:

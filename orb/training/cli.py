@@ -3,6 +3,7 @@ so that a mistake in the input ends in one clear line (on the console and in tra
 
 import argparse
 import logging
+import os
 import sys
 import textwrap
 from typing import Callable, List, Optional, Tuple
@@ -94,6 +95,18 @@ def print_template(name: str, overrides: List[str]) -> int:
     return 0
 
 
+def check_resume_path(resume: Optional[str]) -> None:
+    """A ``--resume`` path that names no checkpoint, said with the config's checks (it came after the weights' download
+    and the data's census)."""
+    from orb.training.checkpointing import resolve
+
+    if resume and resume != "auto":
+        path = resolve(resume)
+        if not os.path.isfile(path):
+            raise ConfigError(f"--resume {resume}: " + (f"no checkpoint {path} there" if path != resume else
+                                                        "checkpoint file does not exist"))
+
+
 def run(argv: Optional[List[str]], default_config: Optional[str],
         fine_tune: Callable[[TrainConfig, argparse.Namespace], None],
         is_main: Callable[[], bool] = lambda: True) -> int:
@@ -111,10 +124,11 @@ def run(argv: Optional[List[str]], default_config: Optional[str],
                 raise ConfigError(f"no --config: name your YAML config file or a packaged template "
                                   f"({templates_line()})")
             cfg = load_config(args.config, overrides)
+            check_resume_path(args.resume)
             check_training_data(cfg)
             check_outputs_apart(cfg)
             if args.resume == "auto":
-                args.resume = checkpoint_to_resume(cfg.output_dir, args.resume, args.overwrite)
+                args.resume = checkpoint_to_resume(cfg.output_dir, args.resume, args.overwrite, cfg.to_dict())
                 args.overwrite = args.overwrite or not args.resume  # no checkpoint there: records of unsaved steps
             fine_tune(cfg, args)
             STOP.raise_if_raised()  # (a start-up stop some code swallowed: a stop, the run's saves kept)
@@ -123,6 +137,7 @@ def run(argv: Optional[List[str]], default_config: Optional[str],
             STOP.raise_if_raised()  # a start-up stop an extension's import turned into its error (a "bad row"): 75
             raise
     except Stopped as stop:
+        STOP.stand_down()  # (the run ends: another signal, as the interpreter exits, is no second stop)
         STOP.reported()
         print(f"{stop}", file=sys.stderr)
         return stop.status

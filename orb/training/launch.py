@@ -14,7 +14,7 @@ launch is set by environment variables:
   MASTER_ADDR       scheduler host (node 0)         (default: 127.0.0.1)
   MASTER_PORT       scheduler port                  (default: a free port; set it on multi-node runs)
   NODE_RANK         this node's rank                (default: 0)
-  LOG_DIR           worker logs                     (default: msrun_logs/<date-time>)
+  LOG_DIR           worker logs                     (default: msrun_logs/<date-time>-<pid>)
   CLUSTER_TIME_OUT  seconds to wait for all workers (default: 600)
   MS_RETRY_INTERVAL_LOWER, MS_RETRY_INTERVAL_UPPER
                     seconds between the cluster's polls of its peers (default: 1 and 2, unless either
@@ -78,7 +78,15 @@ def count_devices() -> int:
         gpus = len([line for line in out.splitlines() if line.strip()])
         if gpus:
             return gpus
-    return min(os.cpu_count() or 1, 8)
+    return min(usable_cpus(), 8)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a Slurm step's, taskset's), not the host's count."""
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except (AttributeError, OSError):  # (not Linux)
+        return os.cpu_count() or 1
 
 
 def worker_script() -> str:
@@ -118,7 +126,8 @@ def settings(env: Dict[str, str]) -> Dict[str, str]:
         "master_addr": env.get("MASTER_ADDR") or "127.0.0.1",
         "master_port": _count(env, "MASTER_PORT", str(free_port()), 1, 65535),  # (msrun: a page of C++ errors)
         "node_rank": _count(env, "NODE_RANK", "0", 0),
-        "log_dir": env.get("LOG_DIR") or os.path.join("msrun_logs", time.strftime("%Y%m%d-%H%M%S")),
+        # (with the process id: two launches in the same second, a job array's, wrote into each other's logs)
+        "log_dir": env.get("LOG_DIR") or os.path.join("msrun_logs", time.strftime("%Y%m%d-%H%M%S-") + str(os.getpid())),
         "cluster_time_out": _count(env, "CLUSTER_TIME_OUT", "600", 1),
     }
 
@@ -164,12 +173,21 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     return run_command(lambda: launch(argv, prog), RESUME_HINT)
 
 
+def _no_run(cfg, args) -> None:
+    raise ConfigError("--print-config prints a template and runs nothing: give it without other options")
+
+
 def launch(argv: Optional[List[str]], prog: Optional[str] = None) -> int:
     """Check the launch (config, msrun, the environment's settings), start msrun and follow it to the end."""
     args = list(sys.argv[1:] if argv is None else argv)
     if any(arg in ("-h", "--help") for arg in args):
         build_parser(prog).print_help()
         return 0
+    if any(arg == "--print-config" or arg.startswith("--print-config=") for arg in args):
+        from orb.training.cli import run  # a template to stdout, as orb-finetune prints it: no job (msrun's lines
+        # went into the file, and two workers' copies)
+
+        return run(args, None, _no_run)
     try:
         config, args = split_config(args)
         config = find_config(config)
@@ -187,7 +205,7 @@ def launch(argv: Optional[List[str]], prog: Optional[str] = None) -> int:
         return 2
     env = msrun_environment(os.environ)
     if not env.get("OMP_NUM_THREADS"):
-        env["OMP_NUM_THREADS"] = str(max((os.cpu_count() or 1) // int(s["local_worker_num"]), 1))
+        env["OMP_NUM_THREADS"] = str(max(usable_cpus() // int(s["local_worker_num"]), 1))
     try:
         os.makedirs(s["log_dir"], exist_ok=True)
     except OSError as exc:  # (a file of that name, no permission: it was a traceback)

@@ -105,6 +105,8 @@ class Trainer:
                         raise self.guards.stop(f"the end of epoch {epoch + 1}", progress.global_step,
                                                self.checkpointer.last)
                 epochs.close()
+                if stopped or progress.epochs_done >= cfg.max_epochs:
+                    STOP.finish()  # all saved: a signal from now on (the job's end) ends nothing (exit 0, no traceback)
         finally:
             self.data.loader.close()
         total = time.perf_counter() - run_start

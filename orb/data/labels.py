@@ -1,0 +1,136 @@
+"""A frame's labels as the user meant them (:mod:`orb.data.formats` indexes files through these): which of a
+frame's values is its energy, forces and stress, checked, and said once per file where a file holds something a
+reader could mistake (``REF_`` labels beside another calculator's results, a virial, stress in other units)."""
+
+import logging
+from typing import Sequence, Tuple
+
+import numpy as np
+
+from orb.errors import DatasetError
+
+log = logging.getLogger("orb")
+AUTO = {"energy": ("REF_energy", "energy"), "forces": ("REF_forces", "forces"), "stress": ("REF_stress", "stress")}
+VIRIALS = ("REF_virial", "virial", "REF_virials", "virials")  # in eV: stress = -virial / volume (ASE's, QUIP's sign)
+# |stress| in eV/Å³ beyond which a label is likely in other units (1 eV/Å³ = 160 GPa; VASP's kBar numbers read as
+# eV/Å³ are 1,600 times too large, GPa ones 160 times): said once per file, not refused (shock data exists)
+STRESS_PLAUSIBLE = 1.0
+
+
+def _calculator_result(atoms, name: str):
+    calc = atoms.calc
+    return None if calc is None else calc.results.get(name)
+
+
+def _label(atoms, name: str, keys, where: str, at: str, database: bool = False) -> Tuple[object, str]:
+    """The frame's ``name`` label by the configured key (required) or the defaults (optional; an ASE database's row:
+    its calculator's result only), and the key it was found under (for messages). ``at``: "frame 3" or "row 5"."""
+    key = getattr(keys, name)
+    table = atoms.arrays if name == "forces" else atoms.info
+    if database:
+        return _calculator_result(atoms, name), name
+    if key:
+        if name == "stress" and "virial" in key.lower():
+            raise DatasetError(where, f"stress_key '{key}' names a virial, not a stress: leave stress_key empty (a "
+                                      f"virial under {', '.join(VIRIALS)} is read as -virial / volume)",
+                               key="stress_key")
+        value = table.get(key)
+        if value is None:  # (ase keeps an extxyz's free_energy=, energy= among the calculator's results)
+            value = _calculator_result(atoms, key)
+        if value is None:
+            raise DatasetError(where, f"{at} has no {name} under the configured key "
+                                      f"({'arrays' if name == 'forces' else 'info'}['{key}'] or the calculator's "
+                                      f"'{key}')", key=f"{name}_key")
+        return value, key
+    reference_key, plain_key = AUTO[name]
+    reference, calculated = table.get(reference_key), _calculator_result(atoms, name)
+    if reference is not None:
+        if calculated is not None and not _same_values(reference, calculated) and (where, name) not in _BOTH_SAID:
+            _BOTH_SAID.add((where, name))
+            log.warning("%s, %s: %s read from %s['%s'], not the calculator's %s, which differs (said once per file: "
+                        "REF_ entries are the reference labels; name another with %s_key)", where, at, name,
+                        "arrays" if name == "forces" else "info", reference_key, name, name)
+        return reference, reference_key
+    if calculated is not None:
+        return calculated, name
+    if table.get(plain_key) is not None:
+        return table[plain_key], plain_key
+    if name == "stress":
+        return _stress_from_virial(atoms, where, at)
+    return None, name
+
+
+def _same_values(a, b) -> bool:
+    try:
+        return bool(np.allclose(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64), rtol=1e-6,
+                                atol=1e-6))
+    except (TypeError, ValueError):
+        return False
+
+
+def _stress_from_virial(atoms, where: str, at: str) -> Tuple[object, str]:
+    """(stress = -virial / volume, the virial's key) from a frame's virial (3x3, 9 or 6 Voigt values, eV), or
+    (None, "stress") without one."""
+    key = next((k for k in VIRIALS if atoms.info.get(k) is not None), None)
+    if key is None:
+        return None, "stress"
+    try:
+        virial = np.asarray(atoms.info[key], dtype=np.float64)
+    except (TypeError, ValueError):
+        raise DatasetError(where, f"{at}: {key} must be numbers, got {str(atoms.info[key])[:40]!r}", key=key) from None
+    if virial.size == 6:
+        from ase.stress import voigt_6_to_full_3x3_stress
+
+        virial = voigt_6_to_full_3x3_stress(virial)
+    elif virial.size == 9:
+        virial = virial.reshape(3, 3)
+    else:
+        raise DatasetError(where, f"{at}: {key} of shape {virial.shape}, expected (3, 3), (9,) or (6,)", key=key)
+    volume = abs(float(np.linalg.det(np.asarray(atoms.cell, dtype=np.float64))))
+    if not atoms.pbc.all() or volume < 1e-6:
+        raise DatasetError(where, f"{at}: a virial needs a periodic cell (stress = -virial / volume), and this "
+                                  "structure has none", key=key)
+    if (where, "virial") not in _BOTH_SAID:
+        _BOTH_SAID.add((where, "virial"))
+        log.info("%s: stress read as -%s / volume (eV/Å³)", where, key)
+    return -virial / volume, key
+
+
+_BOTH_SAID: set = set()  # (file, label) pairs said once: REF_ beside another calculator's result, a virial read
+
+
+def missing_label(name: str, indexed: bool, held: Sequence[str]) -> str:
+    """Why a structure has no ``name`` label, for a message: in an ASE database, how to store it; in a file indexed
+    from another format, where it was looked for, the frame's other values (``held``: its key-value pairs, where an
+    energy under another name is) and the key that names it (MACE's ``energy_key``)."""
+    if not indexed:
+        return "row has no label (store it with a SinglePointCalculator)"
+    table = "arrays" if name == "forces" else "info"
+    looked = ", ".join([f"the calculator's {name}"] + [f"{table}['{key}']" for key in AUTO[name]])
+    others = f"; its info holds {', '.join(sorted(held)[:8])}" if held and name != "forces" else ""
+    return f"row has no {name} (looked for {looked}{others}): name the {table} entry holding it with {name}_key"
+
+
+def _checked(value, shape_ok, name: str, where: str, at, expected: str):
+    """``value`` as float64 numbers of an expected shape, all finite; ``at``: "frame 3", "row 5" (or a frame's
+    index)."""
+    at = at if isinstance(at, str) else f"frame {at}"
+    try:
+        array = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise DatasetError(where, f"{at}: {name} must be numbers, got {str(value)[:40]!r}", key=name) from None
+    if not shape_ok(array.shape):
+        raise DatasetError(where, f"{at}: {name} of shape {array.shape}, expected {expected}", key=name)
+    if not np.all(np.isfinite(array)):
+        raise DatasetError(where, f"{at}: {name} contains NaN or inf", key=name)
+    return array
+
+
+def said_if_implausible(stress: np.ndarray, key: str, where: str, at: str) -> None:
+    """Stress labels beyond :data:`STRESS_PLAUSIBLE` (a kBar or GPa file read as eV/Å³), said once per file."""
+    largest = float(np.max(np.abs(stress)))
+    if largest > STRESS_PLAUSIBLE and (where, "units") not in _BOTH_SAID:
+        _BOTH_SAID.add((where, "units"))
+        log.warning("%s, %s, key '%s': a stress of %.3g eV/Å³ (%.0f GPa): stress labels are read in eV/Å³ (ASE's "
+                    "units and sign); values in kBar or GPa must be converted (x 1/1602.18 or 1/160.218; VASP's "
+                    "sign is the opposite). Said once per file", where, at, key, largest, largest * 160.21766)
