@@ -384,6 +384,22 @@ def test_an_ase_databases_labels_are_its_calculators_in_every_backend_and_errors
         labels_of(tmp_path / f"ids.{backend}")
 
 
+def test_a_data_folders_notes_and_scripts_are_left_out_and_said(tmp_path, cache, caplog):
+    """A README.txt (or a script, a plot) beside the structure files stopped the run: "ase.io cannot read it (txt)".
+    Such files are left out, said once; the folder reads as its structure files."""
+    import ase.io
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    ase.io.write(folder / "frames.extxyz", demo_frames(), format="extxyz")
+    for name in ("README.txt", "make_data.py", "notes.md"):
+        (folder / name).write_text("how these frames were made\n")
+    caplog.set_level("WARNING", logger="orb")
+    assert [energy for energy, _, _ in labels_of(folder)] == [e for e, _, _ in labels_of(folder / "frames.extxyz")]
+    said = [r.getMessage() for r in caplog.records if "not read (notes" in r.getMessage()]
+    assert said == [f"{folder}: README.txt, make_data.py, notes.md not read (notes, scripts or images, not structures)"]
+
+
 def test_a_frame_without_labels_is_named_by_file_and_frame_when_training(tmp_path, cache):
     """Unlabelled frames index (orb-evaluate predicts them); training names the original file and frame, in one
     line, and writes nothing."""

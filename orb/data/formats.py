@@ -91,6 +91,9 @@ def describe_path(path: Union[str, Sequence[str]]) -> str:
     return path if isinstance(path, str) else ", ".join(path)
 
 
+# files of a data folder that hold no structures: read, they stopped the run (ase.io guesses no format for them)
+NOT_STRUCTURES = (".txt", ".md", ".rst", ".log", ".yaml", ".yml", ".py", ".sh", ".ipynb", ".png", ".jpg", ".pdf",
+                  ".csv")
 # files a database keeps beside itself: ASE-LMDB's lock, SQLite's write-ahead log, shared memory and journal
 COMPANIONS = ("-lock", "-wal", "-shm", "-journal")
 
@@ -114,12 +117,18 @@ def source_files(path: Union[str, Sequence[str]]) -> List[str]:
     files = sorted(os.path.join(path, name) for name in names
                    if not name.startswith(".") and os.path.isfile(os.path.join(path, name))
                    and not any(name.endswith(end) and name[:-len(end)] in names for end in COMPANIONS))
+    notes = [f for f in files if f.lower().endswith(NOT_STRUCTURES)]
+    if notes:  # (a README.txt beside the data stopped the run: "ase.io cannot read it (txt)")
+        files = [f for f in files if f not in notes]
+        if path not in _SUBFOLDERS_SAID:
+            log.warning("%s: %s not read (notes, scripts or images, not structures)", path,
+                        ", ".join(os.path.basename(f) for f in notes[:5]) + (" ..." if len(notes) > 5 else ""))
     folders = sorted(name for name in names if not name.startswith(".") and os.path.isdir(os.path.join(path, name)))
     if folders and path not in _SUBFOLDERS_SAID:  # (once per folder: the path is resolved several times a run)
-        _SUBFOLDERS_SAID.add(path)
         log.warning("%s: its subfolders (%s) are not read, only the files directly in it: list the folders "
                     "(train_data_path: [a/, b/]) to include them", path, ", ".join(folders[:5]) +
                     (f" and {len(folders) - 5} more" if len(folders) > 5 else ""))
+    _SUBFOLDERS_SAID.add(path)
     if not files:
         raise DatasetError(path, "is an empty folder: no structure files in it" +
                            (" (its subfolders are not read: list them)" if folders else ""))
