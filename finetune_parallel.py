@@ -25,6 +25,11 @@ _rank = 0
 
 def fine_tune(cfg, args) -> None:
     global _rank
+    if not os.environ.get("MS_ROLE"):  # started by hand: MindSpore's init() said to use 'mpirun', exit 1
+        from orb.errors import ConfigError
+
+        raise ConfigError("finetune_parallel.py is one worker of a job msrun starts: launch the job with "
+                          "orb-finetune-parallel CONFIG (or bash run_parallel.sh CONFIG); on one device use orb-finetune")
     if os.environ.get("MS_ROLE") == "MS_SCHED":  # msrun's scheduler process: it ends when the workers end
         ignore_stop_signals()
     configure_mindspore(cfg.device_target, num_threads=cfg.num_threads, parallel=True,  # msrun assigns the device
@@ -84,8 +89,8 @@ def fine_tune(cfg, args) -> None:
 
 def main(argv=None) -> int:
     status = run(argv, DEFAULT_CONFIG, fine_tune, is_main=lambda: _rank == 0)
-    if status not in (0, 75):
-        print(f"{WORKER_EXIT_LINE} {status}", file=sys.stderr)  # read by the launcher
+    if status not in (0, 75) and os.environ.get("MS_ROLE"):
+        print(f"{WORKER_EXIT_LINE} {status}", file=sys.stderr)  # read by the launcher (msrun's workers only)
     return status
 
 

@@ -497,6 +497,18 @@ def test_the_launchers_defaults_follow_the_cpus_it_may_use_and_never_share_a_log
     printed = capsys.readouterr()
     assert print_template("demo", []) == 0
     assert printed.out == capsys.readouterr().out and "run_parallel" not in printed.out + printed.err
+    for args, line in ((["demo", "--resume"], "error: argument --resume: expected one argument"),
+                       (["demo", "--confg", "x"], "error: unknown option --confg (did you mean --config?)")):
+        refused = subprocess.run([sys.executable, "-m", "orb.training.launch", *args], cwd=ROOT, capture_output=True,
+                                 text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+        assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].endswith(line), refused.stderr
+        assert "run_parallel" not in refused.stdout + refused.stderr  # (no job: each worker said it, no rank named)
+    by_hand = subprocess.run([sys.executable, "finetune_parallel.py", "--config", "demo"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300,
+                             env={k: v for k, v in os.environ.items() if not k.startswith("MS_")})
+    assert by_hand.returncode == 2 and by_hand.stderr.strip().splitlines() == [
+        "error: finetune_parallel.py is one worker of a job msrun starts: launch the job with orb-finetune-parallel "
+        "CONFIG (or bash run_parallel.sh CONFIG); on one device use orb-finetune"], by_hand.stderr[-2000:]
 
 
 def test_a_stop_before_any_worker_or_to_every_process_saves_and_exits_75(tmp_path, nine_rows):

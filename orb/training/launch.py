@@ -191,6 +191,9 @@ def launch(argv: Optional[List[str]], prog: Optional[str] = None) -> int:
     try:
         config, args = split_config(args)
         config = find_config(config)
+        from orb.training.cli import parse_command_line
+
+        parse_command_line(["--config", config] + args, None)  # (a bad option: each worker said it, naming no rank)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
