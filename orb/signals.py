@@ -62,6 +62,7 @@ class StopSignals:
         self.raised: Optional[str] = None  # a start-up stop raised and not yet reported (:meth:`raise_if_raised`)
         self.commands = 0  # run_command's nesting: a command run inside another (a study's in-process evaluations)
         self.finished = False  # the command's work is done and saved (:meth:`finish`)
+        self.stopping = False  # a phase ended by a stop (one the ranks agreed on: no signal of this rank's noted)
 
     def _note(self, number, _frame):
         name = signal.Signals(number).name
@@ -79,7 +80,8 @@ class StopSignals:
         signal, Slurm's to every process beside the launcher's copy, raised again in the clean-up, a traceback from
         a ``__del__`` or an ``atexit`` callback and status 1) or its work is done (:meth:`finish`): a signal is then
         only noted."""
-        return self._installed and (self.raised is not None or self.received is not None or self.finished)
+        return self._installed and (self.raised is not None or self.received is not None or self.finished
+                                    or self.stopping)
 
     def finish(self) -> None:
         """The run's work is done and saved: a stop signal from now on (a scheduler's as the job ends, while compiled
@@ -138,8 +140,9 @@ class StopSignals:
         """Listen from now on (main thread only: Python delivers signals there); returns the handlers replaced."""
         if threading.current_thread() is not threading.main_thread():
             return {}
-        if not self._installed:  # (a second listen() of the same command keeps a stop raised under the first)
-            self.raised, self.finished = None, False
+        if not self._installed:  # (a second listen() of the same command keeps a stop raised under the first;
+            # a new command forgets the last one's: a signal it handled left noted made this one's start-up go on)
+            self.raised, self.finished, self.stopping, self.received = None, False, False, None
         previous = {name: signal.signal(getattr(signal, name), self._note) for name in STOP_SIGNALS}
         self._installed = True
         return previous
@@ -158,6 +161,9 @@ class StopSignals:
             raise
         try:
             yield self
+        except Stopped:
+            self.stopping = True  # (its own copy of the signal, coming while the stop unwinds, is the same stop)
+            raise
         finally:
             if previous:  # (before the depth falls: a signal meanwhile is noted, not raised)
                 for name, handler in previous.items():
@@ -191,7 +197,7 @@ class StopSignals:
         the previous run finished (:meth:`finish`): this run stops at its first check."""
         if not self.finished:
             self.received = None
-        self.finished = False
+        self.finished = self.stopping = False
 
 
 STOP = StopSignals()

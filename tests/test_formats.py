@@ -264,11 +264,11 @@ def test_bad_input_is_one_line_naming_file_frame_and_key(tmp_path, cache):
         AseDbDataset(readable_database(str(mixed))).census()
 
 
-def labels_of(path, keys=None):
+def labels_of(path, keys=None, require_labels=True):
     from orb.data.dataset import AseDbDataset
     from orb.data.formats import LabelKeys, readable_database
 
-    data = AseDbDataset(readable_database(str(path), keys or LabelKeys()))
+    data = AseDbDataset(readable_database(str(path), keys or LabelKeys()), require_labels=require_labels)
     return [(data.get(i).energy, data.get(i).forces, data.get(i).stress) for i in range(len(data))]
 
 
@@ -326,6 +326,32 @@ def test_labels_are_the_ones_the_user_meant_whatever_else_the_file_holds(tmp_pat
     assert_labels(tmp_path / "virial.extxyz")
     with pytest.raises(DatasetError, match=r"virial.extxyz, key 'stress_key': stress_key 'virial' names a virial"):
         labels_of(tmp_path / "virial.extxyz", LabelKeys(stress="virial"))
+    assert all(stress is None for _, _, stress in labels_of(tmp_path / "virial.extxyz", LabelKeys(stress="none")))
+    from ase.build import molecule
+
+    gas = molecule("H2")  # a molecule's virial (GAP sets: isolated atoms and dimers beside crystals): no stress
+    gas.calc = SinglePointCalculator(gas, energy=-1.0, forces=np.zeros((2, 3)))
+    gas.info["virial"] = np.zeros((3, 3))
+    ase.io.write(tmp_path / "gas.extxyz", [virial[0], gas], format="extxyz")
+    caplog.clear()
+    with pytest.raises(DatasetError, match=r"gas.extxyz, frame 1, key 'stress': frame has no stress while .*"
+                                           r"\(then training runs without the stress loss; stress_key: none reads"):
+        labels_of(tmp_path / "gas.extxyz")  # (training: stress for every structure or none)
+    got = labels_of(tmp_path / "gas.extxyz", require_labels=False)  # (evaluation: stress where there is one)
+    assert got[1][2] is None and np.allclose(np.reshape(got[0][2], -1), truth[0][2], atol=1e-6)
+    assert [r.getMessage() for r in caplog.records if "not read as a stress" in r.getMessage()] == [
+        f"{tmp_path / 'gas.extxyz'}, frame 1: its virial is not read as a stress (no periodic cell to divide by: said "
+        "once per file)"]
+    agree = []  # REF_stress as 3x3 (as ASE writes it), the calculator's as Voigt: the same values, nothing said
+    for atoms, (e, f, s) in zip(frames, truth):
+        other = atoms.copy()
+        other.calc = SinglePointCalculator(other, energy=e, forces=f, stress=s)
+        other.info["REF_stress"] = voigt_6_to_full_3x3_stress(s)
+        agree.append(other)
+    ase.io.write(tmp_path / "agree.extxyz", agree, format="extxyz")
+    caplog.clear()
+    assert_labels(tmp_path / "agree.extxyz")
+    assert not [r for r in caplog.records if "reference labels" in r.getMessage()]
 
     kbar = []
     for atoms, (e, f, s) in zip(frames, truth):

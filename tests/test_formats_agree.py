@@ -48,7 +48,8 @@ def test_a_stress_on_some_structures_is_read_for_prediction_and_refused_for_trai
     assert str(raised.value).endswith(f"{without}, key 'stress': {unit} has no stress while "
                                       f"{'' if kind == 'sqlite' else str(tmp_path) + '/'}"
                                       f"{other if kind != 'folder' else 'parts/' + other} has one; store stress for "
-                                      "every structure or for none (then training runs without the stress loss)"), \
+                                      "every structure or for none (then training runs without the stress loss"
+                                      + ("; stress_key: none reads none)" if unit == "frame" else ")")), \
         str(raised.value)
 
 

@@ -667,7 +667,17 @@ def test_resume_auto_starts_again_after_a_kill_in_the_first_epochs_save(tmp_path
                            capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-2000:]
     expected = {**last_weights(run)[0], **{"opt/" + k: v for k, v in last_weights(run)[1].items()}}
-    os.remove(run / "checkpoints" / "last.ckpt")  # (killed before it was written)
+    os.remove(run / "checkpoints" / "last.ckpt")  # (killed before it was written, and the epoch's record after it)
+    kept = [line for line in open(run / "metrics.jsonl") if json.loads(line).get("type") != "epoch"]
+    with open(run / "metrics.jsonl", "w") as f:
+        f.writelines(kept)
+    finished = (run / "checkpoints" / "best.ckpt").read_bytes()
+    (run / "metrics.jsonl").write_text("".join(kept) + json.dumps({"type": "epoch", "epoch": 1}) + "\n")
+    refused = subprocess.run([sys.executable, "finetune.py", *run_args(run, max_epochs=1), "--resume", "auto"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 2 and "holds an earlier run" in refused.stderr, refused.stderr[-2000:]  # finished
+    assert (run / "checkpoints" / "best.ckpt").read_bytes() == finished  # (a finished run's last.ckpt deleted later)
+    (run / "metrics.jsonl").write_text("".join(kept))
     again = subprocess.run([sys.executable, "finetune.py", *run_args(run, max_epochs=1), "--resume", "auto"],
                            cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-2000:]
@@ -675,6 +685,8 @@ def test_resume_auto_starts_again_after_a_kill_in_the_first_epochs_save(tmp_path
     got = {**last_weights(run)[0], **{"opt/" + k: v for k, v in last_weights(run)[1].items()}}
     assert set(got) == set(expected) and all(np.array_equal(got[k], expected[k]) for k in expected)
     os.remove(run / "checkpoints" / "last.ckpt")
+    (run / "metrics.jsonl").write_text("".join(line for line in open(run / "metrics.jsonl")
+                                               if json.loads(line).get("type") != "epoch"))
     other = subprocess.run([sys.executable, "finetune.py", *run_args(run, max_epochs=1, lr="5e-4"), "--resume",
                             "auto"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert other.returncode == 2 and "holds an earlier run" in other.stderr, other.stderr[-2000:]  # another config's

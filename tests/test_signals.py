@@ -381,13 +381,29 @@ def test_a_command_run_inside_another_leaves_the_outer_one_listening(when):
 
 SECOND_SIGNAL = """
 import os, signal, sys
-from orb.signals import STOP, run_command
+from orb.signals import STOP, Stopped, run_command
 
 class Cell:  # as MindSpore's Cell.__del__ runs while a stop unwinds a command
     def __del__(self):
         os.kill(os.getpid(), signal.SIGUSR1)
 
+def phase_stopped(signalled):
+    cell = Cell()
+    try:
+        with STOP.deferred():
+            if signalled:
+                os.kill(os.getpid(), signal.SIGTERM)  # noted
+            raise Stopped("stopped: saved")  # the phase saves and stops (or the ranks agreed to, on another's signal)
+    finally:
+        del cell  # this rank's own copy of the signal lands while the stop unwinds, past the phase
+
 def body():
+    if sys.argv[1] == "agreed":
+        phase_stopped(False)
+    if sys.argv[1] == "next command":  # (its first command ran before it)
+        os.kill(os.getpid(), signal.SIGTERM)  # this command's start-up: stopped, not carried on
+        print("went on")
+        return 0
     if sys.argv[1] == "start-up":
         cell = Cell()
         try:
@@ -400,11 +416,13 @@ def body():
     print("torn down")
     return 0
 
+if sys.argv[1] == "next command":  # a driver (a notebook) running one command after another in one process
+    print(run_command(lambda: phase_stopped(True)), flush=True)  # 75, the signal noted in its phase
 sys.exit(run_command(body))
 """
 
 
-@pytest.mark.parametrize("case", ["start-up", "finished"])
+@pytest.mark.parametrize("case", ["start-up", "finished", "agreed", "next command"])
 def test_a_second_signal_during_a_stop_or_any_signal_after_the_work_is_done_ends_nothing(case):
     """A stop raised again by a second signal in the clean-up (a ``__del__``, an ``atexit`` callback) printed
     "Exception ignored" with a traceback, or ended a run with status 1, which a Slurm recipe does not requeue; a
@@ -416,6 +434,11 @@ def test_a_second_signal_during_a_stop_or_any_signal_after_the_work_is_done_ends
     if case == "start-up":
         assert result.returncode == 75, result.stderr
         assert result.stderr.strip().splitlines() == [STOP_LINE], result.stderr
+    elif case == "agreed":
+        assert result.returncode == 75 and result.stderr.strip().splitlines() == ["stopped: saved"], result.stderr
+    elif case == "next command":  # (a stop noted by the first command made the second's start-up go on)
+        assert result.returncode == 75 and result.stdout.split() == ["75"], result.stdout + result.stderr
+        assert result.stderr.strip().splitlines() == ["stopped: saved", STOP_LINE], result.stderr
     else:
         assert result.returncode == 0 and result.stdout.strip() == "torn down", result.stdout + result.stderr
 

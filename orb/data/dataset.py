@@ -1,11 +1,9 @@
 """ASE SQLite databases of DFT-labelled structures as orb graphs, read lazily row by row.
 
-Labels are the calculator columns ``row.energy`` (eV), ``row.forces`` (eV/Å) and
-``row.stress`` (eV/Å^3, 6-component Voigt, ASE sign), i.e. what ``db.write(atoms)`` stores for
-an ``Atoms`` with a ``SinglePointCalculator`` (the MPtrj convention), or a :class:`LabelTable`
-that replaces them (a model's predictions, for replay). Stress is optional: a database where no
-row has stress trains without the stress loss. A row's ``weight`` key-value pair
-(``db.write(atoms, weight=2.0)``) scales its structure's share of the loss (default 1).
+Labels are the calculator columns ``row.energy`` (eV), ``row.forces`` (eV/Å) and ``row.stress`` (eV/Å^3, Voigt,
+ASE sign), what ``db.write(atoms)`` stores for an ``Atoms`` with a ``SinglePointCalculator`` (MPtrj's convention), or a
+:class:`LabelTable` that replaces them (a model's predictions, for replay). Stress is optional: a database where no row
+has stress trains without the stress loss. A row's ``weight`` key-value pair scales its share of the loss (default 1).
 """
 
 import hashlib
@@ -144,13 +142,14 @@ class AseDbDataset:
                 for column, key in ((0, "energy"), (1, "forces")):
                     if not stored[:, column].all():
                         row = int(self.ids[np.argmin(stored[:, column])])
-                        raise self.error_at(missing_label(key, bool(self.sources), self.rows.read(row)
-                                                          .key_value_pairs), row, key)
+                        held = self.rows.read(row).key_value_pairs
+                        raise self.error_at(missing_label(key, self._keyed(row), held), row, key)
                 if stored[:, 2].any() and not stored[:, 2].all():
                     row, other = int(self.ids[np.argmin(stored[:, 2])]), int(self.ids[np.argmax(stored[:, 2])])
+                    none = "; stress_key: none reads none" if self._keyed(row) else ""  # (a database's: ignored)
                     raise self.error_at(f"row has no stress while {self.where(other)} has one; store stress for every "
-                                        "structure or for none (then training runs without the stress loss)", row,
-                                        "stress")
+                                        f"structure or for none (then training runs without the stress loss{none})",
+                                        row, "stress")
             self._labels_stored = stored
             self._all_labelled = bool(stored[:, :2].all())  # asked for every structure read: not O(rows) each time
             self._all_stress = bool(stored[:, 2].all())
@@ -179,6 +178,9 @@ class AseDbDataset:
         if not files:
             return self.path
         return files[0] if len(files) == 1 else f"{files[0]} and {len(files) - 1} more file(s)"
+
+    def _keyed(self, row: int) -> bool:  # from a file read by the label keys (an ASE database's: its calculator's)
+        return bool(self.sources) and self.rows.origin_locator()(row)[1] == "frame"
 
     def error_at(self, message: str, row: Optional[int] = None, key: Optional[str] = None) -> DatasetError:
         """A bad row named where the user can find it: this database's row, or for a database indexed from other
@@ -281,15 +283,12 @@ class AseDbDataset:
     def close(self) -> None:
         self.rows.close()
 
-    def row(self, index: int):
-        """The database row at position ``index`` (0-based, in id order): :class:`orb.data.sqlite_rows.Row`."""
+    def row(self, index: int):  # the row at position ``index`` (0-based, id order): orb.data.sqlite_rows.Row
         return self.rows.read(int(self.ids[index]))
 
     def get_atoms(self, index: int):
-        """The ``ase.Atoms`` (with its calculator results) at position ``index``; its ``info`` holds the row's
-        key-value pairs over the entries of ``row.data`` a row can hold as such (text, numbers, flags), as the indexed
-        copy of a list or an ASE-LMDB file holds them (a single database's data reached no orb-md frame or orb-relax
-        row)."""
+        """The ``ase.Atoms`` (with its calculator results) at ``index``; ``info``: the row's key-value pairs over the
+        entries of ``row.data`` a row can hold (as an indexed copy holds them: they reach orb-md's and orb-relax's)."""
         row = self.row(index)
         atoms = row.toatoms()
         if row.data:

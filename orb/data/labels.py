@@ -11,6 +11,7 @@ from orb.errors import DatasetError
 
 log = logging.getLogger("orb")
 AUTO = {"energy": ("REF_energy", "energy"), "forces": ("REF_forces", "forces"), "stress": ("REF_stress", "stress")}
+NO_STRESS = "none"  # stress_key: none: no frame's stress is read (a file with it on some frames only trains)
 VIRIALS = ("REF_virial", "virial", "REF_virials", "virials")  # in eV: stress = -virial / volume (ASE's, QUIP's sign)
 # |stress| in eV/Å³ beyond which a label is likely in other units (1 eV/Å³ = 160 GPa; VASP's kBar numbers read as
 # eV/Å³ are 1,600 times too large, GPa ones 160 times): said once per file, not refused (shock data exists)
@@ -30,7 +31,9 @@ def _label(atoms, name: str, keys, where: str, at: str, database: bool = False) 
     if database:
         return _calculator_result(atoms, name), name
     if key:
-        if name == "stress" and "virial" in key.lower():
+        if name == "stress" and key.lower() == NO_STRESS:
+            return None, name
+        if name == "stress" and key.lower() in {v.lower() for v in VIRIALS}:
             raise DatasetError(where, f"stress_key '{key}' names a virial, not a stress: leave stress_key empty (a "
                                       f"virial under {', '.join(VIRIALS)} is read as -virial / volume)",
                                key="stress_key")
@@ -61,9 +64,14 @@ def _label(atoms, name: str, keys, where: str, at: str, database: bool = False) 
 
 
 def _same_values(a, b) -> bool:
+    """Equal to 1e-6, a stress as 3x3, 9 or Voigt values alike."""
     try:
-        return bool(np.allclose(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64), rtol=1e-6,
-                                atol=1e-6))
+        a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+        if a.shape != b.shape and {a.size, b.size} <= {6, 9}:
+            from ase.stress import full_3x3_to_voigt_6_stress
+
+            a, b = (full_3x3_to_voigt_6_stress(x.reshape(3, 3)) if x.size == 9 else x for x in (a, b))
+        return bool(np.allclose(a, b, rtol=1e-6, atol=1e-6))
     except (TypeError, ValueError):
         return False
 
@@ -78,7 +86,7 @@ def _stress_from_virial(atoms, where: str, at: str) -> Tuple[object, str]:
         virial = np.asarray(atoms.info[key], dtype=np.float64)
     except (TypeError, ValueError):
         raise DatasetError(where, f"{at}: {key} must be numbers, got {str(atoms.info[key])[:40]!r}", key=key) from None
-    if virial.size == 6:
+    if virial.size == 6:  # (ASE's Voigt order: xx, yy, zz, yz, xz, xy)
         from ase.stress import voigt_6_to_full_3x3_stress
 
         virial = voigt_6_to_full_3x3_stress(virial)
@@ -87,9 +95,12 @@ def _stress_from_virial(atoms, where: str, at: str) -> Tuple[object, str]:
     else:
         raise DatasetError(where, f"{at}: {key} of shape {virial.shape}, expected (3, 3), (9,) or (6,)", key=key)
     volume = abs(float(np.linalg.det(np.asarray(atoms.cell, dtype=np.float64))))
-    if not atoms.pbc.all() or volume < 1e-6:
-        raise DatasetError(where, f"{at}: a virial needs a periodic cell (stress = -virial / volume), and this "
-                                  "structure has none", key=key)
+    if not atoms.pbc.all() or volume < 1e-6:  # (a molecule's or a slab's virial: no stress of a volume)
+        if (where, "virial without a volume") not in _BOTH_SAID:
+            _BOTH_SAID.add((where, "virial without a volume"))
+            log.warning("%s, %s: its %s is not read as a stress (no periodic cell to divide by: said once per file)",
+                        where, at, key)
+        return None, "stress"
     if (where, "virial") not in _BOTH_SAID:
         _BOTH_SAID.add((where, "virial"))
         log.info("%s: stress read as -%s / volume (eV/Å³)", where, key)

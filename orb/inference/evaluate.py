@@ -128,7 +128,8 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
                         ".aselmdb, a folder of them, or several of these (read as one data set)", type=command_path)
     for name in ("energy", "forces", "stress"):
         parser.add_argument(f"--{name}_key", default="", help=f"where other formats keep the {name} (orb.data.formats)"
-                            f" (default: the stored results, then REF_{name}, then {name})")
+                            f" (default: REF_{name}, then the stored results, then {name}"
+                            + (", then a virial; none: no stress)" if name == "stress" else ")"))
     add_charge_spin_keys(parser)
     parser.add_argument("--output_dir", default="", help="where to write predictions.csv and summary.json "
                         "(default: evaluation/<database name>)")
@@ -299,8 +300,9 @@ def evaluate(args) -> int:
     print(f"wrote {', '.join(written)}")
     if not any(r["sums"] is not None for r in runs[names[0]][0]):  # ("labelled 0" alone left a user wondering)
         print("note: no structure has energy and forces labels, so no errors were measured; outside an ASE database "
-              "they are read from the calculator's results, info['REF_energy'] or info['energy'] and "
-              "arrays['REF_forces'] or arrays['forces']: name others with --energy_key and --forces_key",
+              "they are read from info['REF_energy'], the calculator's results or info['energy'] and "
+              "arrays['REF_forces'], the calculator's or arrays['forces']: name others with --energy_key and "
+              "--forces_key (an ASE database's are its rows' calculator results)",
               file=sys.stderr)
     return 0
 

@@ -147,6 +147,14 @@ def first_save_cut_short(output_dir: str, found: List[str], config: Dict) -> boo
     names = {os.path.basename(f) for f in found}
     if "best.ckpt" not in names or not names <= {"best.ckpt", "best_weights.ckpt", "epoch_0001.ckpt"}:
         return False
+    try:  # the epoch's record comes after last.ckpt: a finished run whose last.ckpt was deleted later has it
+        with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+            if any(json.loads(line).get("type") == "epoch" for line in f if line.strip()):
+                return False
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError):  # (unreadable: not shown to be a first save cut short)
+        return False
     for name in names - {"best_weights.ckpt"}:
         try:
             _, _, meta = load_checkpoint(os.path.join(output_dir, "checkpoints", name))
