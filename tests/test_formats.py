@@ -408,6 +408,13 @@ def test_an_ase_databases_labels_are_its_calculators_in_every_backend_and_errors
         db.write(bad)  # id 5, the fourth row
     with pytest.raises(DatasetError, match=rf"ids.{backend}, key 'forces': row 5: forces contains NaN or inf"):
         labels_of(tmp_path / f"ids.{backend}")
+    with connect(str(tmp_path / f"pairs.{backend}"), use_lock_file=False) as db:
+        for atoms in frames:
+            plain = atoms.copy()  # (no calculator: its energy as a key-value pair only)
+            db.write(plain, REF_energy=1.0)
+    with pytest.raises(DatasetError, match=rf"pairs.{backend}, row 1, key 'energy': row has no label \(store it with "
+                                           r"a SinglePointCalculator\)"):  # (not: name it with energy_key, ignored)
+        labels_of(tmp_path / f"pairs.{backend}")
 
 
 def test_a_data_folders_notes_and_scripts_are_left_out_and_said(tmp_path, cache, caplog):
