@@ -554,6 +554,43 @@ def test_a_stop_before_any_worker_or_to_every_process_saves_and_exits_75(tmp_pat
     assert load_checkpoint(str(run / "checkpoints" / "last.ckpt"))[2]["global_step"] == int(steps[0].group(1))
 
 
+def test_a_launcher_killed_or_hung_up_ends_its_job_which_saves_and_resumes(tmp_path, nine_rows):
+    """The launcher killed (SIGKILL; or SIGHUP, its terminal or a salloc's ssh session gone): msrun and the workers
+    trained on with no one to report it, and --resume auto was refused ("being written by another command"). msrun
+    now stops its workers when its launcher is gone: they save and stop, and --resume auto continues."""
+    run = tmp_path / "run"
+    job = launch(common_args(run, nine_rows, max_epochs=40, num_buckets=1), tmp_path / "logs0", cwd=ROOT)
+    deadline = time.time() + 300
+    while not (run / "metrics.jsonl").exists() or '"type": "epoch"' not in (run / "metrics.jsonl").read_text():
+        assert job.poll() is None and time.time() < deadline, job.communicate()[0][-2000:]
+        time.sleep(0.2)
+    processes = descendants(job.pid)
+    assert len(processes) >= 3  # msrun, its scheduler, 2 workers
+    job.kill()
+    job.communicate(timeout=60)
+    deadline = time.time() + 120
+    while any(alive(pid) for pid in processes):
+        assert time.time() < deadline, [pid for pid in processes if alive(pid)]
+        time.sleep(0.5)
+    logs = [(tmp_path / "logs0" / f"worker_{r}.log").read_text() for r in (0, 1)]
+    assert all(re.search(r"stopped by SIGTERM at .+ \(global step \d+\)", log) for log in logs), logs[0][-2000:]
+    resumed = launch(common_args(run, nine_rows, max_epochs=40, num_buckets=1) + ["--resume", "auto"],
+                     tmp_path / "logs1", cwd=ROOT)
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, out[-3000:]
+    epochs = [json.loads(line)["epoch"] for line in open(run / "metrics.jsonl") if '"type": "epoch"' in line]
+    assert epochs == list(range(1, 41)), epochs
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, ended but not reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 class TwoHosts:
     """Two network namespaces joined by a veth pair: node 0 at 10.213.0.1, node 1 at 10.213.0.2."""
 

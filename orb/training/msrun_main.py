@@ -68,8 +68,35 @@ def patient_after_a_stop(kill):
     return kill_worker_processes
 
 
+def stop_workers_when_orphaned(interval: float = 1.0) -> None:
+    """A thread that, should the launcher die (SIGKILL; a SIGHUP when the terminal or the ssh session of a
+    ``salloc`` goes away), sends SIGTERM to msrun's own children: the workers save and exit 75 and the job ends,
+    instead of training on with no one to report it (and ``--resume auto`` refused: "being written by another
+    command")."""
+    import threading
+
+    launcher = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(interval)
+        me = str(os.getpid())
+        for pid in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    parent = f.read().rsplit(")", 1)[1].split()[1]
+                if pid.isdigit() and parent == me:
+                    os.kill(int(pid), signal.SIGTERM)
+            except (OSError, IndexError, ValueError):
+                continue
+
+    if sys.platform.startswith("linux"):
+        threading.Thread(target=watch, name="orb-launcher-watch", daemon=True).start()
+
+
 def main() -> int:
     deaf_to_stops()
+    stop_workers_when_orphaned()
     try:
         from mindspore.parallel.cluster.process_entity import _api
 
