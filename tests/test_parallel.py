@@ -512,7 +512,7 @@ def test_the_launchers_defaults_follow_the_cpus_it_may_use_and_never_share_a_log
 
 
 def test_a_stop_before_any_worker_or_to_every_process_saves_and_exits_75(tmp_path, nine_rows):
-    """1. SIGTERM to the launcher 0.3 s after it starts, before msrun has started a worker: it reached no worker
+    """1. SIGTERM to the launcher as msrun starts, before msrun has started a worker: it reached no worker
        (the run went on to the end, exit 0). The launcher passes it to the workers as they appear, and ends msrun's
        scheduler, which would wait for them until CLUSTER_TIME_OUT (600 s here), once they have stopped: 75.
     2. SIGINT to every process of the job while it trains (what a job step's signal does on Slurm): msrun's own
@@ -521,7 +521,9 @@ def test_a_stop_before_any_worker_or_to_every_process_saves_and_exits_75(tmp_pat
     env = dict(CLUSTER_TIME_OUT="600")
     early = launch(common_args(tmp_path / "early", nine_rows, max_epochs=50), tmp_path / "logs0", cwd=ROOT,
                    env_extra=env)
-    time.sleep(0.3)
+    deadline = time.time() + 120  # msrun started, its workers not yet (the launcher checks its options first)
+    while not descendants(early.pid) and early.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
     early.send_signal(signal.SIGTERM)
     start = time.time()
     out, _ = early.communicate(timeout=300)
