@@ -48,11 +48,10 @@ def _label(atoms, name: str, keys, where: str, at: str, database: bool = False) 
     reference_key, plain_key = AUTO[name]
     reference, calculated = table.get(reference_key), _calculator_result(atoms, name)
     if reference is not None:
-        if calculated is not None and not _same_values(reference, calculated) and (where, name) not in _BOTH_SAID:
-            _BOTH_SAID.add((where, name))
-            log.warning("%s, %s: %s read from %s['%s'], not the calculator's %s, which differs (said once per file: "
-                        "REF_ entries are the reference labels; name another with %s_key)", where, at, name,
-                        "arrays" if name == "forces" else "info", reference_key, name, name)
+        if calculated is not None and not _same_values(reference, calculated):
+            _say_once(where, name, logging.WARNING, "%s, %s: %s read from %s['%s'], not the calculator's %s, which "
+                      "differs (said once per file: REF_ entries are the reference labels; name another with %s_key)",
+                      where, at, name, "arrays" if name == "forces" else "info", reference_key, name, name)
         return reference, reference_key
     if calculated is not None:
         return calculated, name
@@ -96,18 +95,20 @@ def _stress_from_virial(atoms, where: str, at: str) -> Tuple[object, str]:
         raise DatasetError(where, f"{at}: {key} of shape {virial.shape}, expected (3, 3), (9,) or (6,)", key=key)
     volume = abs(float(np.linalg.det(np.asarray(atoms.cell, dtype=np.float64))))
     if not atoms.pbc.all() or volume < 1e-6:  # (a molecule's or a slab's virial: no stress of a volume)
-        if (where, "virial without a volume") not in _BOTH_SAID:
-            _BOTH_SAID.add((where, "virial without a volume"))
-            log.warning("%s, %s: its %s is not read as a stress (no periodic cell to divide by: said once per file)",
-                        where, at, key)
+        _say_once(where, "virial without a volume", logging.WARNING, "%s, %s: its %s is not read as a stress (no "
+                  "periodic cell to divide by: said once per file)", where, at, key)
         return None, "stress"
-    if (where, "virial") not in _BOTH_SAID:
-        _BOTH_SAID.add((where, "virial"))
-        log.info("%s: stress read as -%s / volume (eV/Å³)", where, key)
+    _say_once(where, "virial", logging.INFO, "%s: stress read as -%s / volume (eV/Å³)", where, key)
     return -virial / volume, key
 
 
-_BOTH_SAID: set = set()  # (file, label) pairs said once: REF_ beside another calculator's result, a virial read
+_SAID: set = set()  # (file, what) said once: REF_ beside another calculator's result, a virial, stress units
+
+
+def _say_once(where: str, what: str, level: int, message: str, *args) -> None:
+    if (where, what) not in _SAID:
+        _SAID.add((where, what))
+        log.log(level, message, *args)
 
 
 def missing_label(name: str, indexed: bool, held: Sequence[str]) -> str:
@@ -122,10 +123,8 @@ def missing_label(name: str, indexed: bool, held: Sequence[str]) -> str:
     return f"row has no {name} (looked for {looked}{others}): name the {table} entry holding it with {name}_key"
 
 
-def _checked(value, shape_ok, name: str, where: str, at, expected: str):
-    """``value`` as float64 numbers of an expected shape, all finite; ``at``: "frame 3", "row 5" (or a frame's
-    index)."""
-    at = at if isinstance(at, str) else f"frame {at}"
+def _checked(value, shape_ok, name: str, where: str, at: str, expected: str):
+    """``value`` as float64 numbers of an expected shape, all finite; ``at``: "frame 3" or "row 5"."""
     try:
         array = np.asarray(value, dtype=np.float64)
     except (TypeError, ValueError):
@@ -140,8 +139,8 @@ def _checked(value, shape_ok, name: str, where: str, at, expected: str):
 def said_if_implausible(stress: np.ndarray, key: str, where: str, at: str) -> None:
     """Stress labels beyond :data:`STRESS_PLAUSIBLE` (a kBar or GPa file read as eV/Å³), said once per file."""
     largest = float(np.max(np.abs(stress)))
-    if largest > STRESS_PLAUSIBLE and (where, "units") not in _BOTH_SAID:
-        _BOTH_SAID.add((where, "units"))
-        log.warning("%s, %s, key '%s': a stress of %.3g eV/Å³ (%.0f GPa): stress labels are read in eV/Å³ (ASE's "
-                    "units and sign); values in kBar or GPa must be converted (x 1/1602.18 or 1/160.218; VASP's "
-                    "sign is the opposite). Said once per file", where, at, key, largest, largest * 160.21766)
+    if largest > STRESS_PLAUSIBLE:
+        _say_once(where, "units", logging.WARNING, "%s, %s, key '%s': a stress of %.3g eV/Å³ (%.0f GPa): stress "
+                  "labels are read in eV/Å³ (ASE's units and sign); values in kBar or GPa must be converted (x "
+                  "1/1602.18 or 1/160.218; VASP's sign is the opposite). Said once per file", where, at, key,
+                  largest, largest * 160.21766)
