@@ -7,6 +7,8 @@
 # to where you run it from. Environment: WORKER_NUM, LOCAL_WORKER_NUM, MASTER_ADDR, MASTER_PORT, NODE_RANK, LOG_DIR,
 # CLUSTER_TIME_OUT, PYTHON (bash run_parallel.sh --help describes them).
 # Exit status: 0 finished, 2 bad input, 1 a fault, 75 stopped with the state saved (--resume auto continues).
-here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# (no subshell before the exec: a stop signal to bash while it waited for one was lost at times, and the job ran on)
+here=.; [[ ${BASH_SOURCE[0]} == */* ]] && here=${BASH_SOURCE[0]%/*}
+[[ $here == /* ]] || here=$PWD/$here
 exec env PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python}" \
-    -c "import sys; from orb.training.launch import main; sys.exit(main(prog='run_parallel.sh'))" "$@"
+    -c "from orb.signals import run_program; from orb.training.launch import main; run_program(lambda: main(prog='run_parallel.sh'))" "$@"

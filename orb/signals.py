@@ -63,6 +63,7 @@ class StopSignals:
         self.commands = 0  # run_command's nesting: a command run inside another (a study's in-process evaluations)
         self.finished = False  # the command's work is done and saved (:meth:`finish`)
         self.stopping = False  # a phase ended by a stop (one the ranks agreed on: no signal of this rank's noted)
+        self._host_handlers: dict = {}  # what listened before the command's listener (:meth:`stand_down`)
 
     def _note(self, number, _frame):
         name = signal.Signals(number).name
@@ -144,6 +145,8 @@ class StopSignals:
             # a new command forgets the last one's: a signal it handled left noted made this one's start-up go on)
             self.raised, self.finished, self.stopping, self.received = None, False, False, None
         previous = {name: signal.signal(getattr(signal, name), self._note) for name in STOP_SIGNALS}
+        if not self._installed:
+            self._host_handlers = previous
         self._installed = True
         return previous
 
@@ -187,8 +190,16 @@ class StopSignals:
     def stand_down(self) -> None:
         """The command has finished: a stop signal from now on (a scheduler's, as the job ends) is no stop to report,
         nor an end by the signal as the interpreter exits (it resets Python's handlers to the default then: status
-        128 + n). Ignored; a later deferred phase in the same process listens again for itself."""
-        ignore_stop_signals()
+        128 + n). Ignored in a command's program (:func:`run_program`); a command called in a process of its own
+        (a notebook's, a test's) gives the stop signals back to the handlers it found: left ignored, Ctrl-C no longer
+        interrupted the notebook, and every process it started afterwards began deaf to SIGTERM until it listened
+        (a stop sent to ``bash run_parallel.sh`` then was lost). A later deferred phase listens again for itself."""
+        if is_program() or not self._host_handlers:
+            ignore_stop_signals()
+        elif threading.current_thread() is threading.main_thread():
+            for name, handler in self._host_handlers.items():
+                signal.signal(getattr(signal, name), handler if handler is not None else signal.SIG_DFL)
+        self._host_handlers = {}
         self._installed = False
 
     def reset(self) -> None:

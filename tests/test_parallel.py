@@ -47,6 +47,19 @@ def launch(args, log_dir, cwd, config="configs/config_parallel.yaml", env_extra=
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def msrun_started(launcher: int) -> bool:
+    """Whether the launcher's child msrun runs its own code (not the launcher's copy forked, before its exec: its
+    cmdline is the launcher's then)."""
+    for pid in descendants(launcher):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"orb.training.msrun_main" in f.read():
+                    return True
+        except OSError:
+            continue
+    return False
+
+
 def single(args, timeout=420):
     return subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), "--config", "finetune_orb_v3",
                            *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
@@ -522,7 +535,7 @@ def test_a_stop_before_any_worker_or_to_every_process_saves_and_exits_75(tmp_pat
     early = launch(common_args(tmp_path / "early", nine_rows, max_epochs=50), tmp_path / "logs0", cwd=ROOT,
                    env_extra=env)
     deadline = time.time() + 120  # msrun started, its workers not yet (the launcher checks its options first)
-    while not descendants(early.pid) and early.poll() is None and time.time() < deadline:
+    while not msrun_started(early.pid) and early.poll() is None and time.time() < deadline:
         time.sleep(0.01)
     early.send_signal(signal.SIGTERM)
     start = time.time()

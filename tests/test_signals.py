@@ -443,6 +443,46 @@ def test_a_second_signal_during_a_stop_or_any_signal_after_the_work_is_done_ends
         assert result.returncode == 0 and result.stdout.strip() == "torn down", result.stdout + result.stderr
 
 
+IN_PROCESS = """
+import os, signal, subprocess, sys
+from orb.signals import STOP, Stopped, run_command
+
+def host(number, frame):
+    print("host's handler", flush=True)
+
+signal.signal(signal.SIGTERM, host)  # (a notebook's kernel, a test runner: its own handlers)
+
+def stopped():
+    raise Stopped("stopped: saved")
+
+print(run_command(lambda: 0), run_command(stopped), flush=True)  # one command finished, one stopped
+os.kill(os.getpid(), signal.SIGTERM)  # the host's handler again
+try:
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, or a notebook's "interrupt the kernel"
+    signal.sigtimedwait([], 0.5)
+    print("not interrupted")
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+status = open("/proc/self/status").read()
+child = subprocess.run([sys.executable, "-c", "print(open('/proc/self/status').read())"], capture_output=True, text=True)
+print(*(next(line for line in text.splitlines() if line.startswith("SigIgn:")) for text in (status, child.stdout)))
+"""
+
+
+def test_a_command_called_in_a_process_of_its_own_gives_the_signals_back_as_it_found_them():
+    """A command's main called from Python (a notebook, a driver, the test suite) left the stop signals ignored when
+    it ended: Ctrl-C no longer interrupted the notebook, a scheduler's SIGTERM no longer ended it, and every process
+    it started afterwards began with SIGTERM ignored, so a stop sent to ``bash run_parallel.sh`` before its Python
+    listened was lost and the job ran to its end (the suite's test of an early stop failed so: exit 0, not 75)."""
+    result = subprocess.run([sys.executable, "-c", IN_PROCESS], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    assert lines[:3] == ["0 75", "host's handler", "interrupted"], result.stdout + result.stderr[-3000:]
+    own, child = (int(field, 16) for field in lines[3].split()[1::2])
+    assert not any(mask >> (int(s) - 1) & 1 for mask in (own, child) for s in STOPS), lines[3]
+
+
 STOP_LINE = ("stopped by SIGTERM during start-up (nothing to save yet): run the same command again to start it "
              "(exit status 75)")
 

@@ -334,6 +334,17 @@ def test_every_script_says_its_own_name_and_defaults(tmp_path):
     assert "extxyz" in help_text and "an ASE database" not in help_text and "finetune_orb_v3" in help_text
 
 
+def test_run_parallel_sh_finds_its_checkout_by_any_path(tmp_path):
+    """The script finds its checkout without a subshell (a stop signal sent while bash waited for one could be lost),
+    so by a bare name, a relative path from another folder and a path through a link alike."""
+    (tmp_path / "link").symlink_to(ROOT)
+    for cwd, path in ((ROOT, "run_parallel.sh"), (ROOT, "./run_parallel.sh"), (tmp_path, os.path.relpath(
+            os.path.join(ROOT, "run_parallel.sh"), tmp_path)), (tmp_path, "link/run_parallel.sh")):
+        result = subprocess.run(["bash", path, "--help"], cwd=cwd, capture_output=True, text=True, timeout=120,
+                                env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+        assert result.returncode == 0 and result.stdout.startswith("usage: run_parallel.sh "), (path, result.stderr)
+
+
 def test_the_launcher_finds_its_config_from_any_folder(tmp_path, monkeypatch, capsys):
     """run_parallel.sh with no config reads configs/config_parallel.yaml (the checkout's or the package's) from any
     folder; CONFIG, or --config CONFIG as orb-finetune takes it, is found the same way; the rest goes to the workers."""
