@@ -71,7 +71,8 @@ def test_an_export_in_the_cpu_profile_holds_this_machines_kernels_and_says_so(tm
 
 def test_an_export_in_a_script_leaves_the_profile_and_the_sums_as_they_were(tmp_path):
     """orb-export's run called in-process (a script) builds its model in the portable profile with split sums, then
-    puts both back: the script's later models are built as before."""
+    puts both back: the script's later models are built as before. Its --output folder is made (it was refused);
+    one under a file is one line."""
     from orb.device import configured_profile, set_ops_profile
     from orb.inference.export import main
     from orb.precision import set_sum_form, sum_form, sum_form_for_device
@@ -80,8 +81,10 @@ def test_an_export_in_a_script_leaves_the_profile_and_the_sums_as_they_were(tmp_
     set_ops_profile("cpu")
     try:
         assert main(["--checkpoint", os.path.join(ROOT, "data", "demo_pretrained.ckpt"), "--output",
-                     str(tmp_path / "model.mindir"), "--shape", "40,400,3", "--device_target", "CPU"]) == 0
-        assert json.load(open(tmp_path / "model.json"))["ops_profile"] == "portable"
+                     str(tmp_path / "exports" / "v1" / "model.mindir"), "--shape", "40,400,3",
+                     "--device_target", "CPU"]) == 0
+        assert json.load(open(tmp_path / "exports" / "v1" / "model.json"))["ops_profile"] == "portable"
+        assert sorted(os.listdir(tmp_path / "exports" / "v1")) == ["model.json", "model.mindir"]
         assert configured_profile() == "cpu" and sum_form() == "float64"
     finally:
         set_ops_profile("auto")
@@ -113,6 +116,17 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message, read)
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
     assert os.listdir(tmp_path) == []
     assert result.stdout.split() == [str(read)]  # MindSpore imported
+
+
+def test_an_output_folder_under_a_file_is_one_line(tmp_path):
+    (tmp_path / "notes").write_text("a file, not a folder")
+    result = subprocess.run([sys.executable, "scripts/export.py", "--checkpoint", "data/demo_pretrained.ckpt",
+                             "--shape", "40,400,3", "--output", str(tmp_path / "notes" / "v1" / "model.mindir"),
+                             "--device_target", "CPU"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"error: --output {tmp_path / 'notes' / 'v1' / 'model.mindir'}: cannot write it (Not a directory)"], \
+        result.stderr[-2000:]
+    assert os.listdir(tmp_path) == ["notes"]
 
 
 def test_an_export_replaces_the_earlier_one_whole_or_not_at_all(tmp_path):

@@ -94,6 +94,7 @@ def export(model, output: str, shapes: Sequence[tuple]) -> List[str]:
     folder = os.path.dirname(os.path.abspath(output))
     json_path = os.path.join(folder, os.path.basename(stem) + ".json")
     staged, files = [], {}
+    os.makedirs(folder, exist_ok=True)  # (as orb-md's and orb-relax's --output: it was refused, "does not exist")
     remove_stale_temporaries(folder, min_age=600.0)  # those of an export that was killed (SIGKILL: no clean-up)
 
     def stop_if_asked() -> None:
@@ -237,9 +238,6 @@ def run(args) -> List[str]:
         raise OrbInputError(f"--batch_size must be within 1 and 100000, got {args.batch_size}")
     if not args.output.endswith(".mindir"):
         raise OrbInputError(f"--output {args.output}: a MindIR file name ends with .mindir")
-    folder = os.path.dirname(os.path.abspath(args.output))
-    if not os.path.isdir(folder):
-        raise OrbInputError(f"--output {args.output}: folder {folder} does not exist")
     refuse_overwriting_inputs(outputs_of(args.output), [("--checkpoint", args.checkpoint), ("--data", args.data)])
     from orb.device import import_mindspore
 
