@@ -511,7 +511,11 @@ def test_the_launchers_defaults_follow_the_cpus_it_may_use_and_never_share_a_log
     assert print_template("demo", []) == 0
     assert printed.out == capsys.readouterr().out and "run_parallel" not in printed.out + printed.err
     for args, line in ((["demo", "--resume"], "error: argument --resume: expected one argument"),
-                       (["demo", "--confg", "x"], "error: unknown option --confg (did you mean --config?)")):
+                       (["demo", "--confg", "x"], "error: unknown option --confg (did you mean --config?)"),
+                       # (a value or a data path: checked by the launcher too, not by each worker once all had started)
+                       (["demo", "--max_epochs", "-1"], "error: config key 'max_epochs' must be at least 1, got -1"),
+                       (["demo", "--val_data_path", "held_out.db"],
+                        "error: config key 'val_data_path': held_out.db: database file does not exist")):
         refused = subprocess.run([sys.executable, "-m", "orb.training.launch", *args], cwd=ROOT, capture_output=True,
                                  text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
         assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].endswith(line), refused.stderr

@@ -435,11 +435,11 @@ def test_a_data_path_that_does_not_exist_is_said_before_published_weights_are_fe
                           cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
     assert made.returncode == 0
     (tmp_path / "my.yaml").write_text(made.stdout)
-    for extra, named in (([], "my_train.extxyz: does not exist"),
+    for extra, named in (([], "config key 'train_data_path': my_train.extxyz: does not exist"),
                          (["--train_data_path", os.path.join(ROOT, "data", "demo_train.db"), "--val_data_path",
-                           "held_out.db"], "held_out.db: database file does not exist"),
+                           "held_out.db"], "config key 'val_data_path': held_out.db: database file does not exist"),
                          (["--train_data_path", os.path.join(ROOT, "data", "demo_train.db"), "--replay.data_path",
-                           "foundation/"], "foundation/: does not exist")):
+                           "foundation/"], "config key 'replay.data_path': foundation/: does not exist")):
         result = subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), "--config", "my.yaml", *extra],
                                 cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
         assert result.returncode == 2, result.stderr

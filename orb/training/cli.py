@@ -107,6 +107,19 @@ def check_resume_path(resume: Optional[str]) -> None:
                                                         "checkpoint file does not exist"))
 
 
+def checked_config(args: argparse.Namespace, overrides: List[str]) -> TrainConfig:
+    """The run's config from its command line (:func:`parse_command_line`), every value and path checked: by the
+    command, and by the data-parallel launcher before msrun starts a worker (a typo was each worker's line, after
+    every rank had imported MindSpore and joined the job)."""
+    if args.config is None:
+        raise ConfigError(f"no --config: name your YAML config file or a packaged template ({templates_line()})")
+    cfg = load_config(args.config, overrides)
+    check_resume_path(args.resume)
+    check_training_data(cfg)
+    check_outputs_apart(cfg)
+    return cfg
+
+
 def run(argv: Optional[List[str]], default_config: Optional[str],
         fine_tune: Callable[[TrainConfig, argparse.Namespace], None],
         is_main: Callable[[], bool] = lambda: True) -> int:
@@ -120,13 +133,7 @@ def run(argv: Optional[List[str]], default_config: Optional[str],
             args, overrides = parse_command_line(argv, default_config)  # (inside: the entry's listener is live)
             if args.print_config is not None:
                 return print_template(args.print_config, overrides)
-            if args.config is None:
-                raise ConfigError(f"no --config: name your YAML config file or a packaged template "
-                                  f"({templates_line()})")
-            cfg = load_config(args.config, overrides)
-            check_resume_path(args.resume)
-            check_training_data(cfg)
-            check_outputs_apart(cfg)
+            cfg = checked_config(args, overrides)
             if args.resume == "auto":
                 args.resume = checkpoint_to_resume(cfg.output_dir, args.resume, args.overwrite, cfg.to_dict())
                 args.overwrite = args.overwrite or not args.resume  # no checkpoint there: records of unsaved steps

@@ -486,10 +486,15 @@ def check_training_data(cfg: TrainConfig) -> None:
         raise ConfigError("config key 'train_data_path' is not set: name your training data (extxyz or any ase.io "
                           "file, an ASE database, .aselmdb, a folder, or a list of these)")
     from orb.data.formats import source_files
+    from orb.errors import DatasetError
 
-    for path in (cfg.train_data_path, cfg.val_data_path, cfg.replay.data_path, cfg.replay.val_data_path):
-        if path:
-            source_files(path)  # one that does not exist is said now, before published weights are downloaded
+    for key, path in (("train_data_path", cfg.train_data_path), ("val_data_path", cfg.val_data_path),
+                      ("replay.data_path", cfg.replay.data_path), ("replay.val_data_path", cfg.replay.val_data_path)):
+        try:
+            if path:
+                source_files(path)  # one that does not exist is said now, before published weights are downloaded
+        except DatasetError as exc:
+            raise ConfigError(f"config key '{key}': {exc}") from None
 
 
 def config_from_dict(values: Dict[str, Any]) -> TrainConfig:

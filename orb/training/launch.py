@@ -48,7 +48,7 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from orb.bundled import find_config
-from orb.errors import ConfigError
+from orb.errors import ConfigError, OrbInputError
 from orb.files import free_port
 from orb.signals import RESUME_HINT, STOP, STOPPED_STATUS, children_start_blocked, run_command
 from orb.training.job_watch import (WORKER_EXIT_LINE, FailedJobEnd, SignalRelay, failures, log_stamps, log_text,
@@ -191,10 +191,11 @@ def launch(argv: Optional[List[str]], prog: Optional[str] = None) -> int:
     try:
         config, args = split_config(args)
         config = find_config(config)
-        from orb.training.cli import parse_command_line
+        from orb.training.cli import checked_config, parse_command_line
 
-        parse_command_line(["--config", config] + args, None)  # (a bad option: each worker said it, naming no rank)
-    except ConfigError as exc:
+        # (a bad option or value: each worker said it, after msrun had started them all)
+        checked_config(*parse_command_line(["--config", config] + args, None))
+    except OrbInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     msrun = find_msrun()
