@@ -277,15 +277,19 @@ def small_omol_checkpoint(tmp_path):
 
 def test_relax_and_md_read_charge_and_spin_under_the_users_keys(tmp_path):
     """Fine-tuning and orb-evaluate read each structure's total charge and spin under the user's keys (charge_key,
-    --charge_key); orb-relax and orb-md read only ``charge`` and ``spin``, and refused the same structures."""
+    --charge_key); orb-relax and orb-md read only ``charge`` and ``spin``, and refused the same structures. Labels
+    they never use are not read: a NaN energy left in a file (a failed DFT run's) and a negative weight stopped both
+    ("frame 0, key 'energy': energy contains NaN or inf")."""
     import ase.io
     from ase.build import molecule
+    from ase.calculators.singlepoint import SinglePointCalculator
 
     checkpoint = small_omol_checkpoint(tmp_path)
     frames = []
     for name, charge, multiplicity in (("H2O", 0, 1), ("NH3", 1, 2)):
         atoms = molecule(name)
-        atoms.info.update(q=charge, mult=multiplicity)
+        atoms.info.update(q=charge, mult=multiplicity, weight=-1.0)
+        atoms.calc = SinglePointCalculator(atoms, energy=float("nan"), forces=np.full((len(atoms), 3), np.nan))
         frames.append(atoms)
     data = tmp_path / "molecules.extxyz"
     ase.io.write(data, frames, format="extxyz")

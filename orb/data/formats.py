@@ -49,13 +49,16 @@ INDEX_CODE = ("orb.data.formats", "orb.data.labels", "orb.data.sqlite_rows")
 KEPT_ARRAYS = ("numbers", "positions", "momenta", "masses", "tags", "initial_magmoms", "initial_charges")
 @dataclass(frozen=True)
 class LabelKeys:
-    """Where each frame's labels are (empty: the defaults above)."""
+    """Where each frame's labels are (empty: the defaults above). ``labels``: whether they are read at all (not by the
+    commands that use the structures alone: orb-relax, orb-md, orb-properties, which a NaN energy left in a file
+    stopped)."""
 
     energy: str = ""
     forces: str = ""
     stress: str = ""
     charge: str = "charge"
     spin: str = "spin"
+    labels: bool = True
 
 
 def is_ase_database(path: str) -> bool:
@@ -187,7 +190,7 @@ def database_keys(path: str, keys: LabelKeys) -> LabelKeys:
     if named:
         log.warning("%s: %s not used: an ASE database's labels are its rows' calculator results", path,
                     ", ".join(f"{k}_key '{v}'" for k, v in named.items()))
-    return LabelKeys(charge=keys.charge, spin=keys.spin)
+    return LabelKeys(charge=keys.charge, spin=keys.spin, labels=keys.labels)
 
 
 def _complete_index(path: str) -> bool:
@@ -308,7 +311,7 @@ def _convert(files: List[str], keys: LabelKeys, target: str, progress: bool) -> 
                 if n == 0:  # (ASE's write of its labels failed with a traceback)
                     raise DatasetError(path, f"{at}: structure has no atoms")
                 (energy, energy_key), (forces, forces_key), (stress, stress_key) = (
-                    _label(atoms, name, own, path, at, database=row_id is not None)
+                    _label(atoms, name, own, path, at, database=row_id is not None) if keys.labels else (None, name)
                     for name in ("energy", "forces", "stress"))
                 results = {}
                 if energy is not None:
@@ -366,7 +369,7 @@ def _structure_attributes(atoms, keys: LabelKeys, path: str, at: str) -> dict:
     as the key-value pairs the indexed copy stores: everything a row of an ASE database carries, whatever the
     format it came in."""
     pairs = {}
-    for name, key in (("weight", "weight"), ("charge", keys.charge), ("spin", keys.spin)):
+    for name, key in (("weight", "weight" if keys.labels else ""), ("charge", keys.charge), ("spin", keys.spin)):
         if key and atoms.info.get(key) is not None:
             value = atoms.info[key]
             if name != "weight" and _not_a_finite_number(value):

@@ -85,7 +85,7 @@ def load_structures(args, model) -> Tuple[List[Run], object]:
     from orb.inference.dispersion import check_dispersion_elements
     from orb.inference.runs import total_charge_and_spin
 
-    keys = LabelKeys(charge=args.charge_key, spin=args.spin_key)
+    keys = LabelKeys(charge=args.charge_key, spin=args.spin_key, labels=False)
     data = AseDbDataset(readable_database(args.data, keys), require_labels=False, settings=model.cfg.graph_settings(),
                         charge_spin=model.cfg.omol, charge_spin_keys=(keys.charge, keys.spin))
     data.check_structures()  # before the first step, named by file, row or frame, and key (labels: discarded)

@@ -282,7 +282,7 @@ def relax(args) -> Dict:
     model = model_from_checkpoint(args.checkpoint, args.model)
     if args.cell and not model.cfg.has_stress:  # its stress would be zeros: the cell would never move
         raise OrbInputError(f"--cell needs stress, and {model.cfg.name} predicts none (no stress head)")
-    keys = LabelKeys(charge=args.charge_key, spin=args.spin_key)
+    keys = LabelKeys(charge=args.charge_key, spin=args.spin_key, labels=False)
     data = AseDbDataset(readable_database(args.data, keys), require_labels=False, settings=model.cfg.graph_settings(),
                         charge_spin=model.cfg.omol, charge_spin_keys=(keys.charge, keys.spin))
     data.census()  # every row checked before the first step (OMol models: each row's charge and spin), named if bad
