@@ -418,9 +418,10 @@ def test_orb_v3_two_workers_stopped_and_resumed_equal_one_device(tmp_path, nine_
 
 
 def test_bad_input_stops_every_worker_with_one_line(tmp_path, nine_rows):
-    """A setting every rank refuses alike, and a bad row that only rank 1 finds: each job ends with one line.
-    (Other settings refused alike on every rank, a set smaller than the workers and buckets too small for a
-    rank's share: test_pieces, each rank built alone.)"""
+    """A setting that does not fit the job (refused by the launcher before msrun starts; each rank refuses it alike
+    when started otherwise), and a bad row that only rank 1 finds: each job ends with one line. (Other settings
+    refused alike on every rank, a set smaller than the workers and buckets too small for a rank's share:
+    test_pieces, each rank built alone.)"""
     bad_row = str(tmp_path / "bad_row.db")  # row 9 (in rank 1's share of the rows' check): a singular cell
     with ase.db.connect(nine_rows) as src, ase.db.connect(bad_row) as dst:
         for i, row in enumerate(src.select()):
@@ -515,9 +516,11 @@ def test_the_launchers_defaults_follow_the_cpus_it_may_use_and_never_share_a_log
                        # (a value or a data path: checked by the launcher too, not by each worker once all had started)
                        (["demo", "--max_epochs", "-1"], "error: config key 'max_epochs' must be at least 1, got -1"),
                        (["demo", "--val_data_path", "held_out.db"],
-                        "error: config key 'val_data_path': held_out.db: database file does not exist")):
+                        "error: config key 'val_data_path': held_out.db: database file does not exist"),
+                       (["demo", "--batch_size", "1"], "error: config key 'batch_size' (1) is the global batch and must "
+                                                       "be at least the number of workers (2)")):
         refused = subprocess.run([sys.executable, "-m", "orb.training.launch", *args], cwd=ROOT, capture_output=True,
-                                 text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+                                 text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT, WORKER_NUM="2"))
         assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].endswith(line), refused.stderr
         assert "run_parallel" not in refused.stdout + refused.stderr  # (no job: each worker said it, no rank named)
     by_hand = subprocess.run([sys.executable, "finetune_parallel.py", "--config", "demo"], cwd=ROOT,

@@ -497,5 +497,13 @@ def check_training_data(cfg: TrainConfig) -> None:
             raise ConfigError(f"config key '{key}': {exc}") from None
 
 
+def check_job_size(cfg: TrainConfig, world_size: int) -> None:
+    """The values that must fit the job's number of workers: checked by the data-parallel launcher before msrun
+    starts them (rank 0's log stayed empty while rank 1 said it), and by each worker."""
+    if cfg.batch_size < world_size:
+        raise ConfigError(f"config key 'batch_size' ({cfg.batch_size}) is the global batch and must be at least "
+                          f"the number of workers ({world_size})")
+
+
 def config_from_dict(values: Dict[str, Any]) -> TrainConfig:
     return _validate(_build(TrainConfig, values))

@@ -51,6 +51,7 @@ from orb.bundled import find_config
 from orb.errors import ConfigError, OrbInputError
 from orb.files import free_port
 from orb.signals import RESUME_HINT, STOP, STOPPED_STATUS, children_start_blocked, run_command
+from orb.training.config import check_job_size
 from orb.training.job_watch import (WORKER_EXIT_LINE, FailedJobEnd, SignalRelay, failures, log_stamps, log_text,
                                     report_failures, report_killed, reported_exit_codes, stopped_with_state_saved,
                                     training_finished, worker_logs, worker_rank)
@@ -194,7 +195,7 @@ def launch(argv: Optional[List[str]], prog: Optional[str] = None) -> int:
         from orb.training.cli import checked_config, parse_command_line
 
         # (a bad option or value: each worker said it, after msrun had started them all)
-        checked_config(*parse_command_line(["--config", config] + args, None))
+        cfg = checked_config(*parse_command_line(["--config", config] + args, None))
     except OrbInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -204,7 +205,8 @@ def launch(argv: Optional[List[str]], prog: Optional[str] = None) -> int:
         return 2
     try:
         s = settings(os.environ)
-    except LaunchError as exc:
+        check_job_size(cfg, int(s["worker_num"]))
+    except (LaunchError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     env = msrun_environment(os.environ)

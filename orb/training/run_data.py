@@ -29,7 +29,7 @@ from orb.data.plan import (EpochSteps, StepTotals, eval_limit, evaluation_plan, 
                            plan_steps, step_totals)
 from orb.errors import ConfigError, DatasetError
 from orb.precision import is_float64
-from orb.training.config import TrainConfig
+from orb.training.config import TrainConfig, check_job_size
 from orb.training.distributed import DataParallel
 from orb.training.val_split import ValSplit
 
@@ -60,9 +60,7 @@ def readable(path, cfg: TrainConfig, dp: DataParallel, progress: bool) -> str:
 def open_databases(cfg: TrainConfig, dp: DataParallel, progress: bool = False) -> Dict[str, AseDbDataset]:
     """Every database of the run by role (``train``, ``val``, ``replay``, ``replay_val``), checked and surveyed."""
     replay = cfg.replay
-    if cfg.batch_size < dp.world_size:
-        raise ConfigError(f"config key 'batch_size' ({cfg.batch_size}) is the global batch and must be at least "
-                          f"the number of workers ({dp.world_size})")
+    check_job_size(cfg, dp.world_size)
     graphs, charge_spin = cfg.model.graph_settings(), cfg.model.omol
 
     def open_db(path, **kwargs) -> AseDbDataset:
