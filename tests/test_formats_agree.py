@@ -197,6 +197,7 @@ def test_a_constraint_ase_cannot_make_is_one_line_naming_the_row(tmp_path, cache
 def test_info_a_database_row_cannot_hold_is_said_once_per_key(tmp_path, cache, caplog):
     """Text that reads as a number (an id ``000123``), a reserved name (``id``) and a formula-like name (``CO``)
     cannot be a row's key-value pair: it was dropped silently; now said once per file and key."""
+    import ase.db
     import ase.io
 
     from orb.data.dataset import AseDbDataset
@@ -211,6 +212,17 @@ def test_info_a_database_row_cannot_hold_is_said_once_per_key(tmp_path, cache, c
     said = [r.getMessage() for r in caplog.records if "is not carried" in r.getMessage()]
     assert len(said) == 2 and "'structure_id' ('000123')" in said[0] and "'CO' ('x')" in said[1], said
     assert [data.get_atoms(i).info.get("structure_id") for i in range(3)] == [None, "mp-149", None]
+    # an ASE SQLite database read as it is: its rows' data alike (dropped silently)
+    caplog.clear()
+    with ase.db.connect(str(tmp_path / "ids.db")) as db:
+        for k, atoms in enumerate(frames):
+            db.write(atoms, data={"structure_id": ["000123", "mp-149", "1e3"][k], "CO": "x", "site": [1, 2]})
+    with caplog.at_level(logging.WARNING, logger="orb"):
+        data = AseDbDataset(readable_database(str(tmp_path / "ids.db")))
+        carried = [data.get_atoms(i).info.get("structure_id") for i in range(3)]
+    said = [r.getMessage() for r in caplog.records if "is not carried" in r.getMessage()]
+    assert len(said) == 2 and "row data key 'structure_id' ('000123')" in said[0] and "'CO' ('x')" in said[1], said
+    assert carried == [None, "mp-149", None]
 
 
 def test_orb_properties_names_a_structure_that_is_no_crystal_by_its_file_and_frame(tmp_path, cache):

@@ -16,7 +16,7 @@ import numpy as np
 
 from orb.data.row_results import ONE_PROCESS, LabelTable, Ranks, RowPass
 from orb.errors import DatasetError, StructureError
-from orb.data.formats import check_sqlite_file, storable_pairs
+from orb.data.formats import check_sqlite_file, say_not_carried, storable_pairs
 from orb.data.labels import missing_label, said_if_implausible
 from orb.data.sqlite_rows import TABLE_QUERIES, RowReader, change_counters, structures_digest
 from orb.data.augmentation import matrix_to_voigt, random_rotation, rotate_structure
@@ -292,7 +292,9 @@ class AseDbDataset:
         row = self.row(index)
         atoms = row.toatoms()
         if row.data:
-            atoms.info = {**storable_pairs(row.data), **atoms.info}
+            kept = storable_pairs(row.data)
+            say_not_carried(row.data, kept, set(atoms.info), self.source, "row data key")
+            atoms.info = {**kept, **atoms.info}
         return atoms
 
     def _labels(self, row, index: int) -> Tuple[Optional[float], Optional[np.ndarray], Optional[np.ndarray]]:

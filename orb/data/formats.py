@@ -403,14 +403,20 @@ def _other_attributes(atoms, keys: LabelKeys, pairs: dict, path: str) -> dict:
     skip = set(pairs) | {keys.energy, keys.forces, keys.stress, *(name for names in AUTO.values() for name in names),
                          "weight", "charge", "spin"}
     kept = storable_pairs(atoms.info, skip=skip)
-    for key, value in atoms.info.items():
-        if key not in kept and key not in skip | {keys.charge, keys.spin} \
+    say_not_carried(atoms.info, kept, skip | {keys.charge, keys.spin}, path, "info key")
+    return kept
+
+
+def say_not_carried(attributes: dict, kept: dict, skip, path: str, what: str) -> None:
+    """Say once per file and key which single values of a structure's ``attributes`` (an extxyz frame's info, an ASE
+    database row's data) are not among the ``kept`` key-value pairs its outputs carry: not left out silently."""
+    for key, value in attributes.items():
+        if key not in kept and key not in skip \
                 and isinstance(value, (str, bool, int, float, np.generic)) and (path, key) not in _NOT_CARRIED_SAID:
             _NOT_CARRIED_SAID.add((path, key))
-            log.warning("%s: info key %r (%r) is not carried to orb-relax's and orb-md's outputs: an ASE database row "
+            log.warning("%s: %s %r (%r) is not carried to orb-relax's and orb-md's outputs: an ASE database row "
                         "cannot hold it (text that reads as a number, a name ASE reserves or one that reads as a "
-                        "chemical formula); rename it or store the text otherwise", path, key, value)
-    return kept
+                        "chemical formula); rename it or store the text otherwise", path, what, key, value)
 
 
 _NOT_CARRIED_SAID: set = set()
