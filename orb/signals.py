@@ -132,8 +132,8 @@ class StopSignals:
                 raise
             self.raise_if_raised()  # (one swallowed by the imported code)
         except Stopped as stop:
-            self.stand_down()  # (the process ends: another signal, as the interpreter exits, is no second stop)
-            self.reported()
+            self.stand_down(exiting=True)  # (the process ends: another signal as the interpreter exits is no second
+            self.reported()                # stop; run_program has not marked it yet: a 143 was no requeue)
             print(str(stop), file=sys.stderr)
             sys.exit(stop.status)
 
@@ -187,14 +187,15 @@ class StopSignals:
         if earlier is None:
             self.stop_if_received()
 
-    def stand_down(self) -> None:
+    def stand_down(self, exiting: bool = False) -> None:
         """The command has finished: a stop signal from now on (a scheduler's, as the job ends) is no stop to report,
         nor an end by the signal as the interpreter exits (it resets Python's handlers to the default then: status
         128 + n). Ignored in a command's program (:func:`run_program`); a command called in a process of its own
         (a notebook's, a test's) gives the stop signals back to the handlers it found: left ignored, Ctrl-C no longer
         interrupted the notebook, and every process it started afterwards began deaf to SIGTERM until it listened
-        (a stop sent to ``bash run_parallel.sh`` then was lost). A later deferred phase listens again for itself."""
-        if is_program() or not self._host_handlers:
+        (a stop sent to ``bash run_parallel.sh`` then was lost); ``exiting``: the process ends now whatever ran it.
+        A later deferred phase listens again for itself."""
+        if exiting or is_program() or not self._host_handlers:
             ignore_stop_signals()
         elif threading.current_thread() is threading.main_thread():
             for name, handler in self._host_handlers.items():

@@ -483,6 +483,21 @@ def test_a_command_called_in_a_process_of_its_own_gives_the_signals_back_as_it_f
     assert not any(mask >> (int(s) - 1) & 1 for mask in (own, child) for s in STOPS), lines[3]
 
 
+def test_a_stop_during_an_entry_scripts_imports_is_75_also_with_a_second_signal_as_it_exits():
+    """finetune.py's module-level imports run before run_program marks the process as a program: a stop there gave the
+    signals back to Python's defaults, and the job's second copy of the signal, landing as the interpreter exited,
+    killed it (143, which a requeue script does not take for a stop)."""
+    script = ("import atexit, os, signal\n"
+              "from orb.signals import listen\n"
+              "atexit.register(lambda: os.kill(os.getpid(), signal.SIGTERM))  # the second copy, as it exits\n"
+              "with listen().exit_on_stop():\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)  # during the imports\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode == 75 and result.stderr.strip().splitlines() == [STOP_LINE.replace(
+        "to start it", "to start it, or continue with --resume auto")], result.stderr
+
+
 STOP_LINE = ("stopped by SIGTERM during start-up (nothing to save yet): run the same command again to start it "
              "(exit status 75)")
 
