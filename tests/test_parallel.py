@@ -674,6 +674,7 @@ def test_two_nodes_in_network_namespaces(tmp_path, runs, nine_rows):
         outputs = [node.communicate(timeout=480)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
     assert (tmp_path / "logs1" / "worker_1.log").exists()  # rank 1 ran on node 1
+    assert "rank 1 of 2" in outputs[1] and "rank 0 of 2" not in outputs[1]  # its console shows its own worker (none)
     assert len(epochs(out)) == 2 and not os.path.exists(tmp_path / "logs0" / "worker_1.log")
     two_nodes, _ = weights(out)
     one_host, _ = weights(runs["par"])

@@ -223,8 +223,9 @@ def launch(argv: Optional[List[str]], prog: Optional[str] = None) -> int:
     print(f"run_parallel: config {config} {' '.join(args)}".rstrip())
     print(f"run_parallel: worker logs in {s['log_dir']}/worker_<rank>.log; the console shows this node's first worker")
     sys.stdout.flush()
+    first_here = int(s["node_rank"]) * int(s["local_worker_num"])  # (msrun's ranks: node rank x local workers + i)
     command = [sys.executable, "-c", MSRUN, *(f"--{k}={v}" for k, v in s.items()), "--join=True",
-               "--tail_worker_log=0", worker_script(), "--config", os.path.abspath(config), *args]
+               f"--tail_worker_log={first_here}", worker_script(), "--config", os.path.abspath(config), *args]
     earlier_logs = log_stamps(s["log_dir"])
     several_nodes = int(s["local_worker_num"]) < int(s["worker_num"])  # other nodes' workers may still be ending
     with SignalRelay(scheduler_grace=60.0 if several_nodes else 2.0,
