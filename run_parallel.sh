@@ -9,6 +9,7 @@
 # Exit status: 0 finished, 2 bad input, 1 a fault, 75 stopped with the state saved (--resume auto continues).
 # (no subshell before the exec: a stop signal to bash while it waited for one was lost at times, and the job ran on)
 here=.; [[ ${BASH_SOURCE[0]} == */* ]] && here=${BASH_SOURCE[0]%/*}
+[[ -n $here ]] || here=/  # (a checkout at /: /run_parallel.sh)
 [[ $here == /* ]] || here=$PWD/$here
 exec env PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python}" \
     -c "from orb.signals import run_program; from orb.training.launch import main; run_program(lambda: main(prog='run_parallel.sh'))" "$@"

@@ -195,13 +195,22 @@ class StopSignals:
         interrupted the notebook, and every process it started afterwards began deaf to SIGTERM until it listened
         (a stop sent to ``bash run_parallel.sh`` then was lost); ``exiting``: the process ends now whatever ran it.
         A later deferred phase listens again for itself."""
-        if exiting or is_program() or not self._host_handlers:
+        if threading.current_thread() is not threading.main_thread():  # (no handler was installed from there)
+            self._installed = False
+        elif exiting or is_program():
             ignore_stop_signals()
-        elif threading.current_thread() is threading.main_thread():
+            self._installed = False
+        else:
+            self.give_back()
+
+    def give_back(self) -> None:
+        """A command called in a process of its own has ended, however (its status, a traceback, Ctrl-C): the stop
+        signals go back to the handlers its listener found (once; a command's program keeps its own to the end)."""
+        if self._host_handlers and threading.current_thread() is threading.main_thread():
             for name, handler in self._host_handlers.items():
                 signal.signal(getattr(signal, name), handler if handler is not None else signal.SIG_DFL)
+            self._installed = False
         self._host_handlers = {}
-        self._installed = False
 
     def reset(self) -> None:
         """Forget a signal that was handled (another run in the same process starts clean). Not a start-up stop
@@ -268,6 +277,8 @@ def run_command(body: Callable[[], int], resume_hint: str = "") -> int:
         return 1
     finally:
         STOP.commands -= 1
+        if not inner and not is_program():
+            STOP.give_back()  # (an error's status, a traceback: the handlers were left to the next command)
 
 
 def run_program(main: Callable[[], int]) -> NoReturn:

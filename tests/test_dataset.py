@@ -143,6 +143,22 @@ def test_nan_forces_wrong_shape_bad_numbers_singular_cell(tmp_path):
         AseDbDataset(path)[0]
 
 
+def test_commands_that_use_the_structures_alone_read_no_labels_nor_weights(tmp_path, monkeypatch):
+    """orb-relax, orb-md and orb-properties (labels=False) read an ASE database whose rows carry a NaN force, a
+    wrong-shaped stress and a negative weight: labels they never use stopped them (a failed DFT run's leftovers)."""
+    monkeypatch.setenv("ORB_CACHE_DIR", str(tmp_path / "cache"))
+    bad_forces = np.zeros((1, 3))
+    bad_forces[0, 1] = np.nan
+    path = write_rows(tmp_path / "c.db", [labelled(cu()), labelled(cu(), forces=bad_forces)])
+    with ase.db.connect(path) as db:
+        db.update(1, weight=-1.0)
+    with pytest.raises(DatasetError, match=r"row 1, key 'weight': weight must be a finite number >= 0"):
+        AseDbDataset(path, require_labels=False)
+    data = AseDbDataset(path, require_labels=False, labels=False)
+    assert not data.census().any() and data[1].forces is None and data[1].energy is None
+    assert data.weights.tolist() == [1.0, 1.0]
+
+
 def test_stress_optional_but_consistent(tmp_path):
     path = write_rows(tmp_path / "e.db", [labelled(cu(), stress=None), labelled(cu(2), stress=None)])
     ds = AseDbDataset(path)

@@ -216,10 +216,12 @@ def test_info_a_database_row_cannot_hold_is_said_once_per_key(tmp_path, cache, c
     caplog.clear()
     with ase.db.connect(str(tmp_path / "ids.db")) as db:
         for k, atoms in enumerate(frames):
-            db.write(atoms, data={"structure_id": ["000123", "mp-149", "1e3"][k], "CO": "x", "site": [1, 2]})
+            db.write(atoms, data={"structure_id": ["000123", "mp-149", "1e3"][k], "CO": "x", "site": [1, 2],
+                                  "free_energy": "1e3"})  # (a label's name: never carried, not said)
     with caplog.at_level(logging.WARNING, logger="orb"):
         data = AseDbDataset(readable_database(str(tmp_path / "ids.db")))
-        carried = [data.get_atoms(i).info.get("structure_id") for i in range(3)]
+        assert data.get_atoms(0).info.get("structure_id") is None and not caplog.records  # (said where written out)
+        carried = [data.get_atoms(i, say_dropped=True).info.get("structure_id") for i in range(3)]
     said = [r.getMessage() for r in caplog.records if "is not carried" in r.getMessage()]
     assert len(said) == 2 and "row data key 'structure_id' ('000123')" in said[0] and "'CO' ('x')" in said[1], said
     assert carried == [None, "mp-149", None]

@@ -455,7 +455,25 @@ signal.signal(signal.SIGTERM, host)  # (a notebook's kernel, a test runner: its 
 def stopped():
     raise Stopped("stopped: saved")
 
-print(run_command(lambda: 0), run_command(stopped), flush=True)  # one command finished, one stopped
+def refused():
+    from orb.errors import OrbInputError
+    raise OrbInputError("bad input")
+
+def launcher():  # (the launcher stands down itself once msrun has ended)
+    STOP.stand_down()
+    return 0
+
+def fault():
+    raise RuntimeError("a fault")
+
+# finished, stopped, refused, stood down inside, and a traceback
+print(run_command(lambda: 0), run_command(stopped), run_command(refused), run_command(launcher), flush=True)
+try:
+    run_command(fault)
+except RuntimeError:
+    pass
+from orb.training.cli import run  # orb-finetune's, refused
+assert run(["--config", "nope.yaml"], None, lambda cfg, args: None) == 2
 os.kill(os.getpid(), signal.SIGTERM)  # the host's handler again
 try:
     os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, or a notebook's "interrupt the kernel"
@@ -478,7 +496,7 @@ def test_a_command_called_in_a_process_of_its_own_gives_the_signals_back_as_it_f
                             timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()
-    assert lines[:3] == ["0 75", "host's handler", "interrupted"], result.stdout + result.stderr[-3000:]
+    assert lines[:3] == ["0 75 2 0", "host's handler", "interrupted"], result.stdout + result.stderr[-3000:]
     own, child = (int(field, 16) for field in lines[3].split()[1::2])
     assert not any(mask >> (int(s) - 1) & 1 for mask in (own, child) for s in STOPS), lines[3]
 

@@ -335,8 +335,9 @@ def test_every_script_says_its_own_name_and_defaults(tmp_path):
 
 
 def test_run_parallel_sh_finds_its_checkout_by_any_path(tmp_path):
-    """The script finds its checkout without a subshell (a stop signal sent while bash waited for one could be lost),
-    so by a bare name, a relative path from another folder and a path through a link alike."""
+    """The script finds its checkout in bash itself (no subshell, whose wait could lose a stop signal sent to bash
+    started with it ignored: tests/test_signals.py covers that cause), by a bare name, a relative path from another
+    folder and a path through a link alike."""
     (tmp_path / "link").symlink_to(ROOT)
     for cwd, path in ((ROOT, "run_parallel.sh"), (ROOT, "./run_parallel.sh"), (tmp_path, os.path.relpath(
             os.path.join(ROOT, "run_parallel.sh"), tmp_path)), (tmp_path, "link/run_parallel.sh")):

@@ -16,8 +16,9 @@ import numpy as np
 
 from orb.data.row_results import ONE_PROCESS, LabelTable, Ranks, RowPass
 from orb.errors import DatasetError, StructureError
-from orb.data.formats import check_sqlite_file, say_not_carried, storable_pairs
+from orb.data.formats import LABEL_NAMES, check_sqlite_file, say_not_carried, storable_pairs
 from orb.data.labels import missing_label, said_if_implausible
+from orb.data.weights import read_weights_in_data, stored_weights
 from orb.data.sqlite_rows import TABLE_QUERIES, RowReader, change_counters, structures_digest
 from orb.data.augmentation import matrix_to_voigt, random_rotation, rotate_structure
 from orb.data.graphs import (EDGE_CAPACITY_MARGIN, AtomGraphs, GraphSettings, capacity_is_counted,
@@ -30,7 +31,8 @@ GRAPH_CODE = ("orb.data.graphs", "orb.data.neighbours", "orb.native")  # the cod
 # what the neighbour counts' cache is computed by (orb.cache), and the row census's: the rows' reader and decoder
 # (ase's for key-value pairs), and the structure checks
 CAPACITY_CODE = ("orb.data.dataset", "orb.data.row_results", "orb.data.sqlite_rows") + GRAPH_CODE
-CENSUS_CODE = ("orb.data.dataset", "orb.data.row_results", "orb.data.sqlite_rows", "orb.data.augmentation") + GRAPH_CODE
+CENSUS_CODE = ("orb.data.dataset", "orb.data.row_results", "orb.data.sqlite_rows", "orb.data.augmentation",
+               "orb.data.weights") + GRAPH_CODE
 CENSUS_LIBRARIES = ("ase",)
 CAPACITY_CACHE = "neighbour_counts"  # the subfolder of the project's cache (``orb.cache``)
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -67,6 +69,7 @@ class AseDbDataset:
         settings: Optional[GraphSettings] = None,
         charge_spin: bool = False,
         charge_spin_keys: Tuple[str, str] = ("charge", "spin"),
+        labels: bool = True,
     ):
         self.path = str(path)
         self.settings = settings or GraphSettings(float(radius), int(max_neighbors))
@@ -75,6 +78,7 @@ class AseDbDataset:
         self._edge_capacities: Optional[np.ndarray] = None
         self._labels_stored: Optional[np.ndarray] = None  # per row: energy, forces, stress stored (the census)
         self.require_labels = require_labels
+        self.labels = labels  # False: the rows' labels and weights are not read (orb-relax, orb-md, orb-properties)
         self.charge_spin = charge_spin
         self.float64 = False  # graphs in float64 (precision float64: set by the model's user)
         self.label_table: Optional[LabelTable] = None
@@ -88,10 +92,10 @@ class AseDbDataset:
         self.capacity_pass = RowPass(self, CAPACITY_CACHE, CAPACITY_CODE, (EDGE_CAPACITY_MARGIN, repr(self.settings)),
                                      1, "counting neighbours", self._plausible_capacities)
         self.census_pass = RowPass(self, CENSUS_CACHE, CENSUS_CODE, (charge_spin, self.charge_spin_keys,
-                                                        require_labels, self.settings.minimal_supercell),
+                                                        require_labels, self.settings.minimal_supercell, labels),
                                    len(LABELS) + 1, "checking the rows", _plausible_flags,  # (the last: weight in data)
                                    CENSUS_LIBRARIES)
-        self.weights = self._weights()
+        self.weights = stored_weights(self) if labels else np.ones(len(self.ids))  # (labels: also their weights)
 
     def _scan(self) -> Tuple[np.ndarray, np.ndarray]:
         """Row ids and atom counts from ASE's species table (a few bytes per element of a row, not the rows)."""
@@ -122,7 +126,7 @@ class AseDbDataset:
             except StructureError as exc:
                 raise self._structure_error(row, exc) from None
             self._check_constraints(row)  # (what orb-relax and orb-md fix: refused now, by name, if ASE cannot)
-            in_data = "weight" not in row.key_value_pairs and row.data.get("weight") is not None
+            in_data = self.labels and "weight" not in row.key_value_pairs and row.data.get("weight") is not None
             stored[k] = [value is not None for value in self._stored_labels(row)] + [in_data]
             if self.charge_spin:
                 self._charge_spin(row)  # OMol models: every row's total charge and spin (key-value pairs or data)
@@ -137,7 +141,7 @@ class AseDbDataset:
         if self._labels_stored is None:
             flags = self.census_pass.result(check or self.check_rows, ranks or ONE_PROCESS).reshape(-1, len(LABELS) + 1)
             stored = flags[:, :len(LABELS)]
-            self._weights_in_data(np.flatnonzero(flags[:, -1]))
+            read_weights_in_data(self, np.flatnonzero(flags[:, -1]))
             if self.require_labels:
                 for column, key in ((0, "energy"), (1, "forces")):
                     if not stored[:, column].all():
@@ -224,36 +228,6 @@ class AseDbDataset:
         except sqlite3.DatabaseError as exc:
             raise self.error_at(f"cannot read as an ASE database ({exc})") from None
 
-    def _weights_in_data(self, positions: np.ndarray) -> None:
-        """The weights of the rows at ``positions`` that keep theirs in ``row.data`` (as an ASE-LMDB, or a database
-        indexed in a list, keeps it: read alike whatever the path given; it was ignored in a database alone), found
-        by the census (which reads every row once), read now, checked."""
-        for position, row in zip(positions, self.rows.read_many(self.ids[positions])):
-            value = row.data["weight"]
-            try:  # as the index of a list reads it: anything that is one number ("2.0", [2.0], np.array(2.0))
-                array = np.asarray(value, dtype=np.float64)
-            except (TypeError, ValueError):
-                array = np.zeros(0)
-            if array.size != 1:
-                raise self.error_at(f"weight must be a number, got {str(value)[:40]!r}", row.id, "weight")
-            weight = float(array.reshape(-1)[0])
-            if not np.isfinite(weight) or weight < 0:
-                raise self.error_at(f"weight must be a finite number >= 0, got {weight!r}", row.id, "weight")
-            self.weights[position] = weight
-
-    def _weights(self) -> np.ndarray:
-        """Each row's ``weight`` key-value pair (1 where absent), checked: a number, finite and >= 0."""
-        weights = np.ones(len(self.ids))
-        position = {int(i): k for k, i in enumerate(self.ids)}
-        text = self._read("SELECT id, value FROM text_key_values WHERE key = 'weight' LIMIT 1", [])
-        if text:
-            raise self.error_at(f"weight must be a number, got {text[0][1]!r}", text[0][0], "weight")
-        for row, value in self._read_table("weights"):
-            if value is None or not np.isfinite(value) or value < 0:
-                raise self.error_at(f"weight must be a finite number >= 0, got {value!r}", row, "weight")
-            weights[position[int(row)]] = float(value)
-        return weights
-
     def energies(self) -> np.ndarray:
         """Every row's stored energy (eV), read from its column alone; a row without one is named."""
         rows = np.array(self._read_table("energies"), dtype=np.float64).reshape(-1, 2)
@@ -286,14 +260,16 @@ class AseDbDataset:
     def row(self, index: int):  # the row at position ``index`` (0-based, id order): orb.data.sqlite_rows.Row
         return self.rows.read(int(self.ids[index]))
 
-    def get_atoms(self, index: int):
+    def get_atoms(self, index: int, say_dropped: bool = False):
         """The ``ase.Atoms`` (with its calculator results) at ``index``; ``info``: the row's key-value pairs over the
-        entries of ``row.data`` a row can hold (as an indexed copy holds them: they reach orb-md's and orb-relax's)."""
+        entries of ``row.data`` a row can hold (as an indexed copy holds them: they reach orb-md's and orb-relax's);
+        ``say_dropped``: the others are said once per key (by the commands that write them out)."""
         row = self.row(index)
         atoms = row.toatoms()
         if row.data:
             kept = storable_pairs(row.data)
-            say_not_carried(row.data, kept, set(atoms.info), self.source, "row data key")
+            if say_dropped:
+                say_not_carried(row.data, kept, set(atoms.info) | LABEL_NAMES, self.source, "row data key")
             atoms.info = {**kept, **atoms.info}
         return atoms
 
@@ -306,7 +282,9 @@ class AseDbDataset:
         return energy, forces, stress if self.has_stress or not self.require_labels else None
 
     def _stored_labels(self, row) -> Tuple[Optional[float], Optional[np.ndarray], Optional[np.ndarray]]:
-        """The labels the row stores, checked (shapes, finite values)."""
+        """The labels the row stores, checked (shapes, finite values); none read where labels are not used."""
+        if not self.labels:
+            return None, None, None
         return self._checked_labels(row, row.get("energy"), row.get("forces"), row.get("stress"))
 
     def _checked_labels(self, row, energy, forces, stress):

@@ -47,6 +47,9 @@ INDEX_CODE = ("orb.data.formats", "orb.data.labels", "orb.data.sqlite_rows")
 # isotopes), the user's marks (tags), and what a DFT relabelling of uncertain frames starts from (initial magnetic
 # moments and charges); the rest (labels under their own keys, arbitrary arrays) is not a structure's own
 KEPT_ARRAYS = ("numbers", "positions", "momenta", "masses", "tags", "initial_magmoms", "initial_charges")
+LABEL_NAMES = frozenset({"free_energy", *(name for names in AUTO.values() for name in names)})  # never carried
+
+
 @dataclass(frozen=True)
 class LabelKeys:
     """Where each frame's labels are (empty: the defaults above). ``labels``: whether they are read at all (not by the
@@ -400,8 +403,8 @@ def _other_attributes(atoms, keys: LabelKeys, pairs: dict, path: str) -> dict:
     database row does; its labels are not among them. A single value a row cannot hold (text that reads as a
     number, ``000123``; a name ASE reserves, ``id``; a name that reads as a formula, ``CO``) is said once per key,
     not left out silently."""
-    skip = set(pairs) | {keys.energy, keys.forces, keys.stress, *(name for names in AUTO.values() for name in names),
-                         "weight", "charge", "spin"}
+    skip = set(pairs) | {keys.energy, keys.forces, keys.stress, "charge", "spin"} | LABEL_NAMES | (
+        {"weight"} if keys.labels else set())  # (unread: carried as it is)
     kept = storable_pairs(atoms.info, skip=skip)
     say_not_carried(atoms.info, kept, skip | {keys.charge, keys.spin}, path, "info key")
     return kept

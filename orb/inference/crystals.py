@@ -87,7 +87,7 @@ def read_structures(paths: Sequence[str]) -> List[Structure]:
     from orb.errors import StructureError
 
     data = AseDbDataset(readable_database(list(paths) if len(paths) > 1 else paths[0], LabelKeys(labels=False)),
-                        require_labels=False)
+                        require_labels=False, labels=False)
     data.check_structures()
     where = describe_path(list(paths))
     structures = []

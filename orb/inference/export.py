@@ -54,11 +54,11 @@ def shapes_for(data_path, model, batch_size: int) -> List[tuple]:
     limit's graph slots (4 x ``batch_size`` structures + 1 padding graph: the most a served batch of small structures
     may need, more than ``data_path``'s own steps may hold)."""
     from orb.data.dataset import AseDbDataset
-    from orb.data.formats import readable_database
+    from orb.data.formats import LabelKeys, readable_database
     from orb.inference.evaluate import packed_batches
 
-    data = AseDbDataset(readable_database(data_path), require_labels=False, settings=model.cfg.graph_settings(),
-                        charge_spin=model.cfg.omol)
+    data = AseDbDataset(readable_database(data_path, LabelKeys(labels=False)), require_labels=False, labels=False,
+                        settings=model.cfg.graph_settings(), charge_spin=model.cfg.omol)
     _, buckets = packed_batches(data, batch_size, fill_graphs=False)
     return [(b.num_nodes, b.num_edges, b.num_graphs) for b in buckets]
 
@@ -94,7 +94,6 @@ def export(model, output: str, shapes: Sequence[tuple]) -> List[str]:
     folder = os.path.dirname(os.path.abspath(output))
     json_path = os.path.join(folder, os.path.basename(stem) + ".json")
     staged, files = [], {}
-    os.makedirs(folder, exist_ok=True)  # (as orb-md's and orb-relax's --output: it was refused, "does not exist")
     remove_stale_temporaries(folder, min_age=600.0)  # those of an export that was killed (SIGKILL: no clean-up)
 
     def stop_if_asked() -> None:
@@ -239,6 +238,10 @@ def run(args) -> List[str]:
     if not args.output.endswith(".mindir"):
         raise OrbInputError(f"--output {args.output}: a MindIR file name ends with .mindir")
     refuse_overwriting_inputs(outputs_of(args.output), [("--checkpoint", args.checkpoint), ("--data", args.data)])
+    try:  # (as orb-md's and orb-relax's --output: it was refused, "does not exist"); said before MindSpore's import
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    except OSError as exc:
+        raise OrbInputError(f"--output {args.output}: cannot write it ({exc.strerror or exc})") from None
     from orb.device import import_mindspore
 
     import_mindspore()  # then what the other imports need, with a stop signal honoured after it

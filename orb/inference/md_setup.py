@@ -86,13 +86,14 @@ def load_structures(args, model) -> Tuple[List[Run], object]:
     from orb.inference.runs import total_charge_and_spin
 
     keys = LabelKeys(charge=args.charge_key, spin=args.spin_key, labels=False)
-    data = AseDbDataset(readable_database(args.data, keys), require_labels=False, settings=model.cfg.graph_settings(),
-                        charge_spin=model.cfg.omol, charge_spin_keys=(keys.charge, keys.spin))
+    data = AseDbDataset(readable_database(args.data, keys), require_labels=False, labels=False,
+                        settings=model.cfg.graph_settings(), charge_spin=model.cfg.omol,
+                        charge_spin_keys=(keys.charge, keys.spin))
     data.check_structures()  # before the first step, named by file, row or frame, and key (labels: discarded)
     check_dispersion_elements(data, args.dispersion)
     runs = []
     for i in range(len(data)):
-        atoms = data.get_atoms(i)
+        atoms = data.get_atoms(i, say_dropped=True)
         atoms.calc = None
         atoms.info = without_labels(atoms.info)  # the starting structure's labels are not the frames'
         if model.cfg.omol:

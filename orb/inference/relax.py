@@ -283,8 +283,9 @@ def relax(args) -> Dict:
     if args.cell and not model.cfg.has_stress:  # its stress would be zeros: the cell would never move
         raise OrbInputError(f"--cell needs stress, and {model.cfg.name} predicts none (no stress head)")
     keys = LabelKeys(charge=args.charge_key, spin=args.spin_key, labels=False)
-    data = AseDbDataset(readable_database(args.data, keys), require_labels=False, settings=model.cfg.graph_settings(),
-                        charge_spin=model.cfg.omol, charge_spin_keys=(keys.charge, keys.spin))
+    data = AseDbDataset(readable_database(args.data, keys), require_labels=False, labels=False,
+                        settings=model.cfg.graph_settings(), charge_spin=model.cfg.omol,
+                        charge_spin_keys=(keys.charge, keys.spin))
     data.census()  # every row checked before the first step (OMol models: each row's charge and spin), named if bad
     check_dispersion_for(model.cfg, args.dispersion)
     check_dispersion_elements(data, args.dispersion)
@@ -316,7 +317,7 @@ def relax(args) -> Dict:
 
     def structures():
         for i in todo:
-            atoms = data.get_atoms(i)
+            atoms = data.get_atoms(i, say_dropped=True)
             atoms.calc = None
             atoms.info = without_labels(atoms.info)  # the input's labels are not the relaxed structure's
             atoms.info.update(total_charge_and_spin(data, i, model.cfg.omol))

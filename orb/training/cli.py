@@ -10,9 +10,10 @@ from typing import Callable, List, Optional, Tuple
 
 from orb.bundled import printable_template, templates_line
 from orb.errors import ConfigError, OrbInputError, OutputBusy, RunError, StartupError
-from orb.training.config import TrainConfig, check_training_data, load_config
+from orb.training.config import TrainConfig, load_config
+from orb.training.run_checks import check_training_data
 from orb.training.outputs import check_outputs_apart, discard_unstarted
-from orb.signals import STOP, Stopped, deliver_stop_signals, file_system_failure, listen
+from orb.signals import STOP, Stopped, deliver_stop_signals, file_system_failure, is_program, listen
 from orb.training.checkpointing import checkpoint_to_resume
 
 USAGE = """%(prog)s --config FILE_OR_TEMPLATE [--resume DIR_OR_FILE|auto] [--overwrite] [--accept_config_changes]
@@ -124,6 +125,14 @@ def run(argv: Optional[List[str]], default_config: Optional[str],
         fine_tune: Callable[[TrainConfig, argparse.Namespace], None],
         is_main: Callable[[], bool] = lambda: True) -> int:
     """Parse arguments, load the config and call ``fine_tune``; bad input -> ``error: ...`` and exit status 2."""
+    try:
+        return _run(argv, default_config, fine_tune, is_main)
+    finally:
+        if STOP.commands == 0 and not is_program():
+            STOP.give_back()  # (called from Python: however it ended, the signals go back to the caller's handlers)
+
+
+def _run(argv, default_config, fine_tune, is_main) -> int:
     log = logging.getLogger("orb")
     cfg = None
     try:

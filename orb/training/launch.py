@@ -38,6 +38,7 @@ and msrun's log tail never.
 """
 
 import glob
+import logging
 import os
 import re
 import shutil
@@ -45,13 +46,14 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from orb.bundled import find_config
 from orb.errors import ConfigError, OrbInputError
 from orb.files import free_port
 from orb.signals import RESUME_HINT, STOP, STOPPED_STATUS, children_start_blocked, run_command
-from orb.training.config import check_job_size
+from orb.training.run_checks import check_job_size
 from orb.training.job_watch import (WORKER_EXIT_LINE, FailedJobEnd, SignalRelay, failures, log_stamps, log_text,
                                     report_failures, report_killed, reported_exit_codes, stopped_with_state_saved,
                                     training_finished, worker_logs, worker_rank)
@@ -174,6 +176,18 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     return run_command(lambda: launch(argv, prog), RESUME_HINT)
 
 
+@contextmanager
+def logging_at(level: int):
+    """The project's log (``orb``) says only what is at ``level`` or above meanwhile."""
+    log = logging.getLogger("orb")
+    before = log.level
+    log.setLevel(level)
+    try:
+        yield
+    finally:
+        log.setLevel(before)
+
+
 def _no_run(cfg, args) -> None:
     raise ConfigError("--print-config prints a template and runs nothing: give it without other options")
 
@@ -184,7 +198,7 @@ def launch(argv: Optional[List[str]], prog: Optional[str] = None) -> int:
     if any(arg in ("-h", "--help") for arg in args):
         build_parser(prog).print_help()
         return 0
-    if any(arg == "--print-config" or arg.startswith("--print-config=") for arg in args):
+    if any(arg.split("=")[0] in ("--print-config", "--print_config") for arg in args):
         from orb.training.cli import run  # a template to stdout, as orb-finetune prints it: no job (msrun's lines
         # went into the file, and two workers' copies)
 
@@ -194,20 +208,18 @@ def launch(argv: Optional[List[str]], prog: Optional[str] = None) -> int:
         config = find_config(config)
         from orb.training.cli import checked_config, parse_command_line
 
-        # (a bad option or value: each worker said it, after msrun had started them all)
-        cfg = checked_config(*parse_command_line(["--config", config] + args, None))
-    except OrbInputError as exc:
+        # (a bad option or value: each worker said it, after msrun had started them all); its warnings are rank 0's
+        # to say, whose log the console shows: not twice
+        with logging_at(logging.ERROR):
+            cfg = checked_config(*parse_command_line(["--config", config] + args, None))
+        s = settings(os.environ)
+        check_job_size(cfg, int(s["worker_num"]))
+    except (OrbInputError, LaunchError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     msrun = find_msrun()
     if msrun is None:
         print("error: msrun not found; activate the environment where mindspore is installed", file=sys.stderr)
-        return 2
-    try:
-        s = settings(os.environ)
-        check_job_size(cfg, int(s["worker_num"]))
-    except (LaunchError, ConfigError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
         return 2
     env = msrun_environment(os.environ)
     if not env.get("OMP_NUM_THREADS"):

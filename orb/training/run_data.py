@@ -29,7 +29,8 @@ from orb.data.plan import (EpochSteps, StepTotals, eval_limit, evaluation_plan, 
                            plan_steps, step_totals)
 from orb.errors import ConfigError, DatasetError
 from orb.precision import is_float64
-from orb.training.config import TrainConfig, check_job_size
+from orb.training.config import TrainConfig
+from orb.training.run_checks import check_job_size
 from orb.training.distributed import DataParallel
 from orb.training.val_split import ValSplit
 

@@ -24,7 +24,8 @@ from orb.training import replay as replay_choice
 from orb.training import state as training_state
 from orb.training import val_split
 from orb.training.checkpointing import Checkpointer, Progress, resolve, this_ranks_interval_sums
-from orb.training.config import LossWeights, TrainConfig, check_training_data
+from orb.training.config import LossWeights, TrainConfig
+from orb.training.run_checks import check_training_data
 from orb.training.distributed import DataParallel
 from orb.training.engine import Compiled, Engine, ModelPass, graph_settings, trainable_parameters
 from orb.training.guards import Guards
