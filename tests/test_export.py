@@ -124,7 +124,7 @@ def test_an_output_folder_under_a_file_is_one_line(tmp_path):
                              "--shape", "40,400,3", "--output", str(tmp_path / "notes" / "v1" / "model.mindir"),
                              "--device_target", "CPU"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
-        f"error: --output {tmp_path / 'notes' / 'v1' / 'model.mindir'}: cannot write it (Not a directory)"], \
+        f"error: --output {tmp_path / 'notes' / 'v1' / 'model.mindir'}: {tmp_path / 'notes'} is a file, not a folder"], \
         result.stderr[-2000:]
     assert os.listdir(tmp_path) == ["notes"]
 

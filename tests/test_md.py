@@ -165,10 +165,16 @@ def test_bad_input_is_one_line_and_a_broken_structure_is_named_while_the_others_
                            "--temperature must be > 0 for --ensemble npt (Berendsen); at 0 K use --thermostat "
                            "langevin (a quench) or orb-relax"),
                           (["--timestep", "1", "--ensemble", "npt", "--pressure", "nan"],  # a NaN cell, every
-                           "--pressure must be a finite number (bar), got nan")):         # structure "failed"
+                           "--pressure must be a finite number (bar), got nan"),          # structure "failed"
+                          (["--timestep", "1", "--resume", "--overwrite"],  # (it was --resume, silently)
+                           "--resume continues the earlier run and --overwrite replaces it: give one of them")):
         result = orb_md(tmp_path, "bad", "--data", path, "--steps", "5", *args, noting=True)
         assert result.returncode == 2 and result.stderr.strip().splitlines() == [f"error: {message}"], result.stderr
         assert result.stdout.split() == ["False"]  # said before MindSpore's 1 s import
+    (tmp_path / "afile").write_text("a file")  # ("cannot create it (File exists)")
+    result = orb_md(tmp_path, "afile", "--data", path, "--timestep", "1", "--steps", "5", noting=True)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"error: --output {tmp_path / 'afile'}: {tmp_path / 'afile'} is a file, not a folder"], result.stderr
     overlapping = frames[1].copy()
     overlapping.positions[1] = overlapping.positions[0]  # two atoms at one place: no graph
     ase.io.write(tmp_path / "mixed.extxyz", [frames[0], overlapping, frames[2]], format="extxyz")
@@ -227,7 +233,9 @@ def test_extending_a_run_and_stopping_uncertain_structures_survive_a_resume(tmp_
 
     path, frames = start_frames(tmp_path)
     common = ["--data", path, "--ensemble", "nve", "--timestep", "1", "--write_every", "3"]
-    assert orb_md(tmp_path, "md", *common, "--steps", "0").returncode == 0
+    first = orb_md(tmp_path, "md", *common, "--steps", "0", "--resume")  # (a requeue script's first start)
+    assert first.returncode == 0 and f"--resume: {tmp_path / 'md'} holds no earlier run to continue: starting it" \
+        in first.stderr, first.stderr[-2000:]
     os.remove(tmp_path / "md" / "state_1.json")  # killed after structure 1's step-0 frame, before its state
     settings = json.load(open(tmp_path / "md" / "run.json"))  # as the previous version wrote it: resumed, completed
     json.dump({k: v for k, v in settings.items() if k not in ("weights_digest", "data_fingerprint")},

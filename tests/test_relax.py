@@ -120,8 +120,9 @@ def test_relaxation_resumes_and_refuses_to_mix_outputs(tmp_path):
 
     data = rattled(tmp_path / "in.db", count=5)
     out = tmp_path / "relaxed.db"
-    first = relax_cli("--data", data, "--output", str(out), "--steps", "4", "--batch_size", "2")
-    assert first.returncode == 0, first.stderr[-3000:]
+    first = relax_cli("--data", data, "--output", str(out), "--steps", "4", "--batch_size", "2", "--resume")
+    assert first.returncode == 0, first.stderr[-3000:]  # (a requeue script's first start: said, not silent)
+    assert f"--resume: {out} holds no earlier run to continue: starting it" in first.stderr, first.stderr[-3000:]
     summary = json.load(open(tmp_path / "relaxed.summary.json"))
     assert summary["not_converged_rows"]  # 4 steps are too few: reported, not an error
     refused = relax_cli("--data", data, "--output", str(out))
@@ -459,6 +460,15 @@ def test_an_output_that_is_a_folder_is_refused_and_nothing_is_left_beside_it(tmp
     result = relax_cli("--data", DEMO_VAL, "--output", str(tmp_path / "adir"), "--steps", "1", "--resume")
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
         f"error: --output {tmp_path / 'adir'} is a folder: name an ASE database file (relaxed.db)"], result.stderr
+    assert sorted(os.listdir(tmp_path)) == ["adir"]
+    # an .extxyz or .json name got an SQLite file ase.io could not read; --resume with --overwrite was --resume
+    for args, message in ((["--output", str(tmp_path / "out.extxyz")], f"--output {tmp_path / 'out.extxyz'}: "
+                           "orb-relax writes an ASE SQLite database: name it with .db"),
+                          (["--output", str(tmp_path / "out.db"), "--resume", "--overwrite"], "--resume continues "
+                           "the earlier run and --overwrite replaces it: give one of them")):
+        result = relax_cli("--data", DEMO_VAL, "--steps", "1", *args, noting=True)
+        assert result.returncode == 2 and result.stderr.strip().splitlines() == [f"error: {message}"], result.stderr
+        assert result.stdout.split() == ["False"]  # said before MindSpore's import
     assert sorted(os.listdir(tmp_path)) == ["adir"]
 
 

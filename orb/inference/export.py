@@ -238,10 +238,10 @@ def run(args) -> List[str]:
     if not args.output.endswith(".mindir"):
         raise OrbInputError(f"--output {args.output}: a MindIR file name ends with .mindir")
     refuse_overwriting_inputs(outputs_of(args.output), [("--checkpoint", args.checkpoint), ("--data", args.data)])
-    try:  # (as orb-md's and orb-relax's --output: it was refused, "does not exist"); said before MindSpore's import
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    except OSError as exc:
-        raise OrbInputError(f"--output {args.output}: cannot write it ({exc.strerror or exc})") from None
+    from orb.inference.runs import make_output_folder
+
+    # (as orb-md's --output: it was refused, "does not exist"); said before MindSpore's import
+    make_output_folder(os.path.dirname(os.path.abspath(args.output)), f"--output {args.output}")
     from orb.device import import_mindspore
 
     import_mindspore()  # then what the other imports need, with a stop signal honoured after it

@@ -1,6 +1,7 @@
 """What orb-md checks and sets up before any work: its options, its output folder (a run continued or replaced, never
 mixed) and its structures (each a :class:`Run`, checked as the model will read it, named by file, frame and key)."""
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -8,6 +9,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from orb.errors import OrbInputError
+
+log = logging.getLogger("orb")
 
 
 @dataclass
@@ -52,6 +55,9 @@ def check_args(args) -> None:
         raise OrbInputError("--taut, --taup and --compressibility must be positive numbers")
     if not np.isfinite(args.pressure):
         raise OrbInputError(f"--pressure must be a finite number (bar), got {args.pressure}")
+    from orb.inference.runs import check_resume_and_overwrite
+
+    check_resume_and_overwrite(args.resume, args.overwrite)
 
 
 RUN_RECORDS = ("summary.json", "uncertain.extxyz", "run.json")  # beside each structure's traj_, state_ and log_
@@ -63,9 +69,15 @@ def written_by_md(name: str) -> bool:
 
 
 def check_output(folder: str, resume: bool, overwrite: bool) -> None:
-    """A folder holding an earlier run is continued (--resume) or replaced (--overwrite), never mixed."""
+    """A folder holding an earlier run is continued (--resume) or replaced (--overwrite), never mixed; --resume of
+    none starts the run, said (a requeue script passes it from the first start; a mistyped folder is seen)."""
+    from orb.inference.runs import check_resume_and_overwrite, make_output_folder
+
+    check_resume_and_overwrite(resume, overwrite)
     found = [f for f in os.listdir(folder) if f.startswith(("traj_", "state_", "log_"))] if os.path.isdir(folder) \
         else []
+    if resume and not found:
+        log.warning("--resume: %s holds no earlier run to continue: starting it", folder)
     if found and not resume and not overwrite:
         raise OrbInputError(f"--output {folder} holds an earlier run ({', '.join(sorted(found)[:3])} ...): pass "
                             "--resume to continue it or --overwrite to replace it")
@@ -73,10 +85,7 @@ def check_output(folder: str, resume: bool, overwrite: bool) -> None:
         found.sort(key=lambda name: not name.startswith("state_"))  # would continue beside a deleted trajectory
         for name in found + [n for n in RUN_RECORDS if os.path.exists(os.path.join(folder, n))]:
             os.remove(os.path.join(folder, name))
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as exc:
-        raise OrbInputError(f"--output {folder}: cannot create it ({exc.strerror})") from None
+    make_output_folder(folder, f"--output {folder}")
 
 
 def load_structures(args, model) -> Tuple[List[Run], object]:

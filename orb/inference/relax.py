@@ -114,13 +114,25 @@ COMPANIONS = ("run.json", "summary.json", "uncertain.extxyz")
 OUTPUT_KEYS = ("source_row", "relax_steps", "converged", "predicted_force_error_max")  # what orb-relax adds
 
 
+def check_output_name(output: str, resume: bool, overwrite: bool) -> None:
+    """What the options say of the output, checked before MindSpore's import."""
+    from orb.inference.runs import check_resume_and_overwrite
+
+    check_resume_and_overwrite(resume, overwrite)
+    if os.path.isdir(output):  # (with --resume it left its run.json beside the folder, then failed reading it)
+        raise OrbInputError(f"--output {output} is a folder: name an ASE database file (relaxed.db)")
+    if not output.endswith(".db"):  # (an .extxyz or .json name got an SQLite file, which ase.io could not read)
+        raise OrbInputError(f"--output {output}: orb-relax writes an ASE SQLite database: name it with .db")
+
+
 def check_output(output: str, resume: bool, overwrite: bool) -> None:
     """An existing output is continued (``--resume``) or replaced (``--overwrite``: with its run's settings,
     summary and uncertain frames), never silently mixed; a fresh output never meets an earlier run's frames."""
-    if os.path.isdir(output):  # (with --resume it left its run.json beside the folder, then failed reading it)
-        raise OrbInputError(f"--output {output} is a folder: name an ASE database file (relaxed.db)")
+    check_output_name(output, resume, overwrite)
     if os.path.exists(output) and not resume and not overwrite:
         raise OrbInputError(f"--output {output} exists: pass --resume to continue it or --overwrite to replace it")
+    if resume and not os.path.exists(output):
+        log.warning("--resume: %s holds no earlier run to continue: starting it", output)
     if os.path.exists(output + ".lock"):  # ASE's lock file of an earlier version's run killed mid-write: no one's
         os.remove(output + ".lock")
     if resume:
@@ -259,6 +271,7 @@ def relax(args) -> Dict:
                               [("--output's record", companion(args.output, kind), None) for kind in COMPANIONS],
                               [("--data", args.data), ("--checkpoint", args.checkpoint)])
     check_dispersion(args.dispersion, args.xc)
+    check_output_name(args.output, args.resume, args.overwrite)
     from orb.device import import_mindspore
 
     import_mindspore()  # then what the other imports need, with a stop signal honoured after it

@@ -66,3 +66,23 @@ def made_not_finite(atoms) -> Optional[str]:
              ("cell", atoms.cell.array))
     bad = [name for name, values in parts if not np.all(np.isfinite(values))]
     return " and ".join(bad) or None
+
+
+def make_output_folder(folder: str, said: str) -> None:
+    """``folder`` made with its parents, or one line beginning with ``said`` (``--output X``) naming what is in its
+    way (a file there was "File exists")."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        path = os.path.abspath(folder)
+        while path != os.path.dirname(path) and not os.path.exists(path):
+            path = os.path.dirname(path)
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise OrbInputError(f"{said}: {path} is a file, not a folder") from None
+        raise OrbInputError(f"{said}: cannot create {folder} ({exc.strerror or exc})") from None
+
+
+def check_resume_and_overwrite(resume: bool, overwrite: bool) -> None:
+    """--resume continues an earlier run, --overwrite replaces it: both at once were --resume, silently."""
+    if resume and overwrite:
+        raise OrbInputError("--resume continues the earlier run and --overwrite replaces it: give one of them")
