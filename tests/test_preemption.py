@@ -440,15 +440,20 @@ def test_a_worker_ended_by_a_signal_is_named_by_rank(tmp_path, capsys):
 
 
 def test_a_signal_after_a_run_has_finished_is_no_stop(tmp_path):
-    """A signal after the run has finished (a scheduler's, as the job ends) is ignored: it printed a traceback from
-    an exit handler, or, landing in the run's last moments, turned a finished run into a stop during start-up."""
+    """A signal after the run has finished (a scheduler's, as the job ends) is ignored by the command's program: it
+    printed a traceback from an exit handler, or, landing in the run's last moments, turned a finished run into a
+    stop during start-up. (Called from Python instead, the caller's own handlers are back: tests/test_signals.py.)"""
     script = ("import os, signal, sys, time\n"
+              "from orb.signals import run_program\n"
               "from orb.training.cli import run\n"
-              "status = run(['--config', 'configs/demo.yaml', '--output_dir', sys.argv[1]], 'configs/demo.yaml',\n"
-              "             lambda cfg, args: None)\n"
-              "os.kill(os.getpid(), signal.SIGTERM)\n"
-              "time.sleep(0.2)\n"
-              "print('finished', status)\n")
+              "def main():\n"
+              "    status = run(['--config', 'configs/demo.yaml', '--output_dir', sys.argv[1]], 'configs/demo.yaml',\n"
+              "                 lambda cfg, args: None)\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    time.sleep(0.2)\n"
+              "    print('finished', status)\n"
+              "    return 0\n"
+              "run_program(main)\n")
     result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "run")], cwd=ROOT, capture_output=True,
                             text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
     assert result.returncode == 0 and result.stdout.strip() == "finished 0", result.stdout + result.stderr[-2000:]

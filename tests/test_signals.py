@@ -451,6 +451,7 @@ def host(number, frame):
     print("host's handler", flush=True)
 
 signal.signal(signal.SIGTERM, host)  # (a notebook's kernel, a test runner: its own handlers)
+signal.signal(signal.SIGINT, signal.default_int_handler)  # (a background job starts with SIGINT ignored)
 
 def stopped():
     raise Stopped("stopped: saved")

@@ -204,6 +204,7 @@ def launch(argv: Optional[List[str]], prog: Optional[str] = None) -> int:
 
         return run(args, None, _no_run)
     try:
+        s = settings(os.environ)  # (the launch's environment first: it decides what fits, the workers' number)
         config, args = split_config(args)
         config = find_config(config)
         from orb.training.cli import checked_config, parse_command_line
@@ -212,7 +213,6 @@ def launch(argv: Optional[List[str]], prog: Optional[str] = None) -> int:
         # to say, whose log the console shows: not twice
         with logging_at(logging.ERROR):
             cfg = checked_config(*parse_command_line(["--config", config] + args, None))
-        s = settings(os.environ)
         check_job_size(cfg, int(s["worker_num"]))
     except (OrbInputError, LaunchError) as exc:
         print(f"error: {exc}", file=sys.stderr)
