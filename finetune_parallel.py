@@ -15,7 +15,7 @@ with listen().exit_on_stop():  # the imports take 0.3 s and more on a cold share
     from orb.errors import ClusterError
     from orb.training.cli import run
     from orb.device import configure_mindspore
-    from orb.training.distributed import DataParallel
+    from orb.training.distributed import DataParallel, lost_peer
     from orb.training.launch import DEFAULT_CONFIG, WORKER_EXIT_LINE
     from orb.training.outputs import check_output_dir, prepare_output_dir, setup_logging
     from orb.files import sole_writer
@@ -83,8 +83,11 @@ def fine_tune(cfg, args) -> None:
 
         from orb.training.setup import build_trainer
 
-        build_trainer(cfg, data_parallel, resume=args.resume or None,
-                      accept_config_changes=args.accept_config_changes).fit()
+        try:
+            build_trainer(cfg, data_parallel, resume=args.resume or None,
+                          accept_config_changes=args.accept_config_changes).fit()
+        except RuntimeError as exc:  # a collective whose peer is gone (msrun's scheduler killed): it was a traceback
+            raise lost_peer(exc) or exc
 
 
 def main(argv=None) -> int:

@@ -493,6 +493,22 @@ def test_the_cluster_polls_its_peers_every_second_or_two_unless_the_user_chose()
     assert msrun_environment({})["PATH"] == os.path.dirname(sys.executable)  # no empty entry (the current folder)
 
 
+def test_a_collective_whose_peer_is_gone_is_one_line_and_any_other_error_its_traceback():
+    """msrun's scheduler killed mid-training: every rank printed MindSpore's traceback of the failed all-reduce (seen
+    with the demo on 2 workers and SIGKILL to the scheduler; finetune_parallel.py turns it into this line, exit 1)."""
+    from orb.errors import ClusterError
+    from orb.training.distributed import lost_peer
+
+    seen = ("Launch kernel failed, name:Default/AllReduce-op0\n\n----------------------------------------------------\n"
+            "- C++ Call Stack: (For framework developers)\n")
+    error = lost_peer(RuntimeError(seen))
+    assert isinstance(error, ClusterError) and str(error) == (
+        "the job's communication failed (Launch kernel failed, name:Default/AllReduce-op0): msrun's scheduler or "
+        "another worker ended; the last checkpoint is kept (--resume auto continues from it)")
+    assert lost_peer(RuntimeError("For 'MatMul', the input shapes must match")) is None  # a fault: its traceback
+    assert lost_peer(RuntimeError("")) is None
+
+
 def test_the_launchers_defaults_follow_the_cpus_it_may_use_and_never_share_a_log_folder(capsys):
     """In a Slurm step or under taskset, the workers and their kernel threads were sized by the host's core count
     (os.cpu_count), not the CPUs the job may use; two launches in the same second (a job array) wrote into one

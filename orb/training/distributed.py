@@ -174,3 +174,18 @@ class DataParallel:
             raise ConfigError(f"rank {self.rank}: model parameters differ between ranks (checksum spread {spread}); "
                                "all ranks must load the same checkpoint and use the same random_seed")
         log.info("parameters identical on all %d ranks (checksum %.6e)", self.world_size, checksum[1])
+
+
+# MindSpore's collectives, as a failed one names itself ("Launch kernel failed, name:Default/AllReduce-op0")
+COLLECTIVES = ("AllReduce", "AllGather", "ReduceScatter", "Broadcast", "Barrier", "AllToAll", "Send", "Receive")
+
+
+def lost_peer(exc: RuntimeError) -> Optional[ClusterError]:
+    """The one line for MindSpore's error of a collective whose peer is gone (msrun's scheduler or another worker
+    killed: a traceback on every rank), or None for any other error (a fault whose traceback must show)."""
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    if not any(word in first for word in COLLECTIVES):
+        return None
+    return ClusterError(f"the job's communication failed ({first}): msrun's scheduler or another worker ended; the "
+                        "last checkpoint is kept (--resume auto continues from it)")
