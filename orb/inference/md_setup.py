@@ -70,10 +70,10 @@ def written_by_md(name: str) -> bool:
 
 def check_output(folder: str, resume: bool, overwrite: bool) -> None:
     """A folder holding an earlier run is continued (--resume) or replaced (--overwrite), never mixed; --resume of
-    none starts the run, said (a requeue script passes it from the first start; a mistyped folder is seen)."""
-    from orb.inference.runs import check_resume_and_overwrite, make_output_folder
+    none starts the run, said (a requeue script passes it from the first start; a mistyped folder is seen). (Both
+    flags at once: refused by :func:`check_args`, before MindSpore's import.)"""
+    from orb.inference.runs import make_output_folder
 
-    check_resume_and_overwrite(resume, overwrite)
     found = [f for f in os.listdir(folder) if f.startswith(("traj_", "state_", "log_"))] if os.path.isdir(folder) \
         else []
     if resume and not found:

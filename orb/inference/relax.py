@@ -127,8 +127,8 @@ def check_output_name(output: str, resume: bool, overwrite: bool) -> None:
 
 def check_output(output: str, resume: bool, overwrite: bool) -> None:
     """An existing output is continued (``--resume``) or replaced (``--overwrite``: with its run's settings,
-    summary and uncertain frames), never silently mixed; a fresh output never meets an earlier run's frames."""
-    check_output_name(output, resume, overwrite)
+    summary and uncertain frames), never silently mixed; a fresh output never meets an earlier run's frames. (Its
+    name and options: :func:`check_output_name`, before MindSpore's import.)"""
     if os.path.exists(output) and not resume and not overwrite:
         raise OrbInputError(f"--output {output} exists: pass --resume to continue it or --overwrite to replace it")
     if resume and not os.path.exists(output):
