@@ -256,3 +256,25 @@ def test_a_frame_ase_cannot_read_is_named(tmp_path, cache):
     (tmp_path / "bad.extxyz").write_text("\n".join(lines) + "\n")
     with pytest.raises(DatasetError, match=r"bad.extxyz, frame 2: ase.io cannot read it \(.*1\.2\.3"):
         readable_database(str(tmp_path / "bad.extxyz"))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_structures_read_without_labels_keep_their_weight_in_every_format(tmp_path, cache, kind):
+    """orb-relax, orb-md and orb-properties read no labels (LabelKeys(labels=False), AseDbDataset(labels=False)): a
+    NaN force and a negative weight do not stop them, and the weight, unread, reaches their outputs as any attribute
+    (it was left out of an extxyz's, a folder's or a list's indexed copy)."""
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    from orb.data.dataset import AseDbDataset
+    from orb.data.formats import LabelKeys, readable_database
+
+    frames = demo_frames()[:len(ATTRIBUTES)]  # (a folder and a list split them in two)
+    forces = frames[1].get_forces().copy()
+    forces[0, 0] = np.nan
+    frames[1].calc = SinglePointCalculator(frames[1], energy=frames[1].get_potential_energy(), forces=forces)
+    given = [(0.5, "bulk"), (-1.0, "surface"), (2.0, "slab"), (1.0, "bulk")]
+    path = write_with_attributes(kind, tmp_path, frames, [{"weight": w, "config_type": c} for w, c in given])
+    data = AseDbDataset(readable_database(path, LabelKeys(labels=False)), require_labels=False, labels=False)
+    assert not data.census().any() and data.weights.tolist() == [1.0] * len(given)
+    infos = [data.get_atoms(i).info for i in range(len(given))]
+    assert [(info.get("weight"), info.get("config_type")) for info in infos] == given
