@@ -24,7 +24,7 @@ METRICS: Dict[str, tuple] = {
     "loss_forces": ("normalised", "L1 error of the normalised forces over a structure's atoms and x, y, z, "
                                   "averaged over structures (orb-v3: conditional Huber, averaged over components)"),
     "loss_stress": ("normalised", "L1 error of the normalised stress over 6 components, averaged over structures "
-                                  "(orb-v3: Huber)"),
+                                  "(orb-v3: Huber; 0 for one without a stress label)"),
     "loss_confidence": ("normalised", "orb-v3: cross-entropy of the force-error classifier, averaged over atoms"),
     "loss_equigrad": ("normalised", "orb-v3 conservative: weight x mean norm of dE/d(rotation), when weighted"),
     "energy_mae": ("eV", "|E_pred - E| per structure, averaged over structures"),
@@ -32,7 +32,7 @@ METRICS: Dict[str, tuple] = {
     "forces_mae": ("eV/Å", "|F_pred - F| over a structure's atoms and x, y, z, averaged over structures"),
     "forces_cosine": ("", "cosine of predicted and true force vectors, averaged over atoms"),
     "forces_within_0.03": ("", "fraction of structures whose every force component is within 0.03 eV/Å"),
-    "stress_mae": ("eV/Å³", "|S_pred - S| over 6 Voigt components, averaged over structures"),
+    "stress_mae": ("eV/Å³", "|S_pred - S| over 6 Voigt components, averaged over structures with a stress label"),
     "energy_per_atom_reference_mae": ("eV/atom", "error of the reference energies alone (the baseline the model "
                                                  "improves on), averaged over structures"),
     "confidence_accuracy": ("", "orb-v3: fraction of atoms whose force-error bin the classifier predicts"),
@@ -41,18 +41,21 @@ METRICS: Dict[str, tuple] = {
 }
 ATOM_AVERAGED = ("forces_cosine", "confidence_accuracy")
 STRESS_METRICS = ("loss_stress", "stress_mae")
+STRESS_AVERAGED = ("stress_mae",)  # over the structures with a stress label (loss_stress: its share of the loss)
 
 
 def metrics_from_sums(sums: Mapping[str, float], has_stress: bool = True,
                       keys: Optional[Iterable[str]] = None) -> Dict[str, float]:
-    """Averages from sums over structures (over atoms for ``forces_cosine``) and the counts
-    ``num_graphs`` and ``num_atoms``."""
+    """Averages from sums over structures (over atoms for ``forces_cosine``, over the structures with a stress label
+    for ``stress_mae``) and the counts ``num_graphs``, ``num_atoms`` and ``num_stress`` (else every structure)."""
     graphs, atoms = max(float(sums["num_graphs"]), 1.0), max(float(sums["num_atoms"]), 1.0)
+    with_stress = max(float(sums.get("num_stress", graphs)), 1.0)
     out = {}
     for key in keys or METRICS:
         if key not in sums or (not has_stress and key in STRESS_METRICS):
             continue
-        out[key] = float(sums[key]) / (atoms if key in ATOM_AVERAGED else graphs)
+        out[key] = float(sums[key]) / (atoms if key in ATOM_AVERAGED else with_stress if key in STRESS_AVERAGED
+                                       else graphs)
     return out
 
 

@@ -227,7 +227,8 @@ LONGEST_FIRST = ("test_orb_v3_parity",) + LIGHT_EARLY + ("test_smoke",) + LIGHT_
     "test_parallel", "test_replay", "test_odd_structures", "test_precision", "test_orb_v3", "test_preemption",
     "test_md", "test_training", "test_sums", "test_relax", "test_properties", "test_use", "test_graph_cache",
     "test_tradeoff", "test_val_split", "test_signals", "test_model", "test_edge_input", "test_strategies",
-    "test_pretrained", "test_export", "test_model_names", "test_docs", "test_checkpoint", "test_uncertainty")
+    "test_pretrained", "test_export", "test_model_names", "test_docs", "test_checkpoint", "test_uncertainty",
+    "test_mixed_stress")
 
 
 def pytest_collection_modifyitems(config, items):

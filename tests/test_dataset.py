@@ -159,14 +159,18 @@ def test_commands_that_use_the_structures_alone_read_no_labels_nor_weights(tmp_p
     assert data.weights.tolist() == [1.0, 1.0]
 
 
-def test_stress_optional_but_consistent(tmp_path):
+def test_stress_optional_on_every_row_or_some(tmp_path):
+    """No row with stress: none trained. Some: a row without is marked NO_STRESS for training (its stress weighed at
+    0), rotated or not, and read without stress for evaluation."""
     path = write_rows(tmp_path / "e.db", [labelled(cu(), stress=None), labelled(cu(2), stress=None)])
     ds = AseDbDataset(path)
-    assert not ds.has_stress and ds[1].stress is None
+    assert not ds.has_stress and ds.stress_rows == 0 and ds[1].stress is None
     path = write_rows(tmp_path / "f.db", [labelled(cu()), labelled(cu(), stress=None)])
-    with pytest.raises(DatasetError, match=r"row 2, key 'stress'"):
-        AseDbDataset(path).census()
-    assert not AseDbDataset(path, require_labels=False).has_stress  # evaluation: stress where a row has it
+    for ds in (AseDbDataset(path), AseDbDataset(path, augmentation=True)):
+        assert ds.has_stress and ds.stress_rows == 1
+        assert np.isnan(ds.get(1, rotation_seed=3).stress).all() and np.isfinite(ds.get(0, rotation_seed=3).stress).all()
+    evaluated = AseDbDataset(path, require_labels=False)  # evaluation: stress where a row has it
+    assert evaluated[1].stress is None and np.isfinite(evaluated[0].stress).all()
 
 
 def test_rotation_matches_emt_on_rotated_cell():

@@ -24,33 +24,27 @@ def without_stress(frames, k):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_stress_on_some_structures_is_read_for_prediction_and_refused_for_training(tmp_path, cache, kind):
+def test_a_stress_on_some_structures_is_read_for_prediction_and_weighed_at_0_in_training(tmp_path, cache, kind):
     """Molecules beside crystals: orb-evaluate, orb-relax and orb-md read them in every format (an extxyz, a folder
-    or a list of databases was refused when indexed, the same rows as one database were read); training refuses
-    the mixture naming the file, the frame or row, the key and a structure that has a stress."""
+    or a list of databases was refused when indexed, the same rows as one database were read); training reads the
+    same structures, the one without stress marked NO_STRESS (weighed at 0 in the loss), the others' stress as
+    stored (training refused the mixture before)."""
     from orb.data.dataset import AseDbDataset
     from orb.data.formats import readable_database
-    from orb.errors import DatasetError
 
     frames = without_stress(demo_frames()[:len(ATTRIBUTES)], 2)
     path = readable_database(write_with_attributes(kind, tmp_path, frames, [{}] * len(frames)))
-    stored = AseDbDataset(path, require_labels=False).census()
-    np.testing.assert_array_equal(stored[:, 2], [1, 1, 0, 1])
-    # a database's rows by their ids (alone, in a list, any backend), other files' structures by their frames
-    without, other = {"sqlite": ("all.db, row 3", "row 1"), "list": ("p2.db, row 2", "p1.db, row 1"),
-                      "extxyz": ("all.extxyz, frame 2", "all.extxyz, frame 0"),
-                      "folder": ("b.extxyz, frame 0", "a.extxyz, frame 0"),
-                      "aselmdb": ("all.aselmdb, row 3", "all.aselmdb, row 1"),
-                      "json": ("all.json, row 3", "all.json, row 1")}[kind]
-    with pytest.raises(DatasetError) as raised:
-        AseDbDataset(path).census()
-    unit = without.split(", ")[1].split()[0]
-    assert str(raised.value).endswith(f"{without}, key 'stress': {unit} has no stress while "
-                                      f"{'' if kind == 'sqlite' else str(tmp_path) + '/'}"
-                                      f"{other if kind != 'folder' else 'parts/' + other} has one; store stress for "
-                                      "every structure or for none (then training runs without the stress loss"
-                                      + ("; stress_key: none reads none)" if unit == "frame" else ")")), \
-        str(raised.value)
+    read = AseDbDataset(path, require_labels=False)
+    np.testing.assert_array_equal(read.census()[:, 2], [1, 1, 0, 1])
+    training = AseDbDataset(path)
+    assert training.has_stress and training.stress_rows == 3 and len(training) == 4
+    for k in range(4):
+        stress, predicted = training[k].stress, read[k].stress
+        if k == 2:
+            assert predicted is None and stress.shape == (1, 6) and np.all(np.isnan(stress))
+        else:
+            np.testing.assert_array_equal(stress, predicted)
+            np.testing.assert_allclose(stress[0], frames[k].get_stress(), rtol=1e-6, atol=1e-9)
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "json", "aselmdb"])
@@ -135,7 +129,10 @@ def test_a_database_in_a_list_is_named_by_its_own_row_ids(tmp_path, cache):
     from orb.data.formats import readable_database
     from orb.errors import DatasetError
 
-    frames = without_stress(demo_frames()[:6], 5)
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    frames = demo_frames()[:6]
+    frames[5].calc = SinglePointCalculator(frames[5], energy=frames[5].get_potential_energy())  # no forces
     with ase.db.connect(str(tmp_path / "p1.db")) as db:
         for atoms in frames[:2]:
             db.write(atoms)
@@ -143,9 +140,9 @@ def test_a_database_in_a_list_is_named_by_its_own_row_ids(tmp_path, cache):
         for atoms in frames[2:]:
             db.write(atoms)
     with ase.db.connect(str(tmp_path / "p2.db")) as db:
-        db.delete([2])  # p2.db's ids: 1, 3, 4 (row 4 without stress)
+        db.delete([2])  # p2.db's ids: 1, 3, 4 (row 4 without forces)
     for data in (str(tmp_path / "p2.db"), [str(tmp_path / "p1.db"), str(tmp_path / "p2.db")]):
-        with pytest.raises(DatasetError, match=r"p2.db, row 4, key 'stress': row has no stress while .*row [13] "):
+        with pytest.raises(DatasetError, match=r"p2.db, row 4, key 'forces': "):
             AseDbDataset(readable_database(data)).census()
     listed = AseDbDataset(readable_database([str(tmp_path / "p1.db"), str(tmp_path / "p2.db")]), require_labels=False)
     locate = listed.rows.origin_locator()

@@ -3,7 +3,8 @@
 Labels are the calculator columns ``row.energy`` (eV), ``row.forces`` (eV/Å) and ``row.stress`` (eV/Å^3, Voigt,
 ASE sign), what ``db.write(atoms)`` stores for an ``Atoms`` with a ``SinglePointCalculator`` (MPtrj's convention), or a
 :class:`LabelTable` that replaces them (a model's predictions, for replay). Stress is optional: a database where no row
-has stress trains without the stress loss. A row's ``weight`` key-value pair scales its share of the loss (default 1).
+has stress trains without the stress loss, and a row without stress among rows with one weighs its stress at 0. A
+row's ``weight`` key-value pair scales its share of the loss (default 1).
 """
 
 import hashlib
@@ -21,7 +22,7 @@ from orb.data.labels import missing_label, said_if_implausible
 from orb.data.weights import read_weights_in_data, stored_weights
 from orb.data.sqlite_rows import TABLE_QUERIES, RowReader, change_counters, structures_digest
 from orb.data.augmentation import matrix_to_voigt, random_rotation, rotate_structure
-from orb.data.graphs import (EDGE_CAPACITY_MARGIN, AtomGraphs, GraphSettings, capacity_is_counted,
+from orb.data.graphs import (EDGE_CAPACITY_MARGIN, NO_STRESS, AtomGraphs, GraphSettings, capacity_is_counted,
                              check_no_overlap_before_graphs, edge_capacity, graph_from_arrays, structure_periodicity,
                              total_charge_or_spin)
 
@@ -136,8 +137,7 @@ class AseDbDataset:
                ranks: Optional[Ranks] = None) -> np.ndarray:
         """Per row, which labels it stores (energy, forces, stress), every row's labels checked once per database
         (``check(start, stop)``: :meth:`check_rows` of those rows, e.g. in worker processes; default here). Rows
-        without energy or forces are refused unless ``require_labels`` is off, and so is a mixture of rows
-        with and without stress."""
+        without energy or forces are refused unless ``require_labels`` is off."""
         if self._labels_stored is None:
             flags = self.census_pass.result(check or self.check_rows, ranks or ONE_PROCESS).reshape(-1, len(LABELS) + 1)
             stored = flags[:, :len(LABELS)]
@@ -148,24 +148,28 @@ class AseDbDataset:
                         row = int(self.ids[np.argmin(stored[:, column])])
                         held = self.rows.read(row).key_value_pairs
                         raise self.error_at(missing_label(key, self._keyed(row), held), row, key)
-                if stored[:, 2].any() and not stored[:, 2].all():
-                    row, other = int(self.ids[np.argmin(stored[:, 2])]), int(self.ids[np.argmax(stored[:, 2])])
-                    none = "; stress_key: none reads none" if self._keyed(row) else ""  # (a database's: ignored)
-                    raise self.error_at(f"row has no stress while {self.where(other)} has one; store stress for every "
-                                        f"structure or for none (then training runs without the stress loss{none})",
-                                        row, "stress")
             self._labels_stored = stored
             self._all_labelled = bool(stored[:, :2].all())  # asked for every structure read: not O(rows) each time
-            self._all_stress = bool(stored[:, 2].all())
+            self._any_stress = bool(stored[:, 2].any())
+            self._stress_rows = int(stored[:, 2].sum())
         return self._labels_stored
 
     @property
     def has_stress(self) -> bool:
-        """Whether every row's labels include stress (pseudo-labels: whether they do)."""
+        """Whether any row's labels include stress (pseudo-labels: whether they do); a row without one among rows
+        with one trains with its stress weighed at 0 (:data:`orb.data.graphs.NO_STRESS`)."""
         if self.label_table is not None:
             return self.label_table.stress is not None
         self.census()
-        return self._all_stress
+        return self._any_stress
+
+    @property
+    def stress_rows(self) -> int:
+        """How many rows hold a stress label (all of them with pseudo-labels that have stress)."""
+        if self.label_table is not None:
+            return len(self) if self.label_table.stress is not None else 0
+        self.census()
+        return self._stress_rows
 
     @property
     def has_labels(self) -> bool:
@@ -274,8 +278,8 @@ class AseDbDataset:
         return atoms
 
     def _labels(self, row, index: int) -> Tuple[Optional[float], Optional[np.ndarray], Optional[np.ndarray]]:
-        """The labels a graph of this row carries: the label table's, else the row's (stress only when every row
-        has stress, or when evaluating)."""
+        """The labels a graph of this row carries: the label table's, else the row's (stress only when some row has
+        stress, or when evaluating)."""
         if self.label_table is not None:
             return self._checked_labels(row, *self.label_table.labels(index))
         energy, forces, stress = self._stored_labels(row)
@@ -368,6 +372,8 @@ class AseDbDataset:
         graph.weight = np.array([self.weights[index]], real)
         graph.energy = None if energy is None else np.array([energy], real)
         graph.forces = None if forces is None else forces.astype(real)
+        if stress is None and self.require_labels and self.has_stress:
+            stress = NO_STRESS  # (after the rotation: nothing to rotate)
         graph.stress = None if stress is None else stress.astype(real)[None]
         return graph
 

@@ -328,7 +328,7 @@ def _convert(files: List[str], keys: LabelKeys, target: str, progress: bool) -> 
                     said_if_implausible(stress, stress_key, path, at)
                     results["stress"] = stress.reshape(3, 3) if stress.size == 9 else stress
                 # (frames with and without stress: indexed as they are, as an ASE database holds them; training
-                # refuses the mixture naming a frame, orb-evaluate scores stress where there is one)
+                # weighs a missing stress at 0, orb-evaluate scores stress where there is one)
                 pairs = _structure_attributes(atoms, keys, path, at)
                 pairs.update(_other_attributes(atoms, keys, pairs, path))
                 clean = atoms.copy()

@@ -26,7 +26,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -91,6 +91,15 @@ class Progress:
                    else None,
                    initial=meta.get("initial") or {}, reference_fit=meta.get("reference_energies_fit"),
                    validation=meta.get("validation"), epoch_record=meta.get("epoch_record"))
+
+    def convert_sums(self, convert: Callable[[np.ndarray], np.ndarray]) -> None:
+        """Every metric sum the progress holds passed through ``convert`` (a checkpoint's layout to the loss's)."""
+        if self.epoch_sums is not None:
+            self.epoch_sums = convert(self.epoch_sums)
+        if self.interval_sums is not None:
+            self.interval_sums = convert(self.interval_sums)
+        if self.validation is not None and self.validation.get("sums") is not None:
+            self.validation = dict(self.validation, sums=convert(np.atleast_2d(self.validation["sums"])).tolist())
 
     def improved(self, val_loss: float, epoch: int) -> bool:
         """Record epoch ``epoch``'s validation loss; whether it is the best so far."""

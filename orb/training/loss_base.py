@@ -110,6 +110,16 @@ class NormalisedLoss(nn.Cell):
         """Length of the metric-sum vector: the named sums, then per atomic number the force error and atoms."""
         return len(self.sum_keys) + 2 * ELEMENT_BINS
 
+    def sums_from(self, sums) -> np.ndarray:
+        """Metric sums (a vector, or rows of them) a checkpoint holds, in this loss's layout: one saved before
+        ``num_stress`` was summed (every structure had stress then, or none was scored) gets ``num_graphs`` there."""
+        sums = np.asarray(sums, np.float64)
+        n = len(self.sum_keys)
+        if sums.shape[-1] == self.num_sums - 1 and self.sum_keys[-1] == "num_stress":
+            graphs = sums[..., self.sum_keys.index("num_graphs")]
+            sums = np.concatenate([sums[..., :n - 1], graphs[..., None], sums[..., n - 1:]], axis=-1)
+        return sums
+
     def metrics(self, sums, by_element: bool = False) -> Dict:
         """Averages (:data:`orb.metrics.METRICS`) from accumulated metric sums; ``by_element`` adds the force MAE
         of each element present (``forces_mae_by_element``)."""
@@ -140,6 +150,14 @@ class NormalisedLoss(nn.Cell):
         """The metric sums followed by, per atomic number, the summed per-atom force error and the atom count."""
         return ops.concat((sums, segment_total(atom_error * node_mask, numbers, ELEMENT_BINS),
                            segment_sum(node_mask, numbers, ELEMENT_BINS)))
+
+    @staticmethod
+    def stress_rows(stress):
+        """(stress with zeros where a structure has no stress label, (B,) 1 where it has one else 0): the data marks a
+        structure without one by NaN (:data:`orb.data.graphs.NO_STRESS`), weighed at 0 here and never multiplied
+        into a sum (NaN times 0 is NaN)."""
+        finite = ops.isfinite(stress)
+        return ops.select(finite, stress, ops.zeros_like(stress)), finite[:, 0].astype(stress.dtype)
 
     @staticmethod
     def metric_sums(per_graph, graph_mask, per_atom, node_mask):

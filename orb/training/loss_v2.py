@@ -23,7 +23,7 @@ from orb.training.loss_base import NormalisedLoss
 
 SUM_KEYS = ("loss", "loss_energy", "loss_forces", "loss_stress", "energy_mae", "energy_per_atom_mae", "forces_mae",
             "forces_cosine", "forces_within_0.03", "stress_mae", "energy_per_atom_reference_mae", "num_graphs",
-            "num_atoms")
+            "num_atoms", "num_stress")
 
 
 class OrbLoss(NormalisedLoss):
@@ -50,9 +50,11 @@ class OrbLoss(NormalisedLoss):
     def absorbed(self, numbers, node_graph, n_node, graph_mask, energy, forces, stress, head):
         node_mask = ops.gather(graph_mask, node_graph, 0)
         graphs, nodes = self.replay_rows(head, node_graph)
+        stress, with_stress = self.stress_rows(stress)
         return [(self.residual_per_atom(numbers, node_graph, n_node, energy, head), graph_mask, True, graphs),
                 (forces, self.broadcasts.column(node_mask.reshape(-1, 1), 3), True, nodes),
-                (stress, self.broadcasts.column(graph_mask.reshape(-1, 1), 6), self.has_stress, graphs.reshape(-1, 1))]
+                (stress, self.broadcasts.column((graph_mask * with_stress).reshape(-1, 1), 6), self.has_stress,
+                 graphs.reshape(-1, 1))]
 
     def construct(self, numbers, positions, vectors, senders, receivers, node_graph, n_node, nonperiodic, cell,
                   unit_shifts, charge, spin, head, graph_mask, graph_weight, energy, forces, stress, *stats):
@@ -79,7 +81,8 @@ class OrbLoss(NormalisedLoss):
         node_mae = segment_total(force_err, node_graph, num_graphs) / atoms
 
         s_std = ops.sqrt(s_var)
-        stress_err = ops.abs((stress - s_mean) / s_std - s_raw).mean(1)
+        stress, with_stress = self.stress_rows(stress)
+        stress_err = ops.abs((stress - s_mean) / s_std - s_raw).mean(1) * with_stress
 
         per_graph = self.energy_weight * energy_err + self.forces_weight * node_mae
         if self.has_stress:
@@ -89,11 +92,11 @@ class OrbLoss(NormalisedLoss):
         # Metrics, in physical units where not loss_*; no gradient flows through them.
         force_pred = ops.stop_gradient(f_raw * f_std + f_mean)
         forces_mae, cosine, all_within, atom_error = self.force_metrics(force_pred, forces, node_graph, n_node, atoms)
-        stress_mae = ops.abs(ops.stop_gradient(s_raw * s_std + s_mean) - stress).mean(1)  # unreported without stress
+        stress_mae = ops.abs(ops.stop_gradient(s_raw * s_std + s_mean) - stress).mean(1) * with_stress
         energy_abs = ops.abs(ops.stop_gradient(energy_pred) - energy)
         g, a = self.metric_sums(
             (per_graph, energy_err, node_mae, stress_err, energy_abs, energy_abs / atoms, forces_mae, all_within,
-             stress_mae, ops.abs(target), ops.ones_like(graph_mask)), graph_mask,
+             stress_mae, ops.abs(target), ops.ones_like(graph_mask), with_stress), graph_mask,
             (cosine, ops.ones_like(node_mask)), node_mask)
-        sums = ops.concat((g[:7], a[:1], g[7:], a[1:]))  # in SUM_KEYS order
+        sums = ops.concat((g[:7], a[:1], g[7:11], a[1:], g[11:]))  # in SUM_KEYS order
         return loss, ops.stop_gradient(self.with_element_sums(sums, atom_error, numbers, node_mask))

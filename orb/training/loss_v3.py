@@ -31,7 +31,7 @@ from orb.training.loss_base import NormalisedLoss
 SUM_KEYS = ("loss", "loss_energy", "loss_forces", "loss_stress", "loss_confidence", "loss_equigrad", "energy_mae",
             "energy_per_atom_mae", "forces_mae", "forces_cosine", "forces_within_0.03", "stress_mae",
             "energy_per_atom_reference_mae", "confidence_accuracy", "rotational_grad_rms", "num_graphs",
-            "num_atoms")
+            "num_atoms", "num_stress")
 HUBER_DELTA = 0.01
 
 
@@ -77,14 +77,15 @@ class OrbV3Loss(NormalisedLoss):
                         float(confidence_weight), float(equigrad_weight) if self.conservative else 0.0)
 
     def absorbed(self, numbers, node_graph, n_node, graph_mask, energy, forces, stress, head):
-        per_graph = graph_mask.reshape(-1, 1)
+        stress, with_stress = self.stress_rows(stress)
+        with_stress = (graph_mask * with_stress).reshape(-1, 1)
         graphs, nodes = self.replay_rows(head, node_graph)
         out = [(self.residual_per_atom(numbers, node_graph, n_node, energy, head), graph_mask, True, graphs),
                (forces, self.broadcasts.column(ops.gather(graph_mask, node_graph, 0).reshape(-1, 1), 3), True, nodes)]
         if self.conservative:
-            out.append((stress, self.broadcasts.column(per_graph, 6), self.has_stress, graphs.reshape(-1, 1)))
+            out.append((stress, self.broadcasts.column(with_stress, 6), self.has_stress, graphs.reshape(-1, 1)))
         elif self.model.cfg.has_stress:
-            three = self.broadcasts.column(per_graph, 3)
+            three = self.broadcasts.column(with_stress, 3)
             out += [(stress[:, :3], three, self.has_stress, graphs.reshape(-1, 1)),
                     (stress[:, 3:], three, self.has_stress, graphs.reshape(-1, 1))]
         return out
@@ -140,7 +141,9 @@ class OrbV3Loss(NormalisedLoss):
         forces_mae, cosine, all_within, atom_error = self.force_metrics(forces_phys, forces, node_graph, n_node, atoms)
 
         # stress
-        loss_stress, stress_mae = self._stress(outputs, stress, old, new, graph_weight, replay)
+        stress, with_stress = self.stress_rows(stress)
+        loss_stress, stress_mae = self._stress(outputs, stress, old, new, graph_weight * with_stress, replay)
+        stress_mae = stress_mae * with_stress
 
         # confidence
         bins, valid = self._confidence_bins(ops.stop_gradient(forces_error))
@@ -165,8 +168,8 @@ class OrbV3Loss(NormalisedLoss):
                            loss_confidence * scale, loss_equigrad * w[4] * scale))
         g, a = self.metric_sums(
             (energy_abs, energy_abs / atoms, forces_mae, all_within, stress_mae, ops.abs((energy - reference) / atoms),
-             rot_norm, ops.ones_like(m)), m, (cosine, correct, ops.ones_like(node_mask)), node_mask)
-        sums = ops.concat((steps, g[:3], a[:1], g[3:6], a[1:2], g[6:], a[2:]))  # in SUM_KEYS order
+             rot_norm, ops.ones_like(m), with_stress), m, (cosine, correct, ops.ones_like(node_mask)), node_mask)
+        sums = ops.concat((steps, g[:3], a[:1], g[3:6], a[1:2], g[6:8], a[2:], g[8:]))  # in SUM_KEYS order
         return loss, ops.stop_gradient(self.with_element_sums(sums, atom_error, numbers, node_mask))
 
     def _stress(self, outputs, stress, old, new, graph_weight, replay):

@@ -240,6 +240,7 @@ def build_trainer(cfg: TrainConfig, data_parallel: Optional[DataParallel] = None
         if resumed:
             weights, optimizer_state, _, path = resumed
             engine.load(weights, optimizer_state, path)
+            progress.convert_sums(engine.loss_cell.sums_from)
             if progress.step_in_epoch:  # inside an epoch: this rank's sums of the open logging interval
                 engine.restore_interval_sums(this_ranks_interval_sums(progress, dp))
                 if progress.nonfinite is not None:
@@ -294,6 +295,17 @@ def describe_buckets(buckets) -> str:
                              "compiled only if a step needs it" for b in spare)
 
 
+def stress_note(train, database) -> str:
+    """What the start-up log says of the training data's stress labels: none, or how many rows of a database that
+    mixes structures with and without them have one."""
+    if not train.has_stress:
+        return ", no stress"
+    if database.label_table is None and database.stress_rows < len(database):
+        return (f", {database.stress_rows} of its {len(database)} rows with a stress label (the others' stress "
+                "weighed at 0)")
+    return ""
+
+
 def log_start(cfg: TrainConfig, dp: DataParallel, data: RunData, engine: Engine) -> None:
     """What the run is about to do, in the start-up log."""
     model = engine.model
@@ -302,7 +314,7 @@ def log_start(cfg: TrainConfig, dp: DataParallel, data: RunData, engine: Engine)
              cfg.model.num_message_passing_steps, cfg.model.latent_dim, cfg.model.max_neighbors, cfg.model.radius)
     train = data.train_source
     log.info("train data: %s (%d structures, %d atoms)%s%s", describe_path(cfg.train_data_path), len(train),
-             int(train.natoms.sum()), "" if train.has_stress else ", no stress", data.weights_note(train))
+             int(train.natoms.sum()), stress_note(train, data.databases["train"]), data.weights_note(train))
     for name, source in data.val_sets.items():
         if name == "val" and data.split is not None:  # the training structures held out (val_fraction)
             (log.warning if data.split.redrawn else log.info)("%s%s", data.split.describe(cfg, source.source),
