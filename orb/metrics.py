@@ -47,12 +47,15 @@ STRESS_AVERAGED = ("stress_mae",)  # over the structures with a stress label (lo
 def metrics_from_sums(sums: Mapping[str, float], has_stress: bool = True,
                       keys: Optional[Iterable[str]] = None) -> Dict[str, float]:
     """Averages from sums over structures (over atoms for ``forces_cosine``, over the structures with a stress label
-    for ``stress_mae``) and the counts ``num_graphs``, ``num_atoms`` and ``num_stress`` (else every structure)."""
+    for ``stress_mae``: none, none reported) and the counts ``num_graphs``, ``num_atoms`` and ``num_stress`` (else
+    every structure)."""
     graphs, atoms = max(float(sums["num_graphs"]), 1.0), max(float(sums["num_atoms"]), 1.0)
-    with_stress = max(float(sums.get("num_stress", graphs)), 1.0)
+    with_stress = float(sums.get("num_stress", graphs))
     out = {}
     for key in keys or METRICS:
         if key not in sums or (not has_stress and key in STRESS_METRICS):
+            continue
+        if key in STRESS_AVERAGED and not with_stress:  # (an interval of structures without stress: left out, not 0)
             continue
         out[key] = float(sums[key]) / (atoms if key in ATOM_AVERAGED else with_stress if key in STRESS_AVERAGED
                                        else graphs)

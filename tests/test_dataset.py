@@ -168,7 +168,8 @@ def test_stress_optional_on_every_row_or_some(tmp_path):
     path = write_rows(tmp_path / "f.db", [labelled(cu()), labelled(cu(), stress=None)])
     for ds in (AseDbDataset(path), AseDbDataset(path, augmentation=True)):
         assert ds.has_stress and ds.stress_rows == 1
-        assert np.isnan(ds.get(1, rotation_seed=3).stress).all() and np.isfinite(ds.get(0, rotation_seed=3).stress).all()
+        assert np.isnan(ds.get(1, rotation_seed=3).stress).all()
+        assert np.isfinite(ds.get(0, rotation_seed=3).stress).all()
     evaluated = AseDbDataset(path, require_labels=False)  # evaluation: stress where a row has it
     assert evaluated[1].stress is None and np.isfinite(evaluated[0].stress).all()
 

@@ -72,6 +72,8 @@ def test_a_structure_without_stress_is_its_stress_weighed_at_0_and_nothing_else_
     mae = keys.index("stress_mae")
     assert sums[mae] == pytest.approx(full_sums[mae] - alone[mae], rel=1e-5)
     assert whole.metrics(sums)["stress_mae"] == pytest.approx(sums[mae] / 2, rel=1e-6)
+    none = whole.metrics(run(whole_grad, whole, inputs([missing[1]], (3,)))[2])  # (a logging interval of such)
+    assert "stress_mae" not in none and "forces_mae" in none
     for key in ("energy_mae", "forces_mae", "num_graphs", "num_atoms"):
         assert sums[keys.index(key)] == full_sums[keys.index(key)], key
 
