@@ -47,6 +47,36 @@ def test_a_stress_on_some_structures_is_read_for_prediction_and_weighed_at_0_in_
             np.testing.assert_allclose(stress[0], frames[k].get_stress(), rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_positions_in_nm_are_said_naming_the_file_and_structure_in_every_format(tmp_path, cache, kind, caplog):
+    """A structure whose positions are in nm (its atoms 0.25 Å apart: nothing refused it above 0.1 Å, and training on
+    it diverges) is said before training, once, naming where the user finds it; the others say nothing."""
+    from orb.data.dataset import AseDbDataset
+    from orb.data.formats import readable_database
+
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    frames = demo_frames()[:len(ATTRIBUTES)]
+    nm = frames[2]
+    labels = dict(energy=nm.get_potential_energy(), forces=nm.get_forces(), stress=nm.get_stress())
+    nm.set_cell(nm.cell / 10, scale_atoms=True)
+    nm.calc = SinglePointCalculator(nm, **labels)
+    path = readable_database(write_with_attributes(kind, tmp_path, frames, [{}] * len(frames)))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="orb"):
+        AseDbDataset(path).census()
+    said = [r.getMessage() for r in caplog.records if "closer than any bond" in r.getMessage()]
+    at = {"sqlite": "all.db, row 3", "list": "p2.db, row 2", "extxyz": "all.extxyz, frame 2",
+          "folder": "b.extxyz, frame 0", "aselmdb": "all.aselmdb, row 3", "json": "all.json, row 3"}[kind]
+    assert len(said) == 1 and f"{at}: atoms " in said[0] and " Å apart" in said[0], said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="orb"):
+        (tmp_path / "ok").mkdir()
+        AseDbDataset(readable_database(write_with_attributes(kind, tmp_path / "ok", demo_frames()[:4],
+                                                             [{}] * 4))).census()
+    assert not [r for r in caplog.records if "closer than any bond" in r.getMessage()]
+
+
 @pytest.mark.parametrize("kind", ["sqlite", "json", "aselmdb"])
 def test_label_keys_never_reach_an_ase_database_of_any_backend(tmp_path, cache, kind, caplog):
     """An ASE database's labels are its rows' calculator results whatever its backend: energy_key given for the other

@@ -18,7 +18,7 @@ import numpy as np
 from orb.data.row_results import ONE_PROCESS, LabelTable, Ranks, RowPass
 from orb.errors import DatasetError, StructureError
 from orb.data.formats import LABEL_NAMES, check_sqlite_file, say_not_carried, storable_pairs
-from orb.data.labels import missing_label, said_if_implausible
+from orb.data.labels import missing_label, said_if_implausible, said_if_too_close
 from orb.data.weights import read_weights_in_data, stored_weights
 from orb.data.sqlite_rows import TABLE_QUERIES, RowReader, change_counters, structures_digest
 from orb.data.augmentation import matrix_to_voigt, random_rotation, rotate_structure
@@ -123,7 +123,9 @@ class AseDbDataset:
             try:
                 periodic = structure_periodicity(row.positions, row.numbers, row.cell, row.pbc, self.settings)
                 if self.require_labels:  # training data: before training, not hours in (orb-relax, orb-md name
-                    check_no_overlap_before_graphs(row.positions, row.cell, periodic)  # it when they reach it)
+                    closest = check_no_overlap_before_graphs(row.positions, row.cell, periodic)  # it when they reach
+                    if closest is not None:  # it)
+                        said_if_too_close(closest, self.source, self.located(int(row.id)))
             except StructureError as exc:
                 raise self._structure_error(row, exc) from None
             self._check_constraints(row)  # (what orb-relax and orb-md fix: refused now, by name, if ASE cannot)
@@ -201,6 +203,10 @@ class AseDbDataset:
     def where(self, row: int) -> str:
         """Row ``row`` as :meth:`error_at` names it."""
         return "{}, {} {}".format(*self.rows.origin_locator()(row)) if self.sources else f"row {row}"
+
+    def located(self, row: int) -> str:
+        """Row ``row`` with its file, as a warning names it."""
+        return self.where(row) if self.sources else f"{self.path}, row {row}"
 
     def check_elements_up_to(self, z_max: int, why: str) -> None:
         """Refuse, in one line naming the first such row, a structure holding an element above ``z_max`` (read from

@@ -136,6 +136,16 @@ def _checked(value, shape_ok, name: str, where: str, at: str, expected: str):
     return array
 
 
+def said_if_too_close(closest: tuple, data: str, at: str) -> None:
+    """Two atoms nearer than any bond (``closest``: atom, atom, Å; positions in nm, or fractional coordinates read as
+    Å), said once per data set ``data`` naming the structure ``at`` (its file and frame or row): the model's energies
+    of such a structure are meaningless, and training on it diverges."""
+    i, j, distance = closest
+    _say_once(data, "distances", logging.WARNING, "%s: atoms %d and %d are %.2f Å apart, closer than any bond (H2's "
+              "is 0.74 Å): positions are read in Å (values in nm or fractional coordinates must be converted). Said "
+              "once per data set", at, i, j, distance)
+
+
 def said_if_implausible(stress: np.ndarray, key: str, where: str, at: str) -> None:
     """Stress labels beyond :data:`STRESS_PLAUSIBLE` (a kBar or GPa file read as eV/Å³), said once per file."""
     largest = float(np.max(np.abs(stress)))
