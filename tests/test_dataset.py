@@ -160,7 +160,7 @@ def test_commands_that_use_the_structures_alone_read_no_labels_nor_weights(tmp_p
 
 
 def test_stress_optional_on_every_row_or_some(tmp_path):
-    """No row with stress: none trained. Some: a row without is marked NO_STRESS for training (its stress weighed at
+    """No row with stress: none trained. Some: a row without is marked MISSING_STRESS for training (its stress weighed at
     0), rotated or not, and read without stress for evaluation."""
     path = write_rows(tmp_path / "e.db", [labelled(cu(), stress=None), labelled(cu(2), stress=None)])
     ds = AseDbDataset(path)

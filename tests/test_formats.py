@@ -700,21 +700,21 @@ def test_a_damaged_value_in_a_row_is_one_line_naming_row_and_column(tmp_path, ca
 
 
 def test_messages_name_the_users_file_not_the_cached_index(tmp_path, cache):
-    """A validation extxyz without stress beside training data with it: the message named the cache's indexed copy
-    (converted-....db), a file the user never named."""
+    """A validation extxyz with a bad label beside the training data: the message names the user's file and frame (a
+    message once named the cache's indexed copy, converted-....db, a file the user never named)."""
     import ase.io
 
     frames = demo_frames()
-    for atoms in frames:
-        atoms.calc.results.pop("stress", None)
-    ase.io.write(tmp_path / "val_nostress.extxyz", frames, format="extxyz")
+    frames[3].calc.results["energy"] = float("nan")
+    ase.io.write(tmp_path / "val_bad.extxyz", frames, format="extxyz")
     result = subprocess.run([sys.executable, "finetune.py", "--config", "configs/demo.yaml", "--val_data_path",
-                             str(tmp_path / "val_nostress.extxyz"), "--output_dir", str(tmp_path / "run"),
+                             str(tmp_path / "val_bad.extxyz"), "--output_dir", str(tmp_path / "run"),
                              "--device_target", "CPU", "--progress_bar", "false"], cwd=ROOT, capture_output=True,
                             text=True, timeout=300, env=dict(os.environ, ORB_CACHE_DIR=str(cache)))
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and lines[-1].startswith(
-        f"error: val_data_path {tmp_path / 'val_nostress.extxyz'} has no stress"), result.stderr[-2000:]
+        f"error: {tmp_path / 'val_bad.extxyz'}, key 'energy': frame 3: "), result.stderr[-2000:]
+    assert "converted" not in result.stderr
 
 
 def test_a_folders_subfolders_are_said_not_to_be_read(tmp_path, cache, caplog):

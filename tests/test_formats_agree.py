@@ -27,7 +27,7 @@ def without_stress(frames, k):
 def test_a_stress_on_some_structures_is_read_for_prediction_and_weighed_at_0_in_training(tmp_path, cache, kind):
     """Molecules beside crystals: orb-evaluate, orb-relax and orb-md read them in every format (an extxyz, a folder
     or a list of databases was refused when indexed, the same rows as one database were read); training reads the
-    same structures, the one without stress marked NO_STRESS (weighed at 0 in the loss), the others' stress as
+    same structures, the one without stress marked MISSING_STRESS (weighed at 0 in the loss), the others' stress as
     stored (training refused the mixture before)."""
     from orb.data.dataset import AseDbDataset
     from orb.data.formats import readable_database

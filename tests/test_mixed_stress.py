@@ -3,6 +3,7 @@ without one weighs its stress at 0, as MACE's config_stress_weight does, and its
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -16,7 +17,7 @@ MODELS = ["orb_v2", "orb_v3_direct_20_omat", "orb_v3_conservative_20_omat"]
 
 @pytest.mark.parametrize("name", MODELS)
 def test_a_structure_without_stress_is_its_stress_weighed_at_0_and_nothing_else_changes(name):
-    """One batch, its middle structure's stress left out (NO_STRESS, as the data gives it): the loss and gradient are
+    """One batch, its middle structure's stress left out (MISSING_STRESS, as the data gives it): the loss and gradient are
     the energy and force terms of the whole batch plus the stress term with that structure's weight 0; the stress
     normaliser absorbs the other structures only, the energy and force normalisers every one; the stress MAE is
     averaged over the structures with a stress (num_stress)."""
@@ -24,7 +25,7 @@ def test_a_structure_without_stress_is_its_stress_weighed_at_0_and_nothing_else_
 
     from orb.data.batching import batch_graphs, pad_batch
     from orb.data.dataset import AseDbDataset
-    from orb.data.graphs import NO_STRESS
+    from orb.data.graphs import MISSING_STRESS
     from orb.data.tensors import loss_inputs
     from orb.models import create
     from orb.training.config import config_from_dict
@@ -42,7 +43,7 @@ def test_a_structure_without_stress_is_its_stress_weighed_at_0_and_nothing_else_
     data = AseDbDataset(DEMO_TRAIN, settings=cfg.model.graph_settings())
     graphs = [data[i] for i in range(3)]
     missing = [graphs[0], data[1], graphs[2]]
-    missing[1].stress = NO_STRESS[None].astype(np.float32)
+    missing[1].stress = MISSING_STRESS[None].astype(np.float32)
 
     def inputs(graphs, weights=(1, 1, 1)):
         batch = pad_batch(batch_graphs(graphs), 96, 1800 if name == "orb_v2" else 3000, 4)
@@ -115,29 +116,49 @@ def test_an_older_checkpoints_sums_take_num_stress_from_num_graphs():
         np.testing.assert_array_equal(cell.sums_from(new), new)  # a checkpoint of this version: as it is
 
 
-def test_fine_tuning_on_an_extxyz_of_crystals_and_molecules_trains_stress_where_there_is_one(tmp_path):
-    """orb-finetune on an extxyz whose molecules have no stress: the run trains, says how many structures have a stress
-    label, and reports the stress MAE of those."""
+def finetune(tmp_path, out, train, val, *extra):
+    args = [sys.executable, os.path.join(ROOT, "finetune.py"), "--config", "finetune_orb_v3", "--train_data_path",
+            str(train), "--val_data_path", str(val), "--val_fraction", "0", "--output_dir", str(tmp_path / out),
+            "--checkpoint_path", "", "--batch_size", "3", "--max_epochs", "1", "--num_buckets", "1",
+            "--device_target", "CPU", "--progress_bar", "false", "--data_workers", "0", "--model.name", "orb_v2",
+            *extra]
+    args += sum((["--model." + k, str(v)] for k, v in SMALL_MODEL.items()), [])
+    done = subprocess.run(args, cwd=str(tmp_path), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    epoch = [r for r in map(json.loads, open(tmp_path / out / "metrics.jsonl")) if r["type"] == "epoch"][-1]
+    return done.stdout, epoch
+
+
+def test_fine_tuning_with_molecules_beside_crystals_trains_stress_where_there_is_one(tmp_path):
+    """orb-finetune on an extxyz whose molecules have no stress, validated on molecules alone (refused before: "has no
+    stress while the training data has"): the run trains, says how many training structures have a stress label and
+    reports the stress MAE of those, none for the molecules. Molecules as the target beside crystals replayed with
+    their own labels train the stress head on the crystals (it was left untrained: the target had no stress)."""
     import ase.io
     from ase.build import molecule
     from ase.calculators.singlepoint import SinglePointCalculator
 
-    frames = ase.io.read(DEMO_TRAIN, index=":6")
-    for k, name in ((1, "H2O"), (4, "CH4")):
+    crystals = ase.io.read(DEMO_TRAIN, index=":6")
+    molecules = []
+    for k, name in enumerate(("H2O", "CH4", "NH3", "CO2")):
         gas = molecule(name)
         gas.center(vacuum=4.0)
         gas.calc = SinglePointCalculator(gas, energy=-10.0 - k, forces=np.full((len(gas), 3), 0.01 * k))
-        frames[k] = gas
-    ase.io.write(tmp_path / "mixed.extxyz", frames, format="extxyz")
-    args = [sys.executable, os.path.join(ROOT, "finetune.py"), "--config", "finetune_orb_v3",
-            "--train_data_path", str(tmp_path / "mixed.extxyz"), "--val_data_path", str(tmp_path / "mixed.extxyz"),
-            "--val_fraction", "0", "--output_dir", str(tmp_path / "run"), "--checkpoint_path", "", "--batch_size", "3",
-            "--max_epochs", "1", "--num_buckets", "1", "--device_target", "CPU", "--progress_bar", "false",
-            "--data_workers", "0", "--model.name", "orb_v2"]
-    args += sum((["--model." + k, str(v)] for k, v in SMALL_MODEL.items()), [])
-    done = subprocess.run(args, cwd=str(tmp_path), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "4 of its 6 rows with a stress label (the others' stress weighed at 0)" in done.stdout, done.stdout
-    epoch = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if r["type"] == "epoch"][-1]
-    assert np.isfinite(epoch["train"]["stress_mae"]) and np.isfinite(epoch["val"]["stress_mae"])
-    assert np.isfinite(epoch["train"]["loss"]) and epoch["train"]["loss_stress"] > 0
+        molecules.append(gas)
+    mixed = list(crystals)
+    mixed[1], mixed[4] = molecules[0], molecules[1]
+    ase.io.write(tmp_path / "mixed.extxyz", mixed, format="extxyz")
+    ase.io.write(tmp_path / "molecules.extxyz", molecules, format="extxyz")
+    ase.io.write(tmp_path / "crystals.extxyz", crystals, format="extxyz")
+
+    log, epoch = finetune(tmp_path, "mixed", tmp_path / "mixed.extxyz", tmp_path / "molecules.extxyz")
+    assert re.search(r"\(6 structures, \d+ atoms\), 4 of them with a stress label \(the others' stress weighed at 0\)",
+                     log), log
+    assert np.isfinite(epoch["train"]["stress_mae"]) and epoch["train"]["loss_stress"] > 0
+    assert "stress_mae" not in epoch["val"] and epoch["val"]["loss_stress"] == 0 and np.isfinite(epoch["val"]["loss"])
+
+    log, epoch = finetune(tmp_path, "replayed", tmp_path / "molecules.extxyz", tmp_path / "molecules.extxyz",
+                          "--replay.data_path", str(tmp_path / "crystals.extxyz"), "--replay.fraction", "0.34",
+                          "--replay.val_data_path", str(tmp_path / "crystals.extxyz"))
+    assert "training without the stress loss" not in log and "no stress" in log
+    assert epoch["train"]["loss_stress"] > 0 and np.isfinite(epoch["replay_val"]["stress_mae"])

@@ -22,9 +22,9 @@ from orb.data.labels import missing_label, said_if_implausible, said_if_too_clos
 from orb.data.weights import read_weights_in_data, stored_weights
 from orb.data.sqlite_rows import TABLE_QUERIES, RowReader, change_counters, structures_digest
 from orb.data.augmentation import matrix_to_voigt, random_rotation, rotate_structure
-from orb.data.graphs import (EDGE_CAPACITY_MARGIN, NO_STRESS, AtomGraphs, GraphSettings, capacity_is_counted,
-                             check_no_overlap_before_graphs, edge_capacity, graph_from_arrays, structure_periodicity,
-                             total_charge_or_spin)
+from orb.data.graphs import (EDGE_CAPACITY_MARGIN, MISSING_STRESS, AtomGraphs, GraphSettings,
+                             capacity_is_counted, check_no_overlap_before_graphs, edge_capacity, graph_from_arrays,
+                             structure_periodicity, total_charge_or_spin)
 
 log = logging.getLogger("orb")
 
@@ -52,7 +52,9 @@ class AseDbDataset:
     Every row's labels are checked once by the census (:meth:`census`: each row read, a bad one
     named before training; the result kept in the project's cache, so later starts read nothing),
     which also tells which labels the rows carry. Each item is read and turned into a graph when asked
-    for. ``require_labels=False`` allows rows without energy/forces/stress (prediction only).
+    for. ``require_labels=False`` allows rows without energy or forces (prediction only); a row without stress
+    among rows with one, or in a set beside training data with stress (:meth:`mark_missing_stress`), is given
+    MISSING_STRESS.
     ``settings`` chooses the model family's graph (default: orb-v2's with ``radius`` and
     ``max_neighbors``). ``charge_spin`` (OMol models) requires each row's total charge and spin:
     key-value pairs ``charge`` and ``spin`` (``db.write(atoms, charge=0, spin=1)``) or entries of
@@ -83,6 +85,7 @@ class AseDbDataset:
         self.charge_spin = charge_spin
         self.float64 = False  # graphs in float64 (precision float64: set by the model's user)
         self.label_table: Optional[LabelTable] = None
+        self.stress_trained = False  # the run trains stress: see mark_missing_stress
         check_sqlite_file(self.path)
         self.rows = RowReader(path if isinstance(path, str) else self.path)
         self.sources: list = self.rows.sources()
@@ -159,7 +162,7 @@ class AseDbDataset:
     @property
     def has_stress(self) -> bool:
         """Whether any row's labels include stress (pseudo-labels: whether they do); a row without one among rows
-        with one trains with its stress weighed at 0 (:data:`orb.data.graphs.NO_STRESS`)."""
+        with one trains with its stress weighed at 0 (:data:`orb.data.graphs.MISSING_STRESS`)."""
         if self.label_table is not None:
             return self.label_table.stress is not None
         self.census()
@@ -167,11 +170,16 @@ class AseDbDataset:
 
     @property
     def stress_rows(self) -> int:
-        """How many rows hold a stress label (all of them with pseudo-labels that have stress)."""
+        """How many rows hold a stress label (every row of a label table with stress)."""
         if self.label_table is not None:
             return len(self) if self.label_table.stress is not None else 0
         self.census()
         return self._stress_rows
+
+    def mark_missing_stress(self) -> None:
+        """The run trains stress (on this set's structures, or another set's): a structure without a stress label is
+        given MISSING_STRESS, weighed at 0, rather than none (which a batch would read as zeros)."""
+        self.stress_trained = True
 
     @property
     def has_labels(self) -> bool:
@@ -378,8 +386,8 @@ class AseDbDataset:
         graph.weight = np.array([self.weights[index]], real)
         graph.energy = None if energy is None else np.array([energy], real)
         graph.forces = None if forces is None else forces.astype(real)
-        if stress is None and self.require_labels and self.has_stress:
-            stress = NO_STRESS  # (after the rotation: nothing to rotate)
+        if stress is None and self.require_labels and (self.stress_trained or self.has_stress):
+            stress = MISSING_STRESS  # (after the rotation: nothing to rotate)
         graph.stress = None if stress is None else stress.astype(real)[None]
         return graph
 

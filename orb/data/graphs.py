@@ -29,7 +29,7 @@ The search itself is :func:`orb.data.neighbours.nearest_images`.
 import math
 from dataclasses import dataclass, field
 from itertools import product
-from typing import List, Optional, Sequence
+from typing import Optional
 
 import numpy as np
 
@@ -43,7 +43,7 @@ IMAGE_OFFSETS = np.array(list(product((-1.0, 0.0, 1.0), repeat=3)), dtype=np.flo
 PADDING_EDGE_LENGTH = 7.0
 # A training structure without a stress label among structures with one: its stress row in a batch. The losses weigh
 # such a row's stress at 0 (MACE's config_stress_weight); a stored label is never NaN (the census refuses it).
-NO_STRESS = np.full(6, np.nan)
+MISSING_STRESS = np.full(6, np.nan)
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class AtomGraphs:
     n_edge: np.ndarray  # (B,) int64
     energy: Optional[np.ndarray] = None  # (B,) float32, eV
     forces: Optional[np.ndarray] = None  # (N, 3) float32, eV/Å
-    stress: Optional[np.ndarray] = None  # (B, 6) float32, eV/Å^3, Voigt, ASE sign; rows of NO_STRESS: none stored
+    stress: Optional[np.ndarray] = None  # (B, 6) float32, eV/Å^3, Voigt, ASE sign (MISSING_STRESS: none stored)
     system_id: Optional[np.ndarray] = None  # (B,) int64, e.g. the database row id
     graph_mask: np.ndarray = field(default=None)  # (B,) bool, False for padding graphs
     unit_shifts: np.ndarray = field(default=None)  # (E, 3) float32, integer cell offset of each receiver image

@@ -11,7 +11,7 @@ from orb.errors import DatasetError
 
 log = logging.getLogger("orb")
 AUTO = {"energy": ("REF_energy", "energy"), "forces": ("REF_forces", "forces"), "stress": ("REF_stress", "stress")}
-NO_STRESS = "none"  # stress_key: none: no frame's stress is read (a file with it on some frames only trains)
+NO_STRESS = "none"  # stress_key: none: no frame's stress is read (a file with it on some frames then trains none)
 VIRIALS = ("REF_virial", "virial", "REF_virials", "virials")  # in eV: stress = -virial / volume (ASE's, QUIP's sign)
 # |stress| in eV/Å³ beyond which a label is likely in other units (1 eV/Å³ = 160 GPa; VASP's kBar numbers read as
 # eV/Å³ are 1,600 times too large, GPa ones 160 times): said once per file, not refused (shock data exists)

@@ -56,6 +56,13 @@ class Source:
     def has_stress(self) -> bool:
         return self.dataset.has_stress
 
+    @property
+    def stress_rows(self) -> int:
+        """How many of the source's structures hold a stress label."""
+        if self.dataset.label_table is not None:
+            return len(self) if self.dataset.label_table.stress is not None else 0
+        return int(self.dataset.census()[self.positions, 2].sum())
+
     @cached_property
     def natoms(self) -> np.ndarray:
         return self.dataset.natoms[self.positions]
@@ -125,8 +132,8 @@ class Mixture:
 
     @property
     def has_stress(self) -> bool:
-        """Stress is trained when the first source (the target) has it."""
-        return self.sources[0].has_stress
+        """Whether any source has stress (the run's stress training: orb.training.run_data.trains_stress)."""
+        return any(source.has_stress for source in self.sources)
 
     @cached_property
     def natoms(self) -> np.ndarray:

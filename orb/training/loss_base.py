@@ -154,7 +154,7 @@ class NormalisedLoss(nn.Cell):
     @staticmethod
     def stress_rows(stress):
         """(stress with zeros where a structure has no stress label, (B,) 1 where it has one else 0): the data marks a
-        structure without one by NaN (:data:`orb.data.graphs.NO_STRESS`), weighed at 0 here and never multiplied
+        structure without one by NaN (:data:`orb.data.graphs.MISSING_STRESS`), weighed at 0 here and never multiplied
         into a sum (NaN times 0 is NaN)."""
         finite = ops.isfinite(stress)
         return ops.select(finite, stress, ops.zeros_like(stress)), finite[:, 0].astype(stress.dtype)

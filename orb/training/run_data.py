@@ -114,22 +114,20 @@ def survey(loader: BatchLoader, name: str, dp: DataParallel) -> None:
 
 
 def trains_stress(cfg: TrainConfig, databases: Dict[str, AseDbDataset]) -> bool:
-    """Whether the stress loss is trained; when it is, every set mixed with the target or validated beside it must
-    carry stress (replay sets labelled by the model get the model's)."""
-    train = databases["train"]
-    stress = train.has_stress and cfg.loss_weights.stress > 0 and cfg.model.has_stress
-    if cfg.loss_weights.stress > 0 and cfg.model.has_stress and not train.has_stress and not cfg.model.omol:
+    """Whether the stress loss is trained: some structure trained on has a stress label (the target's, or a replay
+    set's read with its own labels), and the loss weight and the model have stress. Every set of the run then gives a
+    structure without one MISSING_STRESS, weighed at 0: a validation set of molecules as much as a molecule among
+    crystals (a structure given none would be scored against zeros)."""
+    labelled = [databases["train"]] + [databases[name] for name in ("replay",)
+                                       if name in databases and cfg.replay.labels != "model"]
+    some = any(data.has_stress for data in labelled)
+    wanted = cfg.loss_weights.stress > 0 and cfg.model.has_stress
+    if wanted and not some and not cfg.model.omol:
         log.warning("%s has no stress labels: training without the stress loss", describe_path(cfg.train_data_path))
-    if not stress:
+    if not (wanted and some):
         return False
-    replay_by_model = cfg.replay.labels == "model"
-    for name, key in (("val", "val_data_path"), ("replay", "replay.data_path"),
-                      ("replay_val", "replay.val_data_path")):
-        data = databases.get(name)
-        if data is not None and not data.has_stress and not (name.startswith("replay") and replay_by_model):
-            raise ConfigError(f"{key} {data.source} has no stress while the training data has; set "
-                              "loss_weights.stress: 0 or add stress labels" +
-                              (" (or replay.labels: model)" if name.startswith("replay") else ""))
+    for data in databases.values():
+        data.mark_missing_stress()
     return True
 
 

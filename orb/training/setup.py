@@ -295,15 +295,13 @@ def describe_buckets(buckets) -> str:
                              "compiled only if a step needs it" for b in spare)
 
 
-def stress_note(train, database) -> str:
-    """What the start-up log says of the training data's stress labels: none, or how many rows of a database that
-    mixes structures with and without them have one."""
+def stress_note(trained: bool, train) -> str:
+    """What the start-up log says of the training structures' stress labels: none, or how many have one when some
+    have none and the run trains stress."""
     if not train.has_stress:
         return ", no stress"
-    if database.label_table is None and database.stress_rows < len(database):
-        return (f", {database.stress_rows} of its {len(database)} rows with a stress label (the others' stress "
-                "weighed at 0)")
-    return ""
+    count = train.stress_rows if trained else len(train)
+    return "" if count == len(train) else f", {count} of them with a stress label (the others' stress weighed at 0)"
 
 
 def log_start(cfg: TrainConfig, dp: DataParallel, data: RunData, engine: Engine) -> None:
@@ -314,7 +312,7 @@ def log_start(cfg: TrainConfig, dp: DataParallel, data: RunData, engine: Engine)
              cfg.model.num_message_passing_steps, cfg.model.latent_dim, cfg.model.max_neighbors, cfg.model.radius)
     train = data.train_source
     log.info("train data: %s (%d structures, %d atoms)%s%s", describe_path(cfg.train_data_path), len(train),
-             int(train.natoms.sum()), stress_note(train, data.databases["train"]), data.weights_note(train))
+             int(train.natoms.sum()), stress_note(data.has_stress, train), data.weights_note(train))
     for name, source in data.val_sets.items():
         if name == "val" and data.split is not None:  # the training structures held out (val_fraction)
             (log.warning if data.split.redrawn else log.info)("%s%s", data.split.describe(cfg, source.source),
