@@ -14,6 +14,7 @@ from ase.calculators.singlepoint import SinglePointCalculator
 from conftest import DEMO_TRAIN, DEMO_VAL, MPTRJ_DB, MPTRJ_THIN_DB, ROOT
 from orb.data.augmentation import random_rotation, rotate_structure
 from orb.data.dataset import AseDbDataset
+from orb.data.graphs import MISSING_STRESS
 from orb.data.samplers import EpochSampler
 from orb.errors import DatasetError
 
@@ -168,10 +169,14 @@ def test_stress_optional_on_every_row_or_some(tmp_path):
     path = write_rows(tmp_path / "f.db", [labelled(cu()), labelled(cu(), stress=None)])
     for ds in (AseDbDataset(path), AseDbDataset(path, augmentation=True)):
         assert ds.has_stress and ds.stress_rows == 1
-        assert np.isnan(ds.get(1, rotation_seed=3).stress).all()
+        np.testing.assert_array_equal(ds.get(1, rotation_seed=3).stress[0], MISSING_STRESS.astype(np.float32))
         assert np.isfinite(ds.get(0, rotation_seed=3).stress).all()
     evaluated = AseDbDataset(path, require_labels=False)  # evaluation: stress where a row has it
     assert evaluated[1].stress is None and np.isfinite(evaluated[0].stress).all()
+    assert np.isfinite(MISSING_STRESS.astype(np.float32)).all()  # (not NaN: an Ascend card's saturation mode makes it 0)
+    path = write_rows(tmp_path / "g.db", [labelled(cu()), labelled(cu(), stress=np.full(6, 2e30))])
+    with pytest.raises(DatasetError, match=r"g.db, row 2, key 'stress': stress 2e\+30 eV/Å³ is beyond any stress"):
+        AseDbDataset(path).census()  # (a label that large would read as a structure without stress)
 
 
 def test_rotation_matches_emt_on_rotated_cell():

@@ -259,9 +259,12 @@ def test_bad_input_is_one_line_naming_file_frame_and_key(tmp_path, cache):
         plain.arrays["REF_forces"] = atoms.get_forces()
         unstressed.append(plain)
     ase.io.write(mixed / "b.extxyz", unstressed, format="extxyz")
+    from orb.data.graphs import MISSING_STRESS
+
     both = AseDbDataset(readable_database(str(mixed)))  # (training: the frames without stress weigh theirs at 0)
     assert both.stress_rows == 3
-    assert [bool(np.isnan(both[k].stress).all()) for k in range(6)] == [False] * 3 + [True] * 3
+    marked = [bool((both[k].stress == MISSING_STRESS.astype(np.float32)).all()) for k in range(6)]
+    assert marked == [False] * 3 + [True] * 3
 
 
 def labels_of(path, keys=None, require_labels=True):
@@ -334,8 +337,11 @@ def test_labels_are_the_ones_the_user_meant_whatever_else_the_file_holds(tmp_pat
     gas.info["virial"] = np.zeros((3, 3))
     ase.io.write(tmp_path / "gas.extxyz", [virial[0], gas], format="extxyz")
     caplog.clear()
-    trained = labels_of(tmp_path / "gas.extxyz")  # (training: its stress weighed at 0, marked NO_STRESS)
-    assert np.isnan(trained[1][2]).all() and np.allclose(np.reshape(trained[0][2], -1), truth[0][2], atol=1e-6)
+    from orb.data.graphs import MISSING_STRESS
+
+    trained = labels_of(tmp_path / "gas.extxyz")  # (training: its stress weighed at 0, marked MISSING_STRESS)
+    assert (trained[1][2] == MISSING_STRESS.astype(np.float32)).all()
+    assert np.allclose(np.reshape(trained[0][2], -1), truth[0][2], atol=1e-6)
     got = labels_of(tmp_path / "gas.extxyz", require_labels=False)  # (evaluation: stress where there is one)
     assert got[1][2] is None and np.allclose(np.reshape(got[0][2], -1), truth[0][2], atol=1e-6)
     assert [r.getMessage() for r in caplog.records if "not read as a stress" in r.getMessage()] == [

@@ -22,7 +22,7 @@ from orb.data.labels import missing_label, said_if_implausible, said_if_too_clos
 from orb.data.weights import read_weights_in_data, stored_weights
 from orb.data.sqlite_rows import TABLE_QUERIES, RowReader, change_counters, structures_digest
 from orb.data.augmentation import matrix_to_voigt, random_rotation, rotate_structure
-from orb.data.graphs import (EDGE_CAPACITY_MARGIN, MISSING_STRESS, AtomGraphs, GraphSettings,
+from orb.data.graphs import (EDGE_CAPACITY_MARGIN, MISSING_STRESS, STRESS_LIMIT, AtomGraphs, GraphSettings,
                              capacity_is_counted, check_no_overlap_before_graphs, edge_capacity, graph_from_arrays,
                              structure_periodicity, total_charge_or_spin)
 
@@ -330,6 +330,9 @@ class AseDbDataset:
             if value is not None and np.max(np.abs(value)) > FLOAT32_MAX:  # inf in the float32 loss: NaN steps
                 raise self.error_at(f"label {np.max(np.abs(value)):.3g} is beyond float32's range (3.4e38): wrong units or "
                                   "a corrupted value", row.id, key)
+        if stress is not None and np.max(np.abs(stress)) >= STRESS_LIMIT:  # (MISSING_STRESS is above it)
+            raise self.error_at(f"stress {np.max(np.abs(stress)):.3g} eV/Å³ is beyond any stress (over "
+                                f"{STRESS_LIMIT:g}): wrong units or a corrupted value", row.id, "stress")
         return energy, forces, stress
 
     def _charge_spin(self, row) -> Tuple[Optional[np.ndarray], Optional[np.ndarray]]:

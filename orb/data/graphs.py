@@ -41,9 +41,11 @@ MAX_ATOMIC_NUMBER = 118
 IMAGE_OFFSETS = np.array(list(product((-1.0, 0.0, 1.0), repeat=3)), dtype=np.float32)
 # Edge length given to padding edges: beyond orb's 6 Å attention cutoff, so they carry no message.
 PADDING_EDGE_LENGTH = 7.0
-# A training structure without a stress label among structures with one: its stress row in a batch. The losses weigh
-# such a row's stress at 0 (MACE's config_stress_weight); a stored label is never NaN (the census refuses it).
-MISSING_STRESS = np.full(6, np.nan)
+# A training structure without a stress label among structures with one: its stress row in a batch, finite (not NaN:
+# an Ascend training card's saturation mode makes NaN 0, which would read as a label of 0). The losses weigh such a
+# row's stress at 0 (MACE's config_stress_weight); no stored label reaches STRESS_LIMIT (the census refuses it).
+STRESS_LIMIT = 1e30  # eV/Å³
+MISSING_STRESS = np.full(6, 3e38)  # (within float32's range, above any label)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import numpy as np
 from mindspore import nn, ops
 
 from orb.metrics import BY_ELEMENT, ELEMENT_BINS, FORCE_THRESHOLD, forces_by_element, metrics_from_sums
+from orb.data.graphs import STRESS_LIMIT
 from orb.models.blocks import segment_sum
 from orb.models.primitives import Broadcasts
 from orb.models.sums import column_totals, segment_total
@@ -154,10 +155,10 @@ class NormalisedLoss(nn.Cell):
     @staticmethod
     def stress_rows(stress):
         """(stress with zeros where a structure has no stress label, (B,) 1 where it has one else 0): the data marks a
-        structure without one by NaN (:data:`orb.data.graphs.MISSING_STRESS`), weighed at 0 here and never multiplied
-        into a sum (NaN times 0 is NaN)."""
-        finite = ops.isfinite(stress)
-        return ops.select(finite, stress, ops.zeros_like(stress)), finite[:, 0].astype(stress.dtype)
+        structure without one by a value above STRESS_LIMIT (:data:`orb.data.graphs.MISSING_STRESS`), replaced before
+        any arithmetic (it would overflow to inf, and inf times 0 is NaN)."""
+        labelled = ops.abs(stress) < STRESS_LIMIT
+        return ops.select(labelled, stress, ops.zeros_like(stress)), labelled[:, 0].astype(stress.dtype)
 
     @staticmethod
     def metric_sums(per_graph, graph_mask, per_atom, node_mask):
