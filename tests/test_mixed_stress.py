@@ -154,6 +154,7 @@ def test_fine_tuning_with_molecules_beside_crystals_trains_stress_where_there_is
     log, epoch = finetune(tmp_path, "mixed", tmp_path / "mixed.extxyz", tmp_path / "molecules.extxyz")
     assert re.search(r"\(6 structures, \d+ atoms\), 4 of them with a stress label \(the others' stress weighed at 0\)",
                      log), log
+    assert re.search(r"validation data: \S+molecules.extxyz \(4 structures\), no stress", log), log
     assert np.isfinite(epoch["train"]["stress_mae"]) and epoch["train"]["loss_stress"] > 0
     assert "stress_mae" not in epoch["val"] and epoch["val"]["loss_stress"] == 0 and np.isfinite(epoch["val"]["loss"])
 

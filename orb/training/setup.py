@@ -295,13 +295,13 @@ def describe_buckets(buckets) -> str:
                              "compiled only if a step needs it" for b in spare)
 
 
-def stress_note(trained: bool, train) -> str:
-    """What the start-up log says of the training structures' stress labels: none, or how many have one when some
-    have none and the run trains stress."""
-    if not train.has_stress:
+def stress_note(trained: bool, source) -> str:
+    """What the start-up log says of a set's stress labels: none, or how many structures have one when some have
+    none and the run trains stress."""
+    if not source.has_stress:
         return ", no stress"
-    count = train.stress_rows if trained else len(train)
-    return "" if count == len(train) else f", {count} of them with a stress label (the others' stress weighed at 0)"
+    count = source.stress_rows if trained else len(source)
+    return "" if count == len(source) else f", {count} of them with a stress label (the others' stress weighed at 0)"
 
 
 def log_start(cfg: TrainConfig, dp: DataParallel, data: RunData, engine: Engine) -> None:
@@ -315,11 +315,12 @@ def log_start(cfg: TrainConfig, dp: DataParallel, data: RunData, engine: Engine)
              int(train.natoms.sum()), stress_note(data.has_stress, train), data.weights_note(train))
     for name, source in data.val_sets.items():
         if name == "val" and data.split is not None:  # the training structures held out (val_fraction)
-            (log.warning if data.split.redrawn else log.info)("%s%s", data.split.describe(cfg, source.source),
+            (log.warning if data.split.redrawn else log.info)("%s%s%s", data.split.describe(cfg, source.source),
+                                                              stress_note(data.has_stress, source),
                                                               data.weights_note(source))
             continue
-        log.info("%s data: %s (%d structures)%s", "validation" if name == "val" else name, source.source, len(source),
-                 data.weights_note(source))
+        log.info("%s data: %s (%d structures)%s%s", "validation" if name == "val" else name, source.source,
+                 len(source), stress_note(data.has_stress, source), data.weights_note(source))
     if data.replay_train is not None:
         r = data.replay_train
         log.info("replay: %d structures of %s (%s labels, loss weight %g, %s heads); each step: %d target + %d "
