@@ -174,9 +174,29 @@ def test_stress_optional_on_every_row_or_some(tmp_path):
     evaluated = AseDbDataset(path, require_labels=False)  # evaluation: stress where a row has it
     assert evaluated[1].stress is None and np.isfinite(evaluated[0].stress).all()
     assert np.isfinite(MISSING_STRESS.astype(np.float32)).all()  # (not NaN: an Ascend card's saturation mode makes it 0)
-    path = write_rows(tmp_path / "g.db", [labelled(cu()), labelled(cu(), stress=np.full(6, 2e30))])
-    with pytest.raises(DatasetError, match=r"g.db, row 2, key 'stress': stress 2e\+30 eV/Å³ is beyond any stress"):
+    path = write_rows(tmp_path / "g.db", [labelled(cu()), labelled(cu(), stress=np.full(6, 2e6))])
+    with pytest.raises(DatasetError, match=r"g.db, row 2, key 'stress': stress 2e\+06 eV/Å³ is beyond any stress"):
         AseDbDataset(path).census()  # (a label that large would read as a structure without stress)
+
+
+def test_stress_in_kbar_in_a_database_is_said_when_data_workers_check_it_and_on_a_cached_start(tmp_path, caplog):
+    """An ASE database's stress in kBar was said by the rows' check, which data workers run (their warnings are not
+    shown) and later starts read from the cache: said by the main process now, every start."""
+    import logging
+
+    from orb.data.labels import _SAID
+    from orb.data.loader import BatchLoader
+
+    path = write_rows(tmp_path / "kbar.db", [labelled(cu()), labelled(cu(2), stress=np.full(6, 25.0))])
+    for _ in range(2):  # the rows checked by the workers, then the check read from the cache
+        _SAID.clear()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="orb"):
+            loader = BatchLoader({"train": AseDbDataset(path)}, workers=2)
+            loader.census("train")
+            loader.close()
+        said = [r.getMessage() for r in caplog.records if "values in kBar or GPa must be converted" in r.getMessage()]
+        assert len(said) == 1 and said[0].startswith(f"{path}, row 2, key 'stress': a stress of 25 eV/Å³"), said
 
 
 def test_rotation_matches_emt_on_rotated_cell():

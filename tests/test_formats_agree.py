@@ -52,11 +52,15 @@ def test_a_stress_on_some_structures_is_read_for_prediction_and_weighed_at_0_in_
 @pytest.mark.parametrize("kind", KINDS)
 def test_positions_in_nm_are_said_naming_the_file_and_structure_in_every_format(tmp_path, cache, kind, caplog):
     """A structure whose positions are in nm (its atoms 0.25 Å apart: nothing refused it above 0.1 Å, and training on
-    it diverges) is said before training, once, naming where the user finds it; the others say nothing."""
+    it diverges) is said before training, once, naming where the user finds it: when data workers check the rows
+    (a worker's warning is not shown) and again on a later start that reads the check from the cache. Data of
+    ordinary structures says nothing."""
+    from ase.calculators.singlepoint import SinglePointCalculator
+
     from orb.data.dataset import AseDbDataset
     from orb.data.formats import readable_database
-
-    from ase.calculators.singlepoint import SinglePointCalculator
+    from orb.data.labels import _SAID
+    from orb.data.loader import BatchLoader
 
     frames = demo_frames()[:len(ATTRIBUTES)]
     nm = frames[2]
@@ -64,19 +68,23 @@ def test_positions_in_nm_are_said_naming_the_file_and_structure_in_every_format(
     nm.set_cell(nm.cell / 10, scale_atoms=True)
     nm.calc = SinglePointCalculator(nm, **labels)
     path = readable_database(write_with_attributes(kind, tmp_path, frames, [{}] * len(frames)))
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="orb"):
-        AseDbDataset(path).census()
-    said = [r.getMessage() for r in caplog.records if "closer than any bond" in r.getMessage()]
     at = {"sqlite": "all.db, row 3", "list": "p2.db, row 2", "extxyz": "all.extxyz, frame 2",
           "folder": "b.extxyz, frame 0", "aselmdb": "all.aselmdb, row 3", "json": "all.json, row 3"}[kind]
-    assert len(said) == 1 and f"{at}: atoms " in said[0] and " Å apart" in said[0], said
+    for start in ("checked by two data workers", "the check read from the cache"):
+        _SAID.clear()  # (once per data set and process: each start is a process of its own)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="orb"):
+            loader = BatchLoader({"train": AseDbDataset(path)}, workers=2)
+            loader.census("train")
+            loader.close()
+        said = [r.getMessage() for r in caplog.records if "closer than any chemical bond" in r.getMessage()]
+        assert len(said) == 1 and f"{at}: atoms " in said[0] and "1 structure(s) of this data" in said[0], (start, said)
     caplog.clear()
+    (tmp_path / "ok").mkdir()
     with caplog.at_level(logging.WARNING, logger="orb"):
-        (tmp_path / "ok").mkdir()
         AseDbDataset(readable_database(write_with_attributes(kind, tmp_path / "ok", demo_frames()[:4],
                                                              [{}] * 4))).census()
-    assert not [r for r in caplog.records if "closer than any bond" in r.getMessage()]
+    assert not [r for r in caplog.records if "closer than any chemical bond" in r.getMessage()]
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "json", "aselmdb"])

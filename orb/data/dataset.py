@@ -18,11 +18,12 @@ import numpy as np
 from orb.data.row_results import ONE_PROCESS, LabelTable, Ranks, RowPass
 from orb.errors import DatasetError, StructureError
 from orb.data.formats import LABEL_NAMES, check_sqlite_file, say_not_carried, storable_pairs
-from orb.data.labels import missing_label, said_if_implausible, said_if_too_close
+from orb.data.labels import (checked_labels, missing_label, said_if_implausible, said_if_too_close,
+                             stress_implausible)
 from orb.data.weights import read_weights_in_data, stored_weights
 from orb.data.sqlite_rows import TABLE_QUERIES, RowReader, change_counters, structures_digest
-from orb.data.augmentation import matrix_to_voigt, random_rotation, rotate_structure
-from orb.data.graphs import (EDGE_CAPACITY_MARGIN, MISSING_STRESS, STRESS_LIMIT, AtomGraphs, GraphSettings,
+from orb.data.augmentation import random_rotation, rotate_structure
+from orb.data.graphs import (EDGE_CAPACITY_MARGIN, MISSING_STRESS, AtomGraphs, GraphSettings,
                              capacity_is_counted, check_no_overlap_before_graphs, edge_capacity, graph_from_arrays,
                              structure_periodicity, total_charge_or_spin)
 
@@ -33,12 +34,16 @@ GRAPH_CODE = ("orb.data.graphs", "orb.data.neighbours", "orb.native")  # the cod
 # (ase's for key-value pairs), and the structure checks
 CAPACITY_CODE = ("orb.data.dataset", "orb.data.row_results", "orb.data.sqlite_rows") + GRAPH_CODE
 CENSUS_CODE = ("orb.data.dataset", "orb.data.row_results", "orb.data.sqlite_rows", "orb.data.augmentation",
-               "orb.data.weights") + GRAPH_CODE
+               "orb.data.weights", "orb.data.labels") + GRAPH_CODE  # (labels: the checks of each label)
 CENSUS_LIBRARIES = ("ase",)
 CAPACITY_CACHE = "neighbour_counts"  # the subfolder of the project's cache (``orb.cache``)
-FLOAT32_MAX = float(np.finfo(np.float32).max)
 CENSUS_CACHE = "row_census"
 LABELS = ("energy", "forces", "stress")
+# The census's columns per row: each label stored, then whether its weight is in row.data, whether two atoms are
+# closer than CLOSE and whether its stress is beyond STRESS_PLAUSIBLE (the last two said by the main process: a data
+# worker's warnings are not shown, and later starts read the census from the cache)
+CENSUS_COLUMNS = len(LABELS) + 3
+WEIGHT_IN_DATA, TOO_CLOSE, STRESS_UNITS = len(LABELS), len(LABELS) + 1, len(LABELS) + 2
 
 
 def _plausible_flags(flags: np.ndarray) -> bool:  # (a function: datasets travel to the data workers pickled)
@@ -52,9 +57,9 @@ class AseDbDataset:
     Every row's labels are checked once by the census (:meth:`census`: each row read, a bad one
     named before training; the result kept in the project's cache, so later starts read nothing),
     which also tells which labels the rows carry. Each item is read and turned into a graph when asked
-    for. ``require_labels=False`` allows rows without energy or forces (prediction only); a row without stress
-    among rows with one, or in a set beside training data with stress (:meth:`mark_missing_stress`), is given
-    MISSING_STRESS.
+    for. ``require_labels=False`` allows rows without energy or forces (prediction only). With labels required, a
+    row without stress among rows with one, or in a set beside training data with stress
+    (:meth:`mark_missing_stress`), is given MISSING_STRESS.
     ``settings`` chooses the model family's graph (default: orb-v2's with ``radius`` and
     ``max_neighbors``). ``charge_spin`` (OMol models) requires each row's total charge and spin:
     key-value pairs ``charge`` and ``spin`` (``db.write(atoms, charge=0, spin=1)``) or entries of
@@ -97,8 +102,7 @@ class AseDbDataset:
                                      1, "counting neighbours", self._plausible_capacities)
         self.census_pass = RowPass(self, CENSUS_CACHE, CENSUS_CODE, (charge_spin, self.charge_spin_keys,
                                                         require_labels, self.settings.minimal_supercell, labels),
-                                   len(LABELS) + 1, "checking the rows", _plausible_flags,  # (the last: weight in data)
-                                   CENSUS_LIBRARIES)
+                                   CENSUS_COLUMNS, "checking the rows", _plausible_flags, CENSUS_LIBRARIES)
         self.weights = stored_weights(self) if labels else np.ones(len(self.ids))  # (labels: also their weights)
 
     def _scan(self) -> Tuple[np.ndarray, np.ndarray]:
@@ -119,21 +123,22 @@ class AseDbDataset:
     # ----------------------------------------------------------------- the census of the labels
     def check_rows(self, start: int, stop: int) -> np.ndarray:
         """Rows ``start:stop`` read, their structures and labels (and for OMol models their charge and spin) checked,
-        a bad one named by row and key; per row whether it stores energy, forces and stress, and whether its weight
-        is in ``row.data`` rather than a key-value pair."""
-        stored = np.zeros((stop - start, len(LABELS) + 1), np.int64)
+        a bad one named by row and key; per row the columns CENSUS_COLUMNS names."""
+        stored = np.zeros((stop - start, CENSUS_COLUMNS), np.int64)
         for k, row in enumerate(self.rows.read_many(self.ids[start:stop])):
+            close = None
             try:
                 periodic = structure_periodicity(row.positions, row.numbers, row.cell, row.pbc, self.settings)
                 if self.require_labels:  # training data: before training, not hours in (orb-relax, orb-md name
-                    closest = check_no_overlap_before_graphs(row.positions, row.cell, periodic)  # it when they reach
-                    if closest is not None:  # it)
-                        said_if_too_close(closest, self.source, self.located(int(row.id)))
+                    close = check_no_overlap_before_graphs(row.positions, row.cell, periodic)  # it when they reach it)
             except StructureError as exc:
                 raise self._structure_error(row, exc) from None
             self._check_constraints(row)  # (what orb-relax and orb-md fix: refused now, by name, if ASE cannot)
             in_data = self.labels and "weight" not in row.key_value_pairs and row.data.get("weight") is not None
-            stored[k] = [value is not None for value in self._stored_labels(row)] + [in_data]
+            labels = self._stored_labels(row)
+            units = labels[2] is not None and not self.sources and stress_implausible(labels[2])  # (an indexed copy's
+            stored[k] = [value is not None for value in labels] + [in_data, close is not None, units]  # files: said
+            # as indexed)
             if self.charge_spin:
                 self._charge_spin(row)  # OMol models: every row's total charge and spin (key-value pairs or data)
         return stored
@@ -144,9 +149,10 @@ class AseDbDataset:
         (``check(start, stop)``: :meth:`check_rows` of those rows, e.g. in worker processes; default here). Rows
         without energy or forces are refused unless ``require_labels`` is off."""
         if self._labels_stored is None:
-            flags = self.census_pass.result(check or self.check_rows, ranks or ONE_PROCESS).reshape(-1, len(LABELS) + 1)
+            flags = self.census_pass.result(check or self.check_rows, ranks or ONE_PROCESS).reshape(-1, CENSUS_COLUMNS)
             stored = flags[:, :len(LABELS)]
-            read_weights_in_data(self, np.flatnonzero(flags[:, -1]))
+            read_weights_in_data(self, np.flatnonzero(flags[:, WEIGHT_IN_DATA]))
+            self._say_findings(flags)
             if self.require_labels:
                 for column, key in ((0, "energy"), (1, "forces")):
                     if not stored[:, column].all():
@@ -211,6 +217,20 @@ class AseDbDataset:
     def where(self, row: int) -> str:
         """Row ``row`` as :meth:`error_at` names it."""
         return "{}, {} {}".format(*self.rows.origin_locator()(row)) if self.sources else f"row {row}"
+
+    def _say_findings(self, flags: np.ndarray) -> None:
+        """What the census found and a run should hear on every start: atoms nearer than any bond, and stress in other
+        units; each said once, naming the first such row (read again here) and how many there are."""
+        close = np.flatnonzero(flags[:, TOO_CLOSE])
+        if len(close):
+            row = self.rows.read(int(self.ids[close[0]]))
+            periodic = structure_periodicity(row.positions, row.numbers, row.cell, row.pbc, self.settings)
+            said_if_too_close(check_no_overlap_before_graphs(row.positions, row.cell, periodic), self.source,
+                              self.located(int(row.id)), len(close))
+        units = np.flatnonzero(flags[:, STRESS_UNITS])
+        if len(units):
+            said_if_implausible(np.asarray(self.rows.read(int(self.ids[units[0]])).stress), "stress", self.path,
+                                f"row {int(self.ids[units[0]])}")
 
     def located(self, row: int) -> str:
         """Row ``row`` with its file, as a warning names it."""
@@ -306,34 +326,7 @@ class AseDbDataset:
         return self._checked_labels(row, row.get("energy"), row.get("forces"), row.get("stress"))
 
     def _checked_labels(self, row, energy, forces, stress):
-        n = row.natoms
-        if energy is not None:
-            energy = np.asarray(energy, dtype=np.float64)
-            if energy.size != 1:
-                raise self.error_at(f"energy must be a scalar, got shape {energy.shape}", row.id, "energy")
-            energy = float(energy)
-        if forces is not None:
-            forces = np.asarray(forces, dtype=np.float64)
-            if forces.shape != (n, 3):
-                raise self.error_at(f"forces of shape {forces.shape} for {n} atoms", row.id, "forces")
-        if stress is not None:
-            stress = np.asarray(stress, dtype=np.float64)
-            if stress.shape in ((3, 3), (9,)):  # a full tensor (ASE reads one back flat)
-                stress = matrix_to_voigt(stress.reshape(3, 3))
-            if stress.shape != (6,):
-                raise self.error_at(f"stress of shape {stress.shape}, expected (6,) or (3, 3)", row.id, "stress")
-            if not self.sources and np.all(np.isfinite(stress)):  # (an indexed copy's files were checked as indexed)
-                said_if_implausible(stress, "stress", self.path, f"row {row.id}")
-        for key, value in (("energy", energy), ("forces", forces), ("stress", stress)):
-            if value is not None and not np.all(np.isfinite(value)):
-                raise self.error_at("label contains NaN or inf", row.id, key)
-            if value is not None and np.max(np.abs(value)) > FLOAT32_MAX:  # inf in the float32 loss: NaN steps
-                raise self.error_at(f"label {np.max(np.abs(value)):.3g} is beyond float32's range (3.4e38): wrong units or "
-                                  "a corrupted value", row.id, key)
-        if stress is not None and np.max(np.abs(stress)) >= STRESS_LIMIT:  # (MISSING_STRESS is above it)
-            raise self.error_at(f"stress {np.max(np.abs(stress)):.3g} eV/Å³ is beyond any stress (over "
-                                f"{STRESS_LIMIT:g}): wrong units or a corrupted value", row.id, "stress")
-        return energy, forces, stress
+        return checked_labels(row, energy, forces, stress, self.error_at)
 
     def _charge_spin(self, row) -> Tuple[Optional[np.ndarray], Optional[np.ndarray]]:
         """The row's total charge and spin (key-value pairs or ``row.data``); required for OMol models, and for the others

@@ -43,8 +43,9 @@ IMAGE_OFFSETS = np.array(list(product((-1.0, 0.0, 1.0), repeat=3)), dtype=np.flo
 PADDING_EDGE_LENGTH = 7.0
 # A training structure without a stress label among structures with one: its stress row in a batch, finite (not NaN:
 # an Ascend training card's saturation mode makes NaN 0, which would read as a label of 0). The losses weigh such a
-# row's stress at 0 (MACE's config_stress_weight); no stored label reaches STRESS_LIMIT (the census refuses it).
-STRESS_LIMIT = 1e30  # eV/Å³
+# row's stress at 0 (MACE's config_stress_weight); no stored label reaches STRESS_LIMIT (the census refuses it: a
+# million eV/Å³, 1.6e8 GPa, is no stress, and squares of such values in the normaliser's sums overflow float32).
+STRESS_LIMIT = 1e6  # eV/Å³
 MISSING_STRESS = np.full(6, 3e38)  # (within float32's range, above any label)
 
 
@@ -308,7 +309,8 @@ def check_no_overlap(senders: np.ndarray, receivers: np.ndarray, vectors: np.nda
 
 def check_no_overlap_before_graphs(positions: np.ndarray, cell: np.ndarray, periodic: bool) -> Optional[tuple]:
     """:func:`check_no_overlap` without building the model's graph (the census of a database, before training): the
-    native search among the 27 images for each atom's nearest neighbour within CLOSE (11-90 µs for 10-444 atoms).
+    native search among the 27 images for each atom's nearest neighbour within CLOSE (22-192 µs for 10-444 atoms:
+    docs/benchmarks.md).
     Returns the closest pair (atom, atom, Å) if it is nearer than CLOSE, else None."""
     positions = np.asarray(positions, np.float32)
     cell = np.asarray(cell, np.float32) if periodic else np.zeros((3, 3), np.float32)

@@ -3,10 +3,12 @@ frame's values is its energy, forces and stress, checked, and said once per file
 reader could mistake (``REF_`` labels beside another calculator's results, a virial, stress in other units)."""
 
 import logging
-from typing import Sequence, Tuple
+from typing import Callable, Sequence, Tuple
 
 import numpy as np
 
+from orb.data.augmentation import matrix_to_voigt
+from orb.data.graphs import STRESS_LIMIT
 from orb.errors import DatasetError
 
 log = logging.getLogger("orb")
@@ -136,14 +138,20 @@ def _checked(value, shape_ok, name: str, where: str, at: str, expected: str):
     return array
 
 
-def said_if_too_close(closest: tuple, data: str, at: str) -> None:
+def said_if_too_close(closest: tuple, data: str, at: str, structures: int = 1) -> None:
     """Two atoms nearer than any bond (``closest``: atom, atom, Å; positions in nm, or fractional coordinates read as
-    Å), said once per data set ``data`` naming the structure ``at`` (its file and frame or row): the model's energies
-    of such a structure are meaningless, and training on it diverges."""
+    Å) in ``structures`` structures of data set ``data``, said once naming the first, ``at`` (its file and frame or
+    row): a model's energies of such a structure are meaningless, and training on it diverges."""
     i, j, distance = closest
-    _say_once(data, "distances", logging.WARNING, "%s: atoms %d and %d are %.2f Å apart, closer than any bond (H2's "
-              "is 0.74 Å): positions are read in Å (values in nm or fractional coordinates must be converted). Said "
-              "once per data set", at, i, j, distance)
+    _say_once(data, "distances", logging.WARNING, "%s: atoms %d and %d are %.2f Å apart, closer than any chemical "
+              "bond (H2's is 0.74 Å; %d structure(s) of this data like it). Positions are read in Å: values in nm or "
+              "fractional coordinates must be converted (a deliberate short-range set, such as a dimer curve, is "
+              "trained as it is)", at, i, j, distance, structures)
+
+
+def stress_implausible(stress: np.ndarray) -> bool:
+    """Whether a finite stress label is beyond :data:`STRESS_PLAUSIBLE` (likely in kBar or GPa)."""
+    return bool(np.all(np.isfinite(stress)) and np.max(np.abs(stress)) > STRESS_PLAUSIBLE)
 
 
 def said_if_implausible(stress: np.ndarray, key: str, where: str, at: str) -> None:
@@ -154,3 +162,37 @@ def said_if_implausible(stress: np.ndarray, key: str, where: str, at: str) -> No
                   "labels are read in eV/Å³ (ASE's units and sign); values in kBar or GPa must be converted (x "
                   "1/1602.18 or 1/160.218; VASP's sign is the opposite). Said once per file", where, at, key,
                   largest, largest * 160.21766)
+
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def checked_labels(row, energy, forces, stress, error_at: Callable[..., Exception]):
+    """A row's labels as float64 (stress in Voigt form), checked: shapes, finite, within float32's range, stress below
+    STRESS_LIMIT; ``error_at(message, row id, key)`` makes the error that names the row."""
+    n = row.natoms
+    if energy is not None:
+        energy = np.asarray(energy, dtype=np.float64)
+        if energy.size != 1:
+            raise error_at(f"energy must be a scalar, got shape {energy.shape}", row.id, "energy")
+        energy = float(energy)
+    if forces is not None:
+        forces = np.asarray(forces, dtype=np.float64)
+        if forces.shape != (n, 3):
+            raise error_at(f"forces of shape {forces.shape} for {n} atoms", row.id, "forces")
+    if stress is not None:
+        stress = np.asarray(stress, dtype=np.float64)
+        if stress.shape in ((3, 3), (9,)):  # a full tensor (ASE reads one back flat)
+            stress = matrix_to_voigt(stress.reshape(3, 3))
+        if stress.shape != (6,):
+            raise error_at(f"stress of shape {stress.shape}, expected (6,) or (3, 3)", row.id, "stress")
+    for key, value in (("energy", energy), ("forces", forces), ("stress", stress)):
+        if value is not None and not np.all(np.isfinite(value)):
+            raise error_at("label contains NaN or inf", row.id, key)
+        if value is not None and np.max(np.abs(value)) > FLOAT32_MAX:  # inf in the float32 loss: NaN steps
+            raise error_at(f"label {np.max(np.abs(value)):.3g} is beyond float32's range (3.4e38): wrong units or a "
+                           "corrupted value", row.id, key)
+    if stress is not None and np.max(np.abs(stress)) >= STRESS_LIMIT:  # (MISSING_STRESS is above it)
+        raise error_at(f"stress {np.max(np.abs(stress)):.3g} eV/Å³ is beyond any stress (over {STRESS_LIMIT:g}): "
+                       "wrong units or a corrupted value", row.id, "stress")
+    return energy, forces, stress

@@ -3,7 +3,8 @@ bucket shapes and each epoch's steps, the same on every data-parallel rank.
 
 :func:`open_databases` turns the config's data paths into checked databases (indexing other formats
 first, on rank 0 while the others wait), reads or computes each one's row census and neighbour counts,
-and refuses what cannot train (too few structures for the ranks, stress on one set only).
+and refuses what cannot train (too few structures for the ranks); :func:`trains_stress` decides the stress loss
+and marks the structures without stress.
 :class:`RunData` then holds what a run iterates: ``train_set`` (a :class:`~orb.data.mixture.Mixture`
 of the target and any replay rows), its sampler and buckets, and ``val_sets`` (named sources: a
 validation file, or the training structures ``val_fraction`` holds out), each with an
