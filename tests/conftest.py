@@ -46,6 +46,24 @@ def own_compile_cache(folder) -> dict:
 SMALL_MODEL = dict(latent_dim=32, mlp_hidden_dim=64, num_message_passing_steps=2, head_mlp_hidden_dim=32)
 
 
+def said_by_a_census_in_workers(path, words: str, caplog) -> list:
+    """The warnings holding ``words`` that a start says of data ``path`` whose rows two data workers check (their own
+    warnings are not shown) or whose check it reads from the cache: what each process says once, forgotten first."""
+    import logging
+
+    from orb.data.dataset import AseDbDataset
+    from orb.data.labels import _SAID
+    from orb.data.loader import BatchLoader
+
+    _SAID.clear()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="orb"):
+        loader = BatchLoader({"train": AseDbDataset(path)}, workers=2)
+        loader.census("train")
+        loader.close()
+    return [r.getMessage() for r in caplog.records if words in r.getMessage()]
+
+
 @pytest.fixture(scope="session")
 def reference():
     return np.load(REFERENCE_NPZ)

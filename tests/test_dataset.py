@@ -182,20 +182,11 @@ def test_stress_optional_on_every_row_or_some(tmp_path):
 def test_stress_in_kbar_in_a_database_is_said_when_data_workers_check_it_and_on_a_cached_start(tmp_path, caplog):
     """An ASE database's stress in kBar was said by the rows' check, which data workers run (their warnings are not
     shown) and later starts read from the cache: said by the main process now, every start."""
-    import logging
-
-    from orb.data.labels import _SAID
-    from orb.data.loader import BatchLoader
+    from conftest import said_by_a_census_in_workers
 
     path = write_rows(tmp_path / "kbar.db", [labelled(cu()), labelled(cu(2), stress=np.full(6, 25.0))])
     for _ in range(2):  # the rows checked by the workers, then the check read from the cache
-        _SAID.clear()
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="orb"):
-            loader = BatchLoader({"train": AseDbDataset(path)}, workers=2)
-            loader.census("train")
-            loader.close()
-        said = [r.getMessage() for r in caplog.records if "values in kBar or GPa must be converted" in r.getMessage()]
+        said = said_by_a_census_in_workers(path, "values in kBar or GPa must be converted", caplog)
         assert len(said) == 1 and said[0].startswith(f"{path}, row 2, key 'stress': a stress of 25 eV/Å³"), said
 
 

@@ -57,10 +57,9 @@ def test_positions_in_nm_are_said_naming_the_file_and_structure_in_every_format(
     ordinary structures says nothing."""
     from ase.calculators.singlepoint import SinglePointCalculator
 
+    from conftest import said_by_a_census_in_workers
     from orb.data.dataset import AseDbDataset
     from orb.data.formats import readable_database
-    from orb.data.labels import _SAID
-    from orb.data.loader import BatchLoader
 
     frames = demo_frames()[:len(ATTRIBUTES)]
     nm = frames[2]
@@ -71,13 +70,7 @@ def test_positions_in_nm_are_said_naming_the_file_and_structure_in_every_format(
     at = {"sqlite": "all.db, row 3", "list": "p2.db, row 2", "extxyz": "all.extxyz, frame 2",
           "folder": "b.extxyz, frame 0", "aselmdb": "all.aselmdb, row 3", "json": "all.json, row 3"}[kind]
     for start in ("checked by two data workers", "the check read from the cache"):
-        _SAID.clear()  # (once per data set and process: each start is a process of its own)
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="orb"):
-            loader = BatchLoader({"train": AseDbDataset(path)}, workers=2)
-            loader.census("train")
-            loader.close()
-        said = [r.getMessage() for r in caplog.records if "closer than any chemical bond" in r.getMessage()]
+        said = said_by_a_census_in_workers(path, "closer than any chemical bond", caplog)
         assert len(said) == 1 and f"{at}: atoms " in said[0] and "1 structure(s) of this data" in said[0], (start, said)
     caplog.clear()
     (tmp_path / "ok").mkdir()
