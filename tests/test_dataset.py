@@ -161,8 +161,8 @@ def test_commands_that_use_the_structures_alone_read_no_labels_nor_weights(tmp_p
 
 
 def test_stress_optional_on_every_row_or_some(tmp_path):
-    """No row with stress: none trained. Some: a row without is marked MISSING_STRESS for training (its stress weighed at
-    0), rotated or not, and read without stress for evaluation."""
+    """No row with stress: none trained. Some: a row without is marked MISSING_STRESS for training (its stress
+    weighed at 0), rotated or not, and read without stress for evaluation."""
     path = write_rows(tmp_path / "e.db", [labelled(cu(), stress=None), labelled(cu(2), stress=None)])
     ds = AseDbDataset(path)
     assert not ds.has_stress and ds.stress_rows == 0 and ds[1].stress is None
@@ -173,7 +173,7 @@ def test_stress_optional_on_every_row_or_some(tmp_path):
         assert np.isfinite(ds.get(0, rotation_seed=3).stress).all()
     evaluated = AseDbDataset(path, require_labels=False)  # evaluation: stress where a row has it
     assert evaluated[1].stress is None and np.isfinite(evaluated[0].stress).all()
-    assert np.isfinite(MISSING_STRESS.astype(np.float32)).all()  # (not NaN: an Ascend card's saturation mode makes it 0)
+    assert np.isfinite(MISSING_STRESS.astype(np.float32)).all()  # (not NaN: Ascend's saturation mode makes NaN 0)
     path = write_rows(tmp_path / "g.db", [labelled(cu()), labelled(cu(), stress=np.full(6, 2e6))])
     with pytest.raises(DatasetError, match=r"g.db, row 2, key 'stress': stress 2e\+06 eV/Å³ is beyond any stress"):
         AseDbDataset(path).census()  # (a label that large would read as a structure without stress)
@@ -188,6 +188,22 @@ def test_stress_in_kbar_in_a_database_is_said_when_data_workers_check_it_and_on_
     for _ in range(2):  # the rows checked by the workers, then the check read from the cache
         said = said_by_a_census_in_workers(path, "values in kBar or GPa must be converted", caplog)
         assert len(said) == 1 and said[0].startswith(f"{path}, row 2, key 'stress': a stress of 25 eV/Å³"), said
+    demo = os.path.join(ROOT, "data", "pretrain", "pretrain_train.db")  # 5 of 512 rattled cells beyond 1 eV/Å³
+    assert not said_by_a_census_in_workers(demo, "values in kBar or GPa must be converted", caplog)
+
+
+def test_atoms_too_close_are_said_also_when_a_second_look_does_not_find_the_pair(caplog):
+    """The census found the pair (on another machine, whose rounding put it just under 0.5 Å, or read from a shared
+    cache): the structure is said without the pair, not a TypeError as the run starts."""
+    import logging
+
+    from orb.data.labels import _SAID, said_if_too_close
+
+    _SAID.clear()
+    with caplog.at_level(logging.WARNING, logger="orb"):
+        said_if_too_close(None, "data", "data.db, row 4", 3)
+    assert caplog.records[-1].getMessage().startswith("data.db, row 4: two atoms are about 0.5 Å apart, closer than "
+                                                      "any chemical bond (H2's is 0.74 Å; 3 structure(s) of this data")
 
 
 def test_rotation_matches_emt_on_rotated_cell():

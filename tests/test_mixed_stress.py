@@ -17,8 +17,8 @@ MODELS = ["orb_v2", "orb_v3_direct_20_omat", "orb_v3_conservative_20_omat"]
 
 @pytest.mark.parametrize("name", MODELS)
 def test_a_structure_without_stress_is_its_stress_weighed_at_0_and_nothing_else_changes(name):
-    """One batch, its middle structure's stress left out (MISSING_STRESS, as the data gives it): the loss and gradient are
-    the energy and force terms of the whole batch plus the stress term with that structure's weight 0; the stress
+    """One batch, its middle structure's stress left out (MISSING_STRESS, as the data gives it): the loss and gradient
+    are the energy and force terms of the whole batch plus the stress term with that structure's weight 0; the stress
     normaliser absorbs the other structures only, the energy and force normalisers every one; the stress MAE is
     averaged over the structures with a stress (num_stress)."""
     import mindspore as ms
@@ -114,6 +114,20 @@ def test_an_older_checkpoints_sums_take_num_stress_from_num_graphs():
         np.testing.assert_array_equal(progress.validation["sums"], [new])
         assert cell.metrics(progress.epoch_sums) == cell.metrics(new)
         np.testing.assert_array_equal(cell.sums_from(new), new)  # a checkpoint of this version: as it is
+
+
+def test_only_the_marker_reads_as_a_missing_stress():
+    """A label just below the refusal limit, rotated by augmentation (up to 3 times larger) or rounded to float32, is
+    a label; the marker of a structure without one is not, in every component."""
+    import mindspore as ms
+
+    from orb.data.graphs import MISSING_STRESS, STRESS_LIMIT
+    from orb.training.loss_base import NormalisedLoss
+
+    rotated = np.full(6, 3 * STRESS_LIMIT, np.float32)
+    stress, labelled = NormalisedLoss.stress_rows(ms.Tensor(np.stack([rotated, MISSING_STRESS.astype(np.float32)])))
+    np.testing.assert_array_equal(labelled.asnumpy(), [1, 0])
+    np.testing.assert_array_equal(stress.asnumpy(), [rotated, np.zeros(6)])
 
 
 def finetune(tmp_path, out, train, val, *extra):

@@ -44,6 +44,7 @@ LABELS = ("energy", "forces", "stress")
 # worker's warnings are not shown, and later starts read the census from the cache)
 CENSUS_COLUMNS = len(LABELS) + 3
 WEIGHT_IN_DATA, TOO_CLOSE, STRESS_UNITS = len(LABELS), len(LABELS) + 1, len(LABELS) + 2
+UNITS_SHARE = 0.1  # of the rows with stress beyond STRESS_PLAUSIBLE, before other units are suspected
 
 
 def _plausible_flags(flags: np.ndarray) -> bool:  # (a function: datasets travel to the data workers pickled)
@@ -135,10 +136,9 @@ class AseDbDataset:
                 raise self._structure_error(row, exc) from None
             self._check_constraints(row)  # (what orb-relax and orb-md fix: refused now, by name, if ASE cannot)
             in_data = self.labels and "weight" not in row.key_value_pairs and row.data.get("weight") is not None
-            labels = self._stored_labels(row)
-            units = labels[2] is not None and not self.sources and stress_implausible(labels[2])  # (an indexed copy's
-            stored[k] = [value is not None for value in labels] + [in_data, close is not None, units]  # files: said
-            # as indexed)
+            labels = self._stored_labels(row)  # (stress units: an indexed copy's files were said as they were indexed)
+            units = self.require_labels and labels[2] is not None and not self.sources and stress_implausible(labels[2])
+            stored[k] = [value is not None for value in labels] + [in_data, close is not None, units]
             if self.charge_spin:
                 self._charge_spin(row)  # OMol models: every row's total charge and spin (key-value pairs or data)
         return stored
@@ -220,7 +220,8 @@ class AseDbDataset:
 
     def _say_findings(self, flags: np.ndarray) -> None:
         """What the census found and a run should hear on every start: atoms nearer than any bond, and stress in other
-        units; each said once, naming the first such row (read again here) and how many there are."""
+        units (a tenth of the rows with stress or more beyond STRESS_PLAUSIBLE); each said once, naming the first
+        such row (read again here)."""
         close = np.flatnonzero(flags[:, TOO_CLOSE])
         if len(close):
             row = self.rows.read(int(self.ids[close[0]]))
@@ -228,7 +229,8 @@ class AseDbDataset:
             said_if_too_close(check_no_overlap_before_graphs(row.positions, row.cell, periodic), self.source,
                               self.located(int(row.id)), len(close))
         units = np.flatnonzero(flags[:, STRESS_UNITS])
-        if len(units):
+        if len(units) and len(units) >= UNITS_SHARE * flags[:, 2].sum():  # (a file in kBar: most rows; a few
+            # structures under very high stress, as the pretraining demo's rattled EMT cells: not said)
             said_if_implausible(np.asarray(self.rows.read(int(self.ids[units[0]])).stress), "stress", self.path,
                                 f"row {int(self.ids[units[0]])}")
 
@@ -317,6 +319,8 @@ class AseDbDataset:
         if self.label_table is not None:
             return self._checked_labels(row, *self.label_table.labels(index))
         energy, forces, stress = self._stored_labels(row)
+        if stress is not None and not self.require_labels and not self.sources:  # (evaluation: the training data's
+            said_if_implausible(stress, "stress", self.path, f"row {row.id}")  # census says it on every start)
         return energy, forces, stress if self.has_stress or not self.require_labels else None
 
     def _stored_labels(self, row) -> Tuple[Optional[float], Optional[np.ndarray], Optional[np.ndarray]]:

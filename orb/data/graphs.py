@@ -43,9 +43,11 @@ IMAGE_OFFSETS = np.array(list(product((-1.0, 0.0, 1.0), repeat=3)), dtype=np.flo
 PADDING_EDGE_LENGTH = 7.0
 # A training structure without a stress label among structures with one: its stress row in a batch, finite (not NaN:
 # an Ascend training card's saturation mode makes NaN 0, which would read as a label of 0). The losses weigh such a
-# row's stress at 0 (MACE's config_stress_weight); no stored label reaches STRESS_LIMIT (the census refuses it: a
-# million eV/Å³, 1.6e8 GPa, is no stress, and squares of such values in the normaliser's sums overflow float32).
+# row's stress at 0 (MACE's config_stress_weight), as any beyond MISSING_ABOVE. No stored label reaches STRESS_LIMIT
+# (the census refuses it: a million eV/Å³, 1.6e8 GPa, is no stress, and squares of larger values in the normaliser's
+# sums overflow float32); a rotation (augmentation) or float32 rounding keeps a label far below MISSING_ABOVE.
 STRESS_LIMIT = 1e6  # eV/Å³
+MISSING_ABOVE = 1e30
 MISSING_STRESS = np.full(6, 3e38)  # (within float32's range, above any label)
 
 

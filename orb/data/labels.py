@@ -3,7 +3,7 @@ frame's values is its energy, forces and stress, checked, and said once per file
 reader could mistake (``REF_`` labels beside another calculator's results, a virial, stress in other units)."""
 
 import logging
-from typing import Callable, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -138,15 +138,16 @@ def _checked(value, shape_ok, name: str, where: str, at: str, expected: str):
     return array
 
 
-def said_if_too_close(closest: tuple, data: str, at: str, structures: int = 1) -> None:
+def said_if_too_close(closest: Optional[tuple], data: str, at: str, structures: int = 1) -> None:
     """Two atoms nearer than any bond (``closest``: atom, atom, Å; positions in nm, or fractional coordinates read as
     Å) in ``structures`` structures of data set ``data``, said once naming the first, ``at`` (its file and frame or
-    row): a model's energies of such a structure are meaningless, and training on it diverges."""
-    i, j, distance = closest
-    _say_once(data, "distances", logging.WARNING, "%s: atoms %d and %d are %.2f Å apart, closer than any chemical "
+    row): a model's energies of such a structure are meaningless, and training on it diverges. ``closest`` None: the
+    pair is not named (a check read from a cache that another machine's rounding put just across the limit)."""
+    pair = "atoms %d and %d are %.2f Å apart" % closest if closest else "two atoms are about 0.5 Å apart"
+    _say_once(data, "distances", logging.WARNING, "%s: %s, closer than any chemical "
               "bond (H2's is 0.74 Å; %d structure(s) of this data like it). Positions are read in Å: values in nm or "
               "fractional coordinates must be converted (a deliberate short-range set, such as a dimer curve, is "
-              "trained as it is)", at, i, j, distance, structures)
+              "trained as it is)", at, pair, structures)
 
 
 def stress_implausible(stress: np.ndarray) -> bool:

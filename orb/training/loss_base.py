@@ -15,7 +15,7 @@ import numpy as np
 from mindspore import nn, ops
 
 from orb.metrics import BY_ELEMENT, ELEMENT_BINS, FORCE_THRESHOLD, forces_by_element, metrics_from_sums
-from orb.data.graphs import STRESS_LIMIT
+from orb.data.graphs import MISSING_ABOVE
 from orb.models.blocks import segment_sum
 from orb.models.primitives import Broadcasts
 from orb.models.sums import column_totals, segment_total
@@ -155,9 +155,9 @@ class NormalisedLoss(nn.Cell):
     @staticmethod
     def stress_rows(stress):
         """(stress with zeros where a structure has no stress label, (B,) 1 where it has one else 0): the data marks a
-        structure without one by a value above STRESS_LIMIT (:data:`orb.data.graphs.MISSING_STRESS`), replaced before
+        structure without one by a value above MISSING_ABOVE (:data:`orb.data.graphs.MISSING_STRESS`), replaced before
         any arithmetic (it would overflow to inf, and inf times 0 is NaN)."""
-        labelled = ops.abs(stress) < STRESS_LIMIT
+        labelled = ops.abs(stress) < MISSING_ABOVE
         return ops.select(labelled, stress, ops.zeros_like(stress)), labelled[:, 0].astype(stress.dtype)
 
     @staticmethod
