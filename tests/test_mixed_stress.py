@@ -125,7 +125,8 @@ def test_only_the_marker_reads_as_a_missing_stress():
     from orb.training.loss_base import NormalisedLoss
 
     rotated = np.full(6, 3 * STRESS_LIMIT, np.float32)
-    stress, labelled = NormalisedLoss.stress_rows(ms.Tensor(np.stack([rotated, MISSING_STRESS.astype(np.float32)])))
+    rows = ms.Tensor(np.stack([rotated, MISSING_STRESS.astype(np.float32)]))
+    stress, labelled = NormalisedLoss.stress_where_labelled(rows)
     np.testing.assert_array_equal(labelled.asnumpy(), [1, 0])
     np.testing.assert_array_equal(stress.asnumpy(), [rotated, np.zeros(6)])
 

@@ -162,7 +162,6 @@ class AseDbDataset:
             self._labels_stored = stored
             self._all_labelled = bool(stored[:, :2].all())  # asked for every structure read: not O(rows) each time
             self._any_stress = bool(stored[:, 2].any())
-            self._stress_rows = int(stored[:, 2].sum())
         return self._labels_stored
 
     @property
@@ -174,17 +173,19 @@ class AseDbDataset:
         self.census()
         return self._any_stress
 
+    def stress_labelled(self) -> np.ndarray:
+        """Per row, whether it holds a stress label (every row, or none, with a label table)."""
+        if self.label_table is not None:
+            return np.full(len(self), self.label_table.stress is not None)
+        return self.census()[:, 2].astype(bool)
+
     @property
     def stress_rows(self) -> int:
-        """How many rows hold a stress label (every row of a label table with stress)."""
-        if self.label_table is not None:
-            return len(self) if self.label_table.stress is not None else 0
-        self.census()
-        return self._stress_rows
+        """How many rows hold a stress label."""
+        return int(self.stress_labelled().sum())
 
     def mark_missing_stress(self) -> None:
-        """The run trains stress (on this set's structures, or another set's): a structure without a stress label is
-        given MISSING_STRESS, weighed at 0, rather than none (which a batch would read as zeros)."""
+        """The run trains stress: a structure without a stress label gets MISSING_STRESS (none would read as 0)."""
         self.stress_trained = True
 
     @property

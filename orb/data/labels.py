@@ -18,6 +18,7 @@ VIRIALS = ("REF_virial", "virial", "REF_virials", "virials")  # in eV: stress = 
 # |stress| in eV/Å³ beyond which a label is likely in other units (1 eV/Å³ = 160 GPa; VASP's kBar numbers read as
 # eV/Å³ are 1,600 times too large, GPa ones 160 times): said once per file, not refused (shock data exists)
 STRESS_PLAUSIBLE = 1.0
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _calculator_result(atoms, name: str):
@@ -163,9 +164,6 @@ def said_if_implausible(stress: np.ndarray, key: str, where: str, at: str) -> No
                   "labels are read in eV/Å³ (ASE's units and sign); values in kBar or GPa must be converted (x "
                   "1/1602.18 or 1/160.218; VASP's sign is the opposite). Said once per file", where, at, key,
                   largest, largest * 160.21766)
-
-
-FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def checked_labels(row, energy, forces, stress, error_at: Callable[..., Exception]):

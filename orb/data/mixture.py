@@ -59,9 +59,7 @@ class Source:
     @property
     def stress_rows(self) -> int:
         """How many of the source's structures hold a stress label."""
-        if self.dataset.label_table is not None:
-            return len(self) if self.dataset.label_table.stress is not None else 0
-        return int(self.dataset.census()[self.positions, 2].sum())
+        return int(self.dataset.stress_labelled()[self.positions].sum())
 
     @cached_property
     def natoms(self) -> np.ndarray:

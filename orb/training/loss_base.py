@@ -153,7 +153,7 @@ class NormalisedLoss(nn.Cell):
                            segment_sum(node_mask, numbers, ELEMENT_BINS)))
 
     @staticmethod
-    def stress_rows(stress):
+    def stress_where_labelled(stress):
         """(stress with zeros where a structure has no stress label, (B,) 1 where it has one else 0): the data marks a
         structure without one by a value above MISSING_ABOVE (:data:`orb.data.graphs.MISSING_STRESS`), replaced before
         any arithmetic (it would overflow to inf, and inf times 0 is NaN)."""

@@ -50,7 +50,7 @@ class OrbLoss(NormalisedLoss):
     def absorbed(self, numbers, node_graph, n_node, graph_mask, energy, forces, stress, head):
         node_mask = ops.gather(graph_mask, node_graph, 0)
         graphs, nodes = self.replay_rows(head, node_graph)
-        stress, with_stress = self.stress_rows(stress)
+        stress, with_stress = self.stress_where_labelled(stress)
         return [(self.residual_per_atom(numbers, node_graph, n_node, energy, head), graph_mask, True, graphs),
                 (forces, self.broadcasts.column(node_mask.reshape(-1, 1), 3), True, nodes),
                 (stress, self.broadcasts.column((graph_mask * with_stress).reshape(-1, 1), 6), self.has_stress,
@@ -81,7 +81,7 @@ class OrbLoss(NormalisedLoss):
         node_mae = segment_total(force_err, node_graph, num_graphs) / atoms
 
         s_std = ops.sqrt(s_var)
-        stress, with_stress = self.stress_rows(stress)
+        stress, with_stress = self.stress_where_labelled(stress)
         stress_err = ops.abs((stress - s_mean) / s_std - s_raw).mean(1) * with_stress
 
         per_graph = self.energy_weight * energy_err + self.forces_weight * node_mae

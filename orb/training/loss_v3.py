@@ -77,15 +77,15 @@ class OrbV3Loss(NormalisedLoss):
                         float(confidence_weight), float(equigrad_weight) if self.conservative else 0.0)
 
     def absorbed(self, numbers, node_graph, n_node, graph_mask, energy, forces, stress, head):
-        stress, with_stress = self.stress_rows(stress)
-        with_stress = (graph_mask * with_stress).reshape(-1, 1)
+        stress, with_stress = self.stress_where_labelled(stress)
+        stress_mask = (graph_mask * with_stress).reshape(-1, 1)
         graphs, nodes = self.replay_rows(head, node_graph)
         out = [(self.residual_per_atom(numbers, node_graph, n_node, energy, head), graph_mask, True, graphs),
                (forces, self.broadcasts.column(ops.gather(graph_mask, node_graph, 0).reshape(-1, 1), 3), True, nodes)]
         if self.conservative:
-            out.append((stress, self.broadcasts.column(with_stress, 6), self.has_stress, graphs.reshape(-1, 1)))
+            out.append((stress, self.broadcasts.column(stress_mask, 6), self.has_stress, graphs.reshape(-1, 1)))
         elif self.model.cfg.has_stress:
-            three = self.broadcasts.column(with_stress, 3)
+            three = self.broadcasts.column(stress_mask, 3)
             out += [(stress[:, :3], three, self.has_stress, graphs.reshape(-1, 1)),
                     (stress[:, 3:], three, self.has_stress, graphs.reshape(-1, 1))]
         return out
@@ -141,7 +141,7 @@ class OrbV3Loss(NormalisedLoss):
         forces_mae, cosine, all_within, atom_error = self.force_metrics(forces_phys, forces, node_graph, n_node, atoms)
 
         # stress
-        stress, with_stress = self.stress_rows(stress)
+        stress, with_stress = self.stress_where_labelled(stress)
         loss_stress, stress_mae = self._stress(outputs, stress, old, new, graph_weight * with_stress, replay)
         stress_mae = stress_mae * with_stress
 

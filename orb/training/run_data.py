@@ -119,8 +119,9 @@ def trains_stress(cfg: TrainConfig, databases: Dict[str, AseDbDataset]) -> bool:
     set's read with its own labels), and the loss weight and the model have stress. Every set of the run then gives a
     structure without one MISSING_STRESS, weighed at 0: a validation set of molecules as much as a molecule among
     crystals (a structure given none would be scored against zeros)."""
-    labelled = [databases["train"]] + [databases[name] for name in ("replay",)
-                                       if name in databases and cfg.replay.labels != "model"]
+    labelled = [databases["train"]]
+    if "replay" in databases and cfg.replay.labels != "model":
+        labelled.append(databases["replay"])
     some = any(data.has_stress for data in labelled)
     wanted = cfg.loss_weights.stress > 0 and cfg.model.has_stress
     if wanted and not some and not cfg.model.omol:
