@@ -233,6 +233,7 @@ def test_cli_end_to_end_output_dir_and_config_typo(tmp_path):
             tol = 2e-5 if key == "forces_cosine" else 1e-7
             assert summary[key] == pytest.approx(val[key], rel=2e-5, abs=tol), key
     assert {"energy_mae", "forces_mae", "stress_mae"} <= set(summary)
+    checkpoints_read_as_what_was_validated(out / "checkpoints", tmp_path)
     again = run_cli(*args, timeout=120)  # a fresh run into the same output_dir is refused ...
     assert again.returncode == 2 and "already holds a run" in again.stderr and "--resume" in again.stderr
     assert len(again.stderr.strip().splitlines()) == 1 and "Traceback" not in again.stderr
@@ -248,6 +249,26 @@ def test_cli_end_to_end_output_dir_and_config_typo(tmp_path):
                       os.path.join(ROOT, "README.md"), timeout=120)
     assert bad_row.returncode == 2 and "holds no structures: not an ASE database" in bad_row.stderr
     assert not (tmp_path / "bad").exists()  # a run that never trained leaves nothing, so the fixed command runs
+
+
+def checkpoints_read_as_what_was_validated(checkpoints, tmp_path):
+    """The training state of the best epoch (best.ckpt) is read, by orb-evaluate and the other tools, as the EMA
+    weights its validation used (best_weights.ckpt's, value for value), not as its raw weights; and a config naming
+    no model that starts from this program's checkpoint takes the checkpoint's architecture (it was compared with
+    full-size orb-v2 and refused)."""
+    from orb.io.checkpoint import load_checkpoint, read_weights
+    from orb.models.config import ModelConfig
+    from orb.training.config import load_config
+
+    state, validated = (read_weights(str(checkpoints / name))[0] for name in ("best.ckpt", "best_weights.ckpt"))
+    assert state.keys() == validated.keys() and all(np.array_equal(state[k], validated[k]) for k in state)
+    raw = load_checkpoint(str(checkpoints / "best.ckpt"))[0]
+    assert any(not np.array_equal(raw[k], validated[k]) for k in validated)  # (the EMA is not the raw weights)
+    config = tmp_path / "no_model.yaml"
+    config.write_text(f"train_data_path: {DEMO_TRAIN}\ncheckpoint_path: {checkpoints / 'best_weights.ckpt'}\n")
+    assert load_config(str(config)).model == ModelConfig.from_dict(dict(SMALL_MODEL))
+    wider = load_config(str(config), ["--model.max_neighbors", "30"]).model  # a key the config sets: on top
+    assert wider == ModelConfig.from_dict(dict(SMALL_MODEL, max_neighbors=30))
 
 
 KILL_SCRIPT = """

@@ -78,19 +78,38 @@ def load_torch_state_dict(model: nn.Cell, state_dict: Dict[str, np.ndarray], sou
 def _ms_checkpoint_arrays(path: str) -> Tuple[Dict[str, np.ndarray], Dict]:
     """Arrays and metadata of a MindSpore checkpoint; one this program wrote carries a CRC, checked here (a file a
     shared file system damaged is refused, not loaded; one written without a CRC is read as before)."""
+    raw = _read_ms_checkpoint(path)
+    arrays = {key: value.asnumpy() for key, value in raw.items() if isinstance(value, (ms.Parameter, Tensor))}
+    return arrays, _meta_of(raw)
+
+
+def _read_ms_checkpoint(path: str, only: Optional[str] = None) -> Dict:
+    """MindSpore's entries of a checkpoint (``only``: that entry alone, the arrays left unread)."""
+    choose = None if only is None else (lambda name: name == only)
     try:
         with STOP.held():  # (MindSpore's reader turns a stop raised inside into "Failed to read")
-            raw = ms.load_checkpoint(path, crc_check=True)
+            return ms.load_checkpoint(path, crc_check=True, choice_func=choose)
     except Exception as exc:  # MindSpore raises ValueError/RuntimeError on damaged files
         raise CheckpointError(f"{path}: cannot read MindSpore checkpoint ({exc})") from None
-    meta = {}
-    arrays = {}
-    for key, value in raw.items():
-        if key == META_KEY:
-            meta = json.loads(value if isinstance(value, str) else str(value.asnumpy()))
-        elif isinstance(value, (ms.Parameter, Tensor)):
-            arrays[key] = value.asnumpy()
-    return arrays, meta
+
+
+def _meta_of(raw: Dict) -> Dict:
+    value = raw.get(META_KEY)
+    if value is None:
+        return {}
+    return json.loads(value if isinstance(value, str) else str(value.asnumpy()))
+
+
+def stored_settings(path: str) -> Optional[Dict]:
+    """The model settings a MindSpore checkpoint of this program stores, read without its arrays (None: a PyTorch
+    file or published weights, whose names or tensors tell their architecture, or a file storing none)."""
+    if published_name(path) is not None:
+        return None
+    check_checkpoint_file(path)
+    if is_torch_zip(path):
+        return None
+    stored = stored_architecture(_meta_of(_read_ms_checkpoint(path, only=META_KEY)))
+    return {k: v for k, v in (stored or {}).items() if k in ModelConfig.__dataclass_fields__} or None
 
 
 def check_checkpoint_file(path: str, flag: str = "") -> None:
@@ -113,12 +132,25 @@ def check_checkpoint_file(path: str, flag: str = "") -> None:
                               + ("; structures like these go to --data" if data else ""))
 
 
+def averaged_weights(arrays: Dict[str, np.ndarray], weights: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """A training checkpoint's EMA of its trained weights (``ema_decay``), where it holds one: what its run validated
+    and saved as ``best_weights.ckpt``, so that evaluating or starting from ``best.ckpt`` or ``last.ckpt`` uses the
+    weights the metrics are of (its raw weights are for a resume only)."""
+    prefix, averaged = OPTIMIZER_PREFIX + "ema.", {}
+    for key, value in arrays.items():
+        name = key[len(prefix):]
+        if key.startswith(prefix) and name in weights:
+            averaged[name] = np.asarray(value, weights[name].dtype).reshape(weights[name].shape)
+    return averaged
+
+
 def read_weights(path: str) -> Tuple["OrderedDict[str, np.ndarray]", Dict]:
     """Model weights from a PyTorch ``.ckpt`` (zip), a MindSpore checkpoint or published weights by name
     (:func:`published_weights`), plus any stored metadata.
 
-    Optimizer state and replay heads in a training checkpoint are left out, and low-rank adapters merged into their
-    layers' weights (see :func:`load_checkpoint` for everything a resume needs).
+    Of a training checkpoint: the EMA of its trained weights where it holds one (:func:`averaged_weights`), optimizer
+    state and replay heads left out, and low-rank adapters merged into their layers' weights (see
+    :func:`load_checkpoint` for everything a resume needs).
     """
     name = published_name(path)
     if name is not None:
@@ -129,6 +161,7 @@ def read_weights(path: str) -> Tuple["OrderedDict[str, np.ndarray]", Dict]:
             return read_torch_checkpoint(path), {}
         arrays, meta = _ms_checkpoint_arrays(path)
     weights = OrderedDict((k, v) for k, v in arrays.items() if not k.startswith(TRAINING_ONLY))
+    weights.update(averaged_weights(arrays, weights))
     alpha = (meta.get("config") or {}).get("lora", {}).get("alpha")
     return OrderedDict(merge_arrays(weights, alpha)), meta
 

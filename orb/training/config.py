@@ -275,6 +275,12 @@ def deprecated_matmul_precision(values: Dict[str, Any], prefix: str = "") -> Dic
     return values
 
 
+def published(path: str) -> bool:
+    from orb.pretrained import published_name
+
+    return published_name(path) is not None
+
+
 def model_named_by_weights(values: Dict[str, Any]) -> Dict[str, Any]:
     """``checkpoint_path: NAME`` (published weights, :mod:`orb.pretrained`) gives ``model.name`` when the config does
     not; a config naming another model is refused (two names for one run's weights is a mistake either way)."""
@@ -475,8 +481,18 @@ def flatten(d: Dict, prefix: str = "") -> Dict[str, Any]:
 
 def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> TrainConfig:
     """Read a YAML config (a file, or a packaged template by name; none: the defaults), apply ``--key value``
-    overrides and validate."""
-    return _validate(_build(TrainConfig, merged_settings(path, overrides)))
+    overrides and validate. ``checkpoint_path`` naming a checkpoint of this program, and no ``model.name``: the model
+    is the checkpoint's architecture, any model key the config sets on top (the architecture was the default's)."""
+    values = merged_settings(path, overrides)
+    cfg = _validate(_build(TrainConfig, values))
+    model = values.get("model") or {}
+    if cfg.checkpoint_path and isinstance(model, dict) and "name" not in model and not published(cfg.checkpoint_path):
+        from orb.io.checkpoint import stored_settings  # (MindSpore's import: only for such a checkpoint)
+
+        stored = stored_settings(cfg.checkpoint_path)
+        if stored:
+            return _validate(_build(TrainConfig, dict(values, model=dict(stored, **model))))
+    return cfg
 
 
 def config_from_dict(values: Dict[str, Any]) -> TrainConfig:
