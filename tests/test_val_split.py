@@ -14,7 +14,7 @@ import pytest
 from ase import Atoms
 from ase.calculators.singlepoint import SinglePointCalculator
 
-from conftest import DEMO_TRAIN, ROOT, SMALL_MODEL
+from conftest import DEMO_TRAIN, DEMO_VAL, ROOT, SMALL_MODEL
 from test_training import make_cfg, trainer_for
 
 FRACTION, SEED = 0.25, 1234
@@ -268,6 +268,29 @@ def test_a_killed_run_resumes_to_the_uninterrupted_runs_metrics_with_the_same_sp
     assert_same_run(killed, straight)
     held = {int(json.loads(record)["held_out"][k]) + 1 for k in range(16)}  # row ids of the demo database: 1..64
     assert not held & set(trained_rows(killed)) and len(trained_rows(straight)) == 2 * 48
+    evaluating_the_held_out_share_reproduces_the_validation(straight, tmp_path)
+
+
+def evaluating_the_held_out_share_reproduces_the_validation(run, tmp_path):
+    """orb-evaluate --held_out RUN on the run's training data scores the structures the run validated on, and
+    reproduces its last epoch's validation metrics (its last.ckpt read as the EMA weights validation used); other
+    data is refused in one line naming both."""
+    from orb.data.dataset import AseDbDataset
+    from orb.errors import OrbInputError
+    from orb.inference.evaluate import held_out_positions
+
+    evaluated = subprocess.run([sys.executable, os.path.join("scripts", "evaluate.py"), "--checkpoint",
+                                str(run / "checkpoints" / "last.ckpt"), "--data", DEMO_TRAIN, "--held_out", str(run),
+                                "--output_dir", str(tmp_path / "held"), "--device_target", "CPU"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=600)
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    summary = json.load(open(tmp_path / "held" / "summary.json"))
+    val = epoch_records(run)[-1]["val"]
+    assert summary["structures"] == 16 and summary["held_out"] == str(run / "val_split.json")
+    for key in ("energy_mae", "energy_per_atom_mae", "forces_mae", "stress_mae"):
+        assert summary[key] == pytest.approx(val[key], rel=2e-5, abs=1e-7), key  # (rounding: other padded shapes)
+    with pytest.raises(OrbInputError, match=f"--held_out {run}: the split was drawn from .*not from --data "):
+        held_out_positions(str(run), AseDbDataset(DEMO_VAL))
 
 
 @pytest.mark.parametrize("values, said", [

@@ -131,6 +131,9 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
                             f" (default: REF_{name}, then the stored results, then {name}"
                             + (", then a virial; none: no stress)" if name == "stress" else ")"))
     add_charge_spin_keys(parser)
+    parser.add_argument("--held_out", default="", type=command_path, help="a fine-tuning run's folder or its "
+                        "val_split.json: evaluate only the structures of --data (that run's training data) it held out "
+                        "for validation (val_fraction), as its validation did (default: every structure of --data)")
     parser.add_argument("--output_dir", default="", help="where to write predictions.csv and summary.json "
                         "(default: evaluation/<database name>)")
     parser.add_argument("--model", default=None, help="model name, when the checkpoint cannot tell (a published "
@@ -176,7 +179,8 @@ def predict_dataset(checkpoint: str, args, keys, show: bool, out_dir: str = ""):
                         charge_spin=model.cfg.omol, charge_spin_keys=(keys.charge, keys.spin))
     data.census()  # every row's labels, charge and spin checked before anything is written or removed
     data.float64 = is_float64_model(model)
-    batches, buckets = packed_batches(data, args.batch_size)
+    positions = held_out_positions(args.held_out, data) if args.held_out else np.arange(len(data))
+    batches, buckets = packed_batches(data, args.batch_size, positions=positions)
     check_dispersion_for(model.cfg, args.dispersion)
     check_dispersion_elements(data, args.dispersion)
     dispersion = D3Dispersion(args.dispersion, args.xc, model.cfg.graph_settings()) if args.dispersion else None
@@ -194,7 +198,7 @@ def predict_dataset(checkpoint: str, args, keys, show: bool, out_dir: str = ""):
                 raise
             raise OrbInputError(f"--output_dir {out_dir}: cannot write there ({exc.strerror or exc})") from None
     results, points, locate = [None] * len(data), ParityPoints(), data.rows.origin_locator()
-    with tqdm(total=len(data), desc=f"evaluating {os.path.basename(checkpoint)}", disable=not show) as bar:
+    with tqdm(total=len(positions), desc=f"evaluating {os.path.basename(checkpoint)}", disable=not show) as bar:
         for indices in batches:
             graphs = [data[int(i)] for i in indices]
             pred = per_structure(predictor(batch_graphs(graphs)), [graph.num_nodes for graph in graphs])
@@ -222,19 +226,44 @@ def predict_dataset(checkpoint: str, args, keys, show: bool, out_dir: str = ""):
                 results[int(i)] = record
                 points.add(n, one, graph)
             bar.update(len(graphs))
-    return results, points
+    return [results[int(p)] for p in positions], points
 
 
-def packed_batches(data, batch_size: int, fill_graphs: bool = True):
+def held_out_record(held_out: str) -> str:
+    """The ``val_split.json`` that ``--held_out`` names (a run folder or the file), checked to exist."""
+    from orb.training.val_split import RECORD
+
+    path = os.path.join(held_out, RECORD) if os.path.isdir(held_out) else held_out
+    if not os.path.isfile(path):
+        raise OrbInputError(f"--held_out {held_out}: no {RECORD} there (a run with val_fraction and no val_data_path "
+                            "writes it in its output_dir)")
+    return path
+
+
+def held_out_positions(held_out: str, data) -> np.ndarray:
+    """The positions of ``data`` a run's record of its validation split holds out; refused when ``data`` is not the
+    data the split was drawn from (its row count or content fingerprint differs)."""
+    from orb.training.val_split import read_record
+
+    record = read_record(held_out_record(held_out))
+    if record["train_rows"] != len(data) or record.get("train_fingerprint") != data.content_fingerprint():
+        raise OrbInputError(f"--held_out {held_out}: the split was drawn from {record.get('train_data_path')} "
+                            f"({record['train_rows']} structures), not from --data {data.source} ({len(data)} "
+                            "structures, or other ones): give that run's training data")
+    return np.asarray(record["held_out"], np.int64)
+
+
+def packed_batches(data, batch_size: int, fill_graphs: bool = True, positions: Optional[np.ndarray] = None):
     """Batches of structures of similar size (:func:`orb.data.plan.pack_by_size`: little padding whatever the
-    rows' order) and the few bucket shapes planned on exactly them (``fill_graphs``: see
-    :func:`orb.data.plan.evaluation_plan`)."""
+    rows' order) of ``data``'s ``positions`` (default: all), and the few bucket shapes planned on exactly them
+    (``fill_graphs``: see :func:`orb.data.plan.evaluation_plan`)."""
     from orb.data.plan import eval_limit, evaluation_plan
 
-    edges = data.edge_capacities()
-    shards, buckets, _ = evaluation_plan(data.natoms, edges, eval_limit(data.natoms, edges, batch_size), 1,
+    positions = np.arange(len(data)) if positions is None else positions
+    natoms, edges = data.natoms[positions], data.edge_capacities()[positions]
+    shards, buckets, _ = evaluation_plan(natoms, edges, eval_limit(natoms, edges, batch_size), 1,
                                          fill_graphs=fill_graphs)
-    return [shards.part(s, 0) for s in range(len(shards))], buckets
+    return [positions[shards.part(s, 0)] for s in range(len(shards))], buckets
 
 
 def evaluate(args) -> int:
@@ -243,6 +272,8 @@ def evaluate(args) -> int:
     if args.batch_size < 1:  # (the options checked before MindSpore's 1 s import)
         raise OrbInputError(f"--batch_size must be at least 1, got {args.batch_size}")
     check_dispersion(args.dispersion, args.xc)
+    if args.held_out:
+        held_out_record(args.held_out)
     from orb.device import import_mindspore
 
     import_mindspore()  # then what the other imports need, with a stop signal honoured after it
@@ -326,6 +357,8 @@ def summarise_and_write(args, names, runs, out_dir: str, target: str):
     results = runs[names[0]][0]
     summary = summarise(results)
     data = os.path.abspath(args.data) if isinstance(args.data, str) else [os.path.abspath(d) for d in args.data]
+    if args.held_out:
+        summary["held_out"] = os.path.abspath(held_out_record(args.held_out))
     summary.update({"checkpoint": os.path.abspath(args.checkpoint), "data": data,
                     "device_target": target, "ops_profile": ops_profile(), "precision": args.precision})
     if args.compare:
