@@ -337,3 +337,16 @@ def test_a_file_that_is_no_checkpoint_and_a_name_close_to_a_published_one_are_on
     with pytest.raises(CheckpointError, match=r"a MindSpore checkpoint must end in \.ckpt"):  # (written, then unread)
         convert(os.path.join(ROOT, "data", "demo_pretrained.ckpt"), str(tmp_path / "demo_ms.bin"), "mindspore")
     assert not (tmp_path / "demo_ms.bin").exists()
+
+
+def test_a_model_name_the_checkpoint_contradicts_is_refused():
+    """A tool's --model for a checkpoint that stores its model: another name is refused (orb-evaluate and orb-relax
+    ran the 20-neighbour demo model with 120 neighbours, silently, and its energies were a third off); its own name
+    reads the checkpoint."""
+    from orb.io.checkpoint import model_from_checkpoint
+
+    v3 = os.path.join(ROOT, "data", "demo_v3_pretrained.ckpt")
+    with pytest.raises(CheckpointError, match="demo_v3_pretrained.ckpt stores the model orb_v3_conservative_20_omat, "
+                                              "not orb_v3_conservative_inf_omat: leave out the model's name"):
+        model_from_checkpoint(v3, "orb_v3_conservative_inf_omat")
+    assert model_from_checkpoint(v3, "orb_v3_conservative_20_omat").cfg.max_neighbors == 20

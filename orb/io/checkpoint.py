@@ -271,6 +271,10 @@ def load_weights_into(model: nn.Cell, path: str) -> Dict[str, Tuple]:
 def model_from_checkpoint(path: str, name: Optional[str] = None):
     """The model stored in a PyTorch or MindSpore checkpoint, its architecture read from the checkpoint."""
     weights, meta = read_weights(path)
+    stored = (stored_architecture(meta) or {}).get("name")
+    if name is not None and stored is not None and stored != name:  # (its graph settings would go unsaid)
+        raise CheckpointError(f"{path} stores the model {stored}, not {name}: leave out the model's name (the "
+                              "checkpoint tells it)")
     try:
         cfg = architecture(weights, meta, name)
     except CheckpointError as exc:  # which file it is about
