@@ -80,12 +80,14 @@ def format_by_element(values: Mapping[str, float]) -> str:
     return ", ".join(f"{symbol} {value:.4g}" for symbol, value in values.items())
 
 
-def structure_sums(energy_pred: float, energy: float, natoms: int, forces_pred: Optional[np.ndarray] = None,
+def structure_sums(energy_pred: float, energy: Optional[float], natoms: int, forces_pred: Optional[np.ndarray] = None,
                    forces: Optional[np.ndarray] = None, stress_pred: Optional[np.ndarray] = None,
                    stress: Optional[np.ndarray] = None) -> Dict[str, float]:
-    """One structure's contribution to the physical metric sums (host side, float64)."""
-    out = {"num_graphs": 1.0, "num_atoms": float(natoms), "energy_mae": abs(energy_pred - energy),
-           "energy_per_atom_mae": abs(energy_pred - energy) / natoms}
+    """One structure's contribution to the physical metric sums (host side, float64) of the labels it carries
+    (``energy`` None: forces or stress alone)."""
+    out = {"num_graphs": 1.0, "num_atoms": float(natoms)}
+    if energy is not None:
+        out.update(energy_mae=abs(energy_pred - energy), energy_per_atom_mae=abs(energy_pred - energy) / natoms)
     if forces is not None:
         diff = np.abs(np.asarray(forces_pred, np.float64) - forces)
         norms = np.linalg.norm(forces_pred, axis=1) * np.linalg.norm(forces, axis=1)

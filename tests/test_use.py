@@ -166,6 +166,18 @@ def test_evaluate_without_labels_and_with_some(reference_model, tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "eval3" / "predictions.csv")))
     assert summary["structures"] == 3 and summary["labelled"] == 2
     assert summary["stress_mae"] == pytest.approx(float(rows[2]["stress_mae"])) and rows[1]["stress_mae"] == ""
+    with ase.db.connect(db_path) as db:  # and forces and stress without an energy: scored, the energy not
+        atoms = bulk("Cu", "fcc", a=3.55)
+        atoms.calc = SinglePointCalculator(atoms, forces=np.full((1, 3), 0.1), stress=np.full(6, -0.01))
+        db.write(atoms)
+    result = run_evaluate(path, db_path, tmp_path / "eval4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.load(open(tmp_path / "eval4" / "summary.json"))
+    rows = list(csv.DictReader(open(tmp_path / "eval4" / "predictions.csv")))
+    assert summary["labelled"] == 3 and rows[3]["energy_true"] == "" and rows[3]["forces_mae"] != ""
+    for key, scored in (("energy_abs_error", [1, 2]), ("forces_mae", [1, 2, 3]), ("stress_mae", [2, 3])):
+        mean = np.mean([float(rows[k][key]) for k in scored])
+        assert summary[key.replace("_abs_error", "_mae")] == pytest.approx(mean, rel=1e-12), key
 
 
 def test_plot_metrics(tmp_path):

@@ -37,14 +37,15 @@ def structure_record(row_id: int, formula: str, graph, pred: Dict[str, np.ndarra
     """One CSV row, its metric sums and its per-element force sums (labels may be missing)."""
     natoms = graph.num_nodes
     record = {"row_id": row_id, "formula": formula, "natoms": natoms, "energy_pred": float(pred["energy"])}
-    if graph.energy is None:
+    stress = None if graph.stress is None or "stress" not in pred else graph.stress[0]
+    if graph.energy is None and graph.forces is None and stress is None:
         return {"row": record, "sums": None, "elements": None}
-    sums = structure_sums(float(pred["energy"]), float(graph.energy[0]), natoms,
+    sums = structure_sums(float(pred["energy"]), None if graph.energy is None else float(graph.energy[0]), natoms,
                           pred["forces"] if graph.forces is not None else None, graph.forces,
-                          pred.get("stress") if graph.stress is not None else None,
-                          None if graph.stress is None or "stress" not in pred else graph.stress[0])
-    record.update(energy_true=float(graph.energy[0]), energy_abs_error=sums["energy_mae"],
-                  energy_per_atom_abs_error=sums["energy_per_atom_mae"])
+                          pred.get("stress") if stress is not None else None, stress)
+    if graph.energy is not None:
+        record.update(energy_true=float(graph.energy[0]), energy_abs_error=sums["energy_mae"],
+                      energy_per_atom_abs_error=sums["energy_per_atom_mae"])
     if "forces_mae" in sums:
         record.update(forces_mae=sums["forces_mae"], forces_cosine=sums["forces_cosine"] / natoms,
                       **{"forces_within_0.03": bool(sums["forces_within_0.03"])})
