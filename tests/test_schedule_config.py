@@ -205,7 +205,7 @@ def test_every_shipped_config_loads_and_the_label_free_demo_protects_without_lab
     assert not cfg.online_normalisation  # (the normalisers keep the foundation's statistics)
 
 
-def test_settings_a_run_cannot_act_on_are_said_at_the_start():
+def test_settings_a_run_cannot_act_on_are_said_at_the_start(tmp_path):
     """A batch larger than the data (the log said 'batch size: 100000 global'), an equigrad or confidence weight for
     a model without that term, the training data as validation data or listed twice: each was accepted in silence."""
     from orb.training.setup import settings_that_do_nothing
@@ -223,6 +223,12 @@ def test_settings_a_run_cannot_act_on_are_said_at_the_start():
     assert notes("--loss_weights.confidence", "3") == ["loss_weights.confidence 3 is not used: orb_v2 has no "
                                                        "confidence term"]
     assert "is also training data" in notes("--val_data_path", "./a.db")[0]
+    folder = tmp_path / "data"  # a validation file inside a training folder (it trained in silence)
+    folder.mkdir()
+    for name in ("train.xyz", "val.xyz"):
+        (folder / name).write_text("")
+    assert notes("--train_data_path", str(folder), "--val_data_path", str(folder / "val.xyz")) == [
+        f"validation data {folder / 'val.xyz'} is also training data: its metrics do not measure generalisation"]
     assert notes("--train_data_path", "[a.db, ./a.db]") == [
         "train_data_path lists a file twice: its structures count twice per epoch"]
     assert notes("--val_data_path", "v.db", "--val_fraction", "0.05") == [  # a template's split, a file given

@@ -18,7 +18,7 @@ import numpy as np
 
 from orb.data.formats import describe_path
 from orb.data.loader import BatchLoader
-from orb.errors import ConfigError
+from orb.errors import ConfigError, OrbInputError
 from orb.metrics import BY_ELEMENT, METRICS, describe
 from orb.training import replay as replay_choice
 from orb.training import state as training_state
@@ -346,6 +346,19 @@ def log_start(cfg: TrainConfig, dp: DataParallel, data: RunData, engine: Engine)
     log.info("metrics (per epoch, train and validation):\n%s", describe(keys + [BY_ELEMENT]))
 
 
+def files_read(paths: List[str]) -> List[str]:
+    """The absolute paths of the files data paths name (a folder's files; a path not there: itself)."""
+    from orb.data.formats import source_files
+
+    files = []
+    for path in paths:
+        try:
+            files += [os.path.realpath(f) for f in source_files(path)]
+        except OrbInputError:
+            files.append(os.path.realpath(path))
+    return files
+
+
 def settings_that_do_nothing(cfg: TrainConfig, train_rows: int) -> List[str]:
     """Lines for settings this run accepts but cannot act on as written, said once at the start (each was silent:
     a batch larger than the data, loss weights of terms the model has no head for, the training data validated)."""
@@ -363,8 +376,8 @@ def settings_that_do_nothing(cfg: TrainConfig, train_rows: int) -> List[str]:
             notes.append(f"loss_weights.{term} {weight:g} is not used: {model.name} has no {term} term")
     train = cfg.train_data_path if isinstance(cfg.train_data_path, list) else [cfg.train_data_path]
     val = cfg.val_data_path if isinstance(cfg.val_data_path, list) else [cfg.val_data_path]
-    shared = sorted({os.path.abspath(p) for p in train} & {os.path.abspath(p) for p in val if p})
-    if shared:
+    shared = sorted(set(files_read(train)) & set(files_read([p for p in val if p])))
+    if shared:  # (by file: a validation file inside a training folder was trained on without a word)
         notes.append(f"validation data {', '.join(shared)} is also training data: its metrics do not measure "
                      "generalisation")
     if cfg.val_data_path and cfg.val_fraction:
