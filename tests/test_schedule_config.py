@@ -1,7 +1,9 @@
 """Learning-rate schedule and configuration validation."""
 
 import os
+import re
 
+import numpy as np
 import pytest
 
 from conftest import ROOT
@@ -253,3 +255,25 @@ def test_an_element_beyond_the_models_table_is_named_before_training(tmp_path):
     assert result.stderr.strip().splitlines()[-1] == (f"error: {DEMO_TRAIN}, row 1, key 'numbers': Pd (Z=46) is beyond "
                                                       "the elements of the model (model.num_elements 20)")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("entry, said", [
+    ('{"Cu": 1e300}', "energy of 'Cu' must be a number of eV per atom below 1e+07 in size, got 1e+300"),
+    ('{"Cu": NaN}', "energy of 'Cu' must be a number of eV per atom below 1e+07 in size, got nan"),
+    ('{"Cu": true}', "energy of 'Cu' must be a number of eV per atom below 1e+07 in size, got True"),
+    ('{"Xx": -3.5}', "unknown or unsupported element 'Xx'"),
+    ('["Cu", -3.5]', "expected an object mapping element symbols to eV")])
+def test_a_reference_energies_file_is_checked_with_the_config(tmp_path, entry, said):
+    """A reference energy beyond float32's sums (1e300) was read at the model's build and made every step's loss NaN
+    an epoch later, blamed on the data; each entry is checked with the config now, in one line naming file and
+    element. A good file's entries go over the table."""
+    from orb.models.reference_energies import load_reference_file
+
+    path = tmp_path / "refs.json"
+    path.write_text(entry)
+    with pytest.raises(ConfigError, match=re.escape(f"reference_energies.file {path}: {said}")):
+        load_config(None, ["--reference_energies.file", str(path)])
+    path.write_text('{"Cu": -3.5, "O": -4.9}')
+    assert load_config(None, ["--reference_energies.file", str(path)]).reference_energies.file == str(path)
+    table = load_reference_file(str(path), np.ones(118))
+    assert table[29] == -3.5 and table[8] == -4.9 and table[1] == 1.0

@@ -73,6 +73,11 @@ def reference_table(name: str) -> np.ndarray:
     return np.asarray(tables[name]["coefficients"], dtype=np.float64)
 
 
+# eV per atom: above any atom's total energy (an all-electron uranium atom's is about 8e5 eV), and far enough below
+# float32's range that a structure's sum of them stays finite (1e300 made every step's loss NaN after an epoch)
+REFERENCE_LIMIT = 1e7
+
+
 def load_reference_file(path: str, base: np.ndarray) -> np.ndarray:
     """Override entries of ``base`` from a JSON file ``{"H": -3.4, "O": -4.9, ...}`` (eV per atom)."""
     try:
@@ -87,7 +92,8 @@ def load_reference_file(path: str, base: np.ndarray) -> np.ndarray:
         z = atomic_numbers.get(symbol)
         if z is None or not 0 < z < NUM_REFERENCE_ELEMENTS:
             raise ConfigError(f"reference_energies.file {path}: unknown or unsupported element '{symbol}'")
-        if not isinstance(value, (int, float)) or not np.isfinite(value):
-            raise ConfigError(f"reference_energies.file {path}: energy of '{symbol}' must be a finite number")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) < REFERENCE_LIMIT:
+            raise ConfigError(f"reference_energies.file {path}: energy of '{symbol}' must be a number of eV per atom "
+                              f"below {REFERENCE_LIMIT:g} in size, got {value!r}")
         out[z] = float(value)
     return out

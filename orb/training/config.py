@@ -323,11 +323,13 @@ def _build(cls, values: Dict[str, Any], prefix: str = ""):
 
 
 def _validate(cfg: TrainConfig) -> TrainConfig:
-    from orb.models.reference_energies import reference_table
+    from orb.models.reference_energies import NUM_REFERENCE_ELEMENTS, load_reference_file, reference_table
 
     flat = flatten(cfg.to_dict())
     if cfg.reference_energies.table:
         reference_table(cfg.reference_energies.table)  # an unknown name is refused, listing the valid ones
+    if cfg.reference_energies.file:  # (read at the model's build: its bad entry was a NaN loss an epoch later)
+        load_reference_file(cfg.reference_energies.file, [0.0] * NUM_REFERENCE_ELEMENTS)
     try:
         cfg.device_target = flat["device_target"] = device_name(cfg.device_target)  # cpu -> CPU
     except ValueError as exc:
