@@ -15,6 +15,7 @@ import pytest
 from ase.calculators.singlepoint import SinglePointCalculator
 
 from conftest import DEMO_TRAIN, DEMO_VAL, ROOT, SMALL_MODEL
+from orb.errors import ConfigError, DatasetError
 
 BUCKET = [[136, 2720]]  # one static shape fits any 8 demo structures: one compilation per step kind
 TIMING = ("train_time", "val_time", "compile_time", "data_wait")
@@ -182,6 +183,16 @@ def test_stressless_database_trains(tmp_path):
     history = trainer.fit()["history"]
     assert "stress_mae" not in history[-1]["train"] and np.isfinite(history[-1]["train"]["loss"])
     np.testing.assert_array_equal(before, params_of(trainer.model)["stress_head.mlp.NN-1.weight"])
+    only_stress = dict(energy=0.0, forces=0.0, stress=1.0)  # nothing to train there: refused (it trained a loss of 0)
+    with pytest.raises(ConfigError, match="config key 'loss_weights.stress' is the only loss weight above 0, but "
+                                          f"{path} has no stress labels: nothing to train"):
+        trainer_for(make_cfg(tmp_path, train_data_path=path, val_data_path="", loss_weights=only_stress,
+                             output_dir=str(tmp_path / "only_stress")))
+    with ase.db.connect(path) as db:  # every structure weighed at 0: the same
+        for row_id in range(1, 17):
+            db.update(row_id, weight=0.0)
+    with pytest.raises(DatasetError, match=f"{path}, key 'weight': every structure trained on has weight 0: nothing"):
+        trainer_for(make_cfg(tmp_path, train_data_path=path, val_data_path="", output_dir=str(tmp_path / "zero")))
 
 
 def test_one_compilation_per_bucket(tmp_path):

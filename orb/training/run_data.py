@@ -125,6 +125,10 @@ def trains_stress(cfg: TrainConfig, databases: Dict[str, AseDbDataset]) -> bool:
     some = any(data.has_stress for data in labelled)
     wanted = cfg.loss_weights.stress > 0 and cfg.model.has_stress
     if wanted and not some and not cfg.model.omol:
+        weights = cfg.loss_weights
+        if weights.energy == weights.forces == 0 and not (cfg.model.family == "orb_v3" and weights.confidence > 0):
+            raise ConfigError(f"config key 'loss_weights.stress' is the only loss weight above 0, but "
+                              f"{describe_path(cfg.train_data_path)} has no stress labels: nothing to train")
         log.warning("%s has no stress labels: training without the stress loss", describe_path(cfg.train_data_path))
     if not (wanted and some):
         return False
@@ -172,6 +176,9 @@ class RunData:
         their plans."""
         cfg = self.cfg
         self.replay_train, self.replay_val = replay_train, replay_val
+        if replay_train is None and not np.any(self.train_source.dataset.weights[self.train_source.positions] > 0):
+            raise DatasetError(self.train_source.source, "every structure trained on has weight 0: nothing to train",
+                               key="weight")  # (it trained in silence, the loss 0 throughout)
         sources = [self.train_source] + ([replay_train] if replay_train is not None else [])
         self.train_set = Mixture(sources)
         if replay_train is not None:
