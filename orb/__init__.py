@@ -4,6 +4,8 @@ Importing any part of it keeps MindSpore's own log to errors (:func:`orb.device.
 set: a script using the calculator printed MindSpore's notes on backends that are not installed and on its compile
 cache, as the commands do not."""
 
-from orb.device import quiet_mindspore
+__version__ = "0.2.0"  # (pyproject.toml reads it from here: one place)
+
+from orb.device import quiet_mindspore  # noqa: E402
 
 quiet_mindspore()

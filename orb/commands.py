@@ -58,10 +58,33 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         return f"{text} (default: %(default)s)"
 
 
+def version_line() -> str:
+    """orb-mindspore's version and MindSpore's (from its installed metadata: no import), for ``--version`` and the
+    reports a user pastes into an issue."""
+    from importlib import metadata
+
+    from orb import __version__
+
+    try:
+        mindspore = metadata.version("mindspore")
+    except metadata.PackageNotFoundError:
+        mindspore = "not installed"
+    return f"orb-mindspore {__version__} (MindSpore {mindspore})"
+
+
+def add_version_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--version", action="version", version=f"%(prog)s: {version_line()}",
+                        help="print the versions of orb-mindspore and MindSpore, and exit")
+
+
 class Parser(argparse.ArgumentParser):
     """A command's argument parser: a mistake is one line naming it, exit status 2. argparse printed its usage block
     first, and for a misspelt required flag (``--chekpoint``) only that ``--checkpoint`` was missing: a flag it does
-    not know is named now, with the closest one it does."""
+    not know is named now, with the closest one it does. Every command has ``--version``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        add_version_option(self)
 
     def parse_known_args(self, args=None, namespace=None):
         self._given = list(sys.argv[1:] if args is None else args)

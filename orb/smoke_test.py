@@ -53,7 +53,9 @@ def environment(target: str) -> dict:
     except Exception:  # a backend that cannot count
         STOP.raise_if_raised()  # (not a stop that landed while its plug-in loaded)
         devices = "unknown"
-    return {"mindspore": ms.__version__, "python": platform.python_version(), "numpy": np.__version__,
+    from orb import __version__
+
+    return {"orb_mindspore": __version__, "mindspore": ms.__version__, "python": platform.python_version(), "numpy": np.__version__,
             "host": platform.node(), "device_target": target, "devices": devices,
             "ops_profile": describe_profile(), "ASCEND_RT_VISIBLE_DEVICES": os.environ.get("ASCEND_RT_VISIBLE_DEVICES", "")}
 

@@ -34,13 +34,22 @@ def test_pip_install_and_run_outside_the_checkout(tmp_path):
     where = subprocess.run([str(python), "-c", "import orb, finetune; print(orb.__file__)"], cwd=work, env=env,
                            capture_output=True, text=True)
     assert where.returncode == 0 and site in where.stdout, where.stderr[-2000:]  # not the checkout's copy
+    from orb import __version__
     from orb.commands import COMMANDS
 
-    for command in COMMANDS:  # each says its name and its defaults
+    package = subprocess.run([str(python), "-c", "from importlib import metadata; print(metadata.version("
+                              "'orb-mindspore'), metadata.version('mindspore'))"], cwd=work, env=env,
+                             capture_output=True, text=True).stdout.split()
+    assert package[0] == __version__  # (pyproject.toml reads orb.__version__)
+    installed_versions = f"orb-mindspore {__version__} (MindSpore {package[1]})"
+    for command in COMMANDS:  # each says its name, its defaults and its version
         result = subprocess.run([str(venv / "bin" / command), "--help"], cwd=work, env=env, capture_output=True,
                                 text=True, timeout=120)
         assert result.returncode == 0 and result.stdout.startswith(f"usage: {command} "), (command, result.stderr)
         assert "(default: " in result.stdout, command
+        version = subprocess.run([str(venv / "bin" / command), "--version"], cwd=work, env=env, capture_output=True,
+                                 text=True, timeout=120)  # (the one line a user pastes into an issue)
+        assert version.returncode == 0 and version.stdout == f"{command}: {installed_versions}\n", version.stderr
     # a finetune.py of the user's on the path (PYTHONPATH=.) replaced the command's own: an ImportError traceback
     (work / "finetune.py").write_text("print('a script of the user')\n")
     (work / "finetune_parallel.py").write_text("raise SystemExit('a script of the user')\n")

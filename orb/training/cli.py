@@ -44,7 +44,7 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
 def finetune_parser(prog: Optional[str] = None, default_config: Optional[str] = None) -> argparse.ArgumentParser:
     """orb-finetune's (finetune.py's) options; the ``--key value`` config overrides are what it leaves unparsed."""
     from orb.bundled import template_names
-    from orb.commands import HelpFormatter
+    from orb.commands import HelpFormatter, add_version_option
 
     parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, usage=USAGE, formatter_class=HelpFormatter,
                                      description=DESCRIPTION.format(templates=textwrap.fill(
@@ -57,6 +57,7 @@ def finetune_parser(prog: Optional[str] = None, default_config: Optional[str] = 
                         help="write the packaged template TEMPLATE to the output, its bundled paths absolute, and "
                         "exit (default: none)")
     add_run_options(parser)
+    add_version_option(parser)
     return parser
 
 

@@ -275,12 +275,6 @@ def deprecated_matmul_precision(values: Dict[str, Any], prefix: str = "") -> Dic
     return values
 
 
-def published(path: str) -> bool:
-    from orb.pretrained import published_name
-
-    return published_name(path) is not None
-
-
 def model_named_by_weights(values: Dict[str, Any]) -> Dict[str, Any]:
     """``checkpoint_path: NAME`` (published weights, :mod:`orb.pretrained`) gives ``model.name`` when the config does
     not; a config naming another model is refused (two names for one run's weights is a mistake either way)."""
@@ -485,10 +479,13 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Tr
     """Read a YAML config (a file, or a packaged template by name; none: the defaults), apply ``--key value``
     overrides and validate. ``checkpoint_path`` naming a checkpoint of this program, and no ``model.name``: the model
     is the checkpoint's architecture, any model key the config sets on top (the architecture was the default's)."""
+    from orb.pretrained import published_name
+
     values = merged_settings(path, overrides)
     cfg = _validate(_build(TrainConfig, values))
     model = values.get("model") or {}
-    if cfg.checkpoint_path and isinstance(model, dict) and "name" not in model and not published(cfg.checkpoint_path):
+    if cfg.checkpoint_path and isinstance(model, dict) and "name" not in model and \
+            published_name(cfg.checkpoint_path) is None:
         from orb.io.checkpoint import stored_settings  # (MindSpore's import: only for such a checkpoint)
 
         stored = stored_settings(cfg.checkpoint_path)

@@ -16,6 +16,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from orb.commands import version_line
 from orb.data.formats import describe_path
 from orb.data.loader import BatchLoader
 from orb.errors import ConfigError, OrbInputError
@@ -181,7 +182,7 @@ def build_trainer(cfg: TrainConfig, data_parallel: Optional[DataParallel] = None
                           "data-parallel run (MindSpore's CPU AllReduce and AllGather) sum in float32; use "
                           "float32-highest in parallel")
     set_precision(cfg.precision)
-    log.info("device: %s, %s, %s%s", ms.get_context("device_target"), describe_profile(),
+    log.info("%s; device: %s, %s, %s%s", version_line(), ms.get_context("device_target"), describe_profile(),
              describe_precision(cfg.precision, ms.get_context("device_target")),
              ", deterministic" if cfg.deterministic else "")
     if dp.parallel:
