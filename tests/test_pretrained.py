@@ -343,3 +343,12 @@ def test_orb_download_fills_the_cache(mirror, monkeypatch, tmp_path):
     bad = subprocess.run(command + ["orb_v9"], capture_output=True, text=True, timeout=300, env=env)
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: unknown model name 'orb_v9'")
     assert len(bad.stderr.strip().splitlines()) == 1
+    serve(mirror, "orb_d3_sm_v2", source)  # a mirror's wrong file: the xs model served as sm
+    wrong = subprocess.run(command + ["orb_d3_sm_v2"], capture_output=True, text=True, timeout=600, env=env)
+    said = wrong.stderr.strip().splitlines()[-1]
+    assert wrong.returncode == 2 and "orb-d3-sm-v2-20241011.ckpt (served as orb_d3_sm_v2) holds " in said
+    assert "5 message-passing layers" in said and "10 message-passing layers" in said  # (xs's 5, sm's 10)
+    assert said.endswith(f"it was removed from the cache: check the copy at {mirror.url}/forcefields/"
+                         "orb-d3-sm-v2-20241011.ckpt, then fetch it again"), wrong.stderr[-2000:]
+    kept = os.listdir(tmp_path / "cache" / "weights")  # (it was kept, verified by its record, and every later use of
+    assert not any(n.startswith("orb-d3-sm-v2") for n in kept), kept  # the name failed on it)

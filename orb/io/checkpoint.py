@@ -315,7 +315,10 @@ def published_weights(name: str, progress: Optional[bool] = None) -> Tuple[Dict[
     if found is not None:
         return found
     weights = read_torch_checkpoint(source)
-    _check_published_architecture(name, weights, source)
+    try:
+        _check_published_architecture(name, weights, source)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{exc}: {pretrained.discarded(source)}") from None
     meta = {"model": ModelConfig.from_dict({"name": name}).to_dict(), "published": name,
             "converted_from": pretrained.weights_url(name)}
 
