@@ -487,6 +487,12 @@ def test_dft_values_are_read_from_json_or_csv_and_a_wrong_name_is_refused_naming
         given.write_text(json.dumps(content))
         with pytest.raises(OrbInputError, match=re.escape(said)):
             read_dft(str(given), ["Cu_fcc"])
+    table.write_text("structure,a,B\nCu_fcc,nan,inf\n")  # were compared with and printed as nan and inf
+    with pytest.raises(OrbInputError, match=re.escape(f"--dft {table}, Cu_fcc, a: not a finite number ('nan')")):
+        read_dft(str(table), ["Cu_fcc"])
+    given.write_text('{"Cu_fcc": {"a": 3.6, "B": Infinity}}')  # (Python's JSON reads it)
+    with pytest.raises(OrbInputError, match=re.escape(f"--dft {given}, Cu_fcc, B: not a finite number (inf)")):
+        read_dft(str(given), ["Cu_fcc"])
 
 
 def test_a_structure_taken_as_given_is_not_said_to_be_unconverged():
