@@ -127,6 +127,21 @@ OPS_PROFILE_VARIABLE = "ORB_OPS_PROFILE"
 _configured_profile: Optional[str] = None
 
 
+COMPILE_CACHE_VARIABLE = "ORB_COMPILE_CACHE"  # compiled graphs kept between processes (orb.graph_cache)
+COMPILE_CACHE_SWITCH = {"1": True, "true": True, "on": True, "yes": True,
+                        "0": False, "false": False, "off": False, "no": False}
+
+
+def compile_cache_on() -> bool:
+    """``ORB_COMPILE_CACHE`` (on when unset or empty); another value is refused as ``ORB_OPS_PROFILE``'s is (a typo
+    was read as on)."""
+    value = os.environ.get(COMPILE_CACHE_VARIABLE, "")
+    if value.strip().lower() not in COMPILE_CACHE_SWITCH and value.strip():
+        raise ConfigError(f"{COMPILE_CACHE_VARIABLE} must be one of 1, true, on, yes (keep compiled graphs) or 0, "
+                          f"false, off, no (compile afresh), got {value!r}")
+    return COMPILE_CACHE_SWITCH.get(value.strip().lower(), True)
+
+
 def _checked_profile(name: str, source: str) -> str:
     if name not in OPS_PROFILES:
         raise ConfigError(f"{source} must be one of {', '.join(OPS_PROFILES)}, got {name!r}")
@@ -199,6 +214,7 @@ def configure_mindspore(device_target: str = "auto", device_id: int = 0, num_thr
     """
     from orb import precision as numerics
 
+    compile_cache_on()  # (read at the first compilation: a bad value is said before any work)
     import_mindspore()
     import mindspore as ms
 

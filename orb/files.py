@@ -219,15 +219,20 @@ def append_whole(path: str, data: bytes, fsync: bool = False) -> None:
 
 
 def read_records(path: str) -> Iterator[Dict]:
-    """The records of a JSON-lines file; a line cut short by a kill is skipped."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        for line in f:
+    """The records of a JSON-lines file (none if it is not there); a line cut short by a kill is skipped."""
+    return (record for _, record in numbered_records(path)) if os.path.exists(path) else iter(())
+
+
+def numbered_records(path: str, skipped: Optional[List[int]] = None) -> Iterator[Tuple[int, object]]:
+    """(line number, record) of a JSON-lines file. A line that is not complete JSON (cut short by a kill, or by a full
+    disk: :func:`append_whole` ends it) is skipped, its number added to ``skipped`` for a reader that says so."""
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
             try:
-                yield json.loads(line)
+                yield number, json.loads(line)
             except json.JSONDecodeError:
-                continue
+                if line.strip() and skipped is not None:
+                    skipped.append(number)
 
 
 def keep_records_up_to(path: str, step: int) -> int:

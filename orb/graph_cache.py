@@ -38,7 +38,6 @@ log = logging.getLogger("orb")
 
 KIND = "graphs"
 CODE = ("orb",)  # every module of the package: a graph's content is the code that builds its cells
-ENVIRONMENT = "ORB_COMPILE_CACHE"
 SWITCH = "MS_COMPILER_CACHE_ENABLE"
 # MindSpore's name for a process's i-th kept graph: under msrun prefixed by the cluster role (MS_WORKER); never its
 # backend's kernel graphs (backend_compile_cache_<i>.mindir), which are not what it loads for a front-end graph
@@ -64,7 +63,9 @@ class GraphCache:
         return self.enabled
 
     def _enable(self) -> bool:
-        if os.environ.get(ENVIRONMENT, "1").strip().lower() in ("0", "false", "off", "no"):
+        from orb.device import compile_cache_on
+
+        if not compile_cache_on():
             return False
         import mindspore as ms
 

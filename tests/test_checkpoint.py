@@ -294,6 +294,27 @@ def test_convert_names_an_unwritable_target_in_one_line_and_exits_75_on_a_stop_s
     assert os.listdir(tmp_path) == []
 
 
+def test_convert_replaces_an_existing_target_only_with_overwrite(tmp_path, capsys):
+    """orb-convert replaced an existing file unasked (every other command refuses an existing output unless
+    --overwrite): refused in one line before any work, the file as it was; a folder is refused even with it."""
+    from orb.io.checkpoint import read_weights
+    from orb.io.convert import main
+
+    source, target = os.path.join(ROOT, "data", "demo_pretrained.ckpt"), tmp_path / "kept.ckpt"
+    target.write_bytes(b"an earlier conversion")
+    for extra, said in (([], f"target {target} exists: pass --overwrite to replace it"),
+                        (["--overwrite"], None)):
+        status = main([source, str(target), "--to", "mindspore", *extra])
+        err = capsys.readouterr().err.strip()
+        if said:
+            assert status == 2 and err == f"error: {said}" and target.read_bytes() == b"an earlier conversion"
+        else:
+            assert status == 0 and read_weights(str(target))[1]["converted_from"] == source, err[-2000:]
+    assert main([source, str(tmp_path), "--overwrite"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: target {tmp_path} is a folder: name a file"
+    assert os.listdir(tmp_path) == ["kept.ckpt"]
+
+
 def test_weights_holding_nan_are_not_converted(tmp_path):
     """orb-convert turned a diverged run's PyTorch checkpoint (a tensor of NaN) into a MindSpore checkpoint holding
     NaN, which every tool then loaded; a checkpoint never holds NaN. Refused in one line naming the tensor."""

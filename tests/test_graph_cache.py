@@ -540,3 +540,23 @@ def test_a_graph_for_every_size_is_traced_so_in_its_own_thread_only():
     leave.set()
     thread.join()
     assert seen == {"calculator": True, "training": False} and not traced_for_every_size()
+
+
+def test_an_unknown_orb_compile_cache_value_is_refused_as_orb_ops_profiles_is(monkeypatch):
+    """``ORB_COMPILE_CACHE=maybe`` was read as on, where ``ORB_OPS_PROFILE=bogus`` is refused: now refused too, at
+    every command's start (configure_mindspore) and where it is read (the first compilation)."""
+    import re
+
+    from orb.device import compile_cache_on, configure_mindspore
+    from orb.errors import ConfigError
+    from orb.graph_cache import GraphCache
+
+    for value, on in (("", True), ("1", True), ("Yes", True), (" off ", False), ("0", False)):
+        monkeypatch.setenv("ORB_COMPILE_CACHE", value)
+        assert compile_cache_on() is on
+    monkeypatch.setenv("ORB_COMPILE_CACHE", "maybe")
+    said = ("ORB_COMPILE_CACHE must be one of 1, true, on, yes (keep compiled graphs) or 0, false, off, no (compile "
+            "afresh), got 'maybe'")
+    for call in (lambda: configure_mindspore("CPU"), GraphCache().usable):
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            call()

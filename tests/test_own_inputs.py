@@ -125,7 +125,7 @@ def test_convert_never_replaces_its_source(tmp_path, monkeypatch, capsys, how):
     monkeypatch.chdir(tmp_path)
     shutil.copyfile(DEMO, "model.ckpt")
     target = spelt("model.ckpt", how)
-    refused(capsys, tmp_path, main, ["model.ckpt", target, "--to", "torch"], "model.ckpt", target)
+    refused(capsys, tmp_path, main, ["model.ckpt", target, "--to", "torch", "--overwrite"], "model.ckpt", target)
 
 
 def test_export_never_writes_over_its_checkpoint_or_data(tmp_path, monkeypatch, capsys):

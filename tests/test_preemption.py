@@ -652,7 +652,8 @@ def test_resume_auto_never_overwrites_a_run_without_last_ckpt(tmp_path):
 
 def test_a_resume_path_that_names_no_checkpoint_is_said_with_the_configs_checks(tmp_path, capsys):
     """--resume of a missing file or folder was said after the starting weights were read (a download for a published
-    model) and the data counted: now with the config's checks, before any of that."""
+    model) and the data counted: now with the config's checks, before any of that; so is a path with --overwrite,
+    which it ignored."""
     import finetune
 
     for given, said in ((tmp_path / "nope.ckpt", "checkpoint file does not exist"),
@@ -661,6 +662,13 @@ def test_a_resume_path_that_names_no_checkpoint_is_said_with_the_configs_checks(
                                                              str(tmp_path / "missing.db")])
         assert status == 2
         assert capsys.readouterr().err.strip() == f"error: --resume {given}: {said}"  # (not the missing data first)
+    (tmp_path / "last.ckpt").write_bytes(b"a checkpoint")
+    status = finetune.main(run_args(tmp_path / "run") + ["--resume", str(tmp_path), "--overwrite", "--train_data_path",
+                                                         str(tmp_path / "missing.db")])
+    assert status == 2  # (--overwrite was ignored: the run resumed)
+    assert capsys.readouterr().err.strip() == (f"error: --resume {tmp_path} continues the earlier run and --overwrite "
+                                               "replaces it: give one of them (--resume auto --overwrite: last.ckpt "
+                                               "if there is one, else start over)")
 
 
 def test_resume_auto_starts_again_after_a_kill_in_the_first_epochs_save(tmp_path):

@@ -408,6 +408,20 @@ def test_bad_numbers_and_a_crowded_structure_are_one_line_before_any_work(tmp_pa
     assert sorted(os.listdir(tmp_path)) == ["cu.extxyz"]
 
 
+@pytest.mark.parametrize("flag", ["--imaginary_below", "--tie_tolerance"])
+@pytest.mark.parametrize("value", ["-50", "nan", "inf"])
+def test_a_negative_or_not_finite_threshold_is_refused_naming_the_flag(tmp_path, flag, value):
+    """``--imaginary_below -50`` flagged 2901 real modes of fcc gold as imaginary, nan none; ``--tie_tolerance`` nan
+    or -1 found no ties where the default finds 32: each was taken silently."""
+    from orb.errors import OrbInputError
+    from orb.inference.properties import build_parser, check_arguments
+
+    args = build_parser().parse_args(["--checkpoint", DEMO_V2, "--elements", "Au", "--output", str(tmp_path / "out"),
+                                      "--no-phonons", flag, value])
+    with pytest.raises(OrbInputError, match=f"^{flag} must be a finite number >= 0 (THz|Å), got {value}"):
+        check_arguments(args)
+
+
 def test_a_killed_runs_staging_folders_are_removed_and_a_replaced_output_put_back(tmp_path):
     """A kill left ``.out.partial-<pid>`` for good, and one between publishing's two renames left the earlier output
     only as ``.out.old-<pid>``: folders of this host's dead processes are removed, an output without its replacement
@@ -473,6 +487,12 @@ def test_dft_values_are_read_from_json_or_csv_and_a_wrong_name_is_refused_naming
         given.write_text(json.dumps(content))
         with pytest.raises(OrbInputError, match=re.escape(said)):
             read_dft(str(given), ["Cu_fcc"])
+    table.write_text("structure,a,B\nCu_fcc,nan,inf\n")  # were compared with and printed as nan and inf
+    with pytest.raises(OrbInputError, match=re.escape(f"--dft {table}, Cu_fcc, a: not a finite number ('nan')")):
+        read_dft(str(table), ["Cu_fcc"])
+    given.write_text('{"Cu_fcc": {"a": 3.6, "B": Infinity}}')  # (Python's JSON reads it)
+    with pytest.raises(OrbInputError, match=re.escape(f"--dft {given}, Cu_fcc, B: not a finite number (inf)")):
+        read_dft(str(given), ["Cu_fcc"])
 
 
 def test_a_structure_taken_as_given_is_not_said_to_be_unconverged():

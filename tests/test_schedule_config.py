@@ -183,10 +183,27 @@ def test_reference_tables_of_orb_models_070_by_name(tmp_path):
 def test_callbacks_are_made_from_their_names_or_refused_in_one_line():
     from orb.training.setup import load_callbacks
 
-    made = load_callbacks(["collections:OrderedDict"])
-    assert type(made[0]).__name__ == "OrderedDict"
+    made = load_callbacks(["stop_callbacks:KillAtStep7"])  # (made, not called)
+    assert type(made[0]).__name__ == "KillAtStep7"
     for name, message in (("no_such_module:X", "ModuleNotFoundError"), ("collections:NoSuchName", "AttributeError")):
         with pytest.raises(ConfigError, match=f"config key 'callbacks\\[0\\]': cannot make {name} \\({message}"):
+            load_callbacks([name])
+
+
+class MisspeltHook:
+    def on_epoch_ends(self, trainer, record):
+        raise AssertionError("never called")
+
+
+def test_a_callback_with_none_of_the_hooks_is_refused_naming_them():
+    """A class whose hook was misspelt (``on_epoch_ends``), or any class at all (``json:JSONDecoder``), was taken and
+    never called."""
+    from orb.training.setup import load_callbacks
+
+    for name in ("test_schedule_config:MisspeltHook", "json:JSONDecoder"):
+        with pytest.raises(ConfigError, match=re.escape(f"config key 'callbacks[0]': {name} has none of the hooks a "
+                                                        "callback may define (on_train_step, on_validation_batch, "
+                                                        "on_epoch_end)")):
             load_callbacks([name])
 
 

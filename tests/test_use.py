@@ -218,6 +218,21 @@ def test_plot_metrics(tmp_path):
         assert bad.returncode == 2 and len(lines) == 1 and message in lines[0], bad.stderr[-2000:]
 
 
+def test_plot_skips_a_line_a_kill_cut_short_and_says_it_once(tmp_path, capsys):
+    """A metrics.jsonl with one cut line (a kill, or a full disk: then ended with a newline so that readers skip it)
+    was refused whole ("cannot read metrics (Expecting ...)"); a resume reads it without that line."""
+    from orb.files import read_records
+    from orb.reports.curves import read_epochs
+
+    with open(os.path.join(DATA, "demo_metrics.jsonl")) as f:
+        lines = f.readlines()[:5]
+    cut = tmp_path / "metrics.jsonl"
+    cut.write_text("".join(lines[:2]) + lines[2][:-30] + "\n" + lines[3] + lines[4][:-30])
+    assert [r["epoch"] for r in read_epochs(str(cut))] == [0]  # (lines 3 and 5: the epochs' records, cut)
+    assert capsys.readouterr().err == f"note: {cut}: lines 3, 5 not complete JSON (cut short?): skipped\n"
+    assert [r["type"] for r in read_records(str(cut))] == ["initial", "step", "step"]  # (the same reader)
+
+
 def test_calculator_buckets_fit_a_repeated_size_closely():
     """An MD run repeats one size: its bucket holds it closely (on orb-md's grid of shapes, here 8 padding nodes;
     padding is work at every step), and is orb-md's shape of it (one compiled graph for both tools); the same atoms

@@ -296,6 +296,10 @@ def check_arguments(args) -> None:
                             "finite number > 0")
     if not 0 < args.symprec < 1:  # (phonopy crashed the process on a negative one, after every relaxation)
         raise OrbInputError(f"--symprec must be within (0, 1) Å, got {args.symprec}")
+    if not 0 <= args.imaginary_below < math.inf:  # (a negative one flagged real modes; nan flagged none)
+        raise OrbInputError(f"--imaginary_below must be a finite number >= 0 THz, got {args.imaginary_below}")
+    if not 0 <= args.tie_tolerance < math.inf:  # (nan or a negative one found no ties, where there were)
+        raise OrbInputError(f"--tie_tolerance must be a finite number >= 0 Å, got {args.tie_tolerance}")
     check_checkpoint_file(args.checkpoint, "--checkpoint")
     if args.reference:
         check_checkpoint_file(args.reference, "--reference")

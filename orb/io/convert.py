@@ -32,7 +32,7 @@ def main(argv=None) -> int:
 
 def parse_and_convert(argv) -> int:
     args = build_parser().parse_args(argv)
-    return convert(args.source, args.target, args.to, args.model)
+    return convert(args.source, args.target, args.to, args.model, args.overwrite)
 
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
@@ -47,24 +47,37 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
                         help="output format (default: the other one of the source's)")
     parser.add_argument("--model", default=None, help="model name, when the checkpoint cannot tell (a published "
                         "orb-v3 file: orb_v3_conservative_20_omat or ..._inf_omat) (default: the checkpoint's)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing target file (never the source)")
     return parser
 
 
-def convert(source: str, target: str, to=None, name=None) -> int:
+def check_target(source: str, target: str, overwrite: bool) -> None:
+    """Before any work: the target is never the source however spelt (it replaced its own source), nor a folder, and
+    an existing file is replaced only with ``overwrite`` (it was replaced unasked, as no other command does)."""
+    from orb.errors import OrbInputError
+    from orb.files import refuse_overwriting_inputs
+
+    refuse_overwriting_inputs([("target", target, None)], [("source", source)])
+    if os.path.isdir(target):
+        raise OrbInputError(f"target {target} is a folder: name a file")
+    if os.path.lexists(target) and not overwrite:
+        raise OrbInputError(f"target {target} exists: pass --overwrite to replace it")
+
+
+def convert(source: str, target: str, to=None, name=None, overwrite: bool = False) -> int:
     from orb.device import import_mindspore
 
+    check_target(source, target, overwrite)
     import_mindspore()  # a stop signal meanwhile is honoured after it
     from orb.io.checkpoint import (architecture, describe, load_torch_state_dict, read_weights, save_checkpoint,
                                    settings_a_state_dict_loses, stored_architecture, to_torch_state_dict)
     import numpy as np
 
     from orb.errors import CheckpointError, RunError
-    from orb.files import refuse_overwriting_inputs
     from orb.io.torch_format import is_torch_zip, write_torch_checkpoint
     from orb.models import build
     from orb.models.config import ModelConfig
 
-    refuse_overwriting_inputs([("target", target, None)], [("source", source)])  # (it replaced its own source)
     weights, meta = read_weights(source)
     not_finite = next((key for key, value in weights.items() if np.issubdtype(np.asarray(value).dtype, np.floating)
                        and not np.isfinite(value).all()), None)

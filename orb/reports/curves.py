@@ -9,25 +9,29 @@ Several metrics.jsonl files are drawn in one figure (one colour per run, with it
 """
 
 import argparse
-import json
 import os
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from orb.errors import OrbInputError
-from orb.files import write_atomically
+from orb.files import numbered_records, write_atomically
 
 PANELS = (("loss", "loss (normalised)"), ("energy_mae", "energy MAE (eV)"),
           ("forces_mae", "force MAE (eV/Å)"), ("stress_mae", "stress MAE (eV/Å³)"))
 
 
 def read_epochs(path: str) -> List[Dict]:
-    """The epoch records of a metrics.jsonl (epoch 0: the starting checkpoint, validation only)."""
+    """The epoch records of a metrics.jsonl (epoch 0: the starting checkpoint, validation only). A line that is not
+    complete JSON (one a kill cut short) is skipped and said, as a resume skips it; the rest is drawn."""
+    skipped: List[int] = []
     try:
-        with open(path, encoding="utf-8") as f:
-            records = [(number, json.loads(line)) for number, line in enumerate(f, 1) if line.strip()]
-    except (OSError, ValueError) as exc:  # (a binary file: UnicodeDecodeError; a line that is not JSON)
+        records = list(numbered_records(path, skipped))
+    except (OSError, ValueError) as exc:  # (a binary file: UnicodeDecodeError)
         raise OrbInputError(f"{path}: cannot read metrics ({exc})") from None
+    if skipped:
+        lines = ", ".join(map(str, skipped[:5])) + (" ..." if len(skipped) > 5 else "")
+        print(f"note: {path}: line{'s' if len(skipped) > 1 else ''} {lines} not complete JSON (cut short?): skipped",
+              file=sys.stderr)
     for number, record in records:
         if not isinstance(record, dict):
             raise OrbInputError(f"{path}, line {number}: not a metrics record (a JSON object), got "

@@ -3,6 +3,7 @@ and against DFT, the console table, and the equation-of-state and band-structure
 
 import csv
 import json
+import math
 import os
 from typing import Dict, List, Optional
 
@@ -85,16 +86,25 @@ def read_dft(path: str, names: List[str]) -> Dict[str, Dict[str, float]]:
         if not isinstance(values, dict):
             raise OrbInputError(f"--dft {path}, {name}: expected an object of values, got {type(values).__name__}")
         found[name] = {}
-        for key, value in values.items():
-            key = ALIASES.get(key, key)
+        for given, value in values.items():
+            key = ALIASES.get(given, given)
             if key not in SCALARS:
                 raise OrbInputError(f"--dft {path}, {name}: unknown value {key!r} (known: "
                                     f"{', '.join(list(SCALARS) + list(ALIASES))})")
-            try:
-                found[name][key] = float(value)
-            except (TypeError, ValueError):
-                raise OrbInputError(f"--dft {path}, {name}, {key}: not a number ({value!r})") from None
+            found[name][key] = dft_number(value, f"--dft {path}, {name}, {given}")
     return found
+
+
+def dft_number(value, where: str) -> float:
+    """A reference value as a finite float: nan or inf (which CSV and Python's JSON read) would be compared with and
+    printed as if it were a value."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise OrbInputError(f"{where}: not a number ({value!r})") from None
+    if not math.isfinite(number):
+        raise OrbInputError(f"{where}: not a finite number ({value!r}); for no value, leave it out")
+    return number
 
 
 def _number(value: Optional[float], width: int = 12) -> str:

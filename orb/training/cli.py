@@ -97,11 +97,15 @@ def print_template(name: str, overrides: List[str]) -> int:
     return 0
 
 
-def check_resume_path(resume: Optional[str]) -> None:
+def check_resume_path(resume: Optional[str], overwrite: bool = False) -> None:
     """A ``--resume`` path that names no checkpoint, said with the config's checks (it came after the weights' download
-    and the data's census)."""
+    and the data's census), or given with ``--overwrite`` (which it ignored), as orb-relax and orb-md refuse the pair;
+    ``--resume auto --overwrite`` has a meaning: resume from last.ckpt, else start over."""
     from orb.training.checkpointing import resolve
 
+    if resume and resume != "auto" and overwrite:
+        raise ConfigError(f"--resume {resume} continues the earlier run and --overwrite replaces it: give one of them "
+                          "(--resume auto --overwrite: last.ckpt if there is one, else start over)")
     if resume and resume != "auto":
         path = resolve(resume)
         if not os.path.isfile(path):
@@ -116,7 +120,7 @@ def checked_config(args: argparse.Namespace, overrides: List[str]) -> TrainConfi
     if args.config is None:
         raise ConfigError(f"no --config: name your YAML config file or a packaged template ({templates_line()})")
     cfg = load_config(args.config, overrides)
-    check_resume_path(args.resume)
+    check_resume_path(args.resume, args.overwrite)
     check_training_data(cfg)
     check_outputs_apart(cfg)
     return cfg

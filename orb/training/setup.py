@@ -33,7 +33,7 @@ from orb.training.guards import Guards
 from orb.training.reference_fit import fit_reference_energies, reference_baseline, table_of_record
 from orb.training.reporting import Reporter
 from orb.training.run_data import RunData, open_databases, survey, trains_stress
-from orb.training.trainer import Trainer
+from orb.training.trainer import CALLBACK_HOOKS, Trainer
 
 log = logging.getLogger("orb")
 # years of training at a step a second; its schedule takes 1.6 GB on the host and its per-step tables (5 values,
@@ -93,6 +93,9 @@ def load_callbacks(names: Sequence[str]) -> list:
         except Exception as exc:  # an import error, a missing name or a failing constructor: one line
             raise ConfigError(f"config key 'callbacks[{i}]': cannot make {name} ({type(exc).__name__}: {exc})") \
                 from None
+        if not any(callable(getattr(out[-1], hook, None)) for hook in CALLBACK_HOOKS):  # (a typo: never called)
+            raise ConfigError(f"config key 'callbacks[{i}]': {name} has none of the hooks a callback may define "
+                              f"({', '.join(CALLBACK_HOOKS)}), so it would never be called")
     return out
 
 

@@ -36,6 +36,7 @@ from orb.training.reporting import Reporter, format_metrics
 from orb.training.run_data import RunData
 
 log = logging.getLogger("orb")
+CALLBACK_HOOKS = ("on_train_step", "on_validation_batch", "on_epoch_end")  # what _notify calls (the docstring's)
 
 
 def selection_loss(results: Dict[str, Dict], train_loss: float, with_replay: bool) -> float:
