@@ -690,7 +690,7 @@ def test_resume_auto_starts_again_after_a_kill_in_the_first_epochs_save(tmp_path
                              cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert refused.returncode == 2 and "holds an earlier run" in refused.stderr, refused.stderr[-2000:]  # finished
     assert (run / "checkpoints" / "best.ckpt").read_bytes() == finished  # (a finished run's last.ckpt deleted later)
-    (run / "metrics.jsonl").write_text("".join(kept))
+    (run / "metrics.jsonl").write_text("".join(kept) + '{"type": "step", "ste\n')  # (the kill cut its last line)
     again = subprocess.run([sys.executable, "finetune.py", *run_args(run, max_epochs=1), "--resume", "auto"],
                            cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-2000:]

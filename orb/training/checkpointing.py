@@ -31,6 +31,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from orb.errors import ConfigError, DivergedError
+from orb.files import read_records
 from orb.training.distributed import DataParallel
 from orb.training.outputs import existing_run_files
 
@@ -157,11 +158,9 @@ def first_save_cut_short(output_dir: str, found: List[str], config: Dict) -> boo
     if "best.ckpt" not in names or not names <= {"best.ckpt", "best_weights.ckpt", "epoch_0001.ckpt"}:
         return False
     try:  # the epoch's record comes after last.ckpt: a finished run whose last.ckpt was deleted later has it
-        with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-            if any(json.loads(line).get("type") == "epoch" for line in f if line.strip()):
-                return False
-    except FileNotFoundError:
-        pass
+        records = read_records(os.path.join(output_dir, "metrics.jsonl"))  # (a line the kill cut short: skipped)
+        if any(isinstance(r, dict) and r.get("type") == "epoch" for r in records):
+            return False
     except (OSError, ValueError):  # (unreadable: not shown to be a first save cut short)
         return False
     for name in names - {"best_weights.ckpt"}:
