@@ -9,6 +9,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from orb.errors import OrbInputError
+from orb.records import RUN_RECORD, SUMMARY
 
 log = logging.getLogger("orb")
 
@@ -62,7 +63,7 @@ def check_args(args) -> None:
     check_resume_and_overwrite(args.resume, args.overwrite)
 
 
-RUN_RECORDS = ("summary.json", "uncertain.extxyz", "run.json")  # beside each structure's traj_, state_ and log_
+RUN_RECORDS = (SUMMARY, "uncertain.extxyz", RUN_RECORD)  # beside each structure's traj_, state_ and log_
 
 
 def written_by_md(name: str) -> bool:

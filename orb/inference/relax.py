@@ -23,6 +23,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from orb.errors import OrbInputError, RunError
+from orb.records import RUN_RECORD, SUMMARY
 from orb.signals import out_of_space
 
 log = logging.getLogger("orb")
@@ -110,7 +111,7 @@ def companion(output: str, kind: str) -> str:
     return os.path.splitext(os.path.abspath(output))[0] + "." + kind
 
 
-COMPANIONS = ("run.json", "summary.json", "uncertain.extxyz")
+COMPANIONS = (RUN_RECORD, SUMMARY, "uncertain.extxyz")
 # what orb-relax adds (with orb.inference.runs.ORIGIN_KEYS: for data other than one ASE database, the file and its frame
 # or row each structure came from)
 OUTPUT_KEYS = ("source_row", "relax_steps", "converged", "predicted_force_error_max")
