@@ -95,7 +95,7 @@ def load_structures(args, model) -> Tuple[List[Run], object]:
     from orb.data.dataset import AseDbDataset
     from orb.data.formats import LabelKeys, readable_database, without_labels
     from orb.inference.dispersion import check_dispersion_elements
-    from orb.inference.runs import origin_keys, total_charge_and_spin
+    from orb.inference.runs import ORIGIN_KEYS, origin_keys, total_charge_and_spin
 
     keys = LabelKeys(charge=args.charge_key, spin=args.spin_key, labels=False)
     data = AseDbDataset(readable_database(args.data, keys), require_labels=False, labels=False,
@@ -107,7 +107,8 @@ def load_structures(args, model) -> Tuple[List[Run], object]:
     for i in range(len(data)):
         atoms = data.get_atoms(i, say_dropped=True)
         atoms.calc = None
-        atoms.info = without_labels(atoms.info)  # the starting structure's labels are not the frames'
+        atoms.info = {key: value for key, value in without_labels(atoms.info).items()  # the starting structure's
+                      if key not in ORIGIN_KEYS}  # labels are not the frames', nor where an earlier run's input was
         if model.cfg.omol:
             atoms.info.update(total_charge_and_spin(data, i, required=True))
         row = int(data.ids[i])
