@@ -14,6 +14,19 @@ from orb.errors import OrbInputError
 Check = Callable[[object], object]  # a field's value -> the value to use; ValueError or TypeError saying why not
 
 
+# the records orb-relax, orb-md and orb-evaluate write beside their outputs, by name: run.json and summary.json in
+# orb-md's and orb-evaluate's folders, OUTPUT.run.json and OUTPUT.summary.json beside orb-relax's database, and
+# orb-md's state_<k>.json per structure (orb.inference.md_setup.Run.path); a data folder holding them is read
+# without them (orb.data.formats.source_files: ase.io read them as ASE JSON databases and refused the folder)
+RUN_RECORD, SUMMARY = "run.json", "summary.json"
+
+
+def is_own_record(name: str) -> bool:
+    """Whether a file of a folder, by its name, is one of those records."""
+    state = name.startswith("state_") and name.endswith(".json") and name[len("state_"):-len(".json")].isdigit()
+    return state or name in (RUN_RECORD, SUMMARY) or name.endswith(("." + RUN_RECORD, "." + SUMMARY))
+
+
 class RecordError(OrbInputError):
     """A record a resume needs that cannot be read or holds a value it cannot use."""
 

@@ -118,6 +118,31 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message, read)
     assert result.stdout.split() == [str(read)]  # MindSpore imported
 
 
+@pytest.mark.parametrize("key, message", [("numbers", "atom 1 has atomic number 0; orb supports 1..118"),
+                                          ("positions", "positions contain NaN or inf")])
+def test_data_every_other_command_refuses_is_refused_and_nothing_is_written(tmp_path, key, message):
+    """--data is checked as orb-evaluate checks it: an atom of Z=0 or a NaN position is one line naming file, frame
+    and key (the shapes were planned on it, and the export written, exit 0)."""
+    import ase.io
+    from ase import Atoms
+
+    good = Atoms("Cu2", positions=[[0, 0, 0], [0, 0, 2.3]])
+    bad = good.copy()
+    if key == "numbers":
+        bad.numbers[1] = 0
+    else:
+        bad.positions[1, 2] = np.nan
+    data = str(tmp_path / "data.extxyz")
+    ase.io.write(data, [good, bad], format="extxyz")
+    out = tmp_path / "export"
+    result = subprocess.run([sys.executable, "scripts/export.py", "--checkpoint", "data/demo_pretrained.ckpt",
+                             "--data", data, "--output", str(out / "m.mindir"), "--device_target", "CPU"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"error: {data}, frame 1, key '{key}': {message}"], result.stderr[-2000:]
+    assert not os.path.exists(out) or os.listdir(out) == []
+
+
 def test_an_output_folder_under_a_file_is_one_line(tmp_path):
     (tmp_path / "notes").write_text("a file, not a folder")
     result = subprocess.run([sys.executable, "scripts/export.py", "--checkpoint", "data/demo_pretrained.ckpt",

@@ -435,7 +435,44 @@ def test_a_data_folders_notes_and_scripts_are_left_out_and_said(tmp_path, cache,
     caplog.set_level("WARNING", logger="orb")
     assert [energy for energy, _, _ in labels_of(folder)] == [e for e, _, _ in labels_of(folder / "frames.extxyz")]
     said = [r.getMessage() for r in caplog.records if "not read (notes" in r.getMessage()]
-    assert said == [f"{folder}: README.txt, make_data.py, notes.md not read (notes, scripts or images, not structures)"]
+    assert said == [f"{folder}: README.txt, make_data.py, notes.md not read (notes, scripts, images or orb's own "
+                    "records, not structures)"]
+
+
+def test_a_folder_as_orb_relax_or_orb_md_leaves_it_reads_as_its_structures(tmp_path, cache, caplog):
+    """orb-relax's OUTPUT.run.json and OUTPUT.summary.json, orb-md's run.json, summary.json and state_k.json
+    beside the structures stopped the run ("cannot read it as an ASE database"): left out by name, said once per
+    folder; an ASE JSON database beside them is still read."""
+    import ase.io
+    from ase.calculators.singlepoint import SinglePointCalculator
+    from ase.db import connect
+
+    from orb.data.formats import LabelKeys, readable_database
+    from orb.data.dataset import AseDbDataset
+
+    frames = demo_frames()[:2]
+    start = str(tmp_path / "start.extxyz")
+    ase.io.write(start, [a.copy() for a in frames], format="extxyz")
+    common = ["--checkpoint", "data/demo_pretrained.ckpt", "--data", start, "--steps", "2", "--device_target", "CPU",
+              "--progress_bar", "false"]
+    for command, output in (("relax", ["--output", str(tmp_path / "relaxed" / "x.db")]),
+                            ("md", ["--output", str(tmp_path / "md"), "--timestep", "1", "--write_every", "1"])):
+        result = subprocess.run([sys.executable, f"scripts/{command}.py", *common, *output], cwd=ROOT, text=True,
+                                capture_output=True, timeout=600, env=dict(os.environ, ORB_CACHE_DIR=str(cache)))
+        assert result.returncode == 0, result.stderr[-2000:]
+    with connect(str(tmp_path / "relaxed" / "more.json"), use_lock_file=False) as db:  # a real ASE JSON database
+        atoms = frames[0].copy()
+        atoms.calc = SinglePointCalculator(atoms, energy=-1.0, forces=np.zeros((len(atoms), 3)))
+        db.write(atoms)
+    caplog.set_level("WARNING", logger="orb")
+    read = {name: len(AseDbDataset(readable_database(str(tmp_path / name), LabelKeys()), require_labels=False))
+            for name in ("relaxed", "md")}
+    assert read == {"relaxed": 2 + 1, "md": 2 * 3}  # the relaxed rows and the JSON database's; each frame of steps 0-2
+    said = [r.getMessage() for r in caplog.records if "not read (notes" in r.getMessage()]
+    assert said == [f"{tmp_path / 'relaxed'}: x.run.json, x.summary.json not read (notes, scripts, images or orb's own "
+                    "records, not structures)",
+                    f"{tmp_path / 'md'}: log_0.csv, log_1.csv, run.json, state_0.json, state_1.json ... not read "
+                    "(notes, scripts, images or orb's own records, not structures)"], said
 
 
 def test_a_frame_without_labels_is_named_by_file_and_frame_when_training(tmp_path, cache):

@@ -102,8 +102,10 @@ def test_a_structure_the_model_heats_without_bound_is_said_to_have_run_away(tmp_
     from orb.inference.md import ran_away
 
     assert not ran_away(2200.0, 2300.0, 300.0) and ran_away(300.0, 1500.0, 300.0)  # (velocities of its own: 2,200 K)
-    hottest = max(s["max_temperature_K"] for s in summary["structures"])
-    assert hottest > 1400 and f"{hottest:,.0f} K in its log): the model is likely unfit" in result.stderr, \
+    hottest = max(summary["structures"], key=lambda s: s["max_temperature_K"])
+    assert hottest["max_temperature_K"] > 1400 and (  # named by its file and frame (it was "row 2")
+        f"(structure {hottest['index']}, {tmp_path / 'molecules.extxyz'}, frame {hottest['index']}: "
+        f"{hottest['max_temperature_K']:,.0f} K in its log): the model is likely unfit") in result.stderr, \
         result.stderr[-2000:]
 
 
@@ -182,9 +184,12 @@ def test_bad_input_is_one_line_and_a_broken_structure_is_named_while_the_others_
                     "--ensemble", "nve")
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("structure 1 (row 2) stopped:"), lines
+    mixed = tmp_path / "mixed.extxyz"  # named by its file and frame (it was "row 2"), in the summary and frames too
+    assert len(lines) == 1 and lines[0].startswith(f"structure 1 ({mixed}, frame 1) stopped:"), lines
     summary = json.load(open(tmp_path / "mixed" / "summary.json"))
     assert [s["status"] for s in summary["structures"]] == ["done", "failed", "done"]
+    assert [(s["source_file"], s["source_frame"]) for s in summary["structures"]] == [(str(mixed), k) for k in range(3)]
+    assert ase.io.read(tmp_path / "mixed" / "traj_2.extxyz", index=-1).info["source_frame"] == 2
 
 
 def test_structures_are_checked_before_the_first_step(tmp_path):
@@ -273,6 +278,9 @@ def test_extending_a_run_and_stopping_uncertain_structures_survive_a_resume(tmp_
     for k in stopped:  # its stopping frame is in its trajectory and in uncertain.extxyz
         frames = ase.io.read(tmp_path / "stop" / f"traj_{k}.extxyz", index=":")
         assert frames[-1].arrays["predicted_force_error"].max() > 0.12
+    collected = ase.io.read(tmp_path / "stop" / "uncertain.extxyz", index=":")  # each names its file and frame
+    assert collected and all((f.info["source_file"], f.info["source_frame"]) == (path, f.info["structure"])
+                             for f in collected)
     assert orb_md(tmp_path, "stop", *stopping, "--resume").returncode == 0
     again = json.load(open(tmp_path / "stop" / "summary.json"))["structures"]
     assert [s["status"] for s in again] == [s["status"] for s in first]

@@ -249,7 +249,7 @@ def test_each_entry_point_handles_or_refuses_the_structure(tmp_path, monkeypatch
     assert status == 0, lines
     at_rest = [k for k, atoms in enumerate(frames) if len(atoms) == 1 or atoms.constraints]
     notes = [line for line in lines if line.startswith("note:")]
-    assert notes == ([f"note: {len(at_rest)} structure(s) (structure {at_rest[0]}, row {at_rest[0] + 1}"
+    assert notes == ([f"note: {len(at_rest)} structure(s) (structure {at_rest[0]}, {path}, frame {at_rest[0]}"
                       f"{' ...' if len(at_rest) > 1 else ''}) have no motion but their centre of mass's (one atom, or "
                       "every atom fixed), which orb-md removes: they start at rest"] if at_rest else []), lines
     for k, atoms in enumerate(frames):

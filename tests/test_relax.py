@@ -169,6 +169,21 @@ def test_relaxation_resumes_and_refuses_to_mix_outputs(tmp_path):
     assert result.returncode == 1 and "row 2 stopped: step 0: atoms 0 and 1 are 0.02 Å apart (on top of each other)" \
         in result.stderr.splitlines(), result.stderr[-2000:]
     assert sorted(energies(tmp_path / "c.db")) == [1]
+    import ase.io
+
+    # two files: the structure is named by its file and frame, in the message, the summary and every output row (it
+    # was "row 4", a position across both files)
+    files = [str(tmp_path / "fine.extxyz"), str(tmp_path / "close.extxyz")]
+    ase.io.write(files[0], [Atoms("Cu2", positions=[[0, 0, 0], [0, 0, d]]) for d in (2.3, 2.4)], format="extxyz")
+    ase.io.write(files[1], [Atoms("Cu2", positions=[[0, 0, 0], [0, 0, d]]) for d in (2.3, 0.02)], format="extxyz")
+    result = relax_cli("--data", *files, "--output", str(tmp_path / "two.db"))
+    assert result.returncode == 1 and f"{files[1]}, frame 1 stopped: step 0: atoms 0 and 1 are 0.02 Å apart (on top " \
+        "of each other)" in result.stderr.splitlines(), result.stderr[-2000:]
+    summary = json.load(open(tmp_path / "two.summary.json"))
+    assert list(summary["failed_rows"]) == ["4"] and summary["failed_sources"] == {"4": f"{files[1]}, frame 1"}
+    with ase.db.connect(str(tmp_path / "two.db")) as db:
+        assert sorted((r.source_row, r.source_file, r.source_frame) for r in db.select()) == [
+            (1, files[0], 0), (2, files[0], 1), (3, files[1], 0)]
     bad = relax_cli("--data", str(heavy), "--output", str(tmp_path / "h.db"), "--dispersion", "d3bj")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         f"error: {heavy}, row 2, key 'numbers': Rf (Z=104) has no DFT-D3 parameters (dftd3 covers H to Lr, Z <= 103): "

@@ -35,6 +35,7 @@ from orb.data.digests import file_stamps, files_identity
 from orb.data.sqlite_rows import (CHECKSUMS, INDEX_KIND, JOURNAL_AGE, add_checksums, name_sources,
                                   roll_back_unfinished_write)
 from orb.errors import DatasetError
+from orb.records import is_own_record
 from orb.data.labels import AUTO, _checked, _label, said_if_implausible
 
 log = logging.getLogger("orb")
@@ -123,11 +124,11 @@ def source_files(path: Union[str, Sequence[str]]) -> List[str]:
     files = sorted(os.path.join(path, name) for name in names
                    if not name.startswith(".") and os.path.isfile(os.path.join(path, name))
                    and not any(name.endswith(end) and name[:-len(end)] in names for end in COMPANIONS))
-    notes = [f for f in files if f.lower().endswith(NOT_STRUCTURES)]
-    if notes:  # (a README.txt beside the data stopped the run: "ase.io cannot read it (txt)")
-        files = [f for f in files if f not in notes]
+    notes = [f for f in files if f.lower().endswith(NOT_STRUCTURES) or is_own_record(os.path.basename(f))]
+    if notes:  # (a README.txt beside the data, or an orb-relax or orb-md output's run.json, stopped the run: "ase.io
+        files = [f for f in files if f not in notes]  # cannot read it (txt)", "cannot read it as an ASE database")
         if path not in _SUBFOLDERS_SAID:
-            log.warning("%s: %s not read (notes, scripts or images, not structures)", path,
+            log.warning("%s: %s not read (notes, scripts, images or orb's own records, not structures)", path,
                         ", ".join(os.path.basename(f) for f in notes[:5]) + (" ..." if len(notes) > 5 else ""))
     folders = sorted(name for name in names if not name.startswith(".") and os.path.isdir(os.path.join(path, name)))
     if folders and path not in _SUBFOLDERS_SAID:  # (once per folder: the path is resolved several times a run)

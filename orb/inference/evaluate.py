@@ -170,6 +170,7 @@ def predict_dataset(checkpoint: str, args, keys, show: bool, out_dir: str = ""):
     from orb.data.formats import readable_database
     from orb.inference.dispersion import D3Dispersion, check_dispersion_elements, check_dispersion_for
     from orb.inference.predictor import Predictor, per_structure
+    from orb.inference.runs import origin_keys
     from orb.inference.uncertainty import UncertainFrames, check_threshold, frame_error, per_atom_error
     from orb.reports.evaluation import ParityPoints
     from orb.io.checkpoint import model_from_checkpoint
@@ -199,6 +200,7 @@ def predict_dataset(checkpoint: str, args, keys, show: bool, out_dir: str = ""):
                 raise
             raise OrbInputError(f"--output_dir {out_dir}: cannot write there ({exc.strerror or exc})") from None
     results, points, locate = [None] * len(data), ParityPoints(), data.rows.origin_locator()
+    origin = origin_keys(data)  # (an uncertain frame's file and frame, as orb-relax's and orb-md's record it)
     with tqdm(total=len(positions), desc=f"evaluating {os.path.basename(checkpoint)}", disable=not show) as bar:
         for indices in batches:
             graphs = [data[int(i)] for i in indices]
@@ -223,6 +225,7 @@ def predict_dataset(checkpoint: str, args, keys, show: bool, out_dir: str = ""):
                     if uncertain is not None and predicted["max"] > args.uncertain_above:
                         atoms = data.get_atoms(int(i))
                         uncertain.add(atoms, per_atom, source=str(args.data), source_row=int(row.id),
+                                      **origin(int(row.id)),
                                       predicted_energy=float(one["energy"]))
                 results[int(i)] = record
                 points.add(n, one, graph)

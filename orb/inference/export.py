@@ -59,6 +59,7 @@ def shapes_for(data_path, model, batch_size: int) -> List[tuple]:
 
     data = AseDbDataset(readable_database(data_path, LabelKeys(labels=False)), require_labels=False, labels=False,
                         settings=model.cfg.graph_settings(), charge_spin=model.cfg.omol)
+    data.census()  # every row checked as orb-evaluate checks it (an atom of Z=0, a NaN position: one line naming it)
     _, buckets = packed_batches(data, batch_size, fill_graphs=False)
     return [(b.num_nodes, b.num_edges, b.num_graphs) for b in buckets]
 

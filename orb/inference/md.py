@@ -215,7 +215,7 @@ class Dynamics:
         frame = atoms.copy()
         frame.calc = None
         frame.info.update(step=step, time_fs=step * self.args.timestep, energy=results["energy"],
-                          source_row=run.row)
+                          source_row=run.row, **run.origin)
         frame.arrays["forces"] = results["forces"]
         if "force_error" in results:
             frame.arrays["predicted_force_error"] = results["force_error"]
@@ -240,7 +240,8 @@ class Dynamics:
                     f"{kinetic:.10g},{results['energy'] + kinetic:.10g},{pressure:.8g},{volume:.8g},{error:.6g}\n")
         run.energies.append(results["energy"] + kinetic)
         if self.uncertain is not None and "force_error" in results and error > self.args.uncertain_above:
-            self.uncertain.add(atoms, results["force_error"], source_row=run.row, structure=run.index, step=step)
+            self.uncertain.add(atoms, results["force_error"], source_row=run.row, **run.origin, structure=run.index,
+                               step=step)
             run.uncertain += 1
         for path in (run.path("traj"), run.path("log")):  # the frame and the line on disk before the state
             with open(path, "rb") as f:
@@ -355,7 +356,7 @@ def md(args) -> Dict:
         dynamics.prepare(run)
     still = [r for r in runs if r.at_rest]
     if still:
-        first = f"structure {still[0].index}, row {still[0].row}" + (" ..." if len(still) > 1 else "")
+        first = f"structure {still[0].index}, {still[0].where}" + (" ..." if len(still) > 1 else "")
         print(f"note: {len(still)} structure(s) ({first}) have no motion but their centre of mass's (one atom, or "
               "every atom fixed), which orb-md removes: they start at rest", file=sys.stderr)
     if dynamics.uncertain is not None and args.resume:  # a structure without a state starts again: none kept
@@ -370,7 +371,7 @@ def md(args) -> Dict:
                "steps": args.steps, "temperature_K": args.temperature, "seed": args.seed,
                "precision": args.precision, "model_calls": getattr(dynamics, "calls", 0),
                "compile_seconds": round(sum(dynamics.predictor.compiled.values()), 3), "structures": [
-                   {"index": r.index, "source_row": r.row, "status": r.status, "error": r.error,
+                   {"index": r.index, "source_row": r.row, **r.origin, "status": r.status, "error": r.error,
                     "steps_done": int(r.dynamics.nsteps) if r.dynamics else 0, "uncertain_frames": r.uncertain,
                     "total_energy_drift_eV_per_atom": (float((r.energies[-1] - r.energies[0]) / len(r.atoms))
                                                        if len(r.energies) > 1 and args.ensemble == "nve" else None),
@@ -380,13 +381,13 @@ def md(args) -> Dict:
     hot = [s for s in summary["structures"] if ran_away(*logged[s["index"]], args.temperature)]
     if hot:  # (a model unfit for a structure heats it without bound: 63,316 K at step 10, and "ran 40 steps")
         worst = max(hot, key=lambda s: s["max_temperature_K"])
-        print(f"warning: {len(hot)} structure(s) ran far hotter than they started (structure "
-              f"{worst['index']}, row {worst['source_row']}: {worst['max_temperature_K']:,.0f} K in its log): the model "
+        print(f"warning: {len(hot)} structure(s) ran far hotter than they started (structure {worst['index']}, "
+              f"{runs[worst['index']].where}: {worst['max_temperature_K']:,.0f} K in its log): the model "
               "is likely unfit for them (see max_temperature_K in summary.json, and the predicted force errors)",
               file=sys.stderr)
     failed = [r for r in runs if r.status == "failed"]
     for r in failed:
-        print(f"structure {r.index} (row {r.row}) stopped: {r.error}", file=sys.stderr)
+        print(f"structure {r.index} ({r.where}) stopped: {r.error}", file=sys.stderr)
     if STOP.received is not None:
         raise Stopped(f"stopped by {STOP.received}; every structure's state is saved in {args.output}: "
                       f"{RESUME_FLAG} (exit status {STOPPED_STATUS})")

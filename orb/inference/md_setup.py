@@ -9,6 +9,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from orb.errors import OrbInputError
+from orb.records import RUN_RECORD, SUMMARY
 
 log = logging.getLogger("orb")
 
@@ -30,6 +31,8 @@ class Run:
     state: Optional[Dict] = None  # (resume) its saved state, read and checked before anything is cut or written
     at_rest: bool = False  # no motion but its centre of mass's to draw velocities for (one atom): it starts at rest
     frames_kept_to: int = -1  # (resume) its uncertain frames up to this step stay; later ones are computed again
+    where: str = ""  # its input as messages name it: the file and frame (or row), or its row in one ASE database
+    origin: Dict = field(default_factory=dict)  # the same as the outputs keep it (orb.inference.runs.origin_keys)
 
     def path(self, kind: str) -> str:
         ext = {"traj": "extxyz", "log": "csv", "state": "json"}[kind]
@@ -60,7 +63,7 @@ def check_args(args) -> None:
     check_resume_and_overwrite(args.resume, args.overwrite)
 
 
-RUN_RECORDS = ("summary.json", "uncertain.extxyz", "run.json")  # beside each structure's traj_, state_ and log_
+RUN_RECORDS = (SUMMARY, "uncertain.extxyz", RUN_RECORD)  # beside each structure's traj_, state_ and log_
 
 
 def written_by_md(name: str) -> bool:
@@ -92,7 +95,7 @@ def load_structures(args, model) -> Tuple[List[Run], object]:
     from orb.data.dataset import AseDbDataset
     from orb.data.formats import LabelKeys, readable_database, without_labels
     from orb.inference.dispersion import check_dispersion_elements
-    from orb.inference.runs import total_charge_and_spin
+    from orb.inference.runs import ORIGIN_KEYS, origin_keys, total_charge_and_spin
 
     keys = LabelKeys(charge=args.charge_key, spin=args.spin_key, labels=False)
     data = AseDbDataset(readable_database(args.data, keys), require_labels=False, labels=False,
@@ -100,11 +103,12 @@ def load_structures(args, model) -> Tuple[List[Run], object]:
                         charge_spin_keys=(keys.charge, keys.spin))
     data.check_structures()  # before the first step, named by file, row or frame, and key (labels: discarded)
     check_dispersion_elements(data, args.dispersion)
-    runs = []
+    runs, origin = [], origin_keys(data)
     for i in range(len(data)):
         atoms = data.get_atoms(i, say_dropped=True)
         atoms.calc = None
-        atoms.info = without_labels(atoms.info)  # the starting structure's labels are not the frames'
+        atoms.info = {key: value for key, value in without_labels(atoms.info).items()  # the starting structure's
+                      if key not in ORIGIN_KEYS}  # labels are not the frames', nor where an earlier run's input was
         if model.cfg.omol:
             atoms.info.update(total_charge_and_spin(data, i, required=True))
         row = int(data.ids[i])
@@ -114,7 +118,7 @@ def load_structures(args, model) -> Tuple[List[Run], object]:
             raise data.error_at("momenta contain NaN or inf", row, "momenta")
         if not (np.all(np.isfinite(atoms.get_masses())) and np.all(atoms.get_masses() > 0)):
             raise data.error_at("masses must be finite and > 0", row, "masses")
-        runs.append(Run(i, int(data.ids[i]), atoms, folder=args.output))
+        runs.append(Run(i, row, atoms, folder=args.output, where=data.where(row), origin=origin(row)))
     return runs, data
 
 

@@ -23,6 +23,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from orb.errors import OrbInputError, RunError
+from orb.records import RUN_RECORD, SUMMARY
 from orb.signals import out_of_space
 
 log = logging.getLogger("orb")
@@ -110,8 +111,10 @@ def companion(output: str, kind: str) -> str:
     return os.path.splitext(os.path.abspath(output))[0] + "." + kind
 
 
-COMPANIONS = ("run.json", "summary.json", "uncertain.extxyz")
-OUTPUT_KEYS = ("source_row", "relax_steps", "converged", "predicted_force_error_max")  # what orb-relax adds
+COMPANIONS = (RUN_RECORD, SUMMARY, "uncertain.extxyz")
+# what orb-relax adds (with orb.inference.runs.ORIGIN_KEYS: for data other than one ASE database, the file and its frame
+# or row each structure came from)
+OUTPUT_KEYS = ("source_row", "relax_steps", "converged", "predicted_force_error_max")
 
 
 def check_output_name(output: str, resume: bool, overwrite: bool) -> None:
@@ -284,7 +287,7 @@ def relax(args) -> Dict:
     from orb.data.formats import LabelKeys, readable_database, storable_pairs, without_labels
     from orb.device import configure_mindspore, set_ops_profile
     from orb.files import check_run_settings, remove_stale_temporaries, write_json
-    from orb.inference.runs import run_settings, total_charge_and_spin
+    from orb.inference.runs import ORIGIN_KEYS, origin_keys, run_settings, total_charge_and_spin
     from orb.inference.dispersion import D3Dispersion, check_dispersion_elements, check_dispersion_for
     from orb.inference.uncertainty import UncertainFrames, check_threshold
     from orb.io.checkpoint import model_from_checkpoint
@@ -340,15 +343,17 @@ def relax(args) -> Dict:
     # outside a `with` block every write is its own transaction; SQLite's own locking only (ASE's lock file, left by a
     # kill mid-write, made every later start wait for it forever, a stop signal deferred meanwhile)
     db = ase.db.connect(args.output, type="db", use_lock_file=False)
-    written, failures = [], {}
+    written, failures, origin = [], {}, origin_keys(data)
     with STOP.deferred(), tqdm(total=len(todo), desc="relaxing", disable=not show) as bar:
         def finish(r: Relaxing, converged: bool) -> None:
             extra = {} if r.force_error is None else {"predicted_force_error_max": float(r.force_error.max())}
-            mine = dict(source_row=r.source_row, relax_steps=r.steps, converged=converged, **extra)
+            mine = dict(source_row=r.source_row, **origin(r.source_row), relax_steps=r.steps, converged=converged,
+                        **extra)
             # the input's own attributes (total charge and spin, which an OMol model reads next; config_type ...)
-            pairs = dict(storable_pairs(r.atoms.info, skip=OUTPUT_KEYS), **mine)
+            pairs = dict(storable_pairs(r.atoms.info, skip=OUTPUT_KEYS + ORIGIN_KEYS), **mine)
             if uncertain is not None and extra and extra["predicted_force_error_max"] > args.uncertain_above:
                 uncertain.add(r.atoms, r.force_error, source=str(args.data), source_row=r.source_row,
+                              **origin(r.source_row),
                               relax_steps=r.steps)  # before its row: a resume drops it unless the row was written
             try:
                 db.write(r.atoms, key_value_pairs=pairs)  # committed now
@@ -360,7 +365,7 @@ def relax(args) -> Dict:
 
         def failed(r: Relaxing) -> None:  # not written: a resume tries it again; the summary names it
             failures[r.source_row] = r.error
-            print(f"row {r.source_row} stopped: {r.error}", file=sys.stderr)
+            print(f"{data.where(r.source_row)} stopped: {r.error}", file=sys.stderr)  # its file and frame, or row
             bar.update(1)
 
         relaxer.run(structures(), finish, stop=lambda: STOP.received is not None, on_failed=failed)
@@ -373,6 +378,7 @@ def relax(args) -> Dict:
                "structures": len(results), "relaxed_now": len(written), "already_done": len(done),
                "remaining": len(todo) - len(written), "converged": len(results) - len(not_converged),
                "failed_rows": {str(row): error for row, error in sorted(failures.items())},
+               **({"failed_sources": {str(row): data.where(row) for row in sorted(failures)}} if data.sources else {}),
                "not_converged_rows": not_converged,
                "mean_steps": float(np.mean([s for s, _ in results.values()])) if results else 0.0,
                "model_calls": relaxer.calls, "seconds": seconds,

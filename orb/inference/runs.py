@@ -1,7 +1,7 @@
 """What orb-md and orb-relax share about the structures they start from and the runs they resume."""
 
 import os
-from typing import Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import numpy as np
 
@@ -50,6 +50,25 @@ def total_charge_and_spin(data, index: int, required: bool) -> Dict[str, float]:
             raise
         return {}
     return {key: value for key, value in (("charge", charge), ("spin", spin)) if value is not None}
+
+
+def origin_keys(data) -> Callable[[int], Dict]:
+    """row id -> where the user finds that structure, as the key-value pairs the outputs that record it keep beside
+    ``source_row``: ``source_file`` and ``source_frame``, or ``source_file_row`` in an ASE database of theirs (the
+    dataset's own locator, as orb-evaluate's ``source`` and ``frame``); none for one ASE database, whose row id
+    ``source_row`` is."""
+    if not data.sources:
+        return lambda row: {}
+    locate = data.rows.origin_locator()  # (made once: an output row each)
+
+    def keys(row: int) -> Dict:
+        path, unit, number = locate(int(row))
+        return {"source_file": path, "source_frame" if unit == "frame" else "source_file_row": int(number)}
+
+    return keys
+
+
+ORIGIN_KEYS = ("source_file", "source_frame", "source_file_row")  # what origin_keys writes
 
 
 def first_line(exc: BaseException) -> str:
