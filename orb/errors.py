@@ -38,7 +38,12 @@ class StructureError(OrbInputError):
 
 
 class ConfigError(OrbInputError):
-    """An unknown, missing or ill-typed configuration key."""
+    """An unknown, missing or ill-typed configuration key; ``key``: the dotted key it is about, when it names one
+    that a config file may have set (the message then names that file: :mod:`orb.training.config_files`)."""
+
+    def __init__(self, message: str, key: Optional[str] = None):
+        super().__init__(message)
+        self.key = key
 
 
 class CheckpointError(OrbInputError):

@@ -171,6 +171,9 @@ def test_only_rank0_writes_and_the_console_shows_rank0(runs):
     assert "Epoch: 2/2" not in worker1 and "parameters identical on all 2 ranks" in worker1
     assert "Epoch: 2/2, train_metrics:" in runs["output"]
     assert " rank 1 " not in runs["output"]  # rank 1's log lines stay in its worker log
+    # MindSpore's log is kept to errors also where it writes past GLOG_v (each worker's TCP client and server said
+    # "[INFO] DISTRIBUTED ... Event base dispatch success!" as the job ended, rank 0's on the console)
+    assert "Event base dispatch" not in runs["output"] + worker1
     assert len([l for l in open(runs["par"] / "metrics.jsonl") if '"type": "epoch"' in l]) == 2  # written once
 
 
@@ -486,11 +489,15 @@ def test_killed_worker_ends_the_job(tmp_path, nine_rows):
 
 def test_the_cluster_polls_its_peers_every_second_or_two_unless_the_user_chose():
     """msrun's processes start with MindSpore's cluster retry intervals at 1 and 2 s (a job on one node starts and
-    ends about 4 s sooner, docs/benchmarks.md); a user's own values, and their log level, are kept."""
+    ends about 4 s sooner, docs/benchmarks.md), MindSpore's log at errors, glog's threshold too; a user's own values,
+    and their log level, are kept."""
     from orb.training.launch import msrun_environment
 
     env = msrun_environment({"PATH": "/usr/bin"})
     assert (env["MS_RETRY_INTERVAL_LOWER"], env["MS_RETRY_INTERVAL_UPPER"], env["GLOG_v"]) == ("1", "2", "3")
+    assert env["GLOG_minloglevel"] == "2"  # (glog's own threshold: lines MindSpore writes past its GLOG_v check)
+    assert "GLOG_minloglevel" not in msrun_environment({"GLOG_v": "1"})  # (the user's info: all of it)
+    assert msrun_environment({"GLOG_v": "2"})["GLOG_minloglevel"] == "1"
     assert env["PATH"].split(os.pathsep) == [os.path.dirname(sys.executable), "/usr/bin"]
     mine = msrun_environment({"MS_RETRY_INTERVAL_LOWER": "3", "MS_RETRY_INTERVAL_UPPER": "5", "GLOG_v": "1"})
     assert (mine["MS_RETRY_INTERVAL_LOWER"], mine["MS_RETRY_INTERVAL_UPPER"], mine["GLOG_v"]) == ("3", "5", "1")

@@ -395,6 +395,9 @@ def test_uncertain_structures_are_collected_once_across_a_kill(tmp_path):
             str(out), "--steps", "3", "--uncertain_above", "1e-6")  # every structure: each once is what counts
     first = relax_cli(*args)
     assert first.returncode == 0, first.stderr[-3000:]
+    said = (f"{tmp_path / 'relaxed.uncertain.extxyz'} holds 4 relaxed structures past --uncertain_above 1e-06 eV/Å "
+            "(the predicted force error, largest over the atoms)")
+    assert first.stdout.strip().splitlines()[-1] == said  # (the file and its count went unsaid)
     frames = ase.io.read(tmp_path / "relaxed.uncertain.extxyz", index=":")
     with ase.db.connect(str(out)) as db:
         predicted = {row.source_row: row.predicted_force_error_max for row in db.select()}
@@ -408,6 +411,7 @@ def test_uncertain_structures_are_collected_once_across_a_kill(tmp_path):
     again = ase.io.read(tmp_path / "relaxed.uncertain.extxyz", index=":")
     assert sorted(f.info["source_row"] for f in again) == [1, 2, 3, 4]
     assert json.load(open(tmp_path / "relaxed.summary.json"))["uncertain"] == 4
+    assert resumed.stdout.strip().splitlines()[-1] == said  # (the file's frames, the earlier run's too)
 
 
 def test_a_model_without_a_stress_head_reports_no_stress_anywhere(tmp_path):

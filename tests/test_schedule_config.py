@@ -86,7 +86,13 @@ def test_a_config_file_means_what_it_says_or_is_refused_in_one_line(tmp_path):
              "key.yaml": ("1: 2\n", "key.yaml, line 1: config key 1 is not a name"),
              "empty.yaml": ("", "empty.yaml is empty"),
              "false.yaml": ("false\n", "false.yaml must hold a mapping of settings"),
-             "syntax.yaml": ("lr: [1, 2\n", "syntax.yaml is not valid YAML, line 2: expected ',' or ']'")}
+             "syntax.yaml": ("lr: [1, 2\n", "syntax.yaml is not valid YAML, line 2: expected ',' or ']'"),
+             # an unknown key of a file named the key alone, as if typed on the command line
+             "typo.yaml": ("lr: 0.001\nmax_epoch: 3\n", f"config file {tmp_path / 'typo.yaml'}, line 2: unknown "
+                                                        "config key 'max_epoch' (did you mean 'max_epochs'?)"),
+             "nested.yaml": ("lr: 0.001\nmodel:\n  latent: 3\n", "nested.yaml, line 3: unknown config key "
+                                                                  "'model.latent' (did you mean 'model.latent_dim'?)"),
+             "renamed.yaml": ("kernels: cpu\n", "renamed.yaml, line 1: config key 'kernels' is now 'ops_profile'")}
     for name, (text, message) in cases.items():
         (tmp_path / name).write_text(text)
         with pytest.raises(ConfigError) as refused:
@@ -96,6 +102,10 @@ def test_a_config_file_means_what_it_says_or_is_refused_in_one_line(tmp_path):
                                          "  stress: 0.0\n")  # a merge key, and a key that overrides a merged one
     with pytest.raises(ConfigError, match="unknown config key 'defaults'"):  # (merged, not refused as YAML)
         load_config(str(tmp_path / "merge.yaml"))
+    (tmp_path / "fine.yaml").write_text("lr: 0.001\n")
+    for overrides in (["--max_epoch", "3"], ["--model.latent", "3"]):  # typed on the command line: said as before
+        with pytest.raises(ConfigError, match=r"^unknown config key '(max_epoch|model\.latent)' \(did you mean"):
+            load_config(str(tmp_path / "fine.yaml"), overrides)
     (tmp_path / "binary.yaml").write_bytes(b"\xff\xfelr: 1\n")
     with pytest.raises(ConfigError, match="binary.yaml is not UTF-8 text"):
         load_config(str(tmp_path / "binary.yaml"))

@@ -212,6 +212,8 @@ def test_print_config_writes_a_template_that_runs_from_anywhere(tmp_path):
                                                        "file it writes instead of giving --lr"),
             ([], "error: no --config: name your YAML config file or a packaged template (packaged templates: "
                  "config_parallel, demo, "),
+            (["demo", "--max_epochs", "1"], "error: no --config (did you mean --config demo?)"),  # (as the
+            # parallel launcher takes it: "no --config" left the user to guess)
             (["--config", ""], "error: --config is empty: name a YAML config file or a packaged template "
                                "(orb-finetune --print-config NAME > my.yaml writes one to edit)"),
             (["--config", "finetune_orb_v2", "--train_data_path", ""],

@@ -153,9 +153,11 @@ def test_same_seed_same_metrics(tmp_path):
     assert len(one) == 2 and [without_timing(r) for r in one] == [without_timing(r) for r in two]
 
 
-def test_freeze_backbone_and_zero_weights(tmp_path):
+def test_freeze_backbone_and_zero_weights(tmp_path, caplog):
+    caplog.set_level("INFO", logger="orb")
     trainer = trainer_for(make_cfg(tmp_path, freeze_backbone=True, max_epochs=1,
                                    loss_weights=dict(energy=1.0, forces=1.0, stress=0.0)))
+    assert "x 1 worker; 8 steps per epoch, 1 epoch" in caplog.text  # (it said "1 epochs")
     before = params_of(trainer.model)
     history = trainer.fit()["history"]
     after = params_of(trainer.model)

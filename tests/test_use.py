@@ -445,6 +445,8 @@ def test_evaluate_report_compares_two_checkpoints(reference_model, tmp_path):
         assert int(line[f"{column}_structures"]) == len(containing)
         assert float(line[f"{column}_energy_per_atom_mae"]) == pytest.approx(np.mean(containing), rel=1e-9)
     assert "errors by element" in alone.stdout
+    assert "forces_mae_by_element" not in alone.stdout  # (its force MAE was printed twice, in two tables)
+    assert sum(line.split()[:1] == [table[0]["element"]] for line in alone.stdout.splitlines()) == 1
 
 
 def test_checkpoint_names_alike_in_their_first_characters_get_headings_of_their_own(capsys):

@@ -25,7 +25,7 @@ from orb.signals import out_of_space
 from orb.inference.uncertainty import spearman
 
 COLLECTING = ".uncertain.extxyz.collecting"  # this evaluation's uncertain frames, until it is written
-from orb.metrics import (BY_ELEMENT, BY_ELEMENT_MEANING, METRICS, add_sums, element_sums,
+from orb.metrics import (BY_ELEMENT, METRICS, add_sums, element_sums,
                          forces_by_element, metrics_from_sums, structure_sums)
 
 CSV_FIELDS = ("row_id", "source", "frame", "source_row", "formula", "natoms", "energy_pred", "energy_true",
@@ -80,6 +80,8 @@ def summarise(results: List[Dict]) -> Dict:
 
 
 def print_summary(summary: Dict) -> None:
+    """The metrics table; the errors by element follow in :func:`~orb.reports.evaluation.print_element_table` (the
+    force MAE of each element was also printed here, a second table of the same numbers)."""
     print(f"{'metric':<32}{'value':>14}  unit   averaging")
     for key, value in summary.items():
         if key in METRICS:
@@ -87,11 +89,6 @@ def print_summary(summary: Dict) -> None:
             print(f"{key:<32}{value:>14.6g}  {unit:<6} {meaning}")
         elif isinstance(value, int):
             print(f"{key:<32}{value:>14d}")
-    if summary.get(BY_ELEMENT):
-        print(f"\n{BY_ELEMENT} [{BY_ELEMENT_MEANING[0]}]: {BY_ELEMENT_MEANING[1]}")
-        print(f"{'element':<10}{'forces_mae':>14}")
-        for symbol, value in summary[BY_ELEMENT].items():
-            print(f"{symbol:<10}{value:>14.6g}")
     confidence = summary.get("confidence")
     if confidence:
         print(f"\nconfidence head: predicted force error (mean over atoms) {confidence['predicted_force_error_mean']:.4g}"

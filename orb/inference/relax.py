@@ -414,7 +414,17 @@ def parse_and_relax(argv: Optional[List[str]]) -> int:
           f"{summary['structures']}: {summary['converged']} converged, {len(summary['not_converged_rows'])} not "
           f"within {args.steps} steps" + (f"; {len(summary['failed_rows'])} stopped by an error (see above; not "
                                            "written)" if summary["failed_rows"] else ""))
+    if args.uncertain_above is not None:
+        print(uncertain_line(summary["uncertain"], args.uncertain_above, companion(args.output, "uncertain.extxyz")))
     return 1 if summary["failed_rows"] else 0
+
+
+def uncertain_line(count: int, threshold: float, path: str) -> str:
+    """What --uncertain_above collected (the file was written in silence, its count only in the summary)."""
+    past = f"past --uncertain_above {threshold:g} eV/Å (the predicted force error, largest over the atoms)"
+    if not count:
+        return f"no relaxed structure {past}: {path} holds none"
+    return f"{path} holds {count} relaxed structure{'s' if count > 1 else ''} {past}"
 
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:

@@ -113,11 +113,27 @@ def check_resume_path(resume: Optional[str], overwrite: bool = False) -> None:
                                                         "checkpoint file does not exist"))
 
 
+def config_given_bare(overrides: List[str]) -> Optional[str]:
+    """A word of the command line, no option's value, that names a packaged template or an existing YAML file
+    (``orb-finetune demo``, as orb-finetune-parallel takes it): the config meant, which --config must name."""
+    from orb.bundled import template_path
+
+    for before, word in zip([""] + overrides, overrides):
+        if word.startswith("-") or (before.startswith("--") and "=" not in before):
+            continue  # (an option, or an override's value)
+        if template_path(word) or (os.path.isfile(word) and word.lower().endswith((".yaml", ".yml"))):
+            return word
+    return None
+
+
 def checked_config(args: argparse.Namespace, overrides: List[str]) -> TrainConfig:
     """The run's config from its command line (:func:`parse_command_line`), every value and path checked: by the
     command, and by the data-parallel launcher before msrun starts a worker (a typo was each worker's line, after
     every rank had imported MindSpore and joined the job)."""
     if args.config is None:
+        word = config_given_bare(overrides)
+        if word is not None:
+            raise ConfigError(f"no --config (did you mean --config {word}?)")
         raise ConfigError(f"no --config: name your YAML config file or a packaged template ({templates_line()})")
     cfg = load_config(args.config, overrides)
     check_resume_path(args.resume, args.overwrite)

@@ -300,11 +300,11 @@ def _build(cls, values: Dict[str, Any], prefix: str = ""):
         values = model_named_by_weights(deprecated_matmul_precision(values))
     for key in values:
         if prefix + key in RENAMED:
-            raise ConfigError(f"config key '{prefix}{key}' is now {RENAMED[prefix + key]}")
+            raise ConfigError(f"config key '{prefix}{key}' is now {RENAMED[prefix + key]}", prefix + key)
         if key not in names:
             close = difflib.get_close_matches(key, names, n=1)
             hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
-            raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
+            raise ConfigError(f"unknown config key '{prefix}{key}'{hint}", prefix + key)
     kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in values.items()}
     if cls is ModelConfig:  # the model's name chooses the defaults of the other settings
         if kwargs.get("name", "orb_v2") not in MODEL_NAMES:
@@ -482,7 +482,8 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Tr
     from orb.pretrained import published_name
 
     values = merged_settings(path, overrides)
-    cfg = _validate(_build(TrainConfig, values))
+    with values.naming_its_file():  # (a key of the file's, not one given on the command line)
+        cfg = _validate(_build(TrainConfig, values))
     model = values.get("model") or {}
     if cfg.checkpoint_path and isinstance(model, dict) and "name" not in model and \
             published_name(cfg.checkpoint_path) is None:

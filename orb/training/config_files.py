@@ -2,6 +2,7 @@
 ``--key value`` overrides. What the values may be is checked in :mod:`orb.training.config`."""
 
 import re
+from contextlib import contextmanager
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import yaml
@@ -134,12 +135,67 @@ def read_config_file(name: str) -> Tuple[Dict[str, Any], str]:
     return (with_bundled_paths(values) if is_packaged(path) else values), path
 
 
-def merged_settings(name: Optional[str], overrides: Sequence[str]) -> Dict[str, Any]:
+class Settings(dict):
+    """A config's settings, the command line's on top of its file's, knowing which are the file's: an error about a
+    key of the file names the file and the key's line (it named the key alone, as if typed on the command line)."""
+
+    def __init__(self, values: Dict[str, Any], file: Optional[str] = None, file_values: Optional[Dict] = None,
+                 given: Optional[Dict] = None):
+        super().__init__(values)
+        self.file, self.file_values, self.given = file, file_values or {}, given or {}
+
+    @contextmanager
+    def naming_its_file(self):
+        try:
+            yield
+        except ConfigError as exc:
+            where = self.where(exc.key)
+            if where is None:
+                raise
+            raise ConfigError(f"{where}: {exc}", exc.key) from None
+
+    def where(self, key: Optional[str]) -> Optional[str]:
+        """``config file PATH, line N`` for a dotted ``key`` the file sets and the command line does not, else None."""
+        if key is None or self.file is None or not _sets(self.file_values, key) or _sets(self.given, key):
+            return None
+        line = key_line(self.file, key)
+        return f"config file {self.file}" + (f", line {line}" if line else "")
+
+
+def _sets(tree: Dict, key: str) -> bool:
+    """Whether the nested settings ``tree`` hold the dotted ``key``."""
+    for part in key.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return False
+        tree = tree[part]
+    return True
+
+
+def key_line(path: str, key: str) -> Optional[int]:
+    """The line of the config file ``path`` where the dotted ``key`` is written; None when it cannot be told (a key
+    merged in from an anchor, a file changed meanwhile)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            node = yaml.compose(f.read(), Loader=ConfigLoader)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, ConfigError):
+        return None
+    line = None
+    for part in key.split("."):
+        if not isinstance(node, yaml.MappingNode):
+            return None
+        found = next(((k, v) for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == part), None)
+        if found is None:
+            return None
+        line, node = found[0].start_mark.line + 1, found[1]
+    return line
+
+
+def merged_settings(name: Optional[str], overrides: Sequence[str]) -> Settings:
     """The config file's settings (none without ``name``) with the command line's ``--key value`` on top."""
     if name is not None and not name.strip():
         raise ConfigError(f"--config is empty: name a YAML config file or a packaged template ({PRINT_HINT})")
-    values = read_config_file(name)[0] if name else {}
+    values, path = read_config_file(name) if name else ({}, None)
     given = parse_overrides(overrides)
     if "matmul_precision" in given and "precision" not in given:  # the old key typed now overrides the file's new one
         values.pop("precision", None)
-    return _merge(values, given)
+    return Settings(_merge(values, given), path, values, given)

@@ -50,6 +50,7 @@ from contextlib import contextmanager
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from orb.bundled import find_config
+from orb.device import quiet_environment
 from orb.errors import ConfigError, OrbInputError
 from orb.files import free_port
 from orb.signals import RESUME_HINT, STOP, STOPPED_STATUS, children_start_blocked, run_command
@@ -295,7 +296,7 @@ def msrun_environment(environ) -> Dict[str, str]:
     retry intervals (RETRY_INTERVALS) unless either is set."""
     env = dict(environ)
     env["PATH"] = os.pathsep.join(p for p in (os.path.dirname(sys.executable), env.get("PATH")) if p)
-    env.setdefault("GLOG_v", "3")
+    quiet_environment(env)  # (msrun's own process too, which imports MindSpore before any worker starts)
     if not any(name in env for name in RETRY_INTERVALS):  # (one of the two set: the user's pair, as MindSpore reads it)
         env.update(RETRY_INTERVALS)
     return env

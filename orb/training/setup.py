@@ -292,6 +292,11 @@ def describe_groups(cfg: TrainConfig, engine: Engine) -> str:
     return "; ".join(parts)
 
 
+def counted(number: int, noun: str) -> str:
+    """``1 epoch``, ``3 epochs``: a count and its noun, singular for one (the log said "1 steps per epoch, 1 epochs")."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
 def describe_buckets(buckets) -> str:
     planned = ", ".join(f"({b.num_nodes}, {b.num_edges}, {b.num_graphs})" for b in buckets if not b.spare)
     spare = [b for b in buckets if b.spare]
@@ -332,9 +337,10 @@ def log_start(cfg: TrainConfig, dp: DataParallel, data: RunData, engine: Engine)
                  data.sampler.target_step, data.sampler.replay_step)
     elif data.replay_val is not None:
         log.info("replay: validated only (replay.fraction 0): forgetting is measured every epoch, not prevented")
-    log.info("batch size: %d global, %d per worker x %d worker(s); %d steps per epoch, %d epochs%s",
-             cfg.batch_size, data.local_batch, dp.world_size, data.steps_per_epoch, cfg.max_epochs,
-             f"; early stopping after {cfg.patience} epochs without a lower validation loss" if cfg.patience else "")
+    log.info("batch size: %d global, %d per worker x %s; %s per epoch, %s%s", cfg.batch_size, data.local_batch,
+             counted(dp.world_size, "worker"), counted(data.steps_per_epoch, "step"), counted(cfg.max_epochs, "epoch"),
+             f"; early stopping after {counted(cfg.patience, 'epoch')} without a lower validation loss"
+             if cfg.patience else "")
     for note in settings_that_do_nothing(cfg, len(train)):
         log.warning("%s", note)
     log.info("optimizer: %s, %s schedule, peak lr %.3g%s, clipping %s %g%s", cfg.optimizer, cfg.lr_schedule,
