@@ -168,6 +168,13 @@ def test_bad_input_is_one_line_and_a_broken_structure_is_named_while_the_others_
                            "langevin (a quench) or orb-relax"),
                           (["--timestep", "1", "--ensemble", "npt", "--pressure", "nan"],  # a NaN cell, every
                            "--pressure must be a finite number (bar), got nan"),          # structure "failed"
+                          (["--timestep", "1", "--pressure", "50000"],  # (it ran NVE at constant volume,
+                           "--pressure 50000.0 applies to --ensemble npt, and this run is --ensemble nve: give "  # and
+                           "--ensemble npt, or leave --pressure out"),  # its run.json recorded the pressure)
+                          (["--timestep", "1", "--ensemble", "nvt", "--tdamp", "5"],
+                           "--tdamp 5.0 applies to --ensemble nvt --thermostat nose-hoover, and this run is --ensemble "
+                           "nvt --thermostat langevin: give --ensemble nvt --thermostat nose-hoover, or leave --tdamp "
+                           "out"),
                           (["--timestep", "1", "--resume", "--overwrite"],  # (it was --resume, silently)
                            "--resume continues the earlier run and --overwrite replaces it: give one of them")):
         result = orb_md(tmp_path, "bad", "--data", path, "--steps", "5", *args, noting=True)

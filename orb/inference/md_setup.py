@@ -58,9 +58,29 @@ def check_args(args) -> None:
         raise OrbInputError("--taut, --taup and --compressibility must be positive numbers")
     if not np.isfinite(args.pressure):
         raise OrbInputError(f"--pressure must be a finite number (bar), got {args.pressure}")
+    check_options_apply(args)
     from orb.inference.runs import check_resume_and_overwrite
 
     check_resume_and_overwrite(args.resume, args.overwrite)
+
+
+# each option that only one ensemble or thermostat reads
+APPLIES = {"thermostat": "--ensemble nvt", "friction": "--ensemble nvt --thermostat langevin",
+           "tdamp": "--ensemble nvt --thermostat nose-hoover", "pressure": "--ensemble npt", "taut": "--ensemble npt",
+           "taup": "--ensemble npt", "compressibility": "--ensemble npt"}
+
+
+def check_options_apply(args) -> None:
+    """An option set away from its default that this run's ensemble or thermostat never reads is refused: a
+    --pressure without --ensemble npt ran NVE at constant volume, recording the pressure as if it were applied."""
+    from orb.inference.md import build_parser
+
+    defaults = build_parser()
+    running = f"--ensemble {args.ensemble}" + (f" --thermostat {args.thermostat}" if args.ensemble == "nvt" else "")
+    for name, needs in APPLIES.items():
+        if getattr(args, name) != defaults.get_default(name) and not running.startswith(needs):
+            raise OrbInputError(f"--{name} {getattr(args, name)} applies to {needs}, and this run is {running}: give "
+                                f"{needs}, or leave --{name} out")
 
 
 RUN_RECORDS = (SUMMARY, "uncertain.extxyz", RUN_RECORD)  # beside each structure's traj_, state_ and log_
