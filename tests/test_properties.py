@@ -502,3 +502,22 @@ def test_a_structure_taken_as_given_is_not_said_to_be_unconverged():
     assert said({"steps": 0, "converged": False}) == "not relaxed (--steps 0)"
     assert said({"steps": 0, "converged": True}) == "converged in 0 steps"
     assert said({"steps": 500, "converged": False}) == "NOT converged in 500 steps"
+
+
+def test_an_imaginary_optical_mode_at_gamma_is_counted_not_taken_for_an_acoustic_one():
+    """Γ's acoustic modes are its three nearest zero: the three lowest were left out, an imaginary optical pair with
+    them, and the report said stable (CuNi: Γ at -3.5, -3.5, 0, 0, 0, 11.5 THz)."""
+    from types import SimpleNamespace
+
+    from orb.inference.phonons import PhononJob
+
+    job = PhononJob(bulk("Cu", "fcc", a=3.6), [1, 1, 1], 0.01)
+    mesh = SimpleNamespace(frequencies=np.array([[-3.509, -3.509, -0.0, 0.0, 0.0, 11.528], [1.0, 2.0, 3.0, 4, 5, 6]]),
+                           qpoints=np.array([[0.0, 0, 0], [0.5, 0, 0]]), weights=np.array([1, 1]))
+    job.phonopy = SimpleNamespace(run_mesh=lambda *a, **k: None, mesh=mesh)
+    found = job.mesh(2, 0.1)
+    assert found["lowest_frequency"] == pytest.approx(-3.509)
+    assert found["imaginary_modes"] == 2
+    mesh.frequencies[0] = [5.0, -0.01, 0.0, 0.02, 5.0, 11.5]  # the sum rule's near-zeros of either sign: left out
+    found = job.mesh(2, 0.1)
+    assert found["lowest_frequency"] == pytest.approx(1.0) and found["imaginary_modes"] == 0

@@ -26,7 +26,7 @@ SCALARS = {
     "bulk_modulus": ("GPa", "equation of state: bulk modulus (B)"),
     "bulk_modulus_voigt": ("GPa", "Voigt bulk modulus of the elastic tensor"),
     **{f"C{i}{j}": ("GPa", "elastic constant") for i in VOIGT for j in VOIGT if i <= j},
-    "lowest_frequency": ("THz", "lowest phonon frequency on the mesh (Γ's acoustic modes left out)"),
+    "lowest_frequency": ("THz", "lowest phonon frequency on the mesh (Γ's 3 modes nearest 0, the acoustic, left out)"),
     "max_frequency": ("THz", "highest phonon frequency on the mesh"),
     "imaginary_modes": ("", "modes on the mesh below the imaginary threshold"),
 }
