@@ -521,3 +521,30 @@ def test_an_imaginary_optical_mode_at_gamma_is_counted_not_taken_for_an_acoustic
     mesh.frequencies[0] = [5.0, -0.01, 0.0, 0.02, 5.0, 11.5]  # the sum rule's near-zeros of either sign: left out
     found = job.mesh(2, 0.1)
     assert found["lowest_frequency"] == pytest.approx(1.0) and found["imaginary_modes"] == 0
+
+
+def test_phonons_take_the_structures_masses_four_times_heavier_half_the_frequencies(tmp_path):
+    """phonopy was given the symbols only (and unit_of dropped the masses): a structure with its own masses (an
+    isotope, orb-md's masses) had the frequencies of the standard ones; ω ∝ m^-1/2."""
+    from ase.calculators.emt import EMT
+
+    from orb.inference.crystals import read_structures, unit_of
+    from orb.inference.phonons import PhononJob
+
+    light = bulk("Cu", "hcp", a=2.55, covera=1.633)
+    heavy = light.copy()
+    heavy.set_masses(light.get_masses() * 4.0)
+    path = tmp_path / "two.extxyz"
+    ase_write(path, [light, heavy])
+    spectra = []
+    for structure in read_structures([str(path)]):
+        unit = unit_of(structure.atoms.repeat(2), (2, 2, 2))
+        job = PhononJob(unit, [2, 2, 2], 0.01)
+        forces = []
+        for cell in job.cells():
+            cell.calc = EMT()
+            forces.append(cell.get_forces())
+        job.force_constants(forces)
+        spectra.append(job.mesh(2, 0.1))
+    np.testing.assert_allclose(spectra[1]["frequencies"], spectra[0]["frequencies"] / 2.0, atol=1e-6)
+    assert spectra[1]["max_frequency"] == pytest.approx(spectra[0]["max_frequency"] / 2.0)

@@ -44,14 +44,15 @@ def to_ase(cell):
 
 
 class PhononJob:
-    """One structure's phonons: the supercells to compute, then frequencies from their forces."""
+    """One structure's phonons (with its atoms' masses): the supercells to compute, then frequencies from their
+    forces."""
 
     def __init__(self, unit, supercell: Sequence[int], amplitude: float, symprec: float = 1e-5):
         from phonopy import Phonopy
         from phonopy.structure.atoms import PhonopyAtoms
 
         cell = PhonopyAtoms(symbols=unit.get_chemical_symbols(), cell=np.asarray(unit.cell.array),
-                            scaled_positions=unit.get_scaled_positions())
+                            scaled_positions=unit.get_scaled_positions(), masses=unit.get_masses())  # (ω ∝ m^-1/2)
         self.supercell = [int(n) for n in supercell]
         self.phonopy = Phonopy(cell, supercell_matrix=np.diag(self.supercell), primitive_matrix="auto",
                                symprec=symprec)
