@@ -548,3 +548,26 @@ def test_phonons_take_the_structures_masses_four_times_heavier_half_the_frequenc
         spectra.append(job.mesh(2, 0.1))
     np.testing.assert_allclose(spectra[1]["frequencies"], spectra[0]["frequencies"] / 2.0, atol=1e-6)
     assert spectra[1]["max_frequency"] == pytest.approx(spectra[0]["max_frequency"] / 2.0)
+
+
+def test_a_failed_eos_fit_is_that_structures_result_said_in_one_line(tmp_path, capsys):
+    """Energies with no minimum (Cu stacked AA, taken as given): ase.eos's fit raised "Optimal parameters not found"
+    and the command ended with a traceback, the other structures' results lost."""
+    from orb.inference.mechanics import fit_eos
+    from orb.reports.properties import plot_eos, print_report, scalars
+
+    volumes = [22.5377, 22.9331, 23.3285, 23.7239, 24.1193, 24.5147, 24.9101]
+    energies = [1.79002, 1.71192, 1.64242, 1.58067, 1.52587, 1.47732, 1.43438]
+    eos = fit_eos(volumes, energies, 2)
+    assert eos["failed"] == "EOS fit failed: the energy has no minimum in the volumes ±5 %"
+    assert not eos["minimum_inside"] and eos["fit"] is None
+    assert not {"bulk_modulus", "energy_per_atom"} & set(scalars({"lattice": {"a": 2.56}, "eos": eos}))
+    plot_eos(str(tmp_path / "eos.png"), "Cu_AA", {"fine-tuned": eos})
+    assert (tmp_path / "eos.png").stat().st_size > 0
+    model = {"relaxation": {"converged": False, "steps": 0}, "eos": eos, "scalars": {"a": 2.56}}
+    entry = {"name": "Cu_AA", "formula": "Cu2", "source": "cu_aa.extxyz #1", "models": {"fine_tuned": model},
+             "tie_breaking": ""}
+    print_report({"notes": [], "structures": [entry], "seconds": 1.0}, str(tmp_path))
+    said = [line for line in capsys.readouterr().out.splitlines() if "EOS" in line]
+    assert said == ["  fine-tuned: EOS fit failed: the energy has no minimum in the volumes ±5 % (widen --eos_span, or "
+                    "relax: --steps)"]

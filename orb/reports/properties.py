@@ -39,7 +39,7 @@ def scalars(result: Dict) -> Dict[str, float]:
     """A model's numbers for one structure as the named scalars of :data:`SCALARS` (those it computed)."""
     out = dict(result.get("lattice", {}))
     eos = result.get("eos")
-    if eos:
+    if eos and not eos.get("failed"):
         out.update(energy_per_atom=eos["energy_per_atom"], eos_volume_per_atom=eos["volume_per_atom"],
                    bulk_modulus=eos["bulk_modulus"])
     elastic = result.get("elastic")
@@ -153,6 +153,9 @@ def plot_eos(path: str, name: str, curves: Dict[str, Dict]) -> None:
     for (label, eos), style in zip(curves.items(), ("o-", "s--")):
         n = eos["natoms"]
         volumes, energies = np.asarray(eos["volumes"]) / n, np.asarray(eos["energies"]) / n
+        if eos.get("failed"):  # the points alone
+            ax.plot(volumes, energies, style[0], label=f"{label}: no fit")
+            continue
         fine = np.linspace(volumes.min(), volumes.max(), 200)
         e0, b0, bp, v0 = eos["fit"]
         line, = ax.plot(fine, birchmurnaghan(fine * n, e0, b0, bp, v0) / n, style[1:])
@@ -295,7 +298,9 @@ def print_report(summary: Dict, output: str) -> None:
         for label, m in models.items():
             phonons = m.get("phonons")
             eos = m.get("eos") or {}
-            if eos and not eos["minimum_inside"]:
+            if eos.get("failed"):
+                print(f"  {label.replace('_', '-')}: {eos['failed']} (widen --eos_span, or relax: --steps)")
+            elif eos and not eos["minimum_inside"]:
                 print(f"  {label.replace('_', '-')}: the equation of state's minimum is outside the volumes computed "
                       "(widen --eos_span, or relax: --steps)")
             if phonons and phonons["imaginary_modes"]:
