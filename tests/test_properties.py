@@ -401,6 +401,8 @@ def test_bad_numbers_and_a_crowded_structure_are_one_line_before_any_work(tmp_pa
                          "error: --mesh must be from 1 to 100 and --band_points from 2 to 10000"),
                         (["--elements", "Cu", "--supercell", "1000"],
                          "error: --supercell takes one or three integers from 1 to 16"),
+                        (["--elements", "Cu", "--relax_ions", "--ion_steps", "0"],
+                         "error: --ion_steps must be at least 1, got 0"),
                         (["--structures", str(structures)], f"error: {structures}, frame 1, key 'positions': atoms 0 "
                          "and 1 are 0.017 Å apart (on top of each other)")):
         result = run_without_phonopy(*common, *extra)
@@ -571,3 +573,26 @@ def test_a_failed_eos_fit_is_that_structures_result_said_in_one_line(tmp_path, c
     said = [line for line in capsys.readouterr().out.splitlines() if "EOS" in line]
     assert said == ["  fine-tuned: EOS fit failed: the energy has no minimum in the volumes ±5 % (widen --eos_span, or "
                     "relax: --steps)"]
+
+
+def test_relax_ions_relaxes_the_strained_cells_whatever_steps_and_names_those_not_converged(tmp_path, capsys):
+    """``--relax_ions`` took ``--steps`` as the strained cells' limit: ``--steps 0`` (the structures as given) gave
+    clamped-ion constants recorded as relaxed-ion ones, and an unconverged relaxation went unsaid."""
+    from orb.inference.mechanics import strain_labels
+    from orb.inference.properties import parse_and_run
+
+    path = tmp_path / "hcp.extxyz"
+    ase_write(path, bulk("Cu", "hcp", a=2.55, covera=1.633))
+    common = ["--checkpoint", DEMO_V3, "--structures", str(path), "--steps", "0", "--relax_ions", "--no-phonons",
+              "--strains", "0.01", *SMALL]
+    found = []
+    for name, extra in (("given", ["--fmax", "0.01"]), ("short", ["--fmax", "1e-5", "--ion_steps", "1"])):
+        assert parse_and_run([*common, *extra, "--output", str(tmp_path / name)]) == 0
+        with open(tmp_path / name / "properties.json") as f:
+            found.append(json.load(f)["structures"][0]["models"]["fine_tuned"]["elastic"]["ion_relaxation"])
+    given, short = found
+    assert given["unconverged"] == [] and given["most_steps"] > 0 and given["step_limit"] == 500
+    assert short["unconverged"] == strain_labels([0.01]) and short["step_limit"] == 1
+    said = [line for line in capsys.readouterr().out.splitlines() if "NOT converged (" in line]
+    assert said == ["  fine-tuned: Cu2_1's ions NOT converged (--fmax 1e-05 eV/Å) within --ion_steps 1 in 12 strained "
+                    f"cells ({', '.join(strain_labels([0.01]))}): its elastic constants are not the relaxed-ion ones"]

@@ -156,6 +156,12 @@ def strained_cells(atoms, amplitudes: Sequence[float]) -> List:
     return cells
 
 
+def strain_labels(amplitudes: Sequence[float]) -> List[str]:
+    """Names of :func:`strained_cells`' strains, in their order: Voigt component and signed amount (``ε4 -0.5 %``)."""
+    return [f"ε{component + 1} {sign * amount * 100:+g} %" for component in range(6) for amount in amplitudes
+            for sign in (-1.0, 1.0)]
+
+
 def elastic_tensor(stresses: Sequence[np.ndarray], amplitudes: Sequence[float]) -> np.ndarray:
     """The 6x6 elastic tensor (GPa, Voigt) from the stresses of :func:`strained_cells`: each column the central
     difference of the stress at each amplitude, Richardson-extrapolated over the amplitudes (two amplitudes: the

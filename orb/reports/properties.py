@@ -307,6 +307,11 @@ def print_report(summary: Dict, output: str) -> None:
                 print(f"  {label.replace('_', '-')}: {phonons['imaginary_modes']} imaginary modes on the mesh "
                       f"(below {phonons['imaginary_below']} THz)")
             elastic = m.get("elastic") or {}
+            ions = elastic.get("ion_relaxation") or {}
+            if ions.get("unconverged"):
+                print(f"  {label.replace('_', '-')}: {entry['name']}'s ions NOT converged (--fmax {ions['fmax']:g} "
+                      f"eV/Å) within --ion_steps {ions['step_limit']} in {len(ions['unconverged'])} strained cells "
+                      f"({', '.join(ions['unconverged'])}): its elastic constants are not the relaxed-ion ones")
             if elastic and elastic["smallest_stiffness"] <= 0:
                 print(f"  {label.replace('_', '-')}: mechanically unstable: the elastic tensor is not positive "
                       f"definite (smallest eigenvalue {elastic['smallest_stiffness']:.3g} GPa; Born's criterion)")
