@@ -401,6 +401,8 @@ def test_bad_numbers_and_a_crowded_structure_are_one_line_before_any_work(tmp_pa
                          "error: --mesh must be from 1 to 100 and --band_points from 2 to 10000"),
                         (["--elements", "Cu", "--supercell", "1000"],
                          "error: --supercell takes one or three integers from 1 to 16"),
+                        (["--elements", "Cu", "--relax_ions", "--ion_steps", "0"],
+                         "error: --ion_steps must be at least 1, got 0"),
                         (["--structures", str(structures)], f"error: {structures}, frame 1, key 'positions': atoms 0 "
                          "and 1 are 0.017 Å apart (on top of each other)")):
         result = run_without_phonopy(*common, *extra)
@@ -502,3 +504,95 @@ def test_a_structure_taken_as_given_is_not_said_to_be_unconverged():
     assert said({"steps": 0, "converged": False}) == "not relaxed (--steps 0)"
     assert said({"steps": 0, "converged": True}) == "converged in 0 steps"
     assert said({"steps": 500, "converged": False}) == "NOT converged in 500 steps"
+
+
+def test_an_imaginary_optical_mode_at_gamma_is_counted_not_taken_for_an_acoustic_one():
+    """Γ's acoustic modes are its three nearest zero: the three lowest were left out, an imaginary optical pair with
+    them, and the report said stable (CuNi: Γ at -3.5, -3.5, 0, 0, 0, 11.5 THz)."""
+    from types import SimpleNamespace
+
+    from orb.inference.phonons import PhononJob
+
+    job = PhononJob(bulk("Cu", "fcc", a=3.6), [1, 1, 1], 0.01)
+    mesh = SimpleNamespace(frequencies=np.array([[-3.509, -3.509, -0.0, 0.0, 0.0, 11.528], [1.0, 2.0, 3.0, 4, 5, 6]]),
+                           qpoints=np.array([[0.0, 0, 0], [0.5, 0, 0]]), weights=np.array([1, 1]))
+    job.phonopy = SimpleNamespace(run_mesh=lambda *a, **k: None, mesh=mesh)
+    found = job.mesh(2, 0.1)
+    assert found["lowest_frequency"] == pytest.approx(-3.509)
+    assert found["imaginary_modes"] == 2
+    mesh.frequencies[0] = [5.0, -0.01, 0.0, 0.02, 5.0, 11.5]  # the sum rule's near-zeros of either sign: left out
+    found = job.mesh(2, 0.1)
+    assert found["lowest_frequency"] == pytest.approx(1.0) and found["imaginary_modes"] == 0
+
+
+def test_phonons_take_the_structures_masses_four_times_heavier_half_the_frequencies(tmp_path):
+    """phonopy was given the symbols only (and unit_of dropped the masses): a structure with its own masses (an
+    isotope, orb-md's masses) had the frequencies of the standard ones; ω ∝ m^-1/2."""
+    from ase.calculators.emt import EMT
+
+    from orb.inference.crystals import read_structures, unit_of
+    from orb.inference.phonons import PhononJob
+
+    light = bulk("Cu", "hcp", a=2.55, covera=1.633)
+    heavy = light.copy()
+    heavy.set_masses(light.get_masses() * 4.0)
+    path = tmp_path / "two.extxyz"
+    ase_write(path, [light, heavy])
+    spectra = []
+    for structure in read_structures([str(path)]):
+        unit = unit_of(structure.atoms.repeat(2), (2, 2, 2))
+        job = PhononJob(unit, [2, 2, 2], 0.01)
+        forces = []
+        for cell in job.cells():
+            cell.calc = EMT()
+            forces.append(cell.get_forces())
+        job.force_constants(forces)
+        spectra.append(job.mesh(2, 0.1))
+    np.testing.assert_allclose(spectra[1]["frequencies"], spectra[0]["frequencies"] / 2.0, atol=1e-6)
+    assert spectra[1]["max_frequency"] == pytest.approx(spectra[0]["max_frequency"] / 2.0)
+
+
+def test_a_failed_eos_fit_is_that_structures_result_said_in_one_line(tmp_path, capsys):
+    """Energies with no minimum (Cu stacked AA, taken as given): ase.eos's fit raised "Optimal parameters not found"
+    and the command ended with a traceback, the other structures' results lost."""
+    from orb.inference.mechanics import fit_eos
+    from orb.reports.properties import plot_eos, print_report, scalars
+
+    volumes = [22.5377, 22.9331, 23.3285, 23.7239, 24.1193, 24.5147, 24.9101]
+    energies = [1.79002, 1.71192, 1.64242, 1.58067, 1.52587, 1.47732, 1.43438]
+    eos = fit_eos(volumes, energies, 2)
+    assert eos["failed"] == "EOS fit failed: the energy has no minimum in the volumes ±5 %"
+    assert not eos["minimum_inside"] and eos["fit"] is None
+    assert not {"bulk_modulus", "energy_per_atom"} & set(scalars({"lattice": {"a": 2.56}, "eos": eos}))
+    plot_eos(str(tmp_path / "eos.png"), "Cu_AA", {"fine-tuned": eos})
+    assert (tmp_path / "eos.png").stat().st_size > 0
+    model = {"relaxation": {"converged": False, "steps": 0}, "eos": eos, "scalars": {"a": 2.56}}
+    entry = {"name": "Cu_AA", "formula": "Cu2", "source": "cu_aa.extxyz #1", "models": {"fine_tuned": model},
+             "tie_breaking": ""}
+    print_report({"notes": [], "structures": [entry], "seconds": 1.0}, str(tmp_path))
+    said = [line for line in capsys.readouterr().out.splitlines() if "EOS" in line]
+    assert said == ["  fine-tuned: EOS fit failed: the energy has no minimum in the volumes ±5 % (widen --eos_span, or "
+                    "relax: --steps)"]
+
+
+def test_relax_ions_relaxes_the_strained_cells_whatever_steps_and_names_those_not_converged(tmp_path, capsys):
+    """``--relax_ions`` took ``--steps`` as the strained cells' limit: ``--steps 0`` (the structures as given) gave
+    clamped-ion constants recorded as relaxed-ion ones, and an unconverged relaxation went unsaid."""
+    from orb.inference.mechanics import strain_labels
+    from orb.inference.properties import parse_and_run
+
+    path = tmp_path / "hcp.extxyz"
+    ase_write(path, bulk("Cu", "hcp", a=2.55, covera=1.633))
+    common = ["--checkpoint", DEMO_V3, "--structures", str(path), "--steps", "0", "--relax_ions", "--no-phonons",
+              "--strains", "0.01", *SMALL]
+    found = []
+    for name, extra in (("given", ["--fmax", "0.01"]), ("short", ["--fmax", "1e-5", "--ion_steps", "1"])):
+        assert parse_and_run([*common, *extra, "--output", str(tmp_path / name)]) == 0
+        with open(tmp_path / name / "properties.json") as f:
+            found.append(json.load(f)["structures"][0]["models"]["fine_tuned"]["elastic"]["ion_relaxation"])
+    given, short = found
+    assert given["unconverged"] == [] and given["most_steps"] > 0 and given["step_limit"] == 500
+    assert short["unconverged"] == strain_labels([0.01]) and short["step_limit"] == 1
+    said = [line for line in capsys.readouterr().out.splitlines() if "NOT converged (" in line]
+    assert said == ["  fine-tuned: Cu2_1's ions NOT converged (--fmax 1e-05 eV/Å) within --ion_steps 1 in 12 strained "
+                    f"cells ({', '.join(strain_labels([0.01]))}): its elastic constants are not the relaxed-ion ones"]

@@ -174,12 +174,14 @@ def repeat_of(*repeats: Sequence[int]) -> Tuple[int, int, int]:
 
 def unit_of(atoms, repeat: Sequence[int], count: Optional[int] = None):
     """The unit cell of a repeated cell (``atoms.repeat`` order: the first ``count`` atoms are the unit's), its
-    cell divided by ``repeat``: what phonopy takes as its unit cell."""
+    cell divided by ``repeat``, its masses kept (a structure's own, as orb-md's): what phonopy takes as its unit
+    cell."""
     from ase import Atoms
 
     n = count if count is not None else len(atoms) // int(np.prod(repeat))
     cell = np.asarray(atoms.cell.array, np.float64) / np.asarray(repeat, np.float64)[:, None]
-    return Atoms(numbers=atoms.numbers[:n], positions=atoms.positions[:n], cell=cell, pbc=True)
+    return Atoms(numbers=atoms.numbers[:n], positions=atoms.positions[:n], cell=cell, pbc=True,
+                 masses=atoms.get_masses()[:n])
 
 
 def close_packed_companion(structure: Structure) -> Structure:

@@ -109,12 +109,26 @@ def fit_eos(volumes: Sequence[float], energies: Sequence[float], natoms: int) ->
     eos = EquationOfState(list(volumes), list(energies), eos="birchmurnaghan")
     with warnings.catch_warnings():  # ASE's warning of a minimum outside the volumes: said in the result instead
         warnings.simplefilter("ignore")
-        v0, e0, b = eos.fit()
+        try:
+            v0, e0, b = eos.fit()
+        except (RuntimeError, ValueError):  # scipy's "Optimal parameters not found": that structure's result
+            return failed_eos(volumes, energies, natoms)
     return {"energy_per_atom": float(e0) / natoms, "volume_per_atom": float(v0) / natoms,
             "bulk_modulus": float(b) / GPa, "volumes": [float(v) for v in volumes],
             "energies": [float(e) for e in energies], "natoms": int(natoms),
             "fit": [float(p) for p in eos.eos_parameters],
             "minimum_inside": bool(min(volumes) <= v0 <= max(volumes))}  # (E0, B0, B0', V0) of ase.eos.birchmurnaghan
+
+
+def failed_eos(volumes: Sequence[float], energies: Sequence[float], natoms: int) -> Dict:
+    """:func:`fit_eos`'s result where the fit found no minimum: the points, no numbers, and ``failed``, the reason
+    the report gives."""
+    span = (max(volumes) - min(volumes)) / (max(volumes) + min(volumes))
+    nan = float("nan")
+    return {"energy_per_atom": nan, "volume_per_atom": nan, "bulk_modulus": nan,
+            "volumes": [float(v) for v in volumes], "energies": [float(e) for e in energies], "natoms": int(natoms),
+            "fit": None, "minimum_inside": False,
+            "failed": f"EOS fit failed: the energy has no minimum in the volumes ±{100 * span:.3g} %"}
 
 
 def strain_matrix(component: int, amount: float) -> np.ndarray:
@@ -140,6 +154,12 @@ def strained_cells(atoms, amplitudes: Sequence[float]) -> List:
                 strained.set_cell(atoms.cell.array @ deformation.T, scale_atoms=True)
                 cells.append(strained)
     return cells
+
+
+def strain_labels(amplitudes: Sequence[float]) -> List[str]:
+    """Names of :func:`strained_cells`' strains, in their order: Voigt component and signed amount (``ε4 -0.5 %``)."""
+    return [f"ε{component + 1} {sign * amount * 100:+g} %" for component in range(6) for amount in amplitudes
+            for sign in (-1.0, 1.0)]
 
 
 def elastic_tensor(stresses: Sequence[np.ndarray], amplitudes: Sequence[float]) -> np.ndarray:

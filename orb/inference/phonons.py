@@ -17,7 +17,7 @@ from orb.errors import OrbInputError
 MISSING = ("phonons need phonopy, an optional dependency: pip install phonopy (in a checkout: pip install "
            "'.[properties]'); --no-phonons skips them")
 SUPERCELL_WIDTH = 10.0  # Å: the automatic supercell is the smallest diagonal one this wide in every direction
-ACOUSTIC = 3  # modes at Γ left out of the lowest frequency
+ACOUSTIC = 3  # modes at Γ left out of the lowest frequency: those nearest zero (the sum rule's), whatever their sign
 
 
 def require_phonopy() -> None:
@@ -44,14 +44,15 @@ def to_ase(cell):
 
 
 class PhononJob:
-    """One structure's phonons: the supercells to compute, then frequencies from their forces."""
+    """One structure's phonons (with its atoms' masses): the supercells to compute, then frequencies from their
+    forces."""
 
     def __init__(self, unit, supercell: Sequence[int], amplitude: float, symprec: float = 1e-5):
         from phonopy import Phonopy
         from phonopy.structure.atoms import PhonopyAtoms
 
         cell = PhonopyAtoms(symbols=unit.get_chemical_symbols(), cell=np.asarray(unit.cell.array),
-                            scaled_positions=unit.get_scaled_positions())
+                            scaled_positions=unit.get_scaled_positions(), masses=unit.get_masses())  # (ω ∝ m^-1/2)
         self.supercell = [int(n) for n in supercell]
         self.phonopy = Phonopy(cell, supercell_matrix=np.diag(self.supercell), primitive_matrix="auto",
                                symprec=symprec)
@@ -69,16 +70,16 @@ class PhononJob:
         self.phonopy.symmetrize_force_constants()
 
     def mesh(self, size: int, imaginary_below: float) -> Dict:
-        """Frequencies (THz) on a Γ-centred ``size``³ mesh: the lowest (Γ's three acoustic modes left out), the
-        highest, and the modes below ``-imaginary_below`` THz (phonopy's negative numbers are imaginary
-        frequencies), counted over the irreducible q-points."""
+        """Frequencies (THz) on a Γ-centred ``size``³ mesh: the lowest (Γ's three acoustic modes, the three nearest
+        zero, left out), the highest, and the modes below ``-imaginary_below`` THz (phonopy's negative numbers are
+        imaginary frequencies), counted over the irreducible q-points."""
         self.phonopy.run_mesh([size] * 3, is_gamma_center=True)
         found = self.phonopy.mesh
         frequencies, qpoints = np.asarray(found.frequencies), np.asarray(found.qpoints)
         optical = frequencies.copy()
         gamma = np.flatnonzero(np.all(np.abs(qpoints) < 1e-12, axis=1))
-        for g in gamma:  # the acoustic modes at Γ: zero by the sum rule, whatever the model
-            optical[g, np.argsort(optical[g])[:ACOUSTIC]] = np.inf
+        for g in gamma:  # the acoustic modes at Γ: zero by the sum rule, whatever the model (not the three lowest:
+            optical[g, np.argsort(np.abs(optical[g]))[:ACOUSTIC]] = np.inf  # an imaginary optical mode is lower)
         lowest = float(optical.min()) if np.isfinite(optical).any() else float("nan")
         imaginary = int((optical < -imaginary_below).sum())
         return {"mesh": [size] * 3, "lowest_frequency": lowest, "max_frequency": float(frequencies.max()),

@@ -141,14 +141,15 @@ def elastic_tensors(engine: Engine, relaxed: List[Dict], bases: List[Dict], args
 
     groups = [strained_cells(r["atoms"], args.strains) for r in relaxed]
     cells = [c for g in groups for c in g]
-    if args.relax_ions:
-        ions = BatchRelaxer(engine.model, args.fmax, args.steps, cell=False, batch_size=args.batch_size)
+    if args.relax_ions:  # (their own step limit: --steps 0 takes the structures as given, not the strained cells)
+        ions = BatchRelaxer(engine.model, args.fmax, args.ion_steps, cell=False, batch_size=args.batch_size)
         ions.predictor = engine.points.predictor
         done = relax_all(ions, cells, stop=lambda: STOP.received is not None)
         engine.relaxer.calls += ions.calls  # counted with the relaxations
         stop_now()
         bar.update(len(cells))
-        results = [{"stress": d["stress"], "neighbours": None} for d in done]
+        results = [{"stress": d["stress"], "neighbours": None, "converged": d["converged"], "steps": d["steps"]}
+                   for d in done]
     else:
         results = engine.points(cells, keys=True, stop=stop_now, progress=bar.update)
     out, start = [], 0
@@ -158,9 +159,20 @@ def elastic_tensors(engine: Engine, relaxed: List[Dict], bases: List[Dict], args
         out.append({"C": c.tolist(), "bulk_modulus_voigt": bulk_modulus_voigt(c),
                     "smallest_stiffness": smallest_stiffness(c), "strains": list(args.strains),
                     "relax_ions": bool(args.relax_ions),
+                    "ion_relaxation": ion_relaxation(mine, args) if args.relax_ions else None,
                     "neighbour_sets_changed": None if args.relax_ions else
                     [m["neighbours"] != base["neighbours"] for m in mine]})
     return out
+
+
+def ion_relaxation(results: List[Dict], args) -> Dict:
+    """How the ions of one structure's strained cells relaxed: the step limit, the most steps taken and the strains
+    (``strain_labels``) whose relaxation did not converge, which the report names."""
+    from orb.inference.mechanics import strain_labels
+
+    labels = strain_labels(args.strains)
+    return {"fmax": args.fmax, "step_limit": args.ion_steps, "most_steps": max(r["steps"] for r in results),
+            "unconverged": [label for label, r in zip(labels, results) if not r["converged"]]}
 
 
 def phonon_spectra(engine: Engine, structures, relaxed: List[Dict], args, bar) -> List[Dict]:
@@ -290,6 +302,8 @@ def check_arguments(args) -> None:
         raise OrbInputError("--supercell takes one or three integers from 1 to 16")
     if not 1 <= args.mesh <= 100 or not 2 <= args.band_points <= 10 ** 4:  # (N^3 q-points: bounded memory)
         raise OrbInputError("--mesh must be from 1 to 100 and --band_points from 2 to 10000")
+    if args.ion_steps < 1:  # (0 would take every strained cell as given: clamped ions, recorded as relaxed)
+        raise OrbInputError(f"--ion_steps must be at least 1, got {args.ion_steps}")
     if not 0 < args.displacement < 0.5 or args.batch_size < 1 or args.steps < 0 \
             or not 0 < args.fmax < math.inf:
         raise OrbInputError("--displacement within (0, 0.5) Å, --batch_size at least 1, --steps >= 0 and --fmax a "
@@ -343,8 +357,8 @@ def run(args) -> Dict:
     return {"structures": entries, "notes": notes, "seconds": run_info["seconds"]}
 
 
-SETTINGS = ("fmax", "steps", "eos_points", "eos_span", "strains", "relax_ions", "displacement", "supercell", "mesh",
-            "imaginary_below", "symprec", "tie_tolerance", "no_phonons", "batch_size")
+SETTINGS = ("fmax", "steps", "eos_points", "eos_span", "strains", "relax_ions", "ion_steps", "displacement",
+            "supercell", "mesh", "imaginary_below", "symprec", "tie_tolerance", "no_phonons", "batch_size")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -401,6 +415,9 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
                         "elastic tensor (each ±; two are Richardson-extrapolated)")
     parser.add_argument("--relax_ions", action="store_true", help="relax the atoms in each strained cell (needed "
                         "for crystals with internal degrees of freedom: hcp, diamond, most compounds)")
+    parser.add_argument("--ion_steps", type=int, default=500, help="with --relax_ions: FIRE steps at most per "
+                        "strained cell, to --fmax (not --steps: --steps 0 takes only the structures as given); the "
+                        "report names a strained cell not converged")
     parser.add_argument("--no_phonons", "--no-phonons", action="store_true", help="skip the phonons (no phonopy "
                         "needed)")
     parser.add_argument("--supercell", type=int, nargs="+", default=[], help="phonon supercell of the relaxed unit "

@@ -26,7 +26,7 @@ SCALARS = {
     "bulk_modulus": ("GPa", "equation of state: bulk modulus (B)"),
     "bulk_modulus_voigt": ("GPa", "Voigt bulk modulus of the elastic tensor"),
     **{f"C{i}{j}": ("GPa", "elastic constant") for i in VOIGT for j in VOIGT if i <= j},
-    "lowest_frequency": ("THz", "lowest phonon frequency on the mesh (Γ's acoustic modes left out)"),
+    "lowest_frequency": ("THz", "lowest phonon frequency on the mesh (Γ's 3 modes nearest 0, the acoustic, left out)"),
     "max_frequency": ("THz", "highest phonon frequency on the mesh"),
     "imaginary_modes": ("", "modes on the mesh below the imaginary threshold"),
 }
@@ -39,7 +39,7 @@ def scalars(result: Dict) -> Dict[str, float]:
     """A model's numbers for one structure as the named scalars of :data:`SCALARS` (those it computed)."""
     out = dict(result.get("lattice", {}))
     eos = result.get("eos")
-    if eos:
+    if eos and not eos.get("failed"):
         out.update(energy_per_atom=eos["energy_per_atom"], eos_volume_per_atom=eos["volume_per_atom"],
                    bulk_modulus=eos["bulk_modulus"])
     elastic = result.get("elastic")
@@ -153,6 +153,9 @@ def plot_eos(path: str, name: str, curves: Dict[str, Dict]) -> None:
     for (label, eos), style in zip(curves.items(), ("o-", "s--")):
         n = eos["natoms"]
         volumes, energies = np.asarray(eos["volumes"]) / n, np.asarray(eos["energies"]) / n
+        if eos.get("failed"):  # the points alone
+            ax.plot(volumes, energies, style[0], label=f"{label}: no fit")
+            continue
         fine = np.linspace(volumes.min(), volumes.max(), 200)
         e0, b0, bp, v0 = eos["fit"]
         line, = ax.plot(fine, birchmurnaghan(fine * n, e0, b0, bp, v0) / n, style[1:])
@@ -295,13 +298,20 @@ def print_report(summary: Dict, output: str) -> None:
         for label, m in models.items():
             phonons = m.get("phonons")
             eos = m.get("eos") or {}
-            if eos and not eos["minimum_inside"]:
+            if eos.get("failed"):
+                print(f"  {label.replace('_', '-')}: {eos['failed']} (widen --eos_span, or relax: --steps)")
+            elif eos and not eos["minimum_inside"]:
                 print(f"  {label.replace('_', '-')}: the equation of state's minimum is outside the volumes computed "
                       "(widen --eos_span, or relax: --steps)")
             if phonons and phonons["imaginary_modes"]:
                 print(f"  {label.replace('_', '-')}: {phonons['imaginary_modes']} imaginary modes on the mesh "
                       f"(below {phonons['imaginary_below']} THz)")
             elastic = m.get("elastic") or {}
+            ions = elastic.get("ion_relaxation") or {}
+            if ions.get("unconverged"):
+                print(f"  {label.replace('_', '-')}: {entry['name']}'s ions NOT converged (--fmax {ions['fmax']:g} "
+                      f"eV/Å) within --ion_steps {ions['step_limit']} in {len(ions['unconverged'])} strained cells "
+                      f"({', '.join(ions['unconverged'])}): its elastic constants are not the relaxed-ion ones")
             if elastic and elastic["smallest_stiffness"] <= 0:
                 print(f"  {label.replace('_', '-')}: mechanically unstable: the elastic tensor is not positive "
                       f"definite (smallest eigenvalue {elastic['smallest_stiffness']:.3g} GPa; Born's criterion)")
