@@ -596,3 +596,18 @@ def test_relax_ions_relaxes_the_strained_cells_whatever_steps_and_names_those_no
     said = [line for line in capsys.readouterr().out.splitlines() if "NOT converged (" in line]
     assert said == ["  fine-tuned: Cu2_1's ions NOT converged (--fmax 1e-05 eV/Å) within --ion_steps 1 in 12 strained "
                     f"cells ({', '.join(strain_labels([0.01]))}): its elastic constants are not the relaxed-ion ones"]
+
+
+def test_each_structure_is_named_by_its_own_file_and_frame(tmp_path):
+    """Of several --structures files, a structure's source was every file's name joined and a row number across
+    them ("a.extxyz, b.extxyz #2"); it is its own file and frame."""
+    import ase.io
+    from ase.build import bulk
+
+    from orb.inference.crystals import read_structures
+
+    ase.io.write(tmp_path / "a.extxyz", [bulk("Cu", "fcc", a=3.6), bulk("Cu", "fcc", a=3.7)], format="extxyz")
+    ase.io.write(tmp_path / "b.extxyz", bulk("Au", "fcc", a=4.1), format="extxyz")
+    sources = [s.source for s in read_structures([str(tmp_path / "a.extxyz"), str(tmp_path / "b.extxyz")])]
+    assert sources == [f"{tmp_path / 'a.extxyz'}, frame 0", f"{tmp_path / 'a.extxyz'}, frame 1",
+                       f"{tmp_path / 'b.extxyz'}, frame 0"]

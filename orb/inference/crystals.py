@@ -104,11 +104,12 @@ def read_structures(paths: Sequence[str]) -> List[Structure]:
         except StructureError as exc:
             raise data.error_at(str(exc), int(data.ids[i]), "positions") from None
         atoms.info = {}
-        structures.append(Structure(str(name), atoms, f"{where} #{int(data.ids[i])}"))
+        row = int(data.ids[i])  # (of several files: its own file and frame, not every file's names and a row number)
+        structures.append(Structure(str(name), atoms, data.where(row) if data.sources else f"{where} #{row}"))
     names = [s.name for s in structures]
-    for s in structures:  # names are file names of the plots: unique
+    for s, row in zip(structures, data.ids):  # names are file names of the plots: unique
         if names.count(s.name) > 1:
-            s.name = f"{s.name}_{s.source.rsplit('#', 1)[-1]}"
+            s.name = f"{s.name}_{int(row)}"
     return structures
 
 
