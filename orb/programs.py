@@ -5,13 +5,14 @@ when it runs."""
 from importlib import import_module
 from typing import Callable
 
-from orb.signals import run_program
+from orb.signals import program_starts, run_program
 
 
 def program(module: str) -> Callable[[], None]:
     """The console entry point running ``module``'s ``main``."""
 
     def run() -> None:
+        program_starts()
         run_program(import_module(module).main)
 
     run.module = module

@@ -23,6 +23,9 @@ before it has chosen what to do with them: a data worker ignores them, then unbl
 (:func:`ignore_stop_signals`); a command (msrun's workers) listens, then unblocks them (:func:`deliver_stop_signals`:
 what came meanwhile is handled then, not lost); a program that does neither (Python's resource tracker for
 SIGUSR1/SIGUSR2, msrun's ``tail``, the C++ compiler) never receives them.
+
+While the listener is installed, SIGINT is taken by a thread of its own (:mod:`orb.sigint`): MindSpore's handler for
+it, installed by every graph it runs, sends the process SIGTERM, and Ctrl-C was reported as SIGTERM.
 """
 
 import signal
@@ -32,12 +35,15 @@ import time
 from contextlib import contextmanager
 from typing import Callable, NoReturn, Optional
 
+from orb.sigint import SigintWatch
+
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 STOP_NUMBERS = tuple(getattr(signal, name) for name in STOP_SIGNALS)
 STOPPED_STATUS = 75  # EX_TEMPFAIL: stopped on request, nothing lost; resuming continues the run
 STARTUP_STOP = "during start-up"  # in the line of a stop before the run's work began (msrun_main tells them apart)
 RESUME_HINT = "continue with --resume auto"  # the launcher recognises a worker that stopped cleanly by this
 RESUME_FLAG = "continue with --resume"  # orb-md's and orb-relax's --resume takes no value
+SIGINT_WATCH = SigintWatch()  # SIGINT kept from MindSpore while a listener is installed
 
 
 class Stopped(BaseException):
@@ -68,6 +74,7 @@ class StopSignals:
     def _note(self, number, _frame):
         name = signal.Signals(number).name
         if name == "SIGINT" and self.received is not None and time.monotonic() - self._when > 1.0:
+            SIGINT_WATCH.stop()  # (a third one ends the process, as Python's default)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             raise KeyboardInterrupt
         if self._depth == 0 and not self._under_way():  # the exception carries it, and :attr:`raised` until reported
@@ -148,6 +155,7 @@ class StopSignals:
         if not self._installed:
             self._host_handlers = previous
         self._installed = True
+        SIGINT_WATCH.start()
         return previous
 
     @contextmanager
@@ -169,6 +177,7 @@ class StopSignals:
             raise
         finally:
             if previous:  # (before the depth falls: a signal meanwhile is noted, not raised)
+                SIGINT_WATCH.stop()
                 for name, handler in previous.items():
                     signal.signal(getattr(signal, name), handler)
                 self._installed = False
@@ -207,6 +216,7 @@ class StopSignals:
         """A command called in a process of its own has ended, however (its status, a traceback, Ctrl-C): the stop
         signals go back to the handlers its listener found (once; a command's program keeps its own to the end)."""
         if self._host_handlers and threading.current_thread() is threading.main_thread():
+            SIGINT_WATCH.stop()
             for name, handler in self._host_handlers.items():
                 signal.signal(getattr(signal, name), handler if handler is not None else signal.SIG_DFL)
             self._installed = False
@@ -294,6 +304,13 @@ def run_program(main: Callable[[], int]) -> NoReturn:
 PROGRAM = [False]  # whether this process is a command's program (run_program)
 
 
+def program_starts() -> None:
+    """A command's program, before it imports its command (orb.programs, scripts/*.py; finetune.py listens first):
+    SIGINT is taken from MindSpore from now on (:mod:`orb.sigint`), so that the threads those imports start (numpy's
+    BLAS threads) start with it blocked too; one that did not ran MindSpore's handler for it, which sent SIGTERM."""
+    SIGINT_WATCH.start()
+
+
 def is_program() -> bool:
     """Whether this process runs a command as its program (:func:`run_program`), not orb as a library."""
     return PROGRAM[0]
@@ -340,14 +357,17 @@ def ignore_stop_signals() -> None:
     Ignored, then unblocked (a helper starts with them blocked): one that came meanwhile is discarded."""
     for name in STOP_SIGNALS:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
+    SIGINT_WATCH.stop()  # (msrun's scheduler process listened first)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_NUMBERS)
 
 
 def deliver_stop_signals() -> None:
     """For a command's main, once it listens: stop signals blocked by whoever started the process (the launcher
     starts msrun and so its workers with them blocked) are received from now on; one that came meanwhile is
-    handled now (:class:`Stopped` at start-up), not lost."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_NUMBERS)
+    handled now (:class:`Stopped` at start-up), not lost. SIGINT stays blocked: :data:`SIGINT_WATCH` takes it."""
+    if STOP._installed and threading.current_thread() is threading.main_thread():
+        SIGINT_WATCH.start(blocked_before=True)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, set(STOP_NUMBERS) - ({signal.SIGINT} if SIGINT_WATCH.on else set()))
 
 
 def run_to_its_end(command, what: str, **popen) -> int:

@@ -39,6 +39,10 @@ from typing import Dict, List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+if __name__ == "__main__":  # (before the imports start threads: orb.signals.program_starts)
+    from orb.signals import program_starts
+
+    program_starts()
 from orb.errors import RunError  # noqa: E402  (after the checkout is on the path)
 from orb.reports import frontier as fr  # noqa: E402
 

@@ -6,6 +6,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+if __name__ == "__main__":  # (before the command's imports start threads: orb.signals.program_starts)
+    from orb.signals import program_starts
+
+    program_starts()
 from orb.inference.export import main  # noqa: E402
 
 if __name__ == "__main__":

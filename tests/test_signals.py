@@ -206,11 +206,13 @@ def use_command(name, tmp_path):
             lambda out: "device:" in "".join(out))
 
 
-@pytest.mark.parametrize("name", ["md", "relax", "evaluate"])
-def test_a_stop_to_every_process_of_a_use_command_is_one_line_and_75(tmp_path, name):
-    """orb-md, orb-relax and orb-evaluate at work, SIGUSR1 to every process they have (the command itself: they start
-    no helper process; a future pool or worker would be signalled too): exit 75, the stop line last, no traceback,
-    nothing left in /dev/shm."""
+@pytest.mark.parametrize("name, number", [("md", signal.SIGINT), ("relax", signal.SIGINT),
+                                          ("evaluate", signal.SIGUSR1)])
+def test_a_stop_to_every_process_of_a_use_command_is_one_line_and_75(tmp_path, name, number):
+    """orb-md, orb-relax and orb-evaluate at work, a stop signal to every process they have (the command itself: they
+    start no helper process; a future pool or worker would be signalled too): exit 75, the stop line last naming the
+    signal, no traceback, nothing left in /dev/shm. (Ctrl-C, SIGINT, was said as SIGTERM once a graph had run:
+    MindSpore's handler for it sends the process SIGTERM.)"""
     command, at_work = use_command(name, tmp_path)
     before = set(os.listdir("/dev/shm"))
     process = subprocess.Popen([sys.executable, *command, "--device_target", "CPU", "--progress_bar", "false"],
@@ -223,11 +225,11 @@ def test_a_stop_to_every_process_of_a_use_command_is_one_line_and_75(tmp_path, n
     while not at_work(out):
         assert process.poll() is None and time.time() < deadline, process.stderr.read()[-3000:]
         time.sleep(0.05)
-    signal_every_process(process.pid, signal.SIGUSR1)
+    signal_every_process(process.pid, number)
     _, err = process.communicate(timeout=300)
     reader.join(timeout=10)
     assert process.returncode == 75, "".join(out)[-2000:] + err[-3000:]
-    assert err.strip().splitlines()[-1].startswith("stopped by SIGUSR1"), err[-3000:]
+    assert err.strip().splitlines()[-1].startswith(f"stopped by {signal.Signals(number).name}"), err[-3000:]
     assert_quiet("".join(out), err)
     assert not shm_left_behind(before)
 
@@ -443,6 +445,55 @@ def test_a_second_signal_during_a_stop_or_any_signal_after_the_work_is_done_ends
         assert result.returncode == 0 and result.stdout.strip() == "torn down", result.stdout + result.stderr
 
 
+CTRL_C = """
+import os, signal, sys, time
+from orb.signals import STOP, run_command
+
+def body():
+    from orb.device import import_mindspore
+    import_mindspore()
+    import mindspore as ms, numpy as np
+    from mindspore import nn, ops
+    ms.set_context(mode=ms.GRAPH_MODE)
+
+    class Step(nn.Cell):
+        def construct(self, x):
+            return ops.matmul(x, x) * 1e-3
+
+    step, x = Step(), ms.Tensor(np.ones((64, 64), np.float32))
+    with STOP.deferred():  # (a training loop's)
+        step(x).asnumpy()  # MindSpore's SIGINT handler is installed from here on
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C
+        while STOP.received is None:
+            step(x).asnumpy()
+        print("noted", STOP.received, flush=True)
+        again = time.monotonic() + 1.2
+        while time.monotonic() < again:  # (the run saving)
+            step(x).asnumpy()
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C again: quit at once
+            while time.monotonic() < again + 20:
+                step(x).asnumpy()
+            print("went on", flush=True)
+        except KeyboardInterrupt:
+            print("quit", flush=True)
+    return 0
+
+sys.exit(run_command(body))
+"""
+
+
+def test_ctrl_c_is_sigint_and_a_second_one_quits_once_mindspore_has_run_a_graph(tmp_path):
+    """MindSpore's SIGINT handler (installed by every graph it runs) sends the process SIGTERM: Ctrl-C was noted as
+    SIGTERM (the stop line said "stopped by SIGTERM") and a second Ctrl-C did nothing. Now SIGINT, and the second one
+    quits."""
+    script = tmp_path / "ctrl_c.py"  # (MindSpore compiles no class defined in python -c)
+    script.write_text(CTRL_C)
+    result = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.stdout.split("\n")[:2] == ["noted SIGINT", "quit"], result.stdout + result.stderr[-3000:]
+
+
 IN_PROCESS = """
 import os, signal, subprocess, sys
 from orb.signals import STOP, Stopped, run_command
@@ -485,6 +536,7 @@ except KeyboardInterrupt:
 status = open("/proc/self/status").read()
 child = subprocess.run([sys.executable, "-c", "print(open('/proc/self/status').read())"], capture_output=True, text=True)
 print(*(next(line for line in text.splitlines() if line.startswith("SigIgn:")) for text in (status, child.stdout)))
+print(next(line for line in status.splitlines() if line.startswith("SigBlk:")))  # (SIGINT: its watch ended too)
 """
 
 
@@ -500,6 +552,7 @@ def test_a_command_called_in_a_process_of_its_own_gives_the_signals_back_as_it_f
     assert lines[:3] == ["0 75 2 0", "host's handler", "interrupted"], result.stdout + result.stderr[-3000:]
     own, child = (int(field, 16) for field in lines[3].split()[1::2])
     assert not any(mask >> (int(s) - 1) & 1 for mask in (own, child) for s in STOPS), lines[3]
+    assert not blocked_in(lines[4]), lines[4]
 
 
 def test_a_stop_during_an_entry_scripts_imports_is_75_also_with_a_second_signal_as_it_exits():
