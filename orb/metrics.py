@@ -48,8 +48,10 @@ def metrics_from_sums(sums: Mapping[str, float], has_stress: bool = True,
                       keys: Optional[Iterable[str]] = None) -> Dict[str, float]:
     """Averages from sums over structures (over atoms for ``forces_cosine``, over the structures with a stress label
     for ``stress_mae``: none, none reported) and the counts ``num_graphs``, ``num_atoms`` and ``num_stress`` (else
-    every structure)."""
-    graphs, atoms = max(float(sums["num_graphs"]), 1.0), max(float(sums["num_atoms"]), 1.0)
+    every structure); none when no structure was scored."""
+    if float(sums["num_graphs"]) <= 0:  # (every step skipped, an fp16 overflow: no average, where it read as 0)
+        return {}
+    graphs, atoms = float(sums["num_graphs"]), max(float(sums["num_atoms"]), 1.0)
     with_stress = float(sums.get("num_stress", graphs))
     out = {}
     for key in keys or METRICS:

@@ -54,7 +54,7 @@ SECTIONS: List[Tuple[str, List[Tuple[str, str]]]] = [
     ]),
     ("Optimisation (orb-models' finetune.py: Adam, lr 3e-4, one_cycle, clip 0.5; cosine measured better here)", [
         ("batch_size", "structures per step, over all workers together"),
-        ("max_epochs", "passes over the training data; the schedule spans them all"),
+        ("max_epochs", "passes over the training data; the schedule advances by applied steps, not skipped ones"),
         ("lr", "peak learning rate"),
         ("lr_schedule", "cosine: warm-up to lr, decay to lr/10 | one_cycle (orb-models'): up to 10 lr | constant"),
         ("warmup_fraction", "share of all steps spent warming up"),

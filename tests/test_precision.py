@@ -360,6 +360,14 @@ def test_fp16_training_counts_overflows_as_skipped_steps_and_keeps_its_scale_on_
     for (name, a), (_, b) in zip(params_of(straight.model).items(), params_of(resumed.model).items()):
         np.testing.assert_array_equal(a, b, err_msg=name)
 
+    import os  # an epoch whose every step overflowed has no training metrics, and is never the best one: it was
+    skipped = trainer_for(make_cfg(tmp_path / "c", precision="fp16-mixed", max_epochs=1, val_data_path="",  # loss 0,
+                                   initial_loss_scale=2.0 ** 24))  # its best_weights.ckpt the untrained model
+    record = skipped.fit()["history"][0]
+    assert record["train"].get("nonfinite_steps") == skipped.data.steps_per_epoch and "loss" not in record["train"]
+    assert skipped.progress.best_epoch == 0 and not os.path.exists(tmp_path / "c" / "run" / "checkpoints" /
+                                                                    "best_weights.ckpt")
+
 
 def test_precision_settings_and_their_refusals(monkeypatch, tmp_path):
     """The precision key (matmul_precision its old spelling, with one deprecation line), the calculator's

@@ -240,8 +240,8 @@ def test_every_option_of_every_command_shows_its_default(program):
     assert built.prog == program and built.formatter_class.__name__ == "HelpFormatter"
     formatter = built._get_formatter()
     for action in built._actions:
-        if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
-            continue
+        if isinstance(action, (argparse._HelpAction, argparse._VersionAction)) or action.help == argparse.SUPPRESS:
+            continue  # (--help and --version are no settings)
         assert action.help, (program, action.dest)
         text = formatter._expand_help(action)
         may_be_left_out = action.nargs in ("?", "*") or (action.option_strings and not action.required)

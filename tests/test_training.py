@@ -195,6 +195,9 @@ def test_stressless_database_trains(tmp_path):
             db.update(row_id, weight=0.0)
     with pytest.raises(DatasetError, match=f"{path}, key 'weight': every structure trained on has weight 0: nothing"):
         trainer_for(make_cfg(tmp_path, train_data_path=path, val_data_path="", output_dir=str(tmp_path / "zero")))
+    with pytest.raises(DatasetError, match=f"{path}, key 'weight': every structure trained on has weight 0: nothing"):
+        trainer_for(make_cfg(tmp_path, train_data_path=path, val_data_path="", output_dir=str(tmp_path / "zero_fit"),
+                             reference_energies=dict(fit="least_squares")))  # (the fit's traceback came first)
 
 
 def test_one_compilation_per_bucket(tmp_path):

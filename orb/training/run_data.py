@@ -168,6 +168,10 @@ class RunData:
         self.local_batch = math.ceil(cfg.batch_size / dp.world_size)
         self.split = split  # val_fraction: the training structures held out are the validation set, never trained on
         self.train_source = Source("train", databases["train"], None if split is None else split.kept)
+        replayed = cfg.replay.enabled and cfg.replay.fraction > 0
+        if not replayed and not np.any(self.train_source.dataset.weights[self.train_source.positions] > 0):
+            raise DatasetError(self.train_source.source, "every structure trained on has weight 0: nothing to train",
+                               key="weight")  # (it trained in silence, the loss 0 throughout; before any fit)
         self.replay_train: Optional[Source] = None
         self.replay_val: Optional[Source] = None
 
@@ -176,9 +180,6 @@ class RunData:
         their plans."""
         cfg = self.cfg
         self.replay_train, self.replay_val = replay_train, replay_val
-        if replay_train is None and not np.any(self.train_source.dataset.weights[self.train_source.positions] > 0):
-            raise DatasetError(self.train_source.source, "every structure trained on has weight 0: nothing to train",
-                               key="weight")  # (it trained in silence, the loss 0 throughout)
         sources = [self.train_source] + ([replay_train] if replay_train is not None else [])
         self.train_set = Mixture(sources)
         if replay_train is not None:

@@ -147,7 +147,9 @@ class Trainer:
         record = {"type": "epoch", "epoch": epoch + 1, "step": progress.global_step, "train": train_metrics,
                   **results, "lr": self.engine.applied_lr()}
         progress.epoch_record = record  # in the checkpoint too: a kill between the save and the line loses neither
-        self._save_epoch(epoch + 1, selection_loss(results, train_metrics["loss"], self.cfg.replay.in_selection))
+        self._save_epoch(epoch + 1, selection_loss(results, train_metrics.get("loss", math.nan),  # (all skipped:
+                                                   self.cfg.replay.in_selection),  # never the best epoch, not loss 0)
+                         "" if "loss" in train_metrics else "no training step applied: every one was skipped")
         self.reporter.record(record)  # after the save: no line claims an epoch the checkpoint lacks
         self._notify("on_epoch_end", record)
         return record
@@ -202,7 +204,8 @@ class Trainer:
                 totals += part
                 interval = engine.metrics(part)
                 interval.update(skip_metrics(skipped_now, engine))  # which interval skipped, at which fp16 scale
-                bar.set_postfix(loss=f"{interval['loss']:.4f}")
+                if "loss" in interval:  # (an interval whose every step was skipped has none)
+                    bar.set_postfix(loss=f"{interval['loss']:.4f}")
                 self.reporter.record({"type": "step", "epoch": epoch + 1, "step": progress.global_step,
                                       "lr": engine.applied_lr(), **interval})
             elif self.dp.parallel:
@@ -320,14 +323,14 @@ class Trainer:
         self.checkpointer.save_last(snapshot, state)
         self.guards.saved()
 
-    def _save_epoch(self, epoch: int, val_loss: float) -> None:
+    def _save_epoch(self, epoch: int, val_loss: float, why: str = "") -> None:
         progress = self.progress
         improved = progress.improved(val_loss, epoch)
         if not math.isfinite(val_loss):  # never the best epoch: said, where it was silent (no best.ckpt at all)
-            self.reporter.warning("epoch %d: the validation loss is %s: not a best epoch (best.ckpt and "
-                                  "best_weights.ckpt %s); orb-evaluate on the validation data names each structure's "
-                                  "error", epoch, val_loss, f"keep epoch {progress.best_epoch}" if progress.best_epoch
-                                  else "are not written")
+            self.reporter.warning("epoch %d: the loss that picks the best epoch is %s (%s): not a best epoch "
+                                  "(best.ckpt and best_weights.ckpt %s)", epoch, val_loss,
+                                  why or "orb-evaluate on the validation data names each structure's error",
+                                  f"keep epoch {progress.best_epoch}" if progress.best_epoch else "are not written")
         progress.epochs_done = epoch
         state = self.engine.optimizer_entries()
         best_weights = {"epoch": epoch, "val_loss": val_loss, "ema": bool(self.cfg.ema_decay),
