@@ -130,6 +130,11 @@ def test_lora_trains_only_adapters_exports_merged_weights_and_resumes_exactly(tm
      "config keys 'lr_multipliers' (0 for ['heads']) and 'freeze_backbone': no parameter of orb_v2 is left to train"),
     (["--lora.rank", "4", "--lora.groups", "[embeddings]"], "config key 'lora.groups' (['embeddings']): no MLP layer "
                                                              "of orb_v2 is in these groups"),
+    (["--lr_multipliers", "{confidence_head: 5}"],  # (orb-v2 has none: the factor acted on nothing, in silence)
+     "config key 'lr_multipliers.confidence_head': no parameter of group 'confidence_head' trains in this run "
+     "(orb_v2 has none, or they are frozen or kept"),
+    (["--anchor.weight", "1", "--anchor.groups", "[heads]", "--freeze", "[heads]"],
+     "config key 'anchor.groups[0]': no parameter of group 'heads' trains in this run"),
 ])
 def test_a_misconfigured_strategy_is_one_line_and_writes_nothing(tmp_path, args, message):
     """Refused before any data is read: no output, and nothing in the cache (a strategy that trains nothing was

@@ -93,7 +93,21 @@ def trainable_parameters(model, cfg: TrainConfig) -> list:
         p.requires_grad = id(p) not in excluded
     if not params:
         raise ConfigError(f"{nothing_trains(cfg)}: no parameter of {cfg.model.name} is left to train")
+    check_groups_act(cfg, [names[id(p)] for p in params])
     return params
+
+
+def check_groups_act(cfg: TrainConfig, trained: List[str]) -> None:
+    """An ``lr_multipliers`` or ``anchor.groups`` group none of whose parameters trains is refused: a group the model
+    lacks (orb-v2's confidence_head, replay_heads without replay) or one frozen acted on nothing, in silence."""
+    groups = [(f"lr_multipliers.{g}", g) for g, factor in cfg.lr_multipliers.items() if factor > 0]
+    if cfg.anchor.weight > 0:
+        groups += [(f"anchor.groups[{i}]", g) for i, g in enumerate(cfg.anchor.groups)]
+    for key, group in groups:
+        if not any(in_group(name, group) for name in trained):
+            raise ConfigError(f"config key '{key}': no parameter of group {group!r} trains in this run ({cfg.model.name}"
+                              " has none, or they are frozen or kept: freeze, lora, reference_energies.trainable), so "
+                              "it would do nothing: leave it out")
 
 
 def nothing_trains(cfg: TrainConfig) -> str:
